@@ -1,0 +1,26 @@
+# The two commands of the README. Both do all set-up themselves (scripts/setup.sh).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export RAY_AUTH_MODE ?= disabled
+export RAY_USAGE_STATS_ENABLED ?= 0
+
+.PHONY: setup demo test test-slow bench clean
+
+setup:
+	@bash scripts/setup.sh
+
+# The main job on the embedded default. Until the RL loop lands: the sandbox benchmark.
+demo: setup
+	$(VENV)/bin/codefleet bench sandbox
+
+test: setup
+	$(PY) -m pytest -m "not slow" -q
+
+test-slow: setup
+	$(PY) -m pytest -m slow -q
+
+bench: setup
+	$(VENV)/bin/codefleet bench sandbox --json
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info src/*.egg-info

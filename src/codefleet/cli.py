@@ -1,0 +1,85 @@
+"""`codefleet` — one command, subcommands per capability.
+
+    codefleet sandbox run [--repo DIR] [--timeout S] [--memory-mb N] -- CMD [ARGS...]
+    codefleet bench sandbox [--quick] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+
+def _sandbox_run(args: argparse.Namespace) -> int:
+    from codefleet.config import load_config
+    from codefleet.sandbox import SandboxConfig, SandboxError, create_sandbox
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        print("codefleet sandbox run: give the command after `--`, e.g. "
+              "`codefleet sandbox run --repo . -- pytest -q`", file=sys.stderr)
+        return 2
+    overrides = list(args.set or [])
+    if args.memory_mb is not None:
+        overrides.append(f"memory_mb={args.memory_mb}")
+    if args.backend:
+        overrides.append(f"backend={args.backend}")
+    config = load_config(SandboxConfig, args.config, overrides)
+    line = command[0] if len(command) == 1 else shlex.join(command)
+    try:
+        with create_sandbox(args.repo, config) as sb:
+            result = sb.exec(line, timeout_s=args.timeout)
+    except (SandboxError, FileNotFoundError) as e:
+        print(f"codefleet sandbox run: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(result.output)
+    sys.stdout.flush()
+    if result.timed_out:
+        return 124
+    return result.exit_code if 0 <= result.exit_code < 256 else 1
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if args.what == "sandbox":
+        from codefleet.bench.sandbox_bench import run_cli
+
+        return run_cli(quick=args.quick, as_json=args.json, backend=args.backend)
+    raise AssertionError(args.what)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="codefleet", description="Train fast coding agents with RL.")
+    sub = parser.add_subparsers(dest="group", required=True)
+
+    sandbox = sub.add_parser("sandbox", help="isolated copy-on-write sandboxes")
+    sandbox_sub = sandbox.add_subparsers(dest="action", required=True)
+    run = sandbox_sub.add_parser("run", help="run one command in a fresh sandbox over a repository",
+                                 description="Run CMD in a fresh sandbox's shell with the workspace (a "
+                                 "copy-on-write view of DIR; DIR itself is never modified) as cwd. Prints the "
+                                 "output and exits with the command's exit code (124 on timeout).")
+    run.add_argument("--repo", default=None, help="directory to work on (default: an empty workspace)")
+    run.add_argument("--timeout", type=float, default=600.0, help="wall-clock limit in seconds (default 600)")
+    run.add_argument("--memory-mb", type=int, default=None, help="memory limit in MB")
+    run.add_argument("--backend", choices=["auto", "namespace", "local"], default=None)
+    run.add_argument("--config", default=None, help="YAML file with SandboxConfig fields")
+    run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a SandboxConfig field")
+    run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
+    run.set_defaults(func=_sandbox_run)
+
+    bench = sub.add_parser("bench", help="benchmarks (a table, then one JSON object)")
+    bench.add_argument("what", choices=["sandbox"])
+    bench.add_argument("--quick", action="store_true", help="a smaller run (about 30 s)")
+    bench.add_argument("--json", action="store_true", help="print only the JSON object")
+    bench.add_argument("--backend", choices=["auto", "namespace", "local"], default="auto")
+    bench.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

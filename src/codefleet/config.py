@@ -1,0 +1,102 @@
+"""One config style for every component: typed dataclasses, loaded from YAML,
+overridden from the command line with `key.sub=value`.
+
+    cfg = load_config(SandboxConfig, "sandbox.yaml", ["memory_mb=512", "env.FOO=bar"])
+
+Values from the command line are parsed as YAML scalars (`1`, `0.5`, `true`,
+`[a, b]`), then checked against the field's type, so a typo fails loudly
+with the field's name instead of silently doing nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config file or override does not match the config's fields."""
+
+
+def _set_path(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    for k in keys[:-1]:
+        tree = tree.setdefault(k, {})
+        if not isinstance(tree, dict):
+            raise ConfigError(f"override {dotted!r}: {k!r} is not a section")
+    tree[keys[-1]] = value
+
+
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a section (mapping), got {value!r}")
+        return from_dict(tp, value, where)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        for opt in options:
+            if opt is type(None):
+                continue
+            try:
+                return _coerce(opt, value, where)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{where}: {value!r} is not a {tp}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        (item,) = typing.get_args(tp) or (Any,)
+        return [_coerce(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        _, vt = typing.get_args(tp) or (Any, Any)
+        return {str(k): _coerce(vt, v, f"{where}.{k}") for k, v in value.items()}
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if isinstance(tp, type) and not isinstance(value, tp):
+        raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}")
+    return value
+
+
+def from_dict(cls: type[T], data: dict, where: str = "") -> T:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {sorted(unknown)} in {where or cls.__name__}; "
+                          f"known: {sorted(names)}")
+    kwargs = {k: _coerce(hints[k], v, f"{where}.{k}" if where else k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def load_config(cls: type[T], path: str | None = None, overrides: list[str] | None = None) -> T:
+    data: dict = {}
+    if path:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping")
+    for item in overrides or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like key.sub=value")
+        _set_path(data, key.strip(), yaml.safe_load(raw) if raw else "")
+    return from_dict(cls, data)
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,91 @@
+"""The Sandbox contract, its config and its errors.
+
+A sandbox is an isolated, stateful machine around a copy-on-write copy of a
+repository: a persistent shell (cwd, environment and background jobs survive
+between commands), a file API confined to the workspace, `fork(n)` for a
+group of attempts that start from one state, and `close()` that frees
+everything. Backends are siblings chosen by name (`namespace`, `local`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from codefleet.types import ExecResult, FileEntry, SandboxInfo, SearchMatch
+
+WORKSPACE = "/workspace"
+
+
+class SandboxError(RuntimeError):
+    """Base class: something about a sandbox went wrong; the message says what to do."""
+
+
+class SandboxUnavailableError(SandboxError):
+    """The host cannot build this kind of sandbox (missing tool, no namespaces)."""
+
+
+class SandboxDeadError(SandboxError):
+    """The sandbox (or its shell) died and could not be brought back."""
+
+
+class SandboxClosedError(SandboxError):
+    """The sandbox was closed; create a new one."""
+
+
+class PathEscapeError(SandboxError, PermissionError):
+    """A path given to the file API points outside the workspace."""
+
+
+@dataclass
+class SandboxConfig:
+    """Limits and layout of one sandbox. Defaults suit an agent fixing a repo.
+
+    Every limit is per sandbox. `memory_mb`, `max_processes` and `cpu_cores`
+    are enforced by cgroups (v1 or v2) where the host lets us create them,
+    and by rlimits otherwise (`SandboxInfo.limits` says which).
+    """
+
+    backend: str = "auto"  # "auto" | "namespace" | "local"
+    timeout_s: float = 60.0  # default wall-clock limit per command
+    output_limit_bytes: int = 64 * 1024  # head + tail kept from each command
+    memory_mb: int = 2048
+    max_processes: int = 256
+    cpu_cores: float = 1.0  # CPU bandwidth (cgroup quota)
+    cpu_time_s: int = 3600  # CPU seconds per process (RLIMIT_CPU)
+    workspace_mb: int = 2048  # room for changes to the workspace
+    max_file_mb: int = 1024  # largest single file a command may write
+    ro_binds: list[str] = field(default_factory=list)  # extra host paths, read-only
+    env: dict[str, str] = field(default_factory=dict)
+    state_dir: str | None = None  # where mounts and layers live; see state.py
+
+
+@runtime_checkable
+class Sandbox(Protocol):
+    """What every backend provides. Paths are relative to the workspace
+    (absolute paths under /workspace are accepted too)."""
+
+    id: str
+    info: SandboxInfo
+
+    def exec(self, command: str, timeout_s: float | None = None) -> ExecResult:
+        """Run `command` in the persistent shell (cwd/env persist)."""
+        ...
+
+    def run_oneoff(self, argv: list[str], timeout_s: float | None = None) -> ExecResult:
+        """Run argv in a fresh process over the same workspace, outside the shell."""
+        ...
+
+    def read_file(self, path: str, start_line: int | None = None, end_line: int | None = None) -> str: ...
+
+    def write_file(self, path: str, content: str | bytes) -> None: ...
+
+    def list_dir(self, path: str = ".", recursive: bool = False) -> list[FileEntry]: ...
+
+    def search(self, pattern: str, path: str = ".", max_matches: int = 200) -> list[SearchMatch]: ...
+
+    def fork(self, n: int) -> list["Sandbox"]: ...
+
+    def alive(self) -> bool: ...
+
+    def close(self) -> None: ...

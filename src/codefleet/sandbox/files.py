@@ -1,0 +1,174 @@
+"""The file API, confined to the workspace.
+
+Paths are resolved the way the sandbox would see them — the workspace is
+`/workspace`, absolute symlinks are read relative to the sandbox root — but
+walked on the host one component at a time with directory file descriptors
+and O_NOFOLLOW, so a process inside the sandbox cannot race a symlink in
+between the check and the use. Anything that would leave the workspace
+(`..` above it, an absolute path elsewhere, a symlink pointing out) raises
+PathEscapeError naming the path.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+from codefleet.sandbox.base import WORKSPACE, PathEscapeError
+from codefleet.types import FileEntry
+
+_MAX_LINKS = 40
+MAX_READ_BYTES = 8 * 1024 * 1024
+
+
+def _relative_parts(path: str) -> list[str]:
+    """Split a user path into workspace-relative components; refuse other absolute paths."""
+    if "\x00" in path:
+        raise PathEscapeError(f"path {path!r} contains a NUL byte")
+    if path.startswith("/"):
+        if path != WORKSPACE and not path.startswith(WORKSPACE + "/"):
+            raise PathEscapeError(f"path {path!r} is outside the workspace {WORKSPACE}; use a relative path")
+        path = path[len(WORKSPACE):]
+    return [p for p in path.split("/") if p not in ("", ".")]
+
+
+class WorkspaceFiles:
+    """File operations on a workspace directory `root` (a host path)."""
+
+    def __init__(self, root: str):
+        self.root = root
+
+    # -- resolution ------------------------------------------------------------
+
+    def _walk(self, path: str, create_parents: bool = False) -> tuple[int, str]:
+        """Return (fd of the parent directory, final name) for `path`, following
+        symlinks only while they stay inside the workspace. Caller closes the fd."""
+        todo = _relative_parts(path)
+        stack = [os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]  # fds from the root down
+        links = 0
+        try:
+            if not todo:
+                return os.dup(stack[-1]), "."
+            while todo:
+                part = todo.pop(0)
+                if part == "..":
+                    if len(stack) == 1:
+                        raise PathEscapeError(f"path {path!r} climbs out of the workspace with '..'")
+                    os.close(stack.pop())
+                    continue
+                if not todo:  # the final component: the caller opens it
+                    return os.dup(stack[-1]), part
+                try:
+                    target = os.readlink(part, dir_fd=stack[-1])
+                except OSError as e:
+                    if e.errno == errno.ENOENT and create_parents:
+                        os.mkdir(part, 0o755, dir_fd=stack[-1])
+                    elif e.errno not in (errno.EINVAL, errno.ENOENT):
+                        raise
+                else:
+                    links += 1
+                    if links > _MAX_LINKS:
+                        raise PathEscapeError(f"path {path!r} has too many levels of symlinks")
+                    if target.startswith("/"):
+                        todo = _relative_parts(target) + todo
+                        while len(stack) > 1:
+                            os.close(stack.pop())
+                    else:
+                        todo = [p for p in target.split("/") if p not in ("", ".")] + todo
+                    continue
+                stack.append(os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                     dir_fd=stack[-1]))
+            return os.dup(stack[-1]), "."  # the path ended in '..'
+        finally:
+            for fd in stack:
+                os.close(fd)
+
+    def _open(self, path: str, flags: int, mode: int = 0o644, create_parents: bool = False) -> int:
+        """Open `path` inside the workspace, resolving a final symlink safely."""
+        for _ in range(_MAX_LINKS):
+            dir_fd, name = self._walk(path, create_parents)
+            try:
+                if name == ".":
+                    return os.open(".", flags | os.O_CLOEXEC, dir_fd=dir_fd)
+                try:
+                    target = os.readlink(name, dir_fd=dir_fd)
+                except OSError:
+                    return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+            finally:
+                os.close(dir_fd)
+            # The last component is a symlink: resolve it relative to its directory.
+            parent = "/".join(_relative_parts(path)[:-1])
+            path = target if target.startswith("/") else (parent + "/" + target if parent else target)
+        raise PathEscapeError(f"path {path!r} has too many levels of symlinks")
+
+    def resolve_dir(self, path: str) -> int:
+        return self._open(path, os.O_RDONLY | os.O_DIRECTORY)
+
+    # -- operations ------------------------------------------------------------
+
+    def read_bytes(self, path: str, max_bytes: int = MAX_READ_BYTES) -> bytes:
+        fd = self._open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not hang us
+        try:
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISDIR(mode):
+                raise IsADirectoryError(errno.EISDIR, f"{path!r} is a directory; use list_dir")
+            if not stat.S_ISREG(mode):
+                raise ValueError(f"{path!r} is not a regular file")
+            data = os.read(fd, max_bytes + 1)
+            chunks = [data]
+            while data and sum(map(len, chunks)) <= max_bytes:
+                data = os.read(fd, max_bytes + 1)
+                chunks.append(data)
+            blob = b"".join(chunks)
+            if len(blob) > max_bytes:
+                raise ValueError(f"{path!r} is larger than {max_bytes} bytes; read it by line range or with run")
+            return blob
+        finally:
+            os.close(fd)
+
+    def read_text(self, path: str, start_line: int | None = None, end_line: int | None = None) -> str:
+        """Text of `path`, or lines start_line..end_line (1-based, inclusive)."""
+        text = self.read_bytes(path).decode("utf-8", "replace")
+        if start_line is None and end_line is None:
+            return text
+        lines = text.splitlines(keepends=True)
+        start = max((start_line or 1) - 1, 0)
+        end = len(lines) if end_line is None else max(end_line, 0)
+        return "".join(lines[start:end])
+
+    def write(self, path: str, content: str | bytes) -> None:
+        data = content.encode() if isinstance(content, str) else content
+        fd = self._open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644, create_parents=True)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+
+    def list(self, path: str = ".", recursive: bool = False, max_entries: int = 10_000) -> list[FileEntry]:
+        base = "/".join(_relative_parts(path))
+        fd = self.resolve_dir(path)
+        out: list[FileEntry] = []
+        try:
+            self._list_fd(fd, base, recursive, out, max_entries)
+        finally:
+            os.close(fd)
+        return out
+
+    def _list_fd(self, fd: int, prefix: str, recursive: bool, out: list[FileEntry], limit: int) -> None:
+        for name in sorted(os.listdir(fd)):
+            if len(out) >= limit:
+                return
+            st = os.lstat(name, dir_fd=fd)
+            kind = ("dir" if stat.S_ISDIR(st.st_mode) else "file" if stat.S_ISREG(st.st_mode)
+                    else "symlink" if stat.S_ISLNK(st.st_mode) else "other")
+            rel = f"{prefix}/{name}" if prefix else name
+            out.append(FileEntry(rel, kind, st.st_size))
+            if recursive and kind == "dir" and name != ".git":
+                sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                try:
+                    self._list_fd(sub, rel, True, out, limit)
+                finally:
+                    os.close(sub)

@@ -1,0 +1,186 @@
+"""Copy-on-write workspaces: overlay mounts, per-sandbox tmpfs, frozen layers.
+
+A workspace is an overlay: the repository directory is the bottom (read-only,
+never modified), zero or more *frozen layers* sit on it, and the sandbox's
+own upper layer takes every change. The upper layer lives on a tmpfs sized
+`workspace_mb`, so a command that fills the disk fills only its own tmpfs
+(ENOSPC inside the sandbox, nothing on the host) and its pages are charged
+to the sandbox's memory cgroup.
+
+`fork` freezes a sandbox's changes by copying its upper layer (usually
+small: only what changed) into a new frozen layer that all children stack on
+their parent's lowers. The parent keeps writing to its own upper; the
+children never see those later writes.
+
+Strategies, best first: a kernel overlay mount (root), fuse-overlayfs
+(unprivileged, if installed), or a plain copy of the repository (last
+resort, slow for big repositories).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import shutil
+import stat
+import subprocess
+
+from codefleet.sandbox.base import SandboxError
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+
+MS_NOSUID, MS_NODEV = 2, 4
+MNT_DETACH = 2
+# The kernel takes mount options in one page; leave room for upper and work dirs.
+_MAX_LOWERDIR_CHARS = 3500
+
+
+def mount(source: str, target: str, fstype: str, options: str, flags: int = MS_NOSUID | MS_NODEV) -> None:
+    if _libc.mount(source.encode(), target.encode(), fstype.encode(), flags, options.encode()) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {fstype} on {target} failed: {os.strerror(err)}")
+
+
+def umount(target: str) -> None:
+    """Lazily unmount `target`; fine if it is not mounted."""
+    if _libc.umount2(target.encode(), MNT_DETACH) != 0:
+        err = ctypes.get_errno()
+        if err not in (22, 2):  # EINVAL: not a mount point; ENOENT: gone
+            raise OSError(err, f"umount {target} failed: {os.strerror(err)}")
+
+
+def mounts_under(prefix: str) -> list[str]:
+    """Mount points at or below `prefix`, deepest first (so they unmount cleanly)."""
+    prefix = prefix.rstrip("/")
+    points = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            point = line.split()[4].encode().decode("unicode_escape")
+            if point == prefix or point.startswith(prefix + "/"):
+                points.append(point)
+    return sorted(points, key=len, reverse=True)
+
+
+def _escape(path: str) -> str:
+    return path.replace("\\", "\\\\").replace(":", "\\:").replace(",", "\\,")
+
+
+def choose_strategy() -> str:
+    """'overlay' as root, 'fuse-overlayfs' if installed and usable, else 'copy'."""
+    if os.geteuid() == 0:
+        return "overlay"
+    if shutil.which("fuse-overlayfs") and os.access("/dev/fuse", os.R_OK | os.W_OK):
+        return "fuse-overlayfs"
+    return "copy"
+
+
+class Workspace:
+    """The directories of one sandbox's workspace and how they are mounted.
+
+    Layout under `root` (a per-sandbox state directory):
+      rw/       tmpfs (overlay strategies): rw/upper and rw/work
+      merged/   what the sandbox sees as /workspace
+    """
+
+    def __init__(self, root: str, lowers: list[str], strategy: str, size_mb: int):
+        self.root = root
+        self.lowers = list(lowers)  # top first; the repository is last
+        self.strategy = strategy
+        self.size_mb = size_mb
+        self.rw = os.path.join(root, "rw")
+        self.upper = os.path.join(self.rw, "upper")
+        self.merged = os.path.join(root, "merged")
+
+    def mount(self) -> None:
+        os.makedirs(self.merged, exist_ok=True)
+        os.makedirs(self.rw, exist_ok=True)
+        if self.strategy == "copy":
+            _copy_tree(self.lowers, self.merged)
+            return
+        if self.strategy == "overlay":
+            mount("tmpfs", self.rw, "tmpfs", f"size={self.size_mb}m,mode=0755")
+        os.makedirs(self.upper, exist_ok=True)
+        os.makedirs(os.path.join(self.rw, "work"), exist_ok=True)
+        lowerdir = ":".join(_escape(p) for p in self.lowers)
+        if len(lowerdir) > _MAX_LOWERDIR_CHARS:
+            raise SandboxError(
+                f"too many stacked fork layers ({len(self.lowers)}) for one overlay mount; "
+                "fork from a fresh sandbox instead of a fork of a fork of ...")
+        opts = f"lowerdir={lowerdir},upperdir={_escape(self.upper)},workdir={_escape(os.path.join(self.rw, 'work'))}"
+        if self.strategy == "overlay":
+            mount("overlay", self.merged, "overlay", opts)
+        else:
+            subprocess.run(["fuse-overlayfs", "-o", opts, self.merged], check=True,
+                           capture_output=True, timeout=30)
+
+    def unmount(self) -> None:
+        for point in mounts_under(self.root):
+            if self.strategy == "fuse-overlayfs" and point == self.merged:
+                subprocess.run(["fusermount", "-uz", point], capture_output=True, timeout=30)
+            else:
+                umount(point)
+
+    def freeze(self, layer_dir: str) -> bool:
+        """Copy this workspace's changes into `layer_dir`; False if there are none."""
+        src = self.merged if self.strategy == "copy" else self.upper
+        if self.strategy != "copy" and not os.listdir(src):
+            return False
+        copy_layer(src, layer_dir)
+        return True
+
+
+def _copy_tree(lowers: list[str], dest: str) -> None:
+    """'copy' strategy: materialise the stacked lowers (bottom first) into dest."""
+    for lower in reversed(lowers):
+        shutil.copytree(lower, dest, symlinks=True, dirs_exist_ok=True)
+
+
+def copy_layer(src: str, dst: str) -> None:
+    """Copy an overlay upper layer exactly: whiteouts (0/0 char devices),
+    opaque-directory xattrs, modes, owners and symlinks included."""
+    os.makedirs(dst, exist_ok=True)
+    _copy_meta(src, dst, os.lstat(src))
+    for dirpath, dirnames, filenames in os.walk(src):
+        rel = os.path.relpath(dirpath, src)
+        out_dir = dst if rel == "." else os.path.join(dst, rel)
+        for name in dirnames + filenames:
+            s = os.path.join(dirpath, name)
+            d = os.path.join(out_dir, name)
+            st = os.lstat(s)
+            if stat.S_ISDIR(st.st_mode):
+                os.mkdir(d)
+            elif stat.S_ISLNK(st.st_mode):
+                os.symlink(os.readlink(s), d)
+            elif stat.S_ISREG(st.st_mode):
+                with open(s, "rb") as fi, open(d, "wb") as fo:
+                    shutil.copyfileobj(fi, fo, 1 << 20)
+            elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) or stat.S_ISFIFO(st.st_mode):
+                os.mknod(d, st.st_mode, st.st_rdev)
+            else:
+                continue  # sockets are not part of a filesystem state
+            _copy_meta(s, d, st)
+        # Directories' own metadata last would be nicer for mtimes; modes suffice.
+
+
+def _copy_meta(src: str, dst: str, st: os.stat_result) -> None:
+    for attr in _xattrs(src):
+        try:
+            os.setxattr(dst, attr, os.getxattr(src, attr, follow_symlinks=False), follow_symlinks=False)
+        except OSError:
+            pass
+    try:
+        os.chown(dst, st.st_uid, st.st_gid, follow_symlinks=False)
+    except OSError:
+        pass
+    if not stat.S_ISLNK(st.st_mode):
+        os.chmod(dst, stat.S_IMODE(st.st_mode))
+
+
+def _xattrs(path: str) -> list[str]:
+    try:
+        return os.listxattr(path, follow_symlinks=False)
+    except OSError:
+        return []

@@ -1,0 +1,337 @@
+"""The `namespace` backend: bubblewrap around an overlay workspace.
+
+Each sandbox is one `bwrap` with its own user, mount, PID, IPC, UTS, network
+and cgroup namespaces (loopback only), every capability dropped, running as
+uid 1000. The host filesystem is visible read-only and only in part: /usr
+(and the /bin, /lib... links into it), /etc with every file that is not
+world-readable masked, and the paths in `ro_binds`. /root, /home, the host
+/tmp and the state directory (other sandboxes' workspaces) are simply not
+there. /tmp is a private tmpfs; /workspace is the overlay (layers.py).
+
+bwrap's own PID 1 reaps zombies; its death takes the whole PID namespace
+with it. bwrap is started with --die-with-parent from the spawner thread
+(procs.py), and blocked on --block-fd until the host has moved it into the
+sandbox's cgroup, so no process of the sandbox ever runs outside its limits.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import select
+import shutil
+import signal
+import stat
+import subprocess
+import threading
+import time
+
+from codefleet.sandbox import procs
+from codefleet.sandbox.base import WORKSPACE, SandboxConfig, SandboxUnavailableError
+from codefleet.sandbox.cgroups import Cgroup
+from codefleet.sandbox.layers import Workspace, choose_strategy
+from codefleet.sandbox.shell import ShellSession
+from codefleet.sandbox.shellbox import ShellSandbox, setup_script
+from codefleet.sandbox.state import Owner, owner_for
+from codefleet.types import ExecResult, SandboxInfo
+
+SANDBOX_UID = 1000
+_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+    """None if bwrap can build a sandbox here, else a sentence saying what to do."""
+    if not shutil.which("bwrap"):
+        return ("bubblewrap is not installed: run `apt-get install bubblewrap` (or `make test`, which does), "
+                "or choose backend='local' (no isolation)")
+    probe = subprocess.run(["bwrap", "--unshare-user", "--unshare-pid", "--unshare-net", "--ro-bind", "/", "/",
+                            "true"], capture_output=True, text=True, timeout=20)
+    if probe.returncode != 0:
+        return (f"bubblewrap cannot create namespaces here ({probe.stderr.strip()[:200]}); enable unprivileged "
+                "user namespaces (sysctl kernel.unprivileged_userns_clone=1) or choose backend='local'")
+    return None
+
+
+@functools.cache
+def _masked_etc() -> tuple[list[str], list[str]]:
+    """Files and directories under /etc that are not world-readable: hidden in sandboxes.
+    (Inside, uid 1000 maps to the host user, who may own them.)"""
+    files, dirs = [], []
+    for dirpath, dirnames, filenames in os.walk("/etc"):
+        for name in list(dirnames):
+            full = os.path.join(dirpath, name)
+            try:
+                st = os.lstat(full)
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode) and (st.st_mode & 0o005) != 0o005:
+                dirs.append(full)
+                dirnames.remove(name)
+        for name in filenames:
+            full = os.path.join(dirpath, name)
+            try:
+                st = os.lstat(full)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode) and not st.st_mode & 0o004:
+                files.append(full)
+    return files, dirs
+
+
+def _identity_files(owner: Owner) -> tuple[str, str]:
+    """A passwd and group naming the sandbox user `agent` (written once per owner)."""
+    passwd, group = os.path.join(owner.dir, "passwd"), os.path.join(owner.dir, "group")
+    if not os.path.exists(group):
+        with open(passwd, "w") as f:
+            f.write(f"root:x:0:0:root:/root:/bin/sh\nagent:x:{SANDBOX_UID}:{SANDBOX_UID}:agent:/tmp:/bin/bash\n"
+                    "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
+        with open(group, "w") as f:
+            f.write(f"root:x:0:\nagent:x:{SANDBOX_UID}:\nnogroup:x:65534:\n")
+    return passwd, group
+
+
+def _host_args(config: SandboxConfig, owner: Owner) -> list[str]:
+    args = ["bwrap", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
+            "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net", "--unshare-cgroup-try",
+            "--hostname", "sandbox", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+            "--ro-bind", "/usr", "/usr"]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+    args += ["--ro-bind", "/etc", "/etc"]
+    files, dirs = _masked_etc()
+    for f in files:
+        args += ["--ro-bind", "/dev/null", f]
+    for d in dirs:
+        args += ["--perms", "0555", "--tmpfs", d, "--remount-ro", d]
+    passwd, group = _identity_files(owner)
+    args += ["--ro-bind", passwd, "/etc/passwd", "--ro-bind", group, "/etc/group"]
+    for path in config.ro_binds:
+        args += ["--ro-bind", os.path.abspath(path), os.path.abspath(path)]
+    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/var/tmp",
+             "--clearenv", "--setenv", "PATH", _PATH, "--setenv", "HOME", "/tmp", "--setenv", "USER", "agent",
+             "--setenv", "LOGNAME", "agent", "--setenv", "TERM", "dumb", "--setenv", "LANG", "C.UTF-8",
+             "--setenv", "PAGER", "cat", "--setenv", "GIT_PAGER", "cat"]
+    return args
+
+
+class NamespaceSandbox(ShellSandbox):
+    backend = "namespace"
+
+    def __init__(self, repo: str | None, config: SandboxConfig | None = None, *,
+                 _lowers: list[str] | None = None, _layers: list[str] | None = None, _replay: str = ""):
+        config = config or SandboxConfig()
+        reason = unavailable_reason()
+        if reason:
+            raise SandboxUnavailableError(reason)
+        self.owner = owner_for(config.state_dir)
+        self.owner.track(self)
+        sandbox_id = "sb-" + os.urandom(5).hex()
+        self.dir = os.path.join(self.owner.dir, "sb", sandbox_id)
+        os.makedirs(self.dir)
+        if _lowers is None:
+            if repo is not None and not os.path.isdir(repo):
+                raise FileNotFoundError(f"repository directory {repo!r} does not exist")
+            _lowers = [os.path.abspath(repo) if repo else _empty_dir(self.owner)]
+        self._layers = list(_layers or [])
+        for layer in self._layers:
+            _layer_refs.acquire(layer)
+        self.workspace = Workspace(self.dir, _lowers, choose_strategy(), config.workspace_mb)
+        super().__init__(sandbox_id, config, self.workspace.merged)
+        self.cgroup: Cgroup | None = None
+        self._pids: list[tuple[int, int | None]] = []  # (outer bwrap, sandbox init) host pids
+        self._init_pid = 0
+        try:
+            self.workspace.mount()
+            self.cgroup = self.owner.cgroups.create(sandbox_id, config.memory_mb, config.max_processes,
+                                                    config.cpu_cores)
+            self._base_args = _host_args(config, self.owner) + ["--bind", self.workspace.merged, WORKSPACE]
+            self._start(_replay)
+        except BaseException:
+            self._closed = True
+            self._kill_processes()
+            self._release()
+            raise
+
+    # -- spawning --------------------------------------------------------------------
+
+    def _ulimits(self) -> str:
+        c = self.config
+        parts = ["-c 0", f"-f {c.max_file_mb * 1024}", f"-t {c.cpu_time_s}", "-n 4096"]
+        if self.cgroup is None:
+            parts += [f"-u {c.max_processes}", f"-v {c.memory_mb * 1024}"]
+        return "ulimit -S -H " + " ".join(parts)
+
+    def _spawn(self, argv: list[str], stdin: int) -> tuple[subprocess.Popen, int]:
+        """Start bwrap + argv blocked, move it into the cgroup, let it go; (proc, init pid)."""
+        info_r, info_w = os.pipe2(os.O_CLOEXEC)
+        block_r, block_w = os.pipe2(os.O_CLOEXEC)
+        args = self._base_args + ["--chdir", WORKSPACE, "--info-fd", str(info_w), "--block-fd", str(block_r)]
+        try:
+            proc = procs.spawner.popen(args + argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+                                       if stdin == subprocess.DEVNULL else subprocess.DEVNULL,
+                                       pass_fds=(info_w, block_r), start_new_session=True)
+        finally:
+            os.close(info_w)
+            os.close(block_r)
+        try:
+            info = _read_info(info_r, proc)
+            init_pid = info["child-pid"]
+            if self.cgroup is not None:
+                self.cgroup.add(proc.pid)
+                self.cgroup.add(init_pid)
+            os.write(block_w, b"1")
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        finally:
+            os.close(info_r)
+            os.close(block_w)
+        return proc, init_pid
+
+    def _spawn_shell(self, replay: str) -> tuple[subprocess.Popen, ShellSession]:
+        proc, init_pid = self._spawn(["bash", "--noprofile", "--norc", "-i"], subprocess.PIPE)
+        self._init_pid = init_pid
+        self._pids = [(proc.pid, procs.start_time(proc.pid)), (init_pid, procs.start_time(init_pid))]
+        with open(os.path.join(self.dir, "pids.json"), "w") as f:
+            json.dump(self._pids, f)
+        shell_pid_box = [0]
+
+        def list_procs() -> set[int]:
+            return procs.descendants(init_pid) - {shell_pid_box[0]}
+
+        def exit_status() -> int:
+            try:
+                return proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                return 255
+
+        session = ShellSession(proc.stdin.fileno(), proc.stdout.fileno(), 0, list_procs, exit_status,
+                               self.config.output_limit_bytes)
+        session.wait_ready(setup_script(self.config, WORKSPACE, self._ulimits(), replay))
+        kids = procs.children(init_pid)
+        session.shell_pid = shell_pid_box[0] = kids[0] if kids else 0
+        return proc, session
+
+    def _spawn_oneoff(self, argv: list[str]) -> subprocess.Popen:
+        proc, _ = self._spawn(argv, subprocess.DEVNULL)
+        return proc
+
+    # -- faults ----------------------------------------------------------------------
+
+    def _limit_note(self, result: ExecResult) -> str:
+        if result.exit_code in (137, 9) and self.cgroup is not None and self.cgroup.oom_kills() > self._oom_seen:
+            self._oom_seen = self.cgroup.oom_kills()
+            return (f"\n[codefleet: a process was killed by the sandbox's memory limit "
+                    f"({self.config.memory_mb} MB)]")
+        return ""
+
+    _oom_seen = 0
+
+    def _death_note(self, result: ExecResult) -> str:
+        return self._limit_note(result) + super()._death_note(result)
+
+    def _kill_oneoff(self, proc: subprocess.Popen) -> None:
+        # Killing bwrap's PID 1 ends its whole PID namespace.
+        for pid in procs.children(proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.kill()
+
+    def _kill_processes(self) -> None:
+        for pid, started in self._pids:
+            procs.kill_if_same(pid, started)
+        if self.cgroup is not None:
+            self.cgroup.kill_all()
+
+    # -- fork and release -------------------------------------------------------------
+
+    def _make_children(self, n: int, replay: str) -> list[ShellSandbox]:
+        layer = os.path.join(self.owner.dir, "layers", "l" + os.urandom(4).hex())
+        if self.workspace.freeze(layer):
+            lowers = [layer] if self.workspace.strategy == "copy" else [layer] + self.workspace.lowers
+            layers = [layer] + self._layers
+        else:
+            lowers, layers = self.workspace.lowers, self._layers
+        _layer_refs.acquire(layer)  # held while the children start, so a failure cleans it up
+        children: list[ShellSandbox] = []
+        try:
+            for _ in range(n):
+                children.append(NamespaceSandbox(None, self.config, _lowers=lowers, _layers=layers, _replay=replay))
+        except BaseException:
+            for child in children:
+                child.close()
+            raise
+        finally:
+            _layer_refs.release(layer)
+        return children
+
+    def _release(self) -> None:
+        try:
+            self.workspace.unmount()
+        finally:
+            if self.cgroup is not None:
+                self.cgroup.remove()
+            shutil.rmtree(self.dir, ignore_errors=True)
+            for layer in self._layers:
+                _layer_refs.release(layer)
+            self._layers = []
+
+    @property
+    def info(self) -> SandboxInfo:
+        limits = {"memory_mb": str(self.config.memory_mb), "max_processes": str(self.config.max_processes),
+                  "cpu_cores": str(self.config.cpu_cores), "cpu_time_s": str(self.config.cpu_time_s),
+                  "workspace_mb": str(self.config.workspace_mb),
+                  "enforced_by": f"cgroup {self.cgroup.mode}" if self.cgroup else "rlimits"}
+        return SandboxInfo(self.id, self.backend, WORKSPACE, self.workspace.strategy, limits, isolated=True)
+
+
+def _read_info(fd: int, proc: subprocess.Popen, timeout_s: float = 10.0) -> dict:
+    data = b""
+    deadline = time.monotonic() + timeout_s
+    while not data.rstrip().endswith(b"}"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise SandboxUnavailableError("bwrap did not start within 10 s")
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
+            raise SandboxUnavailableError(f"bwrap failed to start the sandbox: {out.strip()[:300]}")
+        data += chunk
+    return json.loads(data)
+
+
+def _empty_dir(owner: Owner) -> str:
+    path = os.path.join(owner.dir, "empty")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+class _LayerRefs:
+    """Frozen fork layers are shared by sibling sandboxes; the last one out deletes it."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def acquire(self, layer: str) -> None:
+        with self._lock:
+            self._counts[layer] = self._counts.get(layer, 0) + 1
+
+    def release(self, layer: str) -> None:
+        with self._lock:
+            self._counts[layer] -= 1
+            if self._counts[layer] > 0:
+                return
+            del self._counts[layer]
+        shutil.rmtree(layer, ignore_errors=True)
+
+
+_layer_refs = _LayerRefs()

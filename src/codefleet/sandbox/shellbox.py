@@ -1,0 +1,270 @@
+"""What every shell-backed sandbox shares: exec with shell recovery, the file
+API, search, fork bookkeeping and close. Backends (namespace.py, local.py)
+only say how to start a shell, how to start a one-off process, how to make a
+child workspace and how to tear down.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import threading
+import time
+from abc import ABC, abstractmethod
+
+from codefleet.sandbox.base import (
+    SandboxClosedError,
+    SandboxConfig,
+    SandboxDeadError,
+)
+from codefleet.sandbox.files import WorkspaceFiles
+from codefleet.sandbox.shell import OutputCollector, ShellSession, shell_quote
+from codefleet.types import ExecResult, FileEntry, SandboxInfo, SearchMatch
+
+
+def setup_script(config: SandboxConfig, workdir: str, ulimits: str, replay: str = "") -> str:
+    """The first lines every fresh shell runs."""
+    lines = ["set +H +o history; unset HISTFILE PROMPT_COMMAND; PS1=''; PS2=''; PS0=''",
+             ulimits,
+             f"cd {shell_quote(workdir)}"]
+    lines += [f"export {k}={shell_quote(v)}" for k, v in config.env.items()]
+    if replay:
+        lines.append(replay)
+    return "\n".join(line for line in lines if line)
+
+
+def collect_until_exit(proc: subprocess.Popen, limit_bytes: int, deadline: float) -> tuple[OutputCollector, bool]:
+    """Read a one-off process's merged output until EOF; (output, finished in time)."""
+    out = OutputCollector(limit_bytes, b"\x00never\x00")
+    fd = proc.stdout.fileno()
+    os.set_blocking(fd, False)
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    while True:
+        left_ms = (deadline - time.perf_counter()) * 1000
+        if left_ms <= 0:
+            return out, False
+        if poller.poll(max(int(left_ms), 1)):
+            try:
+                chunk = os.read(fd, 1 << 20)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                return out, True
+            out.feed(chunk)
+
+
+class ShellSandbox(ABC):
+    """A sandbox driven through one persistent shell. Thread-safe: commands on
+    one sandbox run one at a time; file operations and one-offs run alongside."""
+
+    backend = "?"
+
+    def __init__(self, sandbox_id: str, config: SandboxConfig, workspace_host_path: str):
+        self.id = sandbox_id
+        self.config = config
+        self.files = WorkspaceFiles(workspace_host_path)
+        self._lock = threading.RLock()
+        self._closed = False
+        self._session: ShellSession | None = None
+        self._proc: subprocess.Popen | None = None
+        self.restarts = 0
+
+    # -- backend hooks -------------------------------------------------------------
+
+    @abstractmethod
+    def _spawn_shell(self, replay: str) -> tuple[subprocess.Popen, ShellSession]:
+        """Start the shell and return it ready for commands."""
+
+    @abstractmethod
+    def _spawn_oneoff(self, argv: list[str]) -> subprocess.Popen:
+        """Start argv over the workspace with stdout+stderr on one pipe."""
+
+    @abstractmethod
+    def _kill_processes(self) -> None:
+        """Kill every process of the sandbox (shell, jobs, one-offs)."""
+
+    @abstractmethod
+    def _make_children(self, n: int, replay: str) -> list["ShellSandbox"]:
+        """n new sandboxes whose workspaces start from this one's current state."""
+
+    @abstractmethod
+    def _release(self) -> None:
+        """Free the workspace and everything else (after processes are dead)."""
+
+    @property
+    @abstractmethod
+    def info(self) -> SandboxInfo: ...
+
+    # -- commands -------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SandboxClosedError(f"sandbox {self.id} is closed; create a new one")
+
+    def _start(self, replay: str = "") -> None:
+        self._proc, self._session = self._spawn_shell(replay)
+
+    def exec(self, command: str, timeout_s: float | None = None) -> ExecResult:
+        """Run `command` in the persistent shell; cwd, env and background jobs persist."""
+        with self._lock:
+            self._check_open()
+            restarted = False
+            if not self.alive():
+                self._restart()
+                restarted = True
+            result = self._session.run(command, self.config.timeout_s if timeout_s is None else timeout_s)
+            if self._session.dead:  # restarted lazily, by the next command
+                output = result.output[:-5] if result.output.endswith("exit\n") else result.output
+                return ExecResult(output + self._death_note(result), result.exit_code, result.timed_out,
+                                  result.truncated, result.duration_s, result.cut_bytes)
+            note = self._limit_note(result)
+            if restarted:
+                note += ("\n[codefleet: the previous shell had died; this command ran in a fresh shell in the same "
+                         "workspace]")
+            if restarted or note:
+                return ExecResult(result.output + note, result.exit_code, result.timed_out, result.truncated,
+                                  result.duration_s, result.cut_bytes, shell_restarted=restarted)
+            return result
+
+    def _death_note(self, result: ExecResult) -> str:
+        return (f"\n[codefleet: the shell exited (status {result.exit_code}); the next command gets a fresh "
+                "shell in the same workspace — cwd, environment and background jobs are reset]")
+
+    def _limit_note(self, result: ExecResult) -> str:
+        return ""
+
+    def _restart(self) -> None:
+        """Replace a dead or wedged shell; the workspace is kept."""
+        self._kill_processes()
+        self._close_pipes()
+        self.restarts += 1
+        try:
+            self._start()
+        except Exception as e:
+            raise SandboxDeadError(f"sandbox {self.id}: its shell died and could not be restarted ({e}); "
+                                   "close it and create a new sandbox") from e
+
+    def alive(self) -> bool:
+        return (not self._closed and self._proc is not None and self._proc.poll() is None
+                and self._session is not None and not self._session.dead)
+
+    def run_oneoff(self, argv: list[str], timeout_s: float | None = None) -> ExecResult:
+        """Run argv in a new process over the same workspace, outside the shell
+        (no shared cwd/env; runs alongside a busy shell)."""
+        self._check_open()
+        timeout_s = self.config.timeout_s if timeout_s is None else timeout_s
+        started = time.perf_counter()
+        proc = self._spawn_oneoff(argv)
+        try:
+            out, finished = collect_until_exit(proc, self.config.output_limit_bytes, started + timeout_s)
+            if not finished:
+                self._kill_oneoff(proc)
+            code = proc.wait()
+        finally:
+            proc.stdout.close()
+        text, truncated, cut = out.result()
+        if not finished:
+            text += f"\n[codefleet: command timed out after {timeout_s:g} s and was killed]"
+            code = 124
+        return ExecResult(text, code if code >= 0 else 128 - code, not finished, truncated,
+                          time.perf_counter() - started, cut)
+
+    def _kill_oneoff(self, proc: subprocess.Popen) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            proc.kill()
+
+    # -- files ----------------------------------------------------------------------
+
+    def read_file(self, path: str, start_line: int | None = None, end_line: int | None = None) -> str:
+        self._check_open()
+        return self.files.read_text(path, start_line, end_line)
+
+    def write_file(self, path: str, content: str | bytes) -> None:
+        self._check_open()
+        self.files.write(path, content)
+
+    def list_dir(self, path: str = ".", recursive: bool = False) -> list[FileEntry]:
+        self._check_open()
+        return self.files.list(path, recursive)
+
+    def search(self, pattern: str, path: str = ".", max_matches: int = 200) -> list[SearchMatch]:
+        """Lines matching the extended regular expression `pattern` under `path`
+        (grep -E semantics, binary files and .git skipped)."""
+        self._check_open()
+        os.close(self.files._open(path, os.O_RDONLY | os.O_NONBLOCK))  # refuses paths outside the workspace
+        rel = path if not path.startswith("/") else (path[len("/workspace"):].lstrip("/") or ".")
+        result = self.run_oneoff(["grep", "-rnIE", "--null", "--exclude-dir=.git", "-e", pattern, "--", rel or "."],
+                                 timeout_s=30)
+        if result.exit_code == 2 or result.timed_out:
+            raise ValueError(f"search for {pattern!r} failed: {result.output.strip()[:300]}")
+        matches = []
+        for line in result.output.splitlines():
+            name, sep, rest = line.partition("\x00")
+            number, sep2, text = rest.partition(":")
+            if sep and sep2 and number.isdigit():
+                matches.append(SearchMatch(os.path.normpath(name), int(number), text))
+                if len(matches) >= max_matches:
+                    break
+        return matches
+
+    # -- fork and close -------------------------------------------------------------
+
+    def shell_state(self) -> str:
+        """Bash lines that recreate this shell's cwd and exported variables."""
+        result = self.exec("builtin pwd; builtin export -p", timeout_s=10)
+        lines = result.output.splitlines()
+        if not lines:
+            return ""
+        cwd, exports = lines[0], [ln for ln in lines[1:] if ln.startswith("declare -x ")]
+        keep = [ln for ln in exports if ln.split()[2].split("=")[0] not in ("PWD", "OLDPWD", "SHLVL", "_")]
+        return "\n".join([f"cd {shell_quote(cwd)} 2>/dev/null", *keep])
+
+    def fork(self, n: int) -> list["ShellSandbox"]:
+        """n sandboxes whose workspaces start from this one's current filesystem
+        state (copy-on-write), with this shell's cwd and exported variables."""
+        if n < 1:
+            raise ValueError(f"fork needs n >= 1, got {n}")
+        with self._lock:
+            self._check_open()
+            replay = self.shell_state() if self.alive() else ""
+            return self._make_children(n, replay)
+
+    def close(self) -> None:
+        """Kill everything in the sandbox and free its workspace. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._kill_processes()
+                self._close_pipes()
+            finally:
+                self._release()
+
+    def _close_pipes(self) -> None:
+        if self._proc is not None:
+            for pipe in (self._proc.stdin, self._proc.stdout):
+                try:
+                    if pipe:
+                        pipe.close()
+                except OSError:
+                    pass
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+
+    def __enter__(self) -> "ShellSandbox":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.id} {'closed' if self._closed else 'open'}>"

@@ -1,0 +1,148 @@
+"""Where sandboxes keep their state, and the reaper that cleans up after crashes.
+
+Every host process that creates sandboxes is an *owner*: it gets
+`<state_dir>/<owner>/` holding a `lock` file it flocks for its whole life,
+its sandboxes' directories (mount points) and its frozen fork layers, and
+the cgroups `codefleet/<owner>/...`. Sandboxes are tied to their owner by
+bwrap's --die-with-parent, so when an owner dies (even by SIGKILL) their
+processes die with it; what is left — mounts, cgroups, directories — is
+reaped by the next owner that starts on the machine: an owner directory
+whose lock nobody holds belongs to a dead process.
+
+The state directory must not be visible inside sandboxes (it is not: only
+/usr, /etc and the workspace are bound in) and is, by default,
+/var/lib/codefleet for root and $XDG_RUNTIME_DIR/codefleet (or
+/tmp/codefleet-<uid>) otherwise; `CODEFLEET_STATE_DIR` overrides it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import fcntl
+import json
+import logging
+import os
+import shutil
+import threading
+import weakref
+
+from codefleet.sandbox import cgroups, layers, procs
+
+log = logging.getLogger(__name__)
+
+
+def default_state_dir() -> str:
+    if os.environ.get("CODEFLEET_STATE_DIR"):
+        return os.environ["CODEFLEET_STATE_DIR"]
+    if os.geteuid() == 0:
+        return "/var/lib/codefleet"
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    return os.path.join(runtime, "codefleet") if runtime else f"/tmp/codefleet-{os.getuid()}"
+
+
+class Owner:
+    """This process's claim on a state directory. One per (process, state dir)."""
+
+    def __init__(self, state_dir: str):
+        self.state_dir = os.path.abspath(state_dir)
+        os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
+        self.pid = os.getpid()
+        self.name = f"{self.pid}-{os.urandom(3).hex()}"
+        self.dir = os.path.join(self.state_dir, self.name)
+        os.makedirs(os.path.join(self.dir, "sb"))
+        os.makedirs(os.path.join(self.dir, "layers"))
+        self._lock_fd = os.open(os.path.join(self.dir, "lock"), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self.cgroups = cgroups.CgroupTree(self.name)
+        self.reaped = reap(self.state_dir, self.cgroups)
+        self._live: weakref.WeakSet = weakref.WeakSet()
+
+    def track(self, sandbox: object) -> None:
+        """Remember a sandbox so that a normal interpreter exit closes it."""
+        self._live.add(sandbox)
+
+    def close_all(self) -> None:
+        for sb in list(self._live):
+            try:
+                sb.close()
+            except Exception as e:  # exiting anyway: the reaper gets the rest
+                log.warning("codefleet: closing %s at exit failed: %s", sb, e)
+
+    def release(self) -> None:
+        """Forget this owner (all its sandboxes must be closed)."""
+        try:
+            self.cgroups.remove()
+            shutil.rmtree(self.dir, ignore_errors=True)
+        finally:
+            os.close(self._lock_fd)
+
+
+def reap(state_dir: str, tree: cgroups.CgroupTree) -> list[str]:
+    """Clean up every dead owner under `state_dir`; return the names reaped."""
+    reaped = []
+    for name in sorted(os.listdir(state_dir)):
+        owner_dir = os.path.join(state_dir, name)
+        lock_path = os.path.join(owner_dir, "lock")
+        if not os.path.isfile(lock_path):
+            continue
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # alive: its owner holds the lock
+        try:
+            _reap_owner(owner_dir, name, tree)
+            reaped.append(name)
+        finally:
+            os.close(fd)
+    if reaped:
+        log.warning("codefleet: reaped state of %d dead sandbox owner(s) in %s", len(reaped), state_dir)
+    return reaped
+
+
+def _reap_owner(owner_dir: str, name: str, tree: cgroups.CgroupTree) -> None:
+    sb_root = os.path.join(owner_dir, "sb")
+    for sb in os.listdir(sb_root) if os.path.isdir(sb_root) else []:
+        meta = os.path.join(sb_root, sb, "pids.json")
+        try:
+            with open(meta) as f:
+                for pid, started in json.load(f):
+                    procs.kill_if_same(pid, started)
+        except (OSError, ValueError):
+            pass
+    for group in tree.stale_groups(name):
+        group.remove(timeout_s=1.0)
+    for point in layers.mounts_under(owner_dir):
+        try:
+            layers.umount(point)
+        except OSError as e:
+            log.warning("codefleet: could not unmount %s: %s", point, e)
+    shutil.rmtree(owner_dir, ignore_errors=True)
+
+
+_owners: dict[str, Owner] = {}
+_owners_lock = threading.Lock()
+
+
+def owner_for(state_dir: str | None) -> Owner:
+    """The process-wide owner for `state_dir` (created, and the reaper run, on first use)."""
+    key = os.path.abspath(state_dir or default_state_dir())
+    with _owners_lock:
+        owner = _owners.get(key)
+        if owner is None or owner.pid != os.getpid():
+            owner = Owner(key)
+            _owners[key] = owner
+        return owner
+
+
+@atexit.register
+def _release_all() -> None:
+    for owner in list(_owners.values()):
+        if owner.pid == os.getpid():
+            owner.close_all()
+            owner.release()
+    _owners.clear()
