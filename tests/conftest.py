@@ -1,0 +1,58 @@
+"""Shared fixtures: real sandboxes, one real Ray session for the whole run."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+@pytest.fixture(scope="session")
+def state_dir():
+    """A state directory private to this test run (the reaper then only sees our own)."""
+    with tempfile.TemporaryDirectory(prefix="codefleet-test-state-", dir="/var/tmp") as d:
+        yield d
+
+
+@pytest.fixture
+def repo(tmp_path):
+    """A small repository directory."""
+    root = tmp_path / "repo"
+    (root / "pkg").mkdir(parents=True)
+    (root / "README.md").write_text("# demo\n")
+    (root / "pkg" / "__init__.py").write_text("")
+    (root / "pkg" / "calc.py").write_text("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n")
+    return str(root)
+
+
+@pytest.fixture
+def config(state_dir):
+    from codefleet.sandbox import SandboxConfig
+
+    return SandboxConfig(state_dir=state_dir, timeout_s=30)
+
+
+@pytest.fixture
+def sandbox(repo, config):
+    from codefleet.sandbox import create_sandbox
+
+    sb = create_sandbox(repo, config)
+    yield sb
+    sb.close()
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One Ray session for the whole test run, with logical resources set explicitly
+    (never the machine's CPU count): 2 CPUs and 64 `sandbox` slots."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, resources={"sandbox": 64}, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+    yield ray
+    ray.shutdown()
