@@ -63,3 +63,148 @@ class SandboxInfo:
     filesystem: str  # "overlay" | "fuse-overlayfs" | "copy"
     limits: dict[str, str] = field(default_factory=dict)
     isolated: bool = True
+
+
+# -- tasks ---------------------------------------------------------------------------
+
+TASK_SPEC_VERSION = 1
+
+
+@dataclass
+class Budgets:
+    """Limits of one episode. The default allows at least 150 tool calls."""
+
+    max_turns: int = 60
+    max_tool_calls: int = 200
+    max_tokens: int = 400_000
+    wall_clock_s: float = 1800.0
+
+
+@dataclass
+class HiddenChecks:
+    """Tests the agent never sees: FAIL_TO_PASS must go from failing to
+    passing, PASS_TO_PASS must keep passing. `command` runs them; `{tests}` in
+    it is replaced by the space-separated test ids."""
+
+    command: str
+    fail_to_pass: list[str] = field(default_factory=list)
+    pass_to_pass: list[str] = field(default_factory=list)
+    files: dict[str, str] = field(default_factory=dict)  # test files written just before checking
+
+
+@dataclass
+class Task:
+    """One coding task (spec version TASK_SPEC_VERSION, JSON: docs/tasks.md).
+
+    `repo` is a directory or a .tar/.tar.gz file. `reference_patch` is a
+    unified diff that solves the task; it and `checks.files` are never
+    visible inside the agent's sandbox.
+    """
+
+    id: str
+    repo: str
+    instruction: str
+    checks: HiddenChecks
+    setup_commands: list[str] = field(default_factory=list)
+    test_command: str = ""
+    budgets: Budgets = field(default_factory=Budgets)
+    metadata: dict[str, str | int | float] = field(default_factory=dict)
+    reference_patch: str = ""
+    spec_version: int = TASK_SPEC_VERSION
+
+
+# -- agent episodes ------------------------------------------------------------------
+
+
+@dataclass
+class ToolCall:
+    """A tool call as the model wrote it. `arguments` is None when
+    `raw_arguments` is not valid JSON (then `error` says why)."""
+
+    id: str
+    name: str
+    raw_arguments: str
+    arguments: dict | None = None
+    error: str | None = None
+
+
+@dataclass
+class ToolResult:
+    call_id: str
+    name: str
+    output: str
+    ok: bool
+    duration_s: float = 0.0
+
+
+@dataclass
+class Turn:
+    """One model turn and the tool calls it made, with what they cost.
+
+    For RL the exact sampled tokens travel with the turn (token-in,
+    token-out): `token_ids`, their `logprobs`, the policy version that
+    produced each token and, for MoE, the routed experts per token.
+    """
+
+    index: int
+    text: str
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_results: list[ToolResult] = field(default_factory=list)
+    model_s: float = 0.0
+    tool_s: float = 0.0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    errors: list[str] = field(default_factory=list)
+    token_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+    policy_versions: list[int] | None = None
+    routed_experts: list[list[int]] | None = None
+
+
+@dataclass
+class CheckResult:
+    """Outcome of the hidden checks after an episode."""
+
+    passed: int
+    total: int
+    all_passed: bool
+    per_test: dict[str, bool] = field(default_factory=dict)
+    output: str = ""
+
+    @property
+    def fraction(self) -> float:
+        return self.passed / self.total if self.total else 0.0
+
+
+@dataclass
+class Trajectory:
+    """Everything one episode produced: the transcript, the turns with their
+    tokens and timings, the final diff, the checks and the figures."""
+
+    task_id: str
+    messages: list[dict]
+    turns: list[Turn]
+    stop_reason: str  # "submit" | "no_tool_calls" | "max_turns" | "max_tool_calls" | "max_tokens" | "wall_clock" | "error"
+    diff: str = ""
+    checks: CheckResult | None = None
+    reward: float = 0.0
+    wall_s: float = 0.0
+    model_s: float = 0.0
+    tool_s: float = 0.0
+    metadata: dict[str, str | int | float] = field(default_factory=dict)
+
+    @property
+    def n_turns(self) -> int:
+        return len(self.turns)
+
+    @property
+    def n_tool_calls(self) -> int:
+        return sum(len(t.tool_calls) for t in self.turns)
+
+    @property
+    def tool_calls_per_turn(self) -> float:
+        return self.n_tool_calls / self.n_turns if self.turns else 0.0
+
+    @property
+    def tokens(self) -> int:
+        return sum(t.prompt_tokens + t.completion_tokens for t in self.turns)
