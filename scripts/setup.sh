@@ -14,6 +14,8 @@ need_apt=()
 command -v bwrap >/dev/null 2>&1 || need_apt+=(bubblewrap)
 command -v fuse-overlayfs >/dev/null 2>&1 || need_apt+=(fuse-overlayfs)
 command -v git >/dev/null 2>&1 || need_apt+=(git)
+# Task repositories are tested inside sandboxes with the system Python's pytest.
+/usr/bin/python3 -c 'import pytest' >/dev/null 2>&1 || need_apt+=(python3 python3-pytest)
 command -v make >/dev/null 2>&1 || need_apt+=(make)
 "$PY" -c 'import venv, ensurepip' >/dev/null 2>&1 || need_apt+=(python3-venv)
 if [ ${#need_apt[@]} -gt 0 ]; then
