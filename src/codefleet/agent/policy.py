@@ -1,0 +1,85 @@
+"""The Policy contract: what the agent loop asks of a model.
+
+A policy is given the conversation so far (OpenAI chat messages) and the tool
+schemas, and returns ONE assistant turn: text, zero or more tool calls, token
+usage and — for reinforcement learning — the exact sampled token ids, their
+logprobs, the policy version that produced each token and the routed experts
+(MoE). Every backend (an OpenAI-compatible HTTP endpoint, the scripted
+expert, the local engine) implements this one method, so the loop never
+knows which model it talks to.
+
+Tool calls travel as the model wrote them: `raw_arguments` is the JSON text;
+`parse_tool_call` decodes it once, here, so that every backend produces the
+same ToolCall and malformed JSON becomes an error the loop reports back to
+the model instead of an exception.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from codefleet.types import ToolCall
+
+
+class PolicyError(RuntimeError):
+    """The model could not produce a turn (endpoint down, bad response); the message says what to check."""
+
+
+@dataclass
+class PolicyOutput:
+    """One assistant turn as a policy produced it."""
+
+    text: str
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    model: str = ""
+    finish_reason: str = ""
+    # For RL (token-in, token-out); None where the backend cannot provide them.
+    token_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+    policy_versions: list[int] | None = None
+    routed_experts: list[list[int]] | None = None
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """A model that writes assistant turns. Implementations must be safe to
+    call from several threads at once (parallel attempts share one policy)."""
+
+    name: str
+
+    def generate(self, messages: list[dict], tools: list[dict]) -> PolicyOutput:
+        """One assistant turn for `messages`, allowed to call `tools` (OpenAI function schemas)."""
+        ...
+
+
+def parse_tool_call(call_id: str, name: str, raw_arguments: str | dict | None) -> ToolCall:
+    """A ToolCall from what a model wrote; bad JSON is kept and explained in `error`."""
+    if isinstance(raw_arguments, dict):  # some servers send an object instead of a JSON string
+        raw_arguments = json.dumps(raw_arguments)
+    raw = raw_arguments if isinstance(raw_arguments, str) else ""
+    if not raw.strip():
+        return ToolCall(call_id, name, raw, arguments={})
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as e:
+        return ToolCall(call_id, name, raw, error=f"the arguments of {name!r} are not valid JSON ({e.msg} at "
+                        f"character {e.pos}); send one JSON object, e.g. {{\"path\": \"src/app.py\"}}")
+    if not isinstance(value, dict):
+        return ToolCall(call_id, name, raw, error=f"the arguments of {name!r} must be a JSON object, got "
+                        f"{type(value).__name__}")
+    return ToolCall(call_id, name, raw, arguments=value)
+
+
+def assistant_message(output: PolicyOutput) -> dict:
+    """The OpenAI chat message that records `output` in the conversation."""
+    message: dict = {"role": "assistant", "content": output.text or ""}
+    if output.tool_calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.raw_arguments}}
+            for c in output.tool_calls
+        ]
+    return message
