@@ -1,0 +1,102 @@
+"""Parallel attempts: N episodes at once in N forked sandboxes, the best one kept.
+
+Forking gives every attempt the same starting state (copy-on-write, in
+milliseconds), so attempts differ only by what the model did. They run on
+threads (the work is in the model server and the sandboxes), and all of them
+are reported, not just the winner.
+
+Which attempt is best:
+- for a Task, the one with the highest reward (hidden checks), ties broken
+  by fewer turns, then less wall clock (`run_task_attempts`);
+- for a user's repository, where there are no hidden checks, the one whose
+  visible test command passes, then one that submitted, then one that
+  changed something, then the fewest turns and the shortest time
+  (`run_attempts`, `best_attempt`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from codefleet.agent import workspace
+from codefleet.agent.episode import EpisodeConfig, score, solve
+from codefleet.agent.loop import AgentLoop, Event
+from codefleet.agent.policy import Policy
+from codefleet.agent.tools import ToolConfig
+from codefleet.sandbox.base import Sandbox, SandboxConfig
+from codefleet.types import Budgets, Task, Trajectory
+
+
+@dataclass
+class Attempt:
+    index: int
+    trajectory: Trajectory
+    diff: str
+    tests_passed: bool | None = None  # None: no test command was given
+    test_output: str = ""
+
+
+def run_attempts(sandboxes: list[Sandbox], instruction: str, policy: Policy, *, planner: Policy | None = None,
+                 test_command: str = "", budgets: Budgets | None = None, tool_config: ToolConfig | None = None,
+                 on_event: Callable[[int, Event], None] | None = None,
+                 on_loop: Callable[[AgentLoop], None] | None = None) -> list[Attempt]:
+    """One attempt per sandbox (each already holding a workspace.snapshot()), all at once."""
+
+    def attempt(index: int, sandbox: Sandbox) -> Attempt:
+        sink = (lambda event: on_event(index, event)) if on_event else None
+        trajectory = solve(sandbox, instruction, policy, planner=planner, test_command=test_command,
+                           budgets=budgets, tool_config=tool_config, on_event=sink, on_loop=on_loop,
+                           task_id=f"attempt-{index}")
+        trajectory.metadata["attempt"] = index
+        try:
+            diff = workspace.diff(sandbox)
+        except Exception as e:
+            diff = ""
+            trajectory.metadata["diff_error"] = str(e)
+        result = Attempt(index, trajectory, diff)
+        if test_command:
+            run = sandbox.run_oneoff(["bash", "-c", test_command], timeout_s=600)
+            result.tests_passed, result.test_output = run.ok, run.output
+        return result
+
+    with ThreadPoolExecutor(max_workers=max(len(sandboxes), 1), thread_name_prefix="attempt") as pool:
+        futures = [pool.submit(attempt, i, sb) for i, sb in enumerate(sandboxes)]
+        return [f.result() for f in futures]
+
+
+def best_attempt(attempts: list[Attempt]) -> Attempt:
+    """The attempt to keep for a user's repository (see the module docstring)."""
+    return max(attempts, key=lambda a: (a.tests_passed is True, a.trajectory.stop_reason == "submit",
+                                        bool(a.diff.strip()), -a.trajectory.n_turns, -a.trajectory.wall_s))
+
+
+def run_task_attempts(task: Task, policy: Policy, n: int, sandbox_config: SandboxConfig | None = None, *,
+                      planner: Policy | None = None, config: EpisodeConfig | None = None) -> list[Trajectory]:
+    """n scored episodes of `task` in sandboxes forked from one prepared sandbox; in attempt order,
+    each with metadata["attempt"]. Pick the best with `best_trajectory`."""
+    from codefleet.tasks.checks import prepare_sandbox
+
+    config = config or EpisodeConfig()
+    base = prepare_sandbox(task, sandbox_config)
+    try:
+        children = base.fork(n)
+    finally:
+        base.close()
+
+    def attempt(index: int, sandbox: Sandbox) -> Trajectory:
+        try:
+            trajectory = solve(sandbox, task.instruction, policy, planner=planner, test_command=task.test_command,
+                               budgets=config.budgets or task.budgets, tool_config=config.tools, task_id=task.id)
+            trajectory.metadata["attempt"] = index
+            return score(trajectory, sandbox, task, config.reward)
+        finally:
+            sandbox.close()
+
+    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="attempt") as pool:
+        return list(pool.map(attempt, range(n), children))
+
+
+def best_trajectory(trajectories: list[Trajectory]) -> Trajectory:
+    return max(trajectories, key=lambda t: (t.reward, -t.n_turns, -t.wall_s))

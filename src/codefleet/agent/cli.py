@@ -1,0 +1,205 @@
+"""`codefleet agent run`: the product — an agent on your repository, with any OpenAI-compatible model.
+
+    codefleet agent run --repo . --task "make the tests pass" --model http://localhost:8000/v1
+
+The repository is overlaid into a sandbox (copy-on-write) and is never
+modified unless `--apply`, which applies the final diff with `git apply`
+after checking it applies cleanly. Progress (turns, tool calls, durations)
+streams to stderr; the diff goes to stdout, or with `--json` one JSON object
+(diff, turns, tool_calls, stop_reason, wall_s, ... and every attempt).
+`--attempts N` runs N attempts at once in forked sandboxes and keeps the best
+(attempts.py). While it runs, each line typed on stdin (a terminal or a pipe)
+is sent to the agent as a correction, seen at its next turn.
+
+`register(subparsers)` adds the `agent` command group to the main `codefleet`
+parser; `main(argv)` runs it standalone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import stat
+import sys
+import threading
+from collections.abc import Callable
+from typing import TextIO
+
+from codefleet.agent import workspace
+from codefleet.agent.attempts import Attempt, best_attempt, run_attempts
+from codefleet.agent.loop import AgentLoop, Event
+from codefleet.types import Budgets
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `agent run` to a `codefleet` parser's subcommands."""
+    agent = subparsers.add_parser("agent", help="run the coding agent on a repository")
+    agent_sub = agent.add_subparsers(dest="action", required=True)
+    run = agent_sub.add_parser(
+        "run", help="run the agent on a repository with an OpenAI-compatible model",
+        description="Run the coding agent on a copy-on-write view of REPO; REPO is only changed with --apply. "
+        "Lines typed on stdin while it runs are sent to the agent as corrections.")
+    run.add_argument("--repo", default=".", help="the repository to work on (default: .)")
+    run.add_argument("--task", required=True, help="what to do, in words")
+    run.add_argument("--model", required=True, help="OpenAI-compatible base URL, e.g. http://localhost:8000/v1")
+    run.add_argument("--model-name", default="", help="model name (default: the first one the endpoint lists)")
+    run.add_argument("--planner", default=None, help="base URL of a planner model that writes a plan first")
+    run.add_argument("--planner-model-name", default="", help="the planner's model name")
+    run.add_argument("--attempts", type=int, default=1, help="parallel attempts in forked sandboxes (default 1)")
+    run.add_argument("--test-command", default="", help="visible test command; picks the best attempt")
+    run.add_argument("--apply", action="store_true", help="apply the final diff to REPO")
+    run.add_argument("--json", action="store_true", help="print one JSON object on stdout at the end")
+    run.add_argument("--max-turns", type=int, default=None, help=f"turn budget (default {Budgets().max_turns})")
+    run.add_argument("--max-wall-s", type=float, default=None,
+                     help=f"wall-clock budget in seconds (default {Budgets().wall_clock_s:g})")
+    run.add_argument("--timeout-s", type=float, default=300.0, help="per model request (default 300)")
+    run.add_argument("--backend", choices=["auto", "namespace", "local"], default=None, help="sandbox backend")
+    run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a SandboxConfig field")
+    run.set_defaults(func=run_command)
+
+
+def _progress(n_attempts: int, err: TextIO) -> Callable[[int, Event], None]:
+    lock = threading.Lock()
+
+    def on_event(index: int, event: Event) -> None:
+        tag = f"[attempt {index + 1}] " if n_attempts > 1 else ""
+        kind = event["event"]
+        if kind == "turn":
+            names = ", ".join(event["tool_calls"]) or "no tool calls"
+            line = (f"{tag}turn {event['turn'] + 1}: {names} (model {event['model_s']:.2f} s, tools "
+                    f"{event['tool_s']:.2f} s, {event['tokens']} tokens)")
+            line += f" — {len(event['errors'])} error(s)" if event["errors"] else ""
+        elif kind == "plan":
+            line = f"{tag}plan ({event['model_s']:.1f} s):\n{event['text']}"
+        elif kind == "correction":
+            line = f"{tag}correction delivered: {event['text']}"
+        elif kind == "model_error":
+            line = f"{tag}model error: {event['error']}"
+        elif kind == "stop":
+            line = f"{tag}stopped ({event['stop_reason']}) after {event['turns']} turns, {event['wall_s']:.1f} s"
+        else:
+            return
+        with lock:
+            print(line, file=err, flush=True)
+
+    return on_event
+
+
+def _read_corrections(stream: TextIO, loops: list[AgentLoop], lock: threading.Lock, err: TextIO) -> None:
+    for line in stream:
+        text = line.strip()
+        if text:
+            with lock:
+                for loop in loops:
+                    loop.inject(text)
+            print(f"correction queued: {text}", file=err, flush=True)
+
+
+def _interactive(stream: TextIO | None) -> bool:
+    """True when `stream` is a terminal or a pipe (not a file, not /dev/null, not closed)."""
+    try:
+        mode = os.fstat(stream.fileno()).st_mode
+    except (AttributeError, OSError, ValueError):
+        return False
+    return stream.isatty() or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
+
+
+def _attempt_summary(a: Attempt) -> dict:
+    t = a.trajectory
+    return {"attempt": a.index, "stop_reason": t.stop_reason, "turns": t.n_turns, "tool_calls": t.n_tool_calls,
+            "tool_calls_per_turn": round(t.tool_calls_per_turn, 3), "wall_s": round(t.wall_s, 3),
+            "model_s": round(t.model_s, 3), "tool_s": round(t.tool_s, 3), "tokens": t.tokens,
+            "tests_passed": a.tests_passed, "error": t.metadata.get("error", ""), "diff": a.diff}
+
+
+def run_command(args: argparse.Namespace, stdin: TextIO | None = None, out: TextIO | None = None,
+                err: TextIO | None = None) -> int:
+    from codefleet.agent.clients import build_policy
+    from codefleet.config import ConfigError, load_config
+    from codefleet.sandbox import SandboxConfig, SandboxError, create_sandbox
+
+    stdin = sys.stdin if stdin is None else stdin
+    out, err = out or sys.stdout, err or sys.stderr
+    if args.attempts < 1:
+        print("codefleet agent run: --attempts must be at least 1", file=err)
+        return 2
+    if not os.path.isdir(args.repo):
+        print(f"codefleet agent run: --repo {args.repo!r} is not a directory", file=err)
+        return 2
+    try:
+        overrides = list(args.set or []) + ([f"backend={args.backend}"] if args.backend else [])
+        sandbox_config = load_config(SandboxConfig, None, overrides)
+        policy = build_policy(args.model, args.model_name, timeout_s=args.timeout_s)
+        planner = build_policy(args.planner, args.planner_model_name, timeout_s=args.timeout_s) \
+            if args.planner else None
+    except (ConfigError, ValueError, NotImplementedError) as e:
+        print(f"codefleet agent run: {e}", file=err)
+        return 2
+    defaults = Budgets()
+    budgets = Budgets(max_turns=args.max_turns or defaults.max_turns,
+                      wall_clock_s=args.max_wall_s or defaults.wall_clock_s)
+    loops: list[AgentLoop] = []
+    loops_lock = threading.Lock()
+
+    def keep(loop: AgentLoop) -> None:
+        with loops_lock:
+            loops.append(loop)
+
+    if _interactive(stdin):
+        threading.Thread(target=_read_corrections, args=(stdin, loops, loops_lock, err), daemon=True,
+                         name="corrections").start()
+    sandboxes = []
+    try:
+        base = create_sandbox(args.repo, sandbox_config)
+        sandboxes.append(base)
+        workspace.snapshot(base)
+        if args.attempts > 1:
+            sandboxes = base.fork(args.attempts) + [base]
+        attempts = run_attempts(sandboxes[:args.attempts], args.task, policy, planner=planner,
+                                test_command=args.test_command, budgets=budgets,
+                                on_event=_progress(args.attempts, err), on_loop=keep)
+    except (SandboxError, workspace.WorkspaceDiffError, FileNotFoundError) as e:
+        print(f"codefleet agent run: {e}", file=err)
+        return 2
+    finally:
+        for sb in sandboxes:
+            sb.close()
+    best = best_attempt(attempts)
+    result = {**_attempt_summary(best), "best_attempt": best.index, "applied": False,
+              "attempts": [_attempt_summary(a) for a in attempts]}
+    code = 1 if best.trajectory.stop_reason == "error" else 0
+    if args.apply and best.diff.strip():
+        try:
+            workspace.apply_diff(args.repo, best.diff)
+            result["applied"] = True
+            print(f"applied the diff to {os.path.abspath(args.repo)}", file=err)
+        except RuntimeError as e:
+            result["apply_error"] = str(e)
+            print(f"codefleet agent run: {e}", file=err)
+            code = 1
+    if args.json:
+        print(json.dumps(result), file=out, flush=True)
+    else:
+        out.write(best.diff or "")
+        out.flush()
+        if not best.diff.strip():
+            print("(no changes)", file=err)
+    return code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="codefleet")
+    register(parser.add_subparsers(dest="group", required=True))
+    return parser
+
+
+def main(argv: list[str] | None = None, stdin: TextIO | None = None, out: TextIO | None = None,
+         err: TextIO | None = None) -> int:
+    """`codefleet agent ...` on its own: main(["agent", "run", "--repo", ".", ...])."""
+    args = build_parser().parse_args(argv)
+    return args.func(args, stdin=stdin, out=out, err=err)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""A scripted expert: solves a task from its reference patch, acting like an agent.
+
+For demonstrations (SFT data), tests and baselines we want trajectories that
+look like a good agent's — explore, read, edit, test, submit — and always
+solve the task. The expert knows the task's reference patch and replays it
+through the ordinary Policy interface, writing the same tool-call JSON a
+model would:
+
+    turn 0  list_dir(".") and a search for an identifier the patch touches (parallel)
+    turn 1  read_file of every file the patch changes (parallel when several)
+    turn 2  one edit_file per hunk, computed from what read_file showed
+            (widened until unique, tasks.patch.FileDiff.edit_blocks);
+            write_file for new files; `rm` (run) for deleted ones
+    turn 3  run the visible test command (if the task has one)
+    turn 4  submit
+
+The expert is stateless: which step comes next is the number of assistant
+messages so far, and the edits are computed from the read_file results in
+the transcript. So one instance serves any number of concurrent episodes,
+and a correction or a plan in the context does not derail it. Token counts
+are estimates (characters / 4); there are no token ids or logprobs.
+"""
+
+from __future__ import annotations
+
+import json
+import keyword
+import re
+import shlex
+
+from codefleet.agent.policy import PolicyOutput, parse_tool_call
+from codefleet.tasks.patch import FileDiff, PatchError, apply_file_diff, parse_unified_diff
+from codefleet.types import Task
+
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]{3,}")
+_COMMON = set(keyword.kwlist) | {"self", "return", "None", "True", "False", "print", "assert", "import", "from"}
+
+
+class ScriptedExpert:
+    def __init__(self, task: Task):
+        if not task.reference_patch.strip():
+            raise ValueError(f"task {task.id!r} has no reference patch; the scripted expert replays one")
+        self.task = task
+        self.name = f"scripted-expert:{task.id}"
+        self.diffs = parse_unified_diff(task.reference_patch)
+        self.to_read = [d for d in self.diffs if not d.is_new and not d.is_deleted and not d.is_binary]
+        self.steps = ["explore"] + (["read"] if self.to_read else []) + ["edit"]
+        self.steps += (["test"] if task.test_command else []) + ["submit"]
+
+    def generate(self, messages: list[dict], tools: list[dict]) -> PolicyOutput:
+        index = sum(1 for m in messages if m.get("role") == "assistant")
+        step = self.steps[index] if index < len(self.steps) else "done"
+        text, calls = getattr(self, "_" + step)(messages, index)
+        tool_calls = [parse_tool_call(f"call_{index}_{i}", name, json.dumps(args))
+                      for i, (name, args) in enumerate(calls)]
+        return PolicyOutput(text=text, tool_calls=tool_calls, model=self.name,
+                            prompt_tokens=len(json.dumps(messages)) // 4,
+                            completion_tokens=(len(text) + sum(len(c.raw_arguments) for c in tool_calls)) // 4,
+                            finish_reason="tool_calls" if tool_calls else "stop")
+
+    # -- steps ---------------------------------------------------------------------------
+
+    def _explore(self, messages: list[dict], index: int) -> tuple[str, list[tuple[str, dict]]]:
+        calls: list[tuple[str, dict]] = [("list_dir", {"path": "."})]
+        term = self._search_term()
+        if term:
+            calls.append(("search", {"pattern": term, "path": "."}))
+        return "Let me look at the repository layout and find the relevant code.", calls
+
+    def _read(self, messages: list[dict], index: int) -> tuple[str, list[tuple[str, dict]]]:
+        paths = [d.old_path for d in self.to_read]
+        return f"Reading {', '.join(paths)}.", [("read_file", {"path": p}) for p in paths]
+
+    def _edit(self, messages: list[dict], index: int) -> tuple[str, list[tuple[str, dict]]]:
+        seen = self._read_results(messages)
+        calls: list[tuple[str, dict]] = []
+        for diff in self.diffs:
+            if diff.is_new:
+                calls.append(("write_file", {"path": diff.new_path, "content": diff.new_content()}))
+            elif diff.is_deleted:
+                calls.append(("run", {"command": f"rm -f {shlex.quote(diff.old_path)}"}))
+            elif diff.is_rename:
+                content = apply_file_diff(seen.get(diff.old_path, ""), diff)
+                calls.append(("write_file", {"path": diff.new_path, "content": content}))
+                calls.append(("run", {"command": f"rm -f {shlex.quote(diff.old_path)}"}))
+            elif not diff.is_binary:
+                for old, new in _edit_blocks(diff, seen.get(diff.old_path)):
+                    calls.append(("edit_file", {"path": diff.new_path, "old_text": old, "new_text": new}))
+        return "Making the change.", calls
+
+    def _test(self, messages: list[dict], index: int) -> tuple[str, list[tuple[str, dict]]]:
+        return "Running the tests.", [("run", {"command": self.task.test_command, "timeout": 300})]
+
+    def _submit(self, messages: list[dict], index: int) -> tuple[str, list[tuple[str, dict]]]:
+        files = ", ".join(d.path for d in self.diffs)
+        return "Done.", [("submit", {"summary": f"Changed {files} as the task asks."})]
+
+    def _done(self, messages: list[dict], index: int) -> tuple[str, list[tuple[str, dict]]]:
+        return "The task is done.", []
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _search_term(self) -> str:
+        """An identifier the patch touches: the longest uncommon one on a changed line."""
+        for diff in self.to_read:
+            for hunk in diff.hunks:
+                changed = [ln for ln in hunk.old_lines if ln not in hunk.new_lines] or hunk.old_lines
+                names = [n for ln in changed for n in _IDENT.findall(ln) if n not in _COMMON]
+                if names:
+                    return max(names, key=len)
+        return ""
+
+    def _read_results(self, messages: list[dict]) -> dict[str, str]:
+        """Path -> file text, reconstructed from the read_file calls and their results in the transcript."""
+        paths: dict[str, str] = {}  # call id -> path
+        for m in messages:
+            for tc in m.get("tool_calls") or []:
+                if tc["function"]["name"] == "read_file":
+                    args = json.loads(tc["function"]["arguments"] or "{}")
+                    paths[tc["id"]] = args.get("path", "")
+        out: dict[str, str] = {}
+        for m in messages:
+            if m.get("role") == "tool" and m.get("tool_call_id") in paths:
+                content = m.get("content") or ""
+                if content.startswith("[") and content.endswith(" is empty]"):
+                    out[paths[m["tool_call_id"]]] = ""
+                elif not content.startswith("error:") and "[output capped" not in content:
+                    lines = [ln.split("\t", 1)[1] if "\t" in ln else "" for ln in content.split("\n")]
+                    out[paths[m["tool_call_id"]]] = "\n".join(lines) + "\n"
+        return out
+
+
+def _edit_blocks(diff: FileDiff, seen: str | None) -> list[tuple[str, str]]:
+    """edit_file arguments for a diff, made unique against the file as read (with or without a final newline)."""
+    if seen is not None:
+        for text in (seen, seen[:-1]):
+            try:
+                return diff.edit_blocks(text)
+            except PatchError:
+                continue
+    return diff.old_text_blocks()
+

@@ -1,0 +1,54 @@
+"""Reward of an episode: correctness from the hidden checks, minus what speed cost.
+
+    reward = base - cost_per_turn * turns - cost_per_s * wall_s - cost_per_token * tokens
+
+`base` is 1/0 for "all hidden checks pass" (mode "all_pass") or the fraction
+of checks that pass (mode "fraction"). All costs default to zero, so the
+default reward is plain correctness; turning them on trains speed, the way a
+production agent is rewarded for finishing in fewer turns and less time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from codefleet.types import CheckResult, Trajectory
+
+REWARD_MODES = ("all_pass", "fraction")
+
+
+@dataclass
+class RewardConfig:
+    mode: str = "all_pass"  # "all_pass" | "fraction"
+    cost_per_turn: float = 0.0
+    cost_per_s: float = 0.0  # per second of episode wall clock
+    cost_per_token: float = 0.0  # per prompt + completion token
+
+    def __post_init__(self) -> None:
+        if self.mode not in REWARD_MODES:
+            raise ValueError(f"unknown reward mode {self.mode!r}; choose one of {', '.join(REWARD_MODES)}")
+
+
+def correctness(checks: CheckResult | None, mode: str = "all_pass") -> float:
+    if checks is None:
+        return 0.0
+    if mode == "fraction":
+        return checks.fraction
+    return 1.0 if checks.all_passed else 0.0
+
+
+def compute_reward(trajectory: Trajectory, config: RewardConfig | None = None) -> float:
+    """The reward of a finished trajectory (its `checks` filled in)."""
+    config = config or RewardConfig()
+    return (correctness(trajectory.checks, config.mode)
+            - config.cost_per_turn * trajectory.n_turns
+            - config.cost_per_s * trajectory.wall_s
+            - config.cost_per_token * trajectory.tokens)
+
+
+def efficiency(trajectory: Trajectory) -> dict[str, float | int]:
+    """The speed figures of an episode, for logs, reports and the reward."""
+    return {"turns": trajectory.n_turns, "tool_calls": trajectory.n_tool_calls,
+            "tool_calls_per_turn": round(trajectory.tool_calls_per_turn, 3),
+            "wall_s": round(trajectory.wall_s, 3), "model_s": round(trajectory.model_s, 3),
+            "tool_s": round(trajectory.tool_s, 3), "tokens": trajectory.tokens}
