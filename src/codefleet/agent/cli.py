@@ -54,6 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--max-wall-s", type=float, default=None,
                      help=f"wall-clock budget in seconds (default {Budgets().wall_clock_s:g})")
     run.add_argument("--timeout-s", type=float, default=300.0, help="per model request (default 300)")
+    run.add_argument("--max-retries", type=int, default=3, help="retries of a failed model request (default 3)")
     run.add_argument("--backend", choices=["auto", "namespace", "local"], default=None, help="sandbox backend")
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a SandboxConfig field")
     run.set_defaults(func=run_command)
@@ -130,9 +131,9 @@ def run_command(args: argparse.Namespace, stdin: TextIO | None = None, out: Text
     try:
         overrides = list(args.set or []) + ([f"backend={args.backend}"] if args.backend else [])
         sandbox_config = load_config(SandboxConfig, None, overrides)
-        policy = build_policy(args.model, args.model_name, timeout_s=args.timeout_s)
-        planner = build_policy(args.planner, args.planner_model_name, timeout_s=args.timeout_s) \
-            if args.planner else None
+        options = {"timeout_s": args.timeout_s, "max_retries": args.max_retries}
+        policy = build_policy(args.model, args.model_name, **options)
+        planner = build_policy(args.planner, args.planner_model_name, **options) if args.planner else None
     except (ConfigError, ValueError, NotImplementedError) as e:
         print(f"codefleet agent run: {e}", file=err)
         return 2

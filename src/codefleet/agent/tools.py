@@ -94,7 +94,7 @@ TOOL_SPECS: dict[str, ToolSpec] = {s.name: s for s in [
              {"summary": Param("string", "A short summary of what you changed and why.")}),
 ]}
 
-_SKIP_DIRS = {".git", "__pycache__", "node_modules", ".venv", ".mypy_cache", ".pytest_cache", ".tox"}
+_SKIP_DIRS = {".git", ".codefleet", "__pycache__", "node_modules", ".venv", ".mypy_cache", ".pytest_cache", ".tox"}
 
 
 def tool_schemas(names: list[str] | None = None) -> list[dict]:

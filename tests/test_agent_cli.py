@@ -1,0 +1,139 @@
+"""`codefleet agent run` end to end: a real OpenAI-protocol server, real sandboxes, a real repository."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import threading
+
+import pytest
+from openai_stub import OpenAIStub, call, reply
+
+from codefleet.agent.cli import main
+
+FIX = call("edit_file", {"path": "pkg/calc.py", "old_text": "return a - b", "new_text": "return a - b  # checked"})
+
+
+def run_cli(stub: OpenAIStub, repo: str, state_dir: str, *extra: str, stdin=None) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = main(["agent", "run", "--repo", repo, "--task", "Mark sub as checked.", "--model", stub.base_url,
+                 "--set", f"state_dir={state_dir}", *extra], stdin=stdin or io.StringIO(), out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def tree(root: str) -> dict[str, str]:
+    files = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d != ".git"]
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            with open(path, encoding="utf-8") as f:
+                files[os.path.relpath(path, root)] = f.read()
+    return files
+
+
+def test_json_run_leaves_the_repository_untouched(repo, state_dir):
+    before = tree(repo)
+    script = [reply("reading", call("read_file", {"path": "pkg/calc.py"}), call("list_dir", {})),
+              reply("", FIX, call("write_file", {"path": "NOTES.md", "content": "checked\n"})),
+              reply("", call("submit", {"summary": "marked"}))]
+    with OpenAIStub(script) as stub:
+        code, out, err = run_cli(stub, repo, state_dir, "--json")
+    assert code == 0
+    result = json.loads(out.strip().splitlines()[-1])  # the last thing printed is one JSON object
+    assert {"diff", "turns", "tool_calls", "stop_reason", "wall_s"} <= set(result)
+    assert (result["turns"], result["tool_calls"], result["stop_reason"]) == (3, 5, "submit")
+    assert result["applied"] is False and len(result["attempts"]) == 1
+    assert "+    return a - b  # checked" in result["diff"] and "+++ b/NOTES.md" in result["diff"]
+    assert ".codefleet" not in result["diff"]
+    assert tree(repo) == before  # never modified without --apply
+    assert "turn 1: read_file, list_dir" in err and "stopped (submit) after 3 turns" in err
+
+
+def test_apply_changes_the_repository_with_the_diff(repo, state_dir):
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    script = [reply("", FIX, call("write_file", {"path": "pkg/new.py", "content": "X = 1\n"}),
+                    call("run", {"command": "rm README.md"})),
+              reply("", call("submit", {}))]
+    with OpenAIStub(script) as stub:
+        code, out, err = run_cli(stub, repo, state_dir, "--apply")
+    assert code == 0 and "applied the diff" in err
+    files = tree(repo)
+    assert files["pkg/calc.py"].endswith("return a - b  # checked\n") and files["pkg/new.py"] == "X = 1\n"
+    assert "README.md" not in files and not os.path.exists(os.path.join(repo, ".codefleet"))
+    assert out.startswith("diff --git")  # without --json the diff goes to stdout
+
+
+def test_attempts_run_in_parallel_and_the_one_whose_tests_pass_is_kept(repo, state_dir):
+    lock = threading.Lock()
+    first_turns = []
+
+    def by_turn(body: dict):
+        turn = sum(m["role"] == "assistant" for m in body["messages"])
+        if turn == 1:
+            return reply("", call("submit", {}))
+        with lock:  # the two attempts' first turns differ: one breaks add, one does not
+            first_turns.append(1)
+            good = len(first_turns) == 1
+        new = "return a + b  # fine" if good else "return a * b"
+        return reply("", call("edit_file", {"path": "pkg/calc.py", "old_text": "return a + b", "new_text": new}),
+                     delay_s=0.3)
+
+    test = "python3 -c 'from pkg.calc import add; assert add(2, 3) == 5'"
+    with OpenAIStub([by_turn] * 4) as stub:
+        code, out, err = run_cli(stub, repo, state_dir, "--attempts", "2", "--test-command", test, "--json")
+    result = json.loads(out)
+    assert code == 0 and len(result["attempts"]) == 2
+    assert sorted(a["tests_passed"] for a in result["attempts"]) == [False, True]
+    assert result["tests_passed"] is True and "+    return a + b  # fine" in result["diff"]
+    assert result["attempts"][result["best_attempt"]]["diff"] == result["diff"]
+    assert "[attempt 1]" in err and "[attempt 2]" in err
+    first = sorted(stub.request_times)[:2]
+    assert first[1] - first[0] < 0.25  # both attempts asked the model at once (each answer takes 0.3 s)
+
+
+def test_a_line_on_stdin_is_sent_as_a_correction(repo, state_dir):
+    read_fd, write_fd = os.pipe()
+    stdin = os.fdopen(read_fd, "r")
+    writer = os.fdopen(write_fd, "w")
+
+    def first_turn(body: dict):
+        writer.write("please also keep the docstring\n")
+        writer.flush()
+        return reply("", call("run", {"command": "sleep 0.3"}))
+
+    with OpenAIStub([first_turn, reply("", call("submit", {}))]) as stub:
+        code, out, err = run_cli(stub, repo, state_dir, "--json", stdin=stdin)
+    writer.close()
+    assert code == 0
+    contents = [m["content"] for m in stub.requests[1]["messages"] if m["role"] == "user"]
+    assert contents[-1] == "please also keep the docstring"
+    assert all(m["content"] != "please also keep the docstring" for m in stub.requests[0]["messages"])
+    assert "correction delivered: please also keep the docstring" in err
+
+
+def test_an_unreachable_model_fails_with_the_url_in_the_message(repo, state_dir):
+    with OpenAIStub() as stub:
+        url = stub.base_url
+    out, err = io.StringIO(), io.StringIO()
+    code = main(["agent", "run", "--repo", repo, "--task", "x", "--model", url, "--json", "--timeout-s", "2",
+                 "--max-retries", "0", "--set", f"state_dir={state_dir}"], stdin=io.StringIO(), out=out, err=err)
+    result = json.loads(out.getvalue())
+    assert code == 1 and result["stop_reason"] == "error" and url in result["error"]
+    assert f"model error: PolicyError: could not connect to the model endpoint {url}" in err.getvalue()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--repo", "/nonexistent/repo"], "is not a directory"),
+    (["--model", "ftp://x"], "OpenAI-compatible base URL"),
+    (["--attempts", "0"], "at least 1"),
+])
+def test_bad_arguments_say_what_is_wrong(repo, argv, message):
+    err = io.StringIO()
+    base = {"--repo": repo, "--task": "x", "--model": "http://127.0.0.1:9/v1"}
+    base.update(dict(zip(argv[::2], argv[1::2])))
+    code = main(["agent", "run", *[x for kv in base.items() for x in kv]], stdin=io.StringIO(), out=io.StringIO(),
+                err=err)
+    assert code == 2 and message in err.getvalue()
