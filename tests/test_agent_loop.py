@@ -221,3 +221,17 @@ def test_rl_token_fields_and_missing_call_ids_are_kept_per_turn(sandbox):
     ids = [c.id for c in turn.tool_calls]
     assert ids == ["call_0_0", "call_0_1"]  # ids filled in, unique, and used in the transcript
     assert [m["tool_call_id"] for m in trajectory.messages if m["role"] == "tool"][:2] == ids
+
+
+def test_cancel_stops_before_the_next_turn(sandbox):
+    holder: dict[str, AgentLoop] = {}
+
+    def first_turn(body: dict):
+        holder["loop"].cancel()  # e.g. Ctrl-C while the model is thinking
+        return reply("", call("run", {"command": "echo still runs"}))
+
+    with OpenAIStub([first_turn] + _looping(3)) as stub:
+        holder["loop"] = AgentLoop(policy_for(stub), sandbox)
+        trajectory = holder["loop"].run(build_messages("x"))
+    assert trajectory.stop_reason == "cancelled" and trajectory.n_turns == 1 and len(stub.requests) == 1
+    assert trajectory.turns[0].tool_results[0].output == "still runs\n[exit code 0]"

@@ -42,12 +42,19 @@ def run_attempts(sandboxes: list[Sandbox], instruction: str, policy: Policy, *, 
                  test_command: str = "", budgets: Budgets | None = None, tool_config: ToolConfig | None = None,
                  on_event: Callable[[int, Event], None] | None = None,
                  on_loop: Callable[[AgentLoop], None] | None = None) -> list[Attempt]:
-    """One attempt per sandbox (each already holding a workspace.snapshot()), all at once."""
+    """One attempt per sandbox (each already holding a workspace.snapshot()), all at once. An
+    exception while waiting (Ctrl-C) cancels every attempt's loop before it propagates."""
+    loops: list[AgentLoop] = []
+
+    def keep(loop: AgentLoop) -> None:
+        loops.append(loop)
+        if on_loop:
+            on_loop(loop)
 
     def attempt(index: int, sandbox: Sandbox) -> Attempt:
         sink = (lambda event: on_event(index, event)) if on_event else None
         trajectory = solve(sandbox, instruction, policy, planner=planner, test_command=test_command,
-                           budgets=budgets, tool_config=tool_config, on_event=sink, on_loop=on_loop,
+                           budgets=budgets, tool_config=tool_config, on_event=sink, on_loop=keep,
                            task_id=f"attempt-{index}")
         trajectory.metadata["attempt"] = index
         try:
@@ -63,7 +70,12 @@ def run_attempts(sandboxes: list[Sandbox], instruction: str, policy: Policy, *, 
 
     with ThreadPoolExecutor(max_workers=max(len(sandboxes), 1), thread_name_prefix="attempt") as pool:
         futures = [pool.submit(attempt, i, sb) for i, sb in enumerate(sandboxes)]
-        return [f.result() for f in futures]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:
+            for loop in list(loops):
+                loop.cancel()
+            raise
 
 
 def best_attempt(attempts: list[Attempt]) -> Attempt:

@@ -71,6 +71,8 @@ def _progress(n_attempts: int, err: TextIO) -> Callable[[int, Event], None]:
             line = (f"{tag}turn {event['turn'] + 1}: {names} (model {event['model_s']:.2f} s, tools "
                     f"{event['tool_s']:.2f} s, {event['tokens']} tokens)")
             line += f" — {len(event['errors'])} error(s)" if event["errors"] else ""
+            text = " ".join(event["text"].split())
+            line += f"\n{tag}  {text[:200]}{'…' if len(text) > 200 else ''}" if text else ""
         elif kind == "plan":
             line = f"{tag}plan ({event['model_s']:.1f} s):\n{event['text']}"
         elif kind == "correction":
@@ -163,6 +165,9 @@ def run_command(args: argparse.Namespace, stdin: TextIO | None = None, out: Text
     except (SandboxError, workspace.WorkspaceDiffError, FileNotFoundError) as e:
         print(f"codefleet agent run: {e}", file=err)
         return 2
+    except KeyboardInterrupt:
+        print("codefleet agent run: interrupted; the repository was not changed", file=err)
+        return 130
     finally:
         for sb in sandboxes:
             sb.close()

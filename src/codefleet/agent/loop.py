@@ -13,19 +13,21 @@ call, in call order, each with its `tool_call_id`. The episode ends when
 - a budget runs out: turns, tool calls, tokens or wall clock
   ("max_turns", "max_tool_calls", "max_tokens", "wall_clock"),
 - the policy fails, e.g. the endpoint stays down after its retries ("error";
-  the message is in `trajectory.metadata["error"]`).
+  the message is in `trajectory.metadata["error"]`),
+- `cancel()` was called, e.g. on Ctrl-C ("cancelled").
 
 Anything malformed a model writes becomes an error observation (tools.py);
 the loop never raises because of model output. Each Turn records the model
 and tool time, tokens, tool calls and results, errors and — when the policy
 provides them — the sampled token ids, logprobs, policy versions and routed
-experts for RL. `inject()` is thread-safe and may be called while `run()` is
-in progress, from any thread.
+experts for RL. `inject()` and `cancel()` are thread-safe and may be called
+while `run()` is in progress, from any thread.
 """
 
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -49,10 +51,15 @@ class AgentLoop:
         self.on_event = on_event or (lambda event: None)
         self.tools = tool_schemas()
         self._corrections: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._cancelled = threading.Event()
 
     def inject(self, message: str) -> None:
         """A correction from the user; the model sees it as a user message at its next turn."""
         self._corrections.put(message)
+
+    def cancel(self) -> None:
+        """Stop before the next turn (the current model call or tool calls finish first)."""
+        self._cancelled.set()
 
     def run(self, messages: list[dict], task_id: str = "") -> Trajectory:
         """Run the episode from `messages` (system prompt, task, ...); `messages` grows in place."""
@@ -94,6 +101,8 @@ class AgentLoop:
 
     def _budget_stop(self, turns: list[Turn], elapsed_s: float) -> str:
         b = self.budgets
+        if self._cancelled.is_set():
+            return "cancelled"
         if len(turns) >= b.max_turns:
             return "max_turns"
         if sum(len(t.tool_calls) for t in turns) >= b.max_tool_calls:
