@@ -7,25 +7,35 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 
 
 def _sandbox_run(args: argparse.Namespace) -> int:
-    from codefleet.config import load_config
-    from codefleet.sandbox import SandboxConfig, SandboxError, create_sandbox
+    from codefleet.config import ConfigError, load_config
+    from codefleet.sandbox import SandboxConfig, SandboxError, create_sandbox, resolve_backend
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         print("codefleet sandbox run: give the command after `--`, e.g. "
               "`codefleet sandbox run --repo . -- pytest -q`", file=sys.stderr)
         return 2
+    if args.repo is not None and not os.path.isdir(args.repo):
+        print(f"codefleet sandbox run: repository directory {args.repo!r} does not exist; give --repo an "
+              "existing directory (or leave it out for an empty workspace)", file=sys.stderr)
+        return 2
     overrides = list(args.set or [])
     if args.memory_mb is not None:
         overrides.append(f"memory_mb={args.memory_mb}")
     if args.backend:
         overrides.append(f"backend={args.backend}")
-    config = load_config(SandboxConfig, args.config, overrides)
+    try:
+        config = load_config(SandboxConfig, args.config, overrides)
+        resolve_backend(config.backend)  # an unknown backend is a usage error, like a bad key
+    except (ConfigError, ValueError) as e:
+        print(f"codefleet sandbox run: {e}", file=sys.stderr)
+        return 2
     line = command[0] if len(command) == 1 else shlex.join(command)
     try:
         with create_sandbox(args.repo, config) as sb:

@@ -63,12 +63,15 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
         return {str(k): _coerce(vt, v, f"{where}.{k}") for k, v in value.items()}
     if tp is Any:
         return value
+    if isinstance(value, bool) and tp in (int, float):  # bool is an int to Python, never to a config
+        raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}")
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     if isinstance(tp, type) and not isinstance(value, tp):
-        raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}")
+        hint = " (quote it to keep it as text)" if tp is str and (value is None or isinstance(value, bool)) else ""
+        raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}{hint}")
     return value
 
 
@@ -77,24 +80,35 @@ def from_dict(cls: type[T], data: dict, where: str = "") -> T:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = set(data) - names
     if unknown:
-        raise ConfigError(f"unknown config key(s) {sorted(unknown)} in {where or cls.__name__}; "
+        raise ConfigError(f"unknown config key(s) {sorted(map(str, unknown))} in {where or cls.__name__}; "
                           f"known: {sorted(names)}")
     kwargs = {k: _coerce(hints[k], v, f"{where}.{k}" if where else k) for k, v in data.items()}
     return cls(**kwargs)
 
 
 def load_config(cls: type[T], path: str | None = None, overrides: list[str] | None = None) -> T:
+    """`cls` from the YAML file at `path` (optional), then `key.sub=value` overrides."""
     data: dict = {}
     if path:
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f) or {}
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path!r}: {e.strerror or e}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path!r} is not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping")
     for item in overrides or []:
         key, sep, raw = item.partition("=")
-        if not sep or not key:
+        if not sep or not key.strip():
             raise ConfigError(f"override {item!r} must look like key.sub=value")
-        _set_path(data, key.strip(), yaml.safe_load(raw) if raw else "")
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            raise ConfigError(f"override {item!r}: {raw!r} is not a YAML value; quote it, e.g. "
+                              f"{key.strip()}='\"{raw}\"'") from None
+        _set_path(data, key.strip(), value)
     return from_dict(cls, data)
 
 

@@ -86,6 +86,14 @@ class WorkspaceFiles:
 
     def _open(self, path: str, flags: int, mode: int = 0o644, create_parents: bool = False) -> int:
         """Open `path` inside the workspace, resolving a final symlink safely."""
+        try:
+            return self._open_resolved(path, flags, mode, create_parents)
+        except PathEscapeError as e:
+            if repr(path) in str(e):
+                raise
+            raise PathEscapeError(f"path {path!r} leads outside the workspace through a symlink ({e})") from None
+
+    def _open_resolved(self, path: str, flags: int, mode: int, create_parents: bool) -> int:
         for _ in range(_MAX_LINKS):
             dir_fd, name = self._walk(path, create_parents)
             try:
@@ -104,6 +112,23 @@ class WorkspaceFiles:
 
     def resolve_dir(self, path: str) -> int:
         return self._open(path, os.O_RDONLY | os.O_DIRECTORY)
+
+    def _relpath_of(self, fd: int) -> str:
+        """Workspace-relative path of an open fd (symlinks and '..' resolved)."""
+        real = os.readlink(f"/proc/self/fd/{fd}")
+        rel = os.path.relpath(real, os.path.realpath(self.root))
+        if rel == ".." or rel.startswith("../"):  # cannot happen: _open refuses it
+            raise PathEscapeError(f"{real!r} is outside the workspace")
+        return rel
+
+    def real_relpath(self, path: str) -> str:
+        """The canonical workspace-relative path of an existing `path` ('.' for the root);
+        raises PathEscapeError if it leads outside the workspace."""
+        fd = self._open(path, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: a FIFO must not hang us
+        try:
+            return self._relpath_of(fd)
+        finally:
+            os.close(fd)
 
     # -- operations ------------------------------------------------------------
 
@@ -138,9 +163,19 @@ class WorkspaceFiles:
         return "".join(lines[start:end])
 
     def write(self, path: str, content: str | bytes) -> None:
+        """Create or replace the regular file `path`, creating missing parent directories."""
         data = content.encode() if isinstance(content, str) else content
-        fd = self._open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644, create_parents=True)
+        try:  # O_NONBLOCK and no O_TRUNC until we know it is a regular file: a FIFO must not hang us
+            fd = self._open(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK, 0o644, create_parents=True)
+        except OSError as e:
+            if e.errno == errno.ENXIO:  # a FIFO nobody reads
+                raise ValueError(f"{path!r} is not a regular file") from None
+            raise
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ValueError(f"{path!r} is not a regular file")
+            os.set_blocking(fd, True)
+            os.ftruncate(fd, 0)
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
@@ -148,10 +183,10 @@ class WorkspaceFiles:
             os.close(fd)
 
     def list(self, path: str = ".", recursive: bool = False, max_entries: int = 10_000) -> list[FileEntry]:
-        base = "/".join(_relative_parts(path))
         fd = self.resolve_dir(path)
         out: list[FileEntry] = []
         try:
+            base = self._relpath_of(fd)
             self._list_fd(fd, base, recursive, out, max_entries)
         finally:
             os.close(fd)
@@ -164,7 +199,7 @@ class WorkspaceFiles:
             st = os.lstat(name, dir_fd=fd)
             kind = ("dir" if stat.S_ISDIR(st.st_mode) else "file" if stat.S_ISREG(st.st_mode)
                     else "symlink" if stat.S_ISLNK(st.st_mode) else "other")
-            rel = f"{prefix}/{name}" if prefix else name
+            rel = name if prefix in ("", ".") else f"{prefix}/{name}"
             out.append(FileEntry(rel, kind, st.st_size))
             if recursive and kind == "dir" and name != ".git":
                 sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import warnings
 
@@ -22,6 +23,20 @@ from codefleet.sandbox.state import owner_for
 from codefleet.types import SandboxInfo
 
 
+def copy_tree(src: str, dst: str) -> None:
+    """Copy a workspace: symlinks as symlinks, FIFOs recreated (never opened: that would hang),
+    sockets and device files left out."""
+
+    def copy_entry(s: str, d: str) -> None:
+        mode = os.lstat(s).st_mode
+        if stat.S_ISFIFO(mode):
+            os.mkfifo(d, stat.S_IMODE(mode))
+        elif stat.S_ISREG(mode):
+            shutil.copy2(s, d)
+
+    shutil.copytree(src, dst, symlinks=True, copy_function=copy_entry)
+
+
 class LocalSandbox(ShellSandbox):
     backend = "local"
 
@@ -29,22 +44,24 @@ class LocalSandbox(ShellSandbox):
                  _replay: str = ""):
         warnings.warn("codefleet local sandbox: commands run WITHOUT isolation on this host", stacklevel=2)
         config = config or SandboxConfig()
-        owner = owner_for(config.state_dir)
-        owner.track(self)
-        sandbox_id = "lo-" + os.urandom(5).hex()
-        self.dir = os.path.join(owner.dir, "sb", sandbox_id)
-        workspace = os.path.join(self.dir, "workspace")
         source = _copy_from or repo
         if source is not None and not os.path.isdir(source):
             raise FileNotFoundError(f"repository directory {source!r} does not exist")
+        owner = owner_for(config.state_dir)
+        sandbox_id = "lo-" + os.urandom(5).hex()
+        self.dir = os.path.join(owner.dir, "sb", sandbox_id)
+        workspace = os.path.join(self.dir, "workspace")
         os.makedirs(self.dir)
-        if source:
-            shutil.copytree(source, workspace, symlinks=True)
-        else:
-            os.makedirs(workspace)
         super().__init__(sandbox_id, config, workspace)
         self.workspace = workspace
+        owner.track(self)
         try:
+            if source:
+                copy_tree(source, workspace)
+            else:
+                os.makedirs(workspace)
+            if _copy_from and _replay:  # the parent's shell state names the parent's workspace
+                _replay = _replay.replace(_copy_from, workspace)
             self._start(_replay)
         except BaseException:
             self.close()
@@ -56,7 +73,7 @@ class LocalSandbox(ShellSandbox):
         return env
 
     def _spawn_shell(self, replay: str) -> tuple[subprocess.Popen, ShellSession]:
-        proc = procs.spawner.popen(["bash", "--noprofile", "--norc", "-i"], stdin=subprocess.PIPE,
+        proc = procs.spawner.popen(["bash", "--noprofile", "--norc", "--noediting", "-i"], stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=self.workspace,
                                    env=self._env(), start_new_session=True)
 
@@ -96,13 +113,14 @@ class LocalSandbox(ShellSandbox):
             pass
 
     def _make_children(self, n: int, replay: str) -> list[ShellSandbox]:
-        replay = replay.replace(self.workspace, "{WORKSPACE}")
         children: list[ShellSandbox] = []
-        for _ in range(n):
-            child = LocalSandbox(None, self.config, _copy_from=self.workspace)
-            if replay:
-                child.exec(replay.replace("{WORKSPACE}", child.workspace))
-            children.append(child)
+        try:
+            for _ in range(n):
+                children.append(LocalSandbox(None, self.config, _copy_from=self.workspace, _replay=replay))
+        except BaseException:
+            for child in children:
+                child.close()
+            raise
         return children
 
     def _release(self) -> None:

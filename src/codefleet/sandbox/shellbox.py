@@ -25,18 +25,43 @@ from codefleet.types import ExecResult, FileEntry, SandboxInfo, SearchMatch
 
 
 def setup_script(config: SandboxConfig, workdir: str, ulimits: str, replay: str = "") -> str:
-    """The first lines every fresh shell runs."""
+    """The first lines every fresh shell runs. They are read with readline still on
+    (see ShellSandbox._start), so they hold printable characters only."""
     lines = ["set +H +o history; unset HISTFILE PROMPT_COMMAND; PS1=''; PS2=''; PS0=''",
              ulimits,
-             f"cd {shell_quote(workdir)}"]
-    lines += [f"export {k}={shell_quote(v)}" for k, v in config.env.items()]
+             f"cd {bash_literal(workdir)}"]
+    lines += [f"export {k}={bash_literal(v)}" for k, v in config.env.items()]
     if replay:
         lines.append(replay)
     return "\n".join(line for line in lines if line)
 
 
+def bash_literal(text: str) -> str:
+    """`text` as one bash word made of printable characters: '...' or, when it
+    holds control characters, $'...' with escapes."""
+    if text.isprintable():
+        return shell_quote(text)
+    out = []
+    for ch in text:
+        if ch in "\\'":
+            out.append("\\" + ch)
+        elif ch.isprintable():
+            out.append(ch)
+        elif ord(ch) < 0x80:
+            out.append(f"\\x{ord(ch):02x}")
+        elif ord(ch) < 0x10000:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(f"\\U{ord(ch):08x}")
+    return "$'" + "".join(out) + "'"
+
+
 def collect_until_exit(proc: subprocess.Popen, limit_bytes: int, deadline: float) -> tuple[OutputCollector, bool]:
-    """Read a one-off process's merged output until EOF; (output, finished in time)."""
+    """Read a one-off process's merged output until it ends; (output, finished in time).
+
+    It ends at EOF, or when the process has exited but something it left running
+    in the background still holds the pipe: then the pipe is drained and the
+    process group (those leftovers) is killed, instead of waiting for the deadline."""
     out = OutputCollector(limit_bytes, b"\x00never\x00")
     fd = proc.stdout.fileno()
     os.set_blocking(fd, False)
@@ -46,7 +71,7 @@ def collect_until_exit(proc: subprocess.Popen, limit_bytes: int, deadline: float
         left_ms = (deadline - time.perf_counter()) * 1000
         if left_ms <= 0:
             return out, False
-        if poller.poll(max(int(left_ms), 1)):
+        if poller.poll(min(max(int(left_ms), 1), 50)):
             try:
                 chunk = os.read(fd, 1 << 20)
             except BlockingIOError:
@@ -54,6 +79,30 @@ def collect_until_exit(proc: subprocess.Popen, limit_bytes: int, deadline: float
             if not chunk:
                 return out, True
             out.feed(chunk)
+        elif _exited(proc):
+            try:  # the process is a zombie, not reaped yet: its group id cannot have been reused
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            while time.perf_counter() < deadline:  # what it wrote before it exited
+                try:
+                    chunk = os.read(fd, 1 << 20)
+                except BlockingIOError:
+                    break
+                if not chunk:
+                    break
+                out.feed(chunk)
+            return out, True
+
+
+def _exited(proc: subprocess.Popen) -> bool:
+    """True once `proc` has exited, without reaping it."""
+    if proc.returncode is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
 
 
 class ShellSandbox(ABC):
@@ -104,8 +153,17 @@ class ShellSandbox(ABC):
         if self._closed:
             raise SandboxClosedError(f"sandbox {self.id} is closed; create a new one")
 
+    # An interactive bash reads commands with readline, which edits any line that
+    # holds a control character: TAB completes, ^A and ESC sequences move the
+    # cursor, DEL erases. Line editing must be turned off by a command at the top
+    # level: run inside the protocol's `{ ...; } </dev/null` it makes bash read its
+    # next command from /dev/null, and exit. So this line goes to the shell as is.
+    _NO_LINE_EDITING = b"set +o emacs +o vi\n"
+
     def _start(self, replay: str = "") -> None:
-        self._proc, self._session = self._spawn_shell(replay)
+        proc, session = self._spawn_shell(replay)
+        os.write(proc.stdin.fileno(), self._NO_LINE_EDITING)  # prints nothing; runs before the next command
+        self._proc, self._session = proc, session
 
     def exec(self, command: str, timeout_s: float | None = None) -> ExecResult:
         """Run `command` in the persistent shell; cwd, env and background jobs persist."""
@@ -196,33 +254,49 @@ class ShellSandbox(ABC):
         """Lines matching the extended regular expression `pattern` under `path`
         (grep -E semantics, binary files and .git skipped)."""
         self._check_open()
-        os.close(self.files._open(path, os.O_RDONLY | os.O_NONBLOCK))  # refuses paths outside the workspace
-        rel = path if not path.startswith("/") else (path[len("/workspace"):].lstrip("/") or ".")
-        result = self.run_oneoff(["grep", "-rnIE", "--null", "--exclude-dir=.git", "-e", pattern, "--", rel or "."],
+        rel = self.files.real_relpath(path)  # refuses paths outside the workspace; resolves symlinks
+        # -H: name the file even when `path` is one file; -s: unreadable files are skipped
+        # silently, so only a bad pattern prints an error; -D skip: a FIFO is never read.
+        result = self.run_oneoff(["grep", "-rHnIEs", "-D", "skip", "--null", "--exclude-dir=.git", "-e", pattern,
+                                  "--", rel],
                                  timeout_s=30)
-        if result.exit_code == 2 or result.timed_out:
-            raise ValueError(f"search for {pattern!r} failed: {result.output.strip()[:300]}")
+        if result.timed_out:
+            raise ValueError(f"search for {pattern!r} in {path!r} timed out after 30 s; search a smaller directory")
         matches = []
-        for line in result.output.splitlines():
+        errors = []
+        for line in result.output.split("\n"):  # not splitlines(): a match may contain \f or \x1c
             name, sep, rest = line.partition("\x00")
             number, sep2, text = rest.partition(":")
             if sep and sep2 and number.isdigit():
-                matches.append(SearchMatch(os.path.normpath(name), int(number), text))
-                if len(matches) >= max_matches:
-                    break
+                if len(matches) < max_matches:
+                    matches.append(SearchMatch(os.path.normpath(name), int(number), text))
+            elif line.strip():
+                errors.append(line.strip())
+        if result.exit_code == 2 and errors:
+            raise ValueError(f"search for {pattern!r} failed: {' '.join(errors)[:300]} (patterns use grep -E "
+                             "syntax; escape special characters such as ( [ { with a backslash)")
         return matches
 
     # -- fork and close -------------------------------------------------------------
 
+    _STATE_MARK = "@@codefleet-shell-state@@"
+
     def shell_state(self) -> str:
-        """Bash lines that recreate this shell's cwd and exported variables."""
-        result = self.exec("builtin pwd; builtin export -p", timeout_s=10)
-        lines = result.output.splitlines()
-        if not lines:
+        """Bash lines that recreate this shell's cwd and exported variables.
+
+        The cwd is printed with %q and the variables with `export -p` (bash's own
+        re-readable form), so names with spaces or newlines survive; a marker line
+        separates them from late output of background jobs."""
+        result = self.exec(f"builtin printf '%s\\n%q\\n' {shell_quote(self._STATE_MARK)} \"$PWD\"; "
+                           "( builtin export -n PWD OLDPWD SHLVL 2>/dev/null; builtin export -p )", timeout_s=10)
+        _, found, state = result.output.partition(self._STATE_MARK + "\n")
+        if not found or result.exit_code != 0:
             return ""
-        cwd, exports = lines[0], [ln for ln in lines[1:] if ln.startswith("declare -x ")]
-        keep = [ln for ln in exports if ln.split()[2].split("=")[0] not in ("PWD", "OLDPWD", "SHLVL", "_")]
-        return "\n".join([f"cd {shell_quote(cwd)} 2>/dev/null", *keep])
+        cwd, _, exports = state.partition("\n")
+        lines = [f"builtin cd -- {cwd} 2>/dev/null"]
+        if exports.strip():  # a variable that cannot be set (readonly) must not fail the new shell
+            lines.append("{ " + exports.rstrip("\n") + "\n} 2>/dev/null")
+        return "\n".join(lines + ["builtin true"])
 
     def fork(self, n: int) -> list["ShellSandbox"]:
         """n sandboxes whose workspaces start from this one's current filesystem

@@ -1,0 +1,92 @@
+"""load_config: YAML file, then key.sub=value overrides, checked against the
+dataclass's field types with errors that name the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from codefleet.config import ConfigError, from_dict, load_config, to_dict
+from codefleet.sandbox import SandboxConfig
+
+
+def _yaml(tmp_path, text):
+    path = tmp_path / "sandbox.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_without_a_file():
+    assert load_config(SandboxConfig) == SandboxConfig()
+
+
+def test_yaml_file_then_overrides(tmp_path):
+    path = _yaml(tmp_path, "memory_mb: 512\ntimeout_s: 5\nbackend: local\nenv:\n  A: one\n  B: 2\nro_binds: [/opt]\n")
+    cfg = load_config(SandboxConfig, path, ["memory_mb=256", "env.C=three", "cpu_cores=0.5", "ro_binds=[/a, /b]",
+                                           "state_dir=/var/tmp/x"])
+    assert cfg.memory_mb == 256
+    assert cfg.timeout_s == 5.0 and isinstance(cfg.timeout_s, float)
+    assert cfg.backend == "local"
+    assert cfg.env == {"A": "one", "B": "2", "C": "three"}
+    assert cfg.cpu_cores == 0.5
+    assert cfg.ro_binds == ["/a", "/b"]
+    assert cfg.state_dir == "/var/tmp/x"
+    assert load_config(SandboxConfig, path, ["state_dir=null"]).state_dir is None
+
+
+@pytest.mark.parametrize("override, field", [
+    ("memory_mb=lots", "memory_mb"),
+    ("memory_mb=1.5", "memory_mb"),
+    ("memory_mb=true", "memory_mb"),
+    ("timeout_s=fast", "timeout_s"),
+    ("timeout_s=yes", "timeout_s"),
+    ("ro_binds=/opt", "ro_binds"),
+    ("env=5", "env"),
+    ("env.X=[1, 2]", "env.X"),
+    ("memory_mb.sub=1", "memory_mb"),
+])
+def test_type_errors_name_the_field(override, field):
+    with pytest.raises(ConfigError, match=f"^{field}: expected"):
+        load_config(SandboxConfig, None, [override])
+
+
+def test_unknown_keys_are_refused_with_the_known_ones(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\) \['memory'\].*memory_mb"):
+        load_config(SandboxConfig, None, ["memory=512"])
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\) \['timeout'\]"):
+        load_config(SandboxConfig, _yaml(tmp_path, "timeout: 3\n"))
+
+
+@pytest.mark.parametrize("override", ["memory_mb", "=5", " =5"])
+def test_malformed_overrides(override):
+    with pytest.raises(ConfigError, match="key.sub=value"):
+        load_config(SandboxConfig, None, [override])
+
+
+def test_an_override_that_is_not_yaml_says_how_to_quote_it():
+    with pytest.raises(ConfigError, match="is not a YAML value; quote it"):
+        load_config(SandboxConfig, None, ["env.X=[unclosed"])
+
+
+def test_an_override_into_a_scalar_from_the_file(tmp_path):
+    with pytest.raises(ConfigError, match="'memory_mb' is not a section"):
+        load_config(SandboxConfig, _yaml(tmp_path, "memory_mb: 5\n"), ["memory_mb.x=1"])
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(SandboxConfig, str(tmp_path / "missing.yaml"))
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_config(SandboxConfig, _yaml(tmp_path, "memory_mb: [1, 2\n"))
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(SandboxConfig, _yaml(tmp_path, "- memory_mb\n"))
+    with pytest.raises(ConfigError, match="^memory_mb: expected int"):
+        load_config(SandboxConfig, _yaml(tmp_path, "memory_mb: '512'\n"))
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_to_dict_round_trips():
+    cfg = SandboxConfig(memory_mb=100, env={"A": "b"}, ro_binds=["/x"], timeout_s=2.5)
+    assert from_dict(SandboxConfig, to_dict(cfg)) == cfg

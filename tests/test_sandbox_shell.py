@@ -1,0 +1,183 @@
+"""The persistent shell of the default sandbox: state between commands, exit
+codes, output, command text of every shape, timeouts and shell restarts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from codefleet.sandbox import SandboxClosedError, create_sandbox
+
+
+def test_cwd_env_and_functions_persist_between_commands(sandbox):
+    assert sandbox.exec("cd pkg && export GREETING='hello world' && LOCAL=kept").ok
+    assert sandbox.exec("greet() { echo \"$GREETING from $(basename $PWD)\"; }").ok
+    result = sandbox.exec("pwd; echo $LOCAL; greet")
+    assert result.output == "/workspace/pkg\nkept\nhello world from pkg\n"
+    assert result.exit_code == 0 and not result.timed_out and not result.shell_restarted
+
+
+def test_background_jobs_survive_between_commands(sandbox):
+    assert sandbox.exec("sleep 60 & echo $! > /tmp/job.pid").ok
+    result = sandbox.exec("kill -0 $(cat /tmp/job.pid) && echo running; jobs")
+    assert result.output.startswith("running\n")
+    assert "sleep 60" in result.output
+    assert sandbox.exec("kill %1; wait %1; jobs | wc -l").output.strip() == "0"
+
+
+def test_exit_codes(sandbox):
+    assert sandbox.exec("true").exit_code == 0
+    assert sandbox.exec("false").exit_code == 1
+    assert sandbox.exec("(exit 42)").exit_code == 42
+    assert sandbox.exec("sh -c 'kill -9 $$'").exit_code == 137
+    failed = sandbox.exec("ls /no/such/dir")
+    assert failed.exit_code == 2 and not failed.ok
+    assert "No such file or directory" in failed.output
+
+
+def test_stdout_and_stderr_are_merged_in_write_order(sandbox):
+    assert sandbox.exec("echo 1; echo 2 >&2; echo 3; echo 4 >&2").output == "1\n2\n3\n4\n"
+    script = ("import sys\nfor i in range(3):\n"
+              "    print(f'out{i}', flush=True)\n    print(f'err{i}', file=sys.stderr, flush=True)")
+    result = sandbox.exec(f"python3 -c \"{script}\"")
+    assert result.output == "out0\nerr0\nout1\nerr1\nout2\nerr2\n"
+
+
+def test_multiline_commands_and_quoting(sandbox):
+    command = "for f in a b; do\n  echo \"item $f\"\ndone\nif true; then\n  echo yes\nfi"
+    assert sandbox.exec(command).output == "item a\nitem b\nyes\n"
+    quoted = sandbox.exec("""echo "it's" 'say "hi"' $'tab\\there' "back\\\\slash" '}' '{ eval'""")
+    assert quoted.output == "it's say \"hi\" tab\there back\\slash } { eval\n"
+
+
+def test_heredocs(sandbox):
+    literal = sandbox.exec("cat <<'EOF'\n$HOME 'single' \"double\" `date` \\\nEOF")
+    assert literal.output == "$HOME 'single' \"double\" `date` \\\n"
+    expanded = sandbox.exec("X=42\ncat <<EOF\nvalue=$X\nEOF")
+    assert expanded.output == "value=42\n"
+    sandbox.exec("cat > script.py <<'PY'\nimport sys\nprint('from heredoc', sys.argv[1])\nPY")
+    assert sandbox.exec("python3 script.py ok").output == "from heredoc ok\n"
+
+
+def test_control_characters_reach_the_command_unedited(sandbox):
+    # TAB, ^A, DEL, ESC sequences, ^X^X and CR once were eaten by the shell's line editor.
+    text = "A\tB\x01C\x7fD\x1b[AE\x18\x18F\rG\x04H"
+    result = sandbox.exec(f"printf %s '{text}' > ctl.txt; echo done")
+    assert result.output == "done\n"
+    assert sandbox.read_file("ctl.txt") == text
+    assert sandbox.exec("echo still alive").output == "still alive\n"
+
+
+def test_commands_starting_with_a_dash_are_commands(sandbox):
+    result = sandbox.exec("-x")
+    assert result.exit_code == 127
+    assert "-x: command not found" in result.output
+    assert sandbox.exec("--help; echo after").output.endswith("after\n")
+
+
+def test_stdin_is_empty(sandbox):
+    result = sandbox.exec("cat; read line; echo read=$? line=$line")
+    assert result.output == "read=1 line=\n"
+
+
+def test_exit_reports_its_status_and_the_next_command_gets_a_fresh_shell(sandbox):
+    sandbox.exec("cd pkg && export KEEP=1 && echo saved > /workspace/kept.txt")
+    result = sandbox.exec("echo bye; exit 3")
+    assert result.exit_code == 3
+    assert not result.timed_out
+    assert result.output.startswith("bye\n")
+    assert "shell exited (status 3)" in result.output
+    assert not sandbox.alive()
+
+    after = sandbox.exec("pwd; echo KEEP=$KEEP; cat kept.txt")
+    assert after.shell_restarted
+    assert after.exit_code == 0
+    assert after.output.startswith("/workspace\nKEEP=\nsaved\n")  # cwd and env reset, files kept
+    assert sandbox.alive()
+    assert not sandbox.exec("true").shell_restarted
+
+
+def test_a_killed_shell_is_replaced(sandbox):
+    sandbox.exec("kill -9 $$")
+    result = sandbox.exec("echo back")
+    assert result.shell_restarted and result.output.startswith("back\n")
+
+
+def test_run_oneoff_runs_outside_the_shell(sandbox):
+    sandbox.exec("cd pkg && export ONLY_IN_SHELL=1 && echo new > /workspace/made_in_shell.txt")
+    result = sandbox.run_oneoff(["sh", "-c", "pwd; echo var=$ONLY_IN_SHELL; cat made_in_shell.txt"])
+    assert result.output == "/workspace\nvar=\nnew\n"
+    assert sandbox.run_oneoff(["sh", "-c", "exit 5"]).exit_code == 5
+    assert sandbox.exec("pwd").output == "/workspace/pkg\n"  # the shell is untouched
+
+
+def test_run_oneoff_returns_when_the_process_exits_even_if_a_child_holds_the_pipe(sandbox):
+    result = sandbox.run_oneoff(["sh", "-c", "sleep 60 & echo started"], timeout_s=20)
+    assert result.output == "started\n"
+    assert result.exit_code == 0 and not result.timed_out
+
+
+def test_run_oneoff_timeout(sandbox):
+    result = sandbox.run_oneoff(["sleep", "60"], timeout_s=1)
+    assert result.timed_out and result.exit_code == 124
+    assert "timed out" in result.output
+
+
+def test_large_command_text(sandbox):
+    payload = "x" * 100_000
+    assert sandbox.exec(f"printf %s '{payload}' | wc -c").output.strip() == "100000"
+    lines = "\n".join(f"line {i} with 'quotes' and \"doubles\" and $dollars" for i in range(2500))
+    assert len(lines) > 100_000
+    result = sandbox.exec(f"cat > big.txt <<'EOF'\n{lines}\nEOF\nwc -l < big.txt")
+    assert result.output.strip() == "2500"
+    assert sandbox.read_file("big.txt") == lines + "\n"
+
+
+def test_timeout_kills_the_command_and_keeps_the_shell(sandbox):
+    sandbox.exec("cd pkg; export STATE=kept; sleep 60 &")
+    for command in ("sleep 60", "while true; do :; done"):
+        result = sandbox.exec(command, timeout_s=1)
+        assert result.timed_out and result.exit_code == 124
+        assert "timed out" in result.output
+    after = sandbox.exec("pwd; echo $STATE; jobs | wc -l")
+    assert after.output == "/workspace/pkg\nkept\n1\n"  # the earlier background job was spared
+    assert not after.shell_restarted
+
+
+def test_long_output_keeps_head_and_tail(repo, config):
+    with create_sandbox(repo, dataclasses.replace(config, output_limit_bytes=1000)) as sb:
+        result = sb.exec("seq 1 100000")
+    assert result.truncated and result.cut_bytes > 0
+    assert result.output.startswith("1\n2\n3\n")
+    assert result.output.endswith("99999\n100000\n")
+    assert "bytes of output cut" in result.output
+    assert len(result.output) < 2000
+
+
+def test_binary_output_is_decoded_with_replacement(sandbox):
+    result = sandbox.exec("printf '\\377\\376 ok \\303\\251\\n'")
+    assert result.output == "\ufffd\ufffd ok é\n"
+
+
+def test_config_env_is_exported(repo, config):
+    env = {"PLAIN": "a b", "TRICKY": "it's\ta\nmulti-line $value"}
+    with create_sandbox(repo, dataclasses.replace(config, env=env)) as sb:
+        assert sb.exec('printf "%s|%s" "$PLAIN" "$TRICKY"').output == "a b|it's\ta\nmulti-line $value"
+
+
+def test_info_reports_isolation(sandbox):
+    assert sandbox.info.backend == "namespace"
+    assert sandbox.info.isolated
+    assert sandbox.info.workspace == "/workspace"
+
+
+def test_a_closed_sandbox_refuses_commands(repo, config):
+    sb = create_sandbox(repo, config)
+    sb.close()
+    sb.close()  # idempotent
+    assert not sb.alive()
+    with pytest.raises(SandboxClosedError):
+        sb.exec("true")
+    with pytest.raises(SandboxClosedError):
+        sb.read_file("README.md")
