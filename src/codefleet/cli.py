@@ -2,6 +2,8 @@
 
     codefleet sandbox run [--repo DIR] [--timeout S] [--memory-mb N] -- CMD [ARGS...]
     codefleet bench sandbox [--quick] [--json]
+    codefleet agent run --repo PATH --task TEXT --model URL [...]
+    codefleet tasks generate|check ...
 """
 
 from __future__ import annotations
@@ -83,6 +85,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print only the JSON object")
     bench.add_argument("--backend", choices=["auto", "namespace", "local"], default="auto")
     bench.set_defaults(func=_bench)
+
+    from codefleet.agent.cli import register as register_agent
+
+    register_agent(sub)
+    try:
+        from codefleet.tasks.cli import register as register_tasks
+    except ImportError:  # the tasks CLI lands with the task families
+        pass
+    else:
+        register_tasks(sub)
     return parser
 
 
