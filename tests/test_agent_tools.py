@@ -161,3 +161,12 @@ def test_edits_of_one_file_in_one_turn_apply_in_call_order(tools, sandbox):
     text = sandbox.read_file("pkg/calc.py")
     assert "def plus(x, y):" in text and "def minus(a, b):" in text
     assert set(TOOL_SPECS) >= {c.name for c in calls}
+
+
+def test_line_numbers_follow_newlines_only_and_crlf_files_can_be_edited(tools, sandbox):
+    sandbox.write_file("dos.txt", b"one\r\ntwo\x0cstill two\r\nthree\r\n")
+    assert tools.execute(tc("read_file", path="dos.txt")).output.split("\n") == [
+        "     1\tone", "     2\ttwo\x0cstill two", "     3\tthree"]
+    edited = tools.execute(tc("edit_file", path="dos.txt", old_text="one\ntwo", new_text="uno\ndos"))
+    assert edited.ok, edited.output
+    assert sandbox.read_file("dos.txt") == "uno\r\ndos\x0cstill two\r\nthree\r\n"

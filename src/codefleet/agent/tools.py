@@ -192,7 +192,9 @@ class Toolbox:
         if start_line < 1 or (end_line is not None and end_line < start_line):
             raise ToolError(f"read_file needs 1 <= start_line <= end_line, got start_line={start_line}, "
                             f"end_line={end_line}")
-        lines = self.sandbox.read_file(path).splitlines()
+        text = self.sandbox.read_file(path)
+        # split on \n only (not str.splitlines, which also splits on \f, \x1c, ...): numbers match sed and editors
+        lines = [ln.removesuffix("\r") for ln in text.removesuffix("\n").split("\n")] if text else []
         if not lines:
             return f"[{path} is empty]"
         if start_line > len(lines):
@@ -217,6 +219,9 @@ class Toolbox:
             raise ToolError("old_text and new_text are identical; there is nothing to change")
         text = self.sandbox.read_file(path)
         count = text.count(old_text)
+        if count == 0 and "\r\n" in text and "\r\n" not in old_text:  # a CRLF file, edited as read_file shows it
+            old_text, new_text = old_text.replace("\n", "\r\n"), new_text.replace("\n", "\r\n")
+            count = text.count(old_text)
         if count == 0:
             raise ToolError(f"old_text was not found in {path}; it must match the file exactly, whitespace and "
                             "indentation included (read_file the region again and copy it without the "
