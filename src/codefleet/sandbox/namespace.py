@@ -2,11 +2,18 @@
 
 Each sandbox is one `bwrap` with its own user, mount, PID, IPC, UTS, network
 and cgroup namespaces (loopback only), every capability dropped, running as
-uid 1000. The host filesystem is visible read-only and only in part: /usr
-(and the /bin, /lib... links into it), /etc with every file that is not
+uid 1000. Where bwrap can (0.8 and later: --disable-userns) the sandbox
+cannot make user namespaces of its own, so a command cannot become root with
+every capability in a namespace it made itself (`unshare -r`).
+
+The host filesystem is visible read-only and only in part: /usr (and the
+/bin, /lib... links into it), /etc with every file that is not
 world-readable masked, and the paths in `ro_binds`. /root, /home, the host
 /tmp and the state directory (other sandboxes' workspaces) are simply not
-there. /tmp is a private tmpfs; /workspace is the overlay (layers.py).
+there. /tmp is a private tmpfs; /workspace is the overlay (layers.py). The
+root holding these mount points is bwrap's tmpfs, remounted read-only: the
+workspace, /tmp, /var/tmp and /dev/shm are the only places a command can
+write.
 
 bwrap's own PID 1 reaps zombies; its death takes the whole PID namespace
 with it. bwrap is started with --die-with-parent from the spawner thread
@@ -55,6 +62,12 @@ def unavailable_reason() -> str | None:
 
 
 @functools.cache
+def _can_disable_userns() -> bool:
+    help_text = subprocess.run(["bwrap", "--help"], capture_output=True, text=True, timeout=20).stdout
+    return "--disable-userns" in help_text
+
+
+@functools.cache
 def _masked_etc() -> tuple[list[str], list[str]]:
     """Files and directories under /etc that are not world-readable: hidden in sandboxes.
     (Inside, uid 1000 maps to the host user, who may own them.)"""
@@ -97,6 +110,8 @@ def _host_args(config: SandboxConfig, owner: Owner) -> list[str]:
             "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net", "--unshare-cgroup-try",
             "--hostname", "sandbox", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
             "--ro-bind", "/usr", "/usr"]
+    if _can_disable_userns():
+        args.append("--disable-userns")
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
         if os.path.islink(top):
             args += ["--symlink", os.readlink(top), top]
@@ -112,7 +127,12 @@ def _host_args(config: SandboxConfig, owner: Owner) -> list[str]:
     args += ["--ro-bind", passwd, "/etc/passwd", "--ro-bind", group, "/etc/group"]
     for path in config.ro_binds:
         args += ["--ro-bind", os.path.abspath(path), os.path.abspath(path)]
-    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/var/tmp",
+    # The sandbox user is the host user, root here, for the kernel's permission
+    # checks on sysctls: /proc/sys must be read-only (bwrap itself covers it only
+    # when it finds it writable as a directory, which it never is).
+    args += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys",
+             "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger"]
+    args += ["--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/var/tmp",
              "--clearenv", "--setenv", "PATH", _PATH, "--setenv", "HOME", "/tmp", "--setenv", "USER", "agent",
              "--setenv", "LOGNAME", "agent", "--setenv", "TERM", "dumb", "--setenv", "LANG", "C.UTF-8",
              "--setenv", "PAGER", "cat", "--setenv", "GIT_PAGER", "cat"]
@@ -149,7 +169,9 @@ class NamespaceSandbox(ShellSandbox):
             self.workspace.mount()
             self.cgroup = self.owner.cgroups.create(sandbox_id, config.memory_mb, config.max_processes,
                                                     config.cpu_cores)
-            self._base_args = _host_args(config, self.owner) + ["--bind", self.workspace.merged, WORKSPACE]
+            # Last, once every mount point in it exists: the sandbox's own root becomes read-only.
+            self._base_args = _host_args(config, self.owner) + ["--bind", self.workspace.merged, WORKSPACE,
+                                                                 "--remount-ro", "/"]
             self._start(_replay)
         except BaseException:
             self._closed = True
@@ -206,10 +228,12 @@ class NamespaceSandbox(ShellSandbox):
             return procs.descendants(init_pid) - {shell_pid_box[0]}
 
         def exit_status() -> int:
+            """The shell's status as bash reports one: 128 + n for death by signal n."""
             try:
-                return proc.wait(timeout=2)
+                code = proc.wait(timeout=2)
             except subprocess.TimeoutExpired:
                 return 255
+            return 128 - code if code < 0 else code
 
         session = ShellSession(proc.stdin.fileno(), proc.stdout.fileno(), 0, list_procs, exit_status,
                                self.config.output_limit_bytes)
@@ -236,16 +260,23 @@ class NamespaceSandbox(ShellSandbox):
     def _death_note(self, result: ExecResult) -> str:
         return self._limit_note(result) + super()._death_note(result)
 
+    # Killing a sandbox kills its init (bwrap's PID 1 inside) first: the whole PID
+    # namespace dies with it, and the outer bwrap, which reaps it, then exits by
+    # itself and is reaped here. Killing the outer bwrap first would orphan init
+    # to the host's PID 1, to linger as a zombie until that one reaps it.
+
     def _kill_oneoff(self, proc: subprocess.Popen) -> None:
-        # Killing bwrap's PID 1 ends its whole PID namespace.
         for pid in procs.children(proc.pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        proc.kill()
+        _wait_or_kill(proc)
 
     def _kill_processes(self) -> None:
+        if len(self._pids) == 2 and self._proc is not None:
+            procs.kill_if_same(*self._pids[1])
+            _wait_or_kill(self._proc)
         for pid, started in self._pids:
             procs.kill_if_same(pid, started)
         if self.cgroup is not None:
@@ -291,6 +322,15 @@ class NamespaceSandbox(ShellSandbox):
                   "workspace_mb": str(self.config.workspace_mb),
                   "enforced_by": f"cgroup {self.cgroup.mode}" if self.cgroup else "rlimits"}
         return SandboxInfo(self.id, self.backend, WORKSPACE, self.workspace.strategy, limits, isolated=True)
+
+
+def _wait_or_kill(proc: subprocess.Popen, timeout_s: float = 2.0) -> None:
+    """Reap the outer bwrap once its init is dead; kill it if it does not exit."""
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _read_info(fd: int, proc: subprocess.Popen, timeout_s: float = 10.0) -> dict:

@@ -16,9 +16,14 @@ the only way to stop a loop made of shell builtins without killing the
 shell. On a timeout the host interrupts the shell, interrupts and then kills
 every process the command started (processes that existed before it, such as
 earlier background jobs, are spared), and resynchronises with a fresh marker.
-A shell that still does not answer is declared wedged and the owner restarts
-it. Interactive bash echoes its input to stderr; the shell's own stderr is
-therefore discarded (commands get `2>&1` instead).
+Once the shell is back, whatever the command started that is still there is
+killed too, and what it wrote before dying counts as this command's output,
+not the next one's. A shell that still does not answer is declared wedged
+and the owner restarts it. Interactive bash echoes its input to stderr; the
+shell's own stderr is therefore discarded (commands get `2>&1` instead), but
+what it prints while a command's redirections are in place cannot be: its
+complaint that it cannot reset a terminal it never had is dropped from the
+output.
 
 Output is capped: the first and last `limit/2` bytes are kept and a marker
 line says how many bytes were cut in between. Bytes are decoded at the end
@@ -42,6 +47,12 @@ from codefleet.types import ExecResult
 
 _PIPE_BYTES = 1 << 20  # ask the kernel for 1 MiB pipes: fewer wakeups on big outputs
 _READ_BYTES = 1 << 20
+# An interactive bash without a terminal prints this each time a foreground
+# command dies of a signal (`yes | head`, a timeout, the OOM killer): it tries
+# to restore the terminal settings it never had. It is the shell's noise.
+_NOISE = re.compile(rb"bash: \[\d{1,10}: \d{1,10} \(-?\d{1,10}\)\] tcsetattr: Inappropriate ioctl for device\n")
+_NOISE_TEXT = b"] tcsetattr: Inappropriate ioctl for device"
+_NOISE_MAX_BYTES = 128
 
 
 def shell_quote(text: str) -> str:
@@ -50,7 +61,15 @@ def shell_quote(text: str) -> str:
 
 
 class OutputCollector:
-    """Keeps the head and the tail of a byte stream and finds the end marker."""
+    """Keeps the head and the tail of a byte stream and finds the end marker.
+
+    The marker is `marker_prefix`, an exit code and \\x1e. Bytes that are not
+    the command's are dropped before they are counted: markers of earlier,
+    interrupted commands arriving late, and the shell's terminal noise
+    (_NOISE). The last bytes of the stream, as many as a marker or a
+    noise line could be long, are held back until later bytes show what they
+    are: so neither is ever stored in part, whatever the size of the cap.
+    """
 
     def __init__(self, limit_bytes: int, marker_prefix: bytes):
         self.head_limit = max(limit_bytes // 2, 0)
@@ -59,29 +78,42 @@ class OutputCollector:
         self.tail = bytearray()
         self.total = 0
         self.marker_prefix = marker_prefix
-        self._scan = bytearray()  # recent bytes, to find a marker split across reads
+        self._marker = re.compile(re.escape(marker_prefix) + rb"(-?\d{1,12})\x1e")
+        self._marker_start = marker_prefix.split(b":")[0] + b":"  # what every marker, stale or not, begins with
+        self._stale = re.compile(re.escape(self._marker_start) + rb"\d{1,12}:-?\d{1,12}\x1e")
+        self._hold = max(len(marker_prefix) + 26, _NOISE_MAX_BYTES)
+        self._held = b""
         self.exit_code: int | None = None
         self.leftover = b""  # bytes after the marker (late background output)
 
     def feed(self, chunk: bytes) -> bool:
         """Add bytes; return True once the end marker has been seen."""
-        window = bytes(self._scan) + chunk
-        start = window.find(self.marker_prefix)
-        if start >= 0:
-            end = window.find(b"\x1e", start + len(self.marker_prefix))
-            if end >= 0:
-                self.exit_code = int(window[start + len(self.marker_prefix):end])
-                body_in_chunk = start - len(self._scan)
-                if body_in_chunk < 0:  # the marker began in bytes already stored
-                    self._drop_last(-body_in_chunk)
-                else:
-                    self._store(chunk[:body_in_chunk])
-                self.leftover = window[end + 1:]
-                return True
-        self._store(chunk)
-        keep = len(self.marker_prefix) + 12
-        self._scan = bytearray(window[-keep:])
+        window = self._held + chunk
+        found = self._marker.search(window) if self._marker_start in window else None
+        body = self._drop_junk(window[:found.start()] if found else window)
+        if found:
+            self.exit_code = int(found.group(1))
+            self._store(body)
+            self._held = b""
+            self.leftover = window[found.end():]
+            return True
+        split = max(len(body) - self._hold, 0)
+        self._store(body[:split])
+        self._held = body[split:]
         return False
+
+    def take_late_output(self, data: bytes) -> None:
+        """Count what came after the marker (and `data`) as this command's output."""
+        self._store(self._drop_junk(self.leftover + data))
+        self.leftover = b""
+
+    def _drop_junk(self, data: bytes) -> bytes:
+        # A plain substring test first: scanning with the patterns is several times slower.
+        if self._marker_start in data:
+            data = self._stale.sub(b"", data)
+        if _NOISE_TEXT in data:
+            data = _NOISE.sub(b"", data)
+        return data
 
     def _store(self, data: bytes) -> None:
         self.total += len(data)
@@ -89,34 +121,24 @@ class OutputCollector:
         if room > 0:
             self.head += data[:room]
             data = data[room:]
-        if data and self.tail_limit:
+        if len(data) >= self.tail_limit:
+            self.tail = bytearray(data[len(data) - self.tail_limit:])
+        elif data:
             self.tail += data
             if len(self.tail) > 2 * self.tail_limit:
                 del self.tail[: len(self.tail) - self.tail_limit]
 
-    def _drop_last(self, n: int) -> None:
-        self.total -= n
-        from_tail = min(n, len(self.tail))
-        if from_tail:
-            del self.tail[len(self.tail) - from_tail:]
-        n -= from_tail
-        if n:
-            del self.head[len(self.head) - n:]
-
     def result(self) -> tuple[str, bool, int]:
-        """(text, truncated, cut_bytes)."""
+        """(text, truncated, cut_bytes), invalid UTF-8 replaced. Bytes still held
+        back are output: the stream ended, or was given up on, without the marker."""
+        self._store(self._held)
+        self._held = b""
         tail = bytes(self.tail[-self.tail_limit:]) if self.tail_limit else b""
         cut = self.total - len(self.head) - len(tail)
         if cut <= 0:
-            data = bytes(self.head) + tail
-            return self._decode(data), False, 0
+            return (bytes(self.head) + tail).decode("utf-8", "replace"), False, 0
         note = f"\n[... {cut} bytes of output cut ...]\n".encode()
-        return self._decode(bytes(self.head) + note + tail), True, cut
-
-    def _decode(self, data: bytes) -> str:
-        # Markers of earlier, interrupted commands may arrive late: drop them.
-        stale = re.compile(re.escape(self.marker_prefix.split(b":")[0]) + rb":\d+:-?\d+\x1e")
-        return stale.sub(b"", data).decode("utf-8", "replace")
+        return (bytes(self.head) + note + tail).decode("utf-8", "replace"), True, cut
 
 
 class ShellSession:
@@ -249,9 +271,18 @@ class ShellSession:
             pass
 
     def _interrupt(self, out: OutputCollector, before: set[int]) -> bool:
-        """Stop a timed-out command; True if the shell came back to its prompt.
+        """Stop a timed-out command; True if the shell came back to its prompt
+        (if not, it is declared dead and the owner's restart kills the rest)."""
+        back = self._stop_command(out, before)
+        if back:
+            self._kill_leftovers(before)
+            # What they wrote before they died is still in the pipe: it is this
+            # command's output, not the next one's.
+            out.take_late_output(self._drain())
+        return back
 
-        SIGINT first, to the shell and to every process the command started:
+    def _stop_command(self, out: OutputCollector, before: set[int]) -> bool:
+        """SIGINT first, to the shell and to every process the command started:
         bash abandons the rest of the command line when its child dies of
         SIGINT. The marker of an abandoned line never comes, so a second line
         asks for it. Processes that ignore SIGINT get SIGKILL."""
@@ -272,3 +303,25 @@ class ShellSession:
             self._signal_shell(signal.SIGKILL)
             self.dead = True
         return False
+
+    def _drain(self, max_reads: int = 16) -> bytes:
+        """What the pipe holds now, without waiting (bounded: a job may write forever)."""
+        data = b""
+        for _ in range(max_reads):
+            try:
+                chunk = os.read(self._r, _READ_BYTES)
+            except BlockingIOError:
+                break
+            if not chunk:
+                self.dead = True
+                break
+            data += chunk
+        return data
+
+    def _kill_leftovers(self, before: set[int], timeout_s: float = 2.0) -> None:
+        """SIGKILL what the command started and is still there once the shell is
+        back: background children, processes that handled SIGINT and went on,
+        a fork bomb's newest forks. Repeated until none is left."""
+        give_up = time.perf_counter() + timeout_s
+        while self.kill_started_since(before, signal.SIGKILL) and time.perf_counter() < give_up:
+            time.sleep(0.005)

@@ -1,0 +1,555 @@
+"""Hostile commands and crashes against the namespace sandbox.
+
+Each test does something bad — a command that never ends, a fork bomb, a
+memory bomb, a gigabyte of output, writes and reads where it must not, a
+killed bwrap, a SIGKILLed host process — and checks three things: the
+result says clearly what happened, the host and the other sandboxes are
+unaffected, and nothing is left behind (processes, mounts, cgroups,
+directories). The shell protocol itself (merged output, exit codes, the
+output cap, undecodable bytes) is checked at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import json
+import os
+import resource
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from codefleet.sandbox import SandboxDeadError, create_sandbox, procs, state
+from codefleet.sandbox.layers import mounts_under
+from codefleet.sandbox.namespace import unavailable_reason
+from codefleet.sandbox.shell import OutputCollector
+
+UNAVAILABLE = unavailable_reason()
+pytestmark = [
+    pytest.mark.skipif(UNAVAILABLE is not None, reason=f"namespace sandbox unavailable: {UNAVAILABLE}"),
+    pytest.mark.timeout(120),
+]
+
+
+@pytest.fixture
+def make_sandbox(repo, config):
+    """Namespace sandboxes over `repo` with config overrides; all closed at teardown."""
+    made = []
+
+    def make(**overrides):
+        sb = create_sandbox(repo, dataclasses.replace(config, backend="namespace", **overrides))
+        made.append(sb)
+        return sb
+
+    yield make
+    for sb in made:
+        sb.close()
+
+
+# -- helpers: what is running and what is left on the host --------------------------
+
+
+def unique_sleep() -> str:
+    """A `sleep` argument no other process on the machine has: its cmdline is our marker."""
+    return f"1000.{secrets.randbelow(10**9):09d}"
+
+
+def processes_with(marker: str) -> list[int]:
+    """Host pids whose command line contains `marker` (never this process)."""
+    found = []
+    for path in glob.glob("/proc/[0-9]*/cmdline"):
+        pid = int(path.split("/")[2])
+        try:
+            with open(path, "rb") as f:
+                if marker.encode() in f.read() and pid != os.getpid():
+                    found.append(pid)
+        except OSError:
+            pass
+    return found
+
+
+def wait_for(predicate, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def footprint(sb) -> dict:
+    """Everything of `sb` on the host: directory, cgroups, processes (pid, start time)."""
+    return {"dir": sb.dir, "cgroups": list(sb.cgroup.paths.values()),
+            "procs": [(pid, procs.start_time(pid)) for pid in sb.cgroup.procs()]}
+
+
+def assert_released(prints: list[dict]) -> None:
+    """Nothing of these sandboxes is left: no process, mount, cgroup or directory."""
+    mounts = mounts_under("/")
+    for fp in prints:
+        alive = [pid for pid, started in fp["procs"] if started is not None and procs.start_time(pid) == started]
+        assert not alive, f"processes of a closed sandbox are still running: {alive}"
+        assert not [m for m in mounts if (m + "/").startswith(fp["dir"] + "/")], f"mounts left under {fp['dir']}"
+        assert not os.path.exists(fp["dir"]), f"directory left: {fp['dir']}"
+        left = [p for p in fp["cgroups"] if os.path.exists(p)]
+        assert not left, f"cgroups left: {left}"
+
+
+def _state(pid: int) -> str | None:
+    """The process state letter (R, S, Z...), None if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def bwrap_pid(sb) -> int:
+    """The sandbox's outer bwrap: the member of its cgroup whose parent is this process."""
+    for pid in sb.cgroup.procs():
+        with open(f"/proc/{pid}/stat") as f:
+            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        if ppid == os.getpid():
+            return pid
+    raise AssertionError("the sandbox has no bwrap process")
+
+
+# -- commands that do not end --------------------------------------------------------
+
+
+def test_timeout_kills_the_command_and_keeps_the_shell(make_sandbox):
+    sb = make_sandbox()
+    sb.exec("cd /tmp && export KEEP=me")
+    marker = unique_sleep()
+    result = sb.exec(f"echo before; sleep {marker}", timeout_s=1)
+    assert result.timed_out and result.exit_code == 124
+    assert result.output.startswith("before\n") and "timed out after 1 s" in result.output
+    assert processes_with(marker) == []
+    after = sb.exec("pwd; echo $KEEP")
+    assert (after.output, after.exit_code, after.shell_restarted) == ("/tmp\nme\n", 0, False)
+
+
+def test_timeout_stops_a_loop_of_builtins(make_sandbox):
+    sb = make_sandbox()
+    sb.exec("cd /tmp && export KEEP=me")
+    result = sb.exec("while :; do :; done", timeout_s=1)
+    assert result.timed_out and result.exit_code == 124
+    after = sb.exec("pwd; echo $KEEP; echo next")
+    assert (after.output, after.shell_restarted) == ("/tmp\nme\nnext\n", False)
+
+
+def test_timeout_kills_a_command_that_ignores_sigint(make_sandbox):
+    sb = make_sandbox()
+    marker = unique_sleep()
+    result = sb.exec("python3 -c 'import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                     f"time.sleep({marker})'", timeout_s=1)
+    assert result.timed_out and "the shell is still alive" in result.output
+    assert processes_with(marker) == []
+    assert sb.exec("echo ok").output == "ok\n"
+
+
+def test_timeout_kills_what_the_command_put_in_the_background(make_sandbox):
+    sb = make_sandbox()
+    earlier, survivor = unique_sleep(), unique_sleep()
+    sb.exec(f"sleep {earlier} &")  # a job of an earlier command: it is spared
+    # The foreground sleep dies of SIGINT at once and the shell is back; the
+    # background child ignores SIGINT and would outlive the command.
+    result = sb.exec(f"(trap '' INT; exec sleep {survivor}) & sleep {unique_sleep()}", timeout_s=1)
+    assert result.timed_out
+    assert processes_with(survivor) == []
+    assert len(processes_with(earlier)) == 1
+    assert sb.exec("echo ok").output == "ok\n"
+
+
+def test_background_job_is_killed_at_close(make_sandbox):
+    sb = make_sandbox()
+    marker = unique_sleep()
+    assert sb.exec(f"sleep {marker} &").exit_code == 0
+    assert wait_for(lambda: processes_with(marker)), "the background sleep never started"
+    assert sb.exec("jobs").output.count("Running") == 1  # it persists between commands
+    fp = footprint(sb)
+    sb.close()
+    assert processes_with(marker) == []
+    assert_released([fp])
+
+
+# -- resource bombs ------------------------------------------------------------------
+
+
+def test_fork_bomb_is_contained(make_sandbox):
+    neighbour = make_sandbox()
+    sb = make_sandbox(max_processes=64)
+    result = sb.exec(":(){ :|:& };:", timeout_s=5)
+    assert result.exit_code in (0, 124)
+    time.sleep(1)  # let it saturate its limit
+    with open(os.path.join(sb.cgroup.paths.get("pids") or sb.cgroup.paths[""], "pids.current")) as f:
+        assert int(f.read()) <= 64
+    assert subprocess.run(["true"], timeout=10).returncode == 0  # the host can still fork
+    assert neighbour.exec("seq 20 | xargs -P 20 -n 1 true && echo spawned").output == "spawned\n"
+    answer = sb.exec("echo alive", timeout_s=20)
+    assert "alive" in answer.output or answer.shell_restarted, answer
+    fp = footprint(sb)
+    sb.close()
+    assert_released([fp])
+
+
+def test_fork_bomb_in_the_foreground_is_killed_on_timeout(make_sandbox):
+    sb = make_sandbox(max_processes=64)
+    sb.exec("cd /tmp && export KEEP=me")
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    result = sb.exec(f"python3 -c '{bomb}'", timeout_s=3)
+    assert result.timed_out
+    # Everything the bomb forked is gone: left are bwrap, its init and the shell.
+    assert len(sb.cgroup.procs()) == 3, sorted(sb.cgroup.procs())
+    assert sb.exec("pwd; echo $KEEP").output == "/tmp\nme\n"
+
+
+def test_memory_bomb_is_killed_and_reported(make_sandbox):
+    neighbour = make_sandbox()
+    sb = make_sandbox(memory_mb=256)
+    sb.exec("cd /tmp && export KEEP=me")
+    result = sb.exec("python3 -c 'chunks = [bytearray(1 << 20) for _ in range(1024)]'", timeout_s=30)
+    assert result.exit_code == 137 and not result.timed_out
+    assert "killed by the sandbox's memory limit (256 MB)" in result.output
+    assert sb.cgroup.oom_kills() >= 1
+    assert sb.exec("pwd; echo $KEEP").output == "/tmp\nme\n"  # only the bomb died
+    assert sb.exec("python3 -c 'x = bytearray(64 << 20); print(len(x))'").output == f"{64 << 20}\n"
+    assert neighbour.exec("python3 -c 'x = bytearray(400 << 20); print(len(x))'").output == f"{400 << 20}\n"
+
+
+def test_filling_the_workspace_gives_enospc_and_spares_the_host(make_sandbox, config):
+    sb = make_sandbox(workspace_mb=16)
+    result = sb.exec("dd if=/dev/zero of=big bs=1M count=100", timeout_s=30)
+    assert result.exit_code != 0 and "No space left on device" in result.output
+    # The changes live on the sandbox's own 16 MB tmpfs, not on the host's disk.
+    upper = os.statvfs(sb.workspace.upper)
+    assert upper.f_blocks * upper.f_frsize <= 16 << 20
+    assert os.stat(sb.workspace.upper).st_dev != os.stat(config.state_dir).st_dev
+    assert sb.exec("rm big && echo fine > small && cat small").output == "fine\n"
+
+
+def test_filling_tmp_is_reported(make_sandbox):
+    sb = make_sandbox(memory_mb=256)
+    result = sb.exec("dd if=/dev/zero of=/tmp/big bs=1M count=400", timeout_s=30)
+    assert result.exit_code != 0 and not result.timed_out
+    assert "No space left on device" in result.output or "memory limit" in result.output, result.output
+    after = sb.exec("rm -f /tmp/big; echo usable", timeout_s=20)
+    assert "usable" in after.output
+
+
+# -- output --------------------------------------------------------------------------
+
+
+def test_a_gigabyte_of_output_is_truncated_with_head_and_tail(make_sandbox):
+    sb = make_sandbox()
+    limit = sb.config.output_limit_bytes
+    rss_before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    result = sb.exec("echo START; yes | head -c 1G; echo END", timeout_s=90)
+    assert not result.timed_out and result.exit_code == 0
+    total = len("START\n") + (1 << 30) + len("END\n")
+    assert result.truncated and result.cut_bytes == total - limit
+    assert result.output.startswith("START\ny\ny\n") and result.output.endswith("y\ny\nEND\n")
+    assert f"\n[... {total - limit} bytes of output cut ...]\n" in result.output
+    assert len(result.output) == limit + len(f"\n[... {total - limit} bytes of output cut ...]\n")
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before_kb) / 1024
+    assert grown_mb < 100, f"the host process grew by {grown_mb:.0f} MB reading 1 GB of output"
+    zeros = sb.exec("head -c 1G /dev/zero", timeout_s=90)
+    assert zeros.truncated and zeros.cut_bytes == (1 << 30) - limit
+
+
+def test_binary_output_is_decoded_safely(make_sandbox):
+    sb = make_sandbox()
+    result = sb.exec("head -c 100000 /dev/urandom")
+    assert result.exit_code == 0 and isinstance(result.output, str)
+    result.output.encode("utf-8")  # no lone surrogates: always re-encodable
+    assert result.truncated and result.cut_bytes == 100000 - sb.config.output_limit_bytes
+    # The protocol's own separator byte, NULs and invalid UTF-8 in the output change nothing.
+    odd = sb.exec(r"printf 'a\036b\000c\377d\n'; exit_code_follows=1; (exit 7)")
+    assert (odd.output, odd.exit_code) == ("a\x1eb\x00c\ufffdd\n", 7)
+    assert sb.exec("echo still-fine").output == "still-fine\n"
+
+
+# -- reaching out of the sandbox -----------------------------------------------------
+
+
+def _digest(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def test_writes_outside_the_workspace_fail(make_sandbox):
+    sb = make_sandbox()
+    watched = ["/etc/passwd", "/etc/hostname", "/usr/bin/env", "/etc/hosts"]
+    before = {p: _digest(p) for p in watched}
+    probe = "codefleet-probe-" + secrets.token_hex(4)
+    attempts = [f"echo x > /etc/{probe}", "echo x >> /etc/passwd", "echo x > /etc/hosts",
+                f"touch /usr/bin/{probe}", "cp /usr/bin/true /usr/bin/env", "rm -f /usr/bin/env",
+                f"mkdir /{probe}", f"echo x > /{probe}", f"ln -s /etc /{probe}", "mv /etc/hostname /etc/h2"]
+    script = "; ".join(f"if {a} 2>/dev/null; then echo 'WROTE: {a}'; fi" for a in attempts)
+    out = sb.exec(script, timeout_s=20).output
+    assert "WROTE" not in out, out
+    assert {p: _digest(p) for p in watched} == before
+    for leftover in (f"/etc/{probe}", f"/usr/bin/{probe}", f"/{probe}"):
+        assert not os.path.lexists(leftover)
+    assert sb.exec("echo ok > inside && cat inside").output == "ok\n"
+
+
+def test_kernel_settings_are_read_only(make_sandbox):
+    """Inside, the sandbox user is the host's user (root here) to the kernel's sysctl
+    checks: were /proc/sys writable, core_pattern alone would hand out host root.
+    Only opened for writing, never written."""
+    sb = make_sandbox()
+    probe = ("import os\n"
+             "for p in ['/proc/sys/kernel/core_pattern', '/proc/sys/vm/drop_caches', '/proc/sys/kernel/hostname',\n"
+             "          '/proc/sysrq-trigger']:\n"
+             "    try:\n"
+             "        os.close(os.open(p, os.O_WRONLY)); print('WRITABLE', p)\n"
+             "    except OSError as e:\n"
+             "        print('refused', p, e.strerror)\n")
+    out = sb.exec(f"python3 -c \"{probe}\"", timeout_s=20).output
+    assert "WRITABLE" not in out, out
+    assert out.count("Read-only file system") >= 3, out
+
+
+def test_host_secrets_are_unreadable(make_sandbox):
+    sb, other = make_sandbox(), make_sandbox()
+    token = secrets.token_hex(8)
+    other.write_file("secret.txt", f"other-{token}\n")
+    other_shell = max(other.cgroup.procs())  # some process of the other sandbox, as the host numbers it
+    with open("/etc/shadow") as f:
+        shadow_root = next(line for line in f if line.startswith("root:")).strip()
+    with tempfile.TemporaryDirectory(dir="/tmp") as d:
+        with open(os.path.join(d, "secret"), "w") as f:
+            f.write(f"tmp-{token}\n")
+        reads = [f"cat {d}/secret", "ls -la /root", "cat /root/.bashrc", "cat /etc/shadow", "cat /etc/gshadow",
+                 f"cat {other.workspace.merged}/secret.txt", f"cat {other.dir}/rw/upper/secret.txt",
+                 f"cat /proc/{other_shell}/root/workspace/secret.txt",
+                 "cat /proc/*/root/workspace/secret.txt", "grep -rs other- /proc/*/environ"]
+        out = sb.exec("; ".join(reads), timeout_s=20).output
+    assert token not in out, out
+    assert shadow_root not in out
+    assert out.count("No such file or directory") >= 7, out
+    assert other.read_file("secret.txt") == f"other-{token}\n"
+
+
+def _primary_ip() -> str | None:
+    """The host's address on its default route, if it has one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))  # UDP: no packet is sent
+            return s.getsockname()[0]
+        except OSError:
+            return None
+
+
+def test_servers_on_the_host_are_unreachable(make_sandbox):
+    sb = make_sandbox()
+    server = socket.create_server(("0.0.0.0", 0))
+    port = server.getsockname()[1]
+    accepted = []
+
+    def serve():
+        while True:
+            try:
+                conn, addr = server.accept()
+            except OSError:
+                return
+            accepted.append(addr)
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        targets = ["127.0.0.1"] + ([ip] if (ip := _primary_ip()) and ip != "127.0.0.1" else [])
+        for host in targets:
+            py = sb.exec(f"python3 -c \"import socket; socket.create_connection(('{host}', {port}), timeout=3); "
+                         f"print('CONNECTED')\"", timeout_s=20)
+            assert "CONNECTED" not in py.output and py.exit_code != 0
+            assert "refused" in py.output or "unreachable" in py.output, py.output
+            tcp = sb.exec(f"exec 3<>/dev/tcp/{host}/{port} && echo CONNECTED", timeout_s=20)
+            assert "CONNECTED" not in tcp.output and tcp.exit_code != 0
+        assert accepted == []
+        socket.create_connection(("127.0.0.1", port), timeout=3).close()  # the host reaches it
+        assert wait_for(lambda: len(accepted) == 1)
+    finally:
+        server.close()
+
+
+# -- crashes -------------------------------------------------------------------------
+
+
+def test_killing_pid_1_from_inside(make_sandbox):
+    sb = make_sandbox()
+    first = sb.exec("kill -9 1; echo sent", timeout_s=20)
+    after = sb.exec("echo alive", timeout_s=20)
+    if after.shell_restarted:  # the sandbox died: then both results must say so
+        assert "[codefleet: the shell exited" in first.output
+        assert "the previous shell had died" in after.output
+    else:
+        assert first.output == "sent\n"
+    assert after.output.startswith("alive\n") and after.exit_code == 0
+    everything = sb.exec("kill -9 -1; echo still-here", timeout_s=20)
+    assert "still-here" in everything.output or "[codefleet: the shell exited" in everything.output
+    assert "alive" in sb.exec("echo alive", timeout_s=20).output
+
+
+def test_killed_bwrap_restarts_the_shell_or_says_it_is_dead(make_sandbox):
+    sb = make_sandbox()
+    sb.exec("echo kept > file && cd /tmp")
+    marker = unique_sleep()
+    sb.exec(f"sleep {marker} &")
+    pid = bwrap_pid(sb)
+    os.kill(pid, signal.SIGKILL)  # a crash of the sandbox, as the host sees it
+    assert wait_for(lambda: _state(pid) in ("Z", None)), "bwrap survived SIGKILL"
+    try:
+        result = sb.exec("cat /workspace/file; pwd", timeout_s=20)
+    except SandboxDeadError as e:
+        assert "create a new sandbox" in str(e)
+    else:
+        assert result.shell_restarted and result.exit_code == 0
+        assert result.output.startswith("kept\n/workspace\n")  # the workspace survives, the cwd does not
+        assert "fresh shell" in result.output
+    assert wait_for(lambda: not processes_with(marker)), "a job of the crashed sandbox is still running"
+    fp = footprint(sb)
+    sb.close()
+    assert_released([fp])
+
+
+def test_bwrap_killed_during_a_command(make_sandbox):
+    sb = make_sandbox()
+    pid = bwrap_pid(sb)
+    threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
+    result = sb.exec("echo started; sleep 30; echo never", timeout_s=20)
+    assert not result.timed_out and result.exit_code == 137
+    assert result.output.startswith("started\n") and "never" not in result.output
+    assert "[codefleet: the shell exited (status 137)" in result.output
+    assert sb.exec("echo back").shell_restarted
+
+
+# -- many sandboxes, and a crashed host process -----------------------------------------
+
+
+def test_200_sandboxes_at_once_leave_nothing_behind(repo, config):
+    cfg = dataclasses.replace(config, backend="namespace")
+
+    def one(i: int):
+        sb = create_sandbox(repo, cfg)
+        return sb, sb.exec(f"echo sandbox-{i}; cat README.md", timeout_s=60)
+
+    with ThreadPoolExecutor(max_workers=50) as pool:
+        made = list(pool.map(one, range(200)))
+    try:
+        for i, (_, result) in enumerate(made):
+            assert (result.output, result.exit_code) == (f"sandbox-{i}\n# demo\n", 0)
+        assert len({sb.id for sb, _ in made}) == 200
+        prints = [footprint(sb) for sb, _ in made]
+    finally:
+        with ThreadPoolExecutor(max_workers=50) as pool:
+            list(pool.map(lambda pair: pair[0].close(), made))
+    assert_released(prints)
+    owner = made[0][0].owner
+    assert not set(os.listdir(os.path.join(owner.dir, "sb"))) & {sb.id for sb, _ in made}
+
+
+_CRASHING_OWNER = textwrap.dedent("""
+    import json, os, sys, time
+    from codefleet.sandbox import SandboxConfig, create_sandbox
+    config = SandboxConfig(backend="namespace", state_dir=sys.argv[1])
+    sandboxes = [create_sandbox(None, config) for _ in range(3)]
+    marker = os.environ["SLEEP_MARKER"]  # not in argv: only the sandboxes' sleeps carry it
+    sandboxes[0].exec("sleep " + marker + " &")
+    sandboxes[1].exec("cd /tmp && sleep " + marker + " & echo started")
+    print(json.dumps({"owner": sandboxes[0].owner.name, "owner_dir": sandboxes[0].owner.dir,
+                      "cgroups": [p for sb in sandboxes for p in sb.cgroup.paths.values()]
+                                 + list(sandboxes[0].owner.cgroups.bases.values())}), flush=True)
+    time.sleep(600)
+""")
+
+
+def test_sigkilled_host_process_is_cleaned_up_by_the_reaper(config):
+    marker = unique_sleep()
+    child = subprocess.Popen([sys.executable, "-c", _CRASHING_OWNER, config.state_dir],
+                             stdout=subprocess.PIPE, text=True, env={**os.environ, "SLEEP_MARKER": marker})
+    try:
+        line = child.stdout.readline()
+        dead = json.loads(line)
+        assert wait_for(lambda: len(processes_with(marker)) == 2), "the crashing owner's jobs did not start"
+    finally:
+        child.kill()
+        child.wait()
+    reaped = state.reap(config.state_dir, state.owner_for(config.state_dir).cgroups)
+    assert dead["owner"] in reaped
+    assert wait_for(lambda: not processes_with(marker)), "processes of the dead owner's sandboxes survive"
+    assert mounts_under(dead["owner_dir"]) == []
+    assert not os.path.exists(dead["owner_dir"])
+    assert [p for p in dead["cgroups"] if os.path.exists(p)] == []
+
+
+# -- the shell protocol --------------------------------------------------------------
+
+
+def test_stdout_and_stderr_are_merged_in_order(make_sandbox):
+    sb = make_sandbox()
+    result = sb.exec("for i in 1 2 3; do echo out$i; echo err$i >&2; done; ls /nonexistent")
+    assert result.output == ("out1\nerr1\nout2\nerr2\nout3\nerr3\n"
+                             "ls: cannot access '/nonexistent': No such file or directory\n")
+    assert result.exit_code == 2
+
+
+def test_exit_codes(make_sandbox):
+    sb = make_sandbox()
+    assert [sb.exec(c).exit_code for c in ("true", "false", "(exit 42)", "sh -c 'kill -9 $$'", "yes | head -1")] \
+        == [0, 1, 42, 137, 0]
+    assert sb.exec("yes | head -n 2").output == "y\ny\n"  # no shell noise when yes dies of SIGPIPE
+    gone = sb.exec("exit 3")
+    assert gone.exit_code == 3 and "the shell exited (status 3)" in gone.output
+    back = sb.exec("echo back")
+    assert back.shell_restarted and back.output.startswith("back\n")
+
+
+@pytest.mark.parametrize("limit", [10, 101, 1000, 65536])
+def test_output_cap_keeps_head_and_tail(make_sandbox, limit):
+    sb = make_sandbox(output_limit_bytes=limit)
+    full = "".join(f"{i}\n" for i in range(1, 100001)).encode()
+    result = sb.exec("seq 1 100000")
+    head, tail = full[:limit // 2], full[len(full) - (limit - limit // 2):]
+    cut = len(full) - limit
+    assert (result.truncated, result.cut_bytes) == (True, cut)
+    assert result.output == (head + f"\n[... {cut} bytes of output cut ...]\n".encode() + tail).decode()
+
+
+def test_output_cap_with_the_marker_split_anywhere():
+    """The end marker may arrive cut at any byte: the output is the same."""
+    prefix = b"\x1eabcdef:7:"
+    body = bytes(range(32, 127)) * 3
+    stream = body + prefix + b"-12\x1elate"
+    for limit in (8, 64, 10_000):
+        expected = OutputCollector(limit, prefix)
+        assert expected.feed(stream)
+        want = expected.result()
+        for split in range(1, len(stream)):
+            out = OutputCollector(limit, prefix)
+            if out.feed(stream[:split]):
+                late = out.leftover + stream[split:]
+            else:
+                assert out.feed(stream[split:])
+                late = out.leftover
+            assert out.exit_code == -12 and late == b"late"
+            assert out.result() == want, (limit, split)
+    assert want == (body.decode(), False, 0)
+
+
+def test_invalid_utf8_is_replaced(make_sandbox):
+    sb = make_sandbox()
+    result = sb.exec(r"printf 'caf\303\251 \377\376 end\n'")
+    assert result.output == "café \ufffd\ufffd end\n"

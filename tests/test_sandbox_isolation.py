@@ -1,0 +1,217 @@
+"""What a namespace sandbox can see and touch, checked from both sides.
+
+Every test runs real commands in a real sandbox (bubblewrap + overlay +
+cgroups) and compares what the sandbox reports with what the host knows:
+namespace inodes, mount flags, files the test planted on the host, the
+cgroup files of the sandbox. Faults and hostile commands are in
+test_sandbox_faults.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import tempfile
+import time
+
+import pytest
+
+from codefleet.sandbox import cgroups, create_sandbox
+from codefleet.sandbox.namespace import SANDBOX_UID, unavailable_reason
+
+UNAVAILABLE = unavailable_reason()
+pytestmark = [
+    pytest.mark.skipif(UNAVAILABLE is not None, reason=f"namespace sandbox unavailable: {UNAVAILABLE}"),
+    pytest.mark.timeout(60),
+]
+
+
+@pytest.fixture
+def make_sandbox(repo, config):
+    """Namespace sandboxes over `repo` with config overrides; all closed at teardown."""
+    made = []
+
+    def make(**overrides):
+        sb = create_sandbox(repo, dataclasses.replace(config, backend="namespace", **overrides))
+        made.append(sb)
+        return sb
+
+    yield make
+    for sb in made:
+        sb.close()
+
+
+def run_ok(sb, command: str) -> str:
+    result = sb.exec(command, timeout_s=20)
+    assert result.exit_code == 0, f"{command!r} failed ({result.exit_code}): {result.output}"
+    return result.output
+
+
+# -- namespaces --------------------------------------------------------------------
+
+
+def test_own_mount_pid_ipc_uts_net_and_user_namespaces(make_sandbox):
+    sb = make_sandbox()
+    kinds = ["mnt", "pid", "ipc", "uts", "net", "user"]
+    inside = run_ok(sb, "for ns in " + " ".join(kinds) + "; do readlink /proc/self/ns/$ns; done").split()
+    host = [os.readlink(f"/proc/self/ns/{ns}") for ns in kinds]
+    assert len(inside) == len(kinds)
+    for kind, in_ns, host_ns in zip(kinds, inside, host):
+        assert in_ns.startswith(f"{kind}:["), in_ns
+        assert in_ns != host_ns, f"the sandbox shares the host's {kind} namespace ({host_ns})"
+    assert run_ok(sb, "hostname") == "sandbox\n"
+
+
+def test_pid_namespace_shows_only_the_sandbox(make_sandbox):
+    sb = make_sandbox()
+    pids = {int(p) for p in run_ok(sb, "ls /proc | grep -E '^[0-9]+$'").split()}
+    # init, the shell, ls and grep, numbered from 1: nothing of the host.
+    assert 1 in pids and len(pids) <= 5 and max(pids) < 100, f"processes visible inside: {sorted(pids)}"
+    assert run_ok(sb, "cat /proc/1/cmdline | tr '\\0' ' '").startswith("bwrap")
+
+
+def test_network_is_loopback_only_and_up(make_sandbox):
+    sb = make_sandbox()
+    assert run_ok(sb, "python3 -c 'import socket; print([n for _, n in socket.if_nameindex()])'") == "['lo']\n"
+    # Loopback works inside: a server and a client, both in the sandbox.
+    echo = ("import socket\n"
+            "srv = socket.create_server(('127.0.0.1', 0))\n"
+            "c = socket.create_connection(srv.getsockname(), timeout=5)\n"
+            "conn, _ = srv.accept()\n"
+            "c.sendall(b'ping'); print(conn.recv(4).decode())\n")
+    assert run_ok(sb, f"python3 -c \"{echo}\"") == "ping\n"
+    out = sb.exec("python3 -c \"import socket; socket.create_connection(('1.1.1.1', 53), timeout=3)\"",
+                  timeout_s=20).output
+    assert "Network is unreachable" in out
+
+
+def test_ipc_objects_are_private(make_sandbox):
+    a, b = make_sandbox(), make_sandbox()
+    run_ok(a, "ipcmk -M 4096")
+    assert "0x" in run_ok(a, "ipcs -m")
+    assert "0x" not in run_ok(b, "ipcs -m"), "a System V segment of one sandbox is visible in another"
+
+
+# -- filesystem --------------------------------------------------------------------
+
+
+def test_host_filesystem_is_read_only(make_sandbox):
+    sb = make_sandbox()
+    mounts = {}
+    for line in run_ok(sb, "cat /proc/self/mounts").splitlines():
+        _, point, _, opts = line.split()[:4]
+        mounts[point] = opts.split(",")
+    for point in ("/", "/usr", "/etc"):
+        assert "ro" in mounts[point], f"{point} is mounted {mounts[point]} inside the sandbox"
+    assert "rw" in mounts["/workspace"] and "rw" in mounts["/tmp"]
+    name = "codefleet-probe-" + secrets.token_hex(4)
+    for target in (f"/usr/{name}", f"/etc/{name}", f"/{name}", f"/usr/bin/{name}"):
+        result = sb.exec(f"touch {target}", timeout_s=20)
+        assert result.exit_code != 0 and "Read-only file system" in result.output, (target, result.output)
+        assert not os.path.exists(target)
+
+
+def test_host_home_tmp_and_state_are_invisible(make_sandbox, config, repo):
+    sb = make_sandbox()
+    with tempfile.NamedTemporaryFile("w", dir="/tmp", prefix="codefleet-secret-") as f:
+        f.write("host-tmp-secret\n")
+        f.flush()
+        out = sb.exec(f"ls -a /root /home; cat {f.name}; ls -a /tmp; ls {config.state_dir} {repo}",
+                      timeout_s=20).output
+    assert "host-tmp-secret" not in out
+    assert f"cannot access '/root'" in out and f"cannot access '/home'" in out
+    assert f"{f.name}: No such file or directory" in out
+    assert f"cannot access '{config.state_dir}'" in out and f"cannot access '{repo}'" in out
+    assert run_ok(sb, "ls -A /tmp") == "", "the sandbox's /tmp is not empty: it is not private"
+
+
+def test_workspace_is_writable_and_copy_on_write(make_sandbox, repo):
+    sb = make_sandbox()
+    host_file = os.path.join(repo, "pkg", "calc.py")
+    before = open(host_file).read()
+    assert run_ok(sb, "pwd") == "/workspace\n"
+    run_ok(sb, "echo changed > pkg/calc.py && mkdir -p new/dir && echo hi > new/dir/f && rm README.md")
+    assert sb.read_file("pkg/calc.py") == "changed\n"
+    assert sb.read_file("new/dir/f") == "hi\n"
+    assert open(host_file).read() == before, "a write in the sandbox changed the host repository"
+    assert os.path.exists(os.path.join(repo, "README.md"))
+
+
+def test_each_sandbox_has_its_own_tmp(make_sandbox):
+    a, b = make_sandbox(), make_sandbox()
+    run_ok(a, "echo from-a > /tmp/shared && echo from-a > /var/tmp/shared && echo from-a > /dev/shm/shared")
+    out = b.exec("cat /tmp/shared /var/tmp/shared /dev/shm/shared", timeout_s=20).output
+    assert "from-a" not in out
+    assert out.count("No such file or directory") == 3
+    assert run_ok(a, "cat /tmp/shared") == "from-a\n"
+
+
+# -- identity and limits -----------------------------------------------------------
+
+
+def test_not_root_and_no_capabilities(make_sandbox):
+    sb = make_sandbox()
+    assert run_ok(sb, "id -u; id -g").split() == [str(SANDBOX_UID)] * 2
+    caps = dict(line.split(":\t") for line in run_ok(sb, "grep ^Cap /proc/self/status").splitlines())
+    assert set(caps) == {"CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"}
+    assert all(int(v, 16) == 0 for v in caps.values()), caps
+    out = sb.exec("unshare -r id -u; mount -t tmpfs none /tmp", timeout_s=20).output
+    assert "unshare failed" in out, f"a nested user namespace made the sandbox root: {out}"
+    assert "must be superuser" in out
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _cgroup_of(pid: int) -> dict[str, str]:
+    """The cgroup path of `pid` per controller ("" for the v2 hierarchy), as the host sees it."""
+    paths = {}
+    with open(f"/proc/{pid}/cgroup") as f:
+        for line in f:
+            _, ctrls, path = line.rstrip("\n").split(":", 2)
+            for c in ctrls.split(",") if ctrls else [""]:
+                paths[c] = path
+    return paths
+
+
+def test_limits_are_enforced_by_the_sandbox_cgroup(make_sandbox):
+    sb = make_sandbox(memory_mb=300, max_processes=77, cpu_cores=0.5)
+    assert sb.info.limits["enforced_by"].startswith("cgroup"), sb.info.limits
+    assert (sb.info.limits["memory_mb"], sb.info.limits["max_processes"]) == ("300", "77")
+    cg = sb.cgroup
+    marker = f"1000.{secrets.randbelow(10**6)}"
+    run_ok(sb, f"sleep {marker} & sleep {marker} &")
+
+    def read(controller: str, name: str) -> str:
+        with open(os.path.join(cg.paths[controller], name)) as f:
+            return f.read().strip()
+
+    if cg.mode == "v1":
+        assert read("memory", "memory.limit_in_bytes") == str(300 << 20)
+        assert read("pids", "pids.max") == "77"
+        assert int(read("cpu", "cpu.cfs_quota_us")) / int(read("cpu", "cpu.cfs_period_us")) == 0.5
+    else:
+        assert read("", "memory.max") == str(300 << 20)
+        assert read("", "pids.max") == "77"
+        quota, period = read("", "cpu.max").split()
+        assert int(quota) / int(period) == 0.5
+
+    deadline = time.monotonic() + 5  # until both forks have exec'd sleep
+    while True:
+        members = cg.procs()
+        sleepers = [p for p in members if marker.encode() in _cmdline(p)]
+        if len(sleepers) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    assert len(sleepers) == 2, f"the sandbox's sleeps are not in its cgroup {cg.paths}"
+    assert len(members) >= 5  # bwrap, its init, the shell, two sleeps
+    for pid in members:
+        seen = _cgroup_of(pid)
+        for controller, path in cg.paths.items():
+            assert os.path.join(cgroups.ROOT, controller, seen[controller].lstrip("/")) == path, (pid, seen)
