@@ -1,0 +1,37 @@
+"""Bundled procedural task families, deterministic by seed.
+
+| family      | the agent must                                       | templates (train / test)                          |
+|-------------|------------------------------------------------------|---------------------------------------------------|
+| `bugfix`    | fix a bug injected by a mutation; a test shows it    | 5 domains / 2 held-out domains                    |
+| `stub`      | implement a function from its docstring              | 5 domains / 2 held-out domains                    |
+| `rename`    | rename a function and every use across files         | 5 domains / 2 held-out domains                    |
+| `config`    | change defaults asked for in prose                   | constants, JSON, dataclass / INI                  |
+| `multifile` | read several files: a bug behind another module, or a figure summed over many modules | checkout, warehouse / payroll, power |
+
+A *template* (a domain or code shape) belongs to exactly one split, so the
+test split holds out code the train split never shows, not just new seeds.
+Each family module has `NAME`, `TEMPLATES` ({template: split}) and
+`draft(template, rng, difficulty) -> Draft`; `base.finish` turns a draft
+into files and hidden checks, and `codefleet.tasks.generate` into tasks.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from codefleet.tasks.families import bugfix, config, multifile, rename, stub
+
+FAMILIES: dict[str, ModuleType] = {m.NAME: m for m in (bugfix, stub, rename, config, multifile)}
+SPLITS = ("train", "test")
+
+
+def templates(family: str, split: str = "all") -> list[str]:
+    """Templates of `family` in `split` ("train", "test" or "all"), sorted."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown task family {family!r}; choose from {', '.join(FAMILIES)}")
+    if split not in (*SPLITS, "all"):
+        raise ValueError(f"unknown split {split!r}; choose train, test or all")
+    return sorted(t for t, s in FAMILIES[family].TEMPLATES.items() if split == "all" or s == split)
+
+
+__all__ = ["FAMILIES", "SPLITS", "templates"]
