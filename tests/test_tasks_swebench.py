@@ -1,0 +1,111 @@
+"""The SWE-bench-style loader on a small local fixture: a git checkout made
+here and a JSONL with one good row and several bad ones."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tarfile
+
+import pytest
+
+from codefleet.tasks.checks import check_task
+from codefleet.tasks.patch import make_unified_diff
+from codefleet.tasks.spec import load_tasks, save_tasks
+from codefleet.tasks.swebench import LoadError, load_swebench
+
+MOD = "def clamp(x, lo, hi):\n    return max(lo, min(x, lo))\n"  # the bug: `lo` instead of `hi`
+MOD_FIXED = "def clamp(x, lo, hi):\n    return max(lo, min(x, hi))\n"
+TESTS = "from pkg.mod import clamp\n\n\ndef test_low():\n    assert clamp(-5, 0, 10) == 0\n"
+TESTS_AFTER = TESTS + "\n\ndef test_high():\n    assert clamp(50, 0, 10) == 10\n"
+NEW_TEST = "from pkg.mod import clamp\n\n\ndef test_inside():\n    assert clamp(-1, 0, 10) == 0\n"
+
+
+def _git(cwd, *args):
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+@pytest.fixture
+def fixture(tmp_path):
+    repos = tmp_path / "repos"
+    checkout = repos / "acme__clampy"
+    (checkout / "pkg").mkdir(parents=True)
+    (checkout / "tests").mkdir()
+    (checkout / "pkg" / "__init__.py").write_text("")
+    (checkout / "pkg" / "mod.py").write_text(MOD)
+    (checkout / "tests" / "test_mod.py").write_text(TESTS)
+    (checkout / "pyproject.toml").write_text('[tool.pytest.ini_options]\npythonpath = ["."]\n')
+    _git(checkout, "init", "-q")
+    _git(checkout, "add", "-A")
+    _git(checkout, "commit", "-qm", "base")
+    base = _git(checkout, "rev-parse", "HEAD")
+    (checkout / "LATER.md").write_text("a later commit, not part of the task\n")
+    _git(checkout, "add", "-A")
+    _git(checkout, "commit", "-qm", "later")
+
+    test_patch = make_unified_diff({"tests/test_mod.py": TESTS}, {"tests/test_mod.py": TESTS_AFTER,
+                                                                  "tests/test_new.py": NEW_TEST})
+    patch = make_unified_diff({"pkg/mod.py": MOD}, {"pkg/mod.py": MOD_FIXED})
+    good = {"instance_id": "acme__clampy-1", "repo": "acme/clampy", "base_commit": base,
+            "problem_statement": "clamp() ignores the upper bound.", "version": "1.0",
+            "FAIL_TO_PASS": json.dumps(["tests/test_mod.py::test_high"]),
+            "PASS_TO_PASS": ["tests/test_mod.py::test_low", "tests/test_new.py::test_inside"],
+            "test_patch": test_patch, "patch": patch}
+    rows = [
+        json.dumps(good),                                                       # 1 good
+        "{not json",                                                            # 2
+        json.dumps({k: v for k, v in good.items() if k != "base_commit"} | {"instance_id": "b3"}),  # 3
+        json.dumps(good | {"instance_id": "b4", "FAIL_TO_PASS": "tests/x.py::t"}),          # 4
+        json.dumps(good | {"instance_id": "b5", "repo": "acme/elsewhere"}),                 # 5
+        json.dumps(good | {"instance_id": "b6", "base_commit": "0" * 40}),                  # 6
+        json.dumps(good | {"instance_id": "b7", "test_patch": test_patch.replace("test_low", "test_lo")}),  # 7
+        json.dumps(good),                                                       # 8 duplicate
+        "",                                                                     # 9 blank: skipped
+        json.dumps(good | {"instance_id": "b10", "FAIL_TO_PASS": []}),                      # 10
+    ]
+    jsonl = tmp_path / "rows.jsonl"
+    jsonl.write_text("\n".join(rows) + "\n")
+    return str(jsonl), str(repos), base
+
+
+def test_good_row_loads_and_bad_rows_say_why(fixture, tmp_path):
+    jsonl, repos, base = fixture
+    tasks, errors = load_swebench(jsonl, repos, str(tmp_path / "out"))
+    assert [t.id for t in tasks] == ["acme__clampy-1"]
+    assert all(isinstance(e, LoadError) for e in errors)
+    by_line = {e.line: e.reason for e in errors}
+    assert sorted(by_line) == [2, 3, 4, 5, 6, 7, 8, 10]
+    assert "not valid JSON" in by_line[2]
+    assert "base_commit" in by_line[3]
+    assert "FAIL_TO_PASS" in by_line[4]
+    assert "no checkout of acme/elsewhere" in by_line[5]
+    assert "not in" in by_line[6] and "fetch" in by_line[6]
+    assert "test_patch does not apply" in by_line[7]
+    assert "duplicate" in by_line[8]
+    assert "FAIL_TO_PASS is empty" in by_line[10]
+    assert str(errors[0]).startswith("line 2")
+
+    task = tasks[0]
+    assert task.checks.fail_to_pass == ["tests/test_mod.py::test_high"]
+    assert task.checks.files == {"tests/test_mod.py": TESTS_AFTER, "tests/test_new.py": NEW_TEST}
+    assert task.metadata["base_commit"] == base and task.metadata["version"] == "1.0"
+    with tarfile.open(task.repo) as tar:  # base_commit exported, not HEAD, and no hidden test in it
+        names = tar.getnames()
+        assert "pkg/mod.py" in names and "LATER.md" not in names and "tests/test_new.py" not in names
+        assert tar.extractfile("pkg/mod.py").read().decode() == MOD
+
+
+def test_imported_task_is_sound_and_survives_save_load(fixture, tmp_path, config):
+    jsonl, repos, _ = fixture
+    out = str(tmp_path / "out")
+    tasks, _ = load_swebench(jsonl, repos, out)
+    save_tasks(tasks, out)
+    (loaded,) = load_tasks(out)
+    assert loaded.repo == os.path.join(out, "acme__clampy-1", "repo.tar")  # stored relative, loaded absolute
+    report = check_task(loaded, config, cache_dir=str(tmp_path / "cache"))
+    assert report.sound, report.problems
+    assert report.untouched[0].per_test == {"tests/test_mod.py::test_high": False,
+                                            "tests/test_mod.py::test_low": True,
+                                            "tests/test_new.py::test_inside": True}
