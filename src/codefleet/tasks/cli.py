@@ -1,0 +1,131 @@
+"""`codefleet tasks ...`: generate, check and import task sets.
+
+    codefleet tasks generate --out DIR --n N --seed S [--families a,b] [--difficulty 1|2|3|mixed] [--split train|test|all]
+    codefleet tasks check DIR [--jobs J] [--runs R] [--set KEY=VALUE ...]
+    codefleet tasks import-swebench --jsonl FILE --repos DIR --out DIR [--setup CMD ...] [--check-command CMD]
+
+`register(subparsers)` adds the `tasks` group to the main parser (the lead
+wires it into codefleet/cli.py); `main(argv)` runs it standalone. `check`
+prints one line per task as it finishes, then a summary, and exits 1 if any
+task is unsound (2 if the task directory cannot be read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from codefleet.tasks.generate import generate_tasks
+
+    families = [f.strip() for f in args.families.split(",") if f.strip()] if args.families else None
+    difficulty = None if args.difficulty == "mixed" else int(args.difficulty)
+    started = time.perf_counter()
+    try:
+        tasks = generate_tasks(args.out, args.n, args.seed, families, difficulty, args.split)
+    except ValueError as e:
+        print(f"codefleet tasks generate: {e}", file=sys.stderr)
+        return 2
+    counts: dict[str, int] = {}
+    for task in tasks:
+        counts[str(task.metadata["family"])] = counts.get(str(task.metadata["family"]), 0) + 1
+    summary = ", ".join(f"{family} {count}" for family, count in counts.items())
+    print(f"wrote {len(tasks)} tasks to {args.out} ({summary}; split {args.split}) in "
+          f"{time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from codefleet.config import ConfigError, load_config
+    from codefleet.sandbox import SandboxConfig
+    from codefleet.tasks.checks import check_tasks
+    from codefleet.tasks.spec import TaskSpecError, load_tasks
+
+    try:
+        config = load_config(SandboxConfig, None, list(args.set or []))
+        tasks = load_tasks(args.dir)
+    except (ConfigError, TaskSpecError, FileNotFoundError, OSError) as e:
+        print(f"codefleet tasks check: {e}", file=sys.stderr)
+        return 2
+    if not tasks:
+        print(f"codefleet tasks check: no tasks in {args.dir}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+
+    def show(report) -> None:
+        print(report.line(), flush=True)
+
+    reports = check_tasks(tasks, config, jobs=args.jobs, on_report=show, runs=args.runs)
+    unsound = [r for r in reports if not r.sound]
+    print(f"checked {len(reports)} tasks in {time.perf_counter() - started:.1f} s: {len(reports) - len(unsound)} "
+          f"sound, {len(unsound)} unsound" + (f" ({', '.join(r.task_id for r in unsound[:10])})" if unsound else ""))
+    return 1 if unsound else 0
+
+
+def _import_swebench(args: argparse.Namespace) -> int:
+    from codefleet.tasks.spec import save_tasks
+    from codefleet.tasks.swebench import DEFAULT_CHECK_COMMAND, load_swebench
+
+    tasks, errors = load_swebench(args.jsonl, args.repos, args.out, setup_commands=list(args.setup or []),
+                                  check_command=args.check_command or DEFAULT_CHECK_COMMAND)
+    for error in errors:
+        print(f"skipped {error}", file=sys.stderr)
+    save_tasks(tasks, args.out)
+    print(f"imported {len(tasks)} tasks into {args.out} ({len(errors)} rows skipped)")
+    return 1 if errors and not tasks else 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add `tasks generate|check|import-swebench` to a parser's subcommands."""
+    from codefleet.tasks.families import FAMILIES
+
+    tasks = subparsers.add_parser("tasks", help="coding task sets: generate, check, import",
+                                  description="Coding task sets (format: docs/tasks.md).")
+    sub = tasks.add_subparsers(dest="tasks_action", required=True)
+
+    gen = sub.add_parser("generate", help="write N procedural tasks to DIR",
+                         description="Write N tasks from the bundled families (deterministic by seed).")
+    gen.add_argument("--out", required=True, metavar="DIR", help="task directory to write")
+    gen.add_argument("--n", type=int, required=True, metavar="N", help="number of tasks")
+    gen.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
+    gen.add_argument("--families", metavar="A,B", help=f"comma-separated subset of: {', '.join(FAMILIES)}")
+    gen.add_argument("--difficulty", default="mixed", choices=["1", "2", "3", "mixed"],
+                     help="files, size and distractors (default: mixed, drawn per task)")
+    gen.add_argument("--split", default="train", choices=["train", "test", "all"],
+                     help="templates to draw from; test holds out templates train never uses (default train)")
+    gen.set_defaults(func=_generate)
+
+    check = sub.add_parser("check", help="prove every task in DIR sound",
+                           description="For every task: the reference patch passes all hidden checks, the "
+                           "untouched repo fails every FAIL_TO_PASS and passes every PASS_TO_PASS, and repeated "
+                           "runs agree. Exit status 1 if any task is unsound.")
+    check.add_argument("dir", metavar="DIR", help="task directory (or one task.json)")
+    check.add_argument("--jobs", type=int, default=2, metavar="J", help="tasks checked at once (default 2)")
+    check.add_argument("--runs", type=int, default=2, metavar="R", help="runs per state for determinism (default 2)")
+    check.add_argument("--set", action="append", metavar="KEY=VALUE", help="sandbox config override, repeatable")
+    check.set_defaults(func=_check)
+
+    imp = sub.add_parser("import-swebench", help="convert SWE-bench-style JSONL + local checkouts into tasks",
+                         description="Read a SWE-bench-style JSONL; export each base_commit from "
+                         "REPOS/<owner>__<name> as a tarball; write one task per good row. Bad rows are "
+                         "reported with their line number and skipped.")
+    imp.add_argument("--jsonl", required=True, metavar="FILE")
+    imp.add_argument("--repos", required=True, metavar="DIR", help="directory of git checkouts")
+    imp.add_argument("--out", required=True, metavar="DIR", help="task directory to write")
+    imp.add_argument("--setup", action="append", metavar="CMD", help="setup command for every task, repeatable")
+    imp.add_argument("--check-command", metavar="CMD", help="hidden check command with {tests}")
+    imp.set_defaults(func=_import_swebench)
+    return tasks
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="codefleet")
+    register(parser.add_subparsers(dest="group", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
