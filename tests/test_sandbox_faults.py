@@ -18,6 +18,7 @@ import json
 import os
 import resource
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from codefleet.sandbox import SandboxDeadError, create_sandbox, procs, state
-from codefleet.sandbox.layers import mounts_under
+from codefleet.sandbox.layers import mounts_under, umount
 from codefleet.sandbox.namespace import unavailable_reason
 from codefleet.sandbox.shell import OutputCollector
 
@@ -476,23 +477,53 @@ _CRASHING_OWNER = textwrap.dedent("""
 """)
 
 
-def test_sigkilled_host_process_is_cleaned_up_by_the_reaper(config):
+def crash_an_owner(state_dir: str, tree) -> tuple[dict, str]:
+    """Run an owner with three sandboxes and two background jobs in a child
+    process, SIGKILL it once they run; (what it had, the jobs' marker)."""
     marker = unique_sleep()
-    child = subprocess.Popen([sys.executable, "-c", _CRASHING_OWNER, config.state_dir],
+    child = subprocess.Popen([sys.executable, "-c", _CRASHING_OWNER, state_dir],
                              stdout=subprocess.PIPE, text=True, env={**os.environ, "SLEEP_MARKER": marker})
     try:
-        line = child.stdout.readline()
-        dead = json.loads(line)
-        assert wait_for(lambda: len(processes_with(marker)) == 2), "the crashing owner's jobs did not start"
+        dead = json.loads(child.stdout.readline())
+        started = wait_for(lambda: len(processes_with(marker)) == 2)
     finally:
         child.kill()
         child.wait()
-    reaped = state.reap(config.state_dir, state.owner_for(config.state_dir).cgroups)
-    assert dead["owner"] in reaped
+    if not started:
+        state.reap(state_dir, tree)
+        raise AssertionError("the crashing owner's jobs did not start")
+    return dead, marker
+
+
+def assert_reaped(dead: dict, marker: str) -> None:
     assert wait_for(lambda: not processes_with(marker)), "processes of the dead owner's sandboxes survive"
     assert mounts_under(dead["owner_dir"]) == []
     assert not os.path.exists(dead["owner_dir"])
     assert [p for p in dead["cgroups"] if os.path.exists(p)] == []
+
+
+def test_sigkilled_host_process_is_cleaned_up_by_the_reaper(config):
+    owner = state.owner_for(config.state_dir)  # this process's: it exists before the crash
+    dead, marker = crash_an_owner(config.state_dir, owner.cgroups)
+    state.reap(config.state_dir, owner.cgroups)  # what a restarted owner runs first
+    # (Not `dead["owner"] in reaped`: an owner starting elsewhere on the machine may get there first.)
+    assert_reaped(dead, marker)
+
+
+def test_dead_owner_in_an_abandoned_state_dir_is_reaped(config, tmp_path):
+    """Its state directory deleted around the mounts (lock file included), as a
+    test run's temporary one is: the next owner anywhere still finds and reaps it."""
+    owner = state.owner_for(config.state_dir)
+    abandoned = str(tmp_path / "state")
+    dead, marker = crash_an_owner(abandoned, owner.cgroups)
+    shutil.rmtree(abandoned, ignore_errors=True)
+    assert mounts_under(dead["owner_dir"]) and not os.path.exists(os.path.join(dead["owner_dir"], "lock"))
+    state.reap_orphans(owner.cgroups)  # what any owner starting on the machine runs
+    left = mounts_under(dead["owner_dir"])
+    for point in left:  # never leave mounts behind, even when the reaper failed
+        umount(point)
+    assert left == []
+    assert_reaped(dead, marker)
 
 
 # -- the shell protocol --------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import time
 
 ROOT = "/sys/fs/cgroup"
@@ -77,6 +78,25 @@ class CgroupTree:
         except OSError:
             Cgroup(self.mode, paths).remove()
             return None
+
+    def other_owners(self) -> dict[str, float]:
+        """Owners with cgroups beside ours: name -> when their directory last changed
+        (the latest mtime across controllers, seconds since the epoch)."""
+        found: dict[str, float] = {}
+        for base in self.bases.values():
+            parent = os.path.dirname(base)
+            try:
+                names = os.listdir(parent)
+            except OSError:
+                continue
+            for name in names:
+                try:
+                    st = os.stat(os.path.join(parent, name))
+                except OSError:
+                    continue
+                if name != self.owner and stat.S_ISDIR(st.st_mode):
+                    found[name] = max(found.get(name, 0.0), st.st_mtime)
+        return found
 
     def stale_groups(self, other_owner: str) -> list["Cgroup"]:
         """Cgroups left by a dead owner (for the reaper)."""

@@ -9,6 +9,15 @@ processes die with it; what is left — mounts, cgroups, directories — is
 reaped by the next owner that starts on the machine: an owner directory
 whose lock nobody holds belongs to a dead process.
 
+A dead owner's state directory may never be visited again: a test run's
+private one, deleted since around the mounts it could not delete (lock file
+included). So a starting owner also looks at what owners hold on the whole
+machine, workspace mounts (`<owner>/sb/<sandbox>/rw|merged`) and cgroups
+beside its own with no process left in them, and reaps those whose owner is
+gone: no process has the pid in the owner's name, or the one that has
+started after the owner's directory or cgroup last changed (the pid was
+reused).
+
 The state directory must not be visible inside sandboxes (it is not: only
 /usr, /etc and the workspace are bound in) and is, by default,
 /var/lib/codefleet for root and $XDG_RUNTIME_DIR/codefleet (or
@@ -22,6 +31,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import weakref
@@ -54,7 +64,7 @@ class Owner:
         self._lock_fd = os.open(os.path.join(self.dir, "lock"), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self.cgroups = cgroups.CgroupTree(self.name)
-        self.reaped = reap(self.state_dir, self.cgroups)
+        self.reaped = reap(self.state_dir, self.cgroups) + reap_orphans(self.cgroups)
         self._live: weakref.WeakSet = weakref.WeakSet()
 
     def track(self, sandbox: object) -> None:
@@ -79,29 +89,86 @@ class Owner:
 
 def reap(state_dir: str, tree: cgroups.CgroupTree) -> list[str]:
     """Clean up every dead owner under `state_dir`; return the names reaped."""
-    reaped = []
-    for name in sorted(os.listdir(state_dir)):
-        owner_dir = os.path.join(state_dir, name)
-        lock_path = os.path.join(owner_dir, "lock")
-        if not os.path.isfile(lock_path):
-            continue
-        try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            continue  # alive: its owner holds the lock
-        try:
-            _reap_owner(owner_dir, name, tree)
-            reaped.append(name)
-        finally:
-            os.close(fd)
+    reaped = [name for name in sorted(os.listdir(state_dir)) if _reap_if_dead(os.path.join(state_dir, name), tree)]
     if reaped:
         log.warning("codefleet: reaped state of %d dead sandbox owner(s) in %s", len(reaped), state_dir)
     return reaped
+
+
+def reap_orphans(tree: cgroups.CgroupTree) -> list[str]:
+    """Clean up dead owners found by what they hold on the whole machine, whatever
+    their state directory: workspace mounts anywhere, cgroups beside ours."""
+    reaped = []
+    for point in layers.mounts_under("/"):
+        found = _WORKSPACE_MOUNT.match(point)
+        if found and found["name"] not in reaped + [tree.owner] and _reap_if_dead(found["dir"], tree):
+            reaped.append(found["name"])
+    for name, changed_at in tree.other_owners().items():
+        if name in reaped or _owner_alive(name, changed_at):
+            continue
+        groups = tree.stale_groups(name)
+        if any(group.procs() for group in groups):
+            continue  # something still runs there: only a lock can say whose it is
+        for group in groups:
+            group.remove(timeout_s=1.0)
+        reaped.append(name)
+    if reaped:
+        log.warning("codefleet: reaped %d dead sandbox owner(s) outside this state directory", len(reaped))
+    return reaped
+
+
+_OWNER_NAME = re.compile(r"\d+-[0-9a-f]{6}")  # Owner.name: "<pid>-<6 hex>"
+_WORKSPACE_MOUNT = re.compile(r"(?P<dir>.*/(?P<name>\d+-[0-9a-f]{6}))/sb/sb-[0-9a-f]{10}/(rw|merged)")
+
+
+def _reap_if_dead(owner_dir: str, tree: cgroups.CgroupTree) -> bool:
+    """Reap the owner whose directory is `owner_dir` if it is dead; True if it was."""
+    name = os.path.basename(owner_dir)
+    try:
+        fd = os.open(os.path.join(owner_dir, "lock"), os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        # No lock: an owner still being created, or one whose state directory
+        # was deleted around its mounts after it died. Its pid tells which.
+        try:
+            changed_at = os.stat(owner_dir).st_mtime
+        except OSError:
+            return False
+        if _owner_alive(name, changed_at):
+            return False
+        _reap_owner(owner_dir, name, tree)
+        return True
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # alive: its owner holds the lock
+    else:
+        _reap_owner(owner_dir, name, tree)
+        return True
+    finally:
+        os.close(fd)
+
+
+def _owner_alive(name: str, changed_at: float) -> bool:
+    """Whether the owner called `name` may still run, its directory or cgroup having
+    last changed at `changed_at`: in doubt, yes. It is dead if no process has its
+    pid, or the one that has started after that change (the pid was reused)."""
+    if not _OWNER_NAME.fullmatch(name):
+        return True  # not an owner's: not ours to remove
+    started_ticks = procs.start_time(int(name.split("-")[0]))
+    if started_ticks is None:
+        return False
+    started_at = _boot_time() + started_ticks / os.sysconf("SC_CLK_TCK")
+    return started_at <= changed_at + 1.0  # btime is in whole seconds
+
+
+def _boot_time() -> float:
+    with open("/proc/stat") as f:
+        for line in f:
+            if line.startswith("btime "):
+                return float(line.split()[1])
+    return 0.0
 
 
 def _reap_owner(owner_dir: str, name: str, tree: cgroups.CgroupTree) -> None:
