@@ -59,6 +59,8 @@ GIT_IDENTITY = {"GIT_AUTHOR_NAME": "codefleet", "GIT_AUTHOR_EMAIL": "codefleet@l
                 "GIT_AUTHOR_DATE": "2000-01-01T00:00:00+0000", "GIT_COMMITTER_DATE": "2000-01-01T00:00:00+0000"}
 OUTPUT_KEEP_BYTES = 6000  # of pytest's own output, head and tail each, shown in CheckResult.output
 PASSING = ("P", "X")
+ABORTING = ("N", "E")  # outcomes that make pytest run nothing at all
+_MAX_RERUNS = 4
 
 
 class TaskSetupError(RuntimeError):
@@ -168,7 +170,8 @@ def workspace_diff(sandbox: Sandbox, timeout_s: float = 120.0) -> str:
     script = f"""set -e
 cd /workspace
 git rev-parse -q --verify {BASELINE_REF} >/dev/null || {{
-  echo "no codefleet baseline in this workspace: create the sandbox with codefleet.tasks.prepare_sandbox" >&2; exit 3; }}
+  echo "no codefleet baseline in this workspace: create the sandbox with codefleet.tasks.prepare_sandbox" >&2
+  exit 3; }}
 idx=$(mktemp /tmp/cf-index.XXXXXX); rm -f "$idx"
 if [ -f .git/index ]; then cp .git/index "$idx"; fi
 export GIT_INDEX_FILE="$idx"
@@ -193,7 +196,8 @@ def apply_patch(sandbox: Sandbox, patch_text: str, timeout_s: float = 120.0) -> 
     nonce = secrets.token_hex(8)
     text = patch_text if patch_text.endswith("\n") else patch_text + "\n"
     path = f"/tmp/cf-patch-{nonce}.diff"
-    command = (f"( cd /workspace && unset GIT_DIR GIT_WORK_TREE GIT_INDEX_FILE && command cat > {path} <<'CF_EOF_{nonce}'\n"
+    command = (f"( cd /workspace && unset GIT_DIR GIT_WORK_TREE GIT_INDEX_FILE && "
+               f"command cat > {path} <<'CF_EOF_{nonce}'\n"
                f"{text}CF_EOF_{nonce}\n"
                f"command git apply --whitespace=nowarn {path}; rc=$?; command rm -f {path}; exit $rc )")
     result = sandbox.exec(command, timeout_s=timeout_s)
@@ -244,7 +248,7 @@ def _run_once(sandbox: Sandbox, command: str, ids: list[str], timeout_s: float) 
     workdir = f"/tmp/cf-check-{secrets.token_hex(16)}"
     result = sandbox.run_oneoff(["bash", "-c", _check_script(command, workdir, nonce), "codefleet-check", *ids],
                                 timeout_s=timeout_s)
-    pattern = re.compile(rf"^{nonce} (-?\d+) (\d+) ([PXFSNM]*)$", re.M)
+    pattern = re.compile(rf"^{nonce} (-?\d+) (\d+) ([PXFSENM]*)$", re.M)
     matches = list(pattern.finditer(result.output))
     if result.timed_out or not matches or int(matches[-1].group(2)) != len(ids) \
             or len(matches[-1].group(3)) != len(ids):
@@ -263,14 +267,18 @@ def run_checks(sandbox: Sandbox, task: Task, timeout_s: float = 300.0) -> CheckR
         sandbox.write_file(path, content)
     if not ids:
         return CheckResult(0, 0, False, {}, "[codefleet: the task has no check ids]")
-    letters, output = _run_once(sandbox, task.checks.command, ids, timeout_s)
-    unknown = [i for i in ids if letters[i] == "N"]
-    if unknown and len(unknown) < len(ids):  # pytest ran nothing: run the ones it can find
-        rest = [i for i in ids if letters[i] != "N"]
-        again, output2 = _run_once(sandbox, task.checks.command, rest, timeout_s)
-        letters.update(again)
-        output = (output + f"\n[codefleet: pytest did not find {len(unknown)} test id(s) "
-                  f"({', '.join(unknown[:5])}); they count as failed and the others ran again]\n" + output2)
+    letters: dict[str, str] = {}
+    output, pending = "", ids
+    for attempt in range(1 + _MAX_RERUNS):
+        got, more = _run_once(sandbox, task.checks.command, pending, timeout_s)
+        letters.update(got)
+        output += more
+        choked = [i for i in pending if got[i] in ABORTING]  # then pytest ran nothing at all
+        pending = [i for i in pending if got[i] == "M"]
+        if not choked or not pending or attempt == _MAX_RERUNS:
+            break
+        output += (f"\n[codefleet: pytest ran nothing because {len(choked)} test id(s) do not exist or their file "
+                   f"fails to import ({', '.join(choked[:5])}); they count as failed and the others run again]\n")
     per_test = {i: letters[i] in PASSING for i in ids}
     passed = sum(per_test.values())
     return CheckResult(passed=passed, total=len(ids), all_passed=passed == len(ids), per_test=per_test,
@@ -368,12 +376,12 @@ def check_task(task: Task, config: SandboxConfig | None = None, cache_dir: str |
 
 
 def check_tasks(tasks: list[Task], config: SandboxConfig | None = None, jobs: int = 2,
-                cache_dir: str | None = None, on_report=None) -> list[TaskCheckReport]:
+                cache_dir: str | None = None, on_report=None, runs: int = 2) -> list[TaskCheckReport]:
     """check_task for many tasks, `jobs` at a time; reports in task order.
     `on_report(report)` is called as each one finishes (for progress lines)."""
     reports: dict[str, TaskCheckReport] = {}
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = {pool.submit(check_task, task, config, cache_dir): task for task in tasks}
+        futures = {pool.submit(check_task, task, config, cache_dir, runs): task for task in tasks}
         for future in as_completed(futures):
             report = future.result()
             reports[futures[future].id] = report

@@ -9,8 +9,10 @@ a private /tmp. It prints one line,
     <nonce> <pytest exit code> <number of ids> <one letter per id>
 
 with P passed, X xfailed (counts as passed, as in SWE-bench), F failed or
-errored, S skipped, N pytest could not find the id (or its file), M missing
-from the xml (did not run). The checker trusts only the last such line that
+errored, S skipped, E its test file failed to import (a collection error),
+N pytest could not find the id (or its file), M missing from the xml (did not
+run). pytest runs nothing at all when an id is not found or a file fails to
+collect, so the checker reruns the ids that are neither E nor N. The checker trusts only the last such line that
 carries its nonce. Stdlib only; keep it importable on Python 3.8+.
 
     python3 -I junit_summary.py WORKDIR RC NONCE ID...
@@ -32,11 +34,15 @@ def junit_key(test_id):
 
 
 def junit_outcomes(xml_text):
-    """{classname.name: letter} for every testcase; the worst outcome wins for duplicates."""
-    outcomes = {}
+    """({classname.name: letter} for every testcase, the worst outcome winning for
+    duplicates; set of dotted test modules that failed to collect)."""
+    outcomes, broken = {}, set()
     for case in ET.fromstring(xml_text).iter("testcase"):
         classname, name = case.get("classname") or "", case.get("name") or ""
         key = classname + "." + name if classname else name
+        if not classname and any(c.get("message") == "collection failure" for c in case):
+            broken.add(name)
+            continue
         tags = [child.tag for child in case]
         if "failure" in tags or "error" in tags:
             letter = "F"
@@ -47,7 +53,7 @@ def junit_outcomes(xml_text):
             letter = "P"
         if key not in outcomes or _RANK[letter] > _RANK[outcomes[key]]:
             outcomes[key] = letter
-    return outcomes
+    return outcomes, broken
 
 
 def not_found(output):
@@ -55,14 +61,22 @@ def not_found(output):
     return re.findall(r"^ERROR: (?:file or directory )?not found: (.+?)\s*$", output, re.M)
 
 
-def outcome(test_id, outcomes, missing):
+def _matches(name, ours):
+    """`name` (from junit) is ours, or a suffix of it when pytest's rootdir lies below the workspace."""
+    return name == ours or ours.endswith("." + name)
+
+
+def outcome(test_id, outcomes, missing, broken=()):
+    file_key = junit_key(test_id.split("::")[0])
+    if any(_matches(name, file_key) for name in broken):
+        return "E"
     if any(m == test_id or m.endswith("/" + test_id) for m in missing):
         return "N"
     key = junit_key(test_id)
     if key in outcomes:
         return outcomes[key]
     # pytest's rootdir may lie below the workspace: its names are then a suffix of ours
-    matches = [letter for name, letter in outcomes.items() if key.endswith("." + name)]
+    matches = [letter for name, letter in outcomes.items() if _matches(name, key)]
     return matches[0] if len(matches) == 1 else "M"
 
 
@@ -80,10 +94,10 @@ def main(argv):
     missing += [line for line in _read(os.path.join(workdir, "missing")).split("\n") if line]
     xml_text = _read(os.path.join(workdir, "junit.xml"))
     try:
-        outcomes = junit_outcomes(xml_text) if xml_text else {}
+        outcomes, broken = junit_outcomes(xml_text) if xml_text else ({}, set())
     except ET.ParseError:
-        outcomes = {}
-    letters = "".join(outcome(test_id, outcomes, missing) for test_id in ids)
+        outcomes, broken = {}, set()
+    letters = "".join(outcome(test_id, outcomes, missing, broken) for test_id in ids)
     sys.stdout.write("\n%s %s %d %s\n" % (nonce, rc, len(ids), letters))
 
 
