@@ -1,6 +1,7 @@
 """`codefleet tasks ...`: generate, check and import task sets.
 
-    codefleet tasks generate --out DIR --n N --seed S [--families a,b] [--difficulty 1|2|3|mixed] [--split train|test|all]
+    codefleet tasks generate --out DIR --n N --seed S [--families a,b] [--difficulty 1|2|3|mixed]
+                             [--split train|test|all]
     codefleet tasks check DIR [--jobs J] [--runs R] [--set KEY=VALUE ...]
     codefleet tasks import-swebench --jsonl FILE --repos DIR --out DIR [--setup CMD ...] [--check-command CMD]
 

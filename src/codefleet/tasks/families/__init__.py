@@ -1,12 +1,12 @@
 """Bundled procedural task families, deterministic by seed.
 
-| family      | the agent must                                       | templates (train / test)                          |
-|-------------|------------------------------------------------------|---------------------------------------------------|
-| `bugfix`    | fix a bug injected by a mutation; a test shows it    | 5 domains / 2 held-out domains                    |
-| `stub`      | implement a function from its docstring              | 5 domains / 2 held-out domains                    |
-| `rename`    | rename a function and every use across files         | 5 domains / 2 held-out domains                    |
-| `config`    | change defaults asked for in prose                   | constants, JSON, dataclass / INI                  |
-| `multifile` | read several files: a bug behind another module, or a figure summed over many modules | checkout, warehouse / payroll, power |
+- `bugfix`: fix a bug injected by a mutation; a failing test shows it
+  (5 domains for train, 2 held-out domains for test)
+- `stub`: implement a function from its docstring (5 / 2 domains)
+- `rename`: rename a function and every use across files (5 / 2 domains)
+- `config`: change defaults asked for in prose (constants, JSON, dataclass / INI)
+- `multifile`: read several files — a bug behind another module, or a figure
+  summed over many modules (checkout, warehouse / payroll, power)
 
 A *template* (a domain or code shape) belongs to exactly one split, so the
 test split holds out code the train split never shows, not just new seeds.

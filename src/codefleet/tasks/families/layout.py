@@ -66,7 +66,8 @@ def distractors(exclude: str | None, package: str, size: Size,
     return files, tests
 
 
-def package_files(package: str, domain: Domain, module_text: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+def package_files(package: str, domain: Domain, module_text: str,
+                  extra: dict[str, str] | None = None) -> dict[str, str]:
     """pyproject, README, the package's __init__ and the main module."""
     files = project_files(package, domain.topic)
     files[f"{package}/__init__.py"] = f'"""{domain.topic.capitalize()}."""\n'

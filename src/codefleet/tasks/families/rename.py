@@ -34,11 +34,13 @@ _USERS = {
             "    return {\"ok\": True, \"result\": {ref}(*request[\"args\"])}\n", "handle",
             lambda cs: ({"args": list(cs[0])},)),
     "pipeline": ("First step of the processing pipeline.",
-                 'def first_result(rows):\n    """The result for the first argument tuple of `rows`; None if empty."""\n'
+                 'def first_result(rows):\n'
+                 '    """The result for the first argument tuple of `rows`; None if empty."""\n'
                  "    if not rows:\n        return None\n    return {ref}(*rows[0])\n", "first_result",
                  lambda cs: (list(cs[1:3]),)),
     "compare": ("Compare the helper's results for two inputs.",
-                'def same_result(first_args, second_args):\n    """True if both argument tuples give the same result."""\n'
+                'def same_result(first_args, second_args):\n'
+                '    """True if both argument tuples give the same result."""\n'
                 "    return {ref}(*first_args) == {ref}(*second_args)\n", "same_result", lambda cs: (cs[0], cs[1])),
     "memo": ("Memoised access to the helper.",
              '_CACHE = {}\n\n\ndef cached(*args):\n    """The helper\'s result for `args`, computed once per distinct '
