@@ -16,15 +16,16 @@ from codefleet.tasks.patch import (
     split_lines,
 )
 
+COMMENTS = "".join(f"# {i}\n" for i in range(20))
 BEFORE = {
-    "pkg/a.py": "def f(x):\n    return x + 1\n\n\ndef g(x):\n    return x * 2\n" + "".join(f"# {i}\n" for i in range(20))
+    "pkg/a.py": "def f(x):\n    return x + 1\n\n\ndef g(x):\n    return x * 2\n" + COMMENTS
     + "def h():\n    return 3\n",
     "pkg/gone.py": "X = 1\n",
     "notes.txt": "no newline at end",
     "form.py": "a = 1\n\x0c\nb = 2\n",
 }
 AFTER = {
-    "pkg/a.py": "def f(x):\n    return x - 1\n\n\ndef g(x):\n    return x * 2\n" + "".join(f"# {i}\n" for i in range(20))
+    "pkg/a.py": "def f(x):\n    return x - 1\n\n\ndef g(x):\n    return x * 2\n" + COMMENTS
     + "def h():\n    return 4\n",
     "pkg/new.py": "Y = 2\n",
     "notes.txt": "no newline at end, still",
