@@ -132,7 +132,8 @@ def _host_args(config: SandboxConfig, owner: Owner) -> list[str]:
     # when it finds it writable as a directory, which it never is).
     args += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys",
              "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger"]
-    args += ["--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/var/tmp",
+    args += ["--dev", "/dev", "--size", str(config.tmp_mb << 20), "--tmpfs", "/tmp",
+             "--size", str(config.tmp_mb << 20), "--tmpfs", "/var/tmp",
              "--clearenv", "--setenv", "PATH", _PATH, "--setenv", "HOME", "/tmp", "--setenv", "USER", "agent",
              "--setenv", "LOGNAME", "agent", "--setenv", "TERM", "dumb", "--setenv", "LANG", "C.UTF-8",
              "--setenv", "PAGER", "cat", "--setenv", "GIT_PAGER", "cat"]
@@ -217,7 +218,7 @@ class NamespaceSandbox(ShellSandbox):
         return proc, init_pid
 
     def _spawn_shell(self, replay: str) -> tuple[subprocess.Popen, ShellSession]:
-        proc, init_pid = self._spawn(["bash", "--noprofile", "--norc", "-i"], subprocess.PIPE)
+        proc, init_pid = self._spawn(["bash", "--noprofile", "--norc", "--noediting", "-i"], subprocess.PIPE)
         self._init_pid = init_pid
         self._pids = [(proc.pid, procs.start_time(proc.pid)), (init_pid, procs.start_time(init_pid))]
         with open(os.path.join(self.dir, "pids.json"), "w") as f:

@@ -25,9 +25,10 @@ from codefleet.types import ExecResult, FileEntry, SandboxInfo, SearchMatch
 
 
 def setup_script(config: SandboxConfig, workdir: str, ulimits: str, replay: str = "") -> str:
-    """The first lines every fresh shell runs. They are read with readline still on
-    (see ShellSandbox._start), so they hold printable characters only."""
+    """The first lines every fresh shell runs. `exit` is wrapped because an
+    interactive bash announces "exit" on stderr, which commands see merged."""
     lines = ["set +H +o history; unset HISTFILE PROMPT_COMMAND; PS1=''; PS2=''; PS0=''",
+             'exit() { builtin exit "$@" 2>/dev/null; }; logout() { builtin exit "$@" 2>/dev/null; }',
              ulimits,
              f"cd {bash_literal(workdir)}"]
     lines += [f"export {k}={bash_literal(v)}" for k, v in config.env.items()]
@@ -153,17 +154,8 @@ class ShellSandbox(ABC):
         if self._closed:
             raise SandboxClosedError(f"sandbox {self.id} is closed; create a new one")
 
-    # An interactive bash reads commands with readline, which edits any line that
-    # holds a control character: TAB completes, ^A and ESC sequences move the
-    # cursor, DEL erases. Line editing must be turned off by a command at the top
-    # level: run inside the protocol's `{ ...; } </dev/null` it makes bash read its
-    # next command from /dev/null, and exit. So this line goes to the shell as is.
-    _NO_LINE_EDITING = b"set +o emacs +o vi\n"
-
     def _start(self, replay: str = "") -> None:
-        proc, session = self._spawn_shell(replay)
-        os.write(proc.stdin.fileno(), self._NO_LINE_EDITING)  # prints nothing; runs before the next command
-        self._proc, self._session = proc, session
+        self._proc, self._session = self._spawn_shell(replay)
 
     def exec(self, command: str, timeout_s: float | None = None) -> ExecResult:
         """Run `command` in the persistent shell; cwd, env and background jobs persist."""
@@ -175,8 +167,7 @@ class ShellSandbox(ABC):
                 restarted = True
             result = self._session.run(command, self.config.timeout_s if timeout_s is None else timeout_s)
             if self._session.dead:  # restarted lazily, by the next command
-                output = result.output[:-5] if result.output.endswith("exit\n") else result.output
-                return ExecResult(output + self._death_note(result), result.exit_code, result.timed_out,
+                return ExecResult(result.output + self._death_note(result), result.exit_code, result.timed_out,
                                   result.truncated, result.duration_s, result.cut_bytes)
             note = self._limit_note(result)
             if restarted:
