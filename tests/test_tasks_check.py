@@ -69,6 +69,11 @@ def test_unsound_tasks_are_reported(bugfix_task, tmp_path, state_dir, capsys):
     variants = {k: v for k, v in _broken_variants(bugfix_task).items() if v is not None}
     out = str(tmp_path / "broken")
     save_tasks([bugfix_task, *variants.values()], out)
+    with open(os.path.join(out, "tasks.jsonl"), "a") as index:  # and one task file that is not valid
+        index.write('{"id": "garbled", "path": "garbled/task.json"}\n')
+    os.makedirs(os.path.join(out, "garbled"))
+    with open(os.path.join(out, "garbled", "task.json"), "w") as f:
+        f.write('{"spec_version": 1, "id": "garbled"}')
     assert main(["tasks", "check", out, "--jobs", "2", "--set", f"state_dir={state_dir}"]) == 1
     text = capsys.readouterr().out
     lines = {line.split()[1]: line for line in text.splitlines() if line.startswith(("ok ", "UNSOUND "))}
@@ -79,7 +84,8 @@ def test_unsound_tasks_are_reported(bugfix_task, tmp_path, state_dir, capsys):
     assert "nondeterministic" in lines["flaky"]
     if "fails-untouched" in variants:
         assert "pass_to_pass tests fail on the untouched repo" in lines["fails-untouched"]
-    assert f"{len(variants)} unsound" in text.splitlines()[-1]
+    assert "instruction: required" in lines[os.path.join(out, "garbled", "task.json")]
+    assert f"{len(variants) + 1} unsound" in text.splitlines()[-1]
 
 
 def test_missing_ids_fail_and_printed_results_do_not_count(bugfix_task, config):

@@ -31,6 +31,8 @@ Design:
   when one id does not exist; ids whose file is missing are filtered out
   before, and ids pytest reports as not found are dropped and the rest rerun.
   Either way a missing id counts as failed.
+- Scripts run with the workspace as their working directory, so the
+  `local` backend (no isolation; a shared /tmp) works too.
 - One-offs see the workspace but not the shell's environment or /tmp: setup
   commands must leave what the checks need in the workspace, and a check
   command that needs a variable sets it itself (`PYTHONPATH=src python3 ...`).
@@ -50,7 +52,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
-from codefleet.sandbox import Sandbox, SandboxConfig, SandboxError, create_sandbox
+from codefleet.sandbox import Sandbox, SandboxConfig, create_sandbox
 from codefleet.types import CheckResult, Task
 
 BASELINE_REF = "refs/codefleet/baseline"
@@ -115,11 +117,10 @@ def _git_env() -> str:
 
 
 _BASELINE_SCRIPT = f"""set -e
-cd /workspace
 {_git_env()}
 if [ -e .git ]; then
   git rev-parse --git-dir >/dev/null 2>&1 || {{ echo "the workspace has a .git that git cannot read" >&2; exit 3; }}
-  idx=$(mktemp /tmp/cf-index.XXXXXX); rm -f "$idx"
+  idx=$(mktemp /tmp/cf-index.XXXXXX); rm -f "$idx"; trap 'rm -f "$idx"' EXIT
   if [ -f .git/index ]; then cp .git/index "$idx"; fi
   export GIT_INDEX_FILE="$idx"
   git add -A
@@ -168,11 +169,10 @@ def workspace_diff(sandbox: Sandbox, timeout_s: float = 120.0) -> str:
     diff (`git diff --binary`; new, deleted and renamed files included)."""
     name = f".git/codefleet-diff-{secrets.token_hex(8)}"
     script = f"""set -e
-cd /workspace
 git rev-parse -q --verify {BASELINE_REF} >/dev/null || {{
   echo "no codefleet baseline in this workspace: create the sandbox with codefleet.tasks.prepare_sandbox" >&2
   exit 3; }}
-idx=$(mktemp /tmp/cf-index.XXXXXX); rm -f "$idx"
+idx=$(mktemp /tmp/cf-index.XXXXXX); rm -f "$idx"; trap 'rm -f "$idx"' EXIT
 if [ -f .git/index ]; then cp .git/index "$idx"; fi
 export GIT_INDEX_FILE="$idx"
 git add -A
@@ -184,7 +184,7 @@ git diff --cached --binary --no-color --no-ext-diff {BASELINE_REF} > {name}
             raise RuntimeError(f"workspace_diff failed (exit {result.exit_code}): {result.output[-2000:]}")
         return sandbox.read_file(name)
     finally:
-        sandbox.run_oneoff(["rm", "-f", "--", f"/workspace/{name}"], timeout_s=30)
+        sandbox.run_oneoff(["rm", "-f", "--", name], timeout_s=30)
 
 
 def apply_patch(sandbox: Sandbox, patch_text: str, timeout_s: float = 120.0) -> None:
@@ -196,7 +196,7 @@ def apply_patch(sandbox: Sandbox, patch_text: str, timeout_s: float = 120.0) -> 
     nonce = secrets.token_hex(8)
     text = patch_text if patch_text.endswith("\n") else patch_text + "\n"
     path = f"/tmp/cf-patch-{nonce}.diff"
-    command = (f"( cd /workspace && unset GIT_DIR GIT_WORK_TREE GIT_INDEX_FILE && "
+    command = (f"( cd {shlex.quote(sandbox.info.workspace)} && unset GIT_DIR GIT_WORK_TREE GIT_INDEX_FILE && "
                f"command cat > {path} <<'CF_EOF_{nonce}'\n"
                f"{text}CF_EOF_{nonce}\n"
                f"command git apply --whitespace=nowarn {path}; rc=$?; command rm -f {path}; exit $rc )")
@@ -219,8 +219,8 @@ def _check_script(command: str, workdir: str, nonce: str) -> str:
     cmd = cmd.replace("{junit}", junit) if "{junit}" in cmd else f"{cmd} --junitxml={junit}"
     keep = OUTPUT_KEEP_BYTES
     return f"""mkdir -m 700 {workdir} || exit 90
+trap 'rm -rf {workdir}' EXIT
 export PYTHONDONTWRITEBYTECODE=1
-cd /workspace
 run=(); : > {workdir}/missing
 for t in "$@"; do
   if [ -e "${{t%%::*}}" ]; then run+=("$t"); else printf '%s\\n' "$t" >> {workdir}/missing; fi
@@ -366,8 +366,8 @@ def check_task(task: Task, config: SandboxConfig | None = None, cache_dir: str |
             if patched is not None:
                 reference = [run_checks(patched, task) for _ in range(runs)]
             untouched = plain_runs.result()
-    except (TaskSetupError, SandboxError, OSError) as e:
-        problems.append(f"could not run the checks: {e}")
+    except Exception as e:  # one broken task must not end a whole `tasks check` run
+        problems.append(f"could not run the checks: {type(e).__name__}: {e}")
     finally:
         for sandbox in reversed(sandboxes):
             sandbox.close()

@@ -42,15 +42,22 @@ def _check(args: argparse.Namespace) -> int:
     from codefleet.config import ConfigError, load_config
     from codefleet.sandbox import SandboxConfig
     from codefleet.tasks.checks import check_tasks
-    from codefleet.tasks.spec import TaskSpecError, load_tasks
+    from codefleet.tasks.spec import TaskSpecError, load_task, task_paths
 
     try:
         config = load_config(SandboxConfig, None, list(args.set or []))
-        tasks = load_tasks(args.dir)
-    except (ConfigError, TaskSpecError, FileNotFoundError, OSError) as e:
+        paths = task_paths(args.dir)
+    except (ConfigError, TaskSpecError, OSError) as e:
         print(f"codefleet tasks check: {e}", file=sys.stderr)
         return 2
-    if not tasks:
+    tasks, unreadable = [], []
+    for path in paths:
+        try:
+            tasks.append(load_task(path))
+        except (TaskSpecError, OSError) as e:  # an unreadable task is unsound; the others are still checked
+            unreadable.append(path)
+            print(f"UNSOUND  {path}  " + str(e).replace("\n", " "), flush=True)
+    if not paths:
         print(f"codefleet tasks check: no tasks in {args.dir}", file=sys.stderr)
         return 2
     started = time.perf_counter()
@@ -59,9 +66,9 @@ def _check(args: argparse.Namespace) -> int:
         print(report.line(), flush=True)
 
     reports = check_tasks(tasks, config, jobs=args.jobs, on_report=show, runs=args.runs)
-    unsound = [r for r in reports if not r.sound]
-    print(f"checked {len(reports)} tasks in {time.perf_counter() - started:.1f} s: {len(reports) - len(unsound)} "
-          f"sound, {len(unsound)} unsound" + (f" ({', '.join(r.task_id for r in unsound[:10])})" if unsound else ""))
+    unsound = [r.task_id for r in reports if not r.sound] + unreadable
+    print(f"checked {len(paths)} tasks in {time.perf_counter() - started:.1f} s: {len(paths) - len(unsound)} "
+          f"sound, {len(unsound)} unsound" + (f" ({', '.join(unsound[:10])})" if unsound else ""))
     return 1 if unsound else 0
 
 
