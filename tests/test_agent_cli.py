@@ -137,3 +137,22 @@ def test_bad_arguments_say_what_is_wrong(repo, argv, message):
     code = main(["agent", "run", *[x for kv in base.items() for x in kv]], stdin=io.StringIO(), out=io.StringIO(),
                 err=err)
     assert code == 2 and message in err.getvalue()
+
+
+def test_a_correction_typed_before_the_attempts_start_reaches_every_attempt(repo, state_dir):
+    read_fd, write_fd = os.pipe()
+    with os.fdopen(write_fd, "w") as writer:
+        writer.write("only touch pkg/calc.py\n")  # typed before any loop exists
+    stdin = os.fdopen(read_fd, "r")
+
+    def by_turn(body: dict):
+        turn = sum(m["role"] == "assistant" for m in body["messages"])
+        return reply("", call("run", {"command": "sleep 0.2"})) if turn == 0 else reply("", call("submit", {}))
+
+    with OpenAIStub([by_turn] * 4) as stub:
+        code, out, err = run_cli(stub, repo, state_dir, "--attempts", "2", "--json", stdin=stdin)
+    assert code == 0 and len(json.loads(out)["attempts"]) == 2
+    last_requests = [r for r in stub.requests if sum(m["role"] == "assistant" for m in r["messages"]) == 1]
+    assert len(last_requests) == 2
+    for request in last_requests:
+        assert {"role": "user", "content": "only touch pkg/calc.py"} in request["messages"]

@@ -89,14 +89,32 @@ def _progress(n_attempts: int, err: TextIO) -> Callable[[int, Event], None]:
     return on_event
 
 
-def _read_corrections(stream: TextIO, loops: list[AgentLoop], lock: threading.Lock, err: TextIO) -> None:
-    for line in stream:
-        text = line.strip()
-        if text:
-            with lock:
-                for loop in loops:
-                    loop.inject(text)
-            print(f"correction queued: {text}", file=err, flush=True)
+class Corrections:
+    """Lines typed by the user, delivered to every attempt's loop — also to loops that start later."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loops: list[AgentLoop] = []
+        self._sent: list[str] = []
+
+    def add_loop(self, loop: AgentLoop) -> None:
+        with self._lock:
+            self._loops.append(loop)
+            for text in self._sent:
+                loop.inject(text)
+
+    def send(self, text: str) -> None:
+        with self._lock:
+            self._sent.append(text)
+            for loop in self._loops:
+                loop.inject(text)
+
+    def read_from(self, stream: TextIO, err: TextIO) -> None:
+        for line in stream:
+            text = line.strip()
+            if text:
+                self.send(text)
+                print(f"correction queued: {text}", file=err, flush=True)
 
 
 def _interactive(stream: TextIO | None) -> bool:
@@ -142,16 +160,9 @@ def run_command(args: argparse.Namespace, stdin: TextIO | None = None, out: Text
     defaults = Budgets()
     budgets = Budgets(max_turns=args.max_turns or defaults.max_turns,
                       wall_clock_s=args.max_wall_s or defaults.wall_clock_s)
-    loops: list[AgentLoop] = []
-    loops_lock = threading.Lock()
-
-    def keep(loop: AgentLoop) -> None:
-        with loops_lock:
-            loops.append(loop)
-
+    corrections = Corrections()
     if _interactive(stdin):
-        threading.Thread(target=_read_corrections, args=(stdin, loops, loops_lock, err), daemon=True,
-                         name="corrections").start()
+        threading.Thread(target=corrections.read_from, args=(stdin, err), daemon=True, name="corrections").start()
     sandboxes = []
     try:
         base = create_sandbox(args.repo, sandbox_config)
@@ -161,7 +172,7 @@ def run_command(args: argparse.Namespace, stdin: TextIO | None = None, out: Text
             sandboxes = base.fork(args.attempts) + [base]
         attempts = run_attempts(sandboxes[:args.attempts], args.task, policy, planner=planner,
                                 test_command=args.test_command, budgets=budgets,
-                                on_event=_progress(args.attempts, err), on_loop=keep)
+                                on_event=_progress(args.attempts, err), on_loop=corrections.add_loop)
     except (SandboxError, workspace.WorkspaceDiffError, FileNotFoundError) as e:
         print(f"codefleet agent run: {e}", file=err)
         return 2
