@@ -7,10 +7,11 @@ environment that produces RL rollouts — the same code.
 
 Modules: policy.py (the Policy contract), tools.py (the seven tools),
 parallel.py (one turn's calls at once), loop.py (the loop), prompts.py,
-clients/ (OpenAI-compatible HTTP, scripted expert, local engine seam),
-episode.py (a Task end to end: sandbox, loop, diff, checks, reward),
-reward.py, attempts.py (N forked attempts, the best kept), cli.py
-(`codefleet agent run`).
+planner.py (plan and execute), clients/ (OpenAI-compatible HTTP, scripted
+expert, local engine seam), episode.py (a Task end to end: sandbox, loop,
+diff, checks, reward), reward.py, attempts.py (N forked attempts, the best
+kept), workspace.py (a user repo's diff, --apply), cli.py (`codefleet agent
+run`). docs/agent.md is the user's guide.
 """
 
 from codefleet.agent.loop import AgentLoop
