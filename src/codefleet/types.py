@@ -74,7 +74,7 @@ TASK_SPEC_VERSION = 1
 class Budgets:
     """Limits of one episode. The default allows at least 150 tool calls."""
 
-    max_turns: int = 60
+    max_turns: int = 200
     max_tool_calls: int = 200
     max_tokens: int = 400_000
     wall_clock_s: float = 1800.0
@@ -184,7 +184,7 @@ class Trajectory:
     task_id: str
     messages: list[dict]
     turns: list[Turn]
-    stop_reason: str  # "submit" | "no_tool_calls" | "max_turns" | "max_tool_calls" | "max_tokens" | "wall_clock" | "error"
+    stop_reason: str  # "submit" | "no_tool_calls" | "max_turns" | "max_tool_calls" | "max_tokens" | "wall_clock" | "error" | "cancelled"
     diff: str = ""
     checks: CheckResult | None = None
     reward: float = 0.0
