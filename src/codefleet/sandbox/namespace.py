@@ -33,6 +33,7 @@ import stat
 import subprocess
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from codefleet.sandbox import procs
 from codefleet.sandbox.base import WORKSPACE, SandboxConfig, SandboxUnavailableError
@@ -44,6 +45,7 @@ from codefleet.sandbox.state import Owner, owner_for
 from codefleet.types import ExecResult, SandboxInfo
 
 SANDBOX_UID = 1000
+_FORK_THREADS = 4
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -294,13 +296,21 @@ class NamespaceSandbox(ShellSandbox):
             lowers, layers = self.workspace.lowers, self._layers
         _layer_refs.acquire(layer)  # held while the children start, so a failure cleans it up
         children: list[ShellSandbox] = []
+        failure: BaseException | None = None
         try:
-            for _ in range(n):
-                children.append(NamespaceSandbox(None, self.config, _lowers=lowers, _layers=layers, _replay=replay))
-        except BaseException:
-            for child in children:
-                child.close()
-            raise
+            # Children start in parallel: most of a start is waiting on the kernel (namespaces, mounts).
+            with ThreadPoolExecutor(min(n, _FORK_THREADS)) as pool:
+                futures = [pool.submit(NamespaceSandbox, None, self.config, _lowers=lowers, _layers=layers,
+                                       _replay=replay) for _ in range(n)]
+                for future in futures:
+                    try:
+                        children.append(future.result())
+                    except BaseException as e:
+                        failure = failure or e
+            if failure is not None:
+                for child in children:
+                    child.close()
+                raise failure
         finally:
             _layer_refs.release(layer)
         return children
