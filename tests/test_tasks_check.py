@@ -192,3 +192,24 @@ def test_check_tasks_keeps_order_and_reports_each(bugfix_task, config):
     assert report.sound and len(report.reference) == 2 and len(report.untouched) == 2
     assert report.reference[0].all_passed and not report.untouched[0].all_passed
     assert report.line().startswith(f"ok       {bugfix_task.id}  reference ")
+
+
+def test_same_second_same_size_edit_is_in_the_diff(tmp_path, config):
+    """Git compares whole seconds: a same-size edit in the second the baseline
+    was taken is only caught by git's racy-index check, which the temporary
+    index must not defeat (it once did, with a fresh mtime on the copy)."""
+    import time
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    task = Task(id="racy", repo=str(repo), instruction="x",
+                checks=HiddenChecks(command="python3 -m pytest {tests}", fail_to_pass=["t.py::t"]))
+    time.sleep(1.02 - time.time() % 1)  # start of a second: file, baseline and edit fit in it
+    (repo / "m.py").write_text("X = 1 + 2\n")
+    sandbox = prepare_sandbox(task, config)
+    try:
+        sandbox.write_file("m.py", "X = 1 - 2\n")  # same size, same inode
+        time.sleep(1.02 - time.time() % 1)  # the diff's temporary index is made in a later second
+        assert "+X = 1 - 2" in workspace_diff(sandbox)
+    finally:
+        sandbox.close()

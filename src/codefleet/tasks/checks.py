@@ -121,7 +121,7 @@ _BASELINE_SCRIPT = f"""set -e
 if [ -e .git ]; then
   git rev-parse --git-dir >/dev/null 2>&1 || {{ echo "the workspace has a .git that git cannot read" >&2; exit 3; }}
   idx=$(mktemp /tmp/cf-index.XXXXXX); rm -f "$idx"; trap 'rm -f "$idx"' EXIT
-  if [ -f .git/index ]; then cp .git/index "$idx"; fi
+  if [ -f .git/index ]; then cp -p .git/index "$idx"; fi  # -p: keep its mtime, which racy-git detection compares against
   export GIT_INDEX_FILE="$idx"
   git add -A
   tree=$(git write-tree)
@@ -173,7 +173,7 @@ git rev-parse -q --verify {BASELINE_REF} >/dev/null || {{
   echo "no codefleet baseline in this workspace: create the sandbox with codefleet.tasks.prepare_sandbox" >&2
   exit 3; }}
 idx=$(mktemp /tmp/cf-index.XXXXXX); rm -f "$idx"; trap 'rm -f "$idx"' EXIT
-if [ -f .git/index ]; then cp .git/index "$idx"; fi
+if [ -f .git/index ]; then cp -p .git/index "$idx"; fi  # -p: keep its mtime, which racy-git detection compares against
 export GIT_INDEX_FILE="$idx"
 git add -A
 git diff --cached --binary --no-color --no-ext-diff {BASELINE_REF} > {name}
