@@ -13,6 +13,9 @@ import os
 import shlex
 import sys
 
+from codefleet.agent.cli import register as register_agent
+from codefleet.tasks.cli import register as register_tasks
+
 
 def _sandbox_run(args: argparse.Namespace) -> int:
     from codefleet.config import ConfigError, load_config
@@ -86,15 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--backend", choices=["auto", "namespace", "local"], default="auto")
     bench.set_defaults(func=_bench)
 
-    from codefleet.agent.cli import register as register_agent
-
     register_agent(sub)
-    try:
-        from codefleet.tasks.cli import register as register_tasks
-    except ImportError:  # the tasks CLI lands with the task families
-        pass
-    else:
-        register_tasks(sub)
+    register_tasks(sub)
     return parser
 
 
