@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 
@@ -43,6 +44,23 @@ def sandbox(repo, config):
     sb = create_sandbox(repo, config)
     yield sb
     sb.close()
+
+
+@pytest.fixture
+def make_sandbox(repo, config):
+    """Namespace sandboxes over `repo` with config overrides; all closed at teardown."""
+    from codefleet.sandbox import create_sandbox
+
+    made = []
+
+    def make(**overrides):
+        sb = create_sandbox(repo, dataclasses.replace(config, backend="namespace", **overrides))
+        made.append(sb)
+        return sb
+
+    yield make
+    for sb in made:
+        sb.close()
 
 
 @pytest.fixture(scope="session")

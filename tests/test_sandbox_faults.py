@@ -43,20 +43,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture
-def make_sandbox(repo, config):
-    """Namespace sandboxes over `repo` with config overrides; all closed at teardown."""
-    made = []
-
-    def make(**overrides):
-        sb = create_sandbox(repo, dataclasses.replace(config, backend="namespace", **overrides))
-        made.append(sb)
-        return sb
-
-    yield make
-    for sb in made:
-        sb.close()
-
 
 # -- helpers: what is running and what is left on the host --------------------------
 

@@ -9,7 +9,6 @@ test_sandbox_faults.py.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import secrets
 import tempfile
@@ -17,7 +16,7 @@ import time
 
 import pytest
 
-from codefleet.sandbox import cgroups, create_sandbox
+from codefleet.sandbox import cgroups
 from codefleet.sandbox.namespace import SANDBOX_UID, unavailable_reason
 
 UNAVAILABLE = unavailable_reason()
@@ -26,20 +25,6 @@ pytestmark = [
     pytest.mark.timeout(60),
 ]
 
-
-@pytest.fixture
-def make_sandbox(repo, config):
-    """Namespace sandboxes over `repo` with config overrides; all closed at teardown."""
-    made = []
-
-    def make(**overrides):
-        sb = create_sandbox(repo, dataclasses.replace(config, backend="namespace", **overrides))
-        made.append(sb)
-        return sb
-
-    yield make
-    for sb in made:
-        sb.close()
 
 
 def run_ok(sb, command: str) -> str:
@@ -120,7 +105,7 @@ def test_host_home_tmp_and_state_are_invisible(make_sandbox, config, repo):
         out = sb.exec(f"ls -a /root /home; cat {f.name}; ls -a /tmp; ls {config.state_dir} {repo}",
                       timeout_s=20).output
     assert "host-tmp-secret" not in out
-    assert f"cannot access '/root'" in out and f"cannot access '/home'" in out
+    assert "cannot access '/root'" in out and "cannot access '/home'" in out
     assert f"{f.name}: No such file or directory" in out
     assert f"cannot access '{config.state_dir}'" in out and f"cannot access '{repo}'" in out
     assert run_ok(sb, "ls -A /tmp") == "", "the sandbox's /tmp is not empty: it is not private"
