@@ -38,6 +38,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -n
     # On this project's machines `torch==2.13.0` resolves to a CPU build kept on local disk;
     # TORCH_SPEC overrides it (e.g. a CUDA build on a GPU host).
     "$VENV/bin/pip" install -q "${TORCH_SPEC:-torch==2.13.0}"
-    "$VENV/bin/pip" install -q -e ".[test]"
+    "$VENV/bin/pip" install -q -e ".[test,bench]"
     touch "$stamp"
 fi
