@@ -1,0 +1,139 @@
+"""A slot-based KV cache for continuous batching.
+
+Each running sequence owns one *slot*: a row of preallocated key/value
+tensors `[n_layers, n_slots, n_kv_heads, max_len, head_dim]`. Nothing is
+allocated per step; a step writes the new keys/values in place and attends
+over a view of the slots in use.
+
+The engine keeps the running sequences packed in slots `0..n-1` (when one
+finishes, the last one moves into its slot, `move`), so a decode step reads
+`K[:, :n, :, :L]` — a view, not a gather — where `L` is the longest length
+in the batch. Rows shorter than `L` are masked.
+
+One forward pass of the model is one `begin(slots, starts, n_new)` followed by
+one `attend` per layer:
+
+- `slots_B`: the slot of each batch row,
+- `starts_B`: how many tokens that slot already holds (its current length),
+- `n_new_B`: how many of the `T` new tokens of the row are real (prefill of
+  prompts of different lengths is right-padded to `T`; a decode step has
+  `T = 1`).
+
+Query `t` of row `b` sees the keys at positions `j <= starts[b] + t`: the
+sequence's own past plus causal attention within the new tokens. Padded
+queries are computed and discarded; padded keys sit beyond the row's length
+and are overwritten before anything real can see them.
+
+Grouped-query attention without copying the cache: the `G = n_heads /
+n_kv_heads` query heads that share a kv head are folded into the query-length
+axis (`q[B, Hkv, G*T, D]`), so one SDPA call attends with `[B, Hkv, L, D]`
+keys directly. Head `h` uses kv head `h // G` (the `repeat_interleave`
+convention of HF's `repeat_kv`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class CacheFullError(RuntimeError):
+    """A sequence would grow past the cache's `max_len`."""
+
+
+class SlotKVCache:
+    """Preallocated per-slot keys and values for every layer."""
+
+    def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, head_dim: int, max_len: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        self.n_layers, self.n_slots, self.max_len = n_layers, n_slots, max_len
+        self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
+        shape = (n_layers, n_slots, n_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = [0] * n_slots  # tokens held per slot (host side; the engine owns the bookkeeping)
+        self._step: _Step | None = None
+
+    # -- one forward pass -------------------------------------------------------------
+
+    def begin(self, slots: list[int], starts: list[int], n_new: list[int], t_new: int) -> None:
+        """Prepare the next forward pass: row b writes `n_new[b]` (of `t_new`) tokens into `slots[b]` after `starts[b]`."""
+        for s in starts:
+            if s + t_new > self.max_len:
+                raise CacheFullError(f"a sequence of {s + t_new} tokens does not fit the cache (max_len "
+                                     f"{self.max_len}); raise max_seq_len or lower max_tokens")
+        self._step = _Step(self, slots, starts, n_new, t_new)
+
+    def end(self) -> None:
+        """Commit the lengths of the forward pass that `begin` prepared."""
+        step = self._step
+        assert step is not None, "end() without begin()"
+        for slot, s, n in zip(step.slots, step.starts, step.n_new):
+            self.lengths[slot] = s + n
+        self._step = None
+
+    def attend(self, layer: int, q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor) -> torch.Tensor:
+        """Store the new keys/values of `layer` and attend over each row's cached history plus them."""
+        step = self._step
+        assert step is not None, "cache.attend() called outside begin()/end(); the engine drives the cache"
+        B, H, T, D = q_BHTD.shape
+        Hkv = k_BHTD.shape[1]
+        step.write(self.k[layer], k_BHTD)
+        step.write(self.v[layer], v_BHTD)
+        keys_BHLD, values_BHLD = step.read(self.k[layer]), step.read(self.v[layer])
+        G = H // Hkv
+        q_BHgD = q_BHTD.reshape(B, Hkv, G * T, D)  # heads h = kv * G + g
+        out = F.scaled_dot_product_attention(q_BHgD, keys_BHLD, values_BHLD, attn_mask=step.mask(G))
+        return out.reshape(B, H, T, D)
+
+    # -- slot management ----------------------------------------------------------------
+
+    def move(self, src: int, dst: int) -> None:
+        """Copy slot `src` into slot `dst` (packing running sequences into the lowest slots)."""
+        n = self.lengths[src]
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.lengths[dst], self.lengths[src] = n, 0
+
+    def free(self, slot: int) -> None:
+        self.lengths[slot] = 0
+
+
+class _Step:
+    """Indices and the mask of one forward pass, computed once and shared by every layer."""
+
+    def __init__(self, cache: SlotKVCache, slots: list[int], starts: list[int], n_new: list[int], t_new: int):
+        self.slots, self.starts, self.n_new, self.t_new = slots, starts, n_new, t_new
+        device = cache.k.device
+        B = len(slots)
+        self.packed = slots == list(range(B))  # rows are slots 0..B-1: read a view, not a gather
+        self.slots_B = torch.tensor(slots, device=device)
+        self.length = max(s + t_new for s in starts)  # keys to attend over
+        starts_B = torch.tensor(starts, device=device)
+        if t_new == 1:
+            self.positions_B = starts_B
+        else:
+            self.positions_BT = starts_B[:, None] + torch.arange(t_new, device=device)[None, :]
+        key_pos_L = torch.arange(self.length, device=device)
+        query_pos_BT = starts_B[:, None] + torch.arange(t_new, device=device)[None, :]
+        self.mask_BTL = key_pos_L[None, None, :] <= query_pos_BT[:, :, None]  # True: may attend
+        self._masks: dict[int, torch.Tensor] = {}
+
+    def mask(self, G: int) -> torch.Tensor:
+        m = self._masks.get(G)
+        if m is None:  # [B, 1, G*T, L]: the same visibility for the G query heads of a kv head
+            B, T, L = self.mask_BTL.shape
+            m = self.mask_BTL[:, None, None].expand(B, 1, G, T, L).reshape(B, 1, G * T, L)
+            self._masks[G] = m
+        return m
+
+    def write(self, store: torch.Tensor, new_BHTD: torch.Tensor) -> None:
+        if self.t_new == 1:
+            store[self.slots_B, :, self.positions_B] = new_BHTD[:, :, 0].to(store.dtype)
+        else:  # [B, T] positions per row; advanced indices (slot, position) broadcast to [B, T] -> [B, T, H, D]
+            store[self.slots_B[:, None], :, self.positions_BT] = new_BHTD.transpose(1, 2).to(store.dtype)
+
+    def read(self, store: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return store[: len(self.slots), :, : self.length]
+        return store[self.slots_B, :, : self.length]

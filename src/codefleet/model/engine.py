@@ -1,0 +1,430 @@
+"""The inference engine: continuous batching over a slot KV cache.
+
+Agent turns differ wildly in length, so requests join and leave the running
+batch independently. One `step()`:
+
+1. applies a pending weight update (`update_weights`), so updates land
+   *between* steps and in-flight sequences simply continue under the new
+   weights;
+2. admits waiting requests into free cache slots and prefills them (prompts of
+   different lengths right-padded into one forward pass, bounded by
+   `prefill_tokens` per step), sampling each one's first token;
+3. runs one decode forward pass for every running sequence (`T = 1`, each
+   row at its own length) and samples the next token of each;
+4. finishes the sequences that sampled a stop token, completed a stop
+   string or reached `max_tokens`, frees their slots, and keeps the running
+   ones packed in the lowest slots (the cache then reads a view, no gather).
+
+A finished sequence stays for one more pass ("drain"): its last token goes
+through the model once, so the routed experts of *every* generated token
+are known (a token's routing is decided when it is the model's input). Its
+logits are dropped.
+
+What a result carries, per generated token: the id, its logprob under the
+model at temperature 1 (`log_softmax` of the raw logits — exactly what the
+trainer's `token_logprobs` computes on a full forward over prompt +
+completion; temperature/top-k/top-p only choose the token), the policy
+version of the weights that sampled it, and the experts each MoE layer routed
+it to. The prompt's routing (from prefill) is kept too, for rollout routing
+replay over the whole sequence.
+
+Two ways in: `generate(prompts, params)` runs steps in the caller's thread
+until its requests finish; `submit(prompt, params)` returns a
+`concurrent.futures.Future` and a background thread steps while there is
+work (the server uses this; concurrent requests share decode steps). Both are
+thread-safe; one lock serialises steps and weight updates.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from codefleet.model.cache import SlotKVCache
+from codefleet.model.sampling import SamplingParams, sample_next
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Result:
+    """One finished request."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # sampled, stop token included
+    logprobs: list[float]  # model logprob (temperature 1) of each sampled token
+    versions: list[int]  # policy version that sampled each token
+    routed_experts: list[list[list[int]]]  # [token][moe layer][top_k] for each generated token
+    prompt_routed_experts: list[list[list[int]]]  # the same for each prompt token
+    finish_reason: str  # "stop" (stop token or string) | "length"
+    text: str = ""  # decoded completion, without the stop token and cut before a stop string
+    stop: int | str | None = None  # the stop token id or string that ended it
+    prefill_s: float = 0.0
+    total_s: float = 0.0
+
+
+@dataclass
+class _Sequence:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+    future: Future
+    on_token: Callable[[int, float], None] | None
+    generator: torch.Generator | None
+    submitted: float
+    slot: int = -1
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    routing: list[list[list[int]]] = field(default_factory=list)
+    prompt_routing: list[list[list[int]]] = field(default_factory=list)
+    finish_reason: str = ""
+    stop: int | str | None = None
+    text_cut: int | None = None
+    prefilled: float = 0.0
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.tokens)
+
+
+@dataclass
+class _Update:
+    state_dict: dict
+    version: int
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+class Engine:
+    """Continuous-batching generation for a codefleet Transformer."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer=None, max_batch: int = 32, max_seq_len: int | None = None,
+                 prefill_tokens: int = 8192, version: int = 0, record_routing: bool = True):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        config = model.config
+        self.max_seq_len = int(max_seq_len or getattr(config, "max_seq_len", 2048))
+        self.max_batch = max_batch
+        self.prefill_tokens = prefill_tokens
+        self.record_routing = record_routing
+        self.version = version
+        param = next(model.parameters())
+        self.device = param.device
+        n_heads = config.n_heads
+        head_dim = getattr(config, "head_dim", None) or config.d_model // n_heads
+        self.cache = SlotKVCache(config.n_layers, max_batch, getattr(config, "n_kv_heads", None) or n_heads,
+                                 head_dim, self.max_seq_len, dtype=param.dtype, device=self.device)
+        self._waiting: deque[_Sequence] = deque()
+        self._running: list[_Sequence] = []  # index i holds slot i
+        self._ids = itertools.count()
+        self._queue_lock = threading.Lock()  # guards _waiting and _pending
+        self._step_lock = threading.Lock()  # one step or weight update at a time
+        self._pending: _Update | None = None
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._default_generator = torch.Generator(device=self.device)
+        self._default_generator.seed()
+        self.steps = 0
+
+    # -- requests ------------------------------------------------------------------------
+
+    def submit(self, prompt: list[int], params: SamplingParams | None = None,
+               on_token: Callable[[int, float], None] | None = None) -> Future:
+        """Queue one request; the background thread generates it. `on_token(id, logprob)` streams tokens."""
+        seq = self._make_sequence(prompt, params or SamplingParams(), on_token)
+        self._enqueue([seq])
+        self._ensure_thread()
+        return seq.future
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[Result]:
+        """Generate for every prompt (batched together with whatever else is running) and wait for all."""
+        if not isinstance(params, list):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params; give one or one per prompt")
+        seqs = [self._make_sequence(p, sp, None) for p, sp in zip(prompts, params)]
+        self._enqueue(seqs)
+        if self._thread is not None and self._thread.is_alive():
+            return [s.future.result() for s in seqs]
+        while not all(s.future.done() for s in seqs):
+            self.step()
+        return [s.future.result() for s in seqs]
+
+    def _make_sequence(self, prompt: list[int], params: SamplingParams, on_token) -> _Sequence:
+        if self._closed:
+            raise RuntimeError("the engine is closed; create a new Engine")
+        params.validate()
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("the prompt is empty; give at least one token")
+        if len(prompt) >= self.max_seq_len:
+            raise ValueError(f"the prompt has {len(prompt)} tokens but the engine holds at most {self.max_seq_len} "
+                             "per sequence (prompt + completion); shorten it or raise max_seq_len")
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        # the last token needs a cache position for its drain pass, hence max_seq_len - len(prompt)
+        max_tokens = min(params.max_tokens, self.max_seq_len - len(prompt))
+        return _Sequence(next(self._ids), prompt, params, max_tokens, Future(), on_token, generator, time.perf_counter())
+
+    def _enqueue(self, seqs: list[_Sequence]) -> None:
+        with self._queue_lock:
+            self._waiting.extend(seqs)
+        self._wake.set()
+
+    @property
+    def n_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self._waiting)
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def update_weights(self, state_dict: dict, version: int) -> None:
+        """Load new weights between two steps; tokens sampled afterwards carry `version`. Blocks until applied."""
+        update = _Update(state_dict, int(version))
+        with self._queue_lock:
+            if self._pending is not None:  # superseded before it landed
+                self._pending.done.set()
+            self._pending = update
+        self._wake.set()
+        while not update.done.is_set():  # apply it ourselves unless a stepping thread does first
+            if self._step_lock.acquire(timeout=0.05):
+                try:
+                    self._apply_pending()
+                finally:
+                    self._step_lock.release()
+        if update.error is not None:
+            raise update.error
+
+    def _apply_pending(self) -> None:
+        with self._queue_lock:
+            update, self._pending = self._pending, None
+        if update is None:
+            return
+        try:
+            with torch.no_grad():
+                self.model.load_state_dict(update.state_dict, strict=True)
+            self.version = update.version
+        except BaseException as e:  # a bad state dict is the caller's error; the engine keeps serving
+            update.error = e
+        finally:
+            update.done.set()
+
+    # -- the step loop -------------------------------------------------------------------
+
+    def step(self) -> int:
+        """Admit, prefill, decode once, finish; the number of sequences that finished."""
+        with self._step_lock, torch.inference_mode():
+            self._apply_pending()
+            try:
+                self._drop_cancelled()
+                admitted = self._admit()
+                if admitted:
+                    self._prefill(admitted)
+                finished = self._decode() if self._running else 0
+            except Exception as e:  # fail the requests in flight, free everything, keep serving
+                log.exception("engine step failed")
+                finished = self._fail_all(e)
+            self._apply_pending()
+            self.steps += 1
+            return finished
+
+    def _drop_cancelled(self) -> None:
+        with self._queue_lock:
+            self._waiting = deque(s for s in self._waiting if not s.future.cancelled())
+        gone = [i for i, s in enumerate(self._running) if s.future.cancelled()]
+        self._release(gone)
+
+    def _admit(self) -> list[_Sequence]:
+        admitted: list[_Sequence] = []
+        with self._queue_lock:
+            longest = 0
+            while self._waiting and len(self._running) + len(admitted) < self.max_batch:
+                nxt = self._waiting[0]
+                longest_next = max(longest, len(nxt.prompt))
+                if admitted and longest_next * (len(admitted) + 1) > self.prefill_tokens:
+                    break
+                admitted.append(self._waiting.popleft())
+                longest = longest_next
+        for seq in admitted:
+            seq.slot = len(self._running)
+            self._running.append(seq)
+        return admitted
+
+    def _forward(self, tokens_BT: torch.Tensor, positions_BT: torch.Tensor):
+        return self.model(tokens_BT, positions_BT=positions_BT, cache=self.cache,
+                          return_routing=self.record_routing)
+
+    def _prefill(self, seqs: list[_Sequence]) -> None:
+        T = max(len(s.prompt) for s in seqs)
+        tokens = torch.zeros(len(seqs), T, dtype=torch.long)
+        for b, s in enumerate(seqs):
+            tokens[b, : len(s.prompt)] = torch.tensor(s.prompt)
+        tokens_BT = tokens.to(self.device)
+        positions_BT = torch.arange(T, device=self.device)[None, :].expand(len(seqs), T)
+        self.cache.begin([s.slot for s in seqs], [0] * len(seqs), [len(s.prompt) for s in seqs], T)
+        out = self._forward(tokens_BT, positions_BT)
+        self.cache.end()
+        last_B = torch.tensor([len(s.prompt) - 1 for s in seqs], device=self.device)
+        logits_BV = out.logits_BTV[torch.arange(len(seqs), device=self.device), last_B]
+        now = time.perf_counter()
+        if self.record_routing:
+            routing_BTLK = torch.stack(list(out.routed_experts), dim=2).tolist()
+            for b, s in enumerate(seqs):
+                s.prompt_routing = routing_BTLK[b][: len(s.prompt)]
+        for s in seqs:
+            s.prefilled = now
+        self._sample(seqs, logits_BV)
+
+    def _decode(self) -> int:
+        running = self._running
+        tokens_B1 = torch.tensor([[s.tokens[-1]] for s in running], device=self.device)
+        starts = [s.length - 1 for s in running]
+        positions_B1 = torch.tensor(starts, device=self.device)[:, None]
+        self.cache.begin([s.slot for s in running], starts, [1] * len(running), 1)
+        out = self._forward(tokens_B1, positions_B1)
+        self.cache.end()
+        if self.record_routing:
+            routing_BLK = torch.stack([r[:, 0] for r in out.routed_experts], dim=1).tolist()
+            for s, r in zip(running, routing_BLK):
+                s.routing.append(r)
+        active = [i for i, s in enumerate(running) if not s.finish_reason]
+        drained = [i for i, s in enumerate(running) if s.finish_reason]
+        if active:
+            logits_BV = out.logits_BTV[:, 0]
+            if len(active) < len(running):
+                logits_BV = logits_BV[torch.tensor(active, device=self.device)]
+            self._sample([running[i] for i in active], logits_BV)
+        for i in drained:
+            self._resolve(running[i])
+        self._release(drained)
+        if not self.record_routing:  # no drain pass: finish now
+            done = [i for i, s in enumerate(self._running) if s.finish_reason]
+            for i in done:
+                self._resolve(self._running[i])
+            self._release(done)
+            return len(drained) + len(done)
+        return len(drained)
+
+    def _sample(self, seqs: list[_Sequence], logits_BV: torch.Tensor) -> None:
+        tokens_B, logprobs_B = sample_next(logits_BV, [s.params for s in seqs], [s.generator for s in seqs],
+                                           self._default_generator)
+        for s, tok, lp in zip(seqs, tokens_B.tolist(), logprobs_B.tolist()):
+            s.tokens.append(tok)
+            s.logprobs.append(lp)
+            s.versions.append(self.version)
+            if s.on_token is not None:
+                try:
+                    s.on_token(tok, lp)
+                except Exception:  # a broken stream must not stop the batch
+                    log.exception("on_token callback failed")
+            self._check_finished(s)
+
+    def _check_finished(self, s: _Sequence) -> None:
+        tok = s.tokens[-1]
+        if tok in s.params.stop_token_ids:
+            s.finish_reason, s.stop = "stop", tok
+        elif s.params.stop and self.tokenizer is not None and self._hit_stop_string(s):
+            s.finish_reason = "stop"
+        elif len(s.tokens) >= s.max_tokens:
+            s.finish_reason = "length"
+
+    def _hit_stop_string(self, s: _Sequence) -> bool:
+        # Only the tail can complete a stop string: a token is at least one byte, a character at most four.
+        window = 4 * max(len(x) for x in s.params.stop) + 4
+        tail_start = max(len(s.tokens) - window, 0)
+        tail = self.tokenizer.decode(s.tokens[tail_start:])
+        for stop in s.params.stop:
+            if stop and stop in tail:
+                text = self.tokenizer.decode(s.tokens)
+                s.stop, s.text_cut = stop, text.find(stop)
+                return True
+        return False
+
+    def _resolve(self, s: _Sequence) -> None:
+        if s.future.done():
+            return
+        ids = s.tokens[:-1] if s.stop is not None and not isinstance(s.stop, str) else s.tokens
+        text = self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+        if s.text_cut is not None and s.text_cut >= 0:
+            text = text[: s.text_cut]
+        now = time.perf_counter()
+        result = Result(s.prompt, s.tokens, s.logprobs, s.versions, s.routing, s.prompt_routing, s.finish_reason,
+                        text, s.stop, prefill_s=s.prefilled - s.submitted, total_s=now - s.submitted)
+        s.future.set_result(result)
+
+    def _release(self, indices: list[int]) -> None:
+        """Free the slots of running[indices] and move the last sequences into the holes (keeps slots packed)."""
+        for i in sorted(indices, reverse=True):
+            self.cache.free(self._running[i].slot)
+            last = len(self._running) - 1
+            if i != last:
+                moved = self._running[last]
+                self.cache.move(last, i)
+                moved.slot = i
+                self._running[i] = moved
+            self._running.pop()
+
+    def _fail_all(self, error: Exception) -> int:
+        failed = list(self._running)
+        for s in failed:
+            if not s.future.done():
+                s.future.set_exception(error)
+        self._release(list(range(len(self._running))))
+        self.cache._step = None
+        return len(failed)
+
+    # -- background stepping -------------------------------------------------------------
+
+    def _ensure_thread(self) -> None:
+        with self._queue_lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="codefleet-engine", daemon=True)
+                self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._closed:
+            if not self._running and not self._waiting:
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                if self._pending is not None:
+                    with self._step_lock:
+                        self._apply_pending()
+                continue
+            self.step()
+
+    def close(self) -> None:
+        """Stop the background thread; requests still in flight fail."""
+        self._closed = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        with self._step_lock:
+            error = RuntimeError("the engine was closed before the request finished")
+            for s in list(self._waiting) + self._running:
+                if not s.future.done():
+                    s.future.set_exception(error)
+            self._waiting.clear()
+            self._release(list(range(len(self._running))))
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
