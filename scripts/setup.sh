@@ -13,6 +13,7 @@ if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 need_apt=()
 command -v bwrap >/dev/null 2>&1 || need_apt+=(bubblewrap)
 command -v fuse-overlayfs >/dev/null 2>&1 || need_apt+=(fuse-overlayfs)
+ldconfig -p 2>/dev/null | grep -q libseccomp.so.2 || need_apt+=(libseccomp2)
 command -v git >/dev/null 2>&1 || need_apt+=(git)
 # Task repositories are tested inside sandboxes with the system Python's pytest.
 /usr/bin/python3 -c 'import pytest' >/dev/null 2>&1 || need_apt+=(python3 python3-pytest)

@@ -200,3 +200,18 @@ def test_limits_are_enforced_by_the_sandbox_cgroup(make_sandbox):
         seen = _cgroup_of(pid)
         for controller, path in cg.paths.items():
             assert os.path.join(cgroups.ROOT, controller, seen[controller].lstrip("/")) == path, (pid, seen)
+
+
+def test_seccomp_denies_kernel_keyrings_and_host_kernel_state(make_sandbox):
+    """Inside, uid 1000 is the host user: the keyrings it shares with the host are
+    unreachable (EPERM from keyctl), and /proc's host-wide files are masked."""
+    sb = make_sandbox()
+    assert sb.info.limits["seccomp"] == "on"
+    probe = ("import ctypes, errno, os; libc = ctypes.CDLL(None, use_errno=True); "
+             "rc = libc.syscall(250, 0, 0, 0, 0, 0); "  # keyctl on x86_64
+             "print(rc, errno.errorcode[ctypes.get_errno()])")
+    assert sb.exec(f'python3 -c "{probe}"').output.split() == ["-1", "EPERM"]
+    masked = sb.exec("cat /proc/keys /proc/timer_list; echo done").output
+    assert "keyring" not in masked and "done" in masked
+    # The filter leaves ordinary work alone: processes, files, pipes.
+    assert sb.exec("echo hi | tr a-z A-Z > out.txt && cat out.txt").output == "HI\n"

@@ -35,7 +35,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from codefleet.sandbox import procs
+from codefleet.sandbox import procs, seccomp
 from codefleet.sandbox.base import WORKSPACE, SandboxConfig, SandboxUnavailableError
 from codefleet.sandbox.cgroups import Cgroup
 from codefleet.sandbox.layers import Workspace, choose_strategy
@@ -134,6 +134,11 @@ def _host_args(config: SandboxConfig, owner: Owner) -> list[str]:
     # when it finds it writable as a directory, which it never is).
     args += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys",
              "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger"]
+    # Host-wide kernel state a sandbox has no business reading (as container runtimes mask it).
+    for path in ("/proc/keys", "/proc/key-users", "/proc/kcore", "/proc/timer_list", "/proc/sched_debug",
+                 "/proc/latency_stats"):
+        if os.path.exists(path):
+            args += ["--ro-bind", "/dev/null", path]
     args += ["--dev", "/dev", "--size", str(config.tmp_mb << 20), "--tmpfs", "/tmp",
              "--size", str(config.tmp_mb << 20), "--tmpfs", "/var/tmp",
              "--clearenv", "--setenv", "PATH", _PATH, "--setenv", "HOME", "/tmp", "--setenv", "USER", "agent",
@@ -196,13 +201,18 @@ class NamespaceSandbox(ShellSandbox):
         info_r, info_w = os.pipe2(os.O_CLOEXEC)
         block_r, block_w = os.pipe2(os.O_CLOEXEC)
         args = self._base_args + ["--chdir", WORKSPACE, "--info-fd", str(info_w), "--block-fd", str(block_r)]
+        pass_fds = [info_w, block_r]
+        seccomp_r = seccomp.filter_fd()
+        if seccomp_r is not None:
+            args += ["--seccomp", str(seccomp_r)]
+            pass_fds.append(seccomp_r)
         try:
             proc = procs.spawner.popen(args + argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
                                        if stdin == subprocess.DEVNULL else subprocess.DEVNULL,
-                                       pass_fds=(info_w, block_r), start_new_session=True)
+                                       pass_fds=pass_fds, start_new_session=True)
         finally:
-            os.close(info_w)
-            os.close(block_r)
+            for fd in pass_fds:
+                os.close(fd)
         try:
             info = _read_info(info_r, proc)
             init_pid = info["child-pid"]
@@ -331,7 +341,8 @@ class NamespaceSandbox(ShellSandbox):
         limits = {"memory_mb": str(self.config.memory_mb), "max_processes": str(self.config.max_processes),
                   "cpu_cores": str(self.config.cpu_cores), "cpu_time_s": str(self.config.cpu_time_s),
                   "workspace_mb": str(self.config.workspace_mb),
-                  "enforced_by": f"cgroup {self.cgroup.mode}" if self.cgroup else "rlimits"}
+                  "enforced_by": f"cgroup {self.cgroup.mode}" if self.cgroup else "rlimits",
+                  "seccomp": "on" if seccomp.filter_bytes() is not None else "off"}
         return SandboxInfo(self.id, self.backend, WORKSPACE, self.workspace.strategy, limits, isolated=True)
 
 
