@@ -1,0 +1,247 @@
+"""Byte-level BPE tokenizer, trained locally on codefleet's own corpus.
+
+    tok = default_tokenizer()                 # the shipped assets/tokenizer.json
+    ids = tok.encode("def f(x):\\n\\treturn x")   # plain text: never yields a special id
+    assert tok.decode(ids) == "def f(x):\\n\\treturn x"
+    tok.end_id, tok.assistant_id, tok.vocab_size
+
+Design:
+
+- HF `tokenizers` does the work: a BPE model over GPT-2's byte-level
+  alphabet (all 256 bytes are in the vocabulary, so there is no unknown
+  token and any UTF-8 text round-trips exactly), the GPT-2 split regex, no
+  normalizer, no post-processor (the chat template adds `<|bos|>`).
+- Special tokens (`SPECIAL_TOKENS`, ids 0..15) are added by the trainer and
+  are single ids. `encode(text)` treats its input as plain text: a string
+  that spells "<|end|>" becomes ordinary byte tokens, so user text or a tool
+  result cannot forge a role or a tool call. Only `encode(text,
+  allow_special=True)` (template text you wrote yourself) or
+  `special_id(...)` produce special ids.
+- Decoding maps every id to its bytes ourselves (`token_bytes`,
+  `decode_bytes`), so decoding is exact, works on any id sequence (a stream
+  cut mid-character decodes with U+FFFD in `decode`, exactly in
+  `decode_bytes`), and needs no HF decoder quirks.
+- Training is deterministic: the same texts in the same order give the same
+  `tokenizer.json`, in any process (tests check it across hash seeds). The
+  default tokenizer is trained once on `corpus.build_corpus()` and shipped
+  in `assets/` with a `tokenizer.meta.json` recording the recipe and the
+  corpus fingerprint; `python -m codefleet.model.tokenizer build` rebuilds
+  it. Its vocabulary is frozen on purpose: model checkpoints depend on it,
+  and it must not drift when someone edits the code the corpus is made of.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+from collections.abc import Iterable
+
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from codefleet.model import chat
+
+DEFAULT_VOCAB_SIZE = 4096
+DEFAULT_MIN_FREQUENCY = 2
+TOKENIZER_FILE = "tokenizer.json"
+META_FILE = "tokenizer.meta.json"
+ASSETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
+
+# Order fixes the ids (0..15). Reserved slots let later work add tokens without changing the vocabulary.
+SPECIAL_TOKENS = [
+    "<|pad|>", chat.BOS, chat.EOS, chat.END, chat.SYSTEM, chat.USER, chat.ASSISTANT, chat.TOOL, chat.TOOLS,
+    chat.CALL_OPEN, chat.CALL_CLOSE, *[f"<|reserved_{i}|>" for i in range(5)],
+]
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the printable character that stands for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+class Tokenizer:
+    """A trained byte-level BPE tokenizer with codefleet's special tokens. Thread-safe."""
+
+    def __init__(self, hf: tokenizers.Tokenizer):
+        self.hf = hf  # matches special tokens in text (template text only)
+        self._plain = tokenizers.Tokenizer.from_str(hf.to_str())
+        self._plain.encode_special_tokens = True  # special-token strings are plain text here
+        self.vocab_size: int = hf.get_vocab_size(with_added_tokens=True)
+        missing = [t for t in SPECIAL_TOKENS if hf.token_to_id(t) is None]
+        if missing:
+            raise ValueError(f"tokenizer lacks the special tokens {missing}; train it with Tokenizer.train "
+                             "(or rebuild with `python -m codefleet.model.tokenizer build`)")
+        self.special: dict[str, int] = {t: hf.token_to_id(t) for t in SPECIAL_TOKENS}
+        self.pad_id, self.bos_id, self.eos_id, self.end_id = (self.special[t] for t in SPECIAL_TOKENS[:4])
+        self.system_id, self.user_id, self.assistant_id, self.tool_id = (self.special[t] for t in SPECIAL_TOKENS[4:8])
+        self.tools_id, self.call_open_id, self.call_close_id = (self.special[t] for t in SPECIAL_TOKENS[8:11])
+        byte_of = _byte_decoder()
+        special_ids = set(self.special.values())
+        self._bytes: list[bytes] = []
+        for i in range(self.vocab_size):
+            token = hf.id_to_token(i)
+            if i in special_ids:
+                self._bytes.append(token.encode())
+            else:
+                self._bytes.append(bytes(byte_of[c] for c in token))
+
+    # -- training and files --------------------------------------------------------------
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE,
+              min_frequency: int = DEFAULT_MIN_FREQUENCY) -> Tokenizer:
+        """Train on `texts` (deterministic for the same texts in the same order)."""
+        if vocab_size < 256 + len(SPECIAL_TOKENS):
+            raise ValueError(f"vocab_size must be at least {256 + len(SPECIAL_TOKENS)} (256 bytes plus "
+                             f"{len(SPECIAL_TOKENS)} special tokens), got {vocab_size}")
+        hf = tokenizers.Tokenizer(models.BPE())
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        hf.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, show_progress=False,
+                                      special_tokens=SPECIAL_TOKENS,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        hf.train_from_iterator(texts, trainer)
+        return cls(hf)
+
+    def save(self, directory: str) -> str:
+        """Write `directory/tokenizer.json`; returns its path."""
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, TOKENIZER_FILE)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.to_json())
+        return path
+
+    def to_json(self) -> str:
+        return self.hf.to_str(pretty=False)
+
+    @classmethod
+    def load(cls, path: str) -> Tokenizer:
+        """From a directory holding tokenizer.json, or the file itself."""
+        if os.path.isdir(path):
+            path = os.path.join(path, TOKENIZER_FILE)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no tokenizer at {path}; save one with Tokenizer.save(dir) or use "
+                                    "default_tokenizer()")
+        return cls(tokenizers.Tokenizer.from_file(path))
+
+    # -- encoding and decoding -----------------------------------------------------------
+
+    def encode(self, text: str, allow_special: bool = False) -> list[int]:
+        """Token ids of `text`. Special-token strings in it are plain text unless `allow_special`."""
+        return (self.hf if allow_special else self._plain).encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str], allow_special: bool = False) -> list[list[int]]:
+        batch = (self.hf if allow_special else self._plain).encode_batch(texts, add_special_tokens=False)
+        return [e.ids for e in batch]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a special token: its string)."""
+        return self._bytes[token_id]
+
+    def decode_bytes(self, ids: Iterable[int], skip_special: bool = False) -> bytes:
+        table = self._bytes
+        if skip_special:
+            special = set(self.special.values())
+            return b"".join(table[i] for i in ids if i not in special)
+        return b"".join(table[i] for i in ids)
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        """Text of `ids`; special tokens spelled out unless `skip_special`. Bytes that end mid-character
+        decode as U+FFFD (use decode_bytes to stream exactly)."""
+        return self.decode_bytes(ids, skip_special).decode("utf-8", errors="replace")
+
+    def special_id(self, token: str) -> int:
+        try:
+            return self.special[token]
+        except KeyError:
+            raise KeyError(f"{token!r} is not a special token; they are {', '.join(SPECIAL_TOKENS)}") from None
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(vocab_size={self.vocab_size})"
+
+
+# -- the default tokenizer -----------------------------------------------------------------
+
+
+def build_default(vocab_size: int = DEFAULT_VOCAB_SIZE, min_frequency: int = DEFAULT_MIN_FREQUENCY,
+                  ) -> tuple[Tokenizer, dict]:
+    """Train on the default corpus; returns the tokenizer and the recipe (what meta.json records)."""
+    from codefleet.model.corpus import CorpusConfig, build_corpus, fingerprint
+
+    config = CorpusConfig()
+    texts = build_corpus(config)
+    started = time.perf_counter()
+    tok = Tokenizer.train(texts, vocab_size, min_frequency)
+    meta = {"vocab_size": tok.vocab_size, "min_frequency": min_frequency, "corpus": config.to_dict(),
+            "corpus_fingerprint": fingerprint(texts), "corpus_documents": len(texts),
+            "corpus_bytes": sum(len(t.encode()) for t in texts), "tokenizers_version": tokenizers.__version__,
+            "train_s": round(time.perf_counter() - started, 2),
+            "rebuild": "python -m codefleet.model.tokenizer build"}
+    return tok, meta
+
+
+def _cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "codefleet", "tokenizer")
+
+
+@functools.cache
+def default_tokenizer() -> Tokenizer:
+    """The shipped tokenizer (assets/tokenizer.json); when it is missing, the default recipe is trained
+    once (a few seconds) and cached under ~/.cache/codefleet/tokenizer."""
+    if os.path.isfile(os.path.join(ASSETS_DIR, TOKENIZER_FILE)):
+        return Tokenizer.load(ASSETS_DIR)
+    cached = _cache_dir()
+    if os.path.isfile(os.path.join(cached, TOKENIZER_FILE)):
+        return Tokenizer.load(cached)
+    tok, meta = build_default()
+    _write(cached, tok, meta)
+    return tok
+
+
+def _write(directory: str, tok: Tokenizer, meta: dict) -> None:
+    tmp = f"{directory}.tmp{os.getpid()}"
+    tok.save(tmp)
+    with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.makedirs(directory, exist_ok=True)
+    for name in (TOKENIZER_FILE, META_FILE):
+        os.replace(os.path.join(tmp, name), os.path.join(directory, name))
+    os.rmdir(tmp)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m codefleet.model.tokenizer",
+                                     description="Build the default tokenizer from codefleet's own corpus.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    build = sub.add_parser("build", help="train on the default corpus and write tokenizer.json + meta")
+    build.add_argument("--out", default=ASSETS_DIR, help="output directory (default: the package assets)")
+    build.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
+    args = parser.parse_args(argv)
+    tok, meta = build_default(args.vocab_size)
+    _write(args.out, tok, meta)
+    size = os.path.getsize(os.path.join(args.out, TOKENIZER_FILE))
+    print(f"wrote {args.out}/{TOKENIZER_FILE} ({size / 1024:.0f} KiB): vocab {tok.vocab_size}, corpus "
+          f"{meta['corpus_documents']} documents / {meta['corpus_bytes'] / 1e6:.2f} MB, trained in {meta['train_s']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
