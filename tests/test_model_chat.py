@@ -188,3 +188,14 @@ def test_loss_mask_covers_exactly_the_assistant_spans(tok):
 
 def test_stop_ids(tok):
     assert stop_ids(tok) == [tok.end_id, tok.eos_id]
+
+
+def test_arguments_that_spell_special_tokens_do_not_break_the_call(tok):
+    content = f'CALL_OPEN = "{CALL_OPEN}"\nCALL_CLOSE = "{CALL_CLOSE}"\nEND = "{END}"\n'
+    messages = [{"role": "user", "content": "write the markers"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    call("w", "write_file", path="chat.py", content=content), call("s", "submit")]}]
+    turn = assistant_turns(tok.decode(encode_chat(tok, messages, add_generation_prompt=False)))[0]
+    parsed = parse_tool_calls(turn)
+    assert parsed.errors == [] and [c["name"] for c in parsed.tool_calls] == ["write_file", "submit"]
+    assert json.loads(parsed.tool_calls[0]["arguments_json"]) == {"path": "chat.py", "content": content}

@@ -148,3 +148,15 @@ def test_retraining_on_the_recorded_corpus_reproduces_the_shipped_asset(tok):
         pytest.skip("the code the corpus is made of changed since the asset was built (the shipped vocabulary is "
                     "frozen on purpose); `python -m codefleet.model.tokenizer build` rebuilds it")
     assert Tokenizer.train(texts, meta["vocab_size"], meta["min_frequency"]).to_json() == tok.to_json()
+
+
+def test_without_the_asset_the_default_recipe_is_trained_once_and_cached(monkeypatch, tmp_path, tok):
+    import codefleet.model.tokenizer as module
+
+    monkeypatch.setattr(module, "ASSETS_DIR", str(tmp_path / "no-assets"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    built = module.default_tokenizer.__wrapped__()
+    cached = tmp_path / "cache" / "codefleet" / "tokenizer"
+    assert (cached / TOKENIZER_FILE).is_file() and (cached / META_FILE).is_file()
+    assert built.vocab_size == tok.vocab_size and built.special == tok.special
+    assert module.default_tokenizer.__wrapped__().to_json() == built.to_json()  # second call loads the cache

@@ -38,6 +38,8 @@ of `tool_calls`. It never raises. Each call is a dict
 `{"id", "name", "arguments_json"}` where `arguments_json` is the arguments
 object exactly as the model wrote it (or `{}` when it wrote none), ready for
 `codefleet.agent.policy.parse_tool_call(id, name, arguments_json)`.
+Inside a rendered call, "<|" is written "<\\u007c" (the same JSON value), so
+arguments that mention a special token cannot end the block early.
 """
 
 from __future__ import annotations
@@ -98,7 +100,10 @@ def _call_json(call: dict) -> str:
         raw = json.dumps(raw, ensure_ascii=False)
     if not isinstance(raw, str) or not raw.strip():
         raw = "{}"
-    return f'{{"name": {json.dumps(function.get("name", ""), ensure_ascii=False)}, "arguments": {raw}}}'
+    text = f'{{"name": {json.dumps(function.get("name", ""), ensure_ascii=False)}, "arguments": {raw}}}'
+    # "<|" can only occur inside JSON strings, where "<\u007c" means the same: a call that edits text holding
+    # "<|/tool_call|>" (codefleet's own chat.py, say) cannot end its block early.
+    return text.replace("<|", "<\\u007c")
 
 
 def _tools_text(tools: list[dict]) -> str:
