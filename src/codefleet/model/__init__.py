@@ -14,8 +14,10 @@ Seams between the parts (keep them stable):
   that stores the new keys/values and attends over everything cached for
   each sequence (engine.py owns it). Without a cache the model runs causal
   SDPA over the given tokens (training).
-- `tokenizer.Tokenizer` + `chat.render(messages, tools) -> token ids` and
-  `chat.parse_tool_calls(text) -> (content, tool_calls, errors)`.
+- `tokenizer.Tokenizer` (byte-level BPE, special tokens that user text can
+  never forge); `chat.render(messages, tools) -> str`,
+  `chat.encode_chat(tokenizer, messages, tools) -> ids` and
+  `chat.parse_tool_calls(text) -> ParsedTurn(content, tool_calls, errors)`.
 - `engine.Engine`: batched generation with continuous batching, results with
   token ids, logprobs, policy versions and routed experts;
   `update_weights(state_dict, version)` between decode steps.
