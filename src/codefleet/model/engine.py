@@ -135,16 +135,24 @@ class Engine:
         self._closed = False
         self._default_generator = torch.Generator(device=self.device)
         self._default_generator.seed()
-        self.steps = 0
+        self.steps = 0  # forward passes that decoded
+        self.peak_batch = 0  # most sequences decoded together
 
     # -- requests ------------------------------------------------------------------------
 
     def submit(self, prompt: list[int], params: SamplingParams | None = None,
                on_token: Callable[[int, float], None] | None = None) -> Future:
-        """Queue one request; the background thread generates it. `on_token(id, logprob)` streams tokens."""
+        """Queue one request; the background thread generates it. `on_token(id, logprob)` streams tokens
+        (called from the engine's thread)."""
+        future = self.add(prompt, params, on_token)
+        self._ensure_thread()
+        return future
+
+    def add(self, prompt: list[int], params: SamplingParams | None = None,
+            on_token: Callable[[int, float], None] | None = None) -> Future:
+        """Queue one request without starting the background thread (drive it with `step()`)."""
         seq = self._make_sequence(prompt, params or SamplingParams(), on_token)
         self._enqueue([seq])
-        self._ensure_thread()
         return seq.future
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
@@ -294,6 +302,7 @@ class Engine:
 
     def _decode(self) -> int:
         running = self._running
+        self.peak_batch = max(self.peak_batch, len(running))
         tokens_B1 = torch.tensor([[s.tokens[-1]] for s in running], device=self.device)
         starts = [s.length - 1 for s in running]
         positions_B1 = torch.tensor(starts, device=self.device)[:, None]

@@ -1,0 +1,56 @@
+"""`codefleet serve --checkpoint DIR [--host H] --port P`: the OpenAI-compatible server.
+
+    codefleet serve --checkpoint runs/ckpt --port 8000
+    codefleet agent run --model http://127.0.0.1:8000/v1 ...   # any OpenAI client works too
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def register(subparsers) -> None:
+    serve = subparsers.add_parser(
+        "serve", help="serve a checkpoint behind an OpenAI-compatible API",
+        description="Load a checkpoint (codefleet.model.checkpoint.save) into the continuous-batching engine and "
+        "serve POST /v1/chat/completions and GET /v1/models on HOST:PORT until interrupted.")
+    serve.add_argument("--checkpoint", required=True, help="checkpoint directory (model.safetensors + config.json)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, required=True, help="port to listen on")
+    serve.add_argument("--model-name", default="", help="the model id clients ask for (default: the checkpoint "
+                       "directory's name)")
+    serve.add_argument("--max-batch", type=int, default=32, help="sequences decoded together (default 32)")
+    serve.add_argument("--max-seq-len", type=int, default=None, help="context per sequence, prompt + completion "
+                       "(default: the model's)")
+    serve.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    serve.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not os.path.isdir(args.checkpoint):
+        print(f"codefleet serve: checkpoint directory {args.checkpoint!r} does not exist; give --checkpoint a "
+              "directory written by codefleet.model.checkpoint.save", file=sys.stderr)
+        return 2
+    import torch
+
+    from codefleet.model.engine import load_engine
+    from codefleet.model.server import run_server
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        engine = load_engine(args.checkpoint, max_batch=args.max_batch, max_seq_len=args.max_seq_len)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"codefleet serve: could not load {args.checkpoint!r}: {e}", file=sys.stderr)
+        return 2
+    name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
+    try:
+        run_server(engine, engine.tokenizer, args.host, args.port, name)
+    except OSError as e:
+        print(f"codefleet serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
+    finally:
+        engine.close()
+    return 0
