@@ -437,3 +437,22 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def load_engine(checkpoint_dir: str, max_batch: int = 32, max_seq_len: int | None = None, **engine_options) -> Engine:
+    """An engine over a saved checkpoint; the tokenizer is the checkpoint's `tokenizer.json` if it has one,
+    else the default tokenizer."""
+    import os
+
+    from codefleet.model import checkpoint
+    from codefleet.model.tokenizer import TOKENIZER_FILE, Tokenizer, default_tokenizer
+
+    model = checkpoint.load(checkpoint_dir)
+    if os.path.isfile(os.path.join(checkpoint_dir, TOKENIZER_FILE)):
+        tokenizer = Tokenizer.load(checkpoint_dir)
+    else:
+        tokenizer = default_tokenizer()
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary is "
+                         f"{model.config.vocab_size}; save the checkpoint with the tokenizer it was trained with")
+    return Engine(model, tokenizer, max_batch=max_batch, max_seq_len=max_seq_len, **engine_options)

@@ -54,3 +54,15 @@ def run(args: argparse.Namespace) -> int:
     finally:
         engine.close()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m codefleet.model.serve_cli --checkpoint DIR --port P` (the same as `codefleet serve`)."""
+    parser = argparse.ArgumentParser(prog="codefleet")
+    register(parser.add_subparsers(dest="group", required=True))
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

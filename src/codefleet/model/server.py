@@ -152,12 +152,15 @@ def _field(body: dict, name: str, value: object, types, default):
 def build_completion(result: Result, request: ChatRequest, tokenizer, model_name: str, completion_id: str,
                      created: int) -> dict:
     """The chat.completion body for a finished engine result (tool calls parsed from its text)."""
-    parsed = chat.parse_tool_calls(result.text, id_prefix=f"call_{completion_id[-8:]}_")
-    calls = chat.openai_tool_calls(parsed.tool_calls) if request.tools else []
+    if request.tools:
+        parsed = chat.parse_tool_calls(result.text, id_prefix=f"call_{completion_id[-8:]}_")
+        content, calls = parsed.content, chat.openai_tool_calls(parsed.tool_calls)
+    else:  # no tools offered: the turn is all content
+        content, calls = result.text, []
     finish = result.finish_reason
     if calls and finish == "stop":
         finish = "tool_calls"
-    message: dict = {"role": "assistant", "content": parsed.content if (parsed.content or not calls) else None}
+    message: dict = {"role": "assistant", "content": content if (content or not calls) else None}
     if calls:
         message["tool_calls"] = calls
     choice: dict = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
@@ -263,10 +266,8 @@ class ChatServer:
             return f"data: {json.dumps(body)}\n\n".encode()
 
         stop_ids = set(req.params.stop_token_ids)
-        specials = set(self.tokenizer.special.values())
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         held = False  # a tool call opened: hold the rest back until the turn is parsed
-        sent = ""
         try:
             await response.write(chunk({"role": "assistant", "content": ""}))
             while True:
@@ -284,14 +285,14 @@ class ChatServer:
                 if tok == self.tokenizer.call_open_id and req.tools:
                     held = True
                     continue
-                if tok in specials:
-                    continue
                 piece = decoder.decode(self.tokenizer.token_bytes(tok))
                 if req.params.stop:  # never send text a stop string will cut
                     continue
                 if piece:
-                    sent += piece
                     await response.write(chunk({"content": piece}))
+            tail = decoder.decode(b"", final=True)
+            if tail and not held and not req.params.stop:
+                await response.write(chunk({"content": tail}))
             result = done.result()
             final = build_completion(result, req, self.tokenizer, self.model_name, completion_id, created)
             message = final["choices"][0]["message"]

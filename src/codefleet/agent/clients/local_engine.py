@@ -1,31 +1,89 @@
-"""The seam for codefleet's own inference engine (the MoE policy).
+"""A Policy backed by codefleet's own inference engine, in process.
 
-The local engine arrives with the model issue (package `codefleet.model`):
-batched generation that returns the exact sampled token ids, their logprobs,
-the policy version per token and the routed experts — everything
-PolicyOutput has room for. Until then this class exists so that callers can
-be written against it, and it refuses to pretend: constructing it raises.
+    policy = LocalEnginePolicy("runs/ckpt")            # or build_policy("local:runs/ckpt")
+    policy = LocalEnginePolicy(engine=engine)           # share a running engine (RL workers)
+
+Token-in, token-out: the messages are rendered with the chat template
+(`chat.encode_chat`), the engine generates, and the turn comes back with the
+exact sampled token ids (the closing `<|end|>` included), the model's logprob
+of each, the policy version that sampled each and the routed experts of each
+(`routed_experts[i]` is token i's experts, layer-major: the `top_k` experts of
+MoE layer 0, then layer 1, ...). The text is parsed with
+`chat.parse_tool_calls`; a malformed tool-call block becomes a ToolCall with
+its `error` set, so the loop tells the model what was wrong instead of ending
+the episode.
+
+Thread-safe: parallel attempts call `generate` at once and the engine's
+background thread batches their turns into the same decode steps.
 """
 
 from __future__ import annotations
 
-from codefleet.agent.policy import PolicyOutput
+import itertools
+from dataclasses import replace
+
+from codefleet.agent.policy import PolicyError, PolicyOutput, parse_tool_call
+from codefleet.types import ToolCall
 
 
 class LocalEngineUnavailableError(NotImplementedError):
-    """The local inference engine is not part of this build yet."""
+    """No local engine can be built from what was given (kept for callers that catch it)."""
 
 
 class LocalEnginePolicy:
-    """A Policy backed by an in-process codefleet inference engine (not yet available)."""
+    """A Policy over an in-process `codefleet.model.engine.Engine`."""
 
-    name = "local"
+    def __init__(self, checkpoint: str = "", engine=None, tokenizer=None, max_tokens: int = 1024,
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                 max_batch: int = 16, max_seq_len: int | None = None, name: str = ""):
+        from codefleet.model import chat
+        from codefleet.model.sampling import SamplingParams
 
-    def __init__(self, checkpoint: str = "", **engine_options: object):
-        raise LocalEngineUnavailableError(
-            "the local inference engine arrives with the model issue (codefleet.model) and is not available yet; "
-            "serve a model behind an OpenAI-compatible endpoint (vLLM, SGLang, Ollama) and pass its URL, e.g. "
-            "--model http://localhost:8000/v1")
+        if engine is None:
+            if not checkpoint:
+                raise LocalEngineUnavailableError(
+                    "the local engine needs a checkpoint: use `local:DIR` (a directory written by "
+                    "codefleet.model.checkpoint.save), or pass engine= to share a running engine")
+            from codefleet.model.engine import load_engine
 
-    def generate(self, messages: list[dict], tools: list[dict]) -> PolicyOutput:  # pragma: no cover - seam
-        raise LocalEngineUnavailableError("the local inference engine is not available yet")
+            engine = load_engine(checkpoint, max_batch=max_batch, max_seq_len=max_seq_len)
+        self.engine = engine
+        self.tokenizer = tokenizer or engine.tokenizer
+        if self.tokenizer is None:
+            raise ValueError("the engine has no tokenizer; pass tokenizer= (codefleet.model.tokenizer)")
+        self.name = name or (f"local:{checkpoint}" if checkpoint else "local")
+        self._chat = chat
+        self.params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                     stop_token_ids=chat.stop_ids(self.tokenizer))
+        self.params.validate()
+        self._seeds = itertools.count(seed) if seed is not None else None
+        self._turns = itertools.count()
+
+    def generate(self, messages: list[dict], tools: list[dict]) -> PolicyOutput:
+        chat = self._chat
+        try:
+            prompt = chat.encode_chat(self.tokenizer, messages, tools)
+        except (ValueError, KeyError) as e:
+            raise PolicyError(f"the messages could not be rendered with the chat template: {e}") from e
+        room = self.engine.max_seq_len - len(prompt)
+        if room < 1:
+            raise PolicyError(f"the conversation has {len(prompt)} tokens, over the local model's context of "
+                              f"{self.engine.max_seq_len}; shorten tool outputs or raise max_seq_len")
+        params = replace(self.params, max_tokens=min(self.params.max_tokens, room),
+                         seed=next(self._seeds) if self._seeds is not None else None)
+        try:
+            result = self.engine.submit(prompt, params).result()
+        except Exception as e:
+            raise PolicyError(f"the local engine failed to generate: {type(e).__name__}: {e}") from e
+        turn = next(self._turns)
+        parsed = chat.parse_tool_calls(result.text, id_prefix=f"call_{turn}_")
+        calls = [parse_tool_call(c["id"], c["name"], c["arguments_json"]) for c in parsed.tool_calls]
+        calls += [ToolCall(f"call_{turn}_bad{i}", "", "", error=msg) for i, msg in enumerate(parsed.errors)]
+        finish = result.finish_reason
+        if calls and finish == "stop":
+            finish = "tool_calls"
+        return PolicyOutput(text=parsed.content, tool_calls=calls, prompt_tokens=len(prompt),
+                            completion_tokens=len(result.token_ids), model=self.name, finish_reason=finish,
+                            token_ids=list(result.token_ids), logprobs=list(result.logprobs),
+                            policy_versions=list(result.versions),
+                            routed_experts=[[e for layer in token for e in layer] for token in result.routed_experts])
