@@ -1,7 +1,8 @@
 """`codefleet` — one command, subcommands per capability.
 
     codefleet sandbox run [--repo DIR] [--timeout S] [--memory-mb N] -- CMD [ARGS...]
-    codefleet bench sandbox [--quick] [--json]
+    codefleet bench sandbox|moe|engine [--quick] [--json]
+    codefleet serve --checkpoint DIR [--host H] --port P
     codefleet agent run --repo PATH --task TEXT --model URL [...]
     codefleet tasks generate|check ...
 """
@@ -14,6 +15,7 @@ import shlex
 import sys
 
 from codefleet.agent.cli import register as register_agent
+from codefleet.model.serve_cli import register as register_serve
 from codefleet.tasks.cli import register as register_tasks
 
 
@@ -60,7 +62,11 @@ def _bench(args: argparse.Namespace) -> int:
         from codefleet.bench.sandbox_bench import run_cli
 
         return run_cli(quick=args.quick, as_json=args.json, backend=args.backend)
-    raise AssertionError(args.what)
+    if args.what == "moe":
+        from codefleet.bench.moe_bench import run_cli
+    else:
+        from codefleet.bench.engine_bench import run_cli
+    return run_cli(quick=args.quick, as_json=args.json)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,14 +89,16 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=_sandbox_run)
 
     bench = sub.add_parser("bench", help="benchmarks (a table, then one JSON object)")
-    bench.add_argument("what", choices=["sandbox"])
+    bench.add_argument("what", choices=["sandbox", "moe", "engine"])
     bench.add_argument("--quick", action="store_true", help="a smaller run (about 30 s)")
     bench.add_argument("--json", action="store_true", help="print only the JSON object")
-    bench.add_argument("--backend", choices=["auto", "namespace", "local"], default="auto")
+    bench.add_argument("--backend", choices=["auto", "namespace", "local"], default="auto",
+                       help="sandbox backend (bench sandbox only)")
     bench.set_defaults(func=_bench)
 
     register_agent(sub)
     register_tasks(sub)
+    register_serve(sub)
     return parser
 
 
