@@ -1,0 +1,139 @@
+"""`ModelConfig`: the one typed config of the mixture-of-experts transformer.
+
+Every size of the model is a field here; `transformer.Transformer(config)`
+builds it. Presets:
+
+- `ModelConfig.tiny()`: ~4M parameters (1.6M active per token without the
+  embeddings), trains in minutes on 2 CPU cores; the default everywhere.
+- `ModelConfig.small()`, `ModelConfig.medium()`: documented larger shapes
+  (docs/model.md) for a GPU.
+
+`vocab_size` is a placeholder until the tokenizer is known: build the config
+with `dataclasses.replace(cfg, vocab_size=tokenizer.vocab_size)`.
+
+The MoE fields (see `moe.py`):
+
+- `n_experts` routed experts, `top_k` of them per token, each a SwiGLU with
+  hidden size `d_expert`; `n_shared_experts` always-on experts of hidden
+  `d_shared` each (0 = none).
+- `router_score`: "softmax" (Switch / Qwen-MoE) or "sigmoid" (DeepSeek-V3);
+  `router_renorm`: rescale the top-k weights to sum to 1.
+- `balance`: "aux" (Switch auxiliary loss scaled by `aux_loss_coef`), "bias"
+  (auxiliary-loss-free: a per-expert bias added to the scores for selection
+  only, moved by `bias_update_rate` toward uniform load by
+  `Transformer.update_router_bias()`), or "none". `z_loss_coef` scales the
+  router z-loss in every mode.
+- `first_dense_layers`: that many leading layers use a dense SwiGLU of hidden
+  `d_dense` instead of MoE (DeepSeek-style).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 4096
+    d_model: int = 192
+    n_layers: int = 4
+    n_heads: int = 6
+    n_kv_heads: int = 2
+    head_dim: int = 32
+    max_seq_len: int = 4096
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    # mixture of experts
+    n_experts: int = 16
+    top_k: int = 2
+    d_expert: int = 192
+    n_shared_experts: int = 0
+    d_shared: int = 192
+    router_score: str = "softmax"  # "softmax" | "sigmoid"
+    router_renorm: bool = True
+    balance: str = "aux"  # "aux" | "bias" | "none"
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.001
+    bias_update_rate: float = 0.001
+    first_dense_layers: int = 0
+    d_dense: int = 512
+    tie_embeddings: bool = False
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.router_score in ("softmax", "sigmoid"), "router_score must be 'softmax' or 'sigmoid'"),
+            (self.balance in ("aux", "bias", "none"), "balance must be 'aux', 'bias' or 'none'"),
+            (self.dtype in _DTYPES, f"dtype must be one of {sorted(_DTYPES)}"),
+            (self.n_heads % self.n_kv_heads == 0, "n_heads must be a multiple of n_kv_heads (GQA groups)"),
+            (1 <= self.top_k <= self.n_experts, "top_k must be between 1 and n_experts"),
+            (self.head_dim % 2 == 0, "head_dim must be even (rotary embeddings rotate pairs)"),
+            (0 <= self.first_dense_layers <= self.n_layers, "first_dense_layers must be in [0, n_layers]"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(f"ModelConfig: {msg}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def expert_hidden(self) -> int:
+        """Alias of `d_expert` (the HF name is `moe_intermediate_size`)."""
+        return self.d_expert
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers - self.first_dense_layers
+
+    # presets -------------------------------------------------------------
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> "ModelConfig":
+        """~4M parameters: 4 layers, d_model 192, 16 experts top-2 of hidden 192, vocab 4096."""
+        return cls(**overrides)
+
+    @classmethod
+    def small(cls, **overrides: Any) -> "ModelConfig":
+        """~0.9B total / ~0.2B active: 16 layers, d_model 1024, 64 experts top-6 + 1 shared, 1 dense layer."""
+        base = dict(vocab_size=32768, d_model=1024, n_layers=16, n_heads=16, n_kv_heads=4, head_dim=64,
+                    n_experts=64, top_k=6, d_expert=512, n_shared_experts=1, d_shared=1024,
+                    router_score="sigmoid", balance="bias", first_dense_layers=1, d_dense=4096, dtype="bfloat16")
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def medium(cls, **overrides: Any) -> "ModelConfig":
+        """~7B total / ~1.2B active: 24 layers, d_model 2048, 128 experts top-8 + 1 shared, 1 dense layer."""
+        base = dict(vocab_size=65536, d_model=2048, n_layers=24, n_heads=16, n_kv_heads=4, head_dim=128,
+                    n_experts=128, top_k=8, d_expert=768, n_shared_experts=1, d_shared=1536,
+                    router_score="sigmoid", balance="bias", first_dense_layers=1, d_dense=8192, dtype="bfloat16")
+        return cls(**{**base, **overrides})
+
+    # serialisation -------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"ModelConfig: unknown field(s) {unknown}; the checkpoint is from a newer codefleet "
+                             "or was edited by hand")
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ModelConfig":
+        return cls.from_dict(json.loads(text))
