@@ -3,8 +3,8 @@
 Every size of the model is a field here; `transformer.Transformer(config)`
 builds it. Presets:
 
-- `ModelConfig.tiny()`: ~4M parameters (1.6M active per token without the
-  embeddings), trains in minutes on 2 CPU cores; the default everywhere.
+- `ModelConfig.tiny()`: ~9M parameters (~2.9M active per token), trains in
+  minutes on 2 CPU cores; the default everywhere.
 - `ModelConfig.small()`, `ModelConfig.medium()`: documented larger shapes
   (docs/model.md) for a GPU.
 
@@ -98,12 +98,12 @@ class ModelConfig:
 
     @classmethod
     def tiny(cls, **overrides: Any) -> "ModelConfig":
-        """~4M parameters: 4 layers, d_model 192, 16 experts top-2 of hidden 192, vocab 4096."""
+        """~9M parameters (~2.9M active): 4 layers, d_model 192, 16 experts top-2 of hidden 192, vocab 4096."""
         return cls(**overrides)
 
     @classmethod
     def small(cls, **overrides: Any) -> "ModelConfig":
-        """~0.9B total / ~0.2B active: 16 layers, d_model 1024, 64 experts top-6 + 1 shared, 1 dense layer."""
+        """~1.7B total / ~0.31B active: 16 layers, d_model 1024, 64 experts top-6 + 1 shared, 1 dense layer."""
         base = dict(vocab_size=32768, d_model=1024, n_layers=16, n_heads=16, n_kv_heads=4, head_dim=64,
                     n_experts=64, top_k=6, d_expert=512, n_shared_experts=1, d_shared=1024,
                     router_score="sigmoid", balance="bias", first_dense_layers=1, d_dense=4096, dtype="bfloat16")
@@ -111,7 +111,7 @@ class ModelConfig:
 
     @classmethod
     def medium(cls, **overrides: Any) -> "ModelConfig":
-        """~7B total / ~1.2B active: 24 layers, d_model 2048, 128 experts top-8 + 1 shared, 1 dense layer."""
+        """~14.7B total / ~1.7B active: 24 layers, d_model 2048, 128 experts top-8 + 1 shared, 1 dense layer."""
         base = dict(vocab_size=65536, d_model=2048, n_layers=24, n_heads=16, n_kv_heads=4, head_dim=128,
                     n_experts=128, top_k=8, d_expert=768, n_shared_experts=1, d_shared=1536,
                     router_score="sigmoid", balance="bias", first_dense_layers=1, d_dense=8192, dtype="bfloat16")

@@ -1,0 +1,72 @@
+"""Checkpoints: `model.safetensors` + `config.json` in one directory; save -> load is exact.
+
+    checkpoint.save(model, "ckpt/", metadata={"policy_version": 3})
+    model = checkpoint.load("ckpt/")          # same class, same bits
+    checkpoint.read_metadata("ckpt/")         # {"policy_version": 3}
+
+Tied embeddings: safetensors refuses tensors that share memory, so the tied
+`lm_head.weight` is not written; `load` rebuilds the tie from the config.
+Buffers that decide routing (the per-expert selection bias) are saved too.
+Extra metadata (JSON-serialisable) goes to `metadata.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from codefleet.model.config import ModelConfig
+from codefleet.model.transformer import Transformer
+
+WEIGHTS_FILE, CONFIG_FILE, METADATA_FILE = "model.safetensors", "config.json", "metadata.json"
+
+
+def _tied_keys(model: Transformer) -> set[str]:
+    return {"lm_head.weight"} if model.config.tie_embeddings else set()
+
+
+def save(model: Transformer, path: str, config: ModelConfig | None = None, metadata: dict | None = None) -> None:
+    """Write the weights, the config (default: `model.config`) and optional metadata into directory `path`."""
+    config = config or model.config
+    os.makedirs(path, exist_ok=True)
+    skip = _tied_keys(model)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k not in skip}
+    save_file(state, os.path.join(path, WEIGHTS_FILE), metadata={"format": "pt", "codefleet": "1"})
+    with open(os.path.join(path, CONFIG_FILE), "w") as f:
+        f.write(config.to_json())
+    if metadata is not None:
+        with open(os.path.join(path, METADATA_FILE), "w") as f:
+            json.dump(metadata, f, indent=2, sort_keys=True)
+
+
+def load_config(path: str) -> ModelConfig:
+    config_file = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(config_file):
+        raise FileNotFoundError(f"{config_file} not found: {path!r} is not a checkpoint directory written by "
+                                "codefleet.model.checkpoint.save")
+    with open(config_file) as f:
+        return ModelConfig.from_json(f.read())
+
+
+def load(path: str, device: str | torch.device = "cpu") -> Transformer:
+    """The model saved in `path`, in the config's dtype, on `device`."""
+    config = load_config(path)
+    model = Transformer(config)
+    state = load_file(os.path.join(path, WEIGHTS_FILE), device=str(device))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = set(missing) - _tied_keys(model)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path!r} does not match its config.json: missing {sorted(missing)}, "
+                         f"unexpected {sorted(unexpected)}")
+    return model.to(device)
+
+
+def read_metadata(path: str) -> dict:
+    meta_file = os.path.join(path, METADATA_FILE)
+    if not os.path.isfile(meta_file):
+        return {}
+    with open(meta_file) as f:
+        return json.load(f)

@@ -1,0 +1,183 @@
+"""The decoder-only mixture-of-experts transformer.
+
+    tokens_BT -> embed -> n_layers x [x + attn(norm(x)); x + ffn(norm(x))] -> norm -> lm_head -> logits_BTV
+
+- RMSNorm (pre-norm), rotary position embeddings on explicit `positions_BT`
+  (the engine passes each row's own positions; training uses 0..T-1),
+  rotate-half convention as in Llama/Qwen.
+- Grouped-query attention: `n_heads` query heads share `n_kv_heads` key/value
+  heads. Without a cache it is causal `scaled_dot_product_attention` over the
+  given tokens (training, scoring). With a cache, `cache.attend(layer, q_BHTD,
+  k_BHTD, v_BHTD)` stores the new keys/values and attends over each row's
+  history (the engine's `cache.py` owns masking and storage); k/v carry
+  `n_kv_heads` heads there.
+- Feed-forward: the first `first_dense_layers` layers are a dense SwiGLU, the
+  rest are `moe.MoE`.
+
+`forward` returns `ModelOutput(logits_BTV, routed_experts, aux_loss, z_loss)`:
+`routed_experts` is one `[B, T, top_k]` int64 tensor per MoE layer when
+`return_routing=True` (else None); `routing_replay` takes the same list to
+force those experts (R3); `aux_loss` and `z_loss` are already scaled by their
+coefficients and summed over MoE layers, so a trainer adds them to its loss.
+
+`token_logprobs(logits_BTV, targets_BT)` is the logprob every consumer
+(engine, trainer, parity tests) computes the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from codefleet.model.config import ModelConfig
+from codefleet.model.moe import MoE, SwiGLU
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rope_cos_sin(positions_BT: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [B, 1, T, head_dim] for rotate-half rotary embeddings at the given positions."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions_BT.device, dtype=torch.float32) / head_dim)
+    angles_BTd = positions_BT.float()[..., None] * inv_freq
+    angles_BTD = torch.cat([angles_BTd, angles_BTd], dim=-1)
+    return angles_BTD.cos()[:, None], angles_BTD.sin()[:, None]
+
+
+def apply_rope(x_BHTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x_BHTD.shape[-1] // 2
+    x1, x2 = x_BHTD[..., :half], x_BHTD[..., half:]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x_BHTD.float() * cos + rotated.float() * sin).to(x_BHTD.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        D = config.d_model
+        self.wq = nn.Linear(D, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(D, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(D, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, D, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        q_BHTD = self.wq(x_BTD).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k_BHTD = self.wk(x_BTD).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v_BHTD = self.wv(x_BTD).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q_BHTD, k_BHTD = apply_rope(q_BHTD, cos, sin), apply_rope(k_BHTD, cos, sin)
+        if cache is not None:
+            out_BHTD = cache.attend(self.layer, q_BHTD, k_BHTD, v_BHTD)
+        else:
+            out_BHTD = F.scaled_dot_product_attention(q_BHTD, k_BHTD, v_BHTD, is_causal=True,
+                                                      enable_gqa=self.n_heads != self.n_kv_heads)
+        return self.wo(out_BHTD.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attn = Attention(config, layer)
+        self.ffn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.is_moe = layer >= config.first_dense_layers
+        self.ffn = MoE(config) if self.is_moe else SwiGLU(config.d_model, config.d_dense)
+
+
+@dataclass
+class ModelOutput:
+    logits_BTV: torch.Tensor
+    routed_experts: list[torch.Tensor] | None
+    aux_loss: torch.Tensor
+    z_loss: torch.Tensor
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.reset_parameters()
+        self.to(config.torch_dtype)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, 0.02) everywhere; residual output projections scaled by 1/sqrt(2 * n_layers)."""
+        out_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(("wo.weight", "down.weight", "w_down_EFD")):
+                p.normal_(0.0, out_std)
+            else:
+                p.normal_(0.0, 0.02)
+
+    def forward(self, tokens_BT: torch.Tensor, positions_BT: torch.Tensor | None = None, cache=None,
+                routing_replay: list[torch.Tensor] | None = None, return_routing: bool = False) -> ModelOutput:
+        cfg = self.config
+        B, T = tokens_BT.shape
+        if positions_BT is None:
+            positions_BT = torch.arange(T, device=tokens_BT.device).expand(B, T)
+        if routing_replay is not None and len(routing_replay) != cfg.n_moe_layers:
+            raise ValueError(f"routing_replay has {len(routing_replay)} entries; this model has "
+                             f"{cfg.n_moe_layers} MoE layers (one [B, T, top_k] tensor each)")
+        cos, sin = rope_cos_sin(positions_BT, cfg.head_dim, cfg.rope_theta)
+        x_BTD = self.embed(tokens_BT)
+        aux = z = x_BTD.new_zeros((), dtype=torch.float32)
+        routed: list[torch.Tensor] = []
+        moe_i = 0
+        for block in self.layers:
+            x_BTD = x_BTD + block.attn(block.attn_norm(x_BTD), cos, sin, cache)
+            h_ND = block.ffn_norm(x_BTD).reshape(B * T, cfg.d_model)
+            if block.is_moe:
+                replay_NK = None if routing_replay is None else routing_replay[moe_i].reshape(B * T, cfg.top_k)
+                out = block.ffn(h_ND, replay_NK)
+                ffn_ND, aux, z = out.y_ND, aux + out.aux_loss, z + out.z_loss
+                if return_routing:
+                    routed.append(out.experts_NK.view(B, T, cfg.top_k))
+                moe_i += 1
+            else:
+                ffn_ND = block.ffn(h_ND)
+            x_BTD = x_BTD + ffn_ND.view(B, T, cfg.d_model)
+        logits_BTV = self.lm_head(self.norm(x_BTD))
+        return ModelOutput(logits_BTV, routed if return_routing else None, aux, z)
+
+    def update_router_bias(self) -> None:
+        """Auxiliary-loss-free balancing: call after each optimiser step (no-op unless balance == "bias")."""
+        if self.config.balance == "bias":
+            for block in self.layers:
+                if block.is_moe:
+                    block.ffn.update_bias()
+
+    def n_params(self, active: bool = False) -> int:
+        """Parameters (tied weights once); `active=True` counts only top_k of the routed experts per MoE layer."""
+        total = sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+        if active:
+            cfg = self.config
+            per_expert = 3 * cfg.d_model * cfg.d_expert
+            total -= cfg.n_moe_layers * (cfg.n_experts - cfg.top_k) * per_expert
+        return total
+
+
+def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+    """log p(targets) under the logits, in fp32: [B, T]."""
+    return torch.log_softmax(logits_BTV.float(), dim=-1).gather(-1, targets_BT.unsqueeze(-1)).squeeze(-1)
