@@ -1,0 +1,136 @@
+"""The transformer: RoPE and GQA by definition, causality, cached decode, routing replay, it learns."""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from codefleet.model.config import ModelConfig
+from codefleet.model.transformer import Transformer, apply_rope, rope_cos_sin, token_logprobs
+
+
+def _small(**overrides) -> ModelConfig:
+    base = dict(vocab_size=97, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, n_experts=4, top_k=2,
+                d_expert=16, first_dense_layers=1, d_dense=48, n_shared_experts=1, d_shared=16)
+    return ModelConfig(**{**base, **overrides})
+
+
+class RefCache:
+    """The `cache.attend` seam at its simplest: every row has the same length, keys/values are concatenated."""
+
+    def __init__(self, n_layers: int):
+        self.k = [None] * n_layers
+        self.v = [None] * n_layers
+
+    def attend(self, layer, q_BHTD, k_BHTD, v_BHTD):
+        if self.k[layer] is not None:
+            k_BHTD = torch.cat([self.k[layer], k_BHTD], dim=2)
+            v_BHTD = torch.cat([self.v[layer], v_BHTD], dim=2)
+        self.k[layer], self.v[layer] = k_BHTD, v_BHTD
+        T, L = q_BHTD.shape[2], k_BHTD.shape[2]
+        mask_TL = torch.ones(T, L, dtype=torch.bool).tril(L - T)
+        return F.scaled_dot_product_attention(q_BHTD, k_BHTD, v_BHTD, attn_mask=mask_TL, enable_gqa=True)
+
+
+def test_rope_keeps_norms_and_depends_only_on_relative_position():
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
+
+    def rot(x, pos):
+        cos, sin = rope_cos_sin(torch.tensor([[pos]]), 16, 10000.0)
+        return apply_rope(x, cos, sin)
+
+    torch.testing.assert_close(rot(q, 7).norm(), q.norm())
+    dot = lambda m, n: (rot(q, m) * rot(k, n)).sum()  # noqa: E731
+    torch.testing.assert_close(dot(3, 1), dot(13, 11))
+    assert not torch.allclose(dot(3, 1), dot(3, 2))
+
+
+def test_gqa_attention_equals_repeated_heads_by_hand():
+    cfg = _small()
+    torch.manual_seed(0)
+    attn = Transformer(cfg).layers[0].attn
+    B, T = 2, 5
+    x_BTD = torch.randn(B, T, cfg.d_model)
+    cos, sin = rope_cos_sin(torch.arange(T).expand(B, T), cfg.head_dim, cfg.rope_theta)
+    q = apply_rope(attn.wq(x_BTD).view(B, T, 4, 8).transpose(1, 2), cos, sin)
+    k = apply_rope(attn.wk(x_BTD).view(B, T, 2, 8).transpose(1, 2), cos, sin).repeat_interleave(2, dim=1)
+    v = attn.wv(x_BTD).view(B, T, 2, 8).transpose(1, 2).repeat_interleave(2, dim=1)
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(8) + torch.full((T, T), float("-inf")).triu(1)
+    want = attn.wo((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, 32))
+    torch.testing.assert_close(attn(x_BTD, cos, sin), want, atol=1e-5, rtol=1e-5)
+
+
+def test_causal_and_positions_default():
+    model = Transformer(_small()).eval()
+    tokens_BT = torch.randint(0, 97, (2, 12))
+    out = model(tokens_BT)
+    assert out.logits_BTV.shape == (2, 12, 97)
+    changed = tokens_BT.clone()
+    changed[:, 8:] = (changed[:, 8:] + 1) % 97
+    torch.testing.assert_close(model(changed).logits_BTV[:, :8], out.logits_BTV[:, :8])
+    explicit = model(tokens_BT, positions_BT=torch.arange(12).expand(2, 12)).logits_BTV
+    assert torch.equal(explicit, out.logits_BTV)
+
+
+def test_cached_decode_equals_full_forward():
+    cfg = _small()
+    model = Transformer(cfg).eval()
+    tokens_BT = torch.randint(0, 97, (3, 10))
+    with torch.no_grad():
+        full = model(tokens_BT, return_routing=True)
+        cache = RefCache(cfg.n_layers)
+        steps = [model(tokens_BT[:, :6], cache=cache, return_routing=True)]
+        for t in range(6, 10):
+            steps.append(model(tokens_BT[:, t:t + 1], positions_BT=torch.full((3, 1), t), cache=cache,
+                               return_routing=True))
+    logits_BTV = torch.cat([s.logits_BTV for s in steps], dim=1)
+    torch.testing.assert_close(logits_BTV, full.logits_BTV, atol=1e-5, rtol=1e-5)
+    routed = [torch.cat([s.routed_experts[i] for s in steps], dim=1) for i in range(cfg.n_moe_layers)]
+    replayed = model(tokens_BT, routing_replay=routed)
+    torch.testing.assert_close(replayed.logits_BTV, full.logits_BTV, atol=1e-5, rtol=1e-5)
+
+
+def test_routing_replay_through_the_model_is_exact_and_router_gets_grads():
+    cfg = _small()
+    model = Transformer(cfg)
+    tokens_BT = torch.randint(0, 97, (2, 16))
+    first = model(tokens_BT, return_routing=True)
+    assert len(first.routed_experts) == cfg.n_moe_layers == 2
+    assert first.routed_experts[0].shape == (2, 16, cfg.top_k)
+    again = model(tokens_BT, routing_replay=first.routed_experts, return_routing=True)
+    assert torch.equal(again.logits_BTV, first.logits_BTV)
+    assert all(torch.equal(a, b) for a, b in zip(again.routed_experts, first.routed_experts))
+    (again.logits_BTV.logsumexp(-1).mean() + again.aux_loss + again.z_loss).backward()
+    assert model.layers[1].ffn.router.weight_ED.grad.abs().sum() > 0
+    assert first.aux_loss.item() > 0 and first.z_loss.item() > 0
+    assert model(tokens_BT).routed_experts is None
+
+
+def test_token_logprobs_and_tied_embeddings():
+    logits_BTV = torch.randn(2, 3, 7)
+    targets_BT = torch.randint(0, 7, (2, 3))
+    want = torch.log_softmax(logits_BTV, -1)[torch.arange(2)[:, None], torch.arange(3), targets_BT]
+    torch.testing.assert_close(token_logprobs(logits_BTV, targets_BT), want)
+    tied = Transformer(_small(tie_embeddings=True))
+    assert tied.lm_head.weight is tied.embed.weight
+    assert tied.n_params() == Transformer(_small()).n_params() - 97 * 32
+
+
+def test_tiny_model_overfits_a_small_batch():
+    torch.manual_seed(0)
+    cfg = _small(vocab_size=64, d_model=64, n_heads=4, head_dim=16, n_experts=8, d_expert=64, balance="bias")
+    model = Transformer(cfg)
+    tokens_BT = torch.randint(0, 64, (4, 33))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(50):
+        out = model(tokens_BT[:, :-1])
+        loss = -token_logprobs(out.logits_BTV, tokens_BT[:, 1:]).mean()
+        (loss + out.aux_loss + out.z_loss).backward()
+        opt.step()
+        opt.zero_grad()
+        model.update_router_bias()
+        losses.append(loss.item())
+    assert losses[0] > 3.5 and losses[-1] < 0.5, losses[::10]
+    assert model.layers[1].ffn.router.expert_bias_E.abs().sum() > 0
