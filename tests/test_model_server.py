@@ -1,0 +1,189 @@
+"""The OpenAI-compatible server on a real tiny checkpoint, spoken to by the real `openai` client, the agent's
+OpenAI policy and raw HTTP. An untrained model writes garbage, so these assert the protocol: shapes,
+finish reasons, usage, streaming, errors, batching, and the tool-call path through the response builder."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import torch
+
+from codefleet.agent.clients import OpenAIConfig, OpenAIPolicy
+from codefleet.agent.tools import tool_schemas
+from codefleet.model import chat, checkpoint
+from codefleet.model.config import ModelConfig
+from codefleet.model.engine import Result, load_engine
+from codefleet.model.server import ChatRequest, ServerThread, build_completion
+from codefleet.model.transformer import Transformer
+
+NAME = "tiny-test"
+USER = [{"role": "user", "content": "Fix the failing test in pkg/calc.py."}]
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    path = str(tmp_path_factory.mktemp("ckpt") / NAME)
+    checkpoint.save(Transformer(ModelConfig.tiny()), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint_dir):
+    engine = load_engine(checkpoint_dir, max_batch=8, max_seq_len=1024)
+    with ServerThread(engine, engine.tokenizer, model_name=NAME) as s:
+        yield s
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+
+
+def post(server, body: bytes | dict, path: str = "/chat/completions") -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(server.base_url + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_openai_client_lists_the_model_and_gets_completions_with_usage_and_logprobs(server, client):
+    assert [m.id for m in client.models.list()] == [NAME]
+    r = client.chat.completions.create(model=NAME, messages=USER, max_tokens=6, temperature=0, logprobs=True)
+    choice = r.choices[0]
+    assert r.object == "chat.completion" and r.model == NAME and r.id.startswith("chatcmpl-")
+    assert choice.finish_reason in ("length", "stop") and choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str)
+    prompt = chat.encode_chat(server.server.tokenizer, USER, [])
+    assert r.usage.prompt_tokens == len(prompt)
+    assert 1 <= r.usage.completion_tokens <= 6 and r.usage.total_tokens == len(prompt) + r.usage.completion_tokens
+    assert len(choice.logprobs.content) == r.usage.completion_tokens
+    assert all(t.logprob <= 0 for t in choice.logprobs.content)
+    again = client.chat.completions.create(model=NAME, messages=USER, max_tokens=6, temperature=0)
+    assert again.choices[0].message.content == choice.message.content  # greedy is deterministic
+
+
+def test_streaming_sends_the_same_turn_in_chunks(client):
+    whole = client.chat.completions.create(model=NAME, messages=USER, max_tokens=8, temperature=0)
+    chunks = list(client.chat.completions.create(model=NAME, messages=USER, max_tokens=8, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text.strip() == whole.choices[0].message.content.strip()
+    assert finishes == [whole.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_the_agents_openai_policy_runs_against_the_server(server):
+    policy = OpenAIPolicy(OpenAIConfig(base_url=server.base_url, max_tokens=8, temperature=0, max_retries=0))
+    output = policy.generate(USER, tool_schemas())
+    assert output.model == NAME  # discovered from GET /v1/models
+    assert 1 <= output.completion_tokens <= 8 and output.prompt_tokens > 50  # the tool schemas are in the prompt
+    assert output.finish_reason in ("length", "stop", "tool_calls")
+
+
+def test_concurrent_requests_share_decode_steps(server, client):
+    def one(i: int):
+        return client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": f"task {i}"}],
+                                              max_tokens=24, temperature=0)
+
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(one, range(6)))
+    assert all(r.usage.completion_tokens >= 1 for r in results)
+    assert server.server.engine.peak_batch > 1
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client):
+    cases = [
+        (b"{not json", 400, None, "invalid_json"),
+        ({"model": NAME}, 400, "messages", "missing_required_parameter"),
+        ({"model": NAME, "messages": "hi"}, 400, "messages", "invalid_type"),
+        ({"model": NAME, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0]", "invalid_value"),
+        ({"model": NAME, "messages": USER, "temperature": "hot"}, 400, "temperature", "invalid_type"),
+        ({"model": NAME, "messages": USER, "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
+        ({"model": NAME, "messages": USER, "stop": 5}, 400, "stop", "invalid_type"),
+        ({"model": "gpt-9", "messages": USER}, 404, "model", "model_not_found"),
+        ({"model": NAME, "messages": [{"role": "user", "content": "word " * 5000}]}, 400, "messages",
+         "context_length_exceeded"),
+    ]
+    for body, status, param, code in cases:
+        got_status, got = post(server, body)
+        assert got_status == status, (body, got)
+        error = got["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+        assert (error["param"], error["code"]) == (param, code), (body, error)
+    status, got = post(server, {}, path="/nothing")
+    assert status == 404 and "POST /v1/chat/completions" in got["error"]["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-9", messages=USER)
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "word " * 5000}])
+    assert client.chat.completions.create(model=NAME, messages=USER, max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_the_response_builder_turns_parsed_tool_calls_into_openai_tool_calls(server):
+    tokenizer = server.server.tokenizer
+    text = ('Reading both.<|tool_call|>{"name": "read_file", "arguments": {"path": "a.py"}}<|/tool_call|>'
+            '<|tool_call|>{"name": "run", "arguments": {"command": "pytest -q"}}<|/tool_call|>'
+            '<|tool_call|>{"name": oops}<|/tool_call|>')
+    ids = tokenizer.encode(text, allow_special=True)
+    end = tokenizer.special_id(chat.END)
+    result = Result([1, 2, 3], ids + [end], [-0.5] * (len(ids) + 1), [0] * (len(ids) + 1), [], [], "stop", text,
+                    stop=end)
+    request = ChatRequest([1, 2, 3], None, tool_schemas(), False, False, False)
+    body = build_completion(result, request, tokenizer, NAME, "chatcmpl-abc12345", 0)
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    calls = choice["message"]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["read_file", "run"]
+    assert json.loads(calls[1]["function"]["arguments"]) == {"command": "pytest -q"}
+    assert len({c["id"] for c in calls}) == 2 and all(c["type"] == "function" for c in calls)
+    assert choice["message"]["content"] == "Reading both."
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": len(ids) + 1, "total_tokens": len(ids) + 4}
+    cut = build_completion(Result([1], ids, [0.0] * len(ids), [0] * len(ids), [], [], "length", text), request,
+                           tokenizer, NAME, "chatcmpl-x", 0)
+    assert cut["choices"][0]["finish_reason"] == "length"  # ran out of tokens: the calls may be incomplete
+
+
+def test_the_serve_command_runs_a_server_process(checkpoint_dir, tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "codefleet.model.serve_cli", "--checkpoint", checkpoint_dir,
+                             "--port", str(port), "--max-seq-len", "512", "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=30)
+        deadline = time.monotonic() + 45
+        while True:
+            try:
+                models = [m.id for m in client.models.list()]
+                break
+            except openai.APIConnectionError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()
+                time.sleep(0.2)
+        assert models == [NAME]  # the checkpoint directory's name
+        r = client.chat.completions.create(model=NAME, messages=USER, max_tokens=3)
+        assert r.usage.completion_tokens >= 1
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    missing = subprocess.run([sys.executable, "-m", "codefleet.model.serve_cli", "--checkpoint",
+                              str(tmp_path / "nope"), "--port", "1"], capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
