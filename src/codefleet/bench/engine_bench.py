@@ -83,7 +83,7 @@ def run(quick: bool = False, threads: int = 2, log=print) -> dict:
     torch.set_num_threads(threads)
     config = ModelConfig.tiny()
     prompt_len, new_tokens, batch = (32, 32, 32) if quick else (64, 128, 32)
-    repeats = 1 if quick else 2
+    repeats = 1 if quick else 3
     torch.manual_seed(0)
     model = Transformer(config).eval()
     engine = Engine(model, None, max_batch=batch, max_seq_len=prompt_len + new_tokens + 1)
