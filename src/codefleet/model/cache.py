@@ -57,7 +57,8 @@ class SlotKVCache:
     # -- one forward pass -------------------------------------------------------------
 
     def begin(self, slots: list[int], starts: list[int], n_new: list[int], t_new: int) -> None:
-        """Prepare the next forward pass: row b writes `n_new[b]` (of `t_new`) tokens into `slots[b]` after `starts[b]`."""
+        """Prepare the next forward pass: row b writes `n_new[b]` (of `t_new`) tokens into `slots[b]` after
+        `starts[b]`."""
         for s in starts:
             if s + t_new > self.max_len:
                 raise CacheFullError(f"a sequence of {s + t_new} tokens does not fit the cache (max_len "

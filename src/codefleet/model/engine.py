@@ -42,9 +42,9 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -186,7 +186,8 @@ class Engine:
             generator.manual_seed(params.seed)
         # the last token needs a cache position for its drain pass, hence max_seq_len - len(prompt)
         max_tokens = min(params.max_tokens, self.max_seq_len - len(prompt))
-        return _Sequence(next(self._ids), prompt, params, max_tokens, Future(), on_token, generator, time.perf_counter())
+        return _Sequence(next(self._ids), prompt, params, max_tokens, Future(), on_token, generator,
+                         time.perf_counter())
 
     def _enqueue(self, seqs: list[_Sequence]) -> None:
         with self._queue_lock:
@@ -229,7 +230,7 @@ class Engine:
             with torch.no_grad():
                 self.model.load_state_dict(update.state_dict, strict=True)
             self.version = update.version
-        except BaseException as e:  # a bad state dict is the caller's error; the engine keeps serving
+        except Exception as e:  # a bad state dict is the caller's error; the engine keeps serving
             update.error = e
         finally:
             update.done.set()
@@ -432,7 +433,7 @@ class Engine:
             self._waiting.clear()
             self._release(list(range(len(self._running))))
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:

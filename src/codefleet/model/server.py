@@ -335,7 +335,7 @@ class ServerThread:
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}/v1"
 
-    def start(self) -> "ServerThread":
+    def start(self) -> ServerThread:
         self._thread.start()
         self._started.wait(timeout=30)
         if self._error is not None:
@@ -354,7 +354,7 @@ class ServerThread:
             await site.start()
             self.port = site._server.sockets[0].getsockname()[1]  # the real port when 0 was asked
             self._stop = asyncio.Event()
-        except BaseException as e:
+        except Exception as e:  # reported to start()'s caller
             self._error = e
             self._started.set()
             await runner.cleanup()
@@ -368,7 +368,7 @@ class ServerThread:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(timeout=10)
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         return self.start()
 
     def __exit__(self, *exc) -> None:
