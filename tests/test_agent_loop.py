@@ -171,9 +171,9 @@ def test_unreachable_and_wrong_urls_name_what_to_check():
             [{"role": "user", "content": "hi"}], [])
 
 
-def test_backends_are_chosen_by_name_and_the_local_engine_refuses_to_pretend():
+def test_backends_are_chosen_by_name_and_the_local_engine_needs_a_checkpoint():
     assert isinstance(build_policy("http://localhost:1/v1", "m"), OpenAIPolicy)
-    with pytest.raises(LocalEngineUnavailableError, match="arrives with the model issue"):
+    with pytest.raises(LocalEngineUnavailableError, match="local:DIR"):
         build_policy("local")
     assert issubclass(LocalEngineUnavailableError, NotImplementedError)
     with pytest.raises(ValueError, match="OpenAI-compatible base URL"):

@@ -119,6 +119,8 @@ def cap_text(text: str, max_chars: int) -> str:
 def validate(call: ToolCall, config: ToolConfig) -> dict:
     """The call's arguments, checked against its tool's schema; raises ToolError saying what is wrong."""
     spec = TOOL_SPECS.get(call.name)
+    if spec is None and call.error and not call.name:  # a call block the parser could not read at all
+        raise ToolError(call.error)
     if spec is None:
         raise ToolError(f"unknown tool {call.name!r}; the tools are {', '.join(TOOL_SPECS)}")
     if len(call.raw_arguments) > config.max_argument_chars:

@@ -1,7 +1,7 @@
 """Model backends behind the Policy contract, chosen by name.
 
 - an `http://` or `https://` URL: an OpenAI-compatible endpoint (openai_http.py)
-- `local` or `local:CHECKPOINT`: codefleet's own engine (local_engine.py; arrives with the model issue)
+- `local` or `local:CHECKPOINT`: codefleet's own engine (local_engine.py: the in-process engine over a checkpoint)
 - the scripted expert (scripted.py) is built from a Task, for demonstrations and tests
 """
 
