@@ -27,9 +27,9 @@ Dispatch is dropless (no capacity, no token ever dropped): the S slots are
 sorted by expert (a stable argsort), each expert's rows are contiguous, and
 the experts run as grouped matrix products (`torch._grouped_mm`, one call for
 all experts; a padded `bmm` where it is unavailable). `_ExpertsFn` is a custom
-autograd function so the backward recomputes cheap things (the gathered input,
-the SwiGLU activation) instead of keeping them, and never materialises an
-[S, D] tensor it does not need. On CPU the sorted slots are processed in a few
+autograd function: it writes its own backward (the combine-weight gradient
+comes from the down projection's input gradient, no [S, D] output is kept,
+SiLU's derivative is one fused kernel) instead of autograd's generic graph. On CPU the sorted slots are processed in a few
 tiles of whole experts (~`tile_slots` slots each) so the intermediates stay in
 cache and under glibc's mmap threshold (a fresh 32 MB tensor costs ~10 ms of
 page faults on every call); the number of tiles depends on S, not on E, and
@@ -185,48 +185,55 @@ def _tiles(counts_E: list[int], tile_slots: int) -> list[tuple[int, int, int, in
 class _ExpertsFn(torch.autograd.Function):
     """y_ND = sum over slots s of w_s * SwiGLU_{expert(s)}(x_{tok(s)}), slots sorted by expert.
 
-    Saves only the gate/up pre-activations h_SG (per tile); recomputes the gathered input and the activation.
+    Saves per tile the gathered input xs_SD, the gate/up pre-activations h_SG and silu(gate) (what autograd
+    would keep for the same math, minus the activation product, recomputed in one pass).
     """
 
     @staticmethod
     def forward(ctx, x_ND, w_S, w_gate_up_EDG, w_down_EFD, tok_S, counts_E, tiles):
         Fh = w_down_EFD.shape[1]
         y_ND = torch.zeros_like(x_ND)
-        hs = []
+        keep = any(ctx.needs_input_grad[:4])  # inference keeps nothing
+        saved = []
         for e0, e1, s0, s1 in tiles:
             if s1 == s0:
-                hs.append(x_ND.new_empty(0, 2 * Fh))
                 continue
             offs = counts_E[e0:e1].cumsum(0, dtype=torch.int32)
             tok = tok_S[s0:s1]
-            h_SG = _gmm(x_ND.index_select(0, tok), w_gate_up_EDG[e0:e1], offs)
-            a_SF = F.silu(h_SG[:, :Fh])
-            a_SF.mul_(h_SG[:, Fh:]).mul_(w_S[s0:s1, None])
+            xs_SD = x_ND.index_select(0, tok)
+            h_SG = _gmm(xs_SD, w_gate_up_EDG[e0:e1], offs)
+            silu_SF = F.silu(h_SG[:, :Fh])
+            a_SF = torch.mul(silu_SF, h_SG[:, Fh:]).mul_(w_S[s0:s1, None])
             y_ND.index_add_(0, tok, _gmm(a_SF, w_down_EFD[e0:e1], offs))
-            hs.append(h_SG)
-        ctx.save_for_backward(x_ND, w_S, w_gate_up_EDG, w_down_EFD, tok_S, counts_E, *hs)
+            if keep:
+                saved += [xs_SD, h_SG, silu_SF]
+        ctx.save_for_backward(x_ND, w_S, w_gate_up_EDG, w_down_EFD, tok_S, counts_E, *saved)
         ctx.tiles = tiles
         return y_ND
 
     @staticmethod
     def backward(ctx, dy_ND):
-        x_ND, w_S, w_gate_up_EDG, w_down_EFD, tok_S, counts_E, *hs = ctx.saved_tensors
+        x_ND, w_S, w_gate_up_EDG, w_down_EFD, tok_S, counts_E, *saved = ctx.saved_tensors
         dy_ND = dy_ND.contiguous()
         Fh = w_down_EFD.shape[1]
         dx_ND = torch.zeros_like(x_ND)
         dw_S = torch.empty_like(w_S)
-        dw_gate_up = torch.zeros_like(w_gate_up_EDG)
-        dw_down = torch.zeros_like(w_down_EFD)
-        for (e0, e1, s0, s1), h_SG in zip(ctx.tiles, hs):
-            if s1 == s0:
+        dw_gate_up = torch.empty_like(w_gate_up_EDG)
+        dw_down = torch.empty_like(w_down_EFD)
+        i = 0
+        for e0, e1, s0, s1 in ctx.tiles:
+            if s1 == s0:  # experts nobody was routed to
+                dw_gate_up[e0:e1] = 0
+                dw_down[e0:e1] = 0
                 continue
+            xs_SD, h_SG, silu_SF = saved[i:i + 3]
+            i += 3
             offs = counts_E[e0:e1].cumsum(0, dtype=torch.int32)
             tok = tok_S[s0:s1]
             w = w_S[s0:s1, None]
             g_SF, u_SF = h_SG[:, :Fh], h_SG[:, Fh:]
             dys_SD = dy_ND.index_select(0, tok)
             da_SF = _gmm(dys_SD, w_down_EFD[e0:e1].transpose(1, 2), offs)  # d(activation), before the weight
-            silu_SF = F.silu(g_SF)
             a_SF = silu_SF * u_SF
             dw_S[s0:s1] = (da_SF * a_SF).sum(-1)
             dw_down[e0:e1] = _gmm(a_SF.mul_(w).t(), dys_SD, offs)
@@ -234,7 +241,7 @@ class _ExpertsFn(torch.autograd.Function):
             dh_SG = torch.empty_like(h_SG)
             torch.mul(da_SF, silu_SF, out=dh_SG[:, Fh:])
             torch.ops.aten.silu_backward.grad_input(da_SF.mul_(u_SF), g_SF, grad_input=dh_SG[:, :Fh])
-            dw_gate_up[e0:e1] = _gmm(x_ND.index_select(0, tok).t(), dh_SG, offs)
+            dw_gate_up[e0:e1] = _gmm(xs_SD.t(), dh_SG, offs)
             dx_ND.index_add_(0, tok, _gmm(dh_SG, w_gate_up_EDG[e0:e1].transpose(1, 2), offs))
         return dx_ND, dw_S, dw_gate_up, dw_down, None, None, None
 
@@ -250,7 +257,7 @@ class MoEOutput:
 class MoE(nn.Module):
     """Router + E stacked SwiGLU experts (+ optional shared experts). See the module docstring."""
 
-    tile_slots: int = 4096  # CPU tile size in token-slots (a tiling of memory, not a loop over experts)
+    tile_slots: int = 2048  # CPU tile size in token-slots (a tiling of memory, not a loop over experts)
 
     def __init__(self, config: ModelConfig, expert_range: tuple[int, int] | None = None):
         super().__init__()
