@@ -12,8 +12,8 @@ from codefleet.model.transformer import Transformer
 
 
 def _config(**overrides) -> ModelConfig:
-    return ModelConfig(**{**dict(vocab_size=101, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                                 n_experts=4, top_k=2, d_expert=16, balance="bias"), **overrides})
+    return ModelConfig(**{"vocab_size": 101, "d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8,
+                                 "n_experts": 4, "top_k": 2, "d_expert": 16, "balance": "bias", **overrides})
 
 
 @pytest.mark.parametrize("tie", [False, True])

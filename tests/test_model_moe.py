@@ -12,7 +12,7 @@ from codefleet.model.moe import MoE, _gmm_padded
 
 def _moe(seed: int = 0, tile_slots: int = 4096, **overrides) -> MoE:
     torch.manual_seed(seed)
-    base = dict(d_model=16, n_experts=8, top_k=2, d_expert=8, d_shared=12)
+    base = {"d_model": 16, "n_experts": 8, "top_k": 2, "d_expert": 8, "d_shared": 12}
     moe = MoE(ModelConfig(**{**base, **overrides}))
     with torch.no_grad():
         for p in moe.parameters():
@@ -45,11 +45,11 @@ def _naive(moe: MoE, x_ND: torch.Tensor, replay_NK=None) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("overrides", [
-    dict(),
-    dict(router_score="sigmoid"),
-    dict(router_score="sigmoid", router_renorm=False, top_k=3),
-    dict(n_shared_experts=2, tile_slots=5),  # several tiles of whole experts
-    dict(top_k=1, tile_slots=1),
+    {},
+    {"router_score": "sigmoid"},
+    {"router_score": "sigmoid", "router_renorm": False, "top_k": 3},
+    {"n_shared_experts": 2, "tile_slots": 5},  # several tiles of whole experts
+    {"top_k": 1, "tile_slots": 1},
 ])
 def test_matches_naive_loop_outputs_and_grads(overrides):
     moe = _moe(**overrides)
@@ -62,7 +62,7 @@ def test_matches_naive_loop_outputs_and_grads(overrides):
     got = torch.autograd.grad(out.y_ND, params, dy_ND)
     want = torch.autograd.grad(ref_ND, params, dy_ND)
     for (name, _), g, w in zip([("x", None)] + list(moe.named_parameters()), got, want):
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5, msg=lambda m: f"grad of {name}: {m}")
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"grad of {name}: {m}")
 
 
 def test_padded_bmm_fallback_equals_grouped_mm():

@@ -10,8 +10,8 @@ from codefleet.model.transformer import Transformer, apply_rope, rope_cos_sin, t
 
 
 def _small(**overrides) -> ModelConfig:
-    base = dict(vocab_size=97, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, n_experts=4, top_k=2,
-                d_expert=16, first_dense_layers=1, d_dense=48, n_shared_experts=1, d_shared=16)
+    base = {"vocab_size": 97, "d_model": 32, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8, "n_experts": 4, "top_k": 2,
+                "d_expert": 16, "first_dense_layers": 1, "d_dense": 48, "n_shared_experts": 1, "d_shared": 16}
     return ModelConfig(**{**base, **overrides})
 
 
@@ -41,7 +41,7 @@ def test_rope_keeps_norms_and_depends_only_on_relative_position():
         return apply_rope(x, cos, sin)
 
     torch.testing.assert_close(rot(q, 7).norm(), q.norm())
-    dot = lambda m, n: (rot(q, m) * rot(k, n)).sum()  # noqa: E731
+    dot = lambda m, n: (rot(q, m) * rot(k, n)).sum()
     torch.testing.assert_close(dot(3, 1), dot(13, 11))
     assert not torch.allclose(dot(3, 1), dot(3, 2))
 

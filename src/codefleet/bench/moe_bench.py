@@ -69,8 +69,12 @@ def _hf_blocks(ours: MoE, x_ND: torch.Tensor) -> tuple[dict, str | None]:
             same = torch.allclose(block(x_ND[None])[0], ours(x_ND).y_ND, atol=1e-5)
         if not same:
             return {}, f"HF block ({impl}) disagrees with ours on the same weights; not measured"
-        blocks[f"hf_{impl}"] = (lambda b: lambda x: b(x[None])[0])(block)
+        blocks[f"hf_{impl}"] = _batched(block)
     return blocks, None
+
+
+def _batched(block):
+    return lambda x_ND: block(x_ND[None])[0]
 
 
 def _stepper(fn, x_ND: torch.Tensor, dy_ND: torch.Tensor):
@@ -130,7 +134,7 @@ def table(r: dict) -> str:
     for name in CASES:
         s = "" if name == "64x8" else f"_{name}"
 
-        def fmt(key: str, spec: str) -> str:
+        def fmt(key: str, spec: str, s: str = s) -> str:
             v = r.get(key + s)
             return "n/a" if v is None else format(v, spec)
 

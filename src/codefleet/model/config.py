@@ -97,24 +97,24 @@ class ModelConfig:
     # presets -------------------------------------------------------------
 
     @classmethod
-    def tiny(cls, **overrides: Any) -> "ModelConfig":
+    def tiny(cls, **overrides: Any) -> ModelConfig:
         """~9M parameters (~2.9M active): 4 layers, d_model 192, 16 experts top-2 of hidden 192, vocab 4096."""
         return cls(**overrides)
 
     @classmethod
-    def small(cls, **overrides: Any) -> "ModelConfig":
+    def small(cls, **overrides: Any) -> ModelConfig:
         """~1.7B total / ~0.31B active: 16 layers, d_model 1024, 64 experts top-6 + 1 shared, 1 dense layer."""
-        base = dict(vocab_size=32768, d_model=1024, n_layers=16, n_heads=16, n_kv_heads=4, head_dim=64,
-                    n_experts=64, top_k=6, d_expert=512, n_shared_experts=1, d_shared=1024,
-                    router_score="sigmoid", balance="bias", first_dense_layers=1, d_dense=4096, dtype="bfloat16")
+        base = {"vocab_size": 32768, "d_model": 1024, "n_layers": 16, "n_heads": 16, "n_kv_heads": 4, "head_dim": 64,
+                    "n_experts": 64, "top_k": 6, "d_expert": 512, "n_shared_experts": 1, "d_shared": 1024,
+                    "router_score": "sigmoid", "balance": "bias", "first_dense_layers": 1, "d_dense": 4096, "dtype": "bfloat16"}
         return cls(**{**base, **overrides})
 
     @classmethod
-    def medium(cls, **overrides: Any) -> "ModelConfig":
+    def medium(cls, **overrides: Any) -> ModelConfig:
         """~14.7B total / ~1.7B active: 24 layers, d_model 2048, 128 experts top-8 + 1 shared, 1 dense layer."""
-        base = dict(vocab_size=65536, d_model=2048, n_layers=24, n_heads=16, n_kv_heads=4, head_dim=128,
-                    n_experts=128, top_k=8, d_expert=768, n_shared_experts=1, d_shared=1536,
-                    router_score="sigmoid", balance="bias", first_dense_layers=1, d_dense=8192, dtype="bfloat16")
+        base = {"vocab_size": 65536, "d_model": 2048, "n_layers": 24, "n_heads": 16, "n_kv_heads": 4, "head_dim": 128,
+                    "n_experts": 128, "top_k": 8, "d_expert": 768, "n_shared_experts": 1, "d_shared": 1536,
+                    "router_score": "sigmoid", "balance": "bias", "first_dense_layers": 1, "d_dense": 8192, "dtype": "bfloat16"}
         return cls(**{**base, **overrides})
 
     # serialisation -------------------------------------------------------
@@ -123,7 +123,7 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
@@ -135,5 +135,5 @@ class ModelConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "ModelConfig":
+    def from_json(cls, text: str) -> ModelConfig:
         return cls.from_dict(json.loads(text))

@@ -30,8 +30,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from codefleet.model.config import ModelConfig
 from codefleet.model.moe import MoE, SwiGLU
