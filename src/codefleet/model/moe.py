@@ -153,18 +153,27 @@ def _gmm_padded(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.T
     return torch.bmm(pad_a.transpose(1, 2), pad_b)
 
 
-_GMM_OK: dict[tuple, bool] = {}
+_GMM_OK: dict[tuple, bool] = {}  # (device type, dtype) -> torch's grouped kernel runs there
+
+
+def _gmm_aligned(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """torch._grouped_mm wants 16-byte aligned pointers and strides (and output rows)."""
+    es = a.element_size()
+    return (all(st * es % 16 == 0 for t in (a, b) for st in t.stride() if st != 1)
+            and b.shape[-1] * es % 16 == 0 and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0)
 
 
 def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Grouped matmul: torch's kernel where this device/dtype/shape supports it, else padded bmm."""
-    key = (a.device.type, a.dtype, a.shape[-1] * a.element_size() % 16 == 0, b.shape[-1] * b.element_size() % 16 == 0)
-    if _GMM_OK.get(key, hasattr(torch, "_grouped_mm")):
+    """Grouped matmul: torch's kernel where this device/dtype/layout supports it, else padded bmm."""
+    key = (a.device.type, a.dtype)
+    if _GMM_OK.get(key, hasattr(torch, "_grouped_mm")) and _gmm_aligned(a, b):
         try:
             out = torch._grouped_mm(a, b, offs=offs)
             _GMM_OK[key] = True
             return out
         except (RuntimeError, NotImplementedError):
+            if _GMM_OK.get(key):  # worked before on this device/dtype: a real error
+                raise
             _GMM_OK[key] = False
     return _gmm_padded(a, b, offs)
 
