@@ -156,3 +156,47 @@ def test_expert_shards_sum_to_the_full_layer():
         shard.load_state_dict(state)
         total += shard(x_ND).y_ND
     torch.testing.assert_close(total, full(x_ND).y_ND, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n_tokens, overrides", [
+    (1, {}),  # 2 slots: each slot gathers its expert's weights
+    (2, {"router_score": "sigmoid", "router_renorm": False}),
+    (24, {}),  # padded bmm over the experts
+    (24, {"n_shared_experts": 1, "top_k": 3}),
+    (24, {"pad_waste_small": 0.5}),  # the padding would be too wasteful: the grouped path
+    (600, {"d_expert": 6}),  # past small_slots * pad_waste_small: the grouped path
+])
+def test_inference_dispatch_matches_the_naive_loop(n_tokens, overrides):
+    dispatch = {k: overrides.pop(k) for k in ("pad_waste_small",) if k in overrides}
+    moe = _moe(**overrides)
+    for k, v in dispatch.items():
+        setattr(moe, k, v)
+    x_ND = torch.randn(n_tokens, 16)
+    with torch.inference_mode():
+        out = moe(x_ND)
+    assert out.aux_loss is None and out.z_loss is None  # no router losses at inference
+    with torch.no_grad():
+        ref_ND = _naive(moe, x_ND)
+        replayed = moe(x_ND, out.experts_NK)
+        assert replayed.aux_loss is not None  # no_grad alone still reports the losses
+    torch.testing.assert_close(out.y_ND, ref_ND, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(replayed.y_ND, out.y_ND, atol=0, rtol=0)
+    assert torch.equal(out.experts_NK, moe(x_ND).experts_NK)  # the same routing as the training path
+
+
+@pytest.mark.parametrize("n_tokens", [1, 20])
+def test_inference_dispatch_of_expert_shards_sums_to_the_full_layer(n_tokens):
+    full = _moe(n_shared_experts=1)
+    x_ND = torch.randn(n_tokens, 16)
+    total = torch.zeros(n_tokens, 16)
+    with torch.inference_mode():
+        for e0, e1 in [(0, 3), (3, 8)]:
+            shard = MoE(full.config, expert_range=(e0, e1))
+            state = {k: v for k, v in full.state_dict().items() if not k.startswith("w_") and
+                     (k.startswith("router") or shard.shared is not None)}
+            state["w_gate_up_EDG"] = full.w_gate_up_EDG[e0:e1]
+            state["w_down_EFD"] = full.w_down_EFD[e0:e1]
+            shard.load_state_dict(state)
+            total += shard(x_ND).y_ND
+        torch.testing.assert_close(total, full(x_ND).y_ND, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(total, _naive(full, x_ND).detach(), atol=1e-5, rtol=1e-5)

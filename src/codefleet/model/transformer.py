@@ -18,7 +18,8 @@
 `routed_experts` is one `[B, T, top_k]` int64 tensor per MoE layer when
 `return_routing=True` (else None); `routing_replay` takes the same list to
 force those experts (R3); `aux_loss` and `z_loss` are already scaled by their
-coefficients and summed over MoE layers, so a trainer adds them to its loss.
+coefficients and summed over MoE layers, so a trainer adds them to its loss
+(under `torch.inference_mode()` they are not computed and read 0).
 
 `token_logprobs(logits_BTV, targets_BT)` is the logprob every consumer
 (engine, trainer, parity tests) computes the same way.
@@ -151,7 +152,9 @@ class Transformer(nn.Module):
             if block.is_moe:
                 replay_NK = None if routing_replay is None else routing_replay[moe_i].reshape(B * T, cfg.top_k)
                 out = block.ffn(h_ND, replay_NK)
-                ffn_ND, aux, z = out.y_ND, aux + out.aux_loss, z + out.z_loss
+                ffn_ND = out.y_ND
+                if out.aux_loss is not None:  # None under inference_mode
+                    aux, z = aux + out.aux_loss, z + out.z_loss
                 if return_routing:
                     routed.append(out.experts_NK.view(B, T, cfg.top_k))
                 moe_i += 1
