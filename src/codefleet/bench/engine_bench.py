@@ -41,8 +41,8 @@ def hf_peer(config: ModelConfig):
     hf_config = Qwen3MoeConfig(
         vocab_size=config.vocab_size, hidden_size=config.d_model, num_hidden_layers=config.n_layers,
         num_attention_heads=config.n_heads, num_key_value_heads=config.n_kv_heads, head_dim=head_dim,
-        num_experts=config.n_experts, num_experts_per_tok=config.top_k, moe_intermediate_size=config.expert_hidden,
-        intermediate_size=config.expert_hidden, decoder_sparse_step=1, norm_topk_prob=True,
+        num_experts=config.n_experts, num_experts_per_tok=config.top_k, moe_intermediate_size=config.d_expert,
+        intermediate_size=config.d_expert, decoder_sparse_step=1, norm_topk_prob=True,
         max_position_embeddings=config.max_seq_len, tie_word_embeddings=False, pad_token_id=0)
     torch.manual_seed(0)
     return Qwen3MoeForCausalLM(hf_config).eval()
@@ -133,3 +133,7 @@ def run_cli(quick: bool = False, as_json: bool = False) -> int:
         print(table(r))
     print(json.dumps(r))
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(quick="--quick" in sys.argv, as_json="--json" in sys.argv))

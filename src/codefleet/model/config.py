@@ -86,11 +86,6 @@ class ModelConfig:
         return _DTYPES[self.dtype]
 
     @property
-    def expert_hidden(self) -> int:
-        """Alias of `d_expert` (the HF name is `moe_intermediate_size`)."""
-        return self.d_expert
-
-    @property
     def n_moe_layers(self) -> int:
         return self.n_layers - self.first_dense_layers
 
