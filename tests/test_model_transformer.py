@@ -134,3 +134,15 @@ def test_tiny_model_overfits_a_small_batch():
         losses.append(loss.item())
     assert losses[0] > 3.5 and losses[-1] < 0.5, losses[::10]
     assert model.layers[1].ffn.router.expert_bias_E.abs().sum() > 0
+
+
+def test_logits_at_one_position_per_row_equal_the_full_head():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.tiny(vocab_size=300, n_layers=2)).eval()
+    tokens_BT = torch.randint(0, 300, (3, 9))
+    at_B = torch.tensor([8, 0, 4])
+    with torch.no_grad():
+        full_BTV = model(tokens_BT).logits_BTV
+        some_B1V = model(tokens_BT, logits_at_B=at_B).logits_BTV
+    assert some_B1V.shape == (3, 1, 300)
+    torch.testing.assert_close(some_B1V[:, 0], full_BTV[torch.arange(3), at_B], atol=1e-5, rtol=1e-5)

@@ -276,9 +276,9 @@ class Engine:
             self._running.append(seq)
         return admitted
 
-    def _forward(self, tokens_BT: torch.Tensor, positions_BT: torch.Tensor):
+    def _forward(self, tokens_BT: torch.Tensor, positions_BT: torch.Tensor, logits_at_B: torch.Tensor | None = None):
         return self.model(tokens_BT, positions_BT=positions_BT, cache=self.cache,
-                          return_routing=self.record_routing)
+                          return_routing=self.record_routing, logits_at_B=logits_at_B)
 
     def _prefill(self, seqs: list[_Sequence]) -> None:
         T = max(len(s.prompt) for s in seqs)
@@ -288,10 +288,10 @@ class Engine:
         tokens_BT = tokens.to(self.device)
         positions_BT = torch.arange(T, device=self.device)[None, :].expand(len(seqs), T)
         self.cache.begin([s.slot for s in seqs], [0] * len(seqs), [len(s.prompt) for s in seqs], T)
-        out = self._forward(tokens_BT, positions_BT)
-        self.cache.end()
         last_B = torch.tensor([len(s.prompt) - 1 for s in seqs], device=self.device)
-        logits_BV = out.logits_BTV[torch.arange(len(seqs), device=self.device), last_B]
+        out = self._forward(tokens_BT, positions_BT, logits_at_B=last_B)  # logits of each prompt's last token
+        self.cache.end()
+        logits_BV = out.logits_BTV[:, 0]
         now = time.perf_counter()
         if self.record_routing:
             routing_BTLK = torch.stack(list(out.routed_experts), dim=2).tolist()

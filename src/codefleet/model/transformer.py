@@ -133,7 +133,10 @@ class Transformer(nn.Module):
                 p.normal_(0.0, 0.02)
 
     def forward(self, tokens_BT: torch.Tensor, positions_BT: torch.Tensor | None = None, cache=None,
-                routing_replay: list[torch.Tensor] | None = None, return_routing: bool = False) -> ModelOutput:
+                routing_replay: list[torch.Tensor] | None = None, return_routing: bool = False,
+                logits_at_B: torch.Tensor | None = None) -> ModelOutput:
+        """`logits_at_B`: compute the logits only at that position of each row (`logits_BTV` is then
+        [B, 1, V]); the engine's prefill needs only each prompt's last token, not a [B, T, V] head."""
         cfg = self.config
         B, T = tokens_BT.shape
         if positions_BT is None:
@@ -161,6 +164,8 @@ class Transformer(nn.Module):
             else:
                 ffn_ND = block.ffn(h_ND)
             x_BTD = x_BTD + ffn_ND.view(B, T, cfg.d_model)
+        if logits_at_B is not None:
+            x_BTD = x_BTD[torch.arange(B, device=x_BTD.device), logits_at_B][:, None]
         logits_BTV = self.lm_head(self.norm(x_BTD))
         return ModelOutput(logits_BTV, routed if return_routing else None, aux, z)
 
