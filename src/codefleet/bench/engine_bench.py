@@ -19,12 +19,12 @@ Both run in this process with the same threads; read the ratio
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 
 import torch
 
+from codefleet.bench.report import report
 from codefleet.model.config import ModelConfig
 from codefleet.model.engine import Engine
 from codefleet.model.sampling import SamplingParams
@@ -122,17 +122,11 @@ def table(r: dict) -> str:
 
 
 def run_cli(quick: bool = False, as_json: bool = False) -> int:
-    def log(msg: str) -> None:
-        if not as_json:
-            print(msg, file=sys.stderr, flush=True)
-
-    r = run(quick=quick, log=log)
-    if not as_json:
-        print(f"codefleet bench engine (tiny config, {r['threads']} threads, prompt {r['prompt_tokens']} + "
-              f"{r['new_tokens']} new tokens, greedy{', quick' if quick else ''})")
-        print(table(r))
-    print(json.dumps(r))
-    return 0
+    return report(lambda log: run(quick=quick, log=log),
+                  lambda r: (f"codefleet bench engine (tiny config, {r['threads']} threads, prompt "
+                             f"{r['prompt_tokens']} + {r['new_tokens']} new tokens, greedy"
+                             f"{', quick' if quick else ''})"),
+                  table, as_json)
 
 
 if __name__ == "__main__":

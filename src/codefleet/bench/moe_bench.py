@@ -26,13 +26,13 @@ best step; the figure is the median over rounds (shared machines are noisy).
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
 
 import torch
 
+from codefleet.bench.report import report
 from codefleet.model.config import ModelConfig
 from codefleet.model.moe import MoE, SwiGLU
 
@@ -147,19 +147,10 @@ def table(r: dict) -> str:
 
 
 def run_cli(quick: bool = False, as_json: bool = False) -> int:
-    def log(msg: str) -> None:
-        if not as_json:
-            print(msg, file=sys.stderr, flush=True)
-
-    r = run(quick=quick, log=log)
-    if not as_json:
-        print(f"codefleet bench moe (fwd+bwd, {N_TOKENS} tokens, hidden {D_MODEL}, {THREADS} threads, fp32"
-              f"{', quick' if quick else ''})")
-        print(table(r))
-        if r.get("hf_note"):
-            print(f"note: {r['hf_note']}")
-    print(json.dumps(r))
-    return 0
+    return report(lambda log: run(quick=quick, log=log),
+                  lambda r: (f"codefleet bench moe (fwd+bwd, {N_TOKENS} tokens, hidden {D_MODEL}, {THREADS} threads, "
+                             f"fp32{', quick' if quick else ''})"),
+                  table, as_json, note_key="hf_note")
 
 
 if __name__ == "__main__":

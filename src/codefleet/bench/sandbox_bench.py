@@ -24,16 +24,15 @@ Timing is shared-machine noisy: read medians and the ratios to the peers.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from codefleet.bench.report import report
 from codefleet.sandbox import SandboxConfig, SandboxPool, create_sandbox, resolve_backend
 from codefleet.sandbox import procs
 
@@ -178,13 +177,6 @@ def table(r: dict) -> str:
 
 
 def run_cli(quick: bool = False, as_json: bool = False, backend: str = "auto") -> int:
-    def log(msg: str) -> None:
-        if not as_json:
-            print(msg, file=sys.stderr, flush=True)
-
-    r = run(quick=quick, backend=backend, log=log)
-    if not as_json:
-        print(f"codefleet bench sandbox ({r['backend']} backend{', quick' if quick else ''})")
-        print(table(r))
-    print(json.dumps(r))
-    return 0
+    return report(lambda log: run(quick=quick, backend=backend, log=log),
+                  lambda r: f"codefleet bench sandbox ({r['backend']} backend{', quick' if quick else ''})",
+                  table, as_json)
