@@ -23,3 +23,15 @@ def tree_digest(root: str) -> str:
                 with open(path, "rb") as f:
                     h.update(f.read())
     return h.hexdigest()
+
+
+def read_tree(root: str) -> dict[str, str]:
+    """Every text file under `root` (outside .git) by relative path, newlines kept as written."""
+    files = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d != ".git"]
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            with open(path, encoding="utf-8", newline="") as f:
+                files[os.path.relpath(path, root)] = f.read()
+    return files

@@ -12,6 +12,7 @@ import pytest
 from openai_stub import OpenAIStub, call, reply
 
 from codefleet.agent.cli import main
+from helpers import read_tree
 
 FIX = call("edit_file", {"path": "pkg/calc.py", "old_text": "return a - b", "new_text": "return a - b  # checked"})
 
@@ -23,19 +24,8 @@ def run_cli(stub: OpenAIStub, repo: str, state_dir: str, *extra: str, stdin=None
     return code, out.getvalue(), err.getvalue()
 
 
-def tree(root: str) -> dict[str, str]:
-    files = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d != ".git"]
-        for name in filenames:
-            path = os.path.join(dirpath, name)
-            with open(path, encoding="utf-8") as f:
-                files[os.path.relpath(path, root)] = f.read()
-    return files
-
-
 def test_json_run_leaves_the_repository_untouched(repo, state_dir):
-    before = tree(repo)
+    before = read_tree(repo)
     script = [reply("reading", call("read_file", {"path": "pkg/calc.py"}), call("list_dir", {})),
               reply("", FIX, call("write_file", {"path": "NOTES.md", "content": "checked\n"})),
               reply("", call("submit", {"summary": "marked"}))]
@@ -48,7 +38,7 @@ def test_json_run_leaves_the_repository_untouched(repo, state_dir):
     assert result["applied"] is False and len(result["attempts"]) == 1
     assert "+    return a - b  # checked" in result["diff"] and "+++ b/NOTES.md" in result["diff"]
     assert ".codefleet" not in result["diff"]
-    assert tree(repo) == before  # never modified without --apply
+    assert read_tree(repo) == before  # never modified without --apply
     assert "turn 1: read_file, list_dir" in err and "stopped (submit) after 3 turns" in err
 
 
@@ -60,7 +50,7 @@ def test_apply_changes_the_repository_with_the_diff(repo, state_dir):
     with OpenAIStub(script) as stub:
         code, out, err = run_cli(stub, repo, state_dir, "--apply")
     assert code == 0 and "applied the diff" in err
-    files = tree(repo)
+    files = read_tree(repo)
     assert files["pkg/calc.py"].endswith("return a - b  # checked\n") and files["pkg/new.py"] == "X = 1\n"
     assert "README.md" not in files and not os.path.exists(os.path.join(repo, ".codefleet"))
     assert out.startswith("diff --git")  # without --json the diff goes to stdout

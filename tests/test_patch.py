@@ -15,6 +15,7 @@ from codefleet.tasks.patch import (
     parse_unified_diff,
     split_lines,
 )
+from helpers import read_tree
 
 COMMENTS = "".join(f"# {i}\n" for i in range(20))
 BEFORE = {
@@ -44,17 +45,6 @@ def _write(root: str, files: dict[str, str]) -> None:
             f.write(text)
 
 
-def _read_all(root: str) -> dict[str, str]:
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d != ".git"]
-        for name in filenames:
-            full = os.path.join(dirpath, name)
-            with open(full, newline="") as f:
-                out[os.path.relpath(full, root)] = f.read()
-    return out
-
-
 def test_made_diff_applies_with_git_and_in_memory(tmp_path):
     diff = make_unified_diff(BEFORE, AFTER)
     root = str(tmp_path)
@@ -64,7 +54,7 @@ def test_made_diff_applies_with_git_and_in_memory(tmp_path):
     _git(root, "apply", "--check", "d.patch")
     _git(root, "apply", "d.patch")
     os.remove(tmp_path / "d.patch")
-    assert _read_all(root) == AFTER
+    assert read_tree(root) == AFTER
     assert apply_unified_diff(BEFORE, diff) == AFTER
 
 
