@@ -45,6 +45,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # one fused kernel, bit-identical to the expression below in fp32 (tests/test_model_transformer.py)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
@@ -57,11 +60,29 @@ def rope_cos_sin(positions_BT: torch.Tensor, head_dim: int, theta: float) -> tup
     return angles_BTD.cos()[:, None], angles_BTD.sin()[:, None]
 
 
+def rope_table(n_positions: int, head_dim: int, theta: float, device) -> torch.Tensor:
+    """[n_positions, 2, head_dim] fp32: cos and the rotate-half-signed sin (`-sin` on the first half) of
+    positions 0..n-1, the same angles as `rope_cos_sin`. With the sign folded in,
+    `x * cos + roll(x, half) * sin_signed` equals `x * cos + cat(-x2, x1) * sin` exactly."""
+    cos, sin = rope_cos_sin(torch.arange(n_positions, device=device)[None], head_dim, theta)
+    sin = sin[0, 0].clone()
+    sin[:, : head_dim // 2].neg_()
+    return torch.stack([cos[0, 0], sin], dim=1)
+
+
 def apply_rope(x_BHTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x_BHTD.shape[-1] // 2
     x1, x2 = x_BHTD[..., :half], x_BHTD[..., half:]
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x_BHTD.float() * cos + rotated.float() * sin).to(x_BHTD.dtype)
+
+
+def _apply_rope_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` with the table's signed sin: x * cos + [x2, x1] * [-sin, sin] (fewer ops per call)."""
+    rotated = x.roll(x.shape[-1] // 2, dims=-1)
+    if x.dtype == torch.float32:
+        return x * cos + rotated * sin_signed
+    return (x.float() * cos + rotated.float() * sin_signed).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -75,18 +96,48 @@ class Attention(nn.Module):
         self.wv = nn.Linear(D, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, D, bias=False)
 
+        self._qkv: torch.Tensor | None = None  # inference-only [wq; wk; wv], rebuilt when a weight changes
+        self._qkv_key: tuple | None = None
+
+    def _fused_qkv(self) -> torch.Tensor:
+        """The three projections' weights concatenated (one GEMM per step instead of three). Not a parameter:
+        the checkpoint keeps wq/wk/wv; the copy is rebuilt when any of them is replaced or updated in place
+        (load_state_dict, an optimiser step: tensor versions)."""
+        ws = (self.wq.weight, self.wk.weight, self.wv.weight)
+        key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in ws)
+        if key != self._qkv_key:
+            with torch.inference_mode(False), torch.no_grad():
+                self._qkv = torch.cat([w.detach() for w in ws], dim=0)
+            self._qkv_key = key
+        return self._qkv
+
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
+        """`cos`/`sin` as `rope_cos_sin` returns them ([B, 1, T, head_dim])."""
+        half = sin.shape[-1] // 2
+        sin_signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        return self.forward_rope(x_BTD, cos.transpose(1, 2), sin_signed.transpose(1, 2), cache)
+
+    def forward_rope(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
+        """`cos`/`sin`: [B or 1, T, 1, head_dim] rows of the model's rotary table (`sin` signed: `rope_table`)."""
         B, T, _ = x_BTD.shape
-        q_BHTD = self.wq(x_BTD).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k_BHTD = self.wk(x_BTD).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v_BHTD = self.wv(x_BTD).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q_BHTD, k_BHTD = apply_rope(q_BHTD, cos, sin), apply_rope(k_BHTD, cos, sin)
+        H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
+        if torch.is_grad_enabled():  # training: separate projections, autograd sees the parameters
+            cos_, sin_ = cos.transpose(1, 2), sin.transpose(1, 2)
+            q_BHTD = _apply_rope_signed(self.wq(x_BTD).view(B, T, H, Dh).transpose(1, 2), cos_, sin_)
+            k_BHTD = _apply_rope_signed(self.wk(x_BTD).view(B, T, Hkv, Dh).transpose(1, 2), cos_, sin_)
+            v_BHTD = self.wv(x_BTD).view(B, T, Hkv, Dh).transpose(1, 2)
+        else:  # one fused projection; RoPE on the query and key heads together, before the (free) transposes
+            qkv_BTHD = F.linear(x_BTD, self._fused_qkv()).view(B, T, H + 2 * Hkv, Dh)
+            qk_BTHD = _apply_rope_signed(qkv_BTHD[:, :, : H + Hkv], cos, sin)
+            q_BHTD = qk_BTHD[:, :, :H].transpose(1, 2)
+            k_BHTD = qk_BTHD[:, :, H:].transpose(1, 2)
+            v_BHTD = qkv_BTHD[:, :, H + Hkv:].transpose(1, 2)
         if cache is not None:
             out_BHTD = cache.attend(self.layer, q_BHTD, k_BHTD, v_BHTD)
         else:
             out_BHTD = F.scaled_dot_product_attention(q_BHTD, k_BHTD, v_BHTD, is_causal=True,
-                                                      enable_gqa=self.n_heads != self.n_kv_heads)
-        return self.wo(out_BHTD.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+                                                      enable_gqa=H != Hkv)
+        return self.wo(out_BHTD.transpose(1, 2).reshape(B, T, H * Dh))
 
 
 class Block(nn.Module):
@@ -144,13 +195,19 @@ class Transformer(nn.Module):
         if routing_replay is not None and len(routing_replay) != cfg.n_moe_layers:
             raise ValueError(f"routing_replay has {len(routing_replay)} entries; this model has "
                              f"{cfg.n_moe_layers} MoE layers (one [B, T, top_k] tensor each)")
-        cos, sin = rope_cos_sin(positions_BT, cfg.head_dim, cfg.rope_theta)
+        if positions_BT is None:
+            cs_T2_1D = self._rope(T, tokens_BT.device)[:T]
+            cos, sin = cs_T2_1D[None, :, 0], cs_T2_1D[None, :, 1]  # [1, T, 1, head_dim]
+        else:
+            n = int(positions_BT.max()) + 1 if positions_BT.device.type == "cpu" else cfg.max_seq_len
+            cs_BT2_1D = self._rope(n, tokens_BT.device)[positions_BT]
+            cos, sin = cs_BT2_1D[:, :, 0], cs_BT2_1D[:, :, 1]  # [B, T, 1, head_dim]
         x_BTD = self.embed(tokens_BT)
         aux = z = x_BTD.new_zeros((), dtype=torch.float32)
         routed: list[torch.Tensor] = []
         moe_i = 0
         for block in self.layers:
-            x_BTD = x_BTD + block.attn(block.attn_norm(x_BTD), cos, sin, cache)
+            x_BTD = x_BTD + block.attn.forward_rope(block.attn_norm(x_BTD), cos, sin, cache)
             h_ND = block.ffn_norm(x_BTD).reshape(B * T, cfg.d_model)
             if block.is_moe:
                 replay_NK = None if routing_replay is None else routing_replay[moe_i].reshape(B * T, cfg.top_k)
@@ -168,6 +225,17 @@ class Transformer(nn.Module):
             x_BTD = x_BTD[torch.arange(B, device=x_BTD.device), logits_at_B][:, None]
         logits_BTV = self.lm_head(self.norm(x_BTD))
         return ModelOutput(logits_BTV, routed if return_routing else None, aux, z)
+
+    def _rope(self, n_positions: int, device) -> torch.Tensor:
+        """The rotary table [P, 2, 1, head_dim] (cos, signed sin) for P >= n_positions positions, computed once
+        (a plain attribute, not a buffer: not in the checkpoint, never cast to a low-precision dtype)."""
+        tab = getattr(self, "_rope_tab", None)
+        if tab is None or tab.shape[0] < n_positions or tab.device != torch.device(device):
+            n = max(n_positions, self.config.max_seq_len, 0 if tab is None else tab.shape[0])
+            with torch.inference_mode(False), torch.no_grad():
+                tab = rope_table(n, self.config.head_dim, self.config.rope_theta, device)[:, :, None]
+            self._rope_tab = tab
+        return tab
 
     def update_router_bias(self) -> None:
         """Auxiliary-loss-free balancing: call after each optimiser step (no-op unless balance == "bias")."""
