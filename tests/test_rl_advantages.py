@@ -1,0 +1,68 @@
+"""GRPO, Dr.GRPO and RLOO advantages and zero-variance groups, against values computed by hand."""
+
+import math
+
+import pytest
+import torch
+
+from codefleet.agent.reward import RewardConfig
+from codefleet.rl.advantages import compute_advantages, grpo_advantages, rloo_advantages, zero_variance_groups
+from codefleet.rl.rewards import group_rewards
+from codefleet.types import CheckResult, Trajectory, Turn
+
+
+def test_grpo_binary_group_by_hand():
+    # mean 0.5; sample std sqrt((4 * 0.25) / 3) = sqrt(1/3); 0.5 / sqrt(1/3) = sqrt(3) / 2
+    adv = grpo_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), eps=0.0)
+    h = math.sqrt(3) / 2
+    torch.testing.assert_close(adv, torch.tensor([h, -h, -h, h]))
+
+
+def test_grpo_with_eps_and_dr_grpo_by_hand():
+    r = torch.tensor([3.0, 1.0, 2.0])  # mean 2, sample std sqrt((1 + 1 + 0) / 2) = 1
+    torch.testing.assert_close(grpo_advantages(r, eps=0.5), torch.tensor([1.0, -1.0, 0.0]) / 1.5)
+    torch.testing.assert_close(grpo_advantages(r, normalize_std=False), torch.tensor([1.0, -1.0, 0.0]))
+    torch.testing.assert_close(compute_advantages(r, "drgrpo"), torch.tensor([1.0, -1.0, 0.0]))
+
+
+def test_rloo_is_reward_minus_mean_of_the_others():
+    # 3 - (1+2)/2 = 1.5, 1 - (3+2)/2 = -1.5, 2 - (3+1)/2 = 0
+    torch.testing.assert_close(rloo_advantages(torch.tensor([3.0, 1.0, 2.0])), torch.tensor([1.5, -1.5, 0.0]))
+    # 1 - 1/3 = 2/3, 0 - 2/3 = -2/3
+    torch.testing.assert_close(compute_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), "rloo"),
+                               torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]))
+
+
+def test_batched_groups_equal_one_group_at_a_time():
+    r_NG = torch.tensor([[3.0, 1.0, 2.0, 0.5], [1.0, 1.0, 0.0, 0.0], [0.2, 0.2, 0.2, 0.2]])
+    for name in ("grpo", "drgrpo", "rloo"):
+        batched = compute_advantages(r_NG, name)
+        assert batched.shape == (3, 4)
+        for n in range(3):
+            torch.testing.assert_close(batched[n], compute_advantages(r_NG[n], name))
+    assert torch.equal(compute_advantages(r_NG, "grpo")[2], torch.zeros(4))  # no NaN on a constant group
+
+
+def test_zero_variance_groups_for_dynamic_sampling():
+    r_NG = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    assert zero_variance_groups(r_NG).tolist() == [True, False, True]
+    assert not bool(zero_variance_groups(torch.tensor([0.5, 0.25])))
+
+
+def test_bad_estimator_and_too_small_groups_say_what_to_do():
+    with pytest.raises(ValueError, match="grpo, drgrpo, rloo"):
+        compute_advantages(torch.tensor([1.0, 0.0]), "ppo")
+    with pytest.raises(ValueError, match="at least 2"):
+        rloo_advantages(torch.tensor([[1.0]]))
+
+
+def test_group_rewards_use_the_agent_reward():
+    def traj(all_passed: bool, turns: int) -> Trajectory:
+        checks = CheckResult(passed=int(all_passed), total=1, all_passed=all_passed)
+        return Trajectory("t", [], [Turn(i, "") for i in range(turns)], "submit", checks=checks)
+
+    groups = [[traj(True, 2), traj(False, 1)], [traj(True, 4), traj(True, 1)]]
+    r = group_rewards(groups, RewardConfig(cost_per_turn=0.1))
+    torch.testing.assert_close(r, torch.tensor([[0.8, -0.1], [0.6, 0.9]]))
+    with pytest.raises(ValueError, match="same number"):
+        group_rewards([[traj(True, 1)], []])
