@@ -1,0 +1,171 @@
+"""Policy-gradient losses for an MoE policy trained on (possibly stale) rollouts.
+
+All tensors are per token, `[B, T]`, aligned with the sequence's tokens;
+`mask_BT` is 1 on the tokens the policy is trained on (the completion tokens
+the policy sampled) and 0 on prompts, tool outputs and padding. Advantages
+are one per sequence `[B]` (broadcast over its tokens) or per token `[B, T]`.
+Three logprobs can be involved:
+
+- `logprobs_BT`: the policy being trained (with grad);
+- `behave_logprobs_BT`: the engine's, from the (possibly stale) policy version
+  that sampled each token (`Turn.logprobs`);
+- `prox_logprobs_BT`: a proximal policy, the trainer's weights before this
+  update recomputed on the rollout (no grad).
+
+PPO-clip, per token, with clip-higher (DAPO): `r = exp(logp - old)`,
+`-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`. "old" and the extra
+importance weight `w` depend on `LossConfig.off_policy`:
+
+- "none": old = behaviour logprobs, w = 1 (plain PPO; the engine's logprobs
+  stand for pi_old).
+- "decoupled" (AReaL, Hilton et al. 2022 "decoupled PPO"): old = proximal,
+  w = exp(prox - behave); tokens with w > `is_cap` are masked out of the
+  loss (AReaL's behaviour-weight cap).
+- "tis" (Yao et al. 2025, truncated importance sampling): old = proximal,
+  w = min(exp(prox - behave), is_cap); every token stays in, its weight
+  truncated.
+
+w is a constant (no grad). GSPO (`ratio_level="sequence"`, Zheng et al.
+2025) replaces the token ratio by one per sequence,
+`s = exp(mean over the sequence's tokens of (logp - old))`, clipped at the
+sequence level (GSPO uses small bounds, e.g. 3e-4 / 4e-4): more stable for
+MoE, whose per-token ratios are noisy when routing changes. GSPO supports
+off_policy "none" only, with `behave_logprobs_BT` as old; pass the proximal
+logprobs there to ratio against a proximal policy.
+
+Reduction: "token_mean" averages over every masked token of the batch (long
+sequences weigh more, DAPO); "seq_mean" averages each sequence's tokens
+first, then the sequences (GRPO as published). GSPO losses are per sequence
+and always averaged over sequences.
+
+KL to a reference policy (`kl_coef > 0`, `ref_logprobs_BT`): the k3
+estimator `exp(ref - logp) - (ref - logp) - 1` per token (>= 0, unbiased for
+KL(pi || ref)), reduced like the policy loss and added times `kl_coef`.
+
+`add_moe_losses(loss, model_output)` adds the model's router losses
+(aux + z, already scaled by their coefficients in the model config).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+OFF_POLICY = ("none", "decoupled", "tis")
+REDUCTIONS = ("token_mean", "seq_mean")
+RATIO_LEVELS = ("token", "sequence")
+
+
+@dataclass
+class LossConfig:
+    eps_low: float = 0.2
+    eps_high: float = 0.28  # > eps_low: clip-higher (DAPO)
+    reduction: str = "token_mean"  # "token_mean" | "seq_mean"
+    ratio_level: str = "token"  # "token" (PPO) | "sequence" (GSPO)
+    off_policy: str = "none"  # "none" | "decoupled" | "tis"
+    is_cap: float = 2.0  # decoupled: tokens with weight above are dropped; tis: weights truncated to it
+    kl_coef: float = 0.0  # > 0 needs ref_logprobs_BT
+
+    def __post_init__(self) -> None:
+        for value, allowed, name in ((self.reduction, REDUCTIONS, "reduction"), (self.ratio_level, RATIO_LEVELS, "ratio_level"),
+                                     (self.off_policy, OFF_POLICY, "off_policy")):
+            if value not in allowed:
+                raise ValueError(f"LossConfig.{name}={value!r} is not one of {', '.join(allowed)}")
+        if self.ratio_level == "sequence" and self.off_policy != "none":
+            raise ValueError("LossConfig: GSPO (ratio_level='sequence') supports off_policy='none' only; "
+                             "pass the proximal logprobs as behave_logprobs_BT to ratio against a proximal policy")
+        if not (0 <= self.eps_low < 1 and self.eps_high >= 0 and self.is_cap > 0):
+            raise ValueError("LossConfig: need 0 <= eps_low < 1, eps_high >= 0 and is_cap > 0")
+
+
+def masked_reduce(x_BT: torch.Tensor, mask_BT: torch.Tensor, reduction: str) -> torch.Tensor:
+    """Mean of x over masked tokens: over all of them ("token_mean") or per sequence then over sequences ("seq_mean").
+    Sequences without a masked token count as 0 in "seq_mean" but still count in the number of sequences."""
+    mask_BT = mask_BT.to(x_BT.dtype)
+    if reduction == "token_mean":
+        return (x_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1)
+    if reduction == "seq_mean":
+        per_seq_B = (x_BT * mask_BT).sum(-1) / mask_BT.sum(-1).clamp(min=1)
+        return per_seq_B.mean()
+    raise ValueError(f"unknown reduction {reduction!r}; choose one of {', '.join(REDUCTIONS)}")
+
+
+def kl_k3(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1."""
+    d_BT = ref_logprobs_BT - logprobs_BT
+    return d_BT.exp() - d_BT - 1
+
+
+def _clipped_objective(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float):
+    """-min(r A, clip(r) A) and where the clipped term is active (its gradient is zero)."""
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
+    loss = -torch.minimum(ratio * adv, clipped * adv)
+    high = (adv > 0) & (ratio > 1 + eps_high)
+    low = (adv < 0) & (ratio < 1 - eps_low)
+    return loss, high, low
+
+
+def policy_loss(logprobs_BT: torch.Tensor, behave_logprobs_BT: torch.Tensor, advantages: torch.Tensor,
+                mask_BT: torch.Tensor, config: LossConfig | None = None, prox_logprobs_BT: torch.Tensor | None = None,
+                ref_logprobs_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The policy loss of a batch and its metrics (floats): clip_frac, clip_high_frac, clip_low_frac,
+    ratio_mean, pg_loss, and when they apply is_weight_mean, is_dropped_frac, kl."""
+    cfg = config or LossConfig()
+    mask_BT = mask_BT.to(logprobs_BT.dtype)
+    adv_BT = advantages[:, None].expand_as(logprobs_BT) if advantages.dim() == 1 else advantages
+    adv_BT = adv_BT.to(logprobs_BT.dtype)
+    n_tokens = mask_BT.sum().clamp(min=1)
+    frac = lambda m: float((m.to(mask_BT.dtype) * mask_BT).sum() / n_tokens)  # noqa: E731
+    metrics: dict[str, float] = {}
+
+    if cfg.ratio_level == "sequence":  # GSPO
+        len_B = mask_BT.sum(-1).clamp(min=1)
+        log_ratio_B = ((logprobs_BT - behave_logprobs_BT) * mask_BT).sum(-1) / len_B
+        ratio_B = log_ratio_B.exp()
+        adv_B = (adv_BT * mask_BT).sum(-1) / len_B  # the sequence's advantage (constant over its tokens)
+        loss_B, high_B, low_B = _clipped_objective(ratio_B, adv_B, cfg.eps_low, cfg.eps_high)
+        has_B = mask_BT.sum(-1) > 0
+        pg = (loss_B * has_B).sum() / has_B.sum().clamp(min=1)
+        n_seq = has_B.sum().clamp(min=1)
+        metrics.update(clip_high_frac=float((high_B & has_B).sum() / n_seq), clip_low_frac=float((low_B & has_B).sum() / n_seq),
+                       ratio_mean=float((ratio_B.detach() * has_B).sum() / n_seq))
+    else:
+        if cfg.off_policy == "none":
+            old_BT, weight_BT = behave_logprobs_BT, None
+        else:
+            if prox_logprobs_BT is None:
+                raise ValueError(f"off_policy={cfg.off_policy!r} needs prox_logprobs_BT (the trainer's logprobs "
+                                 "before this update); use off_policy='none' to ratio against the engine's logprobs")
+            old_BT = prox_logprobs_BT
+            weight_BT = (prox_logprobs_BT - behave_logprobs_BT).detach().exp()
+            if cfg.off_policy == "decoupled":
+                keep_BT = weight_BT <= cfg.is_cap
+                metrics["is_dropped_frac"] = frac(~keep_BT)
+                weight_BT = torch.where(keep_BT, weight_BT, torch.zeros_like(weight_BT))
+            else:
+                weight_BT = weight_BT.clamp(max=cfg.is_cap)
+            metrics["is_weight_mean"] = float((weight_BT * mask_BT).sum() / n_tokens)
+        ratio_BT = (logprobs_BT - old_BT.detach()).exp()
+        loss_BT, high_BT, low_BT = _clipped_objective(ratio_BT, adv_BT, cfg.eps_low, cfg.eps_high)
+        if weight_BT is not None:
+            loss_BT = loss_BT * weight_BT
+        pg = masked_reduce(loss_BT, mask_BT, cfg.reduction)
+        metrics.update(clip_high_frac=frac(high_BT), clip_low_frac=frac(low_BT),
+                       ratio_mean=float((ratio_BT.detach() * mask_BT).sum() / n_tokens))
+    metrics["clip_frac"] = metrics["clip_high_frac"] + metrics["clip_low_frac"]
+    metrics["pg_loss"] = float(pg.detach())
+    loss = pg
+    if ref_logprobs_BT is not None:
+        kl = masked_reduce(kl_k3(logprobs_BT, ref_logprobs_BT.detach()), mask_BT, cfg.reduction)
+        metrics["kl"] = float(kl.detach())
+        if cfg.kl_coef > 0:
+            loss = loss + cfg.kl_coef * kl
+    elif cfg.kl_coef > 0:
+        raise ValueError("LossConfig.kl_coef > 0 needs ref_logprobs_BT (the reference policy's logprobs)")
+    return loss, metrics
+
+
+def add_moe_losses(loss: torch.Tensor, output) -> torch.Tensor:
+    """loss + the router's balancing (aux) and z losses of a `ModelOutput` (or anything with aux_loss, z_loss)."""
+    return loss + output.aux_loss + output.z_loss
