@@ -26,7 +26,7 @@ def test_ppo_clip_inside_and_outside_the_bounds_by_hand():
     logp = _lp([ln(x) for x in r])
     loss, m = policy_loss(logp, torch.zeros(1, 6), adv, torch.ones(1, 6), LossConfig(eps_low=0.2, eps_high=0.3))
     torch.testing.assert_close(loss, per_token.mean())
-    assert abs(float(loss) - 0.05) < 1e-6
+    assert abs(loss.item() - 0.05) < 1e-6
     assert m["clip_frac"] == pytest.approx(2 / 6) and m["clip_high_frac"] == pytest.approx(1 / 6)
     assert m["clip_low_frac"] == pytest.approx(1 / 6) and m["ratio_mean"] == pytest.approx(1.0)
     loss.backward()
