@@ -140,5 +140,5 @@ def test_moe_losses_are_added_from_the_model_output():
     out = Transformer(cfg)(torch.randint(0, 50, (2, 5)))
     base = torch.tensor(1.5)
     total = add_moe_losses(base, out)
-    assert float(out.aux_loss) > 0 and float(out.z_loss) > 0
+    assert out.aux_loss.item() > 0 and out.z_loss.item() > 0
     torch.testing.assert_close(total, base + out.aux_loss + out.z_loss)
