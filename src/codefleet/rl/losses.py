@@ -116,12 +116,15 @@ def policy_loss(logprobs_BT: torch.Tensor, behave_logprobs_BT: torch.Tensor, adv
     adv_BT = advantages[:, None].expand_as(logprobs_BT) if advantages.dim() == 1 else advantages
     adv_BT = adv_BT.to(logprobs_BT.dtype)
     n_tokens = mask_BT.sum().clamp(min=1)
-    frac = lambda m: float((m.to(mask_BT.dtype) * mask_BT).sum() / n_tokens)  # noqa: E731
+
+    def frac(where_BT: torch.Tensor) -> float:  # share of the masked tokens where `where_BT` holds
+        return float((where_BT.to(mask_BT.dtype) * mask_BT).sum() / n_tokens)
+
     metrics: dict[str, float] = {}
 
     if cfg.ratio_level == "sequence":  # GSPO
         len_B = mask_BT.sum(-1).clamp(min=1)
-        log_ratio_B = ((logprobs_BT - behave_logprobs_BT) * mask_BT).sum(-1) / len_B
+        log_ratio_B = ((logprobs_BT - behave_logprobs_BT.detach()) * mask_BT).sum(-1) / len_B
         ratio_B = log_ratio_B.exp()
         adv_B = (adv_BT * mask_BT).sum(-1) / len_B  # the sequence's advantage (constant over its tokens)
         loss_B, high_B, low_B = _clipped_objective(ratio_B, adv_B, cfg.eps_low, cfg.eps_high)
