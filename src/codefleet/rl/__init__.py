@@ -5,5 +5,6 @@
   token- or sequence-mean reduction, selected by `LossConfig`; `add_moe_losses`.
 - `sft`: cross-entropy on the assistant's tokens; padded batches.
 - `logprobs`: `forward_logprobs` (per-token logprobs, routing replay) and the engine-routing conversion.
+- `batch`: rollouts (`Sample`) -> padded `RLBatch`; `rl_loss` = policy loss + router losses under the model.
 - `rewards`: group rewards of trajectories (calls `codefleet.agent.reward.compute_reward`).
 """
