@@ -142,10 +142,12 @@ class _Step:
         return m
 
     def write(self, store: torch.Tensor, new_BHTD: torch.Tensor) -> None:
+        if new_BHTD.dtype != store.dtype:
+            new_BHTD = new_BHTD.to(store.dtype)
         if self.t_new == 1:
-            store[self.slots_B, :, self.positions_B] = new_BHTD[:, :, 0].to(store.dtype)
+            store[self.slots_B, :, self.positions_B] = new_BHTD[:, :, 0]
         else:  # [B, T] positions per row; advanced indices (slot, position) broadcast to [B, T] -> [B, T, H, D]
-            store[self.slots_B[:, None], :, self.positions_BT] = new_BHTD.transpose(1, 2).to(store.dtype)
+            store[self.slots_B[:, None], :, self.positions_BT] = new_BHTD.transpose(1, 2)
 
     def read(self, store: torch.Tensor) -> torch.Tensor:
         if self.packed:
