@@ -4,7 +4,13 @@
 
 - RMSNorm (pre-norm), rotary position embeddings on explicit `positions_BT`
   (the engine passes each row's own positions; training uses 0..T-1),
-  rotate-half convention as in Llama/Qwen.
+  rotate-half convention as in Llama/Qwen. cos and sin come from a table
+  computed once per model (`rope_table`, indexed by position; no per-step
+  trigonometry), with the rotate-half sign folded into sin.
+- With gradients off (engine, reference logprobs) the q/k/v projections run as
+  one GEMM over an inference-only concatenation of `wq`/`wk`/`wv` (rebuilt
+  when a weight changes; the parameters and the checkpoint format are those of
+  training). Both are bit-identical to the unfused computation in fp32.
 - Grouped-query attention: `n_heads` query heads share `n_kv_heads` key/value
   heads. Without a cache it is causal `scaled_dot_product_attention` over the
   given tokens (training, scoring). With a cache, `cache.attend(layer, q_BHTD,
