@@ -62,8 +62,23 @@ from torch import nn
 from codefleet.model.config import ModelConfig
 
 
+def fused_weight(owner: nn.Module, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The weights concatenated along the output dim, for one GEMM instead of several at inference. Kept on
+    `owner` as a plain attribute (not a parameter or buffer: the checkpoint keeps the separate weights) and
+    rebuilt when any of them is replaced or updated in place (load_state_dict, an optimiser step: versions)."""
+    if any(w.is_inference() for w in weights):  # made under inference_mode: no version counter to key on
+        return torch.cat(weights, dim=0)
+    key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights)
+    if key != getattr(owner, "_fused_key", None):
+        with torch.inference_mode(False), torch.no_grad():
+            owner._fused_weight = torch.cat([w.detach() for w in weights], dim=0)
+        owner._fused_key = key
+    return owner._fused_weight
+
+
 class SwiGLU(nn.Module):
-    """Dense feed-forward `down(silu(gate(x)) * up(x))`, used for dense layers and shared experts."""
+    """Dense feed-forward `down(silu(gate(x)) * up(x))`, used for dense layers and shared experts.
+    With gradients off gate and up run as one GEMM (`fused_weight`)."""
 
     def __init__(self, d_model: int, d_hidden: int):
         super().__init__()
@@ -72,7 +87,10 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(d_hidden, d_model, bias=False)
 
     def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x_ND)) * self.up(x_ND))
+        if torch.is_grad_enabled():
+            return self.down(F.silu(self.gate(x_ND)) * self.up(x_ND))
+        gate, up = F.linear(x_ND, fused_weight(self, (self.gate.weight, self.up.weight))).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
 
 
 @dataclass

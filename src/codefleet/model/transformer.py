@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from codefleet.model.config import ModelConfig
-from codefleet.model.moe import MoE, SwiGLU
+from codefleet.model.moe import MoE, SwiGLU, fused_weight
 
 
 class RMSNorm(nn.Module):
@@ -102,21 +102,6 @@ class Attention(nn.Module):
         self.wv = nn.Linear(D, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, D, bias=False)
 
-        self._qkv: torch.Tensor | None = None  # inference-only [wq; wk; wv], rebuilt when a weight changes
-        self._qkv_key: tuple | None = None
-
-    def _fused_qkv(self) -> torch.Tensor:
-        """The three projections' weights concatenated (one GEMM per step instead of three). Not a parameter:
-        the checkpoint keeps wq/wk/wv; the copy is rebuilt when any of them is replaced or updated in place
-        (load_state_dict, an optimiser step: tensor versions)."""
-        ws = (self.wq.weight, self.wk.weight, self.wv.weight)
-        key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in ws)
-        if key != self._qkv_key:
-            with torch.inference_mode(False), torch.no_grad():
-                self._qkv = torch.cat([w.detach() for w in ws], dim=0)
-            self._qkv_key = key
-        return self._qkv
-
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
         """`cos`/`sin` as `rope_cos_sin` returns them ([B, 1, T, head_dim])."""
         half = sin.shape[-1] // 2
@@ -133,7 +118,8 @@ class Attention(nn.Module):
             k_BHTD = _apply_rope_signed(self.wk(x_BTD).view(B, T, Hkv, Dh).transpose(1, 2), cos_, sin_)
             v_BHTD = self.wv(x_BTD).view(B, T, Hkv, Dh).transpose(1, 2)
         else:  # one fused projection; RoPE on the query and key heads together, before the (free) transposes
-            qkv_BTHD = F.linear(x_BTD, self._fused_qkv()).view(B, T, H + 2 * Hkv, Dh)
+            w_qkv = fused_weight(self, (self.wq.weight, self.wk.weight, self.wv.weight))
+            qkv_BTHD = F.linear(x_BTD, w_qkv).view(B, T, H + 2 * Hkv, Dh)
             qk_BTHD = _apply_rope_signed(qkv_BTHD[:, :, : H + Hkv], cos, sin)
             q_BHTD = qk_BTHD[:, :, :H].transpose(1, 2)
             k_BHTD = qk_BTHD[:, :, H:].transpose(1, 2)
