@@ -124,6 +124,8 @@ class Engine:
         head_dim = getattr(config, "head_dim", None) or config.d_model // n_heads
         self.cache = SlotKVCache(config.n_layers, max_batch, getattr(config, "n_kv_heads", None) or n_heads,
                                  head_dim, self.max_seq_len, dtype=param.dtype, device=self.device)
+        if hasattr(model, "_rope"):  # the rotary table for every position the cache holds (no per-step growth)
+            model._rope(self.max_seq_len, self.device)
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []  # index i holds slot i
         self._ids = itertools.count()
