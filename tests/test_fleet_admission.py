@@ -235,3 +235,45 @@ def test_state_dict_round_trip_after_crash_loses_nothing_and_trains_nothing_twic
         int(r.split("/")[0]) for r in accepted_at_ckpt
     )
     assert len(yielded) == len(set(yielded)) and set(yielded).isdisjoint(trained_before)
+
+
+def test_threaded_workers_and_trainer_keep_the_bound():
+    # real threads: 8 workers run attempts with sub-millisecond random sleeps, one trainer thread steps
+    eta, steps, group_size = 1, 25, 2
+    adm, buf, asm = make(eta, slots=8, batch_groups=2, group_size=group_size)
+    version, done, batches, lock = [0], threading.Event(), [], threading.Lock()
+    rng = random.Random(7)
+
+    def worker():
+        while not done.is_set():
+            t = adm.try_admit(version[0])
+            if t is None:
+                with adm.cond:
+                    adm.cond.wait(0.005)
+                continue
+            for a in range(group_size):
+                started = version[0]
+                with lock:
+                    pause = rng.random() * 0.002
+                threading.Event().wait(pause)
+                adm.release(t, accepted=True)
+                asm.add(t, Rollout(f"{t.group_id}/{a}", t.group_id, started, float(a % 2)))
+
+    def trainer():
+        for s in range(steps):
+            b = buf.take_batch(2, s, timeout_s=5)
+            assert b is not None
+            batches.append(b)
+            version[0] = s + 1
+        done.set()
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(8)]
+    tr = threading.Thread(target=trainer)
+    for th in [*threads, tr]:
+        th.start()
+    tr.join(10)
+    done.set()
+    assert len(batches) == steps
+    ids = [r.rollout_id for b in batches for r in b.rollouts]
+    assert len(ids) == len(set(ids)) == steps * 2 * group_size
+    assert max(lag for b in batches for lag in b.lags) <= eta
