@@ -1,8 +1,30 @@
-"""The Ray layer. So far: the sandbox fleet (one `SandboxHost` actor per node, `SandboxFleet` to reach them)."""
+"""The Ray layer: the sandbox fleet (one `SandboxHost` actor per node,
+`SandboxFleet` to reach them) and the pure core of the asynchronous
+controller (`staleness`: admission by staleness bound, group assembly, the
+rollout buffer).
+
+Names are imported lazily, so the pure modules (e.g. `codefleet.fleet.staleness`)
+load without importing Ray.
+"""
 
 from __future__ import annotations
 
-from codefleet.fleet.sandbox_fleet import RemoteSandbox, SandboxFleet
-from codefleet.fleet.sandbox_host import HostCore, HostStats, SandboxCapacityError, SandboxHost
+import importlib
+from typing import Any
 
-__all__ = ["HostCore", "HostStats", "RemoteSandbox", "SandboxCapacityError", "SandboxFleet", "SandboxHost"]
+_EXPORTS = {
+    "RemoteSandbox": "codefleet.fleet.sandbox_fleet",
+    "SandboxFleet": "codefleet.fleet.sandbox_fleet",
+    "HostCore": "codefleet.fleet.sandbox_host",
+    "HostStats": "codefleet.fleet.sandbox_host",
+    "SandboxCapacityError": "codefleet.fleet.sandbox_host",
+    "SandboxHost": "codefleet.fleet.sandbox_host",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'codefleet.fleet' has no attribute {name!r}")
