@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
+import secrets
 import stat
+import time
+
+from codefleet.sandbox import procs
+from codefleet.sandbox.layers import mounts_under
 
 
 def tree_digest(root: str) -> str:
@@ -35,3 +41,52 @@ def read_tree(root: str) -> dict[str, str]:
             with open(path, encoding="utf-8", newline="") as f:
                 files[os.path.relpath(path, root)] = f.read()
     return files
+
+
+# -- what is running and what is left on the host --------------------------------------
+
+
+def unique_sleep() -> str:
+    """A `sleep` argument no other process on the machine has: its cmdline is our marker."""
+    return f"1000.{secrets.randbelow(10**9):09d}"
+
+
+def processes_with(marker: str) -> list[int]:
+    """Host pids whose command line contains `marker` (never this process)."""
+    found = []
+    for path in glob.glob("/proc/[0-9]*/cmdline"):
+        pid = int(path.split("/")[2])
+        try:
+            with open(path, "rb") as f:
+                if marker.encode() in f.read() and pid != os.getpid():
+                    found.append(pid)
+        except OSError:
+            pass
+    return found
+
+
+def wait_for(predicate, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def footprint(sb) -> dict:
+    """Everything of `sb` on the host: directory, cgroups, processes (pid, start time)."""
+    return {"dir": sb.dir, "cgroups": list(sb.cgroup.paths.values()),
+            "procs": [(pid, procs.start_time(pid)) for pid in sb.cgroup.procs()]}
+
+
+def assert_released(prints: list[dict]) -> None:
+    """Nothing of these sandboxes is left: no process, mount, cgroup or directory."""
+    mounts = mounts_under("/")
+    for fp in prints:
+        alive = [pid for pid, started in fp["procs"] if started is not None and procs.start_time(pid) == started]
+        assert not alive, f"processes of a closed sandbox are still running: {alive}"
+        assert not [m for m in mounts if (m + "/").startswith(fp["dir"] + "/")], f"mounts left under {fp['dir']}"
+        assert not os.path.exists(fp["dir"]), f"directory left: {fp['dir']}"
+        left = [p for p in fp["cgroups"] if os.path.exists(p)]
+        assert not left, f"cgroups left: {left}"

@@ -5,36 +5,28 @@ memory bomb, a gigabyte of output, writes and reads where it must not, a
 killed bwrap, a SIGKILLed host process — and checks three things: the
 result says clearly what happened, the host and the other sandboxes are
 unaffected, and nothing is left behind (processes, mounts, cgroups,
-directories). The shell protocol itself (merged output, exit codes, the
-output cap, undecodable bytes) is checked at the end.
+directories). Many sandboxes at once and a crashed host process are in
+test_sandbox_lifecycle.py; the shell protocol in test_sandbox_shell.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import glob
 import hashlib
-import json
 import os
 import resource
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
-import textwrap
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from helpers import assert_released, footprint, processes_with, unique_sleep, wait_for
 
-from codefleet.sandbox import SandboxDeadError, create_sandbox, procs, state
-from codefleet.sandbox.layers import mounts_under, umount
+from codefleet.sandbox import SandboxDeadError
 from codefleet.sandbox.namespace import unavailable_reason
-from codefleet.sandbox.shell import OutputCollector
 
 UNAVAILABLE = unavailable_reason()
 pytestmark = [
@@ -43,54 +35,7 @@ pytestmark = [
 ]
 
 
-
-# -- helpers: what is running and what is left on the host --------------------------
-
-
-def unique_sleep() -> str:
-    """A `sleep` argument no other process on the machine has: its cmdline is our marker."""
-    return f"1000.{secrets.randbelow(10**9):09d}"
-
-
-def processes_with(marker: str) -> list[int]:
-    """Host pids whose command line contains `marker` (never this process)."""
-    found = []
-    for path in glob.glob("/proc/[0-9]*/cmdline"):
-        pid = int(path.split("/")[2])
-        try:
-            with open(path, "rb") as f:
-                if marker.encode() in f.read() and pid != os.getpid():
-                    found.append(pid)
-        except OSError:
-            pass
-    return found
-
-
-def wait_for(predicate, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
-def footprint(sb) -> dict:
-    """Everything of `sb` on the host: directory, cgroups, processes (pid, start time)."""
-    return {"dir": sb.dir, "cgroups": list(sb.cgroup.paths.values()),
-            "procs": [(pid, procs.start_time(pid)) for pid in sb.cgroup.procs()]}
-
-
-def assert_released(prints: list[dict]) -> None:
-    """Nothing of these sandboxes is left: no process, mount, cgroup or directory."""
-    mounts = mounts_under("/")
-    for fp in prints:
-        alive = [pid for pid, started in fp["procs"] if started is not None and procs.start_time(pid) == started]
-        assert not alive, f"processes of a closed sandbox are still running: {alive}"
-        assert not [m for m in mounts if (m + "/").startswith(fp["dir"] + "/")], f"mounts left under {fp['dir']}"
-        assert not os.path.exists(fp["dir"]), f"directory left: {fp['dir']}"
-        left = [p for p in fp["cgroups"] if os.path.exists(p)]
-        assert not left, f"cgroups left: {left}"
+# -- helpers ------------------------------------------------------------------------
 
 
 def _state(pid: int) -> str | None:
@@ -421,152 +366,3 @@ def test_bwrap_killed_during_a_command(make_sandbox):
     assert result.output.startswith("started\n") and "never" not in result.output
     assert "[codefleet: the shell exited (status 137)" in result.output
     assert sb.exec("echo back").shell_restarted
-
-
-# -- many sandboxes, and a crashed host process -----------------------------------------
-
-
-def test_200_sandboxes_at_once_leave_nothing_behind(repo, config):
-    cfg = dataclasses.replace(config, backend="namespace")
-
-    def one(i: int):
-        sb = create_sandbox(repo, cfg)
-        return sb, sb.exec(f"echo sandbox-{i}; cat README.md", timeout_s=60)
-
-    with ThreadPoolExecutor(max_workers=50) as pool:
-        made = list(pool.map(one, range(200)))
-    try:
-        for i, (_, result) in enumerate(made):
-            assert (result.output, result.exit_code) == (f"sandbox-{i}\n# demo\n", 0)
-        assert len({sb.id for sb, _ in made}) == 200
-        prints = [footprint(sb) for sb, _ in made]
-    finally:
-        with ThreadPoolExecutor(max_workers=50) as pool:
-            list(pool.map(lambda pair: pair[0].close(), made))
-    assert_released(prints)
-    owner = made[0][0].owner
-    assert not set(os.listdir(os.path.join(owner.dir, "sb"))) & {sb.id for sb, _ in made}
-
-
-_CRASHING_OWNER = textwrap.dedent("""
-    import json, os, sys, time
-    from codefleet.sandbox import SandboxConfig, create_sandbox
-    config = SandboxConfig(backend="namespace", state_dir=sys.argv[1])
-    sandboxes = [create_sandbox(None, config) for _ in range(3)]
-    marker = os.environ["SLEEP_MARKER"]  # not in argv: only the sandboxes' sleeps carry it
-    sandboxes[0].exec("sleep " + marker + " &")
-    sandboxes[1].exec("cd /tmp && sleep " + marker + " & echo started")
-    print(json.dumps({"owner": sandboxes[0].owner.name, "owner_dir": sandboxes[0].owner.dir,
-                      "cgroups": [p for sb in sandboxes for p in sb.cgroup.paths.values()]
-                                 + list(sandboxes[0].owner.cgroups.bases.values())}), flush=True)
-    time.sleep(600)
-""")
-
-
-def crash_an_owner(state_dir: str, tree) -> tuple[dict, str]:
-    """Run an owner with three sandboxes and two background jobs in a child
-    process, SIGKILL it once they run; (what it had, the jobs' marker)."""
-    marker = unique_sleep()
-    child = subprocess.Popen([sys.executable, "-c", _CRASHING_OWNER, state_dir],
-                             stdout=subprocess.PIPE, text=True, env={**os.environ, "SLEEP_MARKER": marker})
-    try:
-        dead = json.loads(child.stdout.readline())
-        started = wait_for(lambda: len(processes_with(marker)) == 2)
-    finally:
-        child.kill()
-        child.wait()
-    if not started:
-        state.reap(state_dir, tree)
-        raise AssertionError("the crashing owner's jobs did not start")
-    return dead, marker
-
-
-def assert_reaped(dead: dict, marker: str) -> None:
-    assert wait_for(lambda: not processes_with(marker)), "processes of the dead owner's sandboxes survive"
-    assert mounts_under(dead["owner_dir"]) == []
-    assert not os.path.exists(dead["owner_dir"])
-    assert [p for p in dead["cgroups"] if os.path.exists(p)] == []
-
-
-def test_sigkilled_host_process_is_cleaned_up_by_the_reaper(config):
-    owner = state.owner_for(config.state_dir)  # this process's: it exists before the crash
-    dead, marker = crash_an_owner(config.state_dir, owner.cgroups)
-    state.reap(config.state_dir, owner.cgroups)  # what a restarted owner runs first
-    # (Not `dead["owner"] in reaped`: an owner starting elsewhere on the machine may get there first.)
-    assert_reaped(dead, marker)
-
-
-def test_dead_owner_in_an_abandoned_state_dir_is_reaped(config, tmp_path):
-    """Its state directory deleted around the mounts (lock file included), as a
-    test run's temporary one is: the next owner anywhere still finds and reaps it."""
-    owner = state.owner_for(config.state_dir)
-    abandoned = str(tmp_path / "state")
-    dead, marker = crash_an_owner(abandoned, owner.cgroups)
-    shutil.rmtree(abandoned, ignore_errors=True)
-    assert mounts_under(dead["owner_dir"]) and not os.path.exists(os.path.join(dead["owner_dir"], "lock"))
-    state.reap_orphans(owner.cgroups)  # what any owner starting on the machine runs
-    left = mounts_under(dead["owner_dir"])
-    for point in left:  # never leave mounts behind, even when the reaper failed
-        umount(point)
-    assert left == []
-    assert_reaped(dead, marker)
-
-
-# -- the shell protocol --------------------------------------------------------------
-
-
-def test_stdout_and_stderr_are_merged_in_order(make_sandbox):
-    sb = make_sandbox()
-    result = sb.exec("for i in 1 2 3; do echo out$i; echo err$i >&2; done; ls /nonexistent")
-    assert result.output == ("out1\nerr1\nout2\nerr2\nout3\nerr3\n"
-                             "ls: cannot access '/nonexistent': No such file or directory\n")
-    assert result.exit_code == 2
-
-
-def test_exit_codes(make_sandbox):
-    sb = make_sandbox()
-    assert [sb.exec(c).exit_code for c in ("true", "false", "(exit 42)", "sh -c 'kill -9 $$'", "yes | head -1")] \
-        == [0, 1, 42, 137, 0]
-    assert sb.exec("yes | head -n 2").output == "y\ny\n"  # no shell noise when yes dies of SIGPIPE
-    gone = sb.exec("exit 3")
-    assert gone.exit_code == 3 and "the shell exited (status 3)" in gone.output
-    back = sb.exec("echo back")
-    assert back.shell_restarted and back.output.startswith("back\n")
-
-
-@pytest.mark.parametrize("limit", [10, 101, 1000, 65536])
-def test_output_cap_keeps_head_and_tail(make_sandbox, limit):
-    sb = make_sandbox(output_limit_bytes=limit)
-    full = "".join(f"{i}\n" for i in range(1, 100001)).encode()
-    result = sb.exec("seq 1 100000")
-    head, tail = full[:limit // 2], full[len(full) - (limit - limit // 2):]
-    cut = len(full) - limit
-    assert (result.truncated, result.cut_bytes) == (True, cut)
-    assert result.output == (head + f"\n[... {cut} bytes of output cut ...]\n".encode() + tail).decode()
-
-
-def test_output_cap_with_the_marker_split_anywhere():
-    """The end marker may arrive cut at any byte: the output is the same."""
-    prefix = b"\x1eabcdef:7:"
-    body = bytes(range(32, 127)) * 3
-    stream = body + prefix + b"-12\x1elate"
-    for limit in (8, 64, 10_000):
-        expected = OutputCollector(limit, prefix)
-        assert expected.feed(stream)
-        want = expected.result()
-        for split in range(1, len(stream)):
-            out = OutputCollector(limit, prefix)
-            if out.feed(stream[:split]):
-                late = out.leftover + stream[split:]
-            else:
-                assert out.feed(stream[split:])
-                late = out.leftover
-            assert out.exit_code == -12 and late == b"late"
-            assert out.result() == want, (limit, split)
-    assert want == (body.decode(), False, 0)
-
-
-def test_invalid_utf8_is_replaced(make_sandbox):
-    sb = make_sandbox()
-    result = sb.exec(r"printf 'caf\303\251 \377\376 end\n'")
-    assert result.output == "café \ufffd\ufffd end\n"

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from codefleet.sandbox import SandboxClosedError, create_sandbox
+from codefleet.sandbox.shell import OutputCollector
 
 
 def test_cwd_env_and_functions_persist_between_commands(sandbox):
@@ -181,3 +182,63 @@ def test_a_closed_sandbox_refuses_commands(repo, config):
         sb.exec("true")
     with pytest.raises(SandboxClosedError):
         sb.read_file("README.md")
+
+
+# -- the protocol on the namespace backend ---------------------------------------------
+
+
+def test_stdout_and_stderr_are_merged_in_order(make_sandbox):
+    sb = make_sandbox()
+    result = sb.exec("for i in 1 2 3; do echo out$i; echo err$i >&2; done; ls /nonexistent")
+    assert result.output == ("out1\nerr1\nout2\nerr2\nout3\nerr3\n"
+                             "ls: cannot access '/nonexistent': No such file or directory\n")
+    assert result.exit_code == 2
+
+
+def test_exit_codes_of_signals_pipes_and_exit(make_sandbox):
+    sb = make_sandbox()
+    assert [sb.exec(c).exit_code for c in ("true", "false", "(exit 42)", "sh -c 'kill -9 $$'", "yes | head -1")] \
+        == [0, 1, 42, 137, 0]
+    assert sb.exec("yes | head -n 2").output == "y\ny\n"  # no shell noise when yes dies of SIGPIPE
+    gone = sb.exec("exit 3")
+    assert gone.exit_code == 3 and "the shell exited (status 3)" in gone.output
+    back = sb.exec("echo back")
+    assert back.shell_restarted and back.output.startswith("back\n")
+
+
+@pytest.mark.parametrize("limit", [10, 101, 1000, 65536])
+def test_output_cap_keeps_head_and_tail(make_sandbox, limit):
+    sb = make_sandbox(output_limit_bytes=limit)
+    full = "".join(f"{i}\n" for i in range(1, 100001)).encode()
+    result = sb.exec("seq 1 100000")
+    head, tail = full[:limit // 2], full[len(full) - (limit - limit // 2):]
+    cut = len(full) - limit
+    assert (result.truncated, result.cut_bytes) == (True, cut)
+    assert result.output == (head + f"\n[... {cut} bytes of output cut ...]\n".encode() + tail).decode()
+
+
+def test_output_cap_with_the_marker_split_anywhere():
+    """The end marker may arrive cut at any byte: the output is the same."""
+    prefix = b"\x1eabcdef:7:"
+    body = bytes(range(32, 127)) * 3
+    stream = body + prefix + b"-12\x1elate"
+    for limit in (8, 64, 10_000):
+        expected = OutputCollector(limit, prefix)
+        assert expected.feed(stream)
+        want = expected.result()
+        for split in range(1, len(stream)):
+            out = OutputCollector(limit, prefix)
+            if out.feed(stream[:split]):
+                late = out.leftover + stream[split:]
+            else:
+                assert out.feed(stream[split:])
+                late = out.leftover
+            assert out.exit_code == -12 and late == b"late"
+            assert out.result() == want, (limit, split)
+    assert want == (body.decode(), False, 0)
+
+
+def test_invalid_utf8_is_replaced(make_sandbox):
+    sb = make_sandbox()
+    result = sb.exec(r"printf 'caf\303\251 \377\376 end\n'")
+    assert result.output == "café \ufffd\ufffd end\n"

@@ -1,0 +1,113 @@
+"""Many namespace sandboxes at once, and a host process killed with SIGKILL:
+afterwards nothing is left on the host (processes, mounts, cgroups,
+directories) once the reaper of the next owner has run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from helpers import assert_released, footprint, processes_with, unique_sleep, wait_for
+
+from codefleet.sandbox import create_sandbox, state
+from codefleet.sandbox.layers import mounts_under, umount
+from codefleet.sandbox.namespace import unavailable_reason
+
+UNAVAILABLE = unavailable_reason()
+pytestmark = [
+    pytest.mark.skipif(UNAVAILABLE is not None, reason=f"namespace sandbox unavailable: {UNAVAILABLE}"),
+    pytest.mark.timeout(120),
+]
+
+
+def test_200_sandboxes_at_once_leave_nothing_behind(repo, config):
+    cfg = dataclasses.replace(config, backend="namespace")
+
+    def one(i: int):
+        sb = create_sandbox(repo, cfg)
+        return sb, sb.exec(f"echo sandbox-{i}; cat README.md", timeout_s=60)
+
+    with ThreadPoolExecutor(max_workers=50) as pool:
+        made = list(pool.map(one, range(200)))
+    try:
+        for i, (_, result) in enumerate(made):
+            assert (result.output, result.exit_code) == (f"sandbox-{i}\n# demo\n", 0)
+        assert len({sb.id for sb, _ in made}) == 200
+        prints = [footprint(sb) for sb, _ in made]
+    finally:
+        with ThreadPoolExecutor(max_workers=50) as pool:
+            list(pool.map(lambda pair: pair[0].close(), made))
+    assert_released(prints)
+    owner = made[0][0].owner
+    assert not set(os.listdir(os.path.join(owner.dir, "sb"))) & {sb.id for sb, _ in made}
+
+
+_CRASHING_OWNER = textwrap.dedent("""
+    import json, os, sys, time
+    from codefleet.sandbox import SandboxConfig, create_sandbox
+    config = SandboxConfig(backend="namespace", state_dir=sys.argv[1])
+    sandboxes = [create_sandbox(None, config) for _ in range(3)]
+    marker = os.environ["SLEEP_MARKER"]  # not in argv: only the sandboxes' sleeps carry it
+    sandboxes[0].exec("sleep " + marker + " &")
+    sandboxes[1].exec("cd /tmp && sleep " + marker + " & echo started")
+    print(json.dumps({"owner": sandboxes[0].owner.name, "owner_dir": sandboxes[0].owner.dir,
+                      "cgroups": [p for sb in sandboxes for p in sb.cgroup.paths.values()]
+                                 + list(sandboxes[0].owner.cgroups.bases.values())}), flush=True)
+    time.sleep(600)
+""")
+
+
+def crash_an_owner(state_dir: str, tree) -> tuple[dict, str]:
+    """Run an owner with three sandboxes and two background jobs in a child
+    process, SIGKILL it once they run; (what it had, the jobs' marker)."""
+    marker = unique_sleep()
+    child = subprocess.Popen([sys.executable, "-c", _CRASHING_OWNER, state_dir],
+                             stdout=subprocess.PIPE, text=True, env={**os.environ, "SLEEP_MARKER": marker})
+    try:
+        dead = json.loads(child.stdout.readline())
+        started = wait_for(lambda: len(processes_with(marker)) == 2)
+    finally:
+        child.kill()
+        child.wait()
+    if not started:
+        state.reap(state_dir, tree)
+        raise AssertionError("the crashing owner's jobs did not start")
+    return dead, marker
+
+
+def assert_reaped(dead: dict, marker: str) -> None:
+    assert wait_for(lambda: not processes_with(marker)), "processes of the dead owner's sandboxes survive"
+    assert mounts_under(dead["owner_dir"]) == []
+    assert not os.path.exists(dead["owner_dir"])
+    assert [p for p in dead["cgroups"] if os.path.exists(p)] == []
+
+
+def test_sigkilled_host_process_is_cleaned_up_by_the_reaper(config):
+    owner = state.owner_for(config.state_dir)  # this process's: it exists before the crash
+    dead, marker = crash_an_owner(config.state_dir, owner.cgroups)
+    state.reap(config.state_dir, owner.cgroups)  # what a restarted owner runs first
+    # (Not `dead["owner"] in reaped`: an owner starting elsewhere on the machine may get there first.)
+    assert_reaped(dead, marker)
+
+
+def test_dead_owner_in_an_abandoned_state_dir_is_reaped(config, tmp_path):
+    """Its state directory deleted around the mounts (lock file included), as a
+    test run's temporary one is: the next owner anywhere still finds and reaps it."""
+    owner = state.owner_for(config.state_dir)
+    abandoned = str(tmp_path / "state")
+    dead, marker = crash_an_owner(abandoned, owner.cgroups)
+    shutil.rmtree(abandoned, ignore_errors=True)
+    assert mounts_under(dead["owner_dir"]) and not os.path.exists(os.path.join(dead["owner_dir"], "lock"))
+    state.reap_orphans(owner.cgroups)  # what any owner starting on the machine runs
+    left = mounts_under(dead["owner_dir"])
+    for point in left:  # never leave mounts behind, even when the reaper failed
+        umount(point)
+    assert left == []
+    assert_reaped(dead, marker)
