@@ -143,10 +143,9 @@ def test_bias_balancing_moves_load_toward_uniform():
     assert before > 3.0 and after < 2.0, (before, after)  # 4.0 -> ~1.7 here
 
 
-def test_expert_shards_sum_to_the_full_layer():
-    full = _moe(n_shared_experts=1)
-    x_ND = torch.randn(40, 16)
-    total = torch.zeros(40, 16)
+def _shards(full: MoE) -> list[MoE]:
+    """Experts 0-2 and 3-7 of `full` as two shards with its router (and shared expert)."""
+    shards = []
     for e0, e1 in [(0, 3), (3, 8)]:
         shard = MoE(full.config, expert_range=(e0, e1))
         state = {k: v for k, v in full.state_dict().items() if not k.startswith("w_") and
@@ -154,6 +153,15 @@ def test_expert_shards_sum_to_the_full_layer():
         state["w_gate_up_EDG"] = full.w_gate_up_EDG[e0:e1]
         state["w_down_EFD"] = full.w_down_EFD[e0:e1]
         shard.load_state_dict(state)
+        shards.append(shard)
+    return shards
+
+
+def test_expert_shards_sum_to_the_full_layer():
+    full = _moe(n_shared_experts=1)
+    x_ND = torch.randn(40, 16)
+    total = torch.zeros(40, 16)
+    for shard in _shards(full):
         total += shard(x_ND).y_ND
     torch.testing.assert_close(total, full(x_ND).y_ND, atol=1e-5, rtol=1e-5)
 
@@ -190,13 +198,7 @@ def test_inference_dispatch_of_expert_shards_sums_to_the_full_layer(n_tokens):
     x_ND = torch.randn(n_tokens, 16)
     total = torch.zeros(n_tokens, 16)
     with torch.inference_mode():
-        for e0, e1 in [(0, 3), (3, 8)]:
-            shard = MoE(full.config, expert_range=(e0, e1))
-            state = {k: v for k, v in full.state_dict().items() if not k.startswith("w_") and
-                     (k.startswith("router") or shard.shared is not None)}
-            state["w_gate_up_EDG"] = full.w_gate_up_EDG[e0:e1]
-            state["w_down_EFD"] = full.w_down_EFD[e0:e1]
-            shard.load_state_dict(state)
+        for shard in _shards(full):
             total += shard(x_ND).y_ND
         torch.testing.assert_close(total, full(x_ND).y_ND, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(total, _naive(full, x_ND).detach(), atol=1e-5, rtol=1e-5)
