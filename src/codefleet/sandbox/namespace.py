@@ -171,6 +171,7 @@ class NamespaceSandbox(ShellSandbox):
         self.workspace = Workspace(self.dir, _lowers, choose_strategy(), config.workspace_mb)
         super().__init__(sandbox_id, config, self.workspace.merged)
         self.cgroup: Cgroup | None = None
+        self._oom_seen = 0  # OOM kills already reported
         self._pids: list[tuple[int, int | None]] = []  # (outer bwrap, sandbox init) host pids
         self._init_pid = 0
         try:
@@ -262,13 +263,13 @@ class NamespaceSandbox(ShellSandbox):
     # -- faults ----------------------------------------------------------------------
 
     def _limit_note(self, result: ExecResult) -> str:
-        if result.exit_code in (137, 9) and self.cgroup is not None and self.cgroup.oom_kills() > self._oom_seen:
-            self._oom_seen = self.cgroup.oom_kills()
-            return (f"\n[codefleet: a process was killed by the sandbox's memory limit "
-                    f"({self.config.memory_mb} MB)]")
-        return ""
-
-    _oom_seen = 0
+        if result.exit_code not in (137, 9) or self.cgroup is None:
+            return ""
+        kills = self.cgroup.oom_kills()
+        if kills <= self._oom_seen:
+            return ""
+        self._oom_seen = kills
+        return f"\n[codefleet: a process was killed by the sandbox's memory limit ({self.config.memory_mb} MB)]"
 
     def _death_note(self, result: ExecResult) -> str:
         return self._limit_note(result) + super()._death_note(result)

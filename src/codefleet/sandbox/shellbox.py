@@ -13,6 +13,7 @@ import subprocess
 import threading
 import time
 from abc import ABC, abstractmethod
+from dataclasses import replace
 
 from codefleet.sandbox.base import (
     SandboxClosedError,
@@ -167,15 +168,13 @@ class ShellSandbox(ABC):
                 restarted = True
             result = self._session.run(command, self.config.timeout_s if timeout_s is None else timeout_s)
             if self._session.dead:  # restarted lazily, by the next command
-                return ExecResult(result.output + self._death_note(result), result.exit_code, result.timed_out,
-                                  result.truncated, result.duration_s, result.cut_bytes)
+                return replace(result, output=result.output + self._death_note(result))
             note = self._limit_note(result)
             if restarted:
                 note += ("\n[codefleet: the previous shell had died; this command ran in a fresh shell in the same "
                          "workspace]")
             if restarted or note:
-                return ExecResult(result.output + note, result.exit_code, result.timed_out, result.truncated,
-                                  result.duration_s, result.cut_bytes, shell_restarted=restarted)
+                return replace(result, output=result.output + note, shell_restarted=restarted)
             return result
 
     def _death_note(self, result: ExecResult) -> str:
