@@ -57,15 +57,21 @@ def _sandbox_run(args: argparse.Namespace) -> int:
     return result.exit_code if 0 <= result.exit_code < 256 else 1
 
 
-def _bench(args: argparse.Namespace) -> int:
-    if args.what == "sandbox":
-        from codefleet.bench.sandbox_bench import run_cli
+_BENCHES = {
+    "sandbox": "codefleet.bench.sandbox_bench",
+    "moe": "codefleet.bench.moe_bench",
+    "engine": "codefleet.bench.engine_bench",
+    "controller": "codefleet.bench.controller_bench",
+    "analyze": "codefleet.bench.analyze_bench",
+}
 
+
+def _bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    run_cli = importlib.import_module(_BENCHES[args.what]).run_cli
+    if args.what == "sandbox":
         return run_cli(quick=args.quick, as_json=args.json, backend=args.backend)
-    if args.what == "moe":
-        from codefleet.bench.moe_bench import run_cli
-    else:
-        from codefleet.bench.engine_bench import run_cli
     return run_cli(quick=args.quick, as_json=args.json)
 
 
@@ -89,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=_sandbox_run)
 
     bench = sub.add_parser("bench", help="benchmarks (a table, then one JSON object)")
-    bench.add_argument("what", choices=["sandbox", "moe", "engine"])
+    bench.add_argument("what", choices=sorted(_BENCHES))
     bench.add_argument("--quick", action="store_true", help="a smaller run (about 30 s)")
     bench.add_argument("--json", action="store_true", help="print only the JSON object")
     bench.add_argument("--backend", choices=["auto", "namespace", "local"], default="auto",
