@@ -1,0 +1,239 @@
+"""The rollout store: every finished rollout as one Parquet row (schema: schema.py, docs/rollouts.md).
+
+    writer = RolloutWriter(os.path.join(run_dir, "rollouts"))
+    writer.append([rollout_record(traj, run="r1", step=3, group=0, attempt=i) for i, traj in enumerate(trajs)])
+    table = read_rollouts(os.path.join(run_dir, "rollouts"))
+
+Layout: hive partitions `root/run=<run>/step=<step>/part-<uuid>.parquet`.
+Each `append` writes NEW files only, never rewrites one: a file is written
+under a hidden temporary name in its partition directory and then
+`os.replace`d to its final name, which is atomic on POSIX. A reader scanning
+while a run is live therefore sees whole files or nothing, never half a
+file; temporary names start with "." and end in ".tmp", which every reader
+here (and Ray Data's `.parquet` extension filter) ignores. Small appends make
+small files; the analytics pipeline does not care, and a run writes one file
+per step and group batch.
+
+`run` and `step` are stored in the rows as well as in the path, so a file
+copied out of its directory still says where it came from.
+
+Reading (`scan_store`, `read_rollouts`) validates each file's footer first: a
+corrupt or truncated file, or one lacking a required column, is skipped and
+reported by path; files of older schema versions are upgraded (schema.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from codefleet.analysis.schema import COLUMNS, REQUIRED_COLUMNS, SCHEMA, SCHEMA_VERSION, is_current, upgrade_table
+from codefleet.types import Trajectory
+
+__all__ = ["SCHEMA", "SCHEMA_VERSION", "RolloutWriter", "StoreScan", "find_store", "read_rollouts",
+           "records_to_table", "rollout_record", "scan_store"]
+
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_MAX_ERROR_CHARS = 500
+
+
+def rollout_record(trajectory: Trajectory, *, run: str, step: int, group: int, attempt: int,
+                   split: str = "train", extra: dict | None = None) -> dict:
+    """One flat store row for a finished (scored) trajectory. `extra` keys are merged in: a key that
+    is a column (e.g. "infra_retries") sets it, any other key lands in the `metadata` JSON."""
+    results = {r.call_id: r for turn in trajectory.turns for r in turn.tool_results}
+    tool_calls = []
+    for turn in trajectory.turns:
+        for call in turn.tool_calls:
+            result = results.get(call.id)
+            error = call.error
+            if error is None and result is not None and not result.ok:
+                error = result.output[:_MAX_ERROR_CHARS]
+            if error is None and result is None:
+                error = "no result recorded"
+            tool_calls.append({"turn": turn.index, "name": call.name, "arguments": call.raw_arguments,
+                               "duration_s": result.duration_s if result else 0.0,
+                               "ok": error is None and bool(result and result.ok), "error": error})
+    versions = [v for turn in trajectory.turns for v in (turn.policy_versions or [])]
+    checks = trajectory.checks
+    meta = trajectory.metadata
+    record = {
+        "schema_version": SCHEMA_VERSION, "run": run, "step": int(step), "task_id": trajectory.task_id,
+        "family": str(meta.get("task.family", "")), "group": int(group), "attempt": int(attempt), "split": split,
+        "policy_version_min": min(versions) if versions else None,
+        "policy_version_max": max(versions) if versions else None,
+        "reward": float(trajectory.reward),
+        "checks_passed": checks.passed if checks else None, "checks_total": checks.total if checks else None,
+        "all_passed": checks.all_passed if checks else None,
+        "per_test": [{"test": k, "passed": bool(v)} for k, v in (checks.per_test if checks else {}).items()],
+        "stop_reason": trajectory.stop_reason, "turns": trajectory.n_turns, "tool_calls": tool_calls,
+        "n_tool_calls": trajectory.n_tool_calls, "tool_calls_per_turn": float(trajectory.tool_calls_per_turn),
+        "prompt_tokens": sum(t.prompt_tokens for t in trajectory.turns),
+        "completion_tokens": sum(t.completion_tokens for t in trajectory.turns),
+        "model_s": float(trajectory.model_s), "tool_s": float(trajectory.tool_s), "wall_s": float(trajectory.wall_s),
+        "infra_retries": 0, "error": meta.get("error") or meta.get("checks_error") or None,
+        "diff": trajectory.diff, "transcript": json.dumps(trajectory.messages, default=str),
+        "metadata": meta, "created_at": datetime.now(timezone.utc),
+    }
+    record.update(extra or {})
+    return record
+
+
+def records_to_table(records: list[dict]) -> pa.Table:
+    """Rows as a table of exactly SCHEMA; keys that are not columns go into each row's `metadata` JSON."""
+    rows = []
+    for record in records:
+        meta = record.get("metadata") or {}
+        meta = dict(json.loads(meta) if isinstance(meta, str) else meta)
+        meta.update({k: v for k, v in record.items() if k not in SCHEMA.names})
+        row = {name: record.get(name) for name in COLUMNS}
+        row["metadata"] = json.dumps(meta, default=str, sort_keys=True)
+        row["schema_version"] = row["schema_version"] or SCHEMA_VERSION
+        row["created_at"] = row["created_at"] or datetime.now(timezone.utc)
+        missing = [c for c in ("run", "step", *REQUIRED_COLUMNS) if row.get(c) is None]
+        if missing:
+            raise ValueError(f"rollout record lacks {', '.join(missing)}; build records with rollout_record()")
+        rows.append(row)
+    return pa.Table.from_pylist(rows, schema=SCHEMA)
+
+
+class RolloutWriter:
+    """Appends rollouts to a store directory (normally RUN_DIR/rollouts); safe while readers scan it.
+    Several writers (processes) may append to the same store: file names are unique."""
+
+    def __init__(self, root: str, compression: str = "zstd"):
+        self.root = root
+        self.compression = compression
+        os.makedirs(root, exist_ok=True)
+
+    def append(self, records: list[dict]) -> str:
+        """Write `records` as one new file per (run, step) partition; returns the path(s) written,
+        ", "-joined when the records span several partitions ("" for no records)."""
+        by_partition: dict[tuple[str, int], list[dict]] = {}
+        for record in records:
+            run, step = str(record.get("run", "")), record.get("step")
+            if not _RUN_NAME.match(run):
+                raise ValueError(f"run name {run!r} cannot name a directory; use letters, digits, '.', '_', '-'")
+            if not isinstance(step, int) or step < 0:
+                raise ValueError(f"step {step!r} of run {run!r} must be an int >= 0")
+            by_partition.setdefault((run, step), []).append(record)
+        paths = []
+        for (run, step), rows in by_partition.items():
+            directory = os.path.join(self.root, f"run={run}", f"step={step}")
+            os.makedirs(directory, exist_ok=True)
+            name = f"part-{uuid.uuid4().hex}.parquet"
+            tmp = os.path.join(directory, f".{name}.tmp")
+            try:
+                pq.write_table(records_to_table(rows), tmp, compression=self.compression)
+                os.replace(tmp, os.path.join(directory, name))
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+            paths.append(os.path.join(directory, name))
+        return ", ".join(paths)
+
+
+# -- reading ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class StoreFile:
+    path: str
+    rows: int
+    current: bool  # schema needs no upgrade
+    schema: pa.Schema
+    run: str | None = None  # from the hive path
+    step: int | None = None
+
+
+@dataclass
+class StoreScan:
+    root: str
+    files: list[StoreFile] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # one sentence per skipped or upgraded file
+
+    @property
+    def rows(self) -> int:
+        return sum(f.rows for f in self.files)
+
+
+def find_store(path: str) -> str:
+    """The store directory for `path`: PATH/rollouts when it exists (a run directory), else PATH itself."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path} is not a directory; pass a run directory (with rollouts/) or a store")
+    candidate = os.path.join(path, "rollouts")
+    return candidate if os.path.isdir(candidate) else path
+
+
+def _partition_values(path: str) -> tuple[str | None, int | None]:
+    run = step = None
+    for part in path.split(os.sep):
+        if part.startswith("run="):
+            run = part[4:]
+        elif part.startswith("step=") and part[5:].isdigit():
+            step = int(part[5:])
+    return run, step
+
+
+def scan_store(root: str) -> StoreScan:
+    """Every readable `.parquet` file under `root` (sorted), with problems for the ones skipped."""
+    scan = StoreScan(root)
+    paths = []
+    for directory, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith((".", "_")))
+        paths += [os.path.join(directory, f) for f in files if f.endswith(".parquet") and not f.startswith((".", "_"))]
+    for path in sorted(paths):
+        try:
+            meta = pq.read_metadata(path)
+            schema = meta.schema.to_arrow_schema()
+        except Exception as e:  # truncated, not Parquet, unreadable
+            scan.problems.append(f"{path}: not a readable Parquet file ({type(e).__name__}: {e}); skipped")
+            continue
+        missing = [c for c in REQUIRED_COLUMNS if c not in schema.names]
+        if missing:
+            scan.problems.append(f"{path}: lacks required column(s) {', '.join(missing)}; skipped")
+            continue
+        run, step = _partition_values(os.path.relpath(path, root))
+        current = is_current(schema)
+        if not current:
+            lacking = [c for c in COLUMNS if c not in schema.names]
+            scan.problems.append(f"{path}: older or different schema (lacks {', '.join(lacking) or 'nothing'}); "
+                                 f"upgraded on read")
+        scan.files.append(StoreFile(path, meta.num_rows, current, schema, run, step))
+    return scan
+
+
+def read_file(store_file: StoreFile, columns: list[str] | None = None) -> pa.Table:
+    """One store file as the current schema (upgraded if needed), optionally projected to `columns`."""
+    table = pq.read_table(store_file.path)
+    if not store_file.current:
+        table, _ = upgrade_table(table, run=store_file.run, step=store_file.step)
+    return table.select(columns) if columns else table
+
+
+def read_rollouts(root: str, columns: list[str] | None = None,
+                  on_problem: Callable[[str], None] | None = None) -> pa.Table:
+    """The whole store as one table (small scale: tests, eval summaries; use codefleet.analysis.pipeline
+    for big stores). Skipped and upgraded files are reported through `on_problem` (default: stderr)."""
+    report = on_problem or (lambda msg: print(f"rollout store: {msg}", file=sys.stderr))
+    scan = scan_store(find_store(root))
+    for problem in scan.problems:
+        report(problem)
+    tables = []
+    for store_file in scan.files:
+        try:
+            tables.append(read_file(store_file, columns))
+        except Exception as e:  # a footer that reads but a body that does not
+            report(f"{store_file.path}: could not be read ({type(e).__name__}: {e}); skipped")
+    if not tables:
+        return SCHEMA.empty_table().select(columns) if columns else SCHEMA.empty_table()
+    return pa.concat_tables(tables)
