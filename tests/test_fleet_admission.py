@@ -277,3 +277,28 @@ def test_threaded_workers_and_trainer_keep_the_bound():
     ids = [r.rollout_id for b in batches for r in b.rollouts]
     assert len(ids) == len(set(ids)) == steps * 2 * group_size
     assert max(lag for b in batches for lag in b.lags) <= eta
+
+
+def test_withdrawn_group_frees_its_slots_and_its_place_under_the_bound():
+    adm, buf, asm = make(eta=0, slots=8, batch_groups=1, group_size=2)
+    t = adm.try_admit(0)
+    adm.release(t, accepted=True)
+    asm.add(t, Rollout("w0", t.group_id, 0, 1.0))  # one attempt finished, the other keeps failing
+    assert adm.try_admit(0) is None  # batch 0 is promised to t
+    adm.withdraw(t, running=1, abandoned=True)
+    asm.discard(t.group_id)
+    assert adm.in_flight == 0 and buf.metrics()["abandoned_groups"] == 1
+    u = adm.try_admit(0)
+    assert u is not None
+    asm.add(u, Rollout("u0", u.group_id, 0, 1.0))
+    asm.add(u, Rollout("u1", u.group_id, 0, 0.0))
+    assert [g.group_id for g in buf.take_batch(1, 0, timeout_s=0).groups] == [u.group_id]
+
+
+def test_on_group_runs_before_the_group_is_in_the_buffer():
+    adm, buf, asm = make(eta=0, slots=8, batch_groups=1, group_size=1)
+    seen = []
+    asm.on_group = lambda g, dropped: seen.append((g.group_id, g.group_id in buf.ready))
+    t = adm.try_admit(0)
+    asm.add(t, Rollout("o0", t.group_id, 0, 1.0))
+    assert seen == [(t.group_id, False)] and t.group_id in buf.ready

@@ -114,6 +114,7 @@ class AdmissionController:
         self.unconsumed: Counter[int] = Counter()  # deadline -> groups admitted, not consumed/dropped
         self.admitted_groups = 0
         self.infra_failures = 0
+        self.abandoned_groups = 0
         self.next_group_id = 0  # never reused, also across resume: rollout ids derive from it
 
     def _feasible_with(self, deadline: int) -> bool:
@@ -160,6 +161,18 @@ class AdmissionController:
                 return False
             self.in_flight += 1
             return True
+
+    def withdraw(self, ticket: Ticket, running: int, abandoned: bool = False) -> None:
+        """Take back a group that will never reach the buffer: abandoned after repeated infrastructure
+        failures (`abandoned`, counted), interrupted at the end of a run, or admitted when no work was
+        left. Its `running` attempts' slots return and its place under the staleness bound is freed,
+        so the trainer never waits for it."""
+        with self.cond:
+            self.in_flight -= running
+            self._retire(ticket)
+            if abandoned:
+                self.abandoned_groups += 1
+            self.cond.notify_all()
 
     # called by the buffer, under self.cond
     def _retire(self, ticket: Ticket) -> None:
@@ -247,6 +260,7 @@ class RolloutBuffer:
                 "buffered_groups": len(self.ready),
                 "consumed_rollouts": len(self.consumed_ids),
                 "infra_failures": self.admission.infra_failures,
+                "abandoned_groups": self.admission.abandoned_groups,
                 "dropped_zero_variance_groups": self.dropped_zero_variance,
             }
 
@@ -280,7 +294,10 @@ class RolloutBuffer:
 class GroupAssembler:
     """Collects the attempts of each group as they finish, in any order; hands a group to the buffer
     the moment its last attempt finishes. With `drop_zero_variance`, groups whose rewards are all equal
-    carry no GRPO signal and are dropped (counted in the buffer's metrics)."""
+    carry no GRPO signal and are dropped (counted in the buffer's metrics). `on_group(group, dropped)` is
+    called before the group enters the buffer, so whatever it records (e.g. persisting accepted groups) is
+    done before the trainer can take the group; if it raises, the group is neither buffered nor dropped
+    and the caller must withdraw its ticket."""
 
     def __init__(
         self,
@@ -304,10 +321,15 @@ class GroupAssembler:
                 return None
             group = Group(ticket, self._partial.pop(ticket.group_id))
         drop = self.drop_zero_variance and len({r.reward for r in group.rollouts}) == 1
+        if self.on_group:  # first: a caller that persists accepted groups does so before the trainer sees them
+            self.on_group(group, drop)
         if drop:
             self.buffer.drop(group)
         else:
             self.buffer.put(group)
-        if self.on_group:
-            self.on_group(group, drop)
         return group
+
+    def discard(self, group_id: int) -> None:
+        """Forget the finished attempts of a group that was withdrawn (abandoned or interrupted)."""
+        with self._lock:
+            self._partial.pop(group_id, None)
