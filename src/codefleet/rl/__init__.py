@@ -6,5 +6,7 @@
 - `sft`: cross-entropy on the assistant's tokens; padded batches.
 - `logprobs`: `forward_logprobs` (per-token logprobs, routing replay) and the engine-routing conversion.
 - `batch`: rollouts (`Sample`) -> padded `RLBatch`; `rl_loss` = policy loss + router losses under the model.
+- `trainer`: `Trainer` (Tinker API: forward_backward_sft / _rl, optim_step, save / load, weights) with
+  gradient accumulation that gives the one-batch gradient, and sums across data-parallel ranks.
 - `rewards`: group rewards of trajectories (calls `codefleet.agent.reward.compute_reward`).
 """
