@@ -1,7 +1,8 @@
 """The Ray layer: the sandbox fleet (one `SandboxHost` actor per node,
-`SandboxFleet` to reach them) and the pure core of the asynchronous
-controller (`staleness`: admission by staleness bound, group assembly, the
-rollout buffer).
+`SandboxFleet` to reach them), the asynchronous RL controller (`controller`:
+groups of attempts streamed under a staleness bound while the trainer steps)
+and its pure core (`staleness`: admission by staleness bound, group assembly,
+the rollout buffer).
 
 Names are imported lazily, so the pure modules (e.g. `codefleet.fleet.staleness`)
 load without importing Ray.
@@ -13,6 +14,13 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
+    "AttemptResult": "codefleet.fleet.controller",
+    "Controller": "codefleet.fleet.controller",
+    "ControllerConfig": "codefleet.fleet.controller",
+    "GroupRunner": "codefleet.fleet.controller",
+    "RunReport": "codefleet.fleet.controller",
+    "StepReport": "codefleet.fleet.controller",
+    "TrainerClient": "codefleet.fleet.controller",
     "RemoteSandbox": "codefleet.fleet.sandbox_fleet",
     "SandboxFleet": "codefleet.fleet.sandbox_fleet",
     "HostCore": "codefleet.fleet.sandbox_host",
