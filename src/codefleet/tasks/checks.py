@@ -142,10 +142,12 @@ git update-ref {BASELINE_REF} "$commit"
 
 
 def prepare_sandbox(task: Task, config: SandboxConfig | None = None, cache_dir: str | None = None,
-                    setup_timeout_s: float = 600.0) -> Sandbox:
+                    setup_timeout_s: float = 600.0, create=None) -> Sandbox:
     """A sandbox over the task's repository with its setup commands run and a
-    git baseline recorded. The reference patch and check files stay outside."""
-    sandbox = create_sandbox(materialize_repo(task.repo, cache_dir), config)
+    git baseline recorded. The reference patch and check files stay outside.
+    `create(repo_dir, config)` makes the sandbox (default: `create_sandbox`
+    here; `SandboxFleet.create` to place it on the fleet)."""
+    sandbox = (create or create_sandbox)(materialize_repo(task.repo, cache_dir), config)
     try:
         for command in task.setup_commands:
             result = sandbox.exec(command, timeout_s=setup_timeout_s)

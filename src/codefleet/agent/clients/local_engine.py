@@ -13,6 +13,10 @@ MoE layer 0, then layer 1, ...). The text is parsed with
 its `error` set, so the loop tells the model what was wrong instead of ending
 the episode.
 
+For RL, `for_episode()` gives a per-episode policy whose `.tokens` (episode_tokens.EpisodeTokens)
+is the episode's exact token sequence: each turn's prompt extends the ids sampled before, never a
+re-tokenization of their text.
+
 Thread-safe: parallel attempts call `generate` at once and the engine's
 background thread batches their turns into the same decode steps.
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 
+from codefleet.agent.clients.episode_tokens import EpisodeTokens, SequenceBroken, flat
 from codefleet.agent.policy import PolicyError, PolicyOutput, parse_tool_call
 from codefleet.types import ToolCall
 
@@ -59,12 +64,20 @@ class LocalEnginePolicy:
         self._seeds = itertools.count(seed) if seed is not None else None
         self._turns = itertools.count()
 
+    def for_episode(self) -> EpisodePolicy:
+        """A policy for one episode that keeps its exact token sequence (`.tokens`), for RL."""
+        return EpisodePolicy(self)
+
     def generate(self, messages: list[dict], tools: list[dict]) -> PolicyOutput:
-        chat = self._chat
         try:
-            prompt = chat.encode_chat(self.tokenizer, messages, tools)
+            prompt = self._chat.encode_chat(self.tokenizer, messages, tools)
         except (ValueError, KeyError) as e:
             raise PolicyError(f"the messages could not be rendered with the chat template: {e}") from e
+        return self.turn(prompt)[1]
+
+    def turn(self, prompt: list[int]):
+        """Generate one assistant turn for the token ids `prompt`: the engine's Result and the PolicyOutput."""
+        chat = self._chat
         room = self.engine.max_seq_len - len(prompt)
         if room < 1:
             raise PolicyError(f"the conversation has {len(prompt)} tokens, over the local model's context of "
@@ -82,8 +95,28 @@ class LocalEnginePolicy:
         finish = result.finish_reason
         if calls and finish == "stop":
             finish = "tool_calls"
-        return PolicyOutput(text=parsed.content, tool_calls=calls, prompt_tokens=len(prompt),
-                            completion_tokens=len(result.token_ids), model=self.name, finish_reason=finish,
-                            token_ids=list(result.token_ids), logprobs=list(result.logprobs),
-                            policy_versions=list(result.versions),
-                            routed_experts=[[e for layer in token for e in layer] for token in result.routed_experts])
+        return result, PolicyOutput(text=parsed.content, tool_calls=calls, prompt_tokens=len(prompt),
+                                    completion_tokens=len(result.token_ids), model=self.name, finish_reason=finish,
+                                    token_ids=list(result.token_ids), logprobs=list(result.logprobs),
+                                    policy_versions=list(result.versions),
+                                    routed_experts=[flat(token) for token in result.routed_experts])
+
+
+class EpisodePolicy:
+    """One episode's view of a LocalEnginePolicy: each turn's prompt extends the exact token sequence
+    of the turns before (episode_tokens.py), so `tokens` is what the trainer trains on. One per episode;
+    not shared between threads."""
+
+    def __init__(self, base: LocalEnginePolicy):
+        self.base, self.name = base, base.name
+        self.tokens = EpisodeTokens()
+        self._end_id = base._chat.stop_ids(base.tokenizer)[0]
+
+    def generate(self, messages: list[dict], tools: list[dict]) -> PolicyOutput:
+        try:
+            prompt = self.tokens.prompt(self.base.tokenizer, messages, tools)
+        except (ValueError, KeyError, SequenceBroken) as e:
+            raise PolicyError(f"the messages could not be rendered with the chat template: {e}") from e
+        result, output = self.base.turn(prompt)
+        self.tokens.add_turn(prompt, result, len(messages) + 1, self._end_id)
+        return output
