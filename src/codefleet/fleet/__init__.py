@@ -27,6 +27,9 @@ _EXPORTS = {
     "HostStats": "codefleet.fleet.sandbox_host",
     "SandboxCapacityError": "codefleet.fleet.sandbox_host",
     "SandboxHost": "codefleet.fleet.sandbox_host",
+    "TrainerGroup": "codefleet.fleet.trainer_group",
+    "TrainerWorker": "codefleet.fleet.trainer_group",
+    "TrainerWorkerError": "codefleet.fleet.trainer_group",
 }
 
 __all__ = sorted(_EXPORTS)

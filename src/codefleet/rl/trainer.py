@@ -112,6 +112,25 @@ def loss_units(samples: Sequence[Sample], loss: LossConfig) -> int:
     return int(sum(sum(s.loss_mask) for s in samples))
 
 
+def check_examples(examples: Sequence[Example]) -> None:
+    """Raise ValueError, naming the example, unless each has ids and mask of the same length >= 2."""
+    for i, (ids, mask) in enumerate(examples):
+        if len(ids) != len(mask) or len(ids) < 2:
+            raise ValueError(f"example {i}: ids and mask need the same length >= 2, got {len(ids)} and {len(mask)}")
+
+
+def check_samples(samples: Sequence[Sample]) -> None:
+    """Raise ValueError, naming the sample, unless its per-token lists line up and its first token is unmasked."""
+    for i, s in enumerate(samples):
+        if not (len(s.tokens) == len(s.loss_mask) == len(s.behave_logprobs)) or not s.tokens:
+            raise ValueError(f"sample {i}: tokens, loss_mask and behave_logprobs need the same non-zero length, got "
+                             f"{len(s.tokens)}, {len(s.loss_mask)}, {len(s.behave_logprobs)}")
+        if s.loss_mask[0]:
+            raise ValueError(f"sample {i}: the first token has no prediction to train; its loss_mask must be 0")
+        if s.routed_experts is not None and len(s.routed_experts) > len(s.tokens):
+            raise ValueError(f"sample {i}: routing for {len(s.routed_experts)} tokens but only {len(s.tokens)} tokens")
+
+
 def pack(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     """Indices grouped into micro-batches whose padded size (rows x longest row) is at most `max_tokens`:
     longest first, greedily; an item longer than `max_tokens` gets a micro-batch of its own."""
@@ -166,6 +185,7 @@ class Trainer:
         """Cross-entropy on the assistant's tokens; gradients accumulate. `total_tokens`: trained targets of the
         whole step (default: of these examples). Returns `loss` (this call's share of the step's loss: the batch
         loss when total_tokens is None), token-weighted ce / aux_loss / z_loss, and counts."""
+        check_examples(examples)
         units = [sft_units([ex]) for ex in examples]
         total = self._total(sum(units), total_tokens)
         mean, loss_sum = _MetricMean(), 0.0
@@ -188,6 +208,7 @@ class Trainer:
         the whole step (`loss_units`; sequences for sequence-mean losses; default: of these samples). Returns
         `loss` (this call's share of the step's loss), the loss metrics weighted by units, and counts."""
         cfg, mcfg = self.config, self.model.config
+        check_samples(samples)
         units = [loss_units([s], cfg.loss) for s in samples]
         total = self._total(sum(units), total_tokens)
         mean, loss_sum, replayed = _MetricMean(), 0.0, 0

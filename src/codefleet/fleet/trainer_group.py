@@ -1,0 +1,290 @@
+"""Data-parallel training on Ray: N `TrainerWorker` actors, one `rl.trainer.Trainer` each, torch.distributed (gloo).
+
+    group = TrainerGroup(2, model_config=ModelConfig.tiny(), config=TrainConfig())
+    group.sft_step(examples)  /  group.rl_step(samples)     # one optimizer step each
+    ref, version = group.publish()                          # weights in the object store
+    engine.update_weights(ray.get(ref), version)
+    group.save("ckpt/");  group.shutdown()
+
+A step shards the batch across the workers, longest first onto the worker with
+the fewest tokens so far. Every worker runs `forward_backward` on its shard
+with the *whole step's* loss units (`rl.trainer.loss_units`), so its
+gradient is its share of the one-batch gradient; `Trainer.all_reduce` sums
+the shares (and the router's expert loads) with one `all_reduce` each, and
+every worker applies the same AdamW step, so the weights stay identical
+without ever being broadcast (tests compare them with one in-process
+`Trainer` on the full batch). A worker with an empty shard still takes part
+with zero gradients. At start-up rank 0's weights are broadcast once, so the
+workers agree even if their initialisation did not. `n_workers=1` skips
+torch.distributed.
+
+Workers are placed by Ray logical resources only (`num_cpus_per_worker`,
+`resources_per_worker`); rank 0 picks a free port on its node and the others
+join it over TCP. `torch.set_num_threads(threads_per_worker)` keeps a worker
+to its share of the cores. Checkpoint paths must be readable by every
+worker (a shared filesystem on a cluster); rank 0 writes them.
+
+Weight publication: `publish()` has rank 0 return its state dict as one
+object in the Ray object store. It is the return value of an actor call, so
+the driver owns it (it outlives the worker, unlike an actor's `ray.put`). The
+tensors travel as numpy arrays (`_SharedWeights`), which Ray stores as raw
+out-of-band buffers; `ray.get` on any process of the node rebuilds a
+`dict[str, Tensor]` whose tensors are views of the shared-memory object
+(zero-copy, read-only: `Engine.update_weights` copies them into its model).
+
+Failure: a worker that dies (`RayActorError`) or raises mid-step leaves the
+others inside a collective, so the group is finished: the step raises
+`TrainerWorkerError` naming the rank, every later call raises it again, and
+the way on is a new group from the last checkpoint (`TrainerGroup(checkpoint=
+path)`). Inputs are validated on the driver before anything is sent, so a
+malformed batch raises `ValueError` and leaves the group usable.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import warnings
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+import torch.distributed as dist
+from ray.exceptions import RayActorError, RayError
+
+from codefleet.model.config import ModelConfig
+from codefleet.model.transformer import Transformer
+from codefleet.rl.batch import Sample
+from codefleet.rl.trainer import (
+    Example,
+    TrainConfig,
+    Trainer,
+    check_examples,
+    check_samples,
+    loss_units,
+    sft_units,
+)
+
+SUMMED = ("loss", "tokens", "loss_units", "sequences", "micro_batches")  # metrics that add up across workers
+FROM_RANK0 = ("grad_norm", "lr", "version")  # identical on every worker after the step
+
+
+class TrainerWorkerError(RuntimeError):
+    """A trainer worker died or failed mid-step; the group cannot continue."""
+
+
+def shard_by_tokens(lengths: list[int], n: int) -> list[list[int]]:
+    """Indices split into n shards of balanced total length: longest first, onto the lightest shard."""
+    shards: list[list[int]] = [[] for _ in range(n)]
+    load = [0] * n
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(n), key=lambda r: (load[r], r))
+        shards[r].append(i)
+        load[r] += lengths[i]
+    return shards
+
+
+def merge_metrics(per_worker: list[dict[str, float]]) -> dict[str, float]:
+    """One step's metrics: counts and the loss summed, per-token metrics weighted by each worker's loss units,
+    the optimizer's from rank 0."""
+    out = {k: sum(m.get(k, 0.0) for m in per_worker) for k in SUMMED}
+    weight = sum(m.get("loss_units", 0.0) for m in per_worker)
+    for key in {k for m in per_worker for k in m} - set(SUMMED) - set(FROM_RANK0):
+        pairs = [(m[key], m.get("loss_units", 0.0)) for m in per_worker if key in m]
+        out[key] = sum(v * w for v, w in pairs) / weight if weight > 0 else pairs[0][0]
+    out.update({k: per_worker[0][k] for k in FROM_RANK0 if k in per_worker[0]})
+    return out
+
+
+# ---- zero-copy weights through the object store ---------------------------------------
+
+def _as_numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu().contiguous()
+    try:
+        return t.numpy()
+    except TypeError:  # bfloat16, float8: carried as integers of the same width
+        return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]).numpy()
+
+
+def _rebuild_weights(names: list[str], arrays: list[np.ndarray], dtypes: list[str]) -> dict[str, torch.Tensor]:
+    with warnings.catch_warnings():  # the object store's buffers are read-only; nobody writes to them
+        warnings.simplefilter("ignore", UserWarning)
+        return {n: torch.from_numpy(a).view(getattr(torch, d)) for n, a, d in zip(names, arrays, dtypes)}
+
+
+class _SharedWeights:
+    """A state dict that pickles as numpy arrays (out-of-band buffers in Ray) and unpickles as tensors."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        self.state = state
+
+    def __reduce__(self):
+        names = list(self.state)
+        return (_rebuild_weights, (names, [_as_numpy(self.state[n]) for n in names],
+                                   [str(self.state[n].dtype).removeprefix("torch.") for n in names]))
+
+
+# ---- the worker actor ------------------------------------------------------------------
+
+@ray.remote
+class TrainerWorker:
+    """One data-parallel rank: a `Trainer` plus the collectives around its step."""
+
+    def __init__(self, rank: int, world_size: int, checkpoint: str | None, model_config: ModelConfig | None,
+                 config: TrainConfig, threads: int):
+        torch.set_num_threads(threads)
+        self.rank, self.world_size, self.config = rank, world_size, config
+        if checkpoint is not None:
+            self.trainer = Trainer.load(checkpoint, config)
+        else:
+            torch.manual_seed(config.seed)
+            self.trainer = Trainer(Transformer(model_config), config)
+
+    def rendezvous(self) -> str:
+        """A tcp:// address on this node with a free port, for the others to join."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+
+    def init_distributed(self, init_method: str, timeout_s: float) -> None:
+        dist.init_process_group("gloo", init_method=init_method, world_size=self.world_size, rank=self.rank,
+                                timeout=timedelta(seconds=timeout_s))
+        for t in self.trainer.model.state_dict().values():  # rank 0's weights everywhere
+            dist.broadcast(t, src=0)
+
+    def version(self) -> int:
+        return self.trainer.version
+
+    def sft_step(self, examples: list[Example], total_tokens: int) -> dict[str, float]:
+        metrics = self.trainer.forward_backward_sft(examples, total_tokens)
+        return {**metrics, **self._reduce_and_step()}
+
+    def rl_step(self, samples: list[Sample], total_units: int) -> dict[str, float]:
+        metrics = self.trainer.forward_backward_rl(samples, total_units)
+        return {**metrics, **self._reduce_and_step()}
+
+    def _reduce_and_step(self) -> dict[str, float]:
+        if self.world_size > 1:
+            self.trainer.all_reduce(dist.all_reduce)
+        return self.trainer.optim_step()
+
+    def weights(self) -> tuple[int, _SharedWeights]:
+        # serialised into the object store as this call returns, before the next step can change the parameters
+        return self.trainer.version, _SharedWeights(self.trainer.weights(clone=False))
+
+    def save(self, path: str) -> None:
+        self.trainer.save(path)
+
+    def load(self, path: str) -> int:
+        self.trainer = Trainer.load(path, self.config)
+        return self.trainer.version
+
+
+# ---- the group (driver side) ------------------------------------------------------------
+
+class TrainerGroup:
+    """N data-parallel trainer workers that step together. See the module docstring."""
+
+    def __init__(self, n_workers: int = 2, *, checkpoint: str | None = None, model_config: ModelConfig | None = None,
+                 config: TrainConfig | None = None, num_cpus_per_worker: float = 1.0,
+                 resources_per_worker: dict[str, float] | None = None, threads_per_worker: int = 1,
+                 collective_timeout_s: float = 300.0):
+        if n_workers < 1:
+            raise ValueError(f"n_workers must be >= 1, got {n_workers}")
+        if (checkpoint is None) == (model_config is None):
+            raise ValueError("TrainerGroup needs exactly one of checkpoint= (resume or start from saved weights) "
+                             "and model_config= (fresh weights from TrainConfig.seed)")
+        self.config = config or TrainConfig()
+        self._broken: str | None = None
+        options = {"num_cpus": num_cpus_per_worker, "resources": dict(resources_per_worker or {})}
+        self.workers = [TrainerWorker.options(**options).remote(rank, n_workers, checkpoint, model_config, self.config,
+                                                                threads_per_worker)
+                        for rank in range(n_workers)]
+        if n_workers > 1:
+            init_method = self._get([self.workers[0].rendezvous.remote()])[0]
+            self._get([w.init_distributed.remote(init_method, collective_timeout_s) for w in self.workers])
+        self._version = self._get([self.workers[0].version.remote()])[0]
+
+    @property
+    def n_workers(self) -> int:
+        return len(self.workers)
+
+    @property
+    def version(self) -> int:
+        """The policy version of the weights (the number of optimizer steps taken)."""
+        return self._version
+
+    def sft_step(self, examples: list[Example]) -> dict[str, float]:
+        """One optimizer step on the whole batch of (ids, mask) examples, sharded across the workers."""
+        check_examples(examples)
+        total = sft_units(examples)
+        if total == 0:
+            raise ValueError("no example has a masked (assistant) token after the first: nothing to train on")
+        shards = shard_by_tokens([len(ids) for ids, _ in examples], self.n_workers)
+        return self._step([w.sft_step.remote([examples[i] for i in shard], total)
+                           for w, shard in zip(self.workers, shards)])
+
+    def rl_step(self, samples: list[Sample]) -> dict[str, float]:
+        """One optimizer step of the RL loss (`config.loss`) on the whole batch, sharded across the workers."""
+        check_samples(samples)
+        total = loss_units(samples, self.config.loss)
+        if total == 0:
+            raise ValueError("no sample has a masked (sampled) token: nothing to train on")
+        shards = shard_by_tokens([len(s.tokens) for s in samples], self.n_workers)
+        return self._step([w.rl_step.remote([samples[i] for i in shard], total)
+                           for w, shard in zip(self.workers, shards)])
+
+    def _step(self, refs: list[ray.ObjectRef]) -> dict[str, float]:
+        start = time.perf_counter()
+        metrics = merge_metrics(self._get(refs))
+        self._version = int(metrics["version"])
+        return {**metrics, "step_s": time.perf_counter() - start}
+
+    def publish(self) -> tuple[ray.ObjectRef, int]:
+        """Rank 0's weights as one object in the store (a `dict[str, Tensor]` once fetched) and their version."""
+        version_ref, weights_ref = self.workers[0].weights.options(num_returns=2).remote()
+        version = self._get([version_ref])[0]
+        return weights_ref, version
+
+    def save(self, path: str) -> None:
+        """Rank 0 writes a full checkpoint (weights, optimizer, version) to `path` (see `Trainer.save`)."""
+        self._get([self.workers[0].save.remote(path)])
+
+    def load(self, path: str) -> None:
+        """Every worker resumes from `path`, which all of them must be able to read."""
+        versions = self._get([w.load.remote(path) for w in self.workers])
+        self._version = versions[0]
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            try:
+                ray.kill(w)
+            except Exception:  # already gone
+                pass
+        self._broken = self._broken or "the group was shut down"
+
+    def _get(self, refs: list[ray.ObjectRef]) -> list[Any]:
+        """Results of one call per worker (refs[i] from rank i), failing fast on the first worker that fails."""
+        if self._broken:
+            raise TrainerWorkerError(f"this TrainerGroup is unusable ({self._broken}); start a new one from the "
+                                     "last checkpoint: TrainerGroup(checkpoint=PATH, ...)")
+        rank_of = {ref: r for r, ref in enumerate(refs)}
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(ready[0])
+            except RayError as e:
+                rank = rank_of[ready[0]]
+                what = "died" if isinstance(e, RayActorError) else "failed"
+                self._broken = f"trainer worker rank {rank} {what}"
+                self.shutdown()
+                raise TrainerWorkerError(
+                    f"trainer worker rank {rank} of {len(self.workers)} {what} mid-step and the other workers cannot "
+                    "continue without it: resume from the last checkpoint with a new "
+                    "TrainerGroup(checkpoint=PATH, ...). "
+                    f"Cause: {type(e).__name__}: {e}") from e
+        return ray.get(list(refs))

@@ -1,0 +1,135 @@
+"""The data-parallel TrainerGroup on the shared Ray session: two gloo workers take the same step as one
+in-process Trainer on the full batch, publish weights an engine serves, save/load, and fail clearly."""
+
+import pytest
+import ray
+import torch
+
+from codefleet.fleet import TrainerGroup, TrainerWorkerError
+from codefleet.fleet.trainer_group import merge_metrics, shard_by_tokens
+from codefleet.model.engine import Engine
+from codefleet.model.sampling import SamplingParams
+from codefleet.rl.logprobs import forward_logprobs
+from codefleet.rl.trainer import TrainConfig, Trainer
+from test_rl_trainer import _cfg, _examples, _model, _samples
+
+CONFIG = TrainConfig(lr=3e-3, micro_batch_tokens=40)
+CPUS = 0.25  # per worker: other tests share the session's 2 CPUs
+
+
+def _worker_weights(group: TrainerGroup) -> list[dict[str, torch.Tensor]]:
+    return [ray.get(w.weights.options(num_returns=2).remote()[1]) for w in group.workers]
+
+
+def _assert_close(a: dict, b: dict, atol: float) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0, msg=k)
+
+
+@pytest.fixture(scope="module")
+def group(ray_session):
+    g = TrainerGroup(2, model_config=_cfg(), config=CONFIG, num_cpus_per_worker=CPUS)
+    yield g
+    g.shutdown()
+
+
+@pytest.fixture(scope="module")
+def single():
+    """The same model and config in-process, stepped on the same full batches."""
+    return Trainer(_model(CONFIG.seed), CONFIG)
+
+
+def test_shard_and_merge_by_hand():
+    assert shard_by_tokens([5, 1, 4, 3], 2) == [[0, 1], [2, 3]]  # 5+1 vs 4+3
+    assert shard_by_tokens([2], 3) == [[0], [], []]
+    merged = merge_metrics([{"loss": 1.0, "loss_units": 3.0, "ce": 2.0, "version": 4.0},
+                            {"loss": 0.5, "loss_units": 1.0, "ce": 6.0, "version": 4.0}])
+    assert merged["loss"] == 1.5 and merged["loss_units"] == 4.0 and merged["ce"] == 3.0 and merged["version"] == 4.0
+
+
+def test_two_workers_take_the_one_batch_step(group, single):
+    before = single.weights()
+    examples = _examples(7, seed=1)
+    with pytest.raises(ValueError, match="example 0"):  # validated on the driver; the group stays usable
+        group.sft_step([([1], [1])] + examples)
+    m = group.sft_step(examples)
+    s = single.forward_backward_sft(examples)
+    single.optim_step()
+    assert group.version == single.version == 1
+    assert m["loss"] == pytest.approx(s["loss"], abs=1e-5) and m["tokens"] == s["tokens"]
+    w0, w1 = _worker_weights(group)
+    for k in w0:
+        assert torch.equal(w0[k], w1[k]), k  # both workers applied the same step
+    _assert_close(w0, single.weights(), atol=1e-5)
+    assert not torch.allclose(w0["embed.weight"], before["embed.weight"], atol=1e-4)
+
+    samples = _samples(_model(3), 5, seed=2)  # another policy's rollouts, with routing: off-policy + replay
+    m = group.rl_step(samples)
+    s = single.forward_backward_rl(samples)
+    single.optim_step()
+    assert m["routing_replay_frac"] == 1.0 and m["loss"] == pytest.approx(s["loss"], abs=1e-5)
+    assert m["version"] == group.version == 2
+    w0, w1 = _worker_weights(group)
+    for k in w0:
+        assert torch.equal(w0[k], w1[k]), k
+    _assert_close(w0, single.weights(), atol=1e-5)
+
+
+def test_publish_round_trip_to_an_engine(group, single):
+    ref, version = group.publish()
+    assert version == group.version
+    state = ray.get(ref)
+    for k, v in _worker_weights(group)[0].items():
+        assert torch.equal(state[k], v), k
+    again = ray.get(ref)  # zero-copy: both fetches are views of the same object-store buffer
+    assert again["embed.weight"].data_ptr() == state["embed.weight"].data_ptr()
+
+    engine = Engine(_model(seed=7).eval(), max_batch=2, max_seq_len=64)  # different weights until the update
+    engine.update_weights(state, version)
+    prompt = [5, 17, 33, 2]
+    result = engine.generate([prompt], SamplingParams(max_tokens=5, temperature=0.0))[0]
+    assert result.versions == [version] * len(result.token_ids)
+    tokens = torch.tensor([prompt + result.token_ids])
+    with torch.no_grad():
+        expected = forward_logprobs(single.model.eval(), tokens).logprobs_BT[0, len(prompt):]
+    single.model.train()
+    torch.testing.assert_close(torch.tensor(result.logprobs), expected, atol=1e-3, rtol=0)
+
+
+def test_save_then_load_and_resume_in_a_new_group(group, tmp_path):
+    path = str(tmp_path / "ckpt")
+    group.save(path)
+    saved, version = _worker_weights(group)[0], group.version
+    group.sft_step(_examples(3, seed=5))
+    assert group.version == version + 1
+    group.load(path)
+    assert group.version == version
+    for w in _worker_weights(group):
+        for k in saved:
+            assert torch.equal(w[k], saved[k]), k
+    resumed = TrainerGroup(1, checkpoint=path, config=CONFIG, num_cpus_per_worker=CPUS)  # n=1: no torch.distributed
+    try:
+        assert resumed.version == version
+        examples = _examples(4, seed=6)
+        assert resumed.sft_step(examples)["loss"] == pytest.approx(group.sft_step(examples)["loss"], abs=1e-5)
+        _assert_close(_worker_weights(resumed)[0], _worker_weights(group)[0], atol=1e-5)
+    finally:
+        resumed.shutdown()
+
+
+def test_a_killed_worker_raises_a_clear_error(ray_session):
+    g = TrainerGroup(2, model_config=_cfg(), config=CONFIG, num_cpus_per_worker=CPUS)
+    try:
+        ray.kill(g.workers[1], no_restart=True)
+        with pytest.raises(TrainerWorkerError, match=r"rank 1 of 2 died.*last checkpoint"):
+            g.sft_step(_examples(4))
+        with pytest.raises(TrainerWorkerError, match="unusable.*checkpoint"):
+            g.publish()
+    finally:
+        g.shutdown()
+
+
+def test_needs_weights_from_somewhere(ray_session):
+    with pytest.raises(ValueError, match="checkpoint= .*model_config="):
+        TrainerGroup(2)
