@@ -15,6 +15,7 @@ import shlex
 import sys
 
 from codefleet.agent.cli import register as register_agent
+from codefleet.fleet.train_cli import register as register_train
 from codefleet.model.serve_cli import register as register_serve
 from codefleet.tasks.cli import register as register_tasks
 
@@ -105,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_agent(sub)
     register_tasks(sub)
     register_serve(sub)
+    register_train(sub)
     return parser
 
 

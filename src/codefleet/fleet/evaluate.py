@@ -1,0 +1,130 @@
+"""Evaluation of a checkpoint on a task set: success, turns, tool calls, wall clock.
+
+    report = evaluate("runs/demo/checkpoints/rl", tasks, attempts=1)
+    print(report.table())
+
+The checkpoint is served by an in-process engine (continuous batching);
+`jobs` tasks run at once, each with `attempts` attempts forked from one
+prepared sandbox (`agent.attempts.run_task_attempts`), so their turns share
+decode steps. Decoding is greedy by default, so an evaluation is repeatable.
+Every attempt is a scored trajectory; the figures are:
+
+- `success_rate`: solved attempts / attempts (all hidden checks pass);
+- `pass_at_n`: tasks with at least one solved attempt / tasks;
+- `turns`, `tool_calls`, `tool_calls_per_turn`, `wall_s`: means over attempts;
+- `turns_per_solved`, `wall_s_per_solved`: means over solved attempts (None when none solved).
+
+`codefleet eval --checkpoint DIR --tasks DIR [--attempts N]` prints the table
+and the JSON (and writes the trajectories to a rollout store with `--out`).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+from codefleet.types import Task, Trajectory
+
+
+@dataclass
+class EvalConfig:
+    attempts: int = 1
+    temperature: float = 0.0  # greedy
+    max_tokens: int = 384  # per turn
+    jobs: int = 4  # tasks at once
+    threads: int = 2  # torch threads of the engine
+
+
+@dataclass
+class EvalReport:
+    checkpoint: str
+    tasks: int
+    attempts: int
+    success_rate: float
+    pass_at_n: float
+    turns: float
+    tool_calls: float
+    tool_calls_per_turn: float
+    wall_s: float
+    turns_per_solved: float | None
+    wall_s_per_solved: float | None
+    eval_s: float
+    per_task: dict[str, list[dict]] = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        out = asdict(self)
+        out.pop("per_task")
+        return out
+
+    def table(self, label: str = "") -> str:
+        rows = [("success rate", f"{self.success_rate:.1%}"), (f"pass@{self.attempts}", f"{self.pass_at_n:.1%}"),
+                ("turns / attempt", f"{self.turns:.2f}"), ("tool calls / turn", f"{self.tool_calls_per_turn:.2f}"),
+                ("wall s / attempt", f"{self.wall_s:.2f}"),
+                ("turns / solved", "-" if self.turns_per_solved is None else f"{self.turns_per_solved:.2f}"),
+                ("wall s / solved", "-" if self.wall_s_per_solved is None else f"{self.wall_s_per_solved:.2f}")]
+        head = f"{label or self.checkpoint}: {self.tasks} tasks x {self.attempts} attempts"
+        return "\n".join([head] + [f"  {k:<18} {v}" for k, v in rows])
+
+
+def _solved(t: Trajectory) -> bool:
+    return bool(t.checks and t.checks.all_passed)
+
+
+def _mean(xs: list[float]) -> float | None:
+    return round(statistics.fmean(xs), 4) if xs else None
+
+
+def summarize(checkpoint: str, results: dict[str, list[Trajectory]], attempts: int, eval_s: float) -> EvalReport:
+    flat = [t for ts in results.values() for t in ts]
+    solved = [t for t in flat if _solved(t)]
+    return EvalReport(
+        checkpoint=checkpoint, tasks=len(results), attempts=attempts,
+        success_rate=round(len(solved) / len(flat), 4) if flat else 0.0,
+        pass_at_n=round(sum(any(_solved(t) for t in ts) for ts in results.values()) / len(results), 4) if results else 0.0,
+        turns=_mean([t.n_turns for t in flat]) or 0.0, tool_calls=_mean([t.n_tool_calls for t in flat]) or 0.0,
+        tool_calls_per_turn=_mean([t.tool_calls_per_turn for t in flat]) or 0.0,
+        wall_s=_mean([t.wall_s for t in flat]) or 0.0,
+        turns_per_solved=_mean([t.n_turns for t in solved]), wall_s_per_solved=_mean([t.wall_s for t in solved]),
+        eval_s=round(eval_s, 2),
+        per_task={tid: [{"solved": _solved(t), "reward": t.reward, "turns": t.n_turns, "tool_calls": t.n_tool_calls,
+                         "wall_s": round(t.wall_s, 3), "stop_reason": t.stop_reason} for t in ts]
+                  for tid, ts in results.items()})
+
+
+def evaluate(checkpoint: str, tasks: list[Task], config: EvalConfig | None = None, sandbox_config=None,
+             episode_config=None, on_task=None) -> tuple[EvalReport, dict[str, list[Trajectory]]]:
+    """Run every task `attempts` times with the checkpoint; the report and the trajectories by task id."""
+    import torch
+
+    from codefleet.agent.attempts import run_task_attempts
+    from codefleet.agent.clients.local_engine import LocalEnginePolicy
+    from codefleet.model.engine import load_engine
+
+    config = config or EvalConfig()
+    if not tasks:
+        raise ValueError("no tasks to evaluate: give a directory made by `codefleet tasks generate`")
+    torch.set_num_threads(config.threads)
+    started = time.perf_counter()
+    engine = load_engine(checkpoint, max_batch=max(1, config.jobs * config.attempts))
+    try:
+        policy = LocalEnginePolicy(engine=engine, max_tokens=config.max_tokens, temperature=config.temperature,
+                                   seed=0, name=f"local:{checkpoint}")
+
+        def one(task: Task) -> list[Trajectory]:
+            trajectories = run_task_attempts(task, policy, config.attempts, sandbox_config, config=episode_config)
+            if on_task:
+                on_task(task, trajectories)
+            return trajectories
+
+        with ThreadPoolExecutor(max_workers=config.jobs, thread_name_prefix="eval") as pool:
+            results = dict(zip([t.id for t in tasks], pool.map(one, tasks)))
+    finally:
+        engine.close()
+    return summarize(checkpoint, results, config.attempts, time.perf_counter() - started), results
+
+
+def report_json(report: EvalReport) -> str:
+    return json.dumps(report.summary(), sort_keys=True)

@@ -1,0 +1,173 @@
+"""Rollouts on Ray: the agent harness as the RL environment.
+
+A `RolloutWorker` actor runs attempts: for each group it prepares the task's
+sandbox once on the sandbox fleet (`SandboxFleet`, one `SandboxHost` per
+node; repository, setup commands, git baseline), forks one child per
+attempt from it, and runs the product's own `solve()` + `score()` in the
+child with the local engine as policy (`LocalEnginePolicy` over a
+`RemoteEngine`, one engine per episode, so all its turns go to the same
+engine). The attempt returns a `staleness.Rollout` whose payload holds the
+scored Trajectory and the episode's exact token sequence
+(`EpisodeTokens`: ids, loss mask, engine logprobs, versions, routing).
+
+Infrastructure failures are not the agent's failures: an engine or sandbox
+that died, or checks that could not run, raise `InfraError` out of
+`run_attempt`, and the controller retries the attempt. Everything the agent
+did wrong (bad tool calls, a context overflow, wrong fix, no submit) is an
+ordinary scored rollout.
+
+`AgentGroupRunner` is the controller's `GroupRunner` over a set of workers.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+
+import ray
+
+from codefleet.agent.episode import EpisodeConfig
+from codefleet.fleet.inference import RemoteEngine
+from codefleet.fleet.staleness import Rollout, Ticket
+from codefleet.sandbox.base import SandboxConfig
+from codefleet.types import Task
+
+
+class InfraError(RuntimeError):
+    """An attempt failed because of the infrastructure (engine, sandbox, actor), not the agent."""
+
+
+@dataclass
+class RolloutSpec:
+    """How rollout workers run episodes."""
+
+    checkpoint: str  # for the tokenizer and the context length
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    episode: EpisodeConfig = field(default_factory=EpisodeConfig)
+    max_tokens: int = 384  # per turn
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_seq_len: int | None = None
+    use_fleet: bool = True  # sandboxes on the SandboxHost fleet; False: in the worker's process
+    namespace: str = "codefleet"
+
+
+@dataclass
+class _Prepared:
+    sandbox: object
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    finished: int = 0
+
+
+@ray.remote(max_restarts=-1, max_task_retries=0)
+class RolloutWorker:
+    def __init__(self, spec: RolloutSpec, engines: list):
+        import torch
+
+        from codefleet.model.checkpoint import load_config
+        from codefleet.model.tokenizer import TOKENIZER_FILE, Tokenizer, default_tokenizer
+
+        torch.set_num_threads(1)
+        self.spec, self.engines = spec, engines
+        has_tok = os.path.isfile(os.path.join(spec.checkpoint, TOKENIZER_FILE))
+        self.tokenizer = Tokenizer.load(spec.checkpoint) if has_tok else default_tokenizer()
+        self.max_seq_len = spec.max_seq_len or load_config(spec.checkpoint).max_seq_len
+        self._groups: dict[int, _Prepared] = {}
+        self._lock = threading.Lock()
+        self._fleet = None
+
+    def _create(self):
+        if not self.spec.use_fleet:
+            return None
+        if self._fleet is None:
+            from codefleet.fleet.sandbox_fleet import SandboxFleet
+
+            self._fleet = SandboxFleet.start(self.spec.namespace)
+        return self._fleet.create
+
+    def _child(self, task: Task, group_id: int):
+        """A sandbox forked from the group's prepared sandbox (prepared on first use)."""
+        from codefleet.tasks.checks import prepare_sandbox
+
+        with self._lock:
+            prepared = self._groups.setdefault(group_id, _Prepared(None))
+        with prepared.lock:
+            if prepared.sandbox is None or not prepared.sandbox.alive():
+                prepared.sandbox = prepare_sandbox(task, self.spec.sandbox, create=self._create())
+            return prepared.sandbox.fork(1)[0]
+
+    def _done(self, group_id: int, group_size: int) -> None:
+        with self._lock:
+            prepared = self._groups.get(group_id)
+            if prepared is None:
+                return
+            prepared.finished += 1
+            if prepared.finished < group_size:
+                return
+            del self._groups[group_id]
+        if prepared.sandbox is not None:
+            prepared.sandbox.close()
+
+    def run_attempt(self, task: Task, ticket: Ticket, attempt: int, version: int):
+        from codefleet.agent.clients.local_engine import LocalEnginePolicy
+        from codefleet.agent.episode import score, solve
+        from codefleet.fleet.controller import AttemptResult
+
+        spec = self.spec
+        try:
+            sandbox = self._child(task, ticket.group_id)
+        except Exception as e:
+            raise InfraError(f"could not prepare a sandbox for {task.id}: {type(e).__name__}: {e}") from e
+        engine = self.engines[(ticket.group_id * ticket.group_size + attempt) % len(self.engines)]
+        base = LocalEnginePolicy(engine=RemoteEngine(engine, self.tokenizer, self.max_seq_len), tokenizer=self.tokenizer,
+                                 max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
+                                 name="local:rl")
+        policy = base.for_episode()
+        try:
+            config = spec.episode
+            trajectory = solve(sandbox, task.instruction, policy, test_command=task.test_command,
+                               budgets=config.budgets or task.budgets, tool_config=config.tools, task_id=task.id)
+            error = str(trajectory.metadata.get("error", ""))
+            if "EngineDiedError" in error:
+                raise InfraError(f"attempt {attempt} of group {ticket.group_id}: {error}")
+            if not sandbox.alive():
+                raise InfraError(f"attempt {attempt} of group {ticket.group_id}: the sandbox died")
+            trajectory = score(trajectory, sandbox, task, config.reward)
+            if "checks_error" in trajectory.metadata:
+                raise InfraError(f"attempt {attempt} of group {ticket.group_id}: the hidden checks could not run: "
+                                 f"{trajectory.metadata['checks_error']}")
+        finally:
+            sandbox.close()
+        self._done(ticket.group_id, ticket.group_size)
+        tokens = policy.tokens
+        versions = [v for v in tokens.versions if v >= 0]
+        trajectory.metadata.update(attempt=attempt, group=ticket.group_id)
+        sample = {"tokens": tokens.ids, "loss_mask": tokens.mask, "behave_logprobs": tokens.logprobs,
+                  "routed_experts": tokens.routed_experts(), "versions": tokens.versions}
+        rollout = Rollout(f"{ticket.group_id}/{attempt}", ticket.group_id, min(versions, default=version),
+                          trajectory.reward, payload={"trajectory": trajectory, "sample": sample})
+        return AttemptResult(rollout)
+
+    def ping(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+
+class AgentGroupRunner:
+    """The controller's GroupRunner: attempts spread over rollout workers."""
+
+    def __init__(self, workers: list):
+        self.workers = workers
+
+    def start(self, ticket: Ticket, item: Task, attempts: list[int]) -> list:
+        n = len(self.workers)
+        return [self.workers[(ticket.group_id * ticket.group_size + a) % n].run_attempt.remote(
+            item, ticket, a, ticket.policy_version) for a in attempts]
+
+
+def start_workers(spec: RolloutSpec, engines: list, n: int, *, slots_per_worker: int, num_cpus: float = 0.25,
+                  resources: dict | None = None) -> list:
+    workers = [RolloutWorker.options(num_cpus=num_cpus, resources=resources or {},
+                                     max_concurrency=slots_per_worker).remote(spec, engines) for _ in range(n)]
+    ray.get([w.ping.remote() for w in workers])
+    return workers

@@ -1,0 +1,392 @@
+"""`codefleet train`: tasks -> expert demonstrations -> SFT -> asynchronous RL on Ray -> held-out evaluation.
+
+Stages (each skipped on `--resume` when its output exists, see run_dir.py):
+
+1. tasks: `n_train` tasks from the training templates and `n_eval` from the
+   held-out templates of the bundled families (`tasks.generate`).
+2. demonstrations: the scripted expert solves the training tasks through the
+   real harness in real sandboxes (`rl.demos`).
+3. SFT: a freshly initialised MoE policy learns the demonstrations
+   (`TrainerGroup.sft_step`, data-parallel over `trainer_workers`).
+4. RL: the controller (`fleet.controller`) admits groups of `group_size`
+   attempts under the staleness bound `eta`; rollout workers run the agent
+   harness in sandboxes forked from each task's prepared sandbox, with the
+   engine actors as policy; a finished group is persisted, then buffered;
+   the trainer takes `batch_groups` groups per step, computes group-relative
+   advantages, runs the policy loss (off-policy correction for stale tokens,
+   routing replay), publishes the weights through the object store to the
+   engines (in-flight episodes continue on the new weights) and checkpoints.
+5. evaluation of the SFT and the RL checkpoints on the held-out tasks, and a
+   table of success, turns and wall clock per solved task.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import random
+import sys
+import time
+
+import yaml
+
+from codefleet.config import to_dict
+from codefleet.fleet.run_dir import Metrics, RunDir, atomic_write
+from codefleet.fleet.staleness import Group, Ticket
+from codefleet.fleet.train_config import TrainRunConfig
+
+
+class RunError(RuntimeError):
+    """The run cannot go on; the message says what to do."""
+
+
+def _log(message: str) -> None:
+    print(f"[codefleet train] {message}", file=sys.stderr, flush=True)
+
+
+# -- stages -----------------------------------------------------------------------------
+
+
+def make_tasks(run: RunDir, config: TrainRunConfig):
+    from codefleet.tasks.generate import generate_tasks
+    from codefleet.tasks.spec import load_tasks
+
+    t = config.tasks
+    sets = {}
+    for split, n in (("train", t.n_train), ("test", t.n_eval)):
+        folder = run.path("tasks", "train" if split == "train" else "eval")
+        if os.path.isdir(folder) and os.listdir(folder):
+            sets[split] = load_tasks(folder)
+        else:
+            sets[split] = generate_tasks(folder, n=n, seed=t.seed, families=t.families, difficulty=t.difficulty,
+                                         split=split)
+    return sets["train"], sets["test"]
+
+
+def init_model(run: RunDir, config: TrainRunConfig, tokenizer) -> str:
+    import torch
+
+    from codefleet.model import checkpoint
+    from codefleet.model.config import ModelConfig
+    from codefleet.model.transformer import Transformer
+
+    path = run.path("checkpoints", "init")
+    if os.path.isfile(os.path.join(path, checkpoint.CONFIG_FILE)):
+        return path
+    preset = getattr(ModelConfig, config.model.size, None)
+    if preset is None:
+        raise RunError(f"model.size={config.model.size!r} is not a preset; use tiny, small or medium")
+    torch.manual_seed(config.model.seed)
+    model = Transformer(preset(vocab_size=tokenizer.vocab_size, max_seq_len=config.model.max_seq_len))
+    checkpoint.save(model, path)
+    return path
+
+
+def demonstrations(run: RunDir, config: TrainRunConfig, tasks, tokenizer):
+    from codefleet.rl.demos import expert_demos
+
+    path = run.path("demos.pkl")
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    started = time.perf_counter()
+    demos = expert_demos(tasks, tokenizer, config.model.max_seq_len, config.sandbox, _episode_config(config))
+    atomic_write(path, pickle.dumps(demos))
+    _log(f"{len(demos.examples)} expert demonstrations ({demos.tokens} tokens) in {time.perf_counter() - started:.0f} s;"
+         f" {len(demos.unsolved)} unsolved, {len(demos.too_long)} longer than the context, dropped")
+    return demos
+
+
+def sft(run: RunDir, config: TrainRunConfig, demos, init: str, metrics: Metrics) -> str:
+    from codefleet.fleet.trainer_group import TrainerGroup
+    from codefleet.rl.trainer import TrainConfig
+
+    path = run.path("checkpoints", "sft")
+    if os.path.isfile(run.path("sft.done")):
+        return path
+    if not demos.examples:
+        raise RunError("no expert demonstration solved its task; check `codefleet tasks check` on the task set")
+    c, cl = config.sft, config.cluster
+    group = TrainerGroup(cl.trainer_workers, checkpoint=init, config=TrainConfig(lr=c.lr, seed=config.model.seed),
+                         num_cpus_per_worker=cl.trainer_cpus)
+    try:
+        rng = random.Random(config.model.seed)
+        order = list(range(len(demos.examples)))
+        step, started = 0, time.perf_counter()
+        for epoch in range(c.epochs):
+            rng.shuffle(order)
+            for i in range(0, len(order), c.batch_size):
+                batch = [demos.examples[j] for j in order[i:i + c.batch_size]]
+                m = group.sft_step(batch)
+                step += 1
+                metrics.log("sft", step, m)
+                _log(f"sft epoch {epoch + 1}/{c.epochs} step {step}: loss {m.get('loss', m.get('ce', 0)):.3f} "
+                     f"({time.perf_counter() - started:.0f} s)")
+        group.save(path)
+    finally:
+        group.shutdown()
+    atomic_write(run.path("sft.done"), b"")
+    return path
+
+
+def _episode_config(config: TrainRunConfig):
+    from codefleet.agent.episode import EpisodeConfig
+    from codefleet.agent.tools import ToolConfig
+    from codefleet.types import Budgets
+
+    return EpisodeConfig(budgets=Budgets(max_turns=config.rl.max_turns, max_tool_calls=4 * config.rl.max_turns,
+                                         wall_clock_s=config.rl.rollout_timeout_s / 2),
+                         tools=ToolConfig(max_output_chars=4000), reward=config.rl.reward)
+
+
+def _weights_only(src: str, dst: str) -> str:
+    """A plain checkpoint (policy version 0, no optimizer) of `src`'s weights: where RL starts."""
+    from codefleet.model import checkpoint
+
+    if not os.path.isfile(os.path.join(dst, checkpoint.CONFIG_FILE)):
+        checkpoint.save(checkpoint.load(src), dst)
+    return dst
+
+
+# -- RL ---------------------------------------------------------------------------------
+
+
+def rollout_stats(groups: list[Group]) -> dict[str, float]:
+    trajectories = [r.payload["trajectory"] for g in groups for r in g.rollouts]
+    n = max(len(trajectories), 1)
+    solved = [t for t in trajectories if t.checks and t.checks.all_passed]
+    turns = sum(t.n_turns for t in trajectories)
+    return {"reward_mean": sum(t.reward for t in trajectories) / n, "success_rate": len(solved) / n,
+            "turns_mean": turns / n, "tool_calls_per_turn": sum(t.n_tool_calls for t in trajectories) / max(turns, 1),
+            "completion_tokens": sum(t.turns[i].completion_tokens for t in trajectories for i in range(t.n_turns)),
+            "rollouts": len(trajectories)}
+
+
+class RLTrainer:
+    """The controller's TrainerClient: advantages, one RL step, weights to the engines, a checkpoint."""
+
+    def __init__(self, group, engines, run: RunDir, metrics: Metrics, config: TrainRunConfig, progress=None):
+        self.group, self.engines, self.run, self.metrics = group, engines, run, metrics
+        self.config, self.progress = config, progress
+        self.controller = None  # set once the controller exists (its buffer state goes into checkpoints)
+        self.started = time.perf_counter()
+        self.tokens = 0
+
+    def train(self, batch) -> dict[str, float]:
+        import torch
+
+        from codefleet.fleet.inference import broadcast_weights
+        from codefleet.rl.advantages import compute_advantages
+        from codefleet.rl.batch import Sample
+
+        rewards_NG = torch.tensor([[r.reward for r in g.rollouts] for g in batch.groups])
+        adv_NG = compute_advantages(rewards_NG, self.config.rl.estimator)
+        samples = []
+        for g, adv_G in zip(batch.groups, adv_NG):
+            for r, adv in zip(g.rollouts, adv_G.tolist()):
+                s = r.payload["sample"]
+                samples.append(Sample(s["tokens"], s["loss_mask"], s["behave_logprobs"], adv, s["routed_experts"]))
+        step_started = time.perf_counter()
+        m = dict(self.group.rl_step(samples))
+        weights_ref, version = self.group.publish()
+        broadcast_weights(self.engines, weights_ref, version)
+        self.group.save(self.run.rl_checkpoint(version))
+        state = self.controller.buffer_state()
+        self.run.commit_checkpoint(version, {"consumed_ids": state["consumed_ids"], "lags": state["lags"],
+                                             "next_group_id": state["next_group_id"], "next_batch": state["next_batch"]})
+        self.run.prune(version)
+        stats = rollout_stats(batch.groups)
+        self.tokens += stats["completion_tokens"]
+        m.update(stats, train_s=time.perf_counter() - step_started, lag_max=max(batch.lags, default=0),
+                 lag_mean=sum(batch.lags) / max(len(batch.lags), 1),
+                 tokens_per_s=self.tokens / (time.perf_counter() - self.started))
+        self.metrics.log("rl", version, m)
+        if self.progress is not None:
+            self.progress.set_postfix(reward=f"{stats['reward_mean']:.2f}", success=f"{stats['success_rate']:.0%}",
+                                      tok_s=f"{m['tokens_per_s']:.0f}", lag=f"{m['lag_mean']:.1f}")
+            self.progress.update(1)
+        return m
+
+
+def resume_state(run: RunDir, batch_groups: int) -> tuple[int, dict | None]:
+    """(start version, buffer state) from the newest checkpoint and the accepted groups on disk."""
+    latest = run.latest()
+    groups, bad = run.load_groups()
+    for line in bad:
+        _log(f"skipping a damaged accepted-group file: {line}")
+    if latest is None and not groups:
+        return 0, None
+    step, state = (latest[1], latest[2]) if latest else (0, {"consumed_ids": [], "lags": []})
+    consumed = set(state["consumed_ids"])
+    pending = sorted((g for g in groups if not any(r.rollout_id in consumed for r in g.rollouts)),
+                     key=lambda g: (g.ticket.deadline, g.group_id))
+    ready = []
+    for i, g in enumerate(pending):  # trained as soon as possible; deadlines spread so batches stay feasible
+        ticket = dataclasses.replace(g.ticket, deadline=max(g.ticket.deadline, step + i // batch_groups))
+        ready.append((ticket, list(g.rollouts)))
+    next_group_id = max([state.get("next_group_id", 0)] + [g.group_id + 1 for g in groups])
+    _log(f"resuming at step {step}: {len(ready)} accepted groups not yet trained are queued again")
+    return step, {"next_batch": step, "next_group_id": next_group_id, "ready": ready,
+                  "consumed_ids": sorted(consumed), "lags": list(state["lags"])}
+
+
+def task_stream(tasks, seed: int, skip: int = 0):
+    """Training tasks forever, reshuffled every pass; `skip` items are passed over (resume)."""
+    n = 0
+    for epoch in range(10**9):
+        order = list(tasks)
+        random.Random(f"{seed}/{epoch}").shuffle(order)
+        for task in order:
+            n += 1
+            if n > skip:
+                yield task
+
+
+def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, metrics: Metrics,
+              progress: bool = True) -> str:
+    from tqdm import tqdm
+
+    from codefleet.analysis.store import RolloutWriter, rollout_record
+    from codefleet.fleet.controller import Controller, ControllerConfig
+    from codefleet.fleet.inference import start_engines
+    from codefleet.fleet.rollouts import AgentGroupRunner, RolloutSpec, start_workers
+    from codefleet.fleet.sandbox_fleet import SandboxFleet
+    from codefleet.fleet.trainer_group import TrainerGroup
+    from codefleet.rl.trainer import TrainConfig
+
+    c, cl = config.rl, config.cluster
+    start = _weights_only(sft_ckpt, run.path("checkpoints", "rl-start"))
+    version, buffer_state = resume_state(run, c.batch_groups)
+    if version >= c.steps:
+        return run.latest()[0]
+    latest = run.latest()
+    serving = latest[0] if latest else start
+    group = TrainerGroup(cl.trainer_workers, checkpoint=serving, num_cpus_per_worker=cl.trainer_cpus,
+                         config=TrainConfig(lr=c.lr, loss=c.loss, routing_replay=c.routing_replay,
+                                            seed=config.model.seed))
+    engines = start_engines(serving, cl.engines, num_cpus=1.0, threads=cl.engine_threads,
+                            max_batch=max(c.rollout_slots, 1), version=version)
+    SandboxFleet.start()
+    spec = RolloutSpec(checkpoint=serving, sandbox=config.sandbox, episode=_episode_config(config),
+                       max_tokens=c.max_tokens, temperature=c.temperature, max_seq_len=config.model.max_seq_len)
+    workers = start_workers(spec, engines, cl.rollout_workers,
+                            slots_per_worker=-(-c.rollout_slots // cl.rollout_workers))
+    writer = RolloutWriter(run.path("rollouts"))
+
+    def on_group(g: Group, dropped: bool) -> None:
+        if not dropped:
+            run.save_group(g)  # durable before the trainer can see it
+        writer.append([rollout_record(r.payload["trajectory"], run=config.name, step=g.ticket.policy_version,
+                                      group=g.group_id, attempt=int(r.rollout_id.split("/")[1]),
+                                      extra={"dropped": dropped}) for r in g.rollouts])
+
+    bar = tqdm(total=c.steps, initial=version, desc="rl", unit="step", disable=not progress, file=sys.stderr)
+    trainer = RLTrainer(group, engines, run, metrics, config, bar)
+    skip = buffer_state["next_group_id"] if buffer_state else 0
+    controller = Controller(
+        ControllerConfig(eta=c.eta, rollout_slots=c.rollout_slots, batch_groups=c.batch_groups,
+                         group_size=c.group_size, rollout_timeout_s=c.rollout_timeout_s,
+                         drop_zero_variance=c.drop_zero_variance),
+        AgentGroupRunner(workers), trainer, task_stream(train_tasks, config.tasks.seed, skip),
+        start_version=version, buffer_state=buffer_state, on_group=on_group)
+    trainer.controller = controller
+    try:
+        report = controller.run(c.steps)
+    finally:
+        bar.close()
+        group.shutdown()
+    _log(f"RL done: {report}")
+    return run.latest()[0]
+
+
+# -- the run ----------------------------------------------------------------------------
+
+
+def _ray(config: TrainRunConfig):
+    import ray
+
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local run needs no token files
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    address = config.cluster.address or os.environ.get("RAY_ADDRESS", "")
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        ray.init(num_cpus=config.cluster.num_cpus, resources={"sandbox": config.cluster.sandbox_slots},
+                 include_dashboard=False, log_to_driver=False, configure_logging=False)
+    return True
+
+
+def evaluate_checkpoints(run: RunDir, config: TrainRunConfig, eval_tasks, checkpoints: dict[str, str]) -> dict:
+    from codefleet.fleet.evaluate import EvalConfig, evaluate
+
+    e = config.eval
+    results = {}
+    for label, path in checkpoints.items():
+        out = run.path("eval", f"{label}.json")
+        if os.path.isfile(out):
+            with open(out) as f:
+                results[label] = json.load(f)
+            continue
+        report, _ = evaluate(path, eval_tasks, EvalConfig(attempts=e.attempts, temperature=e.temperature,
+                                                          max_tokens=e.max_tokens, jobs=e.jobs),
+                             config.sandbox, _episode_config(config))
+        results[label] = report.summary()
+        atomic_write(out, json.dumps(results[label], indent=2, sort_keys=True).encode())
+    return results
+
+
+def results_table(results: dict) -> str:
+    def fmt(x, spec):
+        return "-" if x is None else format(x, spec)
+
+    lines = [f"{'checkpoint':<10} {'success':>8} {'turns/solved':>13} {'wall s/solved':>14} {'turns':>6} "
+             f"{'calls/turn':>10}"]
+    for label, r in results.items():
+        lines.append(f"{label:<10} {r['success_rate']:>8.1%} {fmt(r['turns_per_solved'], '.2f'):>13} "
+                     f"{fmt(r['wall_s_per_solved'], '.2f'):>14} {r['turns']:>6.2f} {r['tool_calls_per_turn']:>10.2f}")
+    return "\n".join(lines)
+
+
+def train(config: TrainRunConfig, out: str, resume: bool = False, progress: bool = True) -> dict:
+    """Run (or resume) the whole pipeline into `out`; returns the evaluation results."""
+    import ray
+
+    from codefleet.model.tokenizer import default_tokenizer
+
+    run = RunDir(out)
+    saved = run.path("config.yaml")
+    if resume:
+        if not os.path.isfile(saved):
+            raise RunError(f"{out} has no config.yaml: nothing to resume; start a run with --out {out}")
+        from codefleet.config import from_dict
+
+        with open(saved) as f:
+            config = from_dict(TrainRunConfig, yaml.safe_load(f))
+    elif os.path.isfile(saved):
+        raise RunError(f"{out} already holds a run; pass --resume to continue it, or choose another --out")
+    else:
+        os.makedirs(run.root, exist_ok=True)
+        atomic_write(saved, yaml.safe_dump(to_dict(config), sort_keys=False).encode())
+    started = time.perf_counter()
+    tokenizer = default_tokenizer()
+    train_tasks, eval_tasks = make_tasks(run, config)
+    init = init_model(run, config, tokenizer)
+    demos = demonstrations(run, config, train_tasks, tokenizer)
+    metrics = Metrics(run)
+    own_ray = _ray(config)
+    try:
+        sft_ckpt = sft(run, config, demos, init, metrics)
+        rl_ckpt = reinforce(run, config, train_tasks, sft_ckpt, metrics, progress)
+    finally:
+        metrics.plot()
+        metrics.close()
+        if own_ray:
+            ray.shutdown()
+    results = evaluate_checkpoints(run, config, eval_tasks, {"sft": sft_ckpt, "rl": rl_ckpt})
+    summary = {"results": results, "wall_s": round(time.perf_counter() - started, 1), "run_dir": run.root}
+    atomic_write(run.path("results.json"), json.dumps(summary, indent=2, sort_keys=True).encode())
+    return summary

@@ -1,0 +1,94 @@
+"""`codefleet train` and `codefleet eval`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def register(subparsers) -> None:
+    train = subparsers.add_parser(
+        "train", help="tasks -> expert demos -> SFT -> asynchronous RL on Ray -> held-out evaluation",
+        description="With no config, the tiny embedded default end to end (see docs/training.md). Settings come "
+        "from --config FILE and KEY=VALUE overrides (e.g. rl.steps=20 cluster.num_cpus=8).")
+    train.add_argument("--config", default=None, help="YAML file with TrainRunConfig sections")
+    train.add_argument("--out", default=None, help="run directory (required unless --resume RUN_DIR)")
+    train.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue the run in RUN_DIR after a crash")
+    train.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local Ray)")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    train.set_defaults(func=_train)
+
+    ev = subparsers.add_parser("eval", help="evaluate a checkpoint on a task directory",
+                               description="Success, turns, tool calls, tool calls per turn and wall clock per task "
+                               "of CHECKPOINT on the tasks in DIR (greedy decoding).")
+    ev.add_argument("--checkpoint", required=True, help="checkpoint directory")
+    ev.add_argument("--tasks", required=True, help="task directory (codefleet tasks generate)")
+    ev.add_argument("--attempts", type=int, default=1)
+    ev.add_argument("--jobs", type=int, default=4, help="tasks at once")
+    ev.add_argument("--max-tokens", type=int, default=384, help="per turn")
+    ev.add_argument("--max-turns", type=int, default=8)
+    ev.add_argument("--temperature", type=float, default=0.0)
+    ev.add_argument("--out", default=None, help="also write the trajectories to a rollout store in this directory")
+    ev.add_argument("--json", action="store_true", help="print only the JSON summary")
+    ev.set_defaults(func=_eval)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from codefleet.config import ConfigError, load_config
+    from codefleet.fleet.train import RunError, results_table, train
+    from codefleet.fleet.train_config import TrainRunConfig
+
+    if not (args.out or args.resume):
+        print("codefleet train: give --out RUN_DIR (a new run) or --resume RUN_DIR", file=sys.stderr)
+        return 2
+    try:
+        config = load_config(TrainRunConfig, args.config, args.overrides)
+    except (ConfigError, ValueError) as e:
+        print(f"codefleet train: {e}", file=sys.stderr)
+        return 2
+    if args.address:
+        config.cluster.address = args.address
+    try:
+        summary = train(config, args.resume or args.out, resume=bool(args.resume), progress=not args.no_progress)
+    except RunError as e:
+        print(f"codefleet train: {e}", file=sys.stderr)
+        return 2
+    print(f"\nheld-out tasks ({summary['run_dir']}/tasks/eval), run wall clock {summary['wall_s']:.0f} s:")
+    print(results_table(summary["results"]))
+    print(json.dumps(summary["results"], sort_keys=True))
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from codefleet.agent.episode import EpisodeConfig
+    from codefleet.fleet.evaluate import EvalConfig, evaluate, report_json
+    from codefleet.tasks.spec import load_tasks
+    from codefleet.types import Budgets
+
+    for path, what in ((args.checkpoint, "--checkpoint"), (args.tasks, "--tasks")):
+        if not os.path.isdir(path):
+            print(f"codefleet eval: {what} {path!r} is not a directory", file=sys.stderr)
+            return 2
+    tasks = load_tasks(args.tasks)
+    on_task = None
+    if args.out:
+        from codefleet.analysis.store import RolloutWriter, rollout_record
+
+        writer = RolloutWriter(os.path.join(args.out, "rollouts"))
+        run_name = os.path.basename(os.path.abspath(args.checkpoint))
+
+        def on_task(task, trajectories):
+            writer.append([rollout_record(t, run=run_name, step=0, group=0, attempt=i, split="eval")
+                           for i, t in enumerate(trajectories)])
+
+    episode = EpisodeConfig(budgets=Budgets(max_turns=args.max_turns, max_tool_calls=4 * args.max_turns))
+    report, _ = evaluate(args.checkpoint, tasks, EvalConfig(attempts=args.attempts, temperature=args.temperature,
+                                                            max_tokens=args.max_tokens, jobs=args.jobs),
+                         episode_config=episode, on_task=on_task)
+    if not args.json:
+        print(report.table())
+    print(report_json(report))
+    return 0

@@ -1,0 +1,89 @@
+"""The configuration of a training run (`codefleet train`), one typed section per stage.
+
+Defaults are the tiny embedded run of `make demo`: 2 CPU cores, a ~9M
+parameter MoE policy trained from scratch, generated tasks. Every field can
+be set from a YAML file (`--config`) or the command line (`rl.steps=20`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from codefleet.agent.reward import RewardConfig
+from codefleet.rl.losses import LossConfig
+from codefleet.sandbox.base import SandboxConfig
+
+
+@dataclass
+class TasksSection:
+    n_train: int = 40
+    n_eval: int = 20  # held-out templates (split "test")
+    seed: int = 0
+    families: list[str] = field(default_factory=lambda: ["bugfix", "stub", "rename", "config", "multifile"])
+    difficulty: int | None = 1  # 1-3; None draws per task
+
+
+@dataclass
+class ModelSection:
+    size: str = "tiny"  # "tiny" | "small" | "medium" (ModelConfig presets)
+    max_seq_len: int = 4096
+    seed: int = 0
+
+
+@dataclass
+class SFTSection:
+    epochs: int = 4
+    batch_size: int = 8  # demonstrations per optimizer step
+    lr: float = 2e-3
+    max_turn_tokens: int = 384
+
+
+@dataclass
+class RLSection:
+    steps: int = 8
+    lr: float = 2e-4
+    eta: int = 1  # staleness bound (0 = synchronous)
+    group_size: int = 4
+    batch_groups: int = 2
+    rollout_slots: int = 8
+    rollout_timeout_s: float = 600.0
+    estimator: str = "grpo"  # "grpo" | "drgrpo" | "rloo"
+    drop_zero_variance: bool = False
+    temperature: float = 1.0
+    max_tokens: int = 384  # per turn
+    max_turns: int = 8
+    loss: LossConfig = field(default_factory=lambda: LossConfig(off_policy="tis"))
+    reward: RewardConfig = field(default_factory=lambda: RewardConfig(cost_per_turn=0.02))
+    routing_replay: bool = True
+
+
+@dataclass
+class EvalSection:
+    attempts: int = 1
+    temperature: float = 0.0
+    max_tokens: int = 384
+    jobs: int = 4
+
+
+@dataclass
+class ClusterSection:
+    address: str = ""  # "" = RAY_ADDRESS or a local Ray started here
+    num_cpus: float = 4.0  # logical CPUs of the local Ray (never the physical count)
+    sandbox_slots: int = 64
+    engines: int = 1
+    engine_threads: int = 1
+    trainer_workers: int = 2
+    trainer_cpus: float = 0.5  # logical CPUs per trainer worker
+    rollout_workers: int = 2
+
+
+@dataclass
+class TrainRunConfig:
+    name: str = "demo"
+    tasks: TasksSection = field(default_factory=TasksSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    sft: SFTSection = field(default_factory=SFTSection)
+    rl: RLSection = field(default_factory=RLSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    cluster: ClusterSection = field(default_factory=ClusterSection)
+    sandbox: SandboxConfig = field(default_factory=lambda: SandboxConfig(timeout_s=30.0, memory_mb=1024))

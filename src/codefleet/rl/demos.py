@@ -1,0 +1,55 @@
+"""Expert demonstrations for SFT: the scripted expert solves training tasks through the real harness.
+
+Each task is run by `agent.episode.run_episode` with `ScriptedExpert` in a
+real sandbox, exactly as a model would be run (same system prompt, same
+tools, same tool outputs), and only solved episodes are kept. The
+conversation is encoded with the chat template into `(ids, mask)`, mask 1
+on the assistant's tokens (`chat.encode_chat_with_mask`), which is what
+`rl.sft` trains on. Demonstrations longer than the model's context are
+dropped and counted, never truncated (a cut demonstration teaches a turn
+without its ending).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from codefleet.types import Task
+
+
+@dataclass
+class Demos:
+    examples: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    task_ids: list[str] = field(default_factory=list)
+    unsolved: list[str] = field(default_factory=list)
+    too_long: list[str] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(ids) for ids, _ in self.examples)
+
+
+def expert_demos(tasks: list[Task], tokenizer, max_seq_len: int, sandbox_config=None, episode_config=None,
+                 jobs: int = 2) -> Demos:
+    from codefleet.agent.clients.scripted import ScriptedExpert
+    from codefleet.agent.episode import run_episode
+    from codefleet.agent.tools import tool_schemas
+    from codefleet.model import chat
+
+    def one(task: Task):
+        return run_episode(task, ScriptedExpert(task), sandbox_config, config=episode_config)
+
+    demos = Demos()
+    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="demo") as pool:
+        for task, trajectory in zip(tasks, pool.map(one, tasks)):
+            if not (trajectory.checks and trajectory.checks.all_passed):
+                demos.unsolved.append(task.id)
+                continue
+            ids, mask = chat.encode_chat_with_mask(tokenizer, trajectory.messages, tool_schemas())
+            if len(ids) > max_seq_len:
+                demos.too_long.append(task.id)
+                continue
+            demos.examples.append((ids, mask))
+            demos.task_ids.append(task.id)
+    return demos
