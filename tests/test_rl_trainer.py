@@ -89,6 +89,9 @@ def test_sft_micro_batches_and_shards_give_the_one_batch_gradient():
         torch.testing.assert_close(a, g0 + g1, atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="whole step"):
         halves[0].forward_backward_sft(examples, total_tokens=1)
+    idle = Trainer(_model(), TrainConfig())  # a rank whose shard is empty still joins the sum, with zeros
+    assert idle.forward_backward_sft([], total_tokens=total)["loss"] == 0.0
+    assert all(not g.any() for g in idle.gradients())
 
 
 @pytest.mark.parametrize("loss", [LossConfig(), LossConfig(reduction="seq_mean"),
