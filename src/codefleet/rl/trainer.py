@@ -55,6 +55,7 @@ the new one, never half of one. `load` also accepts a plain model checkpoint
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -144,6 +145,15 @@ def pack(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     return batches
 
 
+def _to_device(batch, device: torch.device):
+    """A batch dataclass with its tensors (and lists of tensors) on `device`."""
+    def move(x):
+        if isinstance(x, list):
+            return [t.to(device) for t in x]
+        return x.to(device) if isinstance(x, torch.Tensor) else x
+    return dataclasses.replace(batch, **{f.name: move(getattr(batch, f.name)) for f in dataclasses.fields(batch)})
+
+
 class _MetricMean:
     """Weighted means of the micro-batches' metrics (weight = the micro-batch's share of the units)."""
 
@@ -191,9 +201,7 @@ class Trainer:
         mean, loss_sum = _MetricMean(), 0.0
         micro = pack([len(ids) - 1 for ids, _ in examples], self.config.micro_batch_tokens)
         for idx in micro:
-            batch = pad_batch([examples[i] for i in idx])
-            batch = type(batch)(*(t.to(self.device) for t in (batch.tokens_BT, batch.targets_BT,
-                                                              batch.loss_mask_BT, batch.positions_BT)))
+            batch = _to_device(pad_batch([examples[i] for i in idx]), self.device)
             weight = sum(units[i] for i in idx) / total
             loss, metrics = sft_step_loss(self.model, batch)
             (loss * weight).backward()
@@ -214,13 +222,8 @@ class Trainer:
         mean, loss_sum, replayed = _MetricMean(), 0.0, 0
         micro = pack([len(s.tokens) for s in samples], cfg.micro_batch_tokens)
         for idx in micro:
-            batch = collate([samples[i] for i in idx], mcfg.n_moe_layers, mcfg.top_k)
-            batch.tokens_BT, batch.mask_BT = batch.tokens_BT.to(self.device), batch.mask_BT.to(self.device)
-            batch.behave_logprobs_BT = batch.behave_logprobs_BT.to(self.device)
-            batch.advantages_B = batch.advantages_B.to(self.device)
+            batch = _to_device(collate([samples[i] for i in idx], mcfg.n_moe_layers, mcfg.top_k), self.device)
             replay = cfg.routing_replay and batch.routing_replay is not None
-            if replay:
-                batch.routing_replay = [r.to(self.device) for r in batch.routing_replay]
             routing = batch.routing_replay if replay else None
             prox = self._score(self.model, batch, routing) if cfg.loss.off_policy != "none" else None
             ref = self._score(self.reference, batch, routing) if self.reference is not None else None
