@@ -35,5 +35,9 @@ def test_small_bench_reports_every_eta_and_synchronous_lags_are_zero(ray_session
     # the trainer step is 30% of the expected synchronous step
     expected_sync = expected_max_lognormal(8, 1.0, 20.0) * 0.01 / 0.7
     assert math.isclose(r["trainer_step_s"], 0.3 * expected_sync, rel_tol=0.01)
+    # a synchronous step cannot be shorter than its longest attempt plus the trainer step
+    assert r["sync_overhead_s_per_step"] >= -0.001
+    assert math.isclose(r["measured_sync_step_s"], r["sync_mean_longest_attempt_s"] + r["trainer_step_s"]
+                        + r["sync_overhead_s_per_step"], abs_tol=0.002)
     lines = table(r).splitlines()
     assert [line.split()[0] for line in lines[1:4]] == ["0", "1", "2"]

@@ -63,10 +63,12 @@ class ScriptedRunner:
         self.controller: Controller | None = None
         self.tries: dict[tuple[int, int], int] = {}
         self.started: list[tuple[int, int, int]] = []  # (group_id, attempt, version)
+        self.group_items: dict[int, object] = {}  # group_id -> item, in the order groups were started
         self.victims = []
 
     def start(self, ticket, item, attempts):
         version = self.controller.version
+        self.group_items.setdefault(ticket.group_id, item)
         refs = []
         for a in attempts:
             key = (ticket.group_id, a)
@@ -239,8 +241,10 @@ def test_resume_from_buffer_state_loses_nothing_and_trains_nothing_twice(ray_ses
 
     with pytest.raises(ValueError, match="start_version=2 but buffer_state was saved before step 3"):
         Controller(ctrl.config, runner, trainer, itertools.count(), start_version=2, buffer_state=state)
-    trainer2 = SleepTrainer(step_s=0.01)
+    trainer2 = SleepTrainer(step_s=0.001)
     ctrl2 = Controller(ctrl.config, runner, trainer2, itertools.count(), start_version=3, buffer_state=state)
+    accepted2 = []
+    ctrl2.assembler.on_group = lambda g, dropped: accepted2.append(g.group_id)
     runner.controller = ctrl2
     report = ctrl2.run(5)
     assert report.steps == 2 and ctrl2.version == 5 and [b.trainer_version for b in trainer2.batches] == [3, 4]
@@ -254,8 +258,14 @@ def test_resume_from_buffer_state_loses_nothing_and_trains_nothing_twice(ray_ses
     new_groups = {int(r.split("/")[0]) for r in second} - {int(r.split("/")[0]) for r in buffered}
     assert all(g > max(accepted) for g in new_groups)  # group ids (hence rollout ids) are not reused
 
-    # the same controller continues with a second run()
+    # the same controller continues with a second run(); the items of the groups it interrupted go first
+    assert ctrl2.run(5).steps == 0
+    interrupted = [item for gid, item in runner.group_items.items() if gid >= state["next_group_id"]
+                   and gid not in set(accepted2)]
+    assert interrupted  # the trainer is fast: groups were in flight when run(5) ended
+    n_before = len(runner.group_items)
     assert ctrl2.run(7).steps == 2
+    assert list(runner.group_items.values())[n_before:n_before + len(interrupted)] == interrupted
     third = ids(trainer2.batches)
     assert len(third) == len(set(third)) and first.isdisjoint(third)
     assert buffered <= set(third)  # every restored group was due by step 5: nothing lost

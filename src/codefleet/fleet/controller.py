@@ -34,9 +34,9 @@ and its ticket is withdrawn, so the trainer does not wait for it.
 Ending. `run(n_steps)` returns once the trainer has reached version `n_steps` (versions count
 from 0, so a resumed controller at `start_version=3` does 2 steps in `run(5)`), after `stop()`, or
 when `items` is exhausted and no batch can be formed any more. In-flight attempts are then
-cancelled and their groups withdrawn (their finished attempts are discarded and regenerated
-later); buffered groups stay, and `buffer_state()` holds them for a checkpoint. `run()` may be
-called again to continue.
+cancelled and their groups withdrawn (their finished attempts are discarded; a later `run()` on
+this controller starts their items again first); buffered groups stay, and `buffer_state()` holds
+them for a checkpoint. `run()` may be called again to continue.
 
 What is measured (RunReport, StepReport).
 - `rollouts_per_s`: rollouts trained in this `run()` / seconds from the start of `run()` to the end
@@ -215,6 +215,7 @@ class Controller:
         self._pending: dict[int, _Attempt] = {}  # insertion order = start order = deadline order
         self._groups: dict[int, _GroupState] = {}  # admitted, not yet complete or withdrawn
         self._retries: list[tuple[int, int]] = []  # (group_id, attempt) waiting for a slot
+        self._requeued: list[Any] = []  # items of groups interrupted at the end of a run, started first next time
         self._exhausted = False  # items raised StopIteration
         self._drained = False  # exhausted and nothing in flight: no further group will arrive
         self._stopping = False  # stop() was called: final
@@ -247,8 +248,13 @@ class Controller:
         if n_steps < self._version:
             raise ValueError(f"run(n_steps={n_steps}) but the policy is already at version {self._version}; "
                              "n_steps is the version to reach, counted from 0")
-        self._running = True
         adm, buf = self.admission, self.buffer
+        if n_steps == self._version:
+            return RunReport(steps=0, version=self._version, ended_by="steps", wall_s=0.0, trained_rollouts=0,
+                             rollouts_per_s=0.0, trainer_busy_s=0.0, trainer_busy_fraction=0.0, version_lag_p50=0.0,
+                             version_lag_p99=0.0, version_lag_max=0, infra_failures=0, abandoned_groups=0,
+                             dropped_groups=0)
+        self._running = True
         base = (adm.infra_failures, adm.abandoned_groups, buf.dropped_zero_variance)
         start_version = self._version
         self._t_start = time.monotonic()
@@ -345,6 +351,8 @@ class Controller:
                     except BaseException as e:
                         self._error = (f"on_step failed after step {step}: {e!r}", e)
                         return
+        except BaseException as e:
+            self._error = (f"the trainer loop failed at step {self._version}: {e!r}", e)
         finally:
             if self._error is None and self._ended_by != "no_more_items":
                 self._ended_by = "steps" if self._version >= n_steps else "stop"
@@ -356,7 +364,7 @@ class Controller:
     def _dispatch(self, trainer_thread: threading.Thread) -> None:
         while not self._ending() and trainer_thread.is_alive():
             self._fill()
-            if self._exhausted and not self._groups:
+            if self._exhausted and not self._requeued and not self._groups:
                 self._drained = True
             timeout_s = 1.0
             if self._pending:
@@ -389,12 +397,12 @@ class Controller:
                 g.held_slots += 1
                 self._start(g, [attempt])
             self._retries.pop(0)
-        while not self._exhausted:
+        while self._requeued or not self._exhausted:
             ticket = adm.try_admit(self._version)
             if ticket is None:
                 return
             try:
-                item = next(self.items)
+                item = self._requeued.pop(0) if self._requeued else next(self.items)
             except StopIteration:
                 self._exhausted = True
                 adm.withdraw(ticket, running=ticket.group_size)
@@ -493,8 +501,10 @@ class Controller:
             self._failed(g, att, f"timed out after {self.config.rollout_timeout_s} s (cancelled)")
 
     def _interrupt_in_flight(self) -> None:
-        """End of run: cancel running attempts and withdraw their groups (regenerated next time)."""
-        for g in list(self._groups.values()):
+        """End of run: cancel running attempts and withdraw their groups; their items start first in the
+        next run() (as new groups: finished attempts of an interrupted group are discarded)."""
+        for g in sorted(self._groups.values(), key=lambda g: g.ticket.group_id):
+            self._requeued.append(g.item)
             self._withdraw(g, abandoned=False)
         self._retries.clear()
         self._drained = False
