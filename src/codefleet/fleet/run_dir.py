@@ -7,6 +7,7 @@
       checkpoints/rl-step-NNNNNN  trainer checkpoints (weights + optimizer + version)
       checkpoints/rl-step-NNNNNN.controller.json   consumed rollout ids, lags, next group id
       checkpoints/LATEST          name of the newest complete RL checkpoint (the commit point)
+      trained/step-NNNNNN.json    the rollout ids each committed step trained on
       accepted/group-NNNNNNNN.pkl every accepted group (rollouts + token samples), written
                                   atomically before the trainer can see the group
       rollouts/                   every finished rollout, Parquet (codefleet.analysis.store)
@@ -81,9 +82,11 @@ class RunDir:
     def rl_checkpoint(self, step: int) -> str:
         return self.path("checkpoints", f"rl-step-{step:06d}")
 
-    def commit_checkpoint(self, step: int, controller_state: dict) -> None:
-        """After the trainer wrote rl_checkpoint(step): its controller state, then LATEST."""
+    def commit_checkpoint(self, step: int, controller_state: dict, trained_ids: list[str]) -> None:
+        """After the trainer wrote rl_checkpoint(step): the rollout ids this step trained on, its controller
+        state, then LATEST."""
         base = self.rl_checkpoint(step)
+        atomic_write(self.path("trained", f"step-{step:06d}.json"), json.dumps(sorted(trained_ids)).encode())
         atomic_write(base + ".controller.json", json.dumps(controller_state).encode())
         atomic_write(self.path("checkpoints", "LATEST"), os.path.basename(base).encode())
 
@@ -105,6 +108,9 @@ class RunDir:
 
         folder = self.path("checkpoints")
         for name in os.listdir(folder):
+            if name.startswith("rl-step-") and (".tmp-" in name or ".old-" in name):  # left by a crash
+                shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+                continue
             if name.startswith("rl-step-") and not name.endswith(".json"):
                 step = int(name.rsplit("-", 1)[1])
                 if step < keep_step:

@@ -92,7 +92,8 @@ def demonstrations(run: RunDir, config: TrainRunConfig, tasks, tokenizer):
         with open(path, "rb") as f:
             return pickle.load(f)
     started = time.perf_counter()
-    demos = expert_demos(tasks, tokenizer, config.model.max_seq_len, config.sandbox, _episode_config(config))
+    expert = dataclasses.replace(_episode_config(config), budgets=None)  # the task's own budgets, not RL's
+    demos = expert_demos(tasks, tokenizer, config.model.max_seq_len, config.sandbox, expert)
     atomic_write(path, pickle.dumps(demos))
     _log(f"{len(demos.examples)} expert demonstrations ({demos.tokens} tokens) in {time.perf_counter() - started:.0f} s;"
          f" {len(demos.unsolved)} unsolved, {len(demos.too_long)} longer than the context, dropped")
@@ -110,7 +111,7 @@ def sft(run: RunDir, config: TrainRunConfig, demos, init: str, metrics: Metrics)
         raise RunError("no expert demonstration solved its task; check `codefleet tasks check` on the task set")
     c, cl = config.sft, config.cluster
     group = TrainerGroup(cl.trainer_workers, checkpoint=init, config=TrainConfig(lr=c.lr, seed=config.model.seed),
-                         num_cpus_per_worker=cl.trainer_cpus)
+                         num_cpus_per_worker=cl.trainer_cpus, resources_per_worker=cl.trainer_resources)
     try:
         rng = random.Random(config.model.seed)
         order = list(range(len(demos.examples)))
@@ -195,7 +196,8 @@ class RLTrainer:
         self.group.save(self.run.rl_checkpoint(version))
         state = self.controller.buffer_state()
         self.run.commit_checkpoint(version, {"consumed_ids": state["consumed_ids"], "lags": state["lags"],
-                                             "next_group_id": state["next_group_id"], "next_batch": state["next_batch"]})
+                                             "next_group_id": state["next_group_id"], "next_batch": state["next_batch"]},
+                                   [r.rollout_id for r in batch.rollouts])
         self.run.prune(version)
         stats = rollout_stats(batch.groups)
         self.tokens += stats["completion_tokens"]
@@ -263,16 +265,17 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
         return run.latest()[0]
     latest = run.latest()
     serving = latest[0] if latest else start
-    group = TrainerGroup(cl.trainer_workers, checkpoint=serving, num_cpus_per_worker=cl.trainer_cpus,
-                         config=TrainConfig(lr=c.lr, loss=c.loss, routing_replay=c.routing_replay,
-                                            seed=config.model.seed))
-    engines = start_engines(serving, cl.engines, num_cpus=1.0, threads=cl.engine_threads,
-                            max_batch=max(c.rollout_slots, 1), version=version)
+    train_config = TrainConfig(lr=c.lr, loss=c.loss, routing_replay=c.routing_replay, seed=config.model.seed)
+    group = TrainerGroup(cl.trainer_workers, checkpoint=serving, config=train_config,
+                         num_cpus_per_worker=cl.trainer_cpus, resources_per_worker=cl.trainer_resources)
+    engines = start_engines(serving, cl.engines, num_cpus=1.0, resources=cl.engine_resources,
+                            threads=cl.engine_threads, max_batch=max(c.rollout_slots, 1), version=version)
     SandboxFleet.start()
     spec = RolloutSpec(checkpoint=serving, sandbox=config.sandbox, episode=_episode_config(config),
                        max_tokens=c.max_tokens, temperature=c.temperature, max_seq_len=config.model.max_seq_len)
     workers = start_workers(spec, engines, cl.rollout_workers,
-                            slots_per_worker=-(-c.rollout_slots // cl.rollout_workers))
+                            slots_per_worker=-(-c.rollout_slots // cl.rollout_workers), num_cpus=cl.rollout_cpus,
+                            resources=cl.rollout_resources)
     writer = RolloutWriter(run.path("rollouts"))
 
     def on_group(g: Group, dropped: bool) -> None:

@@ -75,6 +75,11 @@ class ClusterSection:
     trainer_workers: int = 2
     trainer_cpus: float = 0.5  # logical CPUs per trainer worker
     rollout_workers: int = 2
+    rollout_cpus: float = 0.25  # logical CPUs per rollout worker
+    # extra logical resources per actor, to pin roles to nodes on a cluster, e.g. {"rollout": 1}
+    rollout_resources: dict[str, float] = field(default_factory=dict)
+    engine_resources: dict[str, float] = field(default_factory=dict)
+    trainer_resources: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -1,0 +1,68 @@
+"""RL on a local multi-node Ray cluster (a head and two worker nodes on this machine); a worker node is removed
+mid-run: the run continues on the remaining node and no accepted rollout is lost.
+
+The cluster lives in a subprocess (`ray.cluster_utils.Cluster` needs its own Ray, apart from the test session's
+shared one); the training run is the real `codefleet train --address`. Rollout workers and sandbox hosts are
+placed on the worker nodes by logical resources only (`rollout`, `sandbox`); engines and trainers on the head.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent("""
+    import glob, json, os, subprocess, sys, time
+    import ray
+    from ray.cluster_utils import Cluster
+
+    run, python = sys.argv[1], sys.executable
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "resources": {"head": 8}})
+    workers = [cluster.add_node(num_cpus=1, resources={"sandbox": 8, "rollout": 4}) for _ in range(2)]
+    cluster.wait_for_nodes()
+    overrides = ["tasks.n_train=4", "tasks.n_eval=1", "tasks.families=[config]", "sft.epochs=1",
+                 "sft.batch_size=4", "rl.steps=4", "rl.group_size=2", "rl.batch_groups=1", "rl.rollout_slots=4",
+                 "rl.max_tokens=24", "rl.max_turns=2", "eval.max_tokens=8", "cluster.trainer_workers=1",
+                 "cluster.rollout_workers=2", "cluster.rollout_cpus=0.1", "cluster.trainer_cpus=0.5",
+                 "cluster.rollout_resources={rollout: 1}", "cluster.engine_resources={head: 1}",
+                 "cluster.trainer_resources={head: 1}"]
+    proc = subprocess.Popen([python, "-m", "codefleet.cli", "train", "--out", run, "--no-progress",
+                             "--address", cluster.address, *overrides], stderr=open(run + ".log", "w"))
+    deadline = time.time() + 600
+    while not glob.glob(os.path.join(run, "accepted", "*.pkl")) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    removed = proc.poll() is None
+    if removed:
+        cluster.remove_node(workers[0])
+    code = proc.wait(timeout=900)
+    print(json.dumps({"code": code, "removed": removed}))
+    cluster.shutdown()
+""")
+
+
+@pytest.mark.slow
+def test_training_continues_when_a_worker_node_is_removed(tmp_path):
+    run = str(tmp_path / "run")
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    out = subprocess.run([sys.executable, "-c", SCRIPT, run], env=env, capture_output=True, text=True, timeout=1500)
+    log = open(run + ".log").read() if os.path.exists(run + ".log") else ""
+    assert out.returncode == 0, out.stderr[-3000:] + log[-3000:]
+    status = json.loads(out.stdout.strip().splitlines()[-1])
+    assert status == {"code": 0, "removed": True}, log[-3000:]
+    trained = []
+    for path in sorted(glob.glob(os.path.join(run, "trained", "step-*.json"))):
+        trained += json.load(open(path))
+    assert len(trained) == len(set(trained)) == 4 * 2
+    accepted = set()
+    for path in glob.glob(os.path.join(run, "accepted", "*.pkl")):
+        accepted |= {r.rollout_id for r in pickle.load(open(path, "rb")).rollouts}
+    assert set(trained) <= accepted
+    assert json.load(open(os.path.join(run, "results.json")))["results"]["rl"]["tasks"] == 1

@@ -1,0 +1,107 @@
+"""`codefleet train` end to end on a tiny configuration, killed with SIGKILL mid-RL and resumed; `codefleet eval`.
+
+The run is the real CLI in a subprocess (its own local Ray, real sandboxes, real engine and trainer actors).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import wait_for
+
+TINY = ["tasks.n_train=4", "tasks.n_eval=2", "tasks.families=[bugfix, config]", "sft.epochs=1", "sft.batch_size=4",
+        "rl.steps=5", "rl.group_size=2", "rl.batch_groups=1", "rl.rollout_slots=4", "rl.eta=1", "rl.max_tokens=24",
+        "rl.max_turns=2", "eval.max_tokens=24", "cluster.num_cpus=4"]
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "codefleet.cli", *args]
+
+
+def _accepted_ids(run: str) -> set[str]:
+    ids = set()
+    for path in glob.glob(os.path.join(run, "accepted", "*.pkl")):
+        with open(path, "rb") as f:
+            ids |= {r.rollout_id for r in pickle.load(f).rollouts}
+    return ids
+
+
+def _trained(run: str) -> dict[int, list[str]]:
+    out = {}
+    for path in sorted(glob.glob(os.path.join(run, "trained", "step-*.json"))):
+        with open(path) as f:
+            out[int(os.path.basename(path)[5:11])] = json.load(f)
+    return out
+
+
+@pytest.mark.slow
+def test_train_survives_sigkill_and_resumes_without_losing_or_repeating_rollouts(tmp_path):
+    run = str(tmp_path / "run")
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    proc = subprocess.Popen(_cli("train", "--out", run, "--no-progress", *TINY), env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "first.log", "w"))
+    try:
+        wait_for(lambda: os.path.isfile(os.path.join(run, "checkpoints", "LATEST")) or proc.poll() is not None,
+                 timeout_s=400)
+        assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        time.sleep(1.5)  # somewhere inside the next step
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    accepted_at_kill = _accepted_ids(run)
+    trained_at_kill = _trained(run)
+    assert trained_at_kill and accepted_at_kill
+
+    done = subprocess.run(_cli("train", "--resume", run, "--no-progress"), env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resuming at step" in done.stderr
+    trained = _trained(run)
+    assert sorted(trained) == [1, 2, 3, 4, 5]
+    ids = [i for step in trained.values() for i in step]
+    assert len(ids) == len(set(ids)) == 5 * 2, "a rollout was trained twice or a step trained the wrong count"
+    assert set(ids) <= _accepted_ids(run)
+    lost = accepted_at_kill - set(ids)
+    assert not lost, f"accepted before the kill but never trained: {sorted(lost)}"
+    for step, step_ids in trained_at_kill.items():  # committed steps are not redone
+        assert trained[step] == step_ids
+
+    results = json.loads((tmp_path / "run" / "results.json").read_text())["results"]
+    assert set(results) == {"sft", "rl"} and all(r["tasks"] == 2 for r in results.values())
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert {r["stage"] for r in rows} == {"sft", "rl"}
+    assert os.path.isfile(os.path.join(run, "metrics.png")) and glob.glob(os.path.join(run, "tb", "events.*"))
+    from codefleet.analysis.store import read_rollouts
+
+    table = read_rollouts(os.path.join(run, "rollouts"))
+    assert table.num_rows >= 10
+
+    ev = subprocess.run(_cli("eval", "--checkpoint", os.path.join(run, "checkpoints", "sft"), "--tasks",
+                             os.path.join(run, "tasks", "eval"), "--max-tokens", "16", "--max-turns", "2", "--json"),
+                        env=env, capture_output=True, text=True, timeout=300)
+    assert ev.returncode == 0, ev.stderr[-2000:]
+    summary = json.loads(ev.stdout.strip().splitlines()[-1])
+    assert summary["tasks"] == 2 and 0.0 <= summary["success_rate"] <= 1.0 and summary["turns"] >= 1
+
+
+def test_train_refuses_an_existing_run_and_a_missing_one(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("name: x\n")
+    out = subprocess.run(_cli("train", "--out", str(tmp_path / "run")), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--resume" in out.stderr
+    out = subprocess.run(_cli("train", "--resume", str(tmp_path / "none")), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "nothing to resume" in out.stderr
+    out = subprocess.run(_cli("train", "--out", str(tmp_path / "r2"), "rl.stepz=3"), capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "stepz" in out.stderr
