@@ -112,7 +112,10 @@ class GroupRunner(Protocol):
         failure too). Retries call start() again with the failed indices. Called from the dispatcher
         thread; it must not block long and must not raise for infrastructure failures (return a ref
         that fails instead). Rollout ids must be unique per attempt, e.g. f"{ticket.group_id}/{attempt}",
-        and `policy_version` the version the attempt actually started with (≥ ticket.policy_version)."""
+        and `policy_version` the version the attempt actually started with (≥ ticket.policy_version).
+        On a timeout the controller frees the slot at once and `ray.cancel`s the ref: that cancels the
+        coroutine of an async actor, but a regular or threaded actor's running method only sees a flag,
+        `ray.get_runtime_context().is_canceled()`, which it should check between turns to free its thread."""
         ...
 
 
@@ -269,6 +272,8 @@ class Controller:
         trainer_thread.start()
         try:
             self._dispatch(trainer_thread)
+        except KeyboardInterrupt:
+            raise  # as it is, after the clean-up below
         except BaseException as e:
             if self._error is None:
                 self._error = (str(e) if isinstance(e, _Fatal) else f"the controller failed: {e!r}", e)
