@@ -225,9 +225,10 @@ def table(r: dict) -> str:
                      f"{row['version_lag_p99']:g}", str(row["steps"])))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
-    lines.append(f"trainer step {r['trainer_step_s']:.3f} s; synchronous step expected {r['expected_sync_step_s']:.3f} s, "
-                 f"measured {r['measured_sync_step_s']:.3f} s (longest attempts {r['sync_mean_longest_attempt_s']:.3f} s, "
-                 f"loop overhead {r['sync_overhead_s_per_step'] * 1000:.0f} ms per step)")
+    lines.append(f"trainer step {r['trainer_step_s']:.3f} s; synchronous step expected "
+                 f"{r['expected_sync_step_s']:.3f} s, measured {r['measured_sync_step_s']:.3f} s (longest attempts "
+                 f"{r['sync_mean_longest_attempt_s']:.3f} s, loop overhead "
+                 f"{r['sync_overhead_s_per_step'] * 1000:.0f} ms per step)")
     lines.append(f"speedup vs the expected synchronous step {r['speedup_vs_expected_sync']:.2f}x; ideal "
                  f"{r['ideal_speedup']:.2f}x; target >= 3x with the trainer busy >= 90%")
     return "\n".join(lines)

@@ -426,7 +426,8 @@ class Controller:
                 "AttemptResult(None, why)) instead"
             ) from e
         if len(refs) != len(attempts):
-            raise _Fatal(f"GroupRunner.start returned {len(refs)} refs for {len(attempts)} attempts; return one per attempt")
+            raise _Fatal(f"GroupRunner.start returned {len(refs)} refs for {len(attempts)} attempts; "
+                         "return one per attempt")
         deadline_s = time.monotonic() + self.config.rollout_timeout_s
         for attempt, ref in zip(attempts, refs):
             token = next(self._tokens)
@@ -460,8 +461,8 @@ class Controller:
                          f"attempt {att.attempt}: rollout ids must be unique per attempt and name their group, "
                          "e.g. f'{group_id}/{attempt}'")
         if r.policy_version < g.ticket.policy_version:
-            raise _Fatal(f"rollout {r.rollout_id!r} reports policy_version {r.policy_version} but its group was admitted "
-                         f"at version {g.ticket.policy_version}; report the version the attempt started with")
+            raise _Fatal(f"rollout {r.rollout_id!r} reports policy_version {r.policy_version} but its group was "
+                         f"admitted at version {g.ticket.policy_version}; report the version the attempt started with")
         g.rollout_ids.add(r.rollout_id)
         self.admission.release(g.ticket, accepted=True)
         g.held_slots -= 1
