@@ -17,6 +17,7 @@ import sys
 from codefleet.agent.cli import register as register_agent
 from codefleet.fleet.train_cli import register as register_train
 from codefleet.model.serve_cli import register as register_serve
+from codefleet.analysis.cli import register as register_analyze
 from codefleet.tasks.cli import register as register_tasks
 
 
@@ -106,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_agent(sub)
     register_tasks(sub)
     register_serve(sub)
+    register_analyze(sub)
     register_train(sub)
     return parser
 

@@ -1,0 +1,219 @@
+"""`codefleet analyze`: the Ray Data pipeline over a rollout store.
+
+    result = analyze("runs/r1", AnalyzeConfig(judge=JudgeConfig(backend="http://127.0.0.1:8000/v1")))
+
+Stages (all streaming; the driver never holds the rollouts):
+
+    scan_store          footers checked; corrupt or incomplete files reported by name and left out
+      -> read_parquet   one read per schema: current files projected to the needed columns,
+                        older ones read whole and upgraded (schema.upgrade_table) in map_batches
+      -> map_batches(categorise)       rules: category, findings, tool statistics (rules.py)
+      -> map_batches(judge)            rules verdict (a task), or JudgeBatch on an actor pool
+      -> write_parquet  OUT/judgments.parquet/ (a directory of Parquet files: one dataset)
+    read judgments back -> groupby/aggregate -> summary.json, report.html (aggregate.py, report.py)
+
+Judgments are written first and aggregated from disk so that the judge (the
+expensive part) runs exactly once whatever the number of aggregates.
+
+Bounded memory: rows move in blocks of `batch_rows`; transcripts and diffs are
+read only when a model judge needs them and are dropped before writing; Ray
+Data's streaming executor holds a bounded number of blocks in flight
+(`max_blocks_in_flight_mb` caps the object store it may use).
+
+Small machines: on 2 CPUs an actor pool that takes whole CPUs can leave Ray
+Data's read tasks nothing to run on and the pipeline hangs (ray#44687). The
+judge actors ask for `JudgeConfig.actor_num_cpus` (0.25) each and at most
+`actors` of them, the read and rules tasks for `task_num_cpus` (0.5), so
+reads, rules and judges always fit together on one CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+
+from codefleet.analysis import rules
+from codefleet.analysis.judge import JUDGE_COLUMNS, JudgeBatch, JudgeConfig, rules_verdict
+from codefleet.analysis.schema import COLUMNS, upgrade_table
+from codefleet.analysis.store import StoreScan, find_store, scan_store
+
+# store columns carried into judgments.parquet
+KEEP_COLUMNS = ["run", "step", "task_id", "family", "group", "attempt", "split", "policy_version_min",
+                "policy_version_max", "reward", "checks_passed", "checks_total", "all_passed", "stop_reason", "turns",
+                "n_tool_calls", "tool_calls_per_turn", "prompt_tokens", "completion_tokens", "model_s", "tool_s",
+                "wall_s", "infra_retries", "error"]
+JUDGMENT_COLUMNS = KEEP_COLUMNS + rules.JUDGMENT_RULE_COLUMNS + JUDGE_COLUMNS
+
+
+class NoRollouts(Exception):
+    """The directory holds no readable rollouts."""
+
+
+@dataclass
+class AnalyzeConfig:
+    out_dir: str = ""  # "": RUN_DIR/analysis
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    batch_rows: int = 2048  # rows per rules batch
+    task_num_cpus: float = 0.5  # per read/rules task
+    max_blocks_in_flight_mb: int = 256  # object store budget of the streaming executor
+    shuffle_partitions: int = 2  # hash partitions (and aggregator actors) per groupby
+    aggregator_num_cpus: float = 0.1  # per groupby aggregator actor
+    shuffle_aggregate: bool = False  # sum partial aggregates with a Ray Data groupby (clusters) instead of the driver
+    worst_failures: int = 20  # rows in the report's tables
+    suspicious_wins: int = 50
+    report: bool = True  # write report.html (matplotlib)
+    progress: bool = False  # Ray Data progress bars
+    num_cpus: int | None = None  # for a local Ray started by analyze() (None: min(cores, 8), at least 2)
+
+
+@dataclass
+class AnalysisResult:
+    out_dir: str
+    summary: dict
+    problems: list[str]  # files skipped or upgraded, judge failures: one sentence each
+    timings_s: dict[str, float]
+
+
+def _upgrade(batch: pa.Table) -> pa.Table:
+    """Older-schema rows (read with include_paths) as the current schema, run/step from their path."""
+    from codefleet.analysis.store import _partition_values
+
+    parts = []
+    paths = batch.column("path").to_pylist()
+    start = 0
+    for i in range(1, len(paths) + 1):
+        if i == len(paths) or paths[i] != paths[start]:
+            run, step = _partition_values(paths[start])
+            table, _ = upgrade_table(batch.slice(start, i - start).drop_columns(["path"]), run=run, step=step)
+            parts.append(table)
+            start = i
+    return pa.concat_tables(parts)
+
+
+def read_store(scan: StoreScan, columns: list[str], config: AnalyzeConfig):
+    """One Ray Dataset of every readable file in `scan`, as the current schema projected to `columns`."""
+    import ray.data
+
+    current = [f.path for f in scan.files if f.current]
+    by_schema: dict[tuple[str, ...], list[str]] = {}
+    for f in scan.files:
+        if not f.current:
+            by_schema.setdefault(tuple(f.schema.names), []).append(f.path)
+    datasets = []
+    if current:
+        datasets.append(ray.data.read_parquet(current, columns=columns, partitioning=None,
+                                              num_cpus=config.task_num_cpus))
+    for names, paths in by_schema.items():
+        ds = ray.data.read_parquet(paths, partitioning=None, include_paths=True, num_cpus=config.task_num_cpus)
+        datasets.append(ds.map_batches(_upgrade, batch_format="pyarrow", num_cpus=config.task_num_cpus)
+                        .select_columns(columns))
+    return datasets[0].union(*datasets[1:]) if len(datasets) > 1 else datasets[0]
+
+
+def _configure_ray_data(config: AnalyzeConfig) -> None:
+    from ray.data import DataContext
+
+    ctx = DataContext.get_current()
+    ctx.enable_progress_bars = config.progress
+    ctx.print_on_execution_start = config.progress
+    ctx.execution_options.resource_limits = ctx.execution_options.resource_limits.copy(
+        object_store_memory=config.max_blocks_in_flight_mb * 1024 * 1024)
+    # groupby runs as a hash shuffle on aggregator actors: few partitions, few actors, fractional CPUs,
+    # or on 2 CPUs they would wait for CPUs the other operators hold (the ray#44687 pattern again)
+    ctx.default_hash_shuffle_parallelism = config.shuffle_partitions
+    ctx.max_hash_shuffle_aggregators = config.shuffle_partitions
+    ctx.hash_aggregate_operator_actor_num_cpus_override = config.aggregator_num_cpus
+    ctx.hash_shuffle_operator_actor_num_cpus_override = config.aggregator_num_cpus
+
+
+def judgments_dataset(scan: StoreScan, config: AnalyzeConfig):
+    """The lazy pipeline from the store to one judgment row per rollout (JUDGMENT_COLUMNS)."""
+    kind = config.judge.kind
+    needs_text = kind != "rules"
+    columns = list(dict.fromkeys(KEEP_COLUMNS + rules.INPUT_COLUMNS + (["transcript"] if needs_text else [])))
+    drop = ("tool_calls",) if needs_text else ("tool_calls", "diff")
+    ds = read_store(scan, [c for c in COLUMNS if c in columns], config)
+    ds = ds.map_batches(rules.categorise, fn_kwargs={"drop": drop}, batch_format="pyarrow",
+                        batch_size=config.batch_rows, num_cpus=config.task_num_cpus)
+    if kind == "rules":
+        ds = ds.map_batches(rules_verdict, batch_format="pyarrow", num_cpus=config.task_num_cpus)
+    else:
+        ds = ds.map_batches(JudgeBatch, fn_constructor_args=(config.judge, config.judge.rubric()),
+                            batch_format="pyarrow", batch_size=config.judge.batch_rows,
+                            concurrency=(1, max(1, config.judge.actors)), num_cpus=config.judge.actor_num_cpus)
+    return ds.select_columns(JUDGMENT_COLUMNS)
+
+
+def ensure_ray(num_cpus: int | None = None) -> None:
+    """ray.init with explicit resources when no Ray is running (never the machine's whole view by accident)."""
+    import ray
+
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS")
+        if address:
+            ray.init(address=address, log_to_driver=False)
+        else:
+            ray.init(address="local", num_cpus=num_cpus or max(2, min(os.cpu_count() or 2, 8)), include_dashboard=False,
+                     log_to_driver=False, configure_logging=False)
+
+
+def analyze(path: str, config: AnalyzeConfig | None = None, log: Callable[[str], None] | None = None) -> AnalysisResult:
+    """Analyse the store under `path` (a run directory or the store itself); raises NoRollouts when empty."""
+    import ray.data
+
+    from codefleet.analysis.aggregate import summarise
+
+    config = config or AnalyzeConfig()
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    config.judge.kind  # unknown backends fail here, before any work
+    store = find_store(path)
+    run_dir = os.path.dirname(store) if os.path.basename(os.path.normpath(store)) == "rollouts" else store
+    out_dir = config.out_dir or os.path.join(run_dir, "analysis")
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+    scan = scan_store(store)
+    problems = list(scan.problems)
+    for problem in problems:
+        log(f"codefleet analyze: {problem}")
+    if not scan.files:
+        raise NoRollouts(f"no readable rollouts under {store} (expected rollouts/run=<run>/step=<step>/*.parquet, "
+                         "written by codefleet.analysis.store.RolloutWriter)")
+    ensure_ray(config.num_cpus)
+    _configure_ray_data(config)
+    judgments_path = os.path.join(out_dir, "judgments.parquet")
+    if os.path.exists(judgments_path):
+        shutil.rmtree(judgments_path) if os.path.isdir(judgments_path) else os.unlink(judgments_path)
+    os.makedirs(out_dir, exist_ok=True)
+    judgments_dataset(scan, config).write_parquet(judgments_path)
+    timings["judge_s"] = time.perf_counter() - started
+    judgments = ray.data.read_parquet(judgments_path, partitioning=None)
+    summary, tables = summarise(judgments, config)
+    summary["store"] = store
+    summary["files"] = {"read": len(scan.files), "skipped_or_upgraded": problems}
+    if summary["judge"]["errors"]:
+        msg = (f"judge {config.judge.backend}: {summary['judge']['errors']} of {summary['rollouts']} rollouts "
+               f"could not be judged (e.g. {summary['judge']['error_examples'][0]}); their rows have judge_error set "
+               f"in {judgments_path}")
+        problems.append(msg)
+        log(f"codefleet analyze: {msg}")
+    timings["aggregate_s"] = time.perf_counter() - started - timings["judge_s"]
+    if config.report:
+        from codefleet.analysis.report import write_report
+
+        write_report(os.path.join(out_dir, "report.html"), summary, tables)
+    timings["total_s"] = time.perf_counter() - started
+    summary["timings_s"] = {k: round(v, 3) for k, v in timings.items()}
+    from codefleet.analysis.aggregate import write_summary
+
+    write_summary(os.path.join(out_dir, "summary.json"), summary)
+    return AnalysisResult(out_dir, summary, problems, timings)
+
+
+__all__ = ["AnalyzeConfig", "AnalysisResult", "NoRollouts", "analyze", "ensure_ray", "judgments_dataset",
+           "read_store"]
