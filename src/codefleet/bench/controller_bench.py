@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import os
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -161,8 +162,10 @@ def run(cfg: BenchConfig, log: Log = print) -> dict:
     if 0 not in cfg.etas:
         raise ValueError(f"etas={cfg.etas} must include 0, the synchronous baseline")
     started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    if started_ray and os.environ.get("RAY_ADDRESS"):
+        ray.init(log_to_driver=False)  # the cluster it names; the actors need no CPUs
+    elif started_ray:  # a fresh local session, even if a `ray start` cluster runs on this machine
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     n_draws = cfg.batch_groups * cfg.group_size
     e_max = expected_max_lognormal(n_draws, cfg.sigma, cfg.cap_x_median) * cfg.median_rollout_s
     trainer_step_s = cfg.trainer_fraction / (1 - cfg.trainer_fraction) * e_max
