@@ -287,3 +287,29 @@ def test_the_run_ends_when_the_items_run_out(ray_session, worker):
     report = ctrl.run(100)
     assert report.ended_by == "no_more_items" and report.steps == 2
     assert len(ctrl.buffer_state()["ready"]) == 1
+
+
+def test_on_step_reports_every_step(ray_session, worker):
+    ctrl, runner, trainer = build(ray_session, worker, random_script(11), trainer=SleepTrainer(step_s=0.03), eta=1)
+    reports = []
+    ctrl.on_step = reports.append
+    run = ctrl.run(4)
+    assert [(r.step, r.version) for r in reports] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    for r in reports:
+        assert r.metrics == {"loss": 1.0} and r.train_s >= 0.03 and r.waiting_s >= 0
+        assert abs(r.wall_s - (r.waiting_s + r.train_s)) < 1e-6 and 0 <= r.batch_lag_max <= 1
+        assert 0 < r.trainer_busy_fraction <= 1 and r.rollouts_per_s > 0
+        assert r.buffer["consumed_rollouts"] == (r.step + 1) * 4
+    assert run.trainer_busy_s >= 4 * 0.03
+    # busy fraction = time in train() / time since the first batch arrived
+    since_first = sum(r.wall_s for r in reports) - reports[0].waiting_s
+    assert abs(run.trainer_busy_fraction - run.trainer_busy_s / since_first) < 0.02
+
+    ctrl2, _, _ = build(ray_session, worker, random_script(12), eta=1)
+
+    def bad(report):
+        raise KeyError("no such metric")
+
+    ctrl2.on_step = bad
+    with pytest.raises(RuntimeError, match="on_step failed after step 0: KeyError"):
+        ctrl2.run(3)
