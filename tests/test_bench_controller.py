@@ -41,3 +41,20 @@ def test_small_bench_reports_every_eta_and_synchronous_lags_are_zero(ray_session
                         + r["sync_overhead_s_per_step"], abs_tol=0.002)
     lines = table(r).splitlines()
     assert [line.split()[0] for line in lines[1:4]] == ["0", "1", "2"]
+
+
+def test_run_cli_prints_the_table_then_one_json_object(ray_session, monkeypatch, capsys):
+    from codefleet.bench import controller_bench
+
+    tiny = BenchConfig(median_rollout_s=0.005, rollout_slots=8, batch_groups=2, group_size=2, etas=(0, 1),
+                       sync_steps=2, async_steps=3, rollout_actors=1, quick=True)
+    monkeypatch.setattr(controller_bench, "QUICK", tiny)
+    assert controller_bench.run_cli(quick=True, as_json=False) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0].startswith("codefleet bench controller (median rollout 0.005 s, quick)")
+    assert out[1].split()[:3] == ["eta", "rollouts/s", "speedup"]
+    r = json.loads(out[-1])
+    assert r["quick"] is True and set(r["async_rollouts_per_s"]) == {"1"} and r["steps"] == {"0": 2, "1": 3}
+    assert controller_bench.run_cli(quick=True, as_json=True) == 0
+    only = capsys.readouterr().out.strip().splitlines()
+    assert len(only) == 1 and json.loads(only[0])["per_eta"]["0"]["version_lag_max"] == 0
