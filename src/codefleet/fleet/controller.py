@@ -38,6 +38,10 @@ cancelled and their groups withdrawn (their finished attempts are discarded; a l
 this controller starts their items again first); buffered groups stay, and `buffer_state()` holds
 them for a checkpoint. `run()` may be called again to continue.
 
+Errors. An exception in `trainer.train`, `on_step` or `on_group`, or a runner breaking its contract
+(see `GroupRunner`), stops the run the same way and `run()` raises a RuntimeError naming the step or
+group, with the original exception as its cause; Ctrl-C leaves as KeyboardInterrupt after clean-up.
+
 What is measured (RunReport, StepReport).
 - `rollouts_per_s`: rollouts trained in this `run()` / seconds from the start of `run()` to the end
   of its last trainer step (start-up included).
