@@ -107,8 +107,8 @@ def read_store(scan: StoreScan, columns: list[str], config: AnalyzeConfig):
             by_schema.setdefault(tuple(f.schema.names), []).append(f.path)
     datasets = []
     if current:
-        datasets.append(ray.data.read_parquet(current, columns=columns, partitioning=None,
-                                              num_cpus=config.task_num_cpus))
+        datasets.append(ray.data.read_parquet(current, partitioning=None, num_cpus=config.task_num_cpus)
+                        .select_columns(columns))  # pushed down into the Parquet read
     for names, paths in by_schema.items():
         ds = ray.data.read_parquet(paths, partitioning=None, include_paths=True, num_cpus=config.task_num_cpus)
         datasets.append(ds.map_batches(_upgrade, batch_format="pyarrow", num_cpus=config.task_num_cpus)
@@ -151,16 +151,18 @@ def judgments_dataset(scan: StoreScan, config: AnalyzeConfig):
 
 
 def ensure_ray(num_cpus: int | None = None) -> None:
-    """ray.init with explicit resources when no Ray is running (never the machine's whole view by accident)."""
+    """Start a local Ray with explicit CPUs when none is running in this process (never silently join a
+    `ray start` cluster someone else left on the machine); RAY_ADDRESS=<address> connects to a cluster."""
     import ray
 
-    if not ray.is_initialized():
-        address = os.environ.get("RAY_ADDRESS")
-        if address:
-            ray.init(address=address, log_to_driver=False)
-        else:
-            ray.init(address="local", num_cpus=num_cpus or max(2, min(os.cpu_count() or 2, 8)), include_dashboard=False,
-                     log_to_driver=False, configure_logging=False)
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS", "")
+    if address and address != "local":
+        ray.init(address=address, log_to_driver=False)
+    else:
+        ray.init(address="local", num_cpus=num_cpus or max(2, min(os.cpu_count() or 2, 8)), include_dashboard=False,
+                 log_to_driver=False, configure_logging=False)
 
 
 def analyze(path: str, config: AnalyzeConfig | None = None, log: Callable[[str], None] | None = None) -> AnalysisResult:
