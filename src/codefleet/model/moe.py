@@ -393,11 +393,15 @@ class MoE(nn.Module):
             h_S1G = torch.bmm(xs_SD[:, None], self.w_gate_up_EDG[expert_S])
             ys_SD = torch.bmm(_swiglu(h_S1G), self.w_down_EFD[expert_S])[:, 0]
         else:
-            cap = int(torch.bincount(expert_S, minlength=n_local).max())
+            # running count of each expert over the slots: its last row is the load, and a slot's own entry
+            # is 1 + its rank among its expert's slots (one compare and one cumsum; F.one_hot validates its
+            # input with two reductions, bincount is one more pass)
+            seen_SE = (expert_S[:, None] == torch.arange(n_local, device=x_ND.device)).cumsum(0)
+            cap = int(seen_SE[-1].max())
             waste = self.pad_waste_small if S <= self.small_slots else self.pad_waste
             if n_local * cap > waste * S:
                 return self.experts(x_ND, experts_NK, weights_NK)
-            rank_S = F.one_hot(expert_S, n_local).cumsum(0).gather(1, expert_S[:, None])[:, 0] - 1
+            rank_S = seen_SE.gather(1, expert_S[:, None])[:, 0] - 1
             xs_ECD = x_ND.new_zeros(n_local, cap, x_ND.shape[1])
             xs_ECD[expert_S, rank_S] = xs_SD
             ys_ECD = torch.bmm(_swiglu(torch.bmm(xs_ECD, self.w_gate_up_EDG)), self.w_down_EFD)
