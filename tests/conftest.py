@@ -70,7 +70,7 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=2, resources={"sandbox": 64}, include_dashboard=False, log_to_driver=False,
+        ray.init(address="local", num_cpus=2, resources={"sandbox": 64}, include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
     yield ray
     ray.shutdown()

@@ -57,7 +57,7 @@ class RolloutSpec:
 class _Prepared:
     sandbox: object
     lock: threading.Lock = field(default_factory=threading.Lock)
-    finished: int = 0
+    users: int = 0  # attempts preparing or forking from it
 
 
 @ray.remote(max_restarts=-1, max_task_retries=0)
@@ -87,27 +87,26 @@ class RolloutWorker:
         return self._fleet.create
 
     def _child(self, task: Task, group_id: int):
-        """A sandbox forked from the group's prepared sandbox (prepared on first use)."""
+        """A sandbox forked from the group's prepared sandbox. Attempts of a group arrive together and share
+        one prepared sandbox; the last one to fork closes it (a later retry prepares again)."""
         from codefleet.tasks.checks import prepare_sandbox
 
         with self._lock:
             prepared = self._groups.setdefault(group_id, _Prepared(None))
-        with prepared.lock:
-            if prepared.sandbox is None or not prepared.sandbox.alive():
-                prepared.sandbox = prepare_sandbox(task, self.spec.sandbox, create=self._create())
-            return prepared.sandbox.fork(1)[0]
-
-    def _done(self, group_id: int, group_size: int) -> None:
-        with self._lock:
-            prepared = self._groups.get(group_id)
-            if prepared is None:
-                return
-            prepared.finished += 1
-            if prepared.finished < group_size:
-                return
-            del self._groups[group_id]
-        if prepared.sandbox is not None:
-            prepared.sandbox.close()
+            prepared.users += 1
+        try:
+            with prepared.lock:
+                if prepared.sandbox is None or not prepared.sandbox.alive():
+                    prepared.sandbox = prepare_sandbox(task, self.spec.sandbox, create=self._create())
+                return prepared.sandbox.fork(1)[0]
+        finally:
+            with self._lock:
+                prepared.users -= 1
+                last = prepared.users == 0
+                if last:
+                    self._groups.pop(group_id, None)
+            if last and prepared.sandbox is not None:
+                prepared.sandbox.close()
 
     def run_attempt(self, task: Task, ticket: Ticket, attempt: int, version: int):
         from codefleet.agent.clients.local_engine import LocalEnginePolicy
@@ -126,10 +125,10 @@ class RolloutWorker:
         policy = base.for_episode()
         try:
             config = spec.episode
-            trajectory = solve(sandbox, task.instruction, policy, test_command=task.test_command,
+            trajectory = solve(sandbox, task.instruction, _Cancellable(policy), test_command=task.test_command,
                                budgets=config.budgets or task.budgets, tool_config=config.tools, task_id=task.id)
             error = str(trajectory.metadata.get("error", ""))
-            if "EngineDiedError" in error:
+            if "EngineDiedError" in error or CANCELLED in error:
                 raise InfraError(f"attempt {attempt} of group {ticket.group_id}: {error}")
             if not sandbox.alive():
                 raise InfraError(f"attempt {attempt} of group {ticket.group_id}: the sandbox died")
@@ -139,7 +138,6 @@ class RolloutWorker:
                                  f"{trajectory.metadata['checks_error']}")
         finally:
             sandbox.close()
-        self._done(ticket.group_id, ticket.group_size)
         tokens = policy.tokens
         versions = [v for v in tokens.versions if v >= 0]
         trajectory.metadata.update(attempt=attempt, group=ticket.group_id)
@@ -151,6 +149,24 @@ class RolloutWorker:
 
     def ping(self) -> str:
         return ray.get_runtime_context().get_node_id()
+
+
+class _Cancellable:
+    """`ray.cancel` only flags a threaded actor's running call: check the flag before every turn (in the
+    task's own thread, where Ray knows which task it is) and end the episode there."""
+
+    def __init__(self, policy):
+        self.policy, self.name = policy, policy.name
+
+    def generate(self, messages: list[dict], tools: list[dict]):
+        from codefleet.agent.policy import PolicyError
+
+        if ray.get_runtime_context().is_canceled():
+            raise PolicyError(CANCELLED)
+        return self.policy.generate(messages, tools)
+
+
+CANCELLED = "the attempt was cancelled by the controller"
 
 
 class AgentGroupRunner:

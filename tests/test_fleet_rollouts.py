@@ -1,0 +1,65 @@
+"""Rollouts on the shared Ray session: engine actors, rollout workers on the sandbox fleet, weight broadcast,
+and infrastructure failures that are not the agent's."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+
+from codefleet.fleet.controller import AttemptResult
+from codefleet.fleet.inference import broadcast_weights, start_engines
+from codefleet.fleet.rollouts import AgentGroupRunner, RolloutSpec, start_workers
+from codefleet.fleet.staleness import Ticket
+from codefleet.model import checkpoint
+from codefleet.model.config import ModelConfig
+from codefleet.model.tokenizer import default_tokenizer
+from codefleet.model.transformer import Transformer
+from codefleet.sandbox import SandboxConfig
+from codefleet.tasks.generate import generate_tasks
+
+
+@pytest.fixture(scope="module")
+def setup(ray_session, tmp_path_factory, state_dir):
+    root = tmp_path_factory.mktemp("rollouts")
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.tiny(vocab_size=default_tokenizer().vocab_size, max_seq_len=3072))
+    checkpoint.save(model, str(root / "ckpt"))
+    tasks = generate_tasks(str(root / "tasks"), n=1, seed=0, families=["config"], difficulty=1)
+    return str(root / "ckpt"), tasks[0], state_dir
+
+
+def _spec(ckpt, state_dir):
+    return RolloutSpec(checkpoint=ckpt, sandbox=SandboxConfig(state_dir=state_dir, timeout_s=30), max_tokens=8)
+
+
+def test_an_attempt_runs_the_harness_and_returns_exact_tokens(setup):
+    ckpt, task, state_dir = setup
+    engines = start_engines(ckpt, 1, num_cpus=0, max_batch=4)
+    workers = start_workers(_spec(ckpt, state_dir), engines, 1, slots_per_worker=2, num_cpus=0)
+    runner = AgentGroupRunner(workers)
+    ticket = Ticket(group_id=7, policy_version=0, deadline=1, group_size=2)
+    results = ray.get(runner.start(ticket, task, [0, 1]), timeout=240)
+    assert all(isinstance(r, AttemptResult) and r.rollout is not None for r in results)
+    assert sorted(r.rollout.rollout_id for r in results) == ["7/0", "7/1"]
+    for r in results:
+        t, s = r.rollout.payload["trajectory"], r.rollout.payload["sample"]
+        assert t.task_id == task.id and t.checks is not None and t.checks.total >= 1
+        assert len(s["tokens"]) == len(s["loss_mask"]) == len(s["behave_logprobs"]) > 8
+        assert 1 <= sum(s["loss_mask"]) <= 8 * t.n_turns + t.n_turns  # sampled (+ an <|end|> per cut turn)
+        assert s["routed_experts"] is not None and len(s["routed_experts"]) == len(s["tokens"])
+        assert r.rollout.policy_version == 0 and r.rollout.reward == t.reward
+
+    weights = {k: v + 0.01 for k, v in checkpoint.load(ckpt).state_dict().items()}
+    broadcast_weights(engines, ray.put(weights), 3)
+    assert ray.get(engines[0].info.remote())["version"] == 3
+    results = ray.get(runner.start(Ticket(8, 3, 4, 1), task, [0]), timeout=240)
+    sample = results[0].rollout.payload["sample"]
+    assert {v for v, m in zip(sample["versions"], sample["loss_mask"]) if m} == {3}
+    assert results[0].rollout.policy_version == 3
+
+    ray.kill(engines[0], no_restart=True)  # an engine that dies is an infrastructure failure, not a reward of 0
+    with pytest.raises(ray.exceptions.RayTaskError, match="InfraError"):
+        ray.get(runner.start(Ticket(9, 3, 4, 1), task, [0])[0], timeout=240)
+    for w in workers:
+        ray.kill(w, no_restart=True)
