@@ -9,9 +9,10 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 setup:
 	@bash scripts/setup.sh
 
-# The main job on the embedded default. Until the RL loop lands: the sandbox benchmark.
+# The main job on the embedded default: tasks -> expert demos -> SFT -> async RL on Ray -> held-out eval.
+DEMO_DIR ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 demo: setup
-	$(VENV)/bin/codefleet bench sandbox
+	$(VENV)/bin/codefleet train --out $(DEMO_DIR)
 
 test: setup
 	$(PY) -m pytest -m "not slow" -q

@@ -2,7 +2,10 @@
 `SandboxFleet` to reach them), the asynchronous RL controller (`controller`:
 groups of attempts streamed under a staleness bound while the trainer steps)
 and its pure core (`staleness`: admission by staleness bound, group assembly,
-the rollout buffer).
+the rollout buffer), engine actors (`inference`), rollout workers running the
+agent harness (`rollouts`), the data-parallel trainer (`trainer_group`), and
+the training run itself (`train`, `run_dir`, `evaluate`: `codefleet train`
+and `codefleet eval`).
 
 Names are imported lazily, so the pure modules (e.g. `codefleet.fleet.staleness`)
 load without importing Ray.
@@ -27,6 +30,13 @@ _EXPORTS = {
     "HostStats": "codefleet.fleet.sandbox_host",
     "SandboxCapacityError": "codefleet.fleet.sandbox_host",
     "SandboxHost": "codefleet.fleet.sandbox_host",
+    "EngineActor": "codefleet.fleet.inference",
+    "RemoteEngine": "codefleet.fleet.inference",
+    "AgentGroupRunner": "codefleet.fleet.rollouts",
+    "RolloutWorker": "codefleet.fleet.rollouts",
+    "TrainRunConfig": "codefleet.fleet.train_config",
+    "train": "codefleet.fleet.train",
+    "evaluate": "codefleet.fleet.evaluate",
     "TrainerGroup": "codefleet.fleet.trainer_group",
     "TrainerWorker": "codefleet.fleet.trainer_group",
     "TrainerWorkerError": "codefleet.fleet.trainer_group",

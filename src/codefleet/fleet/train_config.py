@@ -32,8 +32,8 @@ class ModelSection:
 
 @dataclass
 class SFTSection:
-    epochs: int = 4
-    batch_size: int = 8  # demonstrations per optimizer step
+    epochs: int = 8
+    batch_size: int = 4  # demonstrations per optimizer step
     lr: float = 2e-3
     max_turn_tokens: int = 384
 
