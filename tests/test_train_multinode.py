@@ -48,6 +48,7 @@ SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
 def test_training_continues_when_a_worker_node_is_removed(tmp_path):
     run = str(tmp_path / "run")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}

@@ -44,6 +44,7 @@ def _trained(run: str) -> dict[int, list[str]]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
 def test_train_survives_sigkill_and_resumes_without_losing_or_repeating_rollouts(tmp_path):
     run = str(tmp_path / "run")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}

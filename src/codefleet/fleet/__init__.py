@@ -35,8 +35,6 @@ _EXPORTS = {
     "AgentGroupRunner": "codefleet.fleet.rollouts",
     "RolloutWorker": "codefleet.fleet.rollouts",
     "TrainRunConfig": "codefleet.fleet.train_config",
-    "train": "codefleet.fleet.train",
-    "evaluate": "codefleet.fleet.evaluate",
     "TrainerGroup": "codefleet.fleet.trainer_group",
     "TrainerWorker": "codefleet.fleet.trainer_group",
     "TrainerWorkerError": "codefleet.fleet.trainer_group",
