@@ -161,7 +161,7 @@ def rollout_stats(groups: list[Group]) -> dict[str, float]:
     turns = sum(t.n_turns for t in trajectories)
     return {"reward_mean": sum(t.reward for t in trajectories) / n, "success_rate": len(solved) / n,
             "turns_mean": turns / n, "tool_calls_per_turn": sum(t.n_tool_calls for t in trajectories) / max(turns, 1),
-            "completion_tokens": sum(t.turns[i].completion_tokens for t in trajectories for i in range(t.n_turns)),
+            "completion_tokens": sum(turn.completion_tokens for t in trajectories for turn in t.turns),
             "rollouts": len(trajectories)}
 
 
