@@ -5,6 +5,9 @@
 Stages (all streaming; the driver never holds the rollouts):
 
     scan_store          footers checked; corrupt or incomplete files reported by name and left out
+                        (a file whose footer reads but whose pages do not fails the first pass; then
+                        every file is read through once, the broken ones named and left out, and the
+                        pass runs again)
       -> read_parquet   one read per schema: current files projected to the needed columns,
                         older ones read whole and upgraded (schema.upgrade_table) in map_batches
       -> map_batches(categorise)       rules: category, findings, tool statistics (rules.py)
@@ -82,14 +85,14 @@ class AnalysisResult:
 
 def _upgrade(batch: pa.Table) -> pa.Table:
     """Older-schema rows (read with include_paths) as the current schema, run/step from their path."""
-    from codefleet.analysis.store import _partition_values
+    from codefleet.analysis.store import partition_values
 
     parts = []
     paths = batch.column("path").to_pylist()
     start = 0
     for i in range(1, len(paths) + 1):
         if i == len(paths) or paths[i] != paths[start]:
-            run, step = _partition_values(paths[start])
+            run, step = partition_values(paths[start])
             table, _ = upgrade_table(batch.slice(start, i - start).drop_columns(["path"]), run=run, step=step)
             parts.append(table)
             start = i
@@ -130,6 +133,24 @@ def _configure_ray_data(config: AnalyzeConfig) -> None:
     ctx.max_hash_shuffle_aggregators = config.shuffle_partitions
     ctx.hash_aggregate_operator_actor_num_cpus_override = config.aggregator_num_cpus
     ctx.hash_shuffle_operator_actor_num_cpus_override = config.aggregator_num_cpus
+
+
+def unreadable_bodies(scan: StoreScan) -> list[str]:
+    """Read every file of `scan` through, one record batch at a time (bounded memory); drop the files
+    that fail from `scan.files` and return one message per dropped file."""
+    import pyarrow.parquet as pq
+
+    messages, good = [], []
+    for store_file in scan.files:
+        try:
+            for _ in pq.ParquetFile(store_file.path).iter_batches(batch_size=1024):
+                pass
+            good.append(store_file)
+        except Exception as e:
+            why = " ".join(str(e).split())[:200]
+            messages.append(f"{store_file.path}: its data could not be read ({type(e).__name__}: {why}); skipped")
+    scan.files = good
+    return messages
 
 
 def judgments_dataset(scan: StoreScan, config: AnalyzeConfig):
@@ -192,12 +213,24 @@ def analyze(path: str, config: AnalyzeConfig | None = None, log: Callable[[str],
     if os.path.exists(judgments_path):
         shutil.rmtree(judgments_path) if os.path.isdir(judgments_path) else os.unlink(judgments_path)
     os.makedirs(out_dir, exist_ok=True)
-    judgments_dataset(scan, config).write_parquet(judgments_path)
+    try:
+        judgments_dataset(scan, config).write_parquet(judgments_path)
+    except Exception as e:  # a file whose footer reads but whose pages do not: find it, leave it out, go again
+        broken = unreadable_bodies(scan)
+        if not broken:
+            raise
+        for message in broken:
+            log(f"codefleet analyze: {message}")
+        problems += broken
+        if not scan.files:
+            raise NoRollouts(f"no readable rollouts under {store}: every file failed to read") from e
+        shutil.rmtree(judgments_path, ignore_errors=True)
+        judgments_dataset(scan, config).write_parquet(judgments_path)
     timings["judge_s"] = time.perf_counter() - started
     judgments = ray.data.read_parquet(judgments_path, partitioning=None)
     summary, tables = summarise(judgments, config)
     summary["store"] = store
-    summary["files"] = {"read": len(scan.files), "skipped_or_upgraded": problems}
+    summary["files"] = {"read": len(scan.files), "skipped_or_upgraded": list(problems)}
     if summary["judge"]["errors"]:
         msg = (f"judge {config.judge.backend}: {summary['judge']['errors']} of {summary['rollouts']} rollouts "
                f"could not be judged (e.g. {summary['judge']['error_examples'][0]}); their rows have judge_error set "

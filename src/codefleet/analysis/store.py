@@ -174,7 +174,7 @@ def find_store(path: str) -> str:
     return candidate if os.path.isdir(candidate) else path
 
 
-def _partition_values(path: str) -> tuple[str | None, int | None]:
+def partition_values(path: str) -> tuple[str | None, int | None]:
     run = step = None
     for part in path.split(os.sep):
         if part.startswith("run="):
@@ -196,13 +196,14 @@ def scan_store(root: str) -> StoreScan:
             meta = pq.read_metadata(path)
             schema = meta.schema.to_arrow_schema()
         except Exception as e:  # truncated, not Parquet, unreadable
-            scan.problems.append(f"{path}: not a readable Parquet file ({type(e).__name__}: {e}); skipped")
+            why = " ".join(str(e).split())[:200]
+            scan.problems.append(f"{path}: not a readable Parquet file ({type(e).__name__}: {why}); skipped")
             continue
         missing = [c for c in REQUIRED_COLUMNS if c not in schema.names]
         if missing:
             scan.problems.append(f"{path}: lacks required column(s) {', '.join(missing)}; skipped")
             continue
-        run, step = _partition_values(os.path.relpath(path, root))
+        run, step = partition_values(os.path.relpath(path, root))
         current = is_current(schema)
         if not current:
             lacking = [c for c in COLUMNS if c not in schema.names]

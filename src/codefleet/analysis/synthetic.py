@@ -75,7 +75,9 @@ def synthetic_record(rng: random.Random, i: int, *, run: str, step: int, group_s
     model_s, tool_s = turns * rng.uniform(0.2, 2.0), sum(c["duration_s"] for c in calls)
     version = max(0, step - rng.randint(0, 2))
     transcript = [{"role": "user", "content": f"Fix {family} task {i}: make f in pkg/{module}.py pass its tests."}]
-    transcript += [{"role": "assistant", "content": f"turn {t}: looking at pkg/{module}.py"} for t in range(turns)]
+    for t in range(turns):  # ~300 bytes of incompressible tool output per turn, like a real transcript's
+        transcript += [{"role": "assistant", "content": f"turn {t}: looking at pkg/{module}.py"},
+                       {"role": "tool", "content": rng.randbytes(128).hex()}]
     return {
         "schema_version": SCHEMA_VERSION, "run": run, "step": step, "task_id": f"{family}-{i // group_size:06d}",
         "family": family, "group": i // group_size, "attempt": i % group_size, "split": "train",

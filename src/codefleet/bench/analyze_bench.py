@@ -16,6 +16,9 @@ reports:
   upper bound; `peak_pss_mb` splits shared pages fairly (PSS) and is the
   better estimate of real use; `idle_rss_mb` is the same sum right before the
   run (Ray idle), so the pipeline's own cost is the difference;
+  `peak_process_rss_mb` and `peak_processes` (the largest single process, the
+  most processes at once) show what the sum is made of: it grows with the
+  number of Ray worker processes, not with the number of rollouts;
 - `planted_match`: fraction of rollouts whose rule category equals the one the
   generator planted (a correctness check of the rules at scale).
 
@@ -43,19 +46,25 @@ class MemorySampler:
 
         self.psutil = psutil
         self.interval_s = interval_s
-        self.peak_rss_mb = self.peak_pss_mb = 0.0
+        self.peak_rss_mb = self.peak_pss_mb = self.peak_process_rss_mb = 0.0
+        self.peak_processes = 0
+        self.peak_process_name = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def sample(self) -> tuple[float, float]:
         me = self.psutil.Process()
         rss = pss = 0
-        for p in [me, *me.children(recursive=True)]:
+        processes = [me, *me.children(recursive=True)]
+        for p in processes:
             try:
                 info = p.memory_full_info()
                 rss, pss = rss + info.rss, pss + getattr(info, "pss", info.rss)
+                if info.rss / 2**20 > self.peak_process_rss_mb:
+                    self.peak_process_rss_mb, self.peak_process_name = info.rss / 2**20, p.name()
             except (self.psutil.NoSuchProcess, self.psutil.AccessDenied):
                 continue
+        self.peak_processes = max(self.peak_processes, len(processes))
         return rss / 2**20, pss / 2**20
 
     def _run(self) -> None:
@@ -118,6 +127,8 @@ def run(quick: bool, log: Log) -> dict:
                 "aggregate_s": round(result.timings_s["aggregate_s"], 2),
                 "peak_rss_mb": round(sampler.peak_rss_mb, 1), "peak_pss_mb": round(sampler.peak_pss_mb, 1),
                 "idle_rss_mb": round(idle_rss_mb, 1), "idle_pss_mb": round(idle_pss_mb, 1),
+                "peak_process_rss_mb": round(sampler.peak_process_rss_mb, 1), "peak_processes": sampler.peak_processes,
+                "peak_process_name": sampler.peak_process_name,
                 "store_mb": round(store_mb, 1), "generate_s": round(generate_s, 1), "ray_cpus": 2,
                 "success_rate": s["success_rate"], "suspicious_wins": s["suspicious_wins"],
                 "planted_match": round(match, 4), "quick": quick,
@@ -132,7 +143,9 @@ def _table(r: dict) -> str:
     rows = [("rollouts", r["rollouts"]), ("rows/s", r["rows_per_s"]), ("analyze s", r["analyze_s"]),
             ("  judgments stage s", r["judge_stage_s"]), ("  aggregates s", r["aggregate_s"]),
             ("peak RSS MB (driver + Ray)", r["peak_rss_mb"]), ("peak PSS MB", r["peak_pss_mb"]),
-            ("idle RSS MB (Ray up, before)", r["idle_rss_mb"]), ("store MB", r["store_mb"]),
+            ("idle RSS MB (Ray up, before)", r["idle_rss_mb"]),
+            (f"largest process RSS MB ({r['peak_process_name']})", r["peak_process_rss_mb"]), ("processes (most)", r["peak_processes"]),
+            ("store MB", r["store_mb"]),
             ("planted category match", r["planted_match"]), ("suspicious wins", r["suspicious_wins"])]
     return "\n".join(f"{k:<32}{v}" for k, v in rows)
 
