@@ -175,3 +175,13 @@ def test_rl_step_with_routing_replay_uses_the_engine_routing_and_changes_weights
     for s0, s1 in zip(lp_before, lp_after):
         delta = sum(s1.behave_logprobs) - sum(s0.behave_logprobs)
         assert delta * s0.advantage > 0, (s0.advantage, delta)
+
+
+def test_the_learning_rate_schedule_warms_up_then_decays_by_step():
+    from codefleet.rl.trainer import TrainConfig
+
+    c = TrainConfig(lr=1.0, warmup_steps=4, decay_steps=14, min_lr_ratio=0.1)
+    assert [c.lr_at(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert c.lr_at(4) == 1.0 and abs(c.lr_at(9) - 0.55) < 1e-9 and abs(c.lr_at(14) - 0.1) < 1e-9
+    assert c.lr_at(100) == c.lr_at(14)
+    assert TrainConfig(lr=0.5).lr_at(1000) == 0.5

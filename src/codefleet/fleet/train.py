@@ -110,7 +110,9 @@ def sft(run: RunDir, config: TrainRunConfig, demos, init: str, metrics: Metrics)
     if not demos.examples:
         raise RunError("no expert demonstration solved its task; check `codefleet tasks check` on the task set")
     c, cl = config.sft, config.cluster
-    group = TrainerGroup(cl.trainer_workers, checkpoint=init, config=TrainConfig(lr=c.lr, seed=config.model.seed),
+    total_steps = c.epochs * -(-len(demos.examples) // c.batch_size)
+    schedule = TrainConfig(lr=c.lr, seed=config.model.seed, warmup_steps=c.warmup_steps, decay_steps=total_steps)
+    group = TrainerGroup(cl.trainer_workers, checkpoint=init, config=schedule,
                          num_cpus_per_worker=cl.trainer_cpus, resources_per_worker=cl.trainer_resources)
     try:
         rng = random.Random(config.model.seed)

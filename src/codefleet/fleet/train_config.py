@@ -34,8 +34,8 @@ class ModelSection:
 class SFTSection:
     epochs: int = 8
     batch_size: int = 4  # demonstrations per optimizer step
-    lr: float = 2e-3
-    max_turn_tokens: int = 384
+    lr: float = 2e-3  # peak; linear warm-up, then cosine decay to 10% over the run
+    warmup_steps: int = 5
 
 
 @dataclass

@@ -57,6 +57,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import os
 import shutil
 from collections.abc import Callable, Sequence
@@ -87,6 +88,19 @@ class TrainConfig:
     loss: LossConfig = field(default_factory=LossConfig)  # RL loss; `loss.kl_coef > 0` keeps a reference model
     routing_replay: bool = True  # R3: replay the engine's routing when the samples carry it
     seed: int = 0  # torch's global RNG is seeded with it (saved and restored with checkpoints)
+    warmup_steps: int = 0  # linear warm-up of the learning rate over the first steps
+    decay_steps: int = 0  # cosine decay to lr * min_lr_ratio at this step (0: constant after warm-up)
+    min_lr_ratio: float = 0.1
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step `step` (0-based). A pure function of the step, so a resumed
+        trainer continues the schedule from its version with no scheduler state to save."""
+        if self.warmup_steps and step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.decay_steps <= self.warmup_steps:
+            return self.lr
+        progress = min(1.0, (step - self.warmup_steps) / (self.decay_steps - self.warmup_steps))
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
     def __post_init__(self) -> None:
         if isinstance(self.loss, dict):  # from YAML / JSON
@@ -290,6 +304,8 @@ class Trainer:
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip)
         else:
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.config.lr_at(self.version)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.update_router_bias()
