@@ -46,6 +46,31 @@ def _log(message: str) -> None:
     print(f"[codefleet train] {message}", file=sys.stderr, flush=True)
 
 
+def check_config(config: TrainRunConfig) -> None:
+    """Refuse a configuration that would fail later (after minutes of SFT), with the field to change."""
+    from codefleet.model.config import ModelConfig
+    from codefleet.rl.advantages import ESTIMATORS
+    from codefleet.tasks.families import FAMILIES
+
+    t, r, cl = config.tasks, config.rl, config.cluster
+    problems = [
+        (t.n_train >= 1 and t.n_eval >= 1, "tasks.n_train and tasks.n_eval must be >= 1"),
+        (not set(t.families) - set(FAMILIES), f"tasks.families must be among {', '.join(sorted(FAMILIES))}"),
+        (config.model.size in ("tiny", "small", "medium") and hasattr(ModelConfig, config.model.size),
+         "model.size must be tiny, small or medium"),
+        (r.estimator in ESTIMATORS, f"rl.estimator must be one of {', '.join(ESTIMATORS)}"),
+        (r.group_size >= 2, "rl.group_size must be >= 2: group-relative advantages need two attempts"),
+        (r.rollout_slots >= r.group_size, "rl.rollout_slots must hold at least one group (>= rl.group_size)"),
+        (r.steps >= 0 and r.eta >= 0 and r.batch_groups >= 1, "rl.steps, rl.eta >= 0 and rl.batch_groups >= 1"),
+        (cl.trainer_workers >= 1 and cl.engines >= 1 and cl.rollout_workers >= 1,
+         "cluster.trainer_workers, cluster.engines and cluster.rollout_workers must be >= 1"),
+        (config.sft.epochs >= 1 and config.sft.batch_size >= 1, "sft.epochs and sft.batch_size must be >= 1"),
+    ]
+    bad = [message for ok, message in problems if not ok]
+    if bad:
+        raise RunError("invalid configuration: " + "; ".join(bad))
+
+
 # -- stages -----------------------------------------------------------------------------
 
 
@@ -371,9 +396,10 @@ def train(config: TrainRunConfig, out: str, resume: bool = False, progress: bool
 
         with open(saved) as f:
             config = from_dict(TrainRunConfig, yaml.safe_load(f))
-    elif os.path.isfile(saved):
-        raise RunError(f"{out} already holds a run; pass --resume to continue it, or choose another --out")
-    else:
+    check_config(config)
+    if not resume:
+        if os.path.isfile(saved):
+            raise RunError(f"{out} already holds a run; pass --resume to continue it, or choose another --out")
         os.makedirs(run.root, exist_ok=True)
         atomic_write(saved, yaml.safe_dump(to_dict(config), sort_keys=False).encode())
     started = time.perf_counter()

@@ -60,7 +60,7 @@ class RLSection:
 @dataclass
 class EvalSection:
     attempts: int = 1
-    temperature: float = 0.0
+    temperature: float = 1.0  # the policy RL trains samples at rl.temperature; 0 = greedy
     max_tokens: int = 384
     jobs: int = 4
 
