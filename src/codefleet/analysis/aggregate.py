@@ -60,16 +60,16 @@ def _partials(batch: pa.Table) -> pa.Table:
     values["judge_scored"] = pc.is_valid(batch.column("judge_score")).cast(pa.float64())
     values["judge_errors"] = pc.is_valid(batch.column("judge_error")).cast(pa.float64())
     values["judge_score"] = pc.fill_null(batch.column("judge_score"), 0.0)
-    keys = {"all": pa.array([""] * n), "family": pc.fill_null(batch.column("family"), "(none)"),
-            "step": batch.column("step").cast(pa.string()),
-            "family|category": pc.binary_join_element_wise(pc.fill_null(batch.column("family"), "(none)"),
-                                                           batch.column("category"), "|")}
+    family = pc.fill_null(batch.column("family"), "")
+    family = pc.if_else(pc.equal(family, ""), "(none)", family)
+    keys = {"all": pa.array([""] * n, pa.string()), "family": family, "step": batch.column("step").cast(pa.string()),
+            "family|category": pc.binary_join_element_wise(family, batch.column("category"), "|")}
     parts = []
     for dim, key in keys.items():
         table = pa.table({"key": key, "n": pa.array(np.ones(n)), **values})
         grouped = table.group_by("key").aggregate([(c, "sum") for c in ["n", *SUMMED]])
         grouped = grouped.rename_columns([c.removesuffix("_sum") for c in grouped.column_names])
-        parts.append(grouped.append_column("dim", pa.array([dim] * grouped.num_rows)))
+        parts.append(grouped.append_column("dim", pa.array([dim] * grouped.num_rows, pa.string())))
     counted: list[tuple[str, str, int]] = []
     for column, edges in _EDGES.items():
         bins = np.searchsorted(edges, pc.fill_null(batch.column(column), 0).to_numpy(zero_copy_only=False), "right") - 1
@@ -180,7 +180,7 @@ def summarise(judgments, config) -> tuple[dict, dict]:
                 **{c: _clean(s[c] / n) for c in MEANS},
                 "judge_score": _clean(s["judge_score"] / s["judge_scored"]) if s["judge_scored"] else None}
 
-    total = sums["all"][""]
+    total = sums.get("all", {}).get("", dict.fromkeys(["n", *SUMMED], 0.0))  # no rows: all zero
     families = {name: {**figures(s), "categories": {}} for name, s in sorted(sums.get("family", {}).items())}
     categories: dict[str, int] = {}
     for key, s in sums.get("family|category", {}).items():
@@ -194,7 +194,7 @@ def summarise(judgments, config) -> tuple[dict, dict]:
         histograms[column] = {"edges": [float(e) for e in edges[: top + 1]], "counts": [bins.get(i, 0) for i in range(top)]}
     summary = {
         "rollouts": int(total["n"]), "solved": int(total["success"]),
-        "success_rate": _clean(total["success"] / total["n"]), "suspicious_wins": int(total["suspicious"]),
+        "success_rate": _clean(total["success"] / total["n"]) if total["n"] else None, "suspicious_wins": int(total["suspicious"]),
         "means": {k: v for k, v in figures(total).items() if k not in ("rollouts", "success_rate")},
         "quantiles": {c: {f"p{int(q * 100)}": histogram_quantile(h, q) for q in (0.5, 0.9)} for c, h in histograms.items()},
         "categories": dict(sorted(categories.items(), key=lambda kv: -kv[1])),

@@ -37,6 +37,8 @@ def register(subparsers) -> None:
     p.add_argument("--judge-in-flight", type=int, default=4, help="concurrent requests per judge actor (default 4)")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs for a local Ray started here (default: "
                    "min(cores, 8), at least 2); ignored when RAY_ADDRESS points at a cluster")
+    p.add_argument("--object-store-mb", type=int, default=1024, help="object store of a local Ray started here "
+                   "(default 1024; it bounds the memory blocks in flight may take)")
     p.add_argument("--no-report", action="store_true", help="skip report.html")
     p.add_argument("--progress", action="store_true", help="show Ray Data progress bars")
     p.set_defaults(func=run)
@@ -56,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"codefleet analyze: {e}", file=sys.stderr)
         return 2
     config = AnalyzeConfig(out_dir=args.out, judge=judge, report=not args.no_report, progress=args.progress,
-                           num_cpus=args.num_cpus)
+                           num_cpus=args.num_cpus, object_store_mb=args.object_store_mb)
     try:
         result = analyze(args.run_dir, config)
     except FileNotFoundError as e:

@@ -73,6 +73,7 @@ class AnalyzeConfig:
     report: bool = True  # write report.html (matplotlib)
     progress: bool = False  # Ray Data progress bars
     num_cpus: int | None = None  # for a local Ray started by analyze() (None: min(cores, 8), at least 2)
+    object_store_mb: int | None = 1024  # object store of a local Ray started by analyze() (None: Ray's 30% of RAM)
 
 
 @dataclass
@@ -171,7 +172,7 @@ def judgments_dataset(scan: StoreScan, config: AnalyzeConfig):
     return ds.select_columns(JUDGMENT_COLUMNS)
 
 
-def ensure_ray(num_cpus: int | None = None) -> None:
+def ensure_ray(num_cpus: int | None = None, object_store_mb: int | None = None) -> None:
     """Start a local Ray with explicit CPUs when none is running in this process (never silently join a
     `ray start` cluster someone else left on the machine); RAY_ADDRESS=<address> connects to a cluster."""
     import ray
@@ -183,7 +184,8 @@ def ensure_ray(num_cpus: int | None = None) -> None:
         ray.init(address=address, log_to_driver=False)
     else:
         ray.init(address="local", num_cpus=num_cpus or max(2, min(os.cpu_count() or 2, 8)), include_dashboard=False,
-                 log_to_driver=False, configure_logging=False)
+                 object_store_memory=object_store_mb * 2**20 if object_store_mb else None, log_to_driver=False,
+                 configure_logging=False)
 
 
 def analyze(path: str, config: AnalyzeConfig | None = None, log: Callable[[str], None] | None = None) -> AnalysisResult:
@@ -207,7 +209,7 @@ def analyze(path: str, config: AnalyzeConfig | None = None, log: Callable[[str],
     if not scan.files:
         raise NoRollouts(f"no readable rollouts under {store} (expected rollouts/run=<run>/step=<step>/*.parquet, "
                          "written by codefleet.analysis.store.RolloutWriter)")
-    ensure_ray(config.num_cpus)
+    ensure_ray(config.num_cpus, config.object_store_mb)
     _configure_ray_data(config)
     judgments_path = os.path.join(out_dir, "judgments.parquet")
     if os.path.exists(judgments_path):

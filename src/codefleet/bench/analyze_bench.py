@@ -3,8 +3,8 @@
 Generates rollouts in the store's schema (analysis/synthetic.py: a realistic
 mix of outcomes with planted suspicious wins, ~2 tool calls per turn, diffs
 and transcripts) into a temporary store, starts a local Ray with 2 CPUs (the
-machine the issue targets), runs `codefleet analyze` with the `rules` judge and
-reports:
+machine the issue targets) and a 1 GiB object store, runs `codefleet analyze`
+with the `rules` judge and reports:
 
 - `rows_per_s`: rollouts / seconds of `analyze()` (scan, read, rules, write
   judgments, aggregate, report), Ray start-up and data generation excluded;
@@ -18,7 +18,9 @@ reports:
   run (Ray idle), so the pipeline's own cost is the difference;
   `peak_process_rss_mb` and `peak_processes` (the largest single process, the
   most processes at once) show what the sum is made of: it grows with the
-  number of Ray worker processes, not with the number of rollouts;
+  number of Ray worker processes, not with the number of rollouts; a
+  worker's RSS includes the object-store pages it maps (up to the 1 GiB store);
+  `peak_driver_rss_mb` is the driver alone (it never holds the rollouts);
 - `planted_match`: fraction of rollouts whose rule category equals the one the
   generator planted (a correctness check of the rules at scale).
 
@@ -36,6 +38,7 @@ import time
 from codefleet.bench.report import Log, report
 
 FULL_ROWS, QUICK_ROWS = 100_000, 2_000
+OBJECT_STORE_MB = 1024  # the bench's Ray: 2 CPUs, a 1 GiB object store (the same as `codefleet analyze` starts)
 
 
 class MemorySampler:
@@ -49,6 +52,7 @@ class MemorySampler:
         self.peak_rss_mb = self.peak_pss_mb = self.peak_process_rss_mb = 0.0
         self.peak_processes = 0
         self.peak_process_name = ""
+        self.peak_driver_rss_mb = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -56,6 +60,10 @@ class MemorySampler:
         me = self.psutil.Process()
         rss = pss = 0
         processes = [me, *me.children(recursive=True)]
+        try:
+            self.peak_driver_rss_mb = max(self.peak_driver_rss_mb, me.memory_info().rss / 2**20)
+        except self.psutil.Error:
+            pass
         for p in processes:
             try:
                 info = p.memory_full_info()
@@ -107,7 +115,8 @@ def run(quick: bool, log: Log) -> dict:
         log(f"generated {n} rollouts ({store_mb:.1f} MB of Parquet) in {generate_s:.1f} s")
         own_ray = not ray.is_initialized()
         if own_ray:
-            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+            ray.init(address="local", num_cpus=2, object_store_memory=OBJECT_STORE_MB * 2**20, include_dashboard=False,
+                     log_to_driver=False, configure_logging=False)
         sampler = MemorySampler()
         idle_rss_mb, idle_pss_mb = sampler.sample()
         try:
@@ -129,7 +138,9 @@ def run(quick: bool, log: Log) -> dict:
                 "idle_rss_mb": round(idle_rss_mb, 1), "idle_pss_mb": round(idle_pss_mb, 1),
                 "peak_process_rss_mb": round(sampler.peak_process_rss_mb, 1), "peak_processes": sampler.peak_processes,
                 "peak_process_name": sampler.peak_process_name,
+                "peak_driver_rss_mb": round(sampler.peak_driver_rss_mb, 1),
                 "store_mb": round(store_mb, 1), "generate_s": round(generate_s, 1), "ray_cpus": 2,
+                "ray_object_store_mb": OBJECT_STORE_MB,
                 "success_rate": s["success_rate"], "suspicious_wins": s["suspicious_wins"],
                 "planted_match": round(match, 4), "quick": quick,
                 "memory_note": "peak_rss_mb: summed RSS of the driver and all processes it started (Ray GCS, raylet, "
@@ -143,7 +154,7 @@ def _table(r: dict) -> str:
     rows = [("rollouts", r["rollouts"]), ("rows/s", r["rows_per_s"]), ("analyze s", r["analyze_s"]),
             ("  judgments stage s", r["judge_stage_s"]), ("  aggregates s", r["aggregate_s"]),
             ("peak RSS MB (driver + Ray)", r["peak_rss_mb"]), ("peak PSS MB", r["peak_pss_mb"]),
-            ("idle RSS MB (Ray up, before)", r["idle_rss_mb"]),
+            ("idle RSS MB (Ray up, before)", r["idle_rss_mb"]), ("driver RSS MB", r["peak_driver_rss_mb"]),
             (f"largest process RSS MB ({r['peak_process_name']})", r["peak_process_rss_mb"]), ("processes (most)", r["peak_processes"]),
             ("store MB", r["store_mb"]),
             ("planted category match", r["planted_match"]), ("suspicious wins", r["suspicious_wins"])]
