@@ -59,16 +59,18 @@ def _plots(summary: dict) -> list[str]:
             ax.bar(names, share, bottom=bottom, label=category)
             bottom = [b + s for b, s in zip(bottom, share)]
     ax.set(title="outcome per family", ylabel="fraction of rollouts", ylim=(0, 1))
-    ax.legend(fontsize=6, loc="upper right")
+    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
     ax.tick_params(axis="x", labelrotation=30, labelsize=7)
     images.append(_png(fig))
 
     for column, label in (("turns", "turns"), ("wall_s", "wall clock (s)"), ("tokens", "tokens")):
         h = summary["histograms"][column]
         fig, ax = plt.subplots(figsize=(5, 3.2))
-        lefts = [max(e, h["edges"][1] / 2 if len(h["edges"]) > 1 else 0.5) for e in h["edges"][:-1]]
-        widths = [r - l for l, r in zip(lefts, h["edges"][1:])]
-        ax.bar(lefts, h["counts"], width=widths, align="edge", edgecolor="white")
+        first = next((i for i, c in enumerate(h["counts"]) if c), 0)  # leading empty bins would stretch the axis
+        edges, counts = h["edges"][first:], h["counts"][first:]
+        lefts = [e if e > 0 else (edges[1] / 2 if len(edges) > 1 else 0.5) for e in edges[:-1]]
+        widths = [r - l for l, r in zip(lefts, edges[1:])]
+        ax.bar(lefts, counts, width=widths, align="edge", edgecolor="white")
         ax.set_xscale("log")
         ax.set(title=f"{label} per rollout", xlabel=label, ylabel="rollouts")
         images.append(_png(fig))
