@@ -51,6 +51,9 @@ def test_cli_analyze_writes_summary_judgments_and_report(ray_session, tmp_path, 
     assert sum(int(k) * v for k, v in summary["parallel_calls_per_turn"].items()) == sum(r["n_tool_calls"] for r in judged)
     assert sum(summary["histograms"]["turns"]["counts"]) == 600
     assert summary["judge"] == {"backend": "rules", "scored": 600, "errors": 0, "error_examples": []}
+    from ray.data import DataContext
+
+    assert DataContext.get_current().default_hash_shuffle_parallelism != 2  # our settings were restored
     html = (run_dir / "analysis" / "report.html").read_text()
     assert len(re.findall(r'<img alt="" src="data:image/png;base64,[A-Za-z0-9+/=]{200,}">', html)) == 7
     assert "<script" not in html and "http://" not in html and "https://" not in html  # self-contained
@@ -106,6 +109,10 @@ def test_empty_or_missing_directory_says_so(tmp_path, capsys):
     assert "is not a directory" in capsys.readouterr().err
     assert main(["analyze", str(tmp_path), "--judge", "gpt-9"]) == 2
     assert "unknown judge 'gpt-9'" in capsys.readouterr().err
+    assert main(["analyze", str(tmp_path), "--judge", f"local:{tmp_path}/no-ckpt"]) == 2
+    assert "is not a directory; give --judge local:DIR" in capsys.readouterr().err
+    assert main(["analyze", str(tmp_path), "--judge", "http://127.0.0.1:1/v1", "--rubric", "/no/rubric.md"]) == 2
+    assert "/no/rubric.md" in capsys.readouterr().err
     assert not (tmp_path / "analysis").exists()
 
 

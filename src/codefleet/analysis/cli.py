@@ -15,6 +15,7 @@ not be judged: those are reported), 1 when there was nothing to analyse,
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -52,7 +53,9 @@ def run(args: argparse.Namespace) -> int:
                         timeout_s=args.judge_timeout_s, max_retries=args.judge_retries, rate_limit_per_s=args.judge_rate,
                         actors=args.judge_actors, requests_in_flight=args.judge_in_flight)
     try:
-        judge.kind
+        if judge.kind == "local" and not os.path.isdir(judge.backend.removeprefix("local:")):
+            raise ValueError(f"judge checkpoint {judge.backend.removeprefix('local:')!r} is not a directory; give "
+                             "--judge local:DIR a directory written by codefleet.model.checkpoint.save")
         judge.rubric()
     except (ValueError, OSError) as e:
         print(f"codefleet analyze: {e}", file=sys.stderr)

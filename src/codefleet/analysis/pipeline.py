@@ -32,6 +32,7 @@ reads, rules and judges always fit together on one CPU.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -120,13 +121,22 @@ def read_store(scan: StoreScan, columns: list[str], config: AnalyzeConfig):
     return datasets[0].union(*datasets[1:]) if len(datasets) > 1 else datasets[0]
 
 
-def _configure_ray_data(config: AnalyzeConfig) -> None:
+_SETTINGS = ("enable_progress_bars", "print_on_execution_start", "default_hash_shuffle_parallelism",
+             "max_hash_shuffle_aggregators", "hash_aggregate_operator_actor_num_cpus_override",
+             "hash_shuffle_operator_actor_num_cpus_override")
+
+
+@contextlib.contextmanager
+def ray_data_settings(config: AnalyzeConfig):
+    """Ray Data settings for the analysis, restored afterwards (DataContext is process-global)."""
     from ray.data import DataContext
 
     ctx = DataContext.get_current()
+    saved = {name: getattr(ctx, name) for name in _SETTINGS}
+    saved_limits = ctx.execution_options.resource_limits
     ctx.enable_progress_bars = config.progress
     ctx.print_on_execution_start = config.progress
-    ctx.execution_options.resource_limits = ctx.execution_options.resource_limits.copy(
+    ctx.execution_options.resource_limits = saved_limits.copy(
         object_store_memory=config.max_blocks_in_flight_mb * 1024 * 1024)
     # groupby runs as a hash shuffle on aggregator actors: few partitions, few actors, fractional CPUs,
     # or on 2 CPUs they would wait for CPUs the other operators hold (the ray#44687 pattern again)
@@ -134,6 +144,12 @@ def _configure_ray_data(config: AnalyzeConfig) -> None:
     ctx.max_hash_shuffle_aggregators = config.shuffle_partitions
     ctx.hash_aggregate_operator_actor_num_cpus_override = config.aggregator_num_cpus
     ctx.hash_shuffle_operator_actor_num_cpus_override = config.aggregator_num_cpus
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(ctx, name, value)
+        ctx.execution_options.resource_limits = saved_limits
 
 
 def unreadable_bodies(scan: StoreScan) -> list[str]:
@@ -190,13 +206,9 @@ def ensure_ray(num_cpus: int | None = None, object_store_mb: int | None = None) 
 
 def analyze(path: str, config: AnalyzeConfig | None = None, log: Callable[[str], None] | None = None) -> AnalysisResult:
     """Analyse the store under `path` (a run directory or the store itself); raises NoRollouts when empty."""
-    import ray.data
-
-    from codefleet.analysis.aggregate import summarise
-
     config = config or AnalyzeConfig()
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    config.judge.kind  # unknown backends fail here, before any work
+    _ = config.judge.kind  # an unknown backend fails here, before any work
     store = find_store(path)
     run_dir = os.path.dirname(store) if os.path.basename(os.path.normpath(store)) == "rollouts" else store
     out_dir = config.out_dir or os.path.join(run_dir, "analysis")
@@ -210,10 +222,22 @@ def analyze(path: str, config: AnalyzeConfig | None = None, log: Callable[[str],
         raise NoRollouts(f"no readable rollouts under {store} (expected rollouts/run=<run>/step=<step>/*.parquet, "
                          "written by codefleet.analysis.store.RolloutWriter)")
     ensure_ray(config.num_cpus, config.object_store_mb)
-    _configure_ray_data(config)
+    with ray_data_settings(config):
+        return _analyze_scan(scan, store, out_dir, config, log, problems, timings, started)
+
+
+def _analyze_scan(scan: StoreScan, store: str, out_dir: str, config: AnalyzeConfig, log: Callable[[str], None],
+                  problems: list[str], timings: dict[str, float], started: float) -> AnalysisResult:
+    """analyze() from the scan on: judgments, then aggregates, report and summary."""
+    import ray.data
+
+    from codefleet.analysis.aggregate import summarise, write_summary
+
     judgments_path = os.path.join(out_dir, "judgments.parquet")
-    if os.path.exists(judgments_path):
-        shutil.rmtree(judgments_path) if os.path.isdir(judgments_path) else os.unlink(judgments_path)
+    if os.path.isdir(judgments_path):
+        shutil.rmtree(judgments_path)
+    elif os.path.exists(judgments_path):
+        os.unlink(judgments_path)
     os.makedirs(out_dir, exist_ok=True)
     try:
         judgments_dataset(scan, config).write_parquet(judgments_path)
@@ -246,11 +270,9 @@ def analyze(path: str, config: AnalyzeConfig | None = None, log: Callable[[str],
         write_report(os.path.join(out_dir, "report.html"), summary, tables)
     timings["total_s"] = time.perf_counter() - started
     summary["timings_s"] = {k: round(v, 3) for k, v in timings.items()}
-    from codefleet.analysis.aggregate import write_summary
-
     write_summary(os.path.join(out_dir, "summary.json"), summary)
     return AnalysisResult(out_dir, summary, problems, timings)
 
 
 __all__ = ["AnalyzeConfig", "AnalysisResult", "NoRollouts", "analyze", "ensure_ray", "judgments_dataset",
-           "read_store"]
+           "ray_data_settings", "read_store"]
