@@ -112,3 +112,30 @@ def test_unknown_judge_backend_says_what_to_use():
     with pytest.raises(ValueError, match="use rules, local:CHECKPOINT_DIR or an OpenAI-compatible URL"):
         JudgeConfig(backend="gpt").kind
     assert "JSON object" in JudgeConfig().rubric()
+
+
+def test_rows_from_real_trajectories_categorise():
+    """rollout_record -> store row -> rules, for Trajectory objects as the agent loop makes them."""
+    from codefleet.analysis.store import rollout_record
+    from codefleet.types import CheckResult, ToolCall, ToolResult, Trajectory, Turn
+
+    def trajectory(stop: str, checks: CheckResult | None, diff: str, ok: bool = True) -> Trajectory:
+        turns = [Turn(0, "", [ToolCall("a", "read_file", '{"path": "x.py"}'), ToolCall("b", "search", '{"pattern": "f"}')],
+                      [ToolResult("a", "read_file", "...", ok), ToolResult("b", "search", "...", ok)]),
+                 Turn(1, "", [ToolCall("c", "submit", "{}")], [ToolResult("c", "submit", "ok", True)])]
+        return Trajectory("t", [], turns, stop, diff=diff, checks=checks, metadata={"task.family": "calc"})
+
+    cheat = "--- a/tests/test_x.py\n+++ /dev/null\n@@ -1 +0,0 @@\n-def test_x(): assert f() == 1\n"
+    fix = "--- a/x.py\n+++ b/x.py\n@@ -1 +1 @@\n-    return a + b\n+    return a - b\n"
+    rows = [rollout_record(t, run="r", step=0, group=0, attempt=i) for i, t in enumerate([
+        trajectory("submit", CheckResult(2, 2, True), cheat),
+        trajectory("submit", CheckResult(1, 2, False), fix),
+        trajectory("submit", CheckResult(0, 2, False), fix, ok=False),
+        trajectory("error", None, ""),
+    ])]
+    out = categorise(records_to_table(rows)).to_pylist()
+    assert [r["category"] for r in out] == ["solved", "wrong_fix", "tool_errors", "infrastructure"]
+    assert out[0]["suspicious"] and out[0]["findings"] == ["tests_deleted: tests/test_x.py"]
+    assert out[2]["tool_errors"] == 2 and out[2]["findings"] == ["tool_errors: 2 of 3 calls failed"]
+    assert out[1]["calls_per_turn"] == [2, 1] and out[1]["max_parallel_calls"] == 2
+    assert out[1]["rule_score"] == 0.5 and out[0]["rule_score"] == 0.5  # half the checks; a halved win
