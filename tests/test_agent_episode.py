@@ -130,6 +130,16 @@ def test_reward_modes_and_speed_costs(task, config):
         RewardConfig(mode="vibes")
 
 
+def test_tool_errors_cost_reward(task, config):
+    script = [reply("", call("read_file", {"path": "no/such.py"}), call("nonexistent_tool", {})),
+              reply("", call("submit", {}))]
+    cost = RewardConfig(mode="fraction", cost_per_tool_error=0.05)
+    with OpenAIStub(script) as stub:
+        trajectory = run_episode(task, OpenAIPolicy(stub.base_url), config, config=EpisodeConfig(reward=cost))
+    assert trajectory.metadata["tool_errors"] == 2
+    assert trajectory.reward == pytest.approx(trajectory.checks.fraction - 0.1)
+
+
 def test_parallel_attempts_on_a_task_are_all_scored(task, config):
     trajectories = run_task_attempts(task, ScriptedExpert(task), 2, config)
     assert [t.metadata["attempt"] for t in trajectories] == [0, 1]

@@ -1,11 +1,14 @@
 """Reward of an episode: correctness from the hidden checks, minus what speed cost.
 
     reward = base - cost_per_turn * turns - cost_per_s * wall_s - cost_per_token * tokens
+                  - cost_per_tool_error * tool errors
 
 `base` is 1/0 for "all hidden checks pass" (mode "all_pass") or the fraction
 of checks that pass (mode "fraction"). All costs default to zero, so the
 default reward is plain correctness; turning them on trains speed, the way a
-production agent is rewarded for finishing in fewer turns and less time.
+production agent is rewarded for finishing in fewer turns and less time. A
+tool error (a malformed call, an unknown tool, a tool that failed) wastes a
+round trip, so `cost_per_tool_error` prices it too.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ class RewardConfig:
     cost_per_turn: float = 0.0
     cost_per_s: float = 0.0  # per second of episode wall clock
     cost_per_token: float = 0.0  # per prompt + completion token
+    cost_per_tool_error: float = 0.0  # per tool call that came back as an error (Turn.errors)
 
     def __post_init__(self) -> None:
         if self.mode not in REWARD_MODES:
@@ -43,7 +47,12 @@ def compute_reward(trajectory: Trajectory, config: RewardConfig | None = None) -
     return (correctness(trajectory.checks, config.mode)
             - config.cost_per_turn * trajectory.n_turns
             - config.cost_per_s * trajectory.wall_s
-            - config.cost_per_token * trajectory.tokens)
+            - config.cost_per_token * trajectory.tokens
+            - config.cost_per_tool_error * tool_errors(trajectory))
+
+
+def tool_errors(trajectory: Trajectory) -> int:
+    return sum(len(t.errors) for t in trajectory.turns)
 
 
 def efficiency(trajectory: Trajectory) -> dict[str, float | int]:
@@ -51,4 +60,4 @@ def efficiency(trajectory: Trajectory) -> dict[str, float | int]:
     return {"turns": trajectory.n_turns, "tool_calls": trajectory.n_tool_calls,
             "tool_calls_per_turn": round(trajectory.tool_calls_per_turn, 3),
             "wall_s": round(trajectory.wall_s, 3), "model_s": round(trajectory.model_s, 3),
-            "tool_s": round(trajectory.tool_s, 3), "tokens": trajectory.tokens}
+            "tool_s": round(trajectory.tool_s, 3), "tokens": trajectory.tokens, "tool_errors": tool_errors(trajectory)}

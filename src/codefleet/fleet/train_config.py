@@ -53,7 +53,7 @@ class RLSection:
     max_tokens: int = 384  # per turn
     max_turns: int = 8
     loss: LossConfig = field(default_factory=lambda: LossConfig(off_policy="tis"))
-    reward: RewardConfig = field(default_factory=lambda: RewardConfig(cost_per_turn=0.02))
+    reward: RewardConfig = field(default_factory=lambda: RewardConfig(cost_per_turn=0.02, cost_per_tool_error=0.02))
     routing_replay: bool = True
 
 
