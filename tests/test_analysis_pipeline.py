@@ -48,7 +48,8 @@ def test_cli_analyze_writes_summary_judgments_and_report(ray_session, tmp_path, 
     assert summary["per_family"]["calc"]["rollouts"] == len(calc)
     assert sum(summary["per_family"]["calc"]["categories"].values()) == len(calc)
     assert sum(summary["tool_mix"].values()) == sum(r["n_tool_calls"] for r in judged)
-    assert sum(int(k) * v for k, v in summary["parallel_calls_per_turn"].items()) == sum(r["n_tool_calls"] for r in judged)
+    calls = sum(r["n_tool_calls"] for r in judged)
+    assert sum(int(k) * v for k, v in summary["parallel_calls_per_turn"].items()) == calls
     assert sum(summary["histograms"]["turns"]["counts"]) == 600
     assert summary["judge"] == {"backend": "rules", "scored": 600, "errors": 0, "error_examples": []}
     from ray.data import DataContext

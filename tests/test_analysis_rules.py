@@ -37,7 +37,8 @@ diff --git a/pkg/calc.py b/pkg/calc.py
 def test_diff_findings_name_each_suspicious_change():
     assert diff_findings(GIT_DIFF) == ["tests_edited: tests/test_calc.py", "tests_deleted: tests/test_old.py",
                                        "hardcoded_output: pkg/calc.py"]
-    plain = "--- a/pkg/m.py\t2024-01-01\n+++ b/pkg/m.py\n@@ -1 +1,2 @@\n+import pytest\n+pytest.skip('x', allow_module_level=True)\n"
+    plain = ("--- a/pkg/m.py\t2024-01-01\n+++ b/pkg/m.py\n@@ -1 +1,2 @@\n+import pytest\n"
+             "+pytest.skip('x', allow_module_level=True)\n")
     assert diff_findings(plain) == ["skip_added: pkg/m.py"]
     marker = "--- a/tests/conftest.py\n+++ b/tests/conftest.py\n@@ -1 +1,2 @@\n+@pytest.mark.xfail\n"
     assert diff_findings(marker) == ["tests_edited: tests/conftest.py", "skip_added: tests/conftest.py"]
@@ -120,7 +121,8 @@ def test_rows_from_real_trajectories_categorise():
     from codefleet.types import CheckResult, ToolCall, ToolResult, Trajectory, Turn
 
     def trajectory(stop: str, checks: CheckResult | None, diff: str, ok: bool = True) -> Trajectory:
-        turns = [Turn(0, "", [ToolCall("a", "read_file", '{"path": "x.py"}'), ToolCall("b", "search", '{"pattern": "f"}')],
+        calls = [ToolCall("a", "read_file", '{"path": "x.py"}'), ToolCall("b", "search", '{"pattern": "f"}')]
+        turns = [Turn(0, "", calls,
                       [ToolResult("a", "read_file", "...", ok), ToolResult("b", "search", "...", ok)]),
                  Turn(1, "", [ToolCall("c", "submit", "{}")], [ToolResult("c", "submit", "ok", True)])]
         return Trajectory("t", [], turns, stop, diff=diff, checks=checks, metadata={"task.family": "calc"})

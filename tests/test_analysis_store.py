@@ -124,5 +124,10 @@ def test_older_version_corrupt_and_incomplete_files_are_reported_and_skipped(tmp
     assert len(scan_store(root).files) == 2
 
 
-def test_empty_store_reads_as_empty_table(tmp_path):
+def test_empty_store_reads_as_empty_table_and_analysis_output_is_not_rollouts(tmp_path):
     assert read_rollouts(str(tmp_path)).num_rows == 0
+    # an analysis written into a store directory not named rollouts/ must not be read back as rollouts
+    (tmp_path / "analysis" / "judgments.parquet").mkdir(parents=True)
+    pq.write_table(pa.table({"task_id": ["t"], "reward": [1.0], "stop_reason": ["submit"]}),
+                   tmp_path / "analysis" / "judgments.parquet" / "0.parquet")
+    assert read_rollouts(str(tmp_path), on_problem=pytest.fail).num_rows == 0

@@ -79,7 +79,8 @@ def _partials(batch: pa.Table) -> pa.Table:
         flat = pc.list_flatten(batch.column(column))
         if len(flat):
             vc = pc.value_counts(flat)
-            counted += [(dim, str(k), c) for k, c in zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist())]
+            pairs = zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist())
+            counted += [(dim, str(k), c) for k, c in pairs]
     if counted:
         dims, keys_, counts = zip(*counted)
         extra = {c: pa.array(np.zeros(len(counted))) for c in SUMMED}
@@ -191,12 +192,15 @@ def summarise(judgments, config) -> tuple[dict, dict]:
     for column, edges in _EDGES.items():
         bins = {int(k): int(s["n"]) for k, s in sums.get(f"hist:{column}", {}).items()}
         top = max(bins, default=0) + 1
-        histograms[column] = {"edges": [float(e) for e in edges[: top + 1]], "counts": [bins.get(i, 0) for i in range(top)]}
+        histograms[column] = {"edges": [float(e) for e in edges[: top + 1]],
+                              "counts": [bins.get(i, 0) for i in range(top)]}
     summary = {
         "rollouts": int(total["n"]), "solved": int(total["success"]),
-        "success_rate": _clean(total["success"] / total["n"]) if total["n"] else None, "suspicious_wins": int(total["suspicious"]),
+        "success_rate": _clean(total["success"] / total["n"]) if total["n"] else None,
+        "suspicious_wins": int(total["suspicious"]),
         "means": {k: v for k, v in figures(total).items() if k not in ("rollouts", "success_rate")},
-        "quantiles": {c: {f"p{int(q * 100)}": histogram_quantile(h, q) for q in (0.5, 0.9)} for c, h in histograms.items()},
+        "quantiles": {c: {f"p{int(q * 100)}": histogram_quantile(h, q) for q in (0.5, 0.9)}
+                      for c, h in histograms.items()},
         "categories": dict(sorted(categories.items(), key=lambda kv: -kv[1])),
         "per_family": families,
         "per_step": sorted(({"step": int(k), **figures(s)} for k, s in sums.get("step", {}).items()),

@@ -50,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
     from codefleet.analysis.pipeline import AnalyzeConfig, NoRollouts, analyze
 
     judge = JudgeConfig(backend=args.judge, model=args.judge_model, rubric_path=args.rubric,
-                        timeout_s=args.judge_timeout_s, max_retries=args.judge_retries, rate_limit_per_s=args.judge_rate,
+                        timeout_s=args.judge_timeout_s, max_retries=args.judge_retries,
+                        rate_limit_per_s=args.judge_rate,
                         actors=args.judge_actors, requests_in_flight=args.judge_in_flight)
     try:
         if judge.kind == "local" and not os.path.isdir(judge.backend.removeprefix("local:")):

@@ -89,7 +89,8 @@ def diff_files(diff: str) -> list[tuple[str, str, list[str], list[str]]]:
             skip_next = False
             continue
         if line.startswith("diff --git "):
-            current = {"path": line.split(" b/", 1)[-1], "status": "modified", "added": [], "removed": [], "body": False}
+            current = {"path": line.split(" b/", 1)[-1], "status": "modified", "added": [], "removed": [],
+                       "body": False}
             files.append(current)
         elif line.startswith("--- ") and i + 1 < len(lines) and lines[i + 1].startswith("+++ "):
             if current is None or current["body"]:
@@ -130,8 +131,8 @@ def diff_findings(diff: str) -> list[str]:
         if any(_SKIP.search(line) for line in added) and not any(_SKIP.search(line) for line in removed):
             findings.append(f"skip_added: {path}")
         if not is_test:
-            literal_for_computed = (any(_LITERAL_RETURN.match(line) for line in added)
-                                    and any(_RETURN.match(line) and not _LITERAL_RETURN.match(line) for line in removed))
+            computed_removed = any(_RETURN.match(line) and not _LITERAL_RETURN.match(line) for line in removed)
+            literal_for_computed = computed_removed and any(_LITERAL_RETURN.match(line) for line in added)
             special_case = sum(1 for line in added if _SPECIAL_CASE.match(line)) >= 2
             detects_tests = any(_TEST_DETECT.search(line) for line in added)
             if literal_for_computed or special_case or detects_tests:

@@ -185,11 +185,14 @@ def partition_values(path: str) -> tuple[str | None, int | None]:
 
 
 def scan_store(root: str) -> StoreScan:
-    """Every readable `.parquet` file under `root` (sorted), with problems for the ones skipped."""
+    """Every readable `.parquet` file under `root` (sorted), with problems for the ones skipped. Hidden
+    files and directories, `analysis/` and `*.parquet/` directories (analysis output) are not scanned."""
     scan = StoreScan(root)
     paths = []
     for directory, dirs, files in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if not d.startswith((".", "_")))
+        # hidden dirs, and an analysis written into the store (analysis/, judgments.parquet/), are not rollouts
+        dirs[:] = sorted(d for d in dirs
+                         if not d.startswith((".", "_")) and d != "analysis" and not d.endswith(".parquet"))
         paths += [os.path.join(directory, f) for f in files if f.endswith(".parquet") and not f.startswith((".", "_"))]
     for path in sorted(paths):
         try:

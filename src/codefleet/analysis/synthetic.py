@@ -88,7 +88,8 @@ def synthetic_record(rng: random.Random, i: int, *, run: str, step: int, group_s
         "per_test": [{"test": f"tests/test_{module}.py::test_{k}", "passed": k < passed} for k in range(total)]
         if checks_ran else [],
         "stop_reason": stop, "turns": turns, "tool_calls": calls, "n_tool_calls": len(calls),
-        "tool_calls_per_turn": len(calls) / turns, "prompt_tokens": prompt, "completion_tokens": turns * rng.randint(20, 400),
+        "tool_calls_per_turn": len(calls) / turns, "prompt_tokens": prompt,
+        "completion_tokens": turns * rng.randint(20, 400),
         "model_s": model_s, "tool_s": tool_s, "wall_s": model_s + tool_s + rng.uniform(0.05, 0.5),
         "infra_retries": 1 if category == "infrastructure" and rng.random() < 0.5 else 0,
         "error": "policy failed: APIConnectionError: engine unreachable" if category == "infrastructure" else None,
@@ -106,4 +107,5 @@ def synthetic_records(n: int, *, run: str = "synthetic", seed: int = 0, rows_per
         step = start // rows_per_step
         end = min(n, start + rows_per_step)
         for chunk_start in range(start, end, chunk_rows):
-            yield [synthetic_record(rng, i, run=run, step=step) for i in range(chunk_start, min(end, chunk_start + chunk_rows))]
+            stop = min(end, chunk_start + chunk_rows)
+            yield [synthetic_record(rng, i, run=run, step=step) for i in range(chunk_start, stop)]

@@ -129,7 +129,8 @@ def run(quick: bool, log: Log) -> dict:
                 ray.shutdown()
         judged = pq.read_table(os.path.join(result.out_dir, "judgments.parquet"),
                                columns=["step", "group", "attempt", "category"]).to_pylist()
-        match = sum(expected[(r["step"], r["group"], r["attempt"])] == r["category"] for r in judged) / max(1, len(judged))
+        hits = sum(expected[(r["step"], r["group"], r["attempt"])] == r["category"] for r in judged)
+        match = hits / max(1, len(judged))
         s = result.summary
         return {"rollouts": s["rollouts"], "rows_per_s": round(s["rollouts"] / analyze_s, 1),
                 "analyze_s": round(analyze_s, 2), "judge_stage_s": round(result.timings_s["judge_s"], 2),
@@ -155,7 +156,8 @@ def _table(r: dict) -> str:
             ("  judgments stage s", r["judge_stage_s"]), ("  aggregates s", r["aggregate_s"]),
             ("peak RSS MB (driver + Ray)", r["peak_rss_mb"]), ("peak PSS MB", r["peak_pss_mb"]),
             ("idle RSS MB (Ray up, before)", r["idle_rss_mb"]), ("driver RSS MB", r["peak_driver_rss_mb"]),
-            (f"largest process RSS MB ({r['peak_process_name']})", r["peak_process_rss_mb"]), ("processes (most)", r["peak_processes"]),
+            (f"largest process RSS MB ({r['peak_process_name']})", r["peak_process_rss_mb"]),
+            ("processes (most)", r["peak_processes"]),
             ("store MB", r["store_mb"]),
             ("planted category match", r["planted_match"]), ("suspicious wins", r["suspicious_wins"])]
     return "\n".join(f"{k:<32}{v}" for k, v in rows)
