@@ -137,6 +137,7 @@ def test_a_judge_that_is_down_marks_rows_and_the_run_completes(ray_session, tmp_
     assert any("8 of 8 rollouts could not be judged" in p for p in result.problems)
 
 
+@pytest.mark.slow  # ~17 s: torch and the engine start inside the judge actor
 @pytest.mark.timeout(400)
 def test_local_checkpoint_judge_runs_the_engine(ray_session, tmp_path):
     """A tiny random checkpoint answers nonsense: every row is judged by the engine and marked unparseable."""
