@@ -25,6 +25,7 @@ reported by path; files of older schema versions are upgraded (schema.py).
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import re
 import sys
@@ -123,9 +124,9 @@ class RolloutWriter:
             run, step = str(record.get("run", "")), record.get("step")
             if not _RUN_NAME.match(run):
                 raise ValueError(f"run name {run!r} cannot name a directory; use letters, digits, '.', '_', '-'")
-            if not isinstance(step, int) or step < 0:
+            if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
                 raise ValueError(f"step {step!r} of run {run!r} must be an int >= 0")
-            by_partition.setdefault((run, step), []).append(record)
+            by_partition.setdefault((run, int(step)), []).append(record)
         paths = []
         for (run, step), rows in by_partition.items():
             directory = os.path.join(self.root, f"run={run}", f"step={step}")
