@@ -69,15 +69,21 @@ def test_append_writes_hive_partitions_and_reads_back(tmp_path):
     assert read_rollouts(root, columns=["task_id", "reward"]).column_names == ["task_id", "reward"]
 
 
-def test_bad_run_name_and_incomplete_record_say_what_to_do(tmp_path):
-    writer = RolloutWriter(str(tmp_path))
-    with pytest.raises(ValueError, match="cannot name a directory"):
-        writer.append([rollout_record(make_trajectory(), run="a/b", step=0, group=0, attempt=0)])
+def test_run_names_that_cannot_name_a_directory_and_incomplete_records(tmp_path):
+    writer = RolloutWriter(str(tmp_path / "odd"))
+    path = writer.append([rollout_record(make_trajectory(), run="../my run/2", step=0, group=0, attempt=0)])
+    assert os.path.relpath(path, tmp_path / "odd").startswith("run=.._my_run_2/step=0/part-")
+    assert read_rollouts(str(tmp_path / "odd")).column("run").to_pylist() == ["../my run/2"]  # the exact name
+    writer = RolloutWriter(str(tmp_path / "bad"))
+    with pytest.raises(ValueError, match="no run name"):
+        writer.append([rollout_record(make_trajectory(), run="", step=0, group=0, attempt=0)])
+    with pytest.raises(ValueError, match="must be an int >= 0"):
+        writer.append([rollout_record(make_trajectory(), run="r", step=0, group=0, attempt=0) | {"step": -1}])
     record = rollout_record(make_trajectory(), run="r", step=0, group=0, attempt=0)
     del record["reward"]
     with pytest.raises(ValueError, match="lacks reward"):
         writer.append([record])
-    assert not [f for _, _, fs in os.walk(tmp_path) for f in fs]  # nothing half-written left behind
+    assert not [f for _, _, fs in os.walk(tmp_path / "bad") for f in fs]  # nothing half-written left behind
 
 
 def test_readers_never_see_partial_files_while_a_writer_appends(tmp_path):

@@ -15,7 +15,8 @@ small files; the analytics pipeline does not care, and a run writes one file
 per step and group batch.
 
 `run` and `step` are stored in the rows as well as in the path, so a file
-copied out of its directory still says where it came from.
+copied out of its directory still says where it came from; the rows hold the
+exact run name, the directory a filesystem-safe one (`run_directory_name`).
 
 Reading (`scan_store`, `read_rollouts`) validates each file's footer first: a
 corrupt or truncated file, or one lacking a required column, is skipped and
@@ -43,7 +44,13 @@ from codefleet.types import Trajectory
 __all__ = ["SCHEMA", "SCHEMA_VERSION", "RolloutWriter", "StoreScan", "find_store", "read_rollouts",
            "records_to_table", "rollout_record", "scan_store"]
 
-_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def run_directory_name(run: str) -> str:
+    """The run's directory is `run=<this>`: its name with anything but letters, digits, '.', '_', '-'
+    replaced by '_' (the `run=` prefix keeps even ".." a plain name). The rows keep the exact name."""
+    return _UNSAFE.sub("_", run)
 _MAX_ERROR_CHARS = 500
 
 
@@ -121,15 +128,15 @@ class RolloutWriter:
         ", "-joined when the records span several partitions ("" for no records)."""
         by_partition: dict[tuple[str, int], list[dict]] = {}
         for record in records:
-            run, step = str(record.get("run", "")), record.get("step")
-            if not _RUN_NAME.match(run):
-                raise ValueError(f"run name {run!r} cannot name a directory; use letters, digits, '.', '_', '-'")
+            run, step = str(record.get("run") or ""), record.get("step")
+            if not run:
+                raise ValueError("a rollout record has no run name; build records with rollout_record(run=...)")
             if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
                 raise ValueError(f"step {step!r} of run {run!r} must be an int >= 0")
             by_partition.setdefault((run, int(step)), []).append(record)
         paths = []
         for (run, step), rows in by_partition.items():
-            directory = os.path.join(self.root, f"run={run}", f"step={step}")
+            directory = os.path.join(self.root, f"run={run_directory_name(run)}", f"step={step}")
             os.makedirs(directory, exist_ok=True)
             name = f"part-{uuid.uuid4().hex}.parquet"
             tmp = os.path.join(directory, f".{name}.tmp")
