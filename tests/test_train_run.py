@@ -88,6 +88,13 @@ def test_train_survives_sigkill_and_resumes_without_losing_or_repeating_rollouts
     table = read_rollouts(os.path.join(run, "rollouts"))
     assert table.num_rows >= 10
 
+    # the analytics pipeline on this real store
+    an = subprocess.run(_cli("analyze", run), env=env, capture_output=True, text=True, timeout=600)
+    assert an.returncode == 0, an.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "analysis" / "summary.json").read_text())
+    assert summary["rollouts"] == table.num_rows and sum(summary["categories"].values()) == table.num_rows
+    assert (tmp_path / "run" / "analysis" / "report.html").stat().st_size > 10_000
+
     ev = subprocess.run(_cli("eval", "--checkpoint", os.path.join(run, "checkpoints", "sft"), "--tasks",
                              os.path.join(run, "tasks", "eval"), "--max-tokens", "16", "--max-turns", "2", "--json"),
                         env=env, capture_output=True, text=True, timeout=300)
