@@ -11,7 +11,7 @@ Every attempt is a scored trajectory; the figures are:
 
 - `success_rate`: solved attempts / attempts (all hidden checks pass);
 - `pass_at_n`: tasks with at least one solved attempt / tasks;
-- `turns`, `tool_calls`, `tool_calls_per_turn`, `wall_s`: means over attempts;
+- `turns`, `tool_calls`, `tool_calls_per_turn`, `tool_errors`, `wall_s`: means over attempts;
 - `turns_per_solved`, `wall_s_per_solved`: means over solved attempts (None when none solved).
 
 `codefleet eval --checkpoint DIR --tasks DIR [--attempts N]` prints the table
@@ -26,6 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
+from codefleet.agent.reward import tool_errors
 from codefleet.types import Task, Trajectory
 
 
@@ -48,6 +49,7 @@ class EvalReport:
     turns: float
     tool_calls: float
     tool_calls_per_turn: float
+    tool_errors: float
     wall_s: float
     turns_per_solved: float | None
     wall_s_per_solved: float | None
@@ -62,7 +64,7 @@ class EvalReport:
     def table(self, label: str = "") -> str:
         rows = [("success rate", f"{self.success_rate:.1%}"), (f"pass@{self.attempts}", f"{self.pass_at_n:.1%}"),
                 ("turns / attempt", f"{self.turns:.2f}"), ("tool calls / turn", f"{self.tool_calls_per_turn:.2f}"),
-                ("wall s / attempt", f"{self.wall_s:.2f}"),
+                ("tool errors", f"{self.tool_errors:.2f}"), ("wall s / attempt", f"{self.wall_s:.2f}"),
                 ("turns / solved", "-" if self.turns_per_solved is None else f"{self.turns_per_solved:.2f}"),
                 ("wall s / solved", "-" if self.wall_s_per_solved is None else f"{self.wall_s_per_solved:.2f}")]
         head = f"{label or self.checkpoint}: {self.tasks} tasks x {self.attempts} attempts"
@@ -86,6 +88,7 @@ def summarize(checkpoint: str, results: dict[str, list[Trajectory]], attempts: i
         pass_at_n=round(sum(any(_solved(t) for t in ts) for ts in results.values()) / len(results), 4) if results else 0.0,
         turns=_mean([t.n_turns for t in flat]) or 0.0, tool_calls=_mean([t.n_tool_calls for t in flat]) or 0.0,
         tool_calls_per_turn=_mean([t.tool_calls_per_turn for t in flat]) or 0.0,
+        tool_errors=_mean([tool_errors(t) for t in flat]) or 0.0,
         wall_s=_mean([t.wall_s for t in flat]) or 0.0,
         turns_per_solved=_mean([t.n_turns for t in solved]), wall_s_per_solved=_mean([t.wall_s for t in solved]),
         eval_s=round(eval_s, 2),

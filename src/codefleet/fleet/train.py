@@ -361,6 +361,7 @@ def evaluate_checkpoints(run: RunDir, config: TrainRunConfig, eval_tasks, checkp
             with open(out) as f:
                 results[label] = json.load(f)
             continue
+        _log(f"evaluating the {label} checkpoint on {len(eval_tasks)} held-out tasks")
         report, _ = evaluate(path, eval_tasks, EvalConfig(attempts=e.attempts, temperature=e.temperature,
                                                           max_tokens=e.max_tokens, jobs=e.jobs),
                              config.sandbox, _episode_config(config))
@@ -374,10 +375,11 @@ def results_table(results: dict) -> str:
         return "-" if x is None else format(x, spec)
 
     lines = [f"{'checkpoint':<10} {'success':>8} {'turns/solved':>13} {'wall s/solved':>14} {'turns':>6} "
-             f"{'calls/turn':>10}"]
+             f"{'calls/turn':>10} {'tool errors':>11} {'wall s':>7}"]
     for label, r in results.items():
         lines.append(f"{label:<10} {r['success_rate']:>8.1%} {fmt(r['turns_per_solved'], '.2f'):>13} "
-                     f"{fmt(r['wall_s_per_solved'], '.2f'):>14} {r['turns']:>6.2f} {r['tool_calls_per_turn']:>10.2f}")
+                     f"{fmt(r['wall_s_per_solved'], '.2f'):>14} {r['turns']:>6.2f} {r['tool_calls_per_turn']:>10.2f} "
+                     f"{r.get('tool_errors', 0.0):>11.2f} {r['wall_s']:>7.2f}")
     return "\n".join(lines)
 
 

@@ -32,7 +32,7 @@ class ModelSection:
 
 @dataclass
 class SFTSection:
-    epochs: int = 8
+    epochs: int = 7
     batch_size: int = 4  # demonstrations per optimizer step
     lr: float = 2e-3  # peak; linear warm-up, then cosine decay to 10% over the run
     warmup_steps: int = 5
@@ -40,7 +40,7 @@ class SFTSection:
 
 @dataclass
 class RLSection:
-    steps: int = 8
+    steps: int = 6
     lr: float = 2e-4
     eta: int = 1  # staleness bound (0 = synchronous)
     group_size: int = 4
@@ -50,8 +50,8 @@ class RLSection:
     estimator: str = "grpo"  # "grpo" | "drgrpo" | "rloo"
     drop_zero_variance: bool = False
     temperature: float = 1.0
-    max_tokens: int = 384  # per turn
-    max_turns: int = 8
+    max_tokens: int = 256  # per turn
+    max_turns: int = 6
     loss: LossConfig = field(default_factory=lambda: LossConfig(off_policy="tis"))
     reward: RewardConfig = field(default_factory=lambda: RewardConfig(cost_per_turn=0.02, cost_per_tool_error=0.02))
     routing_replay: bool = True
@@ -61,8 +61,8 @@ class RLSection:
 class EvalSection:
     attempts: int = 1
     temperature: float = 1.0  # the policy RL trains samples at rl.temperature; 0 = greedy
-    max_tokens: int = 384
-    jobs: int = 4
+    max_tokens: int = 256
+    jobs: int = 10
 
 
 @dataclass
@@ -71,7 +71,7 @@ class ClusterSection:
     num_cpus: float = 4.0  # logical CPUs of the local Ray (never the physical count)
     sandbox_slots: int = 64
     engines: int = 1
-    engine_threads: int = 1
+    engine_threads: int = 2
     trainer_workers: int = 2
     trainer_cpus: float = 0.5  # logical CPUs per trainer worker
     rollout_workers: int = 2
