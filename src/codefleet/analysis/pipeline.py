@@ -191,17 +191,9 @@ def judgments_dataset(scan: StoreScan, config: AnalyzeConfig):
 def ensure_ray(num_cpus: int | None = None, object_store_mb: int | None = None) -> None:
     """Start a local Ray with explicit CPUs when none is running in this process (never silently join a
     `ray start` cluster someone else left on the machine); RAY_ADDRESS=<address> connects to a cluster."""
-    import ray
+    from codefleet.fleet.ray_init import init_ray
 
-    if ray.is_initialized():
-        return
-    address = os.environ.get("RAY_ADDRESS", "")
-    if address and address != "local":
-        ray.init(address=address, log_to_driver=False)
-    else:
-        ray.init(address="local", num_cpus=num_cpus or max(2, min(os.cpu_count() or 2, 8)), include_dashboard=False,
-                 object_store_memory=object_store_mb * 2**20 if object_store_mb else None, log_to_driver=False,
-                 configure_logging=False)
+    init_ray(num_cpus or max(2, min(os.cpu_count() or 2, 8)), object_store_mb=object_store_mb)
 
 
 def analyze(path: str, config: AnalyzeConfig | None = None, log: Callable[[str], None] | None = None) -> AnalysisResult:

@@ -97,6 +97,7 @@ def run(quick: bool, log: Log) -> dict:
     from codefleet.analysis.pipeline import AnalyzeConfig, analyze
     from codefleet.analysis.store import RolloutWriter
     from codefleet.analysis.synthetic import synthetic_records
+    from codefleet.fleet.ray_init import init_ray
 
     n = QUICK_ROWS if quick else FULL_ROWS
     root = tempfile.mkdtemp(prefix="codefleet-analyze-bench-")
@@ -113,10 +114,7 @@ def run(quick: bool, log: Log) -> dict:
         generate_s = time.perf_counter() - started
         store_mb = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs) / 2**20
         log(f"generated {n} rollouts ({store_mb:.1f} MB of Parquet) in {generate_s:.1f} s")
-        own_ray = not ray.is_initialized()
-        if own_ray:
-            ray.init(address="local", num_cpus=2, object_store_memory=OBJECT_STORE_MB * 2**20, include_dashboard=False,
-                     log_to_driver=False, configure_logging=False)
+        own_ray = init_ray(2, object_store_mb=OBJECT_STORE_MB, address="local")
         sampler = MemorySampler()
         idle_rss_mb, idle_pss_mb = sampler.sample()
         try:

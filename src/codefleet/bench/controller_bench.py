@@ -34,12 +34,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
-import os
 import random
 import time
 from dataclasses import asdict, dataclass
 
 import ray
+
+from codefleet.fleet.ray_init import init_ray
 
 from codefleet.bench.report import Log, report
 from codefleet.fleet.controller import AttemptResult, Controller, ControllerConfig
@@ -161,11 +162,7 @@ def run(cfg: BenchConfig, log: Log = print) -> dict:
     """Run every η in `cfg.etas` (0 first, as the baseline) and return the results as a JSON-able dict."""
     if 0 not in cfg.etas:
         raise ValueError(f"etas={cfg.etas} must include 0, the synchronous baseline")
-    started_ray = not ray.is_initialized()
-    if started_ray and os.environ.get("RAY_ADDRESS"):
-        ray.init(log_to_driver=False)  # the cluster it names; the actors need no CPUs
-    elif started_ray:  # a fresh local session, even if a `ray start` cluster runs on this machine
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    started_ray = init_ray(2)  # RAY_ADDRESS: that cluster (the actors need no CPUs); else a fresh local Ray
     n_draws = cfg.batch_groups * cfg.group_size
     e_max = expected_max_lognormal(n_draws, cfg.sigma, cfg.cap_x_median) * cfg.median_rollout_s
     trainer_step_s = cfg.trainer_fraction / (1 - cfg.trainer_fraction) * e_max

@@ -33,8 +33,9 @@ import time
 import yaml
 
 from codefleet.config import to_dict
+from codefleet.fleet.ray_init import init_ray
 from codefleet.fleet.run_dir import Metrics, RunDir, atomic_write
-from codefleet.fleet.staleness import Group, Ticket
+from codefleet.fleet.staleness import Group
 from codefleet.fleet.train_config import TrainRunConfig
 
 
@@ -334,22 +335,6 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
 # -- the run ----------------------------------------------------------------------------
 
 
-def _ray(config: TrainRunConfig):
-    import ray
-
-    if ray.is_initialized():
-        return False
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local run needs no token files
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    address = config.cluster.address or os.environ.get("RAY_ADDRESS", "")
-    if address:
-        ray.init(address=address, log_to_driver=False)
-    else:
-        ray.init(num_cpus=config.cluster.num_cpus, resources={"sandbox": config.cluster.sandbox_slots},
-                 include_dashboard=False, log_to_driver=False, configure_logging=False)
-    return True
-
-
 def evaluate_checkpoints(run: RunDir, config: TrainRunConfig, eval_tasks, checkpoints: dict[str, str]) -> dict:
     from codefleet.fleet.evaluate import EvalConfig, evaluate
 
@@ -410,7 +395,8 @@ def train(config: TrainRunConfig, out: str, resume: bool = False, progress: bool
     init = init_model(run, config, tokenizer)
     demos = demonstrations(run, config, train_tasks, tokenizer)
     metrics = Metrics(run)
-    own_ray = _ray(config)
+    cl = config.cluster
+    own_ray = init_ray(cl.num_cpus, {"sandbox": cl.sandbox_slots}, cl.address)
     try:
         sft_ckpt = sft(run, config, demos, init, metrics)
         rl_ckpt = reinforce(run, config, train_tasks, sft_ckpt, metrics, progress)

@@ -72,7 +72,15 @@ def _eval(args: argparse.Namespace) -> int:
         if not os.path.isdir(path):
             print(f"codefleet eval: {what} {path!r} is not a directory", file=sys.stderr)
             return 2
-    tasks = load_tasks(args.tasks)
+    try:
+        tasks = load_tasks(args.tasks)
+    except (OSError, ValueError) as e:
+        print(f"codefleet eval: cannot read the tasks in {args.tasks}: {e}", file=sys.stderr)
+        return 2
+    if not tasks:
+        print(f"codefleet eval: {args.tasks} holds no tasks; make some with `codefleet tasks generate`",
+              file=sys.stderr)
+        return 2
     on_task = None
     if args.out:
         from codefleet.analysis.store import RolloutWriter, rollout_record
