@@ -92,6 +92,7 @@ class ControllerConfig:
     group_size: int = 4  # attempts per group (G)
     rollout_timeout_s: float = 900.0  # per attempt; past it the attempt is cancelled and retried
     max_infra_retries: int = 3  # per attempt; past it the whole group is abandoned
+    max_abandoned_in_a_row: int = 8  # this many groups abandoned with no attempt succeeding between: stop the run
     drop_zero_variance: bool = False  # drop groups whose rewards are all equal (no GRPO signal)
 
     def __post_init__(self) -> None:
@@ -183,6 +184,16 @@ class _GroupState:
     rollout_ids: set[str] = field(default_factory=set)
 
 
+def _describe(e: BaseException) -> str:
+    """One line for an attempt's failure: the remote cause's message, not Ray's wrapper header."""
+    cause = getattr(e, "cause", None) if isinstance(e, ray.exceptions.RayTaskError) else None
+    if isinstance(cause, BaseException):
+        text = str(cause).strip()
+        return f"{type(cause).__name__}: {text.splitlines()[0] if text else ''}"
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[-1] if text else ''}"
+
+
 class _Fatal(RuntimeError):
     """A contract violation or a failing callback: the run stops and run() re-raises."""
 
@@ -229,6 +240,7 @@ class Controller:
         self._halt = False  # this run() is ending (stop, error, or done)
         self._running = False
         self._last_infra_error = ""
+        self._abandoned_in_a_row = 0
 
     @property
     def version(self) -> int:
@@ -451,7 +463,7 @@ class Controller:
         try:
             result = future.result()
         except Exception as e:
-            self._failed(g, att, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+            self._failed(g, att, _describe(e))
             return
         if not isinstance(result, AttemptResult):
             raise _Fatal(f"an attempt of group {att.group_id} resolved to {type(result).__name__}; GroupRunner refs "
@@ -468,6 +480,7 @@ class Controller:
             raise _Fatal(f"rollout {r.rollout_id!r} reports policy_version {r.policy_version} but its group was "
                          f"admitted at version {g.ticket.policy_version}; report the version the attempt started with")
         g.rollout_ids.add(r.rollout_id)
+        self._abandoned_in_a_row = 0
         self.admission.release(g.ticket, accepted=True)
         g.held_slots -= 1
         try:
@@ -486,6 +499,11 @@ class Controller:
             log.warning("abandoning group %d: attempt %d failed %d times by infrastructure (last: %s)",
                         att.group_id, att.attempt, g.failures[att.attempt], why)
             self._withdraw(g, abandoned=True)
+            self._abandoned_in_a_row += 1
+            if self._abandoned_in_a_row >= self.config.max_abandoned_in_a_row:
+                raise _Fatal(f"{self._abandoned_in_a_row} groups in a row were abandoned with no attempt succeeding: "
+                             f"the infrastructure fails every attempt (last: {why}); check the rollout workers' "
+                             "logs, fix the cause and resume from the last checkpoint")
         else:
             self._retries.append((att.group_id, att.attempt))
 

@@ -298,7 +298,7 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
                          num_cpus_per_worker=cl.trainer_cpus, resources_per_worker=cl.trainer_resources)
     engines = start_engines(serving, cl.engines, num_cpus=1.0, resources=cl.engine_resources,
                             threads=cl.engine_threads, max_batch=max(c.rollout_slots, 1), version=version)
-    SandboxFleet.start()
+    fleet = SandboxFleet.start()  # held for the run: a host whose last handle goes away is collected
     spec = RolloutSpec(checkpoint=serving, sandbox=config.sandbox, episode=_episode_config(config),
                        max_tokens=c.max_tokens, temperature=c.temperature, max_seq_len=config.model.max_seq_len)
     workers = start_workers(spec, engines, cl.rollout_workers,
@@ -328,6 +328,7 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
     finally:
         bar.close()
         group.shutdown()
+        fleet.shutdown()
     _log(f"RL done: {report}")
     return run.latest()[0]
 
