@@ -2,7 +2,8 @@
 into the trainer's buffer while the trainer keeps stepping.
 
 The policy (who may start, which groups form a batch, why every trained rollout has lag ≤ η) is
-the pure core in `staleness.py`; this module only drives it with Ray and threads.
+the pure core in `staleness.py`; this module only drives it with Ray and threads. The contract
+(ControllerConfig, GroupRunner, TrainerClient, AttemptResult, the reports) is in `controller_api.py`.
 
 Two threads.
 - The dispatcher is the thread that calls `run()`. It admits groups
@@ -63,16 +64,22 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import ray
 
+from codefleet.fleet.controller_api import (  # noqa: F401 - the contract, re-exported
+    AttemptResult,
+    ControllerConfig,
+    GroupRunner,
+    RunReport,
+    StepReport,
+    TrainerClient,
+)
 from codefleet.fleet.staleness import (
     AdmissionController,
-    Batch,
     Group,
     GroupAssembler,
-    Rollout,
     RolloutBuffer,
     Ticket,
     _percentile,
@@ -82,87 +89,6 @@ log = logging.getLogger(__name__)
 
 _WAKE = ("wake",)
 _POLL_S = 0.05  # how often the waiting trainer thread re-checks stop / no-more-work
-
-
-@dataclass
-class ControllerConfig:
-    eta: int = 1  # staleness bound in policy versions; 0 = synchronous
-    rollout_slots: int = 8  # max attempts in flight
-    batch_groups: int = 2  # groups per trainer step
-    group_size: int = 4  # attempts per group (G)
-    rollout_timeout_s: float = 900.0  # per attempt; past it the attempt is cancelled and retried
-    max_infra_retries: int = 3  # per attempt; past it the whole group is abandoned
-    max_abandoned_in_a_row: int = 8  # this many groups abandoned with no attempt succeeding between: stop the run
-    drop_zero_variance: bool = False  # drop groups whose rewards are all equal (no GRPO signal)
-
-    def __post_init__(self) -> None:
-        if self.rollout_timeout_s <= 0:
-            raise ValueError(f"rollout_timeout_s={self.rollout_timeout_s} must be > 0")
-        if self.max_infra_retries < 0:
-            raise ValueError(f"max_infra_retries={self.max_infra_retries} must be >= 0")
-
-
-@dataclass
-class AttemptResult:
-    """What an attempt's ObjectRef resolves to."""
-
-    rollout: Rollout | None  # None when the infrastructure failed
-    infra_error: str = ""  # why, when rollout is None
-
-
-class GroupRunner(Protocol):
-    def start(self, ticket: Ticket, item: Any, attempts: list[int]) -> list[ray.ObjectRef]:
-        """Start these attempt indices of the group for work item `item`; one ObjectRef per attempt,
-        each resolving to an AttemptResult (a raised exception or dead actor is an infrastructure
-        failure too). Retries call start() again with the failed indices. Called from the dispatcher
-        thread; it must not block long and must not raise for infrastructure failures (return a ref
-        that fails instead). Rollout ids must be unique per attempt, e.g. f"{ticket.group_id}/{attempt}",
-        and `policy_version` the version the attempt actually started with (≥ ticket.policy_version).
-        On a timeout the controller frees the slot at once and `ray.cancel`s the ref: that cancels the
-        coroutine of an async actor, but a regular or threaded actor's running method only sees a flag,
-        `ray.get_runtime_context().is_canceled()`, which it should check between turns to free its thread."""
-        ...
-
-
-class TrainerClient(Protocol):
-    def train(self, batch: Batch) -> dict[str, float]:
-        """One trainer step on the batch, blocking; when it returns the policy is version
-        batch.trainer_version + 1 and the engines already serve it. Returns metrics."""
-        ...
-
-
-@dataclass
-class StepReport:
-    step: int  # the step just done (= the version it trained from)
-    version: int  # policy version after it
-    metrics: dict[str, float]  # from trainer.train()
-    wall_s: float  # waiting_s + train_s
-    waiting_s: float  # trainer idle, waiting for this batch
-    train_s: float  # inside trainer.train()
-    batch_lag_max: int
-    buffer: dict[str, float]  # RolloutBuffer.metrics()
-    rollouts_per_s: float  # so far in this run()
-    trainer_busy_fraction: float  # so far in this run()
-
-
-@dataclass
-class RunReport:
-    steps: int  # trainer steps done in this run()
-    version: int  # policy version at the end
-    ended_by: str  # "steps", "stop" or "no_more_items"
-    wall_s: float  # start of run() to the end of its last trainer step
-    trained_rollouts: int
-    rollouts_per_s: float
-    trainer_busy_s: float
-    trainer_busy_fraction: float
-    version_lag_p50: float
-    version_lag_p99: float
-    version_lag_max: int
-    infra_failures: int
-    abandoned_groups: int
-    dropped_groups: int
-    last_infra_error: str = ""
-    lags: list[int] = field(default_factory=list, repr=False)  # one per trained rollout
 
 
 @dataclass
