@@ -240,9 +240,8 @@ class RLTrainer:
         return m
 
 
-def resume_state(run: RunDir, batch_groups: int) -> tuple[int, dict | None]:
-    """(start version, buffer state) from the newest checkpoint and the accepted groups on disk."""
-    latest = run.latest()
+def resume_state(run: RunDir, latest: tuple[str, int, dict] | None, batch_groups: int) -> tuple[int, dict | None]:
+    """(start version, buffer state) from the newest checkpoint (`run.latest()`) and the accepted groups on disk."""
     groups, bad = run.load_groups()
     for line in bad:
         _log(f"skipping a damaged accepted-group file: {line}")
@@ -288,11 +287,11 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
 
     c, cl = config.rl, config.cluster
     start = _weights_only(sft_ckpt, run.path("checkpoints", "rl-start"))
-    version, buffer_state = resume_state(run, c.batch_groups)
-    if version >= c.steps:
-        return run.latest()[0]
     latest = run.latest()
     serving = latest[0] if latest else start
+    version, buffer_state = resume_state(run, latest, c.batch_groups)
+    if version >= c.steps:
+        return serving
     train_config = TrainConfig(lr=c.lr, loss=c.loss, routing_replay=c.routing_replay, seed=config.model.seed)
     group = TrainerGroup(cl.trainer_workers, checkpoint=serving, config=train_config,
                          num_cpus_per_worker=cl.trainer_cpus, resources_per_worker=cl.trainer_resources)
