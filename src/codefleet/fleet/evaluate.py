@@ -85,7 +85,7 @@ def summarize(checkpoint: str, results: dict[str, list[Trajectory]], attempts: i
     return EvalReport(
         checkpoint=checkpoint, tasks=len(results), attempts=attempts,
         success_rate=round(len(solved) / len(flat), 4) if flat else 0.0,
-        pass_at_n=round(sum(any(_solved(t) for t in ts) for ts in results.values()) / len(results), 4) if results else 0.0,
+        pass_at_n=round(sum(any(map(_solved, ts)) for ts in results.values()) / max(len(results), 1), 4),
         turns=_mean([t.n_turns for t in flat]) or 0.0, tool_calls=_mean([t.n_tool_calls for t in flat]) or 0.0,
         tool_calls_per_turn=_mean([t.tool_calls_per_turn for t in flat]) or 0.0,
         tool_errors=_mean([tool_errors(t) for t in flat]) or 0.0,

@@ -119,7 +119,8 @@ class RolloutWorker:
         except Exception as e:
             raise InfraError(f"could not prepare a sandbox for {task.id}: {type(e).__name__}: {e}") from e
         engine = self.engines[(ticket.group_id * ticket.group_size + attempt) % len(self.engines)]
-        base = LocalEnginePolicy(engine=RemoteEngine(engine, self.tokenizer, self.max_seq_len), tokenizer=self.tokenizer,
+        remote = RemoteEngine(engine, self.tokenizer, self.max_seq_len)
+        base = LocalEnginePolicy(engine=remote, tokenizer=self.tokenizer,
                                  max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
                                  name="local:rl")
         policy = base.for_episode()

@@ -121,7 +121,8 @@ def demonstrations(run: RunDir, config: TrainRunConfig, tasks, tokenizer):
     expert = dataclasses.replace(_episode_config(config), budgets=None)  # the task's own budgets, not RL's
     demos = expert_demos(tasks, tokenizer, config.model.max_seq_len, config.sandbox, expert)
     atomic_write(path, pickle.dumps(demos))
-    _log(f"{len(demos.examples)} expert demonstrations ({demos.tokens} tokens) in {time.perf_counter() - started:.0f} s;"
+    took_s = time.perf_counter() - started
+    _log(f"{len(demos.examples)} expert demonstrations ({demos.tokens} tokens) in {took_s:.0f} s;"
          f" {len(demos.unsolved)} unsolved, {len(demos.too_long)} longer than the context, dropped")
     return demos
 
@@ -223,9 +224,8 @@ class RLTrainer:
         broadcast_weights(self.engines, weights_ref, version)
         self.group.save(self.run.rl_checkpoint(version))
         state = self.controller.buffer_state()
-        self.run.commit_checkpoint(version, {"consumed_ids": state["consumed_ids"], "lags": state["lags"],
-                                             "next_group_id": state["next_group_id"], "next_batch": state["next_batch"]},
-                                   [r.rollout_id for r in batch.rollouts])
+        kept = {k: state[k] for k in ("consumed_ids", "lags", "next_group_id", "next_batch")}
+        self.run.commit_checkpoint(version, kept, [r.rollout_id for r in batch.rollouts])
         self.run.prune(version)
         stats = rollout_stats(batch.groups)
         self.tokens += stats["completion_tokens"]
