@@ -32,7 +32,7 @@ def test_bench_sandbox_reports_every_named_figure(state_dir):
 @pytest.mark.slow
 def test_bench_engine_reports_engine_and_hf_figures(state_dir):
     r = _bench("engine", state_dir, 600)
-    for key in ("engine_tokens_per_s_b1", "engine_tokens_per_s_b32", "hf_tokens_per_s_b32"):
+    for key in ("engine_tokens_per_s_b1", "engine_tokens_per_s_b32", "hf_tokens_per_s_b32", "prefix_cache_speedup"):
         assert r[key] > 0, key
 
 

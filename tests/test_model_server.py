@@ -74,6 +74,9 @@ def test_openai_client_lists_the_model_and_gets_completions_with_usage_and_logpr
     assert all(t.logprob <= 0 for t in choice.logprobs.content)
     again = client.chat.completions.create(model=NAME, messages=USER, max_tokens=6, temperature=0)
     assert again.choices[0].message.content == choice.message.content  # greedy is deterministic
+    # the same prompt again: the engine's prefix cache supplies all but its last token, and usage says so
+    assert len(prompt) > server.server.engine.min_prefix
+    assert again.usage.prompt_tokens_details.cached_tokens == len(prompt) - 1
 
 
 def test_streaming_sends_the_same_turn_in_chunks(client):
@@ -152,7 +155,8 @@ def test_the_response_builder_turns_parsed_tool_calls_into_openai_tool_calls(ser
     assert json.loads(calls[1]["function"]["arguments"]) == {"command": "pytest -q"}
     assert len({c["id"] for c in calls}) == 2 and all(c["type"] == "function" for c in calls)
     assert choice["message"]["content"] == "Reading both."
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": len(ids) + 1, "total_tokens": len(ids) + 4}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": len(ids) + 1, "total_tokens": len(ids) + 4,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     cut = build_completion(Result([1], ids, [0.0] * len(ids), [0] * len(ids), [], [], "length", text), request,
                            tokenizer, NAME, "chatcmpl-x", 0)
     assert cut["choices"][0]["finish_reason"] == "length"  # ran out of tokens: the calls may be incomplete

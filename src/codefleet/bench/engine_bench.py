@@ -17,6 +17,15 @@ the whole call, prefill included:
   full (`hf_setting_b1|b32` names the one that won, `hf_probe_tokens_per_s` has
   the probes).
 
+Agent episodes are multi-turn: each turn's prompt is the last prompt + the
+sampled tokens + a tool output. `multiturn_*` runs 8 such episodes at once
+(two groups of four attempts; each group shares a 384-token system + task
+prompt, then each attempt has its own 64 tokens; per turn 48 new tokens and a
+160-token tool output) with the prefix cache and with it turned off
+(`prefix_slots=0`) on the same model and prompts: `prefix_cache_speedup` is
+the ratio of the episodes' generated tokens/s, `prefix_reused_fraction` the
+share of prompt tokens the cache supplied.
+
 Both run in this process with the same threads, interleaved (each repeat times
 the engine and then HF, so a burst of load on a shared machine hits both), and
 each figure is the best of `repeats`. Read the ratio (`engine_over_hf_b32`)
@@ -69,6 +78,50 @@ def _engine_rate(engine: Engine, prompts: list[list[int]], new_tokens: int, repe
         assert all(len(r.token_ids) == new_tokens for r in results)
         best = max(best, len(prompts) * new_tokens / elapsed)
     return best
+
+
+def _episodes(vocab: int, turns: int, seed: int = 1) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """First prompts of 8 attempts (2 groups x 4 sharing a prefix) and each attempt's tool outputs per turn."""
+    shared = _prompts(2, 384, vocab, seed)
+    own = _prompts(8, 64, vocab, seed + 1)
+    firsts = [shared[i // 4] + own[i] for i in range(8)]
+    outputs = [_prompts(turns, 160, vocab, seed + 2 + i) for i in range(8)]
+    return firsts, outputs
+
+
+def _multiturn_rate(engine: Engine, firsts, outputs, turns: int, new_tokens: int = 48) -> tuple[float, float]:
+    """Generated tokens/s over whole episodes (every attempt's turn t submitted together), and the share of
+    prompt tokens the prefix cache supplied."""
+    params = SamplingParams(max_tokens=new_tokens, temperature=0)
+    prompts, generated, prompt_tokens, cached = list(firsts), 0, 0, 0
+    started = time.perf_counter()
+    for turn in range(turns):
+        results = engine.generate(prompts, params)
+        generated += sum(len(r.token_ids) for r in results)
+        prompt_tokens += sum(len(p) for p in prompts)
+        cached += sum(r.cached_tokens for r in results)
+        if turn + 1 < turns:
+            prompts = [p + r.token_ids + out[turn] for p, r, out in zip(prompts, results, outputs)]
+    return generated / (time.perf_counter() - started), cached / prompt_tokens
+
+
+def _multiturn(model, config: ModelConfig, quick: bool, repeats: int, log) -> dict:
+    turns = 3 if quick else 6
+    firsts, outputs = _episodes(config.vocab_size, turns)
+    max_len = 448 + turns * (48 + 160) + 1
+    best = {"on": 0.0, "off": 0.0}
+    reused = 0.0
+    for r in range(repeats):  # fresh engines each repeat: every episode starts cold
+        for mode, slots in (("on", None), ("off", 0)):
+            log(f"multi-turn episodes, repeat {r + 1}/{repeats}: prefix cache {mode} ...")
+            engine = Engine(model, None, max_batch=8, max_seq_len=max_len, prefix_slots=slots)
+            rate, fraction = _multiturn_rate(engine, firsts, outputs, turns)
+            best[mode] = max(best[mode], rate)
+            reused = fraction if mode == "on" else reused
+    return {"multiturn_turns": turns, "multiturn_tokens_per_s": round(best["on"], 1),
+            "multiturn_tokens_per_s_no_prefix_cache": round(best["off"], 1),
+            "prefix_cache_speedup": round(best["on"] / best["off"], 2),
+            "prefix_reused_fraction": round(reused, 3)}
 
 
 def _hf_settings(model) -> list[tuple[str, str]]:
@@ -146,6 +199,7 @@ def run(quick: bool = False, threads: int = 2, log=print) -> dict:
             name, rate = max(best.items(), key=lambda kv: kv[1])
             results[f"hf_tokens_per_s_{label}"] = round(rate, 1)
             results[f"hf_setting_{label}"] = name
+    results.update(_multiturn(model, config, quick, repeats, log))
     if not settings:
         results["hf_tokens_per_s_b1"] = results["hf_tokens_per_s_b32"] = None
         results["engine_over_hf_b32"] = None
@@ -160,7 +214,12 @@ def table(r: dict) -> str:
             ("engine tok/s", r["engine_tokens_per_s_b1"], r["engine_tokens_per_s_b32"]),
             ("HF generate() tok/s", r.get("hf_tokens_per_s_b1"), r.get("hf_tokens_per_s_b32")),
             ("engine / HF", r.get("engine_over_hf_b1"), r.get("engine_over_hf_b32"))]
-    return "\n".join(f"{a:<22}{'-' if b is None else b:>12}{'-' if c is None else c:>12}" for a, b, c in rows)
+    lines = [f"{a:<22}{'-' if b is None else b:>12}{'-' if c is None else c:>12}" for a, b, c in rows]
+    lines.append(f"multi-turn episodes ({r['multiturn_turns']} turns, 8 attempts): "
+                 f"{r['multiturn_tokens_per_s']} tok/s with the prefix cache, "
+                 f"{r['multiturn_tokens_per_s_no_prefix_cache']} without ({r['prefix_cache_speedup']}x; "
+                 f"{r['prefix_reused_fraction']:.0%} of prompt tokens reused)")
+    return "\n".join(lines)
 
 
 def run_cli(quick: bool = False, as_json: bool = False) -> int:

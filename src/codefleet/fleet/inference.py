@@ -53,7 +53,9 @@ class EngineActor:
 
     def info(self) -> dict:
         return {"version": self.engine.version, "max_seq_len": self.engine.max_seq_len, "pid": os.getpid(),
-                "node_id": ray.get_runtime_context().get_node_id(), "running": self.engine.n_running}
+                "node_id": ray.get_runtime_context().get_node_id(), "running": self.engine.n_running,
+                "prefill_tokens": self.engine.prefill_tokens_computed, "prefix_hits": self.engine.prefix_hits,
+                "prefix_tokens_reused": self.engine.prefix_tokens_reused}
 
 
 class EngineDiedError(RuntimeError):

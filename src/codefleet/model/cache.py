@@ -59,9 +59,9 @@ class SlotKVCache:
     def begin(self, slots: list[int], starts: list[int], n_new: list[int], t_new: int) -> None:
         """Prepare the next forward pass: row b writes `n_new[b]` (of `t_new`) tokens into `slots[b]` after
         `starts[b]`."""
-        for s in starts:
-            if s + t_new > self.max_len:
-                raise CacheFullError(f"a sequence of {s + t_new} tokens does not fit the cache (max_len "
+        for s, n in zip(starts, n_new):
+            if s + n > self.max_len:
+                raise CacheFullError(f"a sequence of {s + n} tokens does not fit the cache (max_len "
                                      f"{self.max_len}); raise max_seq_len or lower max_tokens")
         self._step = _Step(self, slots, starts, n_new, t_new)
 
@@ -100,10 +100,15 @@ class SlotKVCache:
 
     def move(self, src: int, dst: int) -> None:
         """Copy slot `src` into slot `dst` (packing running sequences into the lowest slots)."""
-        n = self.lengths[src]
+        self.copy(src, dst, self.lengths[src])
+        self.lengths[src] = 0
+
+    def copy(self, src: int, dst: int, n: int) -> None:
+        """Copy the first `n` positions of slot `src` into slot `dst`, which then holds `n` tokens (prefix
+        reuse: a cached conversation continues in a running slot)."""
         self.k[:, dst, :, :n] = self.k[:, src, :, :n]
         self.v[:, dst, :, :n] = self.v[:, src, :, :n]
-        self.lengths[dst], self.lengths[src] = n, 0
+        self.lengths[dst] = n
 
     def free(self, slot: int) -> None:
         self.lengths[slot] = 0
@@ -118,12 +123,15 @@ class _Step:
         B = len(slots)
         self.packed = slots == list(range(B))  # rows are slots 0..B-1: read a view, not a gather
         self.slots_B = torch.tensor(slots, device=device)
-        self.length = max(s + t_new for s in starts)  # keys to attend over
+        # keys to attend over; a padded row (prefill after a reused prefix) may reach past max_len: its padding
+        # writes to the last position, beyond its real tokens, and is never attended to by a real query
+        self.length = min(max(s + t_new for s in starts), cache.max_len)
         starts_B = torch.tensor(starts, device=device)
         if t_new == 1:
             self.positions_B = starts_B
         else:
-            self.positions_BT = starts_B[:, None] + torch.arange(t_new, device=device)[None, :]
+            positions_BT = starts_B[:, None] + torch.arange(t_new, device=device)[None, :]
+            self.positions_BT = positions_BT.clamp_(max=cache.max_len - 1)
         key_pos_L = torch.arange(self.length, device=device)
         query_pos_BT = starts_B[:, None] + torch.arange(t_new, device=device)[None, :]
         self.mask_BTL = key_pos_L[None, None, :] <= query_pos_BT[:, :, None]  # True: may attend

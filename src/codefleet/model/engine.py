@@ -15,6 +15,18 @@ batch independently. One `step()`:
    string or reached `max_tokens`, frees their slots, and keeps the running
    ones packed in the lowest slots (the cache then reads a view, no gather).
 
+Prefix cache: a finished sequence's keys and values are *parked* in one of
+`prefix_slots` extra cache slots (least recently used evicted), with its
+tokens and their routing. A new request whose prompt starts with parked
+tokens (the next turn of an agent episode extends the previous prompt and
+completion; the attempts of a group share the system and task prompt) copies
+the longest common prefix into its running slot and prefills only the rest.
+Reuse is exact: the copied keys/values are what the same weights computed for
+the same tokens at the same positions, so tokens and logprobs do not change.
+A weight update drops every parked prefix (a prefix is reused only under the
+weights that computed it). `prefix_hits`, `prefix_tokens_reused` and
+`prefill_tokens` count what it saved.
+
 A finished sequence stays for one more pass ("drain"): its last token goes
 through the model once, so the routed experts of *every* generated token
 are known (a token's routing is decided when it is the model's input). Its
@@ -69,6 +81,7 @@ class Result:
     stop: int | str | None = None  # the stop token id or string that ended it
     prefill_s: float = 0.0
     total_s: float = 0.0
+    cached_tokens: int = 0  # prompt tokens whose keys/values the prefix cache supplied
 
 
 @dataclass
@@ -91,10 +104,22 @@ class _Sequence:
     stop: int | str | None = None
     text_cut: int | None = None
     prefilled: float = 0.0
+    reused: int = 0  # prompt tokens whose keys/values came from the prefix cache
+    reuse_from: _Parked | None = None
 
     @property
     def length(self) -> int:
         return len(self.prompt) + len(self.tokens)
+
+
+@dataclass
+class _Parked:
+    """A finished sequence's keys/values kept in a prefix-cache slot."""
+
+    slot: int
+    tokens: list[int]  # the tokens whose keys/values the slot holds, in order
+    routing: list[list[list[int]]] | None  # [token][moe layer][top_k] of those tokens (None without routing)
+    used: int  # last use, for least-recently-used eviction
 
 
 @dataclass
@@ -109,21 +134,28 @@ class Engine:
     """Continuous-batching generation for a codefleet Transformer."""
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, max_batch: int = 32, max_seq_len: int | None = None,
-                 prefill_tokens: int = 8192, version: int = 0, record_routing: bool = True):
+                 prefill_tokens: int = 8192, version: int = 0, record_routing: bool = True,
+                 prefix_slots: int | None = None, min_prefix: int = 16):
+        """`prefix_slots`: parked prefixes kept for reuse (default `max_batch`; 0 turns the prefix cache off);
+        `min_prefix`: the fewest common tokens worth copying instead of recomputing."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         config = model.config
         self.max_seq_len = int(max_seq_len or getattr(config, "max_seq_len", 2048))
         self.max_batch = max_batch
         self.prefill_tokens = prefill_tokens
+        self.prefix_slots = max_batch if prefix_slots is None else int(prefix_slots)
+        self.min_prefix = max(1, int(min_prefix))
         self.record_routing = record_routing
         self.version = version
         param = next(model.parameters())
         self.device = param.device
         n_heads = config.n_heads
         head_dim = getattr(config, "head_dim", None) or config.d_model // n_heads
-        self.cache = SlotKVCache(config.n_layers, max_batch, getattr(config, "n_kv_heads", None) or n_heads,
-                                 head_dim, self.max_seq_len, dtype=param.dtype, device=self.device)
+        # slots 0..max_batch-1 hold the running sequences (packed low), the rest hold parked prefixes
+        self.cache = SlotKVCache(config.n_layers, max_batch + self.prefix_slots,
+                                 getattr(config, "n_kv_heads", None) or n_heads, head_dim, self.max_seq_len,
+                                 dtype=param.dtype, device=self.device)
         if hasattr(model, "_rope"):  # the rotary table for every position the cache holds (no per-step growth)
             model._rope(self.max_seq_len, self.device)
         self._waiting: deque[_Sequence] = deque()
@@ -137,8 +169,14 @@ class Engine:
         self._closed = False
         self._default_generator = torch.Generator(device=self.device)
         self._default_generator.seed()
+        self._parked: list[_Parked] = []
+        self._free_prefix_slots = list(range(max_batch + self.prefix_slots - 1, max_batch - 1, -1))
+        self._uses = itertools.count()
         self.steps = 0  # forward passes that decoded
         self.peak_batch = 0  # most sequences decoded together
+        self.prefill_tokens_computed = 0  # prompt tokens run through the model
+        self.prefix_hits = 0  # requests that reused a parked prefix
+        self.prefix_tokens_reused = 0  # prompt tokens copied instead of computed
 
     # -- requests ------------------------------------------------------------------------
 
@@ -232,6 +270,7 @@ class Engine:
             with torch.no_grad():
                 self.model.load_state_dict(update.state_dict, strict=True)
             self.version = update.version
+            self._drop_parked()  # their keys/values came from the old weights
         except Exception as e:  # a bad state dict is the caller's error; the engine keeps serving
             update.error = e
         finally:
@@ -268,7 +307,8 @@ class Engine:
             longest = 0
             while self._waiting and len(self._running) + len(admitted) < self.max_batch:
                 nxt = self._waiting[0]
-                longest_next = max(longest, len(nxt.prompt))
+                nxt.reuse_from, nxt.reused = self._longest_prefix(nxt.prompt)
+                longest_next = max(longest, len(nxt.prompt) - nxt.reused)
                 if admitted and longest_next * (len(admitted) + 1) > self.prefill_tokens:
                     break
                 admitted.append(self._waiting.popleft())
@@ -276,29 +316,86 @@ class Engine:
         for seq in admitted:
             seq.slot = len(self._running)
             self._running.append(seq)
+            parked = seq.reuse_from
+            if parked is not None:  # copy the common prefix in; a prompt that extends the whole entry supersedes it
+                self.cache.copy(parked.slot, seq.slot, seq.reused)
+                parked.used = next(self._uses)
+                if seq.reused == len(parked.tokens):
+                    self._unpark(parked)
+                self.prefix_hits += 1
+                self.prefix_tokens_reused += seq.reused
         return admitted
+
+    # -- the prefix cache ------------------------------------------------------------------
+
+    def _longest_prefix(self, prompt: list[int]) -> tuple[_Parked | None, int]:
+        """The parked entry sharing the longest prefix with `prompt` and that length (at most len(prompt) - 1:
+        the last prompt token always runs, its logits sample the first new token); (None, 0) below
+        `min_prefix`."""
+        best, best_n = None, 0
+        limit = len(prompt) - 1
+        for parked in self._parked:
+            n = _common_prefix(parked.tokens, prompt, limit)
+            if n > best_n:
+                best, best_n = parked, n
+        return (best, best_n) if best_n >= self.min_prefix else (None, 0)
+
+    def _park(self, seq: _Sequence) -> None:
+        """Keep a finished sequence's keys/values (every token that went through the model) for reuse."""
+        if self.prefix_slots == 0 or seq.future.cancelled():
+            return
+        n = self.cache.lengths[seq.slot]
+        tokens = (seq.prompt + seq.tokens)[:n]
+        if n < self.min_prefix or len(tokens) != n:
+            return
+        routing = None
+        if self.record_routing:
+            routing = (seq.prompt_routing + seq.routing)[:n]
+            if len(routing) != n:
+                return
+        if not self._free_prefix_slots:  # evict the least recently used
+            self._unpark(min(self._parked, key=lambda p: p.used))
+        slot = self._free_prefix_slots.pop()
+        self.cache.copy(seq.slot, slot, n)
+        self._parked.append(_Parked(slot, tokens, routing, next(self._uses)))
+
+    def _unpark(self, parked: _Parked) -> None:
+        self._parked.remove(parked)
+        self.cache.free(parked.slot)
+        self._free_prefix_slots.append(parked.slot)
+
+    def _drop_parked(self) -> None:
+        for parked in list(self._parked):
+            self._unpark(parked)
 
     def _forward(self, tokens_BT: torch.Tensor, positions_BT: torch.Tensor, logits_at_B: torch.Tensor | None = None):
         return self.model(tokens_BT, positions_BT=positions_BT, cache=self.cache,
                           return_routing=self.record_routing, logits_at_B=logits_at_B)
 
     def _prefill(self, seqs: list[_Sequence]) -> None:
-        T = max(len(s.prompt) for s in seqs)
+        """One forward pass over each prompt's tokens after its reused prefix (right-padded to the longest)."""
+        suffixes = [s.prompt[s.reused:] for s in seqs]
+        T = max(len(x) for x in suffixes)
         tokens = torch.zeros(len(seqs), T, dtype=torch.long)
-        for b, s in enumerate(seqs):
-            tokens[b, : len(s.prompt)] = torch.tensor(s.prompt)
+        for b, x in enumerate(suffixes):
+            tokens[b, : len(x)] = torch.tensor(x)
         tokens_BT = tokens.to(self.device)
-        positions_BT = torch.arange(T, device=self.device)[None, :].expand(len(seqs), T)
-        self.cache.begin([s.slot for s in seqs], [0] * len(seqs), [len(s.prompt) for s in seqs], T)
-        last_B = torch.tensor([len(s.prompt) - 1 for s in seqs], device=self.device)
+        starts = [s.reused for s in seqs]
+        positions_BT = torch.tensor(starts, device=self.device)[:, None] + torch.arange(T, device=self.device)
+        positions_BT = positions_BT.clamp_(max=self.max_seq_len - 1)  # padding past the cache (see cache.py)
+        self.cache.begin([s.slot for s in seqs], starts, [len(x) for x in suffixes], T)
+        last_B = torch.tensor([len(x) - 1 for x in suffixes], device=self.device)
         out = self._forward(tokens_BT, positions_BT, logits_at_B=last_B)  # logits of each prompt's last token
         self.cache.end()
+        self.prefill_tokens_computed += sum(len(x) for x in suffixes)
         logits_BV = out.logits_BTV[:, 0]
         now = time.perf_counter()
         if self.record_routing:
             routing_BTLK = torch.stack(list(out.routed_experts), dim=2).tolist()
             for b, s in enumerate(seqs):
-                s.prompt_routing = routing_BTLK[b][: len(s.prompt)]
+                prefix = s.reuse_from.routing[: s.reused] if s.reuse_from is not None else []
+                s.prompt_routing = prefix + routing_BTLK[b][: len(suffixes[b])]
+                s.reuse_from = None
         for s in seqs:
             s.prefilled = now
         self._sample(seqs, logits_BV)
@@ -325,12 +422,12 @@ class Engine:
             self._sample([running[i] for i in active], logits_BV)
         for i in drained:
             self._resolve(running[i])
-        self._release(drained)
+        self._release(drained, park=True)
         if not self.record_routing:  # no drain pass: finish now
             done = [i for i, s in enumerate(self._running) if s.finish_reason]
             for i in done:
                 self._resolve(self._running[i])
-            self._release(done)
+            self._release(done, park=True)
             return len(drained) + len(done)
         return len(drained)
 
@@ -378,12 +475,16 @@ class Engine:
             text = text[: s.text_cut]
         now = time.perf_counter()
         result = Result(s.prompt, s.tokens, s.logprobs, s.versions, s.routing, s.prompt_routing, s.finish_reason,
-                        text, s.stop, prefill_s=s.prefilled - s.submitted, total_s=now - s.submitted)
+                        text, s.stop, prefill_s=s.prefilled - s.submitted, total_s=now - s.submitted,
+                        cached_tokens=s.reused)
         s.future.set_result(result)
 
-    def _release(self, indices: list[int]) -> None:
-        """Free the slots of running[indices] and move the last sequences into the holes (keeps slots packed)."""
+    def _release(self, indices: list[int], park: bool = False) -> None:
+        """Free the slots of running[indices] and move the last sequences into the holes (keeps slots packed);
+        `park`: keep their keys/values in the prefix cache first."""
         for i in sorted(indices, reverse=True):
+            if park:
+                self._park(self._running[i])
             self.cache.free(self._running[i].slot)
             last = len(self._running) - 1
             if i != last:
@@ -440,6 +541,21 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """The length of the longest common prefix of `a` and `b`, at most `limit` (slice compares run in C)."""
+    hi = min(len(a), len(b), limit)
+    if a[:hi] == b[:hi]:
+        return hi
+    lo = 0  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def load_engine(checkpoint_dir: str, max_batch: int = 32, max_seq_len: int | None = None, **engine_options) -> Engine:

@@ -169,7 +169,8 @@ def build_completion(result: Result, request: ChatRequest, tokenizer, model_name
     n_prompt, n_out = len(result.prompt_token_ids), len(result.token_ids)
     return {"id": completion_id, "object": "chat.completion", "created": created, "model": model_name,
             "choices": [choice], "system_fingerprint": None,
-            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}}
+            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
+                      "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}}
 
 
 def _logprobs_content(result: Result, tokenizer) -> list[dict]:
