@@ -101,6 +101,17 @@ def test_edit_blocks_widen_until_unique():
     assert text == after
 
 
+def test_edit_blocks_drop_the_hunks_unchanged_context():
+    before = "".join(f"setting_{i} = {i}\n" for i in range(10))
+    after = before.replace("setting_5 = 5\n", "setting_5 = 50\n")
+    (fd,) = parse_unified_diff(make_unified_diff({"f.py": before}, {"f.py": after}))  # 3 lines of context
+    assert fd.edit_blocks(before) == [("setting_5 = 5\n", "setting_5 = 50\n")]
+    inserted = before.replace("setting_5 = 5\n", "setting_5 = 5\nextra = 1\n")
+    (fd,) = parse_unified_diff(make_unified_diff({"f.py": before}, {"f.py": inserted}))
+    ((old, new),) = fd.edit_blocks(before)  # a pure insertion is anchored on the lines around it
+    assert before.count(old) == 1 and before.replace(old, new) == inserted and len(old.splitlines()) <= 2
+
+
 def test_edit_blocks_for_several_hunks_apply_in_order():
     before = "".join(f"line {i}\n" for i in range(40))
     after = before.replace("line 3\n", "line three\n").replace("line 30\n", "").replace("line 39\n", "last\n")

@@ -96,9 +96,11 @@ class FileDiff:
 
     def edit_blocks(self, current_text: str) -> list[tuple[str, str]]:
         """(old_text, new_text) pairs that each occur exactly once when applied
-        in order to `current_text` (the file before this diff). A block that is
-        not unique (or empty) is widened by lines of the file around it until
-        it is; that is what an agent calling `edit_file` has to send."""
+        in order to `current_text` (the file before this diff). Each is the
+        smallest such edit: the hunk's unchanged context lines are dropped, and
+        a block that is not unique (or empty) is widened by lines of the file
+        around it until it is; that is what an agent calling `edit_file` has
+        to send."""
         text = current_text
         out: list[tuple[str, str]] = []
         shift = 0  # how far earlier edits moved line numbers
@@ -108,10 +110,13 @@ class FileDiff:
                             hunk.old_start + shift)
             if start is None:
                 raise PatchError(f"{self.path}: hunk at line {hunk.old_start} does not match the file")
-            lo, hi = start, start + len(hunk.old_lines)
+            lead, trail = _shared_context(hunk.old_lines, hunk.new_lines)
+            core_old = hunk.old_lines[lead: len(hunk.old_lines) - trail]
+            core_new = "".join(hunk.new_lines[lead: len(hunk.new_lines) - trail])
+            lo, hi = start + lead, start + lead + len(core_old)
             before, after = "", ""
             while True:
-                old = before + hunk.old_text + after
+                old = before + "".join(core_old) + after
                 if old and _occurs_once(text, old):
                     break
                 if lo == 0 and hi >= len(lines):
@@ -122,12 +127,23 @@ class FileDiff:
                 if hi < len(lines):
                     after = after + lines[hi]
                     hi += 1
-            new = before + hunk.new_text + after
+            new = before + core_new + after
             out.append((old, new))
             index = text.find(old) if old else 0
             text = text[:index] + new + text[index + len(old):]
             shift += len(hunk.new_lines) - len(hunk.old_lines)
         return out
+
+
+def _shared_context(old: list[str], new: list[str]) -> tuple[int, int]:
+    """How many leading and trailing lines the two sides of a hunk share (its unchanged context)."""
+    lead = 0
+    while lead < min(len(old), len(new)) and old[lead] == new[lead]:
+        lead += 1
+    trail = 0
+    while trail < min(len(old), len(new)) - lead and old[-1 - trail] == new[-1 - trail]:
+        trail += 1
+    return lead, trail
 
 
 def _occurs_once(text: str, block: str) -> bool:
