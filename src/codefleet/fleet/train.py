@@ -324,12 +324,23 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
     trainer.controller = controller
     try:
         report = controller.run(c.steps)
+        _log_prefix_cache(engines)
     finally:
         bar.close()
         group.shutdown()
         fleet.shutdown()
     _log(f"RL done: {report}")
     return run.latest()[0]
+
+
+def _log_prefix_cache(engines) -> None:
+    """How much prefill the engines' prefix cache saved over the run (the turns of an episode share it)."""
+    import ray
+
+    for i, info in enumerate(ray.get([e.info.remote() for e in engines])):
+        reused, computed = info["prefix_tokens_reused"], info["prefill_tokens"]
+        _log(f"engine {i}: prefix cache supplied {reused} of {reused + computed} prompt tokens "
+             f"({reused / max(reused + computed, 1):.0%}, {info['prefix_hits']} hits)")
 
 
 # -- the run ----------------------------------------------------------------------------
