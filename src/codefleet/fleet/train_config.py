@@ -40,7 +40,7 @@ class SFTSection:
 
 @dataclass
 class RLSection:
-    steps: int = 6
+    steps: int = 16
     lr: float = 2e-4
     eta: int = 1  # staleness bound (0 = synchronous)
     group_size: int = 4
