@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from codefleet.model.config import ModelConfig
-from codefleet.model.engine import Engine, _common_prefix
+from codefleet.model.engine import Engine
+from codefleet.model.prefix_cache import common_prefix as _common_prefix
 from codefleet.model.sampling import SamplingParams
 from codefleet.model.transformer import Transformer, token_logprobs
 

@@ -117,7 +117,8 @@ def _multiturn(model, config: ModelConfig, quick: bool, repeats: int, log) -> di
             engine = Engine(model, None, max_batch=8, max_seq_len=max_len, prefix_slots=slots)
             rate, fraction = _multiturn_rate(engine, firsts, outputs, turns)
             best[mode] = max(best[mode], rate)
-            reused = fraction if mode == "on" else reused
+            if mode == "on":
+                reused = fraction
     return {"multiturn_turns": turns, "multiturn_tokens_per_s": round(best["on"], 1),
             "multiturn_tokens_per_s_no_prefix_cache": round(best["off"], 1),
             "prefix_cache_speedup": round(best["on"] / best["off"], 2),

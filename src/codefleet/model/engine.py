@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 import torch
 
 from codefleet.model.cache import SlotKVCache
+from codefleet.model.prefix_cache import Parked, PrefixCache
 from codefleet.model.sampling import SamplingParams, sample_next
 
 log = logging.getLogger(__name__)
@@ -105,21 +106,11 @@ class _Sequence:
     text_cut: int | None = None
     prefilled: float = 0.0
     reused: int = 0  # prompt tokens whose keys/values came from the prefix cache
-    reuse_from: _Parked | None = None
+    reuse_from: Parked | None = None
 
     @property
     def length(self) -> int:
         return len(self.prompt) + len(self.tokens)
-
-
-@dataclass
-class _Parked:
-    """A finished sequence's keys/values kept in a prefix-cache slot."""
-
-    slot: int
-    tokens: list[int]  # the tokens whose keys/values the slot holds, in order
-    routing: list[list[list[int]]] | None  # [token][moe layer][top_k] of those tokens (None without routing)
-    used: int  # last use, for least-recently-used eviction
 
 
 @dataclass
@@ -144,8 +135,7 @@ class Engine:
         self.max_seq_len = int(max_seq_len or getattr(config, "max_seq_len", 2048))
         self.max_batch = max_batch
         self.prefill_tokens = prefill_tokens
-        self.prefix_slots = max_batch if prefix_slots is None else int(prefix_slots)
-        self.min_prefix = max(1, int(min_prefix))
+        prefix_slots = max_batch if prefix_slots is None else int(prefix_slots)
         self.record_routing = record_routing
         self.version = version
         param = next(model.parameters())
@@ -153,7 +143,7 @@ class Engine:
         n_heads = config.n_heads
         head_dim = getattr(config, "head_dim", None) or config.d_model // n_heads
         # slots 0..max_batch-1 hold the running sequences (packed low), the rest hold parked prefixes
-        self.cache = SlotKVCache(config.n_layers, max_batch + self.prefix_slots,
+        self.cache = SlotKVCache(config.n_layers, max_batch + prefix_slots,
                                  getattr(config, "n_kv_heads", None) or n_heads, head_dim, self.max_seq_len,
                                  dtype=param.dtype, device=self.device)
         if hasattr(model, "_rope"):  # the rotary table for every position the cache holds (no per-step growth)
@@ -169,14 +159,10 @@ class Engine:
         self._closed = False
         self._default_generator = torch.Generator(device=self.device)
         self._default_generator.seed()
-        self._parked: list[_Parked] = []
-        self._free_prefix_slots = list(range(max_batch + self.prefix_slots - 1, max_batch - 1, -1))
-        self._uses = itertools.count()
+        self.prefix = PrefixCache(self.cache, max_batch, prefix_slots, min_prefix)
         self.steps = 0  # forward passes that decoded
         self.peak_batch = 0  # most sequences decoded together
         self.prefill_tokens_computed = 0  # prompt tokens run through the model
-        self.prefix_hits = 0  # requests that reused a parked prefix
-        self.prefix_tokens_reused = 0  # prompt tokens copied instead of computed
 
     # -- requests ------------------------------------------------------------------------
 
@@ -270,7 +256,7 @@ class Engine:
             with torch.no_grad():
                 self.model.load_state_dict(update.state_dict, strict=True)
             self.version = update.version
-            self._drop_parked()  # their keys/values came from the old weights
+            self.prefix.clear()  # their keys/values came from the old weights
         except Exception as e:  # a bad state dict is the caller's error; the engine keeps serving
             update.error = e
         finally:
@@ -307,7 +293,7 @@ class Engine:
             longest = 0
             while self._waiting and len(self._running) + len(admitted) < self.max_batch:
                 nxt = self._waiting[0]
-                nxt.reuse_from, nxt.reused = self._longest_prefix(nxt.prompt)
+                nxt.reuse_from, nxt.reused = self.prefix.match(nxt.prompt)
                 longest_next = max(longest, len(nxt.prompt) - nxt.reused)
                 if admitted and longest_next * (len(admitted) + 1) > self.prefill_tokens:
                     break
@@ -316,57 +302,36 @@ class Engine:
         for seq in admitted:
             seq.slot = len(self._running)
             self._running.append(seq)
-            parked = seq.reuse_from
-            if parked is not None:  # copy the common prefix in; a prompt that extends the whole entry supersedes it
-                self.cache.copy(parked.slot, seq.slot, seq.reused)
-                parked.used = next(self._uses)
-                if seq.reused == len(parked.tokens):
-                    self._unpark(parked)
-                self.prefix_hits += 1
-                self.prefix_tokens_reused += seq.reused
+            if seq.reuse_from is not None:
+                self.prefix.take(seq.reuse_from, seq.slot, seq.reused)
         return admitted
 
     # -- the prefix cache ------------------------------------------------------------------
 
-    def _longest_prefix(self, prompt: list[int]) -> tuple[_Parked | None, int]:
-        """The parked entry sharing the longest prefix with `prompt` and that length (at most len(prompt) - 1:
-        the last prompt token always runs, its logits sample the first new token); (None, 0) below
-        `min_prefix`."""
-        best, best_n = None, 0
-        limit = len(prompt) - 1
-        for parked in self._parked:
-            n = _common_prefix(parked.tokens, prompt, limit)
-            if n > best_n:
-                best, best_n = parked, n
-        return (best, best_n) if best_n >= self.min_prefix else (None, 0)
+    @property
+    def min_prefix(self) -> int:
+        return self.prefix.min_prefix
+
+    @property
+    def prefix_hits(self) -> int:
+        return self.prefix.hits
+
+    @property
+    def prefix_tokens_reused(self) -> int:
+        return self.prefix.tokens_reused
+
+    @property
+    def _parked(self) -> list[Parked]:
+        return self.prefix.entries
 
     def _park(self, seq: _Sequence) -> None:
         """Keep a finished sequence's keys/values (every token that went through the model) for reuse."""
-        if self.prefix_slots == 0 or seq.future.cancelled():
+        if seq.future.cancelled():
             return
         n = self.cache.lengths[seq.slot]
-        tokens = (seq.prompt + seq.tokens)[:n]
-        if n < self.min_prefix or len(tokens) != n:
-            return
-        routing = None
-        if self.record_routing:
-            routing = (seq.prompt_routing + seq.routing)[:n]
-            if len(routing) != n:
-                return
-        if not self._free_prefix_slots:  # evict the least recently used
-            self._unpark(min(self._parked, key=lambda p: p.used))
-        slot = self._free_prefix_slots.pop()
-        self.cache.copy(seq.slot, slot, n)
-        self._parked.append(_Parked(slot, tokens, routing, next(self._uses)))
-
-    def _unpark(self, parked: _Parked) -> None:
-        self._parked.remove(parked)
-        self.cache.free(parked.slot)
-        self._free_prefix_slots.append(parked.slot)
-
-    def _drop_parked(self) -> None:
-        for parked in list(self._parked):
-            self._unpark(parked)
+        routing = (seq.prompt_routing + seq.routing)[:n] if self.record_routing else None
+        if routing is None or len(routing) == n:  # routing replay needs every reused token's experts
+            self.prefix.park(seq.slot, (seq.prompt + seq.tokens)[:n], routing)
 
     def _forward(self, tokens_BT: torch.Tensor, positions_BT: torch.Tensor, logits_at_B: torch.Tensor | None = None):
         return self.model(tokens_BT, positions_BT=positions_BT, cache=self.cache,
@@ -395,7 +360,8 @@ class Engine:
             for b, s in enumerate(seqs):
                 prefix = s.reuse_from.routing[: s.reused] if s.reuse_from is not None else []
                 s.prompt_routing = prefix + routing_BTLK[b][: len(suffixes[b])]
-                s.reuse_from = None
+        for s in seqs:
+            s.reuse_from = None  # the entry may be evicted from now on
         for s in seqs:
             s.prefilled = now
         self._sample(seqs, logits_BV)
@@ -541,21 +507,6 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    """The length of the longest common prefix of `a` and `b`, at most `limit` (slice compares run in C)."""
-    hi = min(len(a), len(b), limit)
-    if a[:hi] == b[:hi]:
-        return hi
-    lo = 0  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 def load_engine(checkpoint_dir: str, max_batch: int = 32, max_seq_len: int | None = None, **engine_options) -> Engine:
