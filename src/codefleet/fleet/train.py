@@ -119,7 +119,8 @@ def demonstrations(run: RunDir, config: TrainRunConfig, tasks, tokenizer):
             return pickle.load(f)
     started = time.perf_counter()
     expert = dataclasses.replace(_episode_config(config), budgets=None)  # the task's own budgets, not RL's
-    demos = expert_demos(tasks, tokenizer, config.model.max_seq_len, config.sandbox, expert)
+    demos = expert_demos(tasks, tokenizer, config.model.max_seq_len, config.sandbox, expert,
+                         explore_fraction=config.sft.explore_fraction, seed=config.tasks.seed)
     atomic_write(path, pickle.dumps(demos))
     took_s = time.perf_counter() - started
     _log(f"{len(demos.examples)} expert demonstrations ({demos.tokens} tokens) in {took_s:.0f} s;"

@@ -36,6 +36,7 @@ class SFTSection:
     batch_size: int = 4  # demonstrations per optimizer step
     lr: float = 2e-3  # peak; linear warm-up, then cosine decay to 10% over the run
     warmup_steps: int = 5
+    explore_fraction: float = 1.0  # share of demonstrations whose expert explores before acting (rl.demos)
 
 
 @dataclass

@@ -8,10 +8,16 @@ on the assistant's tokens (`chat.encode_chat_with_mask`), which is what
 `rl.sft` trains on. Demonstrations longer than the model's context are
 dropped and counted, never truncated (a cut demonstration teaches a turn
 without its ending).
+
+`explore_fraction` of the tasks (drawn per task from `seed` and its id) get
+an expert that first explores (lists the repository and searches for what
+the patch touches), the rest one that acts on the instruction at once. Real
+demonstrations vary like this; RL then learns when exploring is worth a turn.
 """
 
 from __future__ import annotations
 
+import random
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -31,14 +37,15 @@ class Demos:
 
 
 def expert_demos(tasks: list[Task], tokenizer, max_seq_len: int, sandbox_config=None, episode_config=None,
-                 jobs: int = 2) -> Demos:
+                 jobs: int = 2, explore_fraction: float = 1.0, seed: int = 0) -> Demos:
     from codefleet.agent.clients.scripted import ScriptedExpert
     from codefleet.agent.episode import run_episode
     from codefleet.agent.tools import tool_schemas
     from codefleet.model import chat
 
     def one(task: Task):
-        return run_episode(task, ScriptedExpert(task), sandbox_config, config=episode_config)
+        explore = random.Random(f"{seed}:{task.id}").random() < explore_fraction
+        return run_episode(task, ScriptedExpert(task, explore=explore), sandbox_config, config=episode_config)
 
     demos = Demos()
     with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="demo") as pool:

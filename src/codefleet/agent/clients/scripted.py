@@ -14,6 +14,13 @@ model would:
     turn 3  run the visible test command (if the task has one)
     turn 4  submit
 
+When the patch is a pure rename (every changed line is its old line with one
+identifier replaced by another as a whole word), turns 1-2 become one shell
+command, the way a fast engineer renames: `grep -rlw OLD --include='*.py' .
+| xargs sed -i 's/\bOLD\b/NEW/g'`. With `explore=False` the expert skips
+turn 0 (the instruction already names what to change); demonstrations mix
+both so that RL can learn which is faster.
+
 The expert is stateless: which step comes next is the number of assistant
 messages so far, and the edits are computed from the read_file results in
 the transcript. So one instance serves any number of concurrent episodes,
@@ -37,14 +44,16 @@ _COMMON = set(keyword.kwlist) | {"self", "return", "None", "True", "False", "pri
 
 
 class ScriptedExpert:
-    def __init__(self, task: Task):
+    def __init__(self, task: Task, explore: bool = True):
         if not task.reference_patch.strip():
             raise ValueError(f"task {task.id!r} has no reference patch; the scripted expert replays one")
         self.task = task
         self.name = f"scripted-expert:{task.id}"
         self.diffs = parse_unified_diff(task.reference_patch)
-        self.to_read = [d for d in self.diffs if not d.is_new and not d.is_deleted and not d.is_binary]
-        self.steps = ["explore"] + (["read"] if self.to_read else []) + ["edit"]
+        self.rename = pure_rename(self.diffs)
+        self.to_read = [] if self.rename else [d for d in self.diffs
+                                               if not d.is_new and not d.is_deleted and not d.is_binary]
+        self.steps = (["explore"] if explore else []) + (["read"] if self.to_read else []) + ["edit"]
         self.steps += (["test"] if task.test_command else []) + ["submit"]
 
     def generate(self, messages: list[dict], tools: list[dict]) -> PolicyOutput:
@@ -72,6 +81,9 @@ class ScriptedExpert:
         return f"Reading {', '.join(paths)}.", [("read_file", {"path": p}) for p in paths]
 
     def _edit(self, messages: list[dict], index: int) -> tuple[str, list[tuple[str, dict]]]:
+        if self.rename:
+            old, new = self.rename
+            return f"Renaming {old} to {new} everywhere.", [("run", {"command": rename_command(old, new)})]
         seen = self._read_results(messages)
         calls: list[tuple[str, dict]] = []
         for diff in self.diffs:
@@ -92,6 +104,8 @@ class ScriptedExpert:
         return "Running the tests.", [("run", {"command": self.task.test_command, "timeout": 300})]
 
     def _submit(self, messages: list[dict], index: int) -> tuple[str, list[tuple[str, dict]]]:
+        if self.rename:
+            return "Done.", [("submit", {"summary": f"Renamed {self.rename[0]} to {self.rename[1]}."})]
         files = ", ".join(d.path for d in self.diffs)
         return "Done.", [("submit", {"summary": f"Changed {files} as the task asks."})]
 
@@ -102,6 +116,8 @@ class ScriptedExpert:
 
     def _search_term(self) -> str:
         """An identifier the patch touches: the longest uncommon one on a changed line."""
+        if self.rename:
+            return self.rename[0]
         for diff in self.to_read:
             for hunk in diff.hunks:
                 changed = [ln for ln in hunk.old_lines if ln not in hunk.new_lines] or hunk.old_lines
@@ -140,3 +156,34 @@ def _edit_blocks(diff: FileDiff, seen: str | None) -> list[tuple[str, str]]:
                 continue
     return diff.old_text_blocks()
 
+
+
+def rename_command(old: str, new: str) -> str:
+    """One shell command replacing the word `old` by `new` in every Python file under the working directory."""
+    return f"grep -rlw --include='*.py' {old} . | xargs sed -i 's/\\b{old}\\b/{new}/g'"
+
+
+def pure_rename(diffs: list[FileDiff]) -> tuple[str, str] | None:
+    """(old, new) when every changed line of the patch is its old line with the identifier `old` replaced by
+    `new` as a whole word (and nothing is added, deleted or moved), else None."""
+    pairs = []
+    for diff in diffs:
+        if diff.is_new or diff.is_deleted or diff.is_binary or diff.is_rename:
+            return None
+        for hunk in diff.hunks:
+            removed = [ln for ln in hunk.old_lines if ln not in hunk.new_lines]
+            added = [ln for ln in hunk.new_lines if ln not in hunk.old_lines]
+            if len(removed) != len(added) or len(hunk.old_lines) != len(hunk.new_lines):
+                return None
+            pairs += zip(removed, added)
+    if not pairs:
+        return None
+    gone = set(_IDENT.findall(pairs[0][0])) - set(_IDENT.findall(pairs[0][1]))
+    came = set(_IDENT.findall(pairs[0][1])) - set(_IDENT.findall(pairs[0][0]))
+    if len(gone) != 1 or len(came) != 1:
+        return None
+    old, new = gone.pop(), came.pop()
+    word = re.compile(rf"\b{re.escape(old)}\b")
+    if all(word.sub(new, a) == b for a, b in pairs):
+        return old, new
+    return None
