@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from codefleet.agent.clients.scripted import rename_command
+from codefleet.agent.clients.scripted import rename_command, rename_step
 from codefleet.agent.prompts import build_messages
 from codefleet.agent.tools import tool_schemas
 from codefleet.model import chat
@@ -63,9 +63,11 @@ def conversation(rng: random.Random, short: bool) -> tuple[list[dict], str, str]
 
 def example(rng: random.Random, tokenizer, short: bool) -> tuple[list[int], list[int]]:
     messages, old, new = conversation(rng, short)
-    call = {"name": "run", "arguments": json.dumps({"command": rename_command(old, new)})}
-    answer = {"role": "assistant", "content": f"Renaming {old} to {new} everywhere.",
-              "tool_calls": [{"id": "call_0_0", "type": "function", "function": call}]}
+    text, calls = rename_step(old, new)
+    answer = {"role": "assistant", "content": text,
+              "tool_calls": [{"id": f"call_0_{i}", "type": "function",
+                              "function": {"name": name, "arguments": json.dumps(args)}}
+                             for i, (name, args) in enumerate(calls)]}
     return chat.encode_chat_with_mask(tokenizer, messages + [answer], None if short else tool_schemas())
 
 

@@ -16,8 +16,8 @@ model would:
 
 When the patch is a pure rename (every changed line is its old line with one
 identifier replaced by another as a whole word), turns 1-2 become one shell
-command, the way a fast engineer renames: `grep -rlw OLD --include='*.py' .
-| xargs sed -i 's/\bOLD\b/NEW/g'`. With `explore=False` the expert skips
+command, the way a fast engineer renames (`rename_command`: `grep -rlw
+--include='*.py' OLD . | xargs sed -i 's/\bOLD\b/NEW/g'`). With `explore=False` the expert skips
 turn 0 (the instruction already names what to change); demonstrations mix
 both so that RL can learn which is faster.
 
@@ -82,8 +82,7 @@ class ScriptedExpert:
 
     def _edit(self, messages: list[dict], index: int) -> tuple[str, list[tuple[str, dict]]]:
         if self.rename:
-            old, new = self.rename
-            return f"Renaming {old} to {new} everywhere.", [("run", {"command": rename_command(old, new)})]
+            return rename_step(*self.rename)
         seen = self._read_results(messages)
         calls: list[tuple[str, dict]] = []
         for diff in self.diffs:
@@ -157,10 +156,14 @@ def _edit_blocks(diff: FileDiff, seen: str | None) -> list[tuple[str, str]]:
     return diff.old_text_blocks()
 
 
-
 def rename_command(old: str, new: str) -> str:
     """One shell command replacing the word `old` by `new` in every Python file under the working directory."""
     return f"grep -rlw --include='*.py' {old} . | xargs sed -i 's/\\b{old}\\b/{new}/g'"
+
+
+def rename_step(old: str, new: str) -> tuple[str, list[tuple[str, dict]]]:
+    """The expert's turn for a pure rename: its text and its one `run` call."""
+    return f"Renaming {old} to {new} everywhere.", [("run", {"command": rename_command(old, new)})]
 
 
 def pure_rename(diffs: list[FileDiff]) -> tuple[str, str] | None:
