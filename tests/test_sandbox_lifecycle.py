@@ -111,3 +111,18 @@ def test_dead_owner_in_an_abandoned_state_dir_is_reaped(config, tmp_path):
         umount(point)
     assert left == []
     assert_reaped(dead, marker)
+
+
+def test_owner_liveness_comes_from_the_process_table_not_file_times():
+    """An owner's name records its pid and kernel start time, so a live owner whose
+    directory looks old or new (a wall-clock step on a fresh machine) is never reaped,
+    and a reused pid is told apart by its start time."""
+    me = os.getpid()
+    name = f"{me}-{state.procs.start_time(me)}-abcdef"
+    assert state._owner_alive(name, changed_at=0.0)
+    assert state._owner_alive(name, changed_at=1e12)
+    assert not state._owner_alive(f"{me}-{state.procs.start_time(me) + 1}-abcdef", changed_at=1e12)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert not state._owner_alive(f"{gone.pid}-1-abcdef", changed_at=1e12)
+    assert state._owner_alive("not-an-owner", changed_at=0.0)  # not ours to remove

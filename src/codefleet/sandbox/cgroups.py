@@ -8,10 +8,13 @@ delegation — `available()` is false and the sandbox falls back to rlimits.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import stat
 import time
+
+log = logging.getLogger(__name__)
 
 ROOT = "/sys/fs/cgroup"
 _V1_CONTROLLERS = ("memory", "pids", "cpu")
@@ -75,7 +78,10 @@ class CgroupTree:
             cg = Cgroup(self.mode, paths)
             cg.set_limits(memory_mb, max_processes, cpu_cores)
             return cg
-        except OSError:
+        except OSError as e:
+            # said, not raised: the sandbox still runs, its limits enforced by rlimits instead
+            log.warning("codefleet: could not create cgroup %s (%s); this sandbox's limits fall back to rlimits",
+                        name, e)
             Cgroup(self.mode, paths).remove()
             return None
 

@@ -14,9 +14,10 @@ private one, deleted since around the mounts it could not delete (lock file
 included). So a starting owner also looks at what owners hold on the whole
 machine, workspace mounts (`<owner>/sb/<sandbox>/rw|merged`) and cgroups
 beside its own with no process left in them, and reaps those whose owner is
-gone: no process has the pid in the owner's name, or the one that has
-started after the owner's directory or cgroup last changed (the pid was
-reused).
+gone: no process has the pid in the owner's name, or the one that has it
+started at another kernel time than the name records (the pid was reused).
+Owner names are `<pid>-<start ticks>-<6 hex>`: liveness is read from /proc
+alone, never from file times, which a wall-clock step can make disagree.
 
 The state directory must not be visible inside sandboxes (it is not: only
 /usr, /etc and the workspace are bound in) and is, by default,
@@ -57,7 +58,9 @@ class Owner:
         self.state_dir = os.path.abspath(state_dir)
         os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
         self.pid = os.getpid()
-        self.name = f"{self.pid}-{os.urandom(3).hex()}"
+        # pid and kernel start time (clock ticks since boot) identify this process exactly, whatever the
+        # wall clock does: a reaper compares them with /proc, never with file times
+        self.name = f"{self.pid}-{procs.start_time(self.pid)}-{os.urandom(3).hex()}"
         self.dir = os.path.join(self.state_dir, self.name)
         os.makedirs(os.path.join(self.dir, "sb"))
         os.makedirs(os.path.join(self.dir, "layers"))
@@ -117,8 +120,9 @@ def reap_orphans(tree: cgroups.CgroupTree) -> list[str]:
     return reaped
 
 
-_OWNER_NAME = re.compile(r"\d+-[0-9a-f]{6}")  # Owner.name: "<pid>-<6 hex>"
-_WORKSPACE_MOUNT = re.compile(r"(?P<dir>.*/(?P<name>\d+-[0-9a-f]{6}))/sb/sb-[0-9a-f]{10}/(rw|merged)")
+# Owner.name: "<pid>-<start ticks>-<6 hex>"; "<pid>-<6 hex>" from older versions (no start time)
+_OWNER_NAME = re.compile(r"(?P<pid>\d+)-(?:(?P<ticks>\d+)-)?[0-9a-f]{6}")
+_WORKSPACE_MOUNT = re.compile(r"(?P<dir>.*/(?P<name>\d+-(?:\d+-)?[0-9a-f]{6}))/sb/sb-[0-9a-f]{10}/(rw|merged)")
 
 
 def _reap_if_dead(owner_dir: str, tree: cgroups.CgroupTree) -> bool:
@@ -151,14 +155,20 @@ def _reap_if_dead(owner_dir: str, tree: cgroups.CgroupTree) -> bool:
 
 
 def _owner_alive(name: str, changed_at: float) -> bool:
-    """Whether the owner called `name` may still run, its directory or cgroup having
-    last changed at `changed_at`: in doubt, yes. It is dead if no process has its
-    pid, or the one that has started after that change (the pid was reused)."""
-    if not _OWNER_NAME.fullmatch(name):
+    """Whether the owner called `name` may still run: in doubt, yes. It is dead if no
+    process has its pid, or the one that has it started at another time than the name
+    records (the pid was reused). Names without a start time (older owners) fall back
+    to the time their directory or cgroup last changed, `changed_at`: dead if the pid's
+    process started after it. That compares boot-relative ticks with the wall clock,
+    which a clock step (NTP on a fresh machine) can throw off; the ticks cannot be."""
+    parts = _OWNER_NAME.fullmatch(name)
+    if not parts:
         return True  # not an owner's: not ours to remove
-    started_ticks = procs.start_time(int(name.split("-")[0]))
+    started_ticks = procs.start_time(int(parts["pid"]))
     if started_ticks is None:
         return False
+    if parts["ticks"] is not None:
+        return started_ticks == int(parts["ticks"])
     started_at = _boot_time() + started_ticks / os.sysconf("SC_CLK_TCK")
     return started_at <= changed_at + 1.0  # btime is in whole seconds
 
