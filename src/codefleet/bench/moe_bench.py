@@ -20,7 +20,9 @@ Peers, measured in the same run on the same input:
 Our layer runs with `balance="none"` and no z-loss so it does exactly the
 block's work (router, top-k, renormalised weights, experts). One step is
 forward, then backward of a fixed random gradient into the input and every
-weight. Implementations are interleaved over rounds; each round keeps its
+weight, starting (as every training step does after `zero_grad()`) with no
+gradients held, so a step stores its gradients rather than adding them to
+the previous step's. Implementations are interleaved over rounds; each round keeps its
 best step; the figure is the median over rounds (shared machines are noisy).
 """
 
@@ -69,7 +71,7 @@ def _hf_blocks(ours: MoE, x_ND: torch.Tensor) -> tuple[dict, str | None]:
             same = torch.allclose(block(x_ND[None])[0], ours(x_ND).y_ND, atol=1e-5)
         if not same:
             return {}, f"HF block ({impl}) disagrees with ours on the same weights; not measured"
-        blocks[f"hf_{impl}"] = _batched(block)
+        blocks[f"hf_{impl}"] = (_batched(block), block)
     return blocks, None
 
 
@@ -77,8 +79,11 @@ def _batched(block):
     return lambda x_ND: block(x_ND[None])[0]
 
 
-def _stepper(fn, x_ND: torch.Tensor, dy_ND: torch.Tensor):
+def _stepper(fn, module: torch.nn.Module, x_ND: torch.Tensor, dy_ND: torch.Tensor):
+    """One timed training step of `fn` (forward and backward), from no gradients held (`zero_grad()`)."""
     def step() -> float:
+        x_ND.grad = None
+        module.zero_grad(set_to_none=True)
         t = time.perf_counter()
         fn(x_ND).backward(dy_ND)
         return time.perf_counter() - t
@@ -98,13 +103,13 @@ def run(quick: bool = False, log=print) -> dict:
             dy_ND = torch.randn(N_TOKENS, D_MODEL)
             ours = _ours(E, k, F)
             dense = SwiGLU(D_MODEL, k * F)
-            impls = {"moe": lambda x, m=ours: m(x).y_ND, "dense": dense}
+            impls = {"moe": (lambda x, m=ours: m(x).y_ND, ours), "dense": (dense, dense)}
             hf, note = _hf_blocks(ours, x_ND.detach())
             impls.update(hf)
             if note:
                 results["hf_note"] = note
             log(f"{name}: {E} experts top-{k}, expert hidden {F}: {', '.join(impls)} x {rounds} rounds ...")
-            steps = {n: _stepper(f, x_ND, dy_ND) for n, f in impls.items()}
+            steps = {n: _stepper(f, module, x_ND, dy_ND) for n, (f, module) in impls.items()}
             for s in steps.values():
                 s()  # warm up
             times: dict[str, list[float]] = {n: [] for n in steps}
