@@ -59,8 +59,9 @@ class Owner:
         os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
         self.pid = os.getpid()
         # pid and kernel start time (clock ticks since boot) identify this process exactly, whatever the
-        # wall clock does: a reaper compares them with /proc, never with file times
-        self.name = f"{self.pid}-{procs.start_time(self.pid)}-{os.urandom(3).hex()}"
+        # wall clock does: a reaper compares them with /proc, never with file times (no /proc: the old form)
+        started = procs.start_time(self.pid)
+        self.name = f"{self.pid}-{'' if started is None else f'{started}-'}{os.urandom(3).hex()}"
         self.dir = os.path.join(self.state_dir, self.name)
         os.makedirs(os.path.join(self.dir, "sb"))
         os.makedirs(os.path.join(self.dir, "layers"))
