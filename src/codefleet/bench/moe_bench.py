@@ -22,8 +22,9 @@ block's work (router, top-k, renormalised weights, experts). One step is
 forward, then backward of a fixed random gradient into the input and every
 weight, starting (as every training step does after `zero_grad()`) with no
 gradients held, so a step stores its gradients rather than adding them to
-the previous step's. Implementations are interleaved over rounds; each round keeps its
-best step; the figure is the median over rounds (shared machines are noisy).
+the previous step's. Implementations are interleaved over rounds; each
+round keeps its best step; the figure is the median over rounds (shared
+machines are noisy).
 """
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ def reap_orphans(tree: cgroups.CgroupTree) -> list[str]:
 
 # Owner.name: "<pid>-<start ticks>-<6 hex>"; "<pid>-<6 hex>" from older versions (no start time)
 _OWNER_NAME = re.compile(r"(?P<pid>\d+)-(?:(?P<ticks>\d+)-)?[0-9a-f]{6}")
-_WORKSPACE_MOUNT = re.compile(r"(?P<dir>.*/(?P<name>\d+-(?:\d+-)?[0-9a-f]{6}))/sb/sb-[0-9a-f]{10}/(rw|merged)")
+_WORKSPACE_MOUNT = re.compile(rf"(?P<dir>.*/(?P<name>{_OWNER_NAME.pattern}))/sb/sb-[0-9a-f]{{10}}/(rw|merged)")
 
 
 def _reap_if_dead(owner_dir: str, tree: cgroups.CgroupTree) -> bool:
