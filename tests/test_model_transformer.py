@@ -146,3 +146,23 @@ def test_logits_at_one_position_per_row_equal_the_full_head():
         some_B1V = model(tokens_BT, logits_at_B=at_B).logits_BTV
     assert some_B1V.shape == (3, 1, 300)
     torch.testing.assert_close(some_B1V[:, 0], full_BTV[torch.arange(3), at_B], atol=1e-5, rtol=1e-5)
+
+
+def test_inference_head_equals_the_training_head_and_follows_weight_updates():
+    """With gradients off the LM head runs on a prepacked copy of its weight (oneDNN on CPU): the same logits as
+    with gradients on, also after an in-place optimiser step and after load_state_dict replace the weight."""
+    torch.manual_seed(0)
+    model = Transformer(_small())
+    tokens_BT = torch.randint(0, 97, (2, 7))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(2):
+        trained = model(tokens_BT).logits_BTV
+        with torch.no_grad():
+            torch.testing.assert_close(model(tokens_BT).logits_BTV, trained, atol=1e-5, rtol=1e-5)
+        trained.square().mean().backward()  # moves every weight, the head's in place
+        optimizer.step()
+        optimizer.zero_grad()
+    other = Transformer(_small())
+    model.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens_BT).logits_BTV, other(tokens_BT).logits_BTV, atol=1e-5, rtol=1e-5)

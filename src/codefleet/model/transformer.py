@@ -10,7 +10,10 @@
 - With gradients off (engine, reference logprobs) the q/k/v projections run as
   one GEMM over an inference-only concatenation of `wq`/`wk`/`wv` (rebuilt
   when a weight changes; the parameters and the checkpoint format are those of
-  training). Both are bit-identical to the unfused computation in fp32.
+  training). Both are bit-identical to the unfused computation in fp32. The
+  LM head, a decode step's largest GEMM, runs on a oneDNN-prepacked copy of
+  its weight (`moe.inference_linear`; equal to float rounding, ~1e-6). It comes
+  after the last router, so the engine routes exactly as the trainer does.
 - Grouped-query attention: `n_heads` query heads share `n_kv_heads` key/value
   heads. Without a cache it is causal `scaled_dot_product_attention` over the
   given tokens (training, scoring). With a cache, `cache.attend(layer, q_BHTD,
@@ -41,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from codefleet.model.config import ModelConfig
-from codefleet.model.moe import MoE, SwiGLU, fused_weight
+from codefleet.model.moe import MoE, SwiGLU, fused_weight, inference_linear
 
 
 class RMSNorm(nn.Module):
@@ -215,7 +218,11 @@ class Transformer(nn.Module):
             x_BTD = x_BTD + ffn_ND.view(B, T, cfg.d_model)
         if logits_at_B is not None:
             x_BTD = x_BTD[torch.arange(B, device=x_BTD.device), logits_at_B][:, None]
-        logits_BTV = self.lm_head(self.norm(x_BTD))
+        h_BTD = self.norm(x_BTD)
+        if torch.is_grad_enabled():
+            logits_BTV = self.lm_head(h_BTD)
+        else:  # the engine, reference logprobs: the LM head is the largest GEMM of a decode step
+            logits_BTV = inference_linear(self.lm_head, h_BTD, (self.lm_head.weight,))
         return ModelOutput(logits_BTV, routed if return_routing else None, aux, z)
 
     def _rope(self, n_positions: int, device) -> torch.Tensor:
