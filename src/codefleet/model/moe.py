@@ -37,6 +37,10 @@ on GPU there is one tile.
 
 Inference (gradients off: the engine, reference logprobs) skips the autograd
 function and picks the dispatch by slot count, on CPU (`MoE.experts_inference`):
+up to `kernel_slots` slots (decode) the native fused kernel when it is built
+(`kernels.moe_experts`, csrc/moe_experts.cpp: each expert's weights read once,
+only its real rows computed, SwiGLU in the epilogue; ~2x the padded `bmm`
+below with the weights cold in cache). Without it:
 up to `gather_slots` slots gather each slot's expert weights (decoding one
 sequence reads 2 experts, not 16); then a padded `bmm` over the experts while
 the padding is small (decode batches: ~2x faster than `_grouped_mm`, which
@@ -59,6 +63,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from codefleet.model import kernels
 from codefleet.model.config import ModelConfig
 
 
@@ -340,6 +345,7 @@ class MoE(nn.Module):
     pad_waste: float = 1.5  # else padded bmm while its rows (experts x busiest count) are <= pad_waste x slots
     pad_waste_small: float = 4.0  # ... or <= pad_waste_small x slots for up to `small_slots` slots
     small_slots: int = 256
+    kernel_slots: int = 128  # up to this many slots: the native fused kernel when it is built (model/kernels.py)
 
     def __init__(self, config: ModelConfig, expert_range: tuple[int, int] | None = None):
         super().__init__()
@@ -391,6 +397,7 @@ class MoE(nn.Module):
                           ) -> torch.Tensor:
         """`experts` without autograd, by the cheapest dispatch for the number of slots S (on CPU):
 
+        - S <= `kernel_slots` (decode) and the native kernel built: `kernels.moe_experts`, one call.
         - S <= `gather_slots` (decoding one or two sequences): gather each slot's expert weights and run one
           batched matrix-vector product per slot; reads S experts' weights, not all of them.
         - a padded `bmm` over this shard's experts, [E, busiest expert's count, D], while the padding stays
@@ -400,6 +407,12 @@ class MoE(nn.Module):
         Slots are not sorted: a slot's row in the padded batch is its rank among the slots of its expert.
         """
         e0, e1 = self.expert_range
+        if (x_ND.device.type == "cpu" and x_ND.dtype == torch.float32 and experts_NK.numel() <= self.kernel_slots
+                and self.w_gate_up_EDG.is_contiguous() and self.w_down_EFD.is_contiguous()):
+            fused = kernels.moe_experts()
+            if fused is not None:  # sorting by expert, the experts and the weighted sum in one call
+                return fused(x_ND.contiguous(), experts_NK.contiguous(), weights_NK.contiguous(), self.w_gate_up_EDG,
+                             self.w_down_EFD, e0)
         n_local = e1 - e0
         K = experts_NK.shape[1]
         expert_S = experts_NK.reshape(-1) - e0  # local numbering
@@ -429,7 +442,13 @@ class MoE(nn.Module):
             xs_ECD[expert_S, rank_S] = xs_SD
             ys_ECD = torch.bmm(_swiglu(torch.bmm(xs_ECD, self.w_gate_up_EDG)), self.w_down_EFD)
             ys_SD = ys_ECD[expert_S, rank_S]
-        if K == 2 and S == 2 * x_ND.shape[0]:  # every slot is here, in token order: y = w0 * y0 + w1 * y1
+        return self._combine(x_ND, slot_S, ys_SD, w_S, K)
+
+    @staticmethod
+    def _combine(x_ND: torch.Tensor, slot_S: torch.Tensor, ys_SD: torch.Tensor, w_S: torch.Tensor, K: int
+                 ) -> torch.Tensor:
+        """Each token's sum of its slots' expert outputs times their combine weights."""
+        if K == 2 and ys_SD.shape[0] == 2 * x_ND.shape[0]:  # every slot is here, in token order: w0 y0 + w1 y1
             # the same sums as the index_add below (0 + a + b == a + b), without the zeros and the scatter
             return (ys_SD * w_S[:, None]).view(-1, 2, x_ND.shape[1]).sum(1)
         return torch.zeros_like(x_ND).index_add_(0, slot_S // K, ys_SD * w_S[:, None])

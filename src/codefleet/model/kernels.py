@@ -1,0 +1,115 @@
+"""Native CPU kernels, compiled on the machine that runs them (`csrc/*.cpp`, registered as `torch.ops.codefleet`).
+
+    python -m codefleet.model.kernels          # build now (scripts/setup.sh does); prints where
+
+`moe_experts()` returns `torch.ops.codefleet.moe_experts` (fused SwiGLU experts
+for decode-sized slot counts, see csrc/moe_experts.cpp), or None when it cannot
+be had: no C++ compiler, a failed build, not x86-64/Linux, or
+`CODEFLEET_KERNELS=0`. Callers then take their PyTorch path, which computes
+the same thing (tests/test_model_kernels.py holds them equal), so the kernels
+change speed, never results beyond float rounding.
+
+The library is built once per source, torch version and CPU (it is compiled
+with `-march=native`) into `$CODEFLEET_KERNEL_DIR` (default
+`~/.cache/codefleet/kernels`), under a file lock so that concurrent processes
+(engine actors starting together) build it once; a build takes ~10 s. It links
+against torch's own libraries, so `at::parallel_for` runs on torch's thread pool.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCES = Path(__file__).parent / "csrc"
+_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-std=c++20", "-shared", "-fPIC",
+          "-fopenmp"]
+
+
+class KernelBuildError(RuntimeError):
+    """A native kernel could not be compiled or loaded."""
+
+
+def _cpu_key() -> str:
+    """What `-march=native` compiles for: the CPU's model name and flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    keep = [ln for ln in lines if ln.startswith(("model name", "flags"))][:2]
+    return "\n".join(keep)
+
+
+def _library_path(name: str) -> Path:
+    source = (_SOURCES / f"{name}.cpp").read_bytes()
+    digest = hashlib.sha256(b"\0".join([source, torch.__version__.encode(), " ".join(_FLAGS).encode(),
+                                        _cpu_key().encode()])).hexdigest()[:16]
+    root = Path(os.environ.get("CODEFLEET_KERNEL_DIR") or Path.home() / ".cache" / "codefleet" / "kernels")
+    return root / f"{name}-{digest}.so"
+
+
+def build(name: str) -> Path:
+    """Compile `csrc/<name>.cpp` if its library is not built yet; the library's path. Raises KernelBuildError."""
+    path = _library_path(name)
+    if path.exists():
+        return path
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise KernelBuildError("no C++ compiler found (install g++, e.g. `apt-get install g++`, or set CXX)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch_dir = Path(torch.__file__).parent
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it: wait, then find it built
+        if path.exists():
+            return path
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        cmd = [compiler, *_FLAGS, f"-I{torch_dir / 'include'}",
+               f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}", str(_SOURCES / f"{name}.cpp"),
+               f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_dir / 'lib'}", "-o", str(tmp)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            errors = [ln for ln in done.stderr.splitlines() if "error" in ln][:3]
+            raise KernelBuildError(f"compiling {name}.cpp failed ({compiler} exit {done.returncode}): "
+                                   + ("; ".join(errors) or done.stderr[-500:]))
+        os.replace(tmp, path)  # atomic: a reader never loads half a library
+    return path
+
+
+@functools.cache
+def _load(name: str) -> bool:
+    if os.environ.get("CODEFLEET_KERNELS", "1") == "0":
+        return False
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        torch.ops.load_library(str(build(name)))
+    except (KernelBuildError, OSError, RuntimeError) as e:
+        log.warning("native kernel %s unavailable, using the PyTorch path (slower decode): %s", name, e)
+        return False
+    return True
+
+
+def moe_experts():
+    """`torch.ops.codefleet.moe_experts(x_SD, w_gate_up_EDG, w_down_EFD, counts_E) -> y_SD`, or None."""
+    return torch.ops.codefleet.moe_experts if _load("moe_experts") else None
+
+
+if __name__ == "__main__":
+    try:
+        print(build("moe_experts"))
+    except KernelBuildError as e:
+        print(f"codefleet kernels not built: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,97 @@
+"""The native CPU kernels (model/kernels.py, model/csrc/): equal to their PyTorch definitions, clear errors."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from codefleet.model import kernels
+from codefleet.model.config import ModelConfig
+from codefleet.model.moe import MoE
+
+
+def _op():
+    op = kernels.moe_experts()
+    assert op is not None, "the moe_experts kernel did not build (scripts/setup.sh installs g++ and builds it)"
+    return op
+
+
+def _reference(x_ND, experts_NK, weights_NK, w_gate_up_EDG, w_down_EFD, e0=0):
+    """The definition: each token's weighted sum of its SwiGLU experts' outputs (experts of this shard only)."""
+    E, F_ = w_down_EFD.shape[0], w_down_EFD.shape[1]
+    y_ND = torch.zeros_like(x_ND)
+    for n in range(x_ND.shape[0]):
+        for e, w in zip(experts_NK[n].tolist(), weights_NK[n].tolist()):
+            if 0 <= e - e0 < E:
+                h = x_ND[n] @ w_gate_up_EDG[e - e0]
+                y_ND[n] += w * ((F.silu(h[:F_]) * h[F_:]) @ w_down_EFD[e - e0])
+    return y_ND
+
+
+def _inputs(E, D, F_, N, K, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    experts_NK = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])
+    return (torch.randn(N, D, generator=g), experts_NK, torch.rand(N, K, generator=g),
+            torch.randn(E, D, 2 * F_, generator=g) * 0.05, torch.randn(E, F_, D, generator=g) * 0.05)
+
+
+@pytest.mark.parametrize("E,D,F_,N,K", [(16, 192, 192, 32, 2), (16, 192, 192, 1, 2), (5, 100, 40, 9, 3),
+                                        (3, 32, 16, 4, 1)])
+def test_moe_experts_equals_the_swiglu_experts_it_fuses(E, D, F_, N, K):
+    """Full tiles (the tiny config's shapes), one token, and shapes that leave partial tiles."""
+    x, experts, weights, w_gate_up, w_down = _inputs(E, D, F_, N, K)
+    y = _op()(x, experts, weights, w_gate_up, w_down, 0)
+    torch.testing.assert_close(y, _reference(x, experts, weights, w_gate_up, w_down), atol=1e-5, rtol=1e-5)
+
+
+def test_an_expert_shard_computes_only_its_experts():
+    """Weights of experts 4..7 of 12: slots routed elsewhere are skipped (a token with none gets zeros)."""
+    x, experts, weights, w_gate_up, w_down = _inputs(12, 64, 32, 10, 2, seed=3)
+    experts[0] = torch.tensor([0, 9])  # nothing on this shard
+    y = _op()(x, experts, weights, w_gate_up[4:8].contiguous(), w_down[4:8].contiguous(), 4)
+    torch.testing.assert_close(y, _reference(x, experts, weights, w_gate_up[4:8], w_down[4:8], e0=4),
+                               atol=1e-5, rtol=1e-5)
+    assert torch.equal(y[0], torch.zeros(64))
+
+
+def test_a_tokens_result_does_not_depend_on_the_other_tokens():
+    """Each dot product runs over k in order on its own row: the same bits alone or in any batch."""
+    x, experts, weights, w_gate_up, w_down = _inputs(16, 192, 192, 32, 2, seed=1)
+    y = _op()(x, experts, weights, w_gate_up, w_down, 0)
+    for i in (0, 5, 31):
+        alone = _op()(x[i:i + 1], experts[i:i + 1], weights[i:i + 1], w_gate_up, w_down, 0)
+        assert torch.equal(alone[0], y[i])
+
+
+def test_bad_inputs_are_refused_with_the_reason():
+    op = _op()
+    x, experts, weights, w_gate_up, w_down = _inputs(4, 8, 4, 2, 2)
+    with pytest.raises(RuntimeError, match="fp32"):
+        op(x.double(), experts, weights, w_gate_up, w_down, 0)
+    with pytest.raises(RuntimeError, match="shapes do not agree"):
+        op(x, experts, weights, w_gate_up[:, :, :6].contiguous(), w_down, 0)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        op(x, experts, weights, w_gate_up.transpose(1, 2), w_down, 0)
+
+
+def test_the_moe_layer_gives_the_same_output_with_and_without_the_kernel(monkeypatch):
+    torch.manual_seed(2)
+    moe = MoE(ModelConfig.tiny()).eval()
+    with torch.no_grad():
+        for p in moe.parameters():  # a layer alone is not initialised (Transformer.reset_parameters does that)
+            p.normal_(0.0, 0.05)
+    for n in (1, 3, 32):
+        x = torch.randn(n, 192)
+        with torch.inference_mode():
+            fused = moe(x).y_ND
+            monkeypatch.setattr(MoE, "kernel_slots", 0)
+            plain = moe(x).y_ND
+            monkeypatch.setattr(MoE, "kernel_slots", 128)
+        torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_a_failed_build_says_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("CODEFLEET_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "/bin/false")
+    with pytest.raises(kernels.KernelBuildError, match="compiling moe_experts.cpp failed"):
+        kernels.build("moe_experts")
+    assert not list(tmp_path.glob("*.so")) and not list(tmp_path.glob("*.tmp"))  # nothing half-built left
