@@ -39,7 +39,7 @@ def _inputs(E, D, F_, N, K, seed=0):
 def test_moe_experts_equals_the_swiglu_experts_it_fuses(E, D, F_, N, K):
     """Full tiles (the tiny config's shapes), one token, and shapes that leave partial tiles."""
     x, experts, weights, w_gate_up, w_down = _inputs(E, D, F_, N, K)
-    y = _op()(x, experts, weights, w_gate_up, w_down, 0)
+    y = _op()(x, experts, weights, *kernels.pack_experts(w_gate_up, w_down), 0)
     torch.testing.assert_close(y, _reference(x, experts, weights, w_gate_up, w_down), atol=1e-5, rtol=1e-5)
 
 
@@ -47,7 +47,7 @@ def test_an_expert_shard_computes_only_its_experts():
     """Weights of experts 4..7 of 12: slots routed elsewhere are skipped (a token with none gets zeros)."""
     x, experts, weights, w_gate_up, w_down = _inputs(12, 64, 32, 10, 2, seed=3)
     experts[0] = torch.tensor([0, 9])  # nothing on this shard
-    y = _op()(x, experts, weights, w_gate_up[4:8].contiguous(), w_down[4:8].contiguous(), 4)
+    y = _op()(x, experts, weights, *kernels.pack_experts(w_gate_up[4:8], w_down[4:8]), 4)
     torch.testing.assert_close(y, _reference(x, experts, weights, w_gate_up[4:8], w_down[4:8], e0=4),
                                atol=1e-5, rtol=1e-5)
     assert torch.equal(y[0], torch.zeros(64))
@@ -56,21 +56,25 @@ def test_an_expert_shard_computes_only_its_experts():
 def test_a_tokens_result_does_not_depend_on_the_other_tokens():
     """Each dot product runs over k in order on its own row: the same bits alone or in any batch."""
     x, experts, weights, w_gate_up, w_down = _inputs(16, 192, 192, 32, 2, seed=1)
-    y = _op()(x, experts, weights, w_gate_up, w_down, 0)
+    packed = kernels.pack_experts(w_gate_up, w_down)
+    y = _op()(x, experts, weights, *packed, 0)
     for i in (0, 5, 31):
-        alone = _op()(x[i:i + 1], experts[i:i + 1], weights[i:i + 1], w_gate_up, w_down, 0)
+        alone = _op()(x[i:i + 1], experts[i:i + 1], weights[i:i + 1], *packed, 0)
         assert torch.equal(alone[0], y[i])
 
 
 def test_bad_inputs_are_refused_with_the_reason():
     op = _op()
     x, experts, weights, w_gate_up, w_down = _inputs(4, 8, 4, 2, 2)
+    gate_up, down = kernels.pack_experts(w_gate_up, w_down)
     with pytest.raises(RuntimeError, match="fp32"):
-        op(x.double(), experts, weights, w_gate_up, w_down, 0)
+        op(x.double(), experts, weights, gate_up, down, 0)
+    with pytest.raises(RuntimeError, match="packed gate_up"):  # unpacked weights
+        op(x, experts, weights, w_gate_up, w_down, 0)
     with pytest.raises(RuntimeError, match="shapes do not agree"):
-        op(x, experts, weights, w_gate_up[:, :, :6].contiguous(), w_down, 0)
+        op(x[:, :6].contiguous(), experts, weights, gate_up, down, 0)
     with pytest.raises(RuntimeError, match="contiguous"):
-        op(x, experts, weights, w_gate_up.transpose(1, 2), w_down, 0)
+        op(x, experts, weights, gate_up.transpose(2, 3), down, 0)
 
 
 def test_the_moe_layer_gives_the_same_output_with_and_without_the_kernel(monkeypatch):

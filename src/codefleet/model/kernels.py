@@ -102,8 +102,23 @@ def _load(name: str) -> bool:
     return True
 
 
+def pack_experts(w_gate_up_EDG: torch.Tensor, w_down_EFD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The expert weights in `moe_experts`' tiles, so that each of its tasks streams one contiguous block:
+    gate_up [E, ceil(F/32), D, 64] (per 32 hidden units, row d: their 32 gate then 32 up columns) and down
+    [E, ceil(D/64), F, 64] (per 64 output columns), zero-padded."""
+    E, D, G = w_gate_up_EDG.shape
+    F_ = G // 2
+    tiles_f, tiles_d = -(-F_ // 32), -(-D // 64)
+    gate = torch.nn.functional.pad(w_gate_up_EDG[:, :, :F_], (0, tiles_f * 32 - F_)).view(E, D, tiles_f, 32)
+    up = torch.nn.functional.pad(w_gate_up_EDG[:, :, F_:], (0, tiles_f * 32 - F_)).view(E, D, tiles_f, 32)
+    gate_up = torch.cat([gate, up], dim=-1).permute(0, 2, 1, 3).contiguous()
+    down = torch.nn.functional.pad(w_down_EFD, (0, tiles_d * 64 - D)).view(E, F_, tiles_d, 64)
+    return gate_up, down.permute(0, 2, 1, 3).contiguous()
+
+
 def moe_experts():
-    """`torch.ops.codefleet.moe_experts(x_SD, w_gate_up_EDG, w_down_EFD, counts_E) -> y_SD`, or None."""
+    """`torch.ops.codefleet.moe_experts(x_ND, experts_NK, weights_NK, *pack_experts(w_gate_up, w_down), e0) -> y_ND`,
+    or None."""
     return torch.ops.codefleet.moe_experts if _load("moe_experts") else None
 
 

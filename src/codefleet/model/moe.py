@@ -57,7 +57,9 @@ shared expert, if any, is computed by the shard that holds expert 0.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -66,23 +68,33 @@ from torch import nn
 from codefleet.model import kernels
 from codefleet.model.config import ModelConfig
 
+T = TypeVar("T")
+
+
+def derived_weight(owner: nn.Module, name: str, weights: tuple[torch.Tensor, ...], build: Callable[..., T]) -> T:
+    """`build(*weights)`, an inference-only form of some weights (concatenated, prepacked), kept on `owner` as a
+    plain attribute (not a parameter or buffer: the checkpoint keeps the weights themselves) and rebuilt when
+    any of them is replaced or updated in place (load_state_dict, an optimiser step: versions)."""
+    if any(w.is_inference() for w in weights):  # made under inference_mode: no version counter to key on
+        return build(*weights)
+    key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights)
+    cache = owner.__dict__.setdefault("_derived_weights", {})
+    if name not in cache or cache[name][0] != key:
+        with torch.inference_mode(False), torch.no_grad():
+            cache[name] = (key, build(*(w.detach() for w in weights)))
+    return cache[name][1]
+
+
+def _cat(*weights: torch.Tensor) -> torch.Tensor:
+    return torch.cat(weights, dim=0)
+
 
 def fused_weight(owner: nn.Module, weights: tuple[torch.Tensor, ...], packed: bool = False) -> torch.Tensor:
-    """The weights concatenated along the output dim, for one GEMM instead of several at inference. Kept on
-    `owner` as a plain attribute (not a parameter or buffer: the checkpoint keeps the separate weights) and
-    rebuilt when any of them is replaced or updated in place (load_state_dict, an optimiser step: versions).
-    `packed=True`: in oneDNN's blocked layout for `inference_linear` (cached apart from the plain one)."""
-    if any(w.is_inference() for w in weights):  # made under inference_mode: no version counter to key on
-        fused = torch.cat(weights, dim=0)
-        return _pack(fused) if packed else fused
-    key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights)
-    attr = "_packed" if packed else "_fused"
-    if key != getattr(owner, attr + "_key", None):
-        with torch.inference_mode(False), torch.no_grad():
-            fused = torch.cat([w.detach() for w in weights], dim=0)
-            setattr(owner, attr + "_weight", _pack(fused) if packed else fused)
-        setattr(owner, attr + "_key", key)
-    return getattr(owner, attr + "_weight")
+    """The weights concatenated along the output dim, for one GEMM instead of several at inference
+    (`derived_weight`). `packed=True`: in oneDNN's blocked layout for `inference_linear`."""
+    if packed:
+        return derived_weight(owner, "onednn", weights, lambda *w: _pack(_cat(*w)))
+    return derived_weight(owner, "fused", weights, _cat)
 
 
 # oneDNN's prepacked fp32 GEMM (what inductor's CPU freezing uses): on this 2-core x86 machine ~2-4x MKL's
@@ -407,12 +419,12 @@ class MoE(nn.Module):
         Slots are not sorted: a slot's row in the padded batch is its rank among the slots of its expert.
         """
         e0, e1 = self.expert_range
-        if (x_ND.device.type == "cpu" and x_ND.dtype == torch.float32 and experts_NK.numel() <= self.kernel_slots
-                and self.w_gate_up_EDG.is_contiguous() and self.w_down_EFD.is_contiguous()):
+        if x_ND.device.type == "cpu" and x_ND.dtype == torch.float32 and experts_NK.numel() <= self.kernel_slots:
             fused = kernels.moe_experts()
             if fused is not None:  # sorting by expert, the experts and the weighted sum in one call
-                return fused(x_ND.contiguous(), experts_NK.contiguous(), weights_NK.contiguous(), self.w_gate_up_EDG,
-                             self.w_down_EFD, e0)
+                gate_up, down = derived_weight(self, "kernel", (self.w_gate_up_EDG, self.w_down_EFD),
+                                               kernels.pack_experts)
+                return fused(x_ND.contiguous(), experts_NK.contiguous(), weights_NK.contiguous(), gate_up, down, e0)
         n_local = e1 - e0
         K = experts_NK.shape[1]
         expert_S = experts_NK.reshape(-1) - e0  # local numbering
