@@ -83,13 +83,13 @@ def test_the_moe_layer_gives_the_same_output_with_and_without_the_kernel(monkeyp
     with torch.no_grad():
         for p in moe.parameters():  # a layer alone is not initialised (Transformer.reset_parameters does that)
             p.normal_(0.0, 0.05)
-    for n in (1, 3, 32):
+    for n in (1, 3, 32, 1000):  # decode sizes and a prefill
         x = torch.randn(n, 192)
         with torch.inference_mode():
             fused = moe(x).y_ND
             monkeypatch.setattr(MoE, "kernel_slots", 0)
             plain = moe(x).y_ND
-            monkeypatch.setattr(MoE, "kernel_slots", 128)
+            monkeypatch.undo()
         torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
 
 
