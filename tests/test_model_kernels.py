@@ -99,3 +99,6 @@ def test_a_failed_build_says_why(tmp_path, monkeypatch):
     with pytest.raises(kernels.KernelBuildError, match="compiling moe_experts.cpp failed"):
         kernels.build("moe_experts")
     assert not list(tmp_path.glob("*.so")) and not list(tmp_path.glob("*.tmp"))  # nothing half-built left
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(kernels.KernelBuildError, match="cannot run the C\\+\\+ compiler"):
+        kernels.build("moe_experts")

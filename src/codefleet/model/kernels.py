@@ -78,7 +78,10 @@ def build(name: str) -> Path:
         cmd = [compiler, *_FLAGS, f"-I{torch_dir / 'include'}",
                f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}", str(_SOURCES / f"{name}.cpp"),
                f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_dir / 'lib'}", "-o", str(tmp)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True)
+        except OSError as e:  # CXX names something that cannot be run
+            raise KernelBuildError(f"cannot run the C++ compiler {compiler!r}: {e}") from e
         if done.returncode != 0:
             tmp.unlink(missing_ok=True)
             errors = [ln for ln in done.stderr.splitlines() if "error" in ln][:3]
