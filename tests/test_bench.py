@@ -34,6 +34,7 @@ def test_bench_engine_reports_engine_and_hf_figures(state_dir):
     r = _bench("engine", state_dir, 600)
     for key in ("engine_tokens_per_s_b1", "engine_tokens_per_s_b32", "hf_tokens_per_s_b32", "prefix_cache_speedup"):
         assert r[key] > 0, key
+    assert r["native_kernel"] is True  # set-up builds it; without it the figures are the slower fallback's
 
 
 @pytest.mark.slow

@@ -8,6 +8,8 @@ the whole call, prefill included:
 - `engine_tokens_per_s_b1`: one request at a time.
 - `engine_tokens_per_s_b32`: 32 requests submitted together (continuous
   batching, routed experts recorded as RL needs them).
+- `native_kernel`: whether the engine ran the native MoE decode kernel
+  (model/kernels.py; false without a C++ compiler: the PyTorch path, slower).
 - `hf_tokens_per_s_b1|b32`: HF transformers' `generate()` on a
   `Qwen3MoeForCausalLM` with the same shapes (layers, hidden size, heads, kv
   heads, head dim, experts, top-k, expert hidden size, vocabulary), random
@@ -40,6 +42,7 @@ import time
 import torch
 
 from codefleet.bench.report import report
+from codefleet.model import kernels
 from codefleet.model.config import ModelConfig
 from codefleet.model.engine import Engine
 from codefleet.model.sampling import SamplingParams
@@ -174,7 +177,8 @@ def run(quick: bool = False, threads: int = 2, log=print) -> dict:
     results: dict = {"quick": quick, "threads": threads, "prompt_tokens": prompt_len, "new_tokens": new_tokens,
                      "batch": batch, "n_layers": config.n_layers, "d_model": config.d_model,
                      "n_experts": config.n_experts, "top_k": config.top_k, "vocab_size": config.vocab_size,
-                     "dtype": str(config.torch_dtype).removeprefix("torch.")}
+                     "dtype": str(config.torch_dtype).removeprefix("torch."),
+                     "native_kernel": kernels.moe_experts() is not None}
     engine.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0))  # warm-up
     hf = hf_peer(config)
     settings: list[tuple[str, str]] = []
@@ -227,6 +231,7 @@ def run_cli(quick: bool = False, as_json: bool = False) -> int:
     return report(lambda log: run(quick=quick, log=log),
                   lambda r: (f"codefleet bench engine (tiny config, {r['threads']} threads, prompt "
                              f"{r['prompt_tokens']} + {r['new_tokens']} new tokens, greedy"
+                             f"{'' if r['native_kernel'] else ', without the native kernel'}"
                              f"{', quick' if quick else ''})"),
                   table, as_json)
 
