@@ -12,7 +12,7 @@
   when a weight changes; the parameters and the checkpoint format are those of
   training). Both are bit-identical to the unfused computation in fp32. The
   LM head, a decode step's largest GEMM, runs on a oneDNN-prepacked copy of
-  its weight (`moe.inference_linear`; equal to float rounding, ~1e-6). It comes
+  its weight (`weights.inference_linear`; equal to float rounding, ~1e-6). It comes
   after the last router, so the engine routes exactly as the trainer does.
 - Grouped-query attention: `n_heads` query heads share `n_kv_heads` key/value
   heads. Without a cache it is causal `scaled_dot_product_attention` over the
@@ -44,7 +44,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from codefleet.model.config import ModelConfig
-from codefleet.model.moe import MoE, SwiGLU, fused_weight, inference_linear
+from codefleet.model.moe import MoE, SwiGLU
+from codefleet.model.weights import fused_weight, inference_linear
 
 
 class RMSNorm(nn.Module):
