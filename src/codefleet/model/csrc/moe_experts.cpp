@@ -53,6 +53,27 @@ inline void block_rows(int64_t rows, const float* const* a, const float* b, int6
   }
 }
 
+// One phase over (expert, tile) tasks on ATen's thread pool: for each block of up to kRows of expert e's
+// rows (sorted positions p), the sums of rows `row(p)` (length K) times the task's packed tile [K, kTile],
+// handed to `store(p0, rows, tile, c)`.
+template <typename Row, typename Store>
+void expert_tiles(int64_t E, int64_t tiles, const std::vector<int64_t>& start, const float* packed, int64_t K,
+                  Row row, Store store) {
+  at::parallel_for(0, E * tiles, 1, [&](int64_t begin, int64_t end) {
+    float c[kRows][kTile];
+    const float* a[kRows];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t e = task / tiles;
+      for (int64_t p0 = start[e]; p0 < start[e + 1]; p0 += kRows) {
+        const int64_t rows = std::min(kRows, start[e + 1] - p0);
+        for (int64_t r = 0; r < rows; ++r) a[r] = row(p0 + r);
+        block_rows(rows, a, packed + task * K * kTile, K, c);
+        store(p0, rows, task % tiles, c);
+      }
+    }
+  });
+}
+
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& weights,
                        const at::Tensor& gate_up, const at::Tensor& down, int64_t e0) {
   TORCH_CHECK(x.dim() == 2 && experts.dim() == 2 && weights.sizes() == experts.sizes() && gate_up.dim() == 4 &&
@@ -105,39 +126,23 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& experts, const at:
   constexpr int64_t kHalf = kTile / 2;
 
   // phase 1: h = silu(x @ Wg) * (x @ Wu), tasks (expert, tile of 32 hidden units)
-  at::parallel_for(0, E * tiles_f, 1, [&](int64_t begin, int64_t end) {
-    float c[kRows][kTile];
-    const float* rows_x[kRows];
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t e = task / tiles_f, j0 = (task % tiles_f) * kHalf, cols = std::min(kHalf, F - j0);
-      const float* b = gu + task * D * kTile;
-      for (int64_t p0 = start[e]; p0 < start[e + 1]; p0 += kRows) {
-        const int64_t rows = std::min(kRows, start[e + 1] - p0);
-        for (int64_t r = 0; r < rows; ++r) rows_x[r] = xp + slot_of[p0 + r] / K * D;
-        block_rows(rows, rows_x, b, D, c);
+  expert_tiles(
+      E, tiles_f, start, gu, D, [&](int64_t p) { return xp + slot_of[p] / K * D; },
+      [&](int64_t p0, int64_t rows, int64_t tile, float (*c)[kTile]) {
+        const int64_t j0 = tile * kHalf, cols = std::min(kHalf, F - j0);
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t j = 0; j < cols; ++j) {
             const float g = c[r][j];
             hp[(p0 + r) * F + j0 + j] = g / (1.f + std::exp(-g)) * c[r][kHalf + j];
           }
-      }
-    }
-  });
+      });
   // phase 2: ys = h @ Wd, tasks (expert, tile of 64 output columns)
-  at::parallel_for(0, E * tiles_d, 1, [&](int64_t begin, int64_t end) {
-    float c[kRows][kTile];
-    const float* rows_h[kRows];
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t e = task / tiles_d, d0 = (task % tiles_d) * kTile, cols = std::min(kTile, D - d0);
-      const float* b = dn + task * F * kTile;
-      for (int64_t p0 = start[e]; p0 < start[e + 1]; p0 += kRows) {
-        const int64_t rows = std::min(kRows, start[e + 1] - p0);
-        for (int64_t r = 0; r < rows; ++r) rows_h[r] = hp + (p0 + r) * F;
-        block_rows(rows, rows_h, b, F, c);
+  expert_tiles(
+      E, tiles_d, start, dn, F, [&](int64_t p) { return static_cast<const float*>(hp + p * F); },
+      [&](int64_t p0, int64_t rows, int64_t tile, float (*c)[kTile]) {
+        const int64_t d0 = tile * kTile, cols = std::min(kTile, D - d0);
         for (int64_t r = 0; r < rows; ++r) std::copy(c[r], c[r] + cols, ysp + (p0 + r) * D + d0);
-      }
-    }
-  });
+      });
   // combine: y[n] = sum over n's slots here, in slot order, of weight * expert output
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)
