@@ -42,3 +42,4 @@ def test_bench_moe_reports_moe_dense_and_hf_figures(state_dir):
     r = _bench("moe", state_dir, 900)
     for key in ("moe_tokens_per_s", "dense_tokens_per_s", "hf_tokens_per_s"):
         assert r[key] > 0, key
+    assert r["native_kernel"] is True  # set-up builds it; without it the figures are the PyTorch path's

@@ -20,10 +20,10 @@ def _reference(x_ND, experts_NK, weights_NK, w_gate_up_EDG, w_down_EFD, e0=0):
     E, F_ = w_down_EFD.shape[0], w_down_EFD.shape[1]
     y_ND = torch.zeros_like(x_ND)
     for n in range(x_ND.shape[0]):
-        for e, w in zip(experts_NK[n].tolist(), weights_NK[n].tolist()):
+        for k, e in enumerate(experts_NK[n].tolist()):
             if 0 <= e - e0 < E:
                 h = x_ND[n] @ w_gate_up_EDG[e - e0]
-                y_ND[n] += w * ((F.silu(h[:F_]) * h[F_:]) @ w_down_EFD[e - e0])
+                y_ND[n] += weights_NK[n, k] * ((F.silu(h[:F_]) * h[F_:]) @ w_down_EFD[e - e0])
     return y_ND
 
 
@@ -102,3 +102,82 @@ def test_a_failed_build_says_why(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with pytest.raises(kernels.KernelBuildError, match="cannot run the C\\+\\+ compiler"):
         kernels.build("moe_experts")
+
+
+# ---- the training kernels (csrc/moe_train.cpp) ---------------------------------------------------------------
+
+def _train_ops():
+    ops = kernels.moe_train()
+    assert ops is not None, "the moe_train kernel did not build (scripts/setup.sh installs g++ and builds it)"
+    return ops
+
+
+def _autograd_reference(x, experts, weights, w_gate_up, w_down, e0=0):
+    """Outputs and gradients (x, weights, gate_up, down) of the definition, by autograd."""
+    leaves = [t.clone().requires_grad_() for t in (x, weights, w_gate_up, w_down)]
+    y = _reference(leaves[0], experts, leaves[1], leaves[2], leaves[3], e0)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+    return y.detach(), dy, torch.autograd.grad(y, leaves, dy)
+
+
+@pytest.mark.parametrize("E,D,F_,N,K,e0,chunk", [
+    (16, 64, 32, 40, 4, 0, 4096),  # one chunk
+    (16, 64, 32, 40, 4, 0, 7),  # a chunk per expert or two
+    (8, 48, 24, 30, 3, 2, 16),  # an expert shard: experts 2..5 of 8
+])
+def test_moe_train_forward_and_backward_equal_autograd_of_the_definition(E, D, F_, N, K, e0, chunk):
+    x, experts, weights, w_gate_up, w_down = _inputs(E, D, F_, N, K, seed=4)
+    local = slice(e0, E) if e0 == 0 else slice(e0, e0 + 4)
+    w_gate_up, w_down = w_gate_up[local].contiguous(), w_down[local].contiguous()
+    y_ref, dy, (dx_ref, dweights_ref, dgu_ref, ddn_ref) = _autograd_reference(x, experts, weights, w_gate_up,
+                                                                               w_down, e0)
+    forward, backward = _train_ops()
+    y, saved = forward(x, experts, weights, w_gate_up, w_down, e0, chunk)
+    dx, dweights, dgu, ddn = backward(dy, x, experts, weights, w_gate_up, w_down, e0, saved, chunk)
+    for got, want in [(y, y_ref), (dx, dx_ref), (dweights, dweights_ref), (dgu, dgu_ref), (ddn, ddn_ref)]:
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_moe_train_experts_nobody_chose_get_zero_gradients():
+    x, experts, weights, w_gate_up, w_down = _inputs(6, 32, 16, 12, 2, seed=5)
+    experts[:] = torch.tensor([1, 4])  # every token picks experts 1 and 4
+    forward, backward = _train_ops()
+    y, saved = forward(x, experts, weights, w_gate_up, w_down, 0, 4096)
+    _, _, dgu, ddn = backward(torch.ones_like(y), x, experts, weights, w_gate_up, w_down, 0, saved, 4096)
+    idle = [0, 2, 3, 5]
+    assert torch.equal(dgu[idle], torch.zeros_like(dgu[idle])) and torch.equal(ddn[idle], torch.zeros_like(ddn[idle]))
+    assert dgu[1].abs().sum() > 0 and ddn[4].abs().sum() > 0
+
+
+def test_moe_train_does_not_depend_on_the_thread_count():
+    x, experts, weights, w_gate_up, w_down = _inputs(16, 64, 32, 64, 4, seed=6)
+    forward, backward = _train_ops()
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            y, saved = forward(x, experts, weights, w_gate_up, w_down, 0, 64)
+            results.append([y, *backward(torch.ones_like(y), x, experts, weights, w_gate_up, w_down, 0, saved, 64)])
+    finally:
+        torch.set_num_threads(before)
+    for one, two in zip(*results):
+        torch.testing.assert_close(one, two, atol=1e-6, rtol=1e-6)
+
+
+def test_moe_train_bad_inputs_are_refused_with_the_reason():
+    forward, backward = _train_ops()
+    x, experts, weights, w_gate_up, w_down = _inputs(4, 8, 4, 3, 2)
+    with pytest.raises(RuntimeError, match="fp32"):
+        forward(x.double(), experts, weights, w_gate_up, w_down, 0, 64)
+    with pytest.raises(RuntimeError, match="shapes do not agree"):
+        forward(x[:, :6].contiguous(), experts, weights, w_gate_up, w_down, 0, 64)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        forward(x, experts, weights, w_gate_up.transpose(1, 2), w_down, 0, 64)
+    with pytest.raises(RuntimeError, match="chunk_slots"):
+        forward(x, experts, weights, w_gate_up, w_down, 0, 0)
+    y, saved = forward(x, experts, weights, w_gate_up, w_down, 0, 64)
+    with pytest.raises(RuntimeError, match="what the forward returned"):
+        backward(y, x, experts, weights, w_gate_up, w_down, 0, saved[:-1], 64)
+    with pytest.raises(RuntimeError, match="dy must be like x"):
+        backward(y[:2].contiguous(), x, experts, weights, w_gate_up, w_down, 0, saved, 64)

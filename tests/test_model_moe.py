@@ -1,4 +1,7 @@
-"""The MoE layer against a naive per-token loop, routing replay, losses by hand, balancing, sharding."""
+"""The MoE layer against a naive per-token loop, routing replay, losses by hand, balancing, sharding.
+
+Every test runs twice: with the native training kernel (`kernels.moe_train`, what CPU training uses when it is
+built) and with the PyTorch grouped path it replaces (GPUs, machines without a compiler)."""
 
 import math
 
@@ -6,8 +9,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from codefleet.model import kernels
 from codefleet.model.config import ModelConfig
 from codefleet.model.moe import MoE, _gmm_padded
+
+
+@pytest.fixture(autouse=True, params=["native", "pytorch"])
+def training_path(request, monkeypatch):
+    if request.param == "native":
+        assert kernels.moe_train() is not None, "the moe_train kernel did not build (scripts/setup.sh builds it)"
+    else:
+        monkeypatch.setattr(kernels, "moe_train", lambda: None)
+    return request.param
 
 
 def _moe(seed: int = 0, tile_slots: int = 4096, **overrides) -> MoE:

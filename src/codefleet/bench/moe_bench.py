@@ -17,6 +17,10 @@ Peers, measured in the same run on the same input:
   weight per token-slot (8.6 GB here) and is left out. transformers is an
   optional extra (`pip install codefleet[bench]`); without it hf is null.
 
+`native_kernel` says whether our layer ran the native training kernel
+(`kernels.moe_train`, built by set-up); without it the figures are the
+PyTorch grouped path's.
+
 Our layer runs with `balance="none"` and no z-loss so it does exactly the
 block's work (router, top-k, renormalised weights, experts). One step is
 forward, then backward of a fixed random gradient into the input and every
@@ -36,6 +40,7 @@ import time
 import torch
 
 from codefleet.bench.report import report
+from codefleet.model import kernels
 from codefleet.model.config import ModelConfig
 from codefleet.model.moe import MoE, SwiGLU
 
@@ -96,7 +101,7 @@ def run(quick: bool = False, log=print) -> dict:
     torch.set_num_threads(THREADS)
     rounds, reps = (3, 2) if quick else (7, 3)
     results: dict = {"quick": quick, "threads": THREADS, "tokens": N_TOKENS, "d_model": D_MODEL,
-                     "torch": torch.__version__}
+                     "torch": torch.__version__, "native_kernel": kernels.moe_train() is not None}
     try:
         for name, (E, k, F) in CASES.items():
             torch.manual_seed(0)
@@ -155,7 +160,8 @@ def table(r: dict) -> str:
 def run_cli(quick: bool = False, as_json: bool = False) -> int:
     return report(lambda log: run(quick=quick, log=log),
                   lambda r: (f"codefleet bench moe (fwd+bwd, {N_TOKENS} tokens, hidden {D_MODEL}, {THREADS} threads, "
-                             f"fp32{', quick' if quick else ''})"),
+                             f"fp32{', quick' if quick else ''}"
+                             f"{'' if r['native_kernel'] else ', without the native kernel'})"),
                   table, as_json, note_key="hf_note")
 
 

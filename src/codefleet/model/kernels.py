@@ -3,11 +3,13 @@
     python -m codefleet.model.kernels          # build now (scripts/setup.sh does); prints where
 
 `moe_experts()` returns `torch.ops.codefleet.moe_experts` (fused SwiGLU experts
-for decode-sized slot counts, see csrc/moe_experts.cpp), or None when it cannot
-be had: no C++ compiler, a failed build, not x86-64/Linux, or
+for decode-sized slot counts, see csrc/moe_experts.cpp) and `moe_train()` the
+training path's forward and backward (one expert per core, csrc/moe_train.cpp),
+or None when they cannot be had: no C++ compiler, a failed build, not
+x86-64/Linux, a torch without an exported BLAS GEMM (moe_train), or
 `CODEFLEET_KERNELS=0`. Callers then take their PyTorch path, which computes
-the same thing (tests/test_model_kernels.py holds them equal), so the kernels
-change speed, never results beyond float rounding.
+the same thing (tests/test_model_kernels.py and tests/test_model_moe.py hold
+them equal), so the kernels change speed, never results beyond float rounding.
 
 The library is built once per source, torch version and CPU (it is compiled
 with `-march=native`) into `$CODEFLEET_KERNEL_DIR` (default
@@ -100,7 +102,7 @@ def _load(name: str) -> bool:
     try:
         torch.ops.load_library(str(build(name)))
     except (KernelBuildError, OSError, RuntimeError) as e:
-        log.warning("native kernel %s unavailable, using the PyTorch path (slower decode): %s", name, e)
+        log.warning("native kernel %s unavailable, using the PyTorch path (slower): %s", name, e)
         return False
     return True
 
@@ -125,9 +127,20 @@ def moe_experts():
     return torch.ops.codefleet.moe_experts if _load("moe_experts") else None
 
 
+def moe_train():
+    """The training path's experts, forward and backward (csrc/moe_train.cpp), or None:
+    `forward(x_ND, experts_NK, weights_NK, w_gate_up_EDG, w_down_EFD, e0, chunk_slots) -> (y_ND, saved)` and
+    `backward(dy_ND, x_ND, experts_NK, weights_NK, w_gate_up_EDG, w_down_EFD, e0, saved, chunk_slots)
+    -> (dx_ND, dweights_NK, dw_gate_up, dw_down)`."""
+    if not _load("moe_train"):
+        return None
+    return torch.ops.codefleet.moe_train_forward, torch.ops.codefleet.moe_train_backward
+
+
 if __name__ == "__main__":
     try:
-        print(build("moe_experts"))
+        for source in sorted(_SOURCES.glob("*.cpp")):
+            print(build(source.stem))
     except KernelBuildError as e:
         print(f"codefleet kernels not built: {e}", file=sys.stderr)
         sys.exit(1)

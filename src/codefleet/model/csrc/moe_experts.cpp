@@ -160,7 +160,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& experts, const at:
 
 }  // namespace
 
-TORCH_LIBRARY(codefleet, m) {
+TORCH_LIBRARY_FRAGMENT(codefleet, m) {
   m.def("moe_experts(Tensor x, Tensor experts, Tensor weights, Tensor gate_up, Tensor down, int e0) -> Tensor");
 }
 
