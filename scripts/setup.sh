@@ -18,7 +18,8 @@ command -v git >/dev/null 2>&1 || need_apt+=(git)
 # Task repositories are tested inside sandboxes with the system Python's pytest.
 /usr/bin/python3 -c 'import pytest' >/dev/null 2>&1 || need_apt+=(python3 python3-pytest)
 command -v make >/dev/null 2>&1 || need_apt+=(make)
-# The engine's native CPU kernels (model/csrc) are compiled here, against the installed torch.
+# The native CPU kernels (model/csrc: the engine's decode, the MoE training step) are compiled here,
+# against the installed torch.
 command -v g++ >/dev/null 2>&1 || need_apt+=(g++)
 "$PY" -c 'import venv, ensurepip' >/dev/null 2>&1 || need_apt+=(python3-venv)
 if [ ${#need_apt[@]} -gt 0 ]; then
@@ -44,7 +45,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -n
     "$VENV/bin/pip" install -q -e ".[test,bench]"
     touch "$stamp"
 fi
-# Cached per source, torch version and CPU: a no-op when already built. Without it the engine runs
-# its PyTorch path (same results, slower decode).
+# Cached per source, torch version and CPU: a no-op when already built. Without them the engine and
+# the trainer run their PyTorch paths (same results, slower).
 "$VENV/bin/python" -m codefleet.model.kernels >/dev/null \
-    || echo "setup: native kernels not built; the engine will use its PyTorch path" >&2
+    || echo "setup: native kernels not built; the engine and the trainer will use their PyTorch paths" >&2
