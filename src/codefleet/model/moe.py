@@ -29,17 +29,18 @@ the experts run as grouped matrix products (`torch._grouped_mm`, one call for
 all experts; a padded `bmm` where it is unavailable). `_ExpertsFn` is a custom
 autograd function: it writes its own backward (the combine-weight gradient
 comes from the down projection's input gradient, no [S, D] output is kept,
-SiLU's derivative is one fused kernel) instead of autograd's generic graph. On CPU the sorted slots are processed in a few
-tiles of whole experts (~`tile_slots` slots each) so the intermediates stay in
-cache and under glibc's mmap threshold (a fresh 32 MB tensor costs ~10 ms of
-page faults on every call); the number of tiles depends on S, not on E, and
-on GPU there is one tile.
+SiLU's derivative is one fused kernel) instead of autograd's generic graph.
+On CPU the sorted slots are processed in a few tiles of whole experts
+(~`tile_slots` slots each) so the intermediates stay in cache and under
+glibc's mmap threshold (a fresh 32 MB tensor costs ~10 ms of page faults on
+every call); the number of tiles depends on S, not on E, and on GPU there is
+one tile.
 
 Training on CPU in fp32 takes the native kernels instead when they are built
 (`_NativeExpertsFn`, `kernels.moe_train`, csrc/moe_train.cpp): the same math
 with one expert per core from gather to output, the products single-threaded
 on data still in cache; `codefleet bench moe` at 64 experts top-8 went from
-0.75-0.77x to ~0.9-1.0x a dense SwiGLU of equal active parameters
+0.75-0.77x to 0.89-1.03x (median 0.98x) a dense SwiGLU of equal active parameters
 (docs/benchmarks.md). Without them (GPUs, no compiler) `_ExpertsFn` runs.
 
 Inference (gradients off: the engine, reference logprobs) skips the autograd
@@ -332,7 +333,7 @@ class MoEOutput:
 class MoE(nn.Module):
     """Router + E stacked SwiGLU experts (+ optional shared experts). See the module docstring."""
 
-    tile_slots: int = 2048  # CPU tile size in token-slots (a tiling of memory, not a loop over experts)
+    tile_slots: int = 2048  # CPU tiles (PyTorch path) and saved chunks (native kernel) in token-slots of whole experts
     # inference dispatch on CPU (see `experts_inference`), measured at the tiny config's shapes
     gather_slots: int = 4  # up to this many slots: gather each slot's expert weights
     pad_waste: float = 1.5  # else padded bmm while its rows (experts x busiest count) are <= pad_waste x slots
@@ -400,7 +401,8 @@ class MoE(nn.Module):
           batched matrix-vector product per slot; reads S experts' weights, not all of them.
         - a padded `bmm` over this shard's experts, [E, busiest expert's count, D], while the padding stays
           small: at decode sizes it is ~2x faster than `_grouped_mm`, which runs one small GEMM per expert.
-        - otherwise (prefill, training-sized batches, other devices) the grouped path of `experts`.
+        - otherwise (prefill, training-sized batches, other devices) `experts` (the native training kernel or
+          the grouped path).
 
         Slots are not sorted: a slot's row in the padded batch is its rank among the slots of its expert.
         """
