@@ -10,20 +10,25 @@ held-out instructions greedily and counts exact copies of the command.
 
     python scripts/copy_probe.py --steps 300                  # the demo's prompt (system + tools), ~6 min
     python scripts/copy_probe.py --steps 1500 --batch 8 --short   # instruction only, ~8 min
+    python scripts/copy_probe.py --steps 4000 --batch 8 --short --every 500   # until it copies, ~18 min
     python scripts/copy_probe.py --steps 300 --batch 8 --short --induction 600   # induction heads first
     python scripts/copy_probe.py --steps 300 --batch 8 --short --induction 600 --induction-mix 0.5   # ... kept
 
-Measured on this 2-core machine with the tiny config (lr 2e-3, cosine):
-300 steps x 4 with the full prompt, and 1500 steps x 8 with the instruction
-only, both copied 0 of 20 commands exactly (assistant cross-entropy 0.89 and
-0.46): the format is learnt, the names are not copied. `--induction N` first trains
-up to N steps on repeated random token sequences (copy the second half from
-the first) until the copy loss is under 0.3, so the model starts the probe
-with working induction heads; `--induction-mix W` keeps training them during
-the probe. Measured: they form in ~260 steps; the probe then overwrites them
-(their copy loss goes to 13-15) and copies 0 of 20; kept alive (copy loss
-0.00) they still do not carry over to names: 0 of 20 within 300 steps. See
-docs/training.md.
+A copy counts when the first `run` call's command, JSON-decoded as the
+harness would run it, equals the expert's; the probe checks that on the
+expert's own answer first. (Until 2026-12-03 it looked for the raw command in
+the JSON-escaped text, which never matched: the "0 of 20" of every earlier
+run measured nothing; their cross-entropy figures stand.)
+
+Measured on this 2-core machine with the tiny config (lr 2e-3, cosine), fixed
+metric: `--steps 4000 --batch 8 --short` copies 0 of 20 up to step 3000 (CE
+0.71 at 500 steps, 0.42 at 1500, 0.12 at 3000), 2 of 20 at 3500 and 4 of 20
+at 4000 (CE 0.07, 17.8 min): the skill is learnt from scratch, after a long
+plateau. `--induction N` first trains up to N steps on repeated random token
+sequences (copy the second half from the first) until the copy loss is under
+0.3, so the model starts the probe with working induction heads;
+`--induction-mix W` keeps training them during the probe (they form in ~260
+steps; neither moved the CE at 300 steps). See docs/training.md.
 """
 
 from __future__ import annotations
@@ -96,14 +101,29 @@ def induction_warmup(model: Transformer, max_steps: int, lr: float) -> int:
     return max_steps
 
 
+def expert_answer(old: str, new: str) -> dict:
+    text, calls = rename_step(old, new)
+    return {"role": "assistant", "content": text,
+            "tool_calls": [{"id": f"call_0_{i}", "type": "function",
+                            "function": {"name": name, "arguments": json.dumps(args)}}
+                           for i, (name, args) in enumerate(calls)]}
+
+
 def example(rng: random.Random, tokenizer, short: bool) -> tuple[list[int], list[int]]:
     messages, old, new = conversation(rng, short)
-    text, calls = rename_step(old, new)
-    answer = {"role": "assistant", "content": text,
-              "tool_calls": [{"id": f"call_0_{i}", "type": "function",
-                              "function": {"name": name, "arguments": json.dumps(args)}}
-                             for i, (name, args) in enumerate(calls)]}
-    return chat.encode_chat_with_mask(tokenizer, messages + [answer], None if short else tool_schemas())
+    return chat.encode_chat_with_mask(tokenizer, messages + [expert_answer(old, new)],
+                                      None if short else tool_schemas())
+
+
+def copied_command(text: str) -> str | None:
+    """The `command` of the first `run` call in a generated turn, as the harness would run it (JSON-decoded)."""
+    for call in chat.parse_tool_calls(text).tool_calls:
+        if call["name"] == "run":
+            try:
+                return json.loads(call["arguments_json"]).get("command")
+            except (json.JSONDecodeError, AttributeError):
+                return None
+    return None
 
 
 def main() -> None:
@@ -133,6 +153,11 @@ def main() -> None:
         messages, old, new = conversation(held_out, args.short)
         probes.append((chat.encode_chat(tokenizer, messages, None if args.short else tool_schemas()),
                        rename_command(old, new)))
+    # the metric must accept the expert's own answer, decoded as generated text is (until 2026-12-03 it compared
+    # the raw command with the JSON-escaped text, which never matched: every earlier "0 of 20" was that)
+    ids, mask = chat.encode_chat_with_mask(tokenizer, [{"role": "user", "content": "x"}, expert_answer("a_b", "c_d")],
+                                           None)
+    assert copied_command(tokenizer.decode([t for t, m in zip(ids, mask) if m])) == rename_command("a_b", "c_d")
     started = time.perf_counter()
     for step in range(1, args.steps + 1):
         metrics = trainer.forward_backward_sft([example(rng, tokenizer, args.short) for _ in range(args.batch)])
@@ -146,7 +171,8 @@ def main() -> None:
         with Engine(model, tokenizer, max_batch=len(probes)) as engine:
             results = engine.generate([ids for ids, _ in probes], SamplingParams(max_tokens=100, temperature=0))
         model.train()
-        copied = sum(command in tokenizer.decode(r.token_ids) for r, (_, command) in zip(results, probes))
+        copied = sum(copied_command(tokenizer.decode(r.token_ids)) == command
+                     for r, (_, command) in zip(results, probes))
         kept = ""
         if args.induction or args.induction_mix:
             with torch.no_grad():
