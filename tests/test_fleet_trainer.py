@@ -139,3 +139,20 @@ def test_a_killed_worker_raises_a_clear_error(ray_session):
 def test_needs_weights_from_somewhere(ray_session):
     with pytest.raises(ValueError, match="checkpoint= .*model_config="):
         TrainerGroup(2)
+
+
+def test_an_attempt_with_no_tokens_is_scored_but_not_trained_on():
+    """An attempt that ended before the policy's first turn keeps its reward (in the advantages) but has no
+    sequence; a batch holding one must still train on the others rather than fail the step."""
+    from codefleet.fleet.staleness import Group, Rollout, Ticket
+    from codefleet.fleet.train import training_samples
+
+    def rollout(i, tokens):
+        sample = {"tokens": tokens, "loss_mask": [0] + [1] * (len(tokens) - 1) if tokens else [],
+                  "behave_logprobs": [0.0] * len(tokens), "routed_experts": None}
+        return Rollout(f"0/{i}", 0, 0, float(i), payload={"sample": sample})
+
+    group = Group(Ticket(0, 0, 1, 3), [rollout(0, [5, 6, 7]), rollout(1, []), rollout(2, [5, 8])])
+    samples, empty = training_samples([group], [[-1.0, 0.0, 1.0]])
+    assert empty == 1
+    assert [s.tokens for s in samples] == [[5, 6, 7], [5, 8]] and [s.advantage for s in samples] == [-1.0, 1.0]

@@ -195,6 +195,23 @@ def rollout_stats(groups: list[Group]) -> dict[str, float]:
             "rollouts": len(trajectories)}
 
 
+def training_samples(groups: list[Group], advantages: list[list[float]]) -> tuple[list, int]:
+    """The RL samples of these groups with their advantages, and how many attempts had no token to train on
+    (an attempt that ended before the policy's first turn is scored, so its reward is in the group's
+    advantages, but it has no sequence: training on it would fail the whole step)."""
+    from codefleet.rl.batch import Sample
+
+    samples, empty = [], 0
+    for g, adv_G in zip(groups, advantages):
+        for r, adv in zip(g.rollouts, adv_G):
+            s = r.payload["sample"]
+            if not s["tokens"]:
+                empty += 1
+                continue
+            samples.append(Sample(s["tokens"], s["loss_mask"], s["behave_logprobs"], adv, s["routed_experts"]))
+    return samples, empty
+
+
 class RLTrainer:
     """The controller's TrainerClient: advantages, one RL step, weights to the engines, a checkpoint."""
 
@@ -210,17 +227,13 @@ class RLTrainer:
 
         from codefleet.fleet.inference import broadcast_weights
         from codefleet.rl.advantages import compute_advantages
-        from codefleet.rl.batch import Sample
 
         rewards_NG = torch.tensor([[r.reward for r in g.rollouts] for g in batch.groups])
         adv_NG = compute_advantages(rewards_NG, self.config.rl.estimator)
-        samples = []
-        for g, adv_G in zip(batch.groups, adv_NG):
-            for r, adv in zip(g.rollouts, adv_G.tolist()):
-                s = r.payload["sample"]
-                samples.append(Sample(s["tokens"], s["loss_mask"], s["behave_logprobs"], adv, s["routed_experts"]))
+        samples, empty = training_samples(batch.groups, adv_NG.tolist())
         step_started = time.perf_counter()
         m = dict(self.group.rl_step(samples))
+        m["empty_samples"] = empty
         weights_ref, version = self.group.publish()
         broadcast_weights(self.engines, weights_ref, version)
         self.group.save(self.run.rl_checkpoint(version))
