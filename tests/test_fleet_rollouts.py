@@ -63,3 +63,18 @@ def test_an_attempt_runs_the_harness_and_returns_exact_tokens(setup):
         ray.get(runner.start(Ticket(9, 3, 4, 1), task, [0])[0], timeout=240)
     for w in workers:
         ray.kill(w, no_restart=True)
+
+
+def test_an_engine_that_fails_a_request_is_an_infrastructure_error_and_keeps_serving(setup):
+    """A request the engine fails (its step raised) is the engine's failure, not the agent's: the attempt
+    becomes an InfraError (retried, never scored) through EngineFailedError, like a dead engine's."""
+    from codefleet.fleet.inference import EngineFailedError, RemoteEngine
+    from codefleet.model.sampling import SamplingParams
+
+    ckpt, _, _ = setup
+    engine = start_engines(ckpt, 1, num_cpus=0, max_batch=2)[0]
+    remote = RemoteEngine(engine, default_tokenizer(), 3072)
+    with pytest.raises(EngineFailedError, match="the engine failed the request"):
+        remote.submit([10**9, 5], SamplingParams(max_tokens=2)).result(timeout=120)  # a token id past the vocab
+    assert len(remote.submit([5, 6, 7], SamplingParams(max_tokens=2)).result(timeout=120).token_ids) == 2
+    ray.kill(engine, no_restart=True)

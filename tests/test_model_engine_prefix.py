@@ -82,6 +82,22 @@ def test_a_group_sharing_a_prompt_copies_the_common_prefix_and_keeps_the_entry(m
     assert again.token_ids == cold.generate([system + a], GREEDY)[0].token_ids
 
 
+def test_attempts_admitted_together_can_all_extend_the_same_entry_whole(model):
+    """Attempts of a group that sampled the same turn send the same next prompt: each copies the whole parked
+    entry, which is freed only after the last copy (it was freed after the first, and the second failed the
+    engine step and every request in it)."""
+    first, a, b = pieces(3, 30, seed=4)
+    engine = Engine(model, max_batch=4, max_seq_len=256, prefix_slots=4)
+    cold = Engine(model, max_batch=4, max_seq_len=256, prefix_slots=0)
+    turn = engine.generate([first], GREEDY)[0]
+    prompts = [first + turn.token_ids + a, first + turn.token_ids + b]
+    results = engine.generate(prompts, GREEDY)
+    whole = len(first) + len(turn.token_ids)
+    assert [r.cached_tokens for r in results] == [whole, whole]
+    assert [r.token_ids for r in results] == [r.token_ids for r in cold.generate(prompts, GREEDY)]
+    assert all(len(p.tokens) != whole or p.tokens != prompts[0][:whole] for p in engine._parked)  # superseded
+
+
 def test_a_weight_update_drops_every_parked_prefix(model):
     engine = Engine(model, max_batch=2, max_seq_len=128)
     prompt = pieces(1, 30, seed=3)[0]

@@ -25,7 +25,7 @@ import os
 
 import ray
 import torch
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
 
 def _as_tensors(weights: dict) -> dict[str, torch.Tensor]:
@@ -62,6 +62,11 @@ class EngineDiedError(RuntimeError):
     """The engine actor serving this episode died (an infrastructure failure, not the agent's)."""
 
 
+class EngineFailedError(RuntimeError):
+    """The engine actor is alive but failed this request (an engine step raised: infrastructure, not the
+    agent's doing)."""
+
+
 class _RefFuture:
     def __init__(self, ref: ray.ObjectRef):
         self.ref = ref
@@ -71,6 +76,8 @@ class _RefFuture:
             return ray.get(self.ref, timeout=timeout)
         except RayActorError as e:
             raise EngineDiedError(f"the engine actor died: {e}") from e
+        except RayTaskError as e:
+            raise EngineFailedError(f"the engine failed the request: {e}") from e
 
 
 class RemoteEngine:

@@ -129,7 +129,7 @@ class RolloutWorker:
             trajectory = solve(sandbox, task.instruction, _Cancellable(policy), test_command=task.test_command,
                                budgets=config.budgets or task.budgets, tool_config=config.tools, task_id=task.id)
             error = str(trajectory.metadata.get("error", ""))
-            if "EngineDiedError" in error or CANCELLED in error:
+            if "EngineDiedError" in error or "EngineFailedError" in error or CANCELLED in error:
                 raise InfraError(f"attempt {attempt} of group {ticket.group_id}: {error}")
             if not sandbox.alive():
                 raise InfraError(f"attempt {attempt} of group {ticket.group_id}: the sandbox died")

@@ -304,6 +304,7 @@ class Engine:
             self._running.append(seq)
             if seq.reuse_from is not None:
                 self.prefix.take(seq.reuse_from, seq.slot, seq.reused)
+        self.prefix.drop_superseded()  # after every copy: several may have matched the same entry
         return admitted
 
     # -- the prefix cache ------------------------------------------------------------------

@@ -5,8 +5,10 @@ The engine's `SlotKVCache` has `max_batch` slots for running sequences and
 (every token that went through the model) into a free one, evicting the least
 recently used entry when none is free; `match` finds the entry sharing the
 longest prefix with a new prompt; `take` copies that prefix into the
-request's running slot and frees the entry when the prompt extends all of it
-(the next turn supersedes the last); `clear` drops everything (a weight
+request's running slot and marks the entry superseded when the prompt extends
+all of it (the next turn supersedes the last); `drop_superseded` frees those
+once every request admitted in the same step has copied what it matched
+(several attempts of a group can extend the same entry whole); `clear` drops everything (a weight
 update: a prefix is reused only under the weights that computed it). See
 docs/engine.md.
 """
@@ -27,6 +29,7 @@ class Parked:
     tokens: list[int]  # the tokens whose keys/values the slot holds, in order
     routing: list[list[list[int]]] | None  # [token][moe layer][top_k] of those tokens (None without routing)
     used: int  # last use, for least-recently-used eviction
+    superseded: bool = False  # a prompt extended it whole: freed by `drop_superseded`
 
 
 class PrefixCache:
@@ -50,13 +53,17 @@ class PrefixCache:
         return (best, best_n) if best_n >= self.min_prefix else (None, 0)
 
     def take(self, parked: Parked, slot: int, n: int) -> None:
-        """Copy the entry's first `n` positions into `slot`; an entry the prompt extends whole is superseded."""
+        """Copy the entry's first `n` positions into `slot`; an entry the prompt extends whole is superseded
+        (kept until `drop_superseded`, so that other requests admitted with it can still copy it)."""
         self.cache.copy(parked.slot, slot, n)
         parked.used = next(self._uses)
-        if n == len(parked.tokens):
-            self._drop(parked)
+        parked.superseded |= n == len(parked.tokens)
         self.hits += 1
         self.tokens_reused += n
+
+    def drop_superseded(self) -> None:
+        for parked in [p for p in self.entries if p.superseded]:
+            self._drop(parked)
 
     def park(self, slot: int, tokens: list[int], routing: list | None) -> None:
         """Keep the keys/values of `tokens` (held by `slot`) for reuse."""
