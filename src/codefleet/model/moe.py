@@ -371,12 +371,12 @@ class MoE(nn.Module):
 
     def experts(self, x_ND: torch.Tensor, experts_NK: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
         """Dropless dispatch of every slot routed to this shard's experts; returns this shard's y_ND."""
-        K = experts_NK.shape[1]
         e0, e1 = self.expert_range
         if (x_ND.device.type == "cpu" and x_ND.dtype == torch.float32 and self.w_gate_up_EDG.dtype == torch.float32
                 and kernels.moe_train() is not None):
             return _NativeExpertsFn.apply(x_ND.contiguous(), weights_NK.contiguous(), self.w_gate_up_EDG,
                                           self.w_down_EFD, experts_NK.contiguous(), e0, self.tile_slots)
+        K = experts_NK.shape[1]
         experts_S = experts_NK.reshape(-1)
         order_S = torch.argsort(experts_S, stable=True)
         counts_E = torch.bincount(experts_S, minlength=self.config.n_experts)

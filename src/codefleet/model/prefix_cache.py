@@ -8,9 +8,9 @@ longest prefix with a new prompt; `take` copies that prefix into the
 request's running slot and marks the entry superseded when the prompt extends
 all of it (the next turn supersedes the last); `drop_superseded` frees those
 once every request admitted in the same step has copied what it matched
-(several attempts of a group can extend the same entry whole); `clear` drops everything (a weight
-update: a prefix is reused only under the weights that computed it). See
-docs/engine.md.
+(several attempts of a group can extend the same entry whole); `clear` drops
+everything (a weight update: a prefix is reused only under the weights that
+computed it). See docs/engine.md.
 """
 
 from __future__ import annotations

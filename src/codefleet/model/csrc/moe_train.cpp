@@ -18,7 +18,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
