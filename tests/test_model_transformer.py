@@ -1,7 +1,9 @@
 """The transformer: RoPE and GQA by definition, causality, cached decode, routing replay, it learns."""
 
+import json
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -83,7 +85,7 @@ def test_cached_decode_equals_full_forward():
         steps = [model(tokens_BT[:, :6], cache=cache, return_routing=True)]
         for t in range(6, 10):
             steps.append(model(tokens_BT[:, t:t + 1], positions_BT=torch.full((3, 1), t), cache=cache,
-                               return_routing=True))
+                               return_routing=True, prev_BK=tokens_BT[:, t - cfg.prev_tokens:t]))
     logits_BTV = torch.cat([s.logits_BTV for s in steps], dim=1)
     torch.testing.assert_close(logits_BTV, full.logits_BTV, atol=1e-5, rtol=1e-5)
     routed = [torch.cat([s.routed_experts[i] for s in steps], dim=1) for i in range(cfg.n_moe_layers)]
@@ -166,3 +168,32 @@ def test_inference_head_equals_the_training_head_and_follows_weight_updates():
     model.load_state_dict(other.state_dict())
     with torch.no_grad():
         torch.testing.assert_close(model(tokens_BT).logits_BTV, other(tokens_BT).logits_BTV, atol=1e-5, rtol=1e-5)
+
+
+def test_a_continuing_forward_needs_the_tokens_before_it():
+    cfg = _small()
+    assert cfg.prev_tokens == 2
+    model = Transformer(cfg).eval()
+    tokens_BT = torch.randint(0, 97, (2, 8))
+    with torch.no_grad():
+        cache = RefCache(cfg.n_layers)
+        model(tokens_BT[:, :5], cache=cache)
+        with pytest.raises(ValueError, match="needs prev_BK"):
+            model(tokens_BT[:, 5:6], positions_BT=torch.full((2, 1), 5), cache=cache)
+        with pytest.raises(ValueError, match=r"\[2, 2\]"):
+            model(tokens_BT[:, 5:6], positions_BT=torch.full((2, 1), 5), cache=cache, prev_BK=tokens_BT[:, 4:5])
+
+
+def test_previous_tokens_change_the_input_and_old_configs_have_none():
+    cfg = _small()
+    model = Transformer(cfg).eval()
+    tokens_BT = torch.randint(0, 97, (1, 6))
+    changed = tokens_BT.clone()
+    changed[0, 2] = (changed[0, 2] + 1) % 97
+    with torch.no_grad():
+        x, y = model.embed_input(tokens_BT), model.embed_input(changed)
+    assert torch.equal(x[0, :2], y[0, :2]) and torch.equal(x[0, 5:], y[0, 5:])  # token 2 reaches positions 2-4
+    assert not torch.equal(x[0, 3], y[0, 3]) and not torch.equal(x[0, 4], y[0, 4])
+    saved = json.loads(cfg.to_json())
+    del saved["prev_tokens"]  # a config.json written before the field existed
+    assert ModelConfig.from_json(json.dumps(saved)).prev_tokens == 0

@@ -112,6 +112,11 @@ class _Sequence:
     def length(self) -> int:
         return len(self.prompt) + len(self.tokens)
 
+    def before(self, index: int, k: int, none: int) -> list[int]:
+        """The k token ids before position `index` of the sequence (prompt, then sampled), `none` before its start."""
+        n = len(self.prompt)
+        return [none if i < 0 else self.prompt[i] if i < n else self.tokens[i - n] for i in range(index - k, index)]
+
 
 @dataclass
 class _Update:
@@ -334,9 +339,16 @@ class Engine:
         if routing is None or len(routing) == n:  # routing replay needs every reused token's experts
             self.prefix.park(seq.slot, (seq.prompt + seq.tokens)[:n], routing)
 
-    def _forward(self, tokens_BT: torch.Tensor, positions_BT: torch.Tensor, logits_at_B: torch.Tensor | None = None):
+    def _forward(self, seqs: list[_Sequence], starts: list[int], tokens_BT: torch.Tensor, positions_BT: torch.Tensor,
+                 logits_at_B: torch.Tensor | None = None):
+        """The model over each sequence's tokens from `starts[b]` on (the model's previous-token inputs included)."""
+        cfg = self.model.config
+        prev_BK = None
+        if cfg.prev_tokens:
+            prev_BK = torch.tensor([s.before(i, cfg.prev_tokens, cfg.vocab_size) for s, i in zip(seqs, starts)],
+                                   device=self.device)
         return self.model(tokens_BT, positions_BT=positions_BT, cache=self.cache,
-                          return_routing=self.record_routing, logits_at_B=logits_at_B)
+                          return_routing=self.record_routing, logits_at_B=logits_at_B, prev_BK=prev_BK)
 
     def _prefill(self, seqs: list[_Sequence]) -> None:
         """One forward pass over each prompt's tokens after its reused prefix (right-padded to the longest)."""
@@ -351,7 +363,7 @@ class Engine:
         positions_BT = positions_BT.clamp_(max=self.max_seq_len - 1)  # padding past the cache (see cache.py)
         self.cache.begin([s.slot for s in seqs], starts, [len(x) for x in suffixes], T)
         last_B = torch.tensor([len(x) - 1 for x in suffixes], device=self.device)
-        out = self._forward(tokens_BT, positions_BT, logits_at_B=last_B)  # logits of each prompt's last token
+        out = self._forward(seqs, starts, tokens_BT, positions_BT, logits_at_B=last_B)  # logits of each prompt's last token
         self.cache.end()
         self.prefill_tokens_computed += sum(len(x) for x in suffixes)
         logits_BV = out.logits_BTV[:, 0]
@@ -374,7 +386,7 @@ class Engine:
         starts = [s.length - 1 for s in running]
         positions_B1 = torch.tensor(starts, device=self.device)[:, None]
         self.cache.begin([s.slot for s in running], starts, [1] * len(running), 1)
-        out = self._forward(tokens_B1, positions_B1)
+        out = self._forward(running, starts, tokens_B1, positions_B1)
         self.cache.end()
         if self.record_routing:
             routing_BLK = torch.stack([r[:, 0] for r in out.routed_experts], dim=1).tolist()

@@ -1,6 +1,6 @@
 """The decoder-only mixture-of-experts transformer.
 
-    tokens_BT -> embed -> n_layers x [x + attn(norm(x)); x + ffn(norm(x))] -> norm -> lm_head -> logits_BTV
+    tokens_BT -> embed (+ previous tokens' embeddings) -> n_layers x [x + attn(norm(x)); x + ffn(norm(x))] -> norm -> lm_head -> logits_BTV
 
 - RMSNorm (pre-norm), rotary position embeddings on explicit `positions_BT`
   (the engine passes each row's own positions; training uses 0..T-1),
@@ -22,6 +22,11 @@
   `n_kv_heads` heads there.
 - Feed-forward: the first `first_dense_layers` layers are a dense SwiGLU, the
   rest are `moe.MoE`.
+- Previous tokens (`config.prev_tokens` = K > 0): the input at t is
+  `embed(x_t) + sum_i embed_prev[i-1](x_{t-i})` for i = 1..K, with a row of its
+  own (index `vocab_size`) where t - i is before the sequence's start. A
+  forward that continues a sequence (the engine's cache) passes the K tokens
+  before its first one as `prev_BK`; without it the rows start their sequences.
 
 `forward` returns `ModelOutput(logits_BTV, routed_experts, aux_loss, z_loss)`:
 `routed_experts` is one `[B, T, top_k]` int64 tensor per MoE layer when
@@ -159,6 +164,9 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        # one table per offset; the extra row stands for "before the sequence's start"
+        self.embed_prev = nn.ModuleList(nn.Embedding(config.vocab_size + 1, config.d_model)
+                                        for _ in range(config.prev_tokens))
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
@@ -181,9 +189,11 @@ class Transformer(nn.Module):
 
     def forward(self, tokens_BT: torch.Tensor, positions_BT: torch.Tensor | None = None, cache=None,
                 routing_replay: list[torch.Tensor] | None = None, return_routing: bool = False,
-                logits_at_B: torch.Tensor | None = None) -> ModelOutput:
+                logits_at_B: torch.Tensor | None = None, prev_BK: torch.Tensor | None = None) -> ModelOutput:
         """`logits_at_B`: compute the logits only at that position of each row (`logits_BTV` is then
-        [B, 1, V]); the engine's prefill needs only each prompt's last token, not a [B, T, V] head."""
+        [B, 1, V]); the engine's prefill needs only each prompt's last token, not a [B, T, V] head.
+        `prev_BK`: the `prev_tokens` token ids before each row's first token, oldest first (`vocab_size`
+        where the sequence has none); None when every row starts its sequence."""
         cfg = self.config
         B, T = tokens_BT.shape
         if positions_BT is None:
@@ -198,7 +208,10 @@ class Transformer(nn.Module):
             n = int(positions_BT.max()) + 1 if positions_BT.device.type == "cpu" else cfg.max_seq_len
             cs_BT2_1D = self._rope(n, tokens_BT.device)[positions_BT]
             cos, sin = cs_BT2_1D[:, :, 0], cs_BT2_1D[:, :, 1]  # [B, T, 1, head_dim]
-        x_BTD = self.embed(tokens_BT)
+        if prev_BK is None and cache is not None and cfg.prev_tokens and bool((positions_BT[:, 0] > 0).any()):
+            raise ValueError("this forward continues cached sequences, so it needs prev_BK: the model's input "
+                             f"includes each token's {cfg.prev_tokens} predecessors (config.prev_tokens)")
+        x_BTD = self.embed_input(tokens_BT, prev_BK)
         aux = z = x_BTD.new_zeros((), dtype=torch.float32)
         routed: list[torch.Tensor] = []
         moe_i = 0
@@ -225,6 +238,23 @@ class Transformer(nn.Module):
         else:  # the engine, reference logprobs: the LM head is the largest GEMM of a decode step
             logits_BTV = inference_linear(self.lm_head, h_BTD, (self.lm_head.weight,))
         return ModelOutput(logits_BTV, routed if return_routing else None, aux, z)
+
+    def embed_input(self, tokens_BT: torch.Tensor, prev_BK: torch.Tensor | None = None) -> torch.Tensor:
+        """The first layer's input: each token's embedding plus those of the `prev_tokens` tokens before it."""
+        x_BTD = self.embed(tokens_BT)
+        K = self.config.prev_tokens
+        if not K:
+            return x_BTD
+        B, T = tokens_BT.shape
+        if prev_BK is None:
+            prev_BK = tokens_BT.new_full((B, K), self.config.vocab_size)
+        elif prev_BK.shape != (B, K):
+            raise ValueError(f"prev_BK has shape {tuple(prev_BK.shape)}; this model needs the {K} tokens before "
+                             f"each of the {B} rows, [{B}, {K}]")
+        ids = torch.cat([prev_BK.to(tokens_BT.device), tokens_BT], dim=1)  # [B, K + T]
+        for i, table in enumerate(self.embed_prev, 1):
+            x_BTD = x_BTD + table(ids[:, K - i: K - i + T])
+        return x_BTD
 
     def _rope(self, n_positions: int, device) -> torch.Tensor:
         """The rotary table [P, 2, 1, head_dim] (cos, signed sin) for P >= n_positions positions, computed once
