@@ -68,7 +68,7 @@ def task(tmp_path) -> Task:
     del after["pkg/legacy.py"]
     tests = ["tests/test_hidden.py::" + t for t in ("test_add", "test_clamp", "test_twice", "test_units_scale",
                                                    "test_legacy_removed")]
-    return Task(id="handmade-1", repo=str(repo), instruction="Fix add, clamp and twice; SCALE must be 10; "
+    return Task(id="handmade-1", repo=str(repo), instruction="Fix `add`, `clamp` and `twice`; `SCALE` must be 10; "
                 "remove pkg/legacy.py.", test_command="python3 -m pytest -q tests/test_visible.py",
                 checks=HiddenChecks(command="python3 -m pytest -q -p no:cacheprovider {tests}", fail_to_pass=tests,
                                     files={"tests/test_hidden.py": HIDDEN}),

@@ -6,7 +6,8 @@ solve the task. The expert knows the task's reference patch and replays it
 through the ordinary Policy interface, writing the same tool-call JSON a
 model would:
 
-    turn 0  list_dir(".") and a search for an identifier the patch touches (parallel)
+    turn 0  list_dir(".") and a search for the first name the instruction puts in
+            backticks (parallel; list_dir alone when it names none)
     turn 1  read_file of every file the patch changes (parallel when several)
     turn 2  one edit_file per hunk, computed from what read_file showed
             (widened until unique, tasks.patch.FileDiff.edit_blocks);
@@ -17,9 +18,15 @@ model would:
 When the patch is a pure rename (every changed line is its old line with one
 identifier replaced by another as a whole word), turns 1-2 become one shell
 command, the way a fast engineer renames (`rename_command`: `grep -rlw
---include='*.py' OLD . | xargs sed -i 's/\bOLD\b/NEW/g'`). With `explore=False` the expert skips
+--include='*.py' 'OLD' . | xargs sed -i 's/\bOLD\b/NEW/g'`). With `explore=False` the expert skips
 turn 0 (the instruction already names what to change); demonstrations mix
 both so that RL can learn which is faster.
+
+Names and paths in its text are in backticks and quoted in shell commands,
+as instructions write them: a byte-level BPE gives `name` after a space other
+tokens than after a backtick or quote (' node' vs 'node'), and a policy
+learning from these demonstrations copies a name far sooner when it is the
+same tokens in the instruction and in its answer (docs/training.md).
 
 The expert is stateless: which step comes next is the number of assistant
 messages so far, and the edits are computed from the read_file results in
@@ -40,7 +47,8 @@ from codefleet.tasks.patch import FileDiff, PatchError, apply_file_diff, parse_u
 from codefleet.types import Task
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]{3,}")
-_COMMON = set(keyword.kwlist) | {"self", "return", "None", "True", "False", "print", "assert", "import", "from"}
+# `name` or `name(...)` in an instruction: a function or constant it talks about (not a path, not a value)
+_NAMED = re.compile(r"`([A-Za-z_][A-Za-z0-9_]{2,})[`(]")
 
 
 class ScriptedExpert:
@@ -78,7 +86,7 @@ class ScriptedExpert:
 
     def _read(self, messages: list[dict], index: int) -> tuple[str, list[tuple[str, dict]]]:
         paths = [d.old_path for d in self.to_read]
-        return f"Reading {', '.join(paths)}.", [("read_file", {"path": p}) for p in paths]
+        return f"Reading {', '.join(f'`{p}`' for p in paths)}.", [("read_file", {"path": p}) for p in paths]
 
     def _edit(self, messages: list[dict], index: int) -> tuple[str, list[tuple[str, dict]]]:
         if self.rename:
@@ -104,8 +112,8 @@ class ScriptedExpert:
 
     def _submit(self, messages: list[dict], index: int) -> tuple[str, list[tuple[str, dict]]]:
         if self.rename:
-            return "Done.", [("submit", {"summary": f"Renamed {self.rename[0]} to {self.rename[1]}."})]
-        files = ", ".join(d.path for d in self.diffs)
+            return "Done.", [("submit", {"summary": f"Renamed `{self.rename[0]}` to `{self.rename[1]}`."})]
+        files = ", ".join(f"`{d.path}`" for d in self.diffs)
         return "Done.", [("submit", {"summary": f"Changed {files} as the task asks."})]
 
     def _done(self, messages: list[dict], index: int) -> tuple[str, list[tuple[str, dict]]]:
@@ -114,16 +122,12 @@ class ScriptedExpert:
     # -- helpers -------------------------------------------------------------------------
 
     def _search_term(self) -> str:
-        """An identifier the patch touches: the longest uncommon one on a changed line."""
+        """The first name the instruction puts in backticks, as a policy would search for it: a search
+        term read off the patch instead would teach a policy to guess what it cannot see."""
         if self.rename:
             return self.rename[0]
-        for diff in self.to_read:
-            for hunk in diff.hunks:
-                changed = [ln for ln in hunk.old_lines if ln not in hunk.new_lines] or hunk.old_lines
-                names = [n for ln in changed for n in _IDENT.findall(ln) if n not in _COMMON]
-                if names:
-                    return max(names, key=len)
-        return ""
+        names = [n for n in _NAMED.findall(self.task.instruction) if not keyword.iskeyword(n)]
+        return names[0] if names else ""
 
     def _read_results(self, messages: list[dict]) -> dict[str, str]:
         """Path -> file text, reconstructed from the read_file calls and their results in the transcript."""
@@ -158,12 +162,12 @@ def _edit_blocks(diff: FileDiff, seen: str | None) -> list[tuple[str, str]]:
 
 def rename_command(old: str, new: str) -> str:
     """One shell command replacing the word `old` by `new` in every Python file under the working directory."""
-    return f"grep -rlw --include='*.py' {old} . | xargs sed -i 's/\\b{old}\\b/{new}/g'"
+    return f"grep -rlw --include='*.py' '{old}' . | xargs sed -i 's/\\b{old}\\b/{new}/g'"
 
 
 def rename_step(old: str, new: str) -> tuple[str, list[tuple[str, dict]]]:
     """The expert's turn for a pure rename: its text and its one `run` call."""
-    return f"Renaming {old} to {new} everywhere.", [("run", {"command": rename_command(old, new)})]
+    return f"Renaming `{old}` to `{new}` everywhere.", [("run", {"command": rename_command(old, new)})]
 
 
 def pure_rename(diffs: list[FileDiff]) -> tuple[str, str] | None:
