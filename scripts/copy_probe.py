@@ -21,10 +21,13 @@ the JSON-escaped text, which never matched: the "0 of 20" of every earlier
 run measured nothing; their cross-entropy figures stand.)
 
 Measured on this 2-core machine with the tiny config (lr 2e-3, cosine), fixed
-metric: `--steps 4000 --batch 8 --short` copies 0 of 20 up to step 3000 (CE
-0.71 at 500 steps, 0.42 at 1500, 0.12 at 3000), 2 of 20 at 3500 and 4 of 20
-at 4000 (CE 0.07, 17.8 min): the skill is learnt from scratch, after a long
-plateau. `--induction N` first trains up to N steps on repeated random token
+metric, before the model had previous-token embeddings (`--prev-tokens 0`) and
+with the expert's names after a space: `--steps 4000 --batch 8 --short`
+copies 0 of 20 up to step 3000 (CE 0.71 at 500 steps, 0.42 at 1500, 0.12 at
+3000), 2 of 20 at 3500 and 4 of 20 at 4000 (CE 0.07, 17.8 min). With the
+default now (2 previous tokens, quoted names; a variant of this script that
+decodes without the engine): 5 of 20 at 750 steps, 13 of 20 at 1000 (CE 0.07,
+~7 min). `--induction N` first trains up to N steps on repeated random token
 sequences (copy the second half from the first) until the copy loss is under
 0.3, so the model starts the probe with working induction heads;
 `--induction-mix W` keeps training them during the probe (they form in ~260
@@ -49,19 +52,9 @@ from codefleet.model.engine import Engine
 from codefleet.model.sampling import SamplingParams
 from codefleet.model.tokenizer import default_tokenizer
 from codefleet.model.transformer import Transformer
+from codefleet.rl.augment import identifier
 from codefleet.rl.trainer import Trainer, TrainConfig
 from codefleet.tasks.families.rename import _ASKS
-
-WORDS = ("add count total price stock value item list box day week time slot shift parse format text word vowel "
-         "grade score mark fee rate cost zone parcel weight area side edge point line path node tree leaf key map "
-         "row col sum mean max min avg top low high fast slow new old next prev first last order ship load pack "
-         "sort find make build read write send fetch store cache queue task job user name file dir size kind type "
-         "mode flag level limit range span gap open close start stop run test check clean split join merge trim "
-         "pad hash").split()
-
-
-def identifier(rng: random.Random) -> str:
-    return "_".join(rng.sample(WORDS, rng.choice((2, 2, 3))))
 
 
 def conversation(rng: random.Random, short: bool) -> tuple[list[dict], str, str]:
@@ -135,13 +128,15 @@ def main() -> None:
     ap.add_argument("--short", action="store_true", help="instruction only: no system prompt, no tool schemas")
     ap.add_argument("--induction", type=int, default=0, metavar="N",
                     help="first train up to N steps on copying repeated random tokens (induction heads)")
+    ap.add_argument("--prev-tokens", type=int, default=ModelConfig.prev_tokens, metavar="K",
+                    help="the model's previous-token embeddings (ModelConfig.prev_tokens; 0 = none, as in the runs before 2026-12-03)")
     ap.add_argument("--induction-mix", type=float, default=0.0, metavar="W",
                     help="add W x the induction loss to every probe step (keeps the heads from being overwritten)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     torch.manual_seed(0)
     tokenizer = default_tokenizer()
-    model = Transformer(ModelConfig.tiny(vocab_size=tokenizer.vocab_size))
+    model = Transformer(ModelConfig.tiny(vocab_size=tokenizer.vocab_size, prev_tokens=args.prev_tokens))
     if args.induction:
         started = time.perf_counter()
         steps = induction_warmup(model, args.induction, args.lr)

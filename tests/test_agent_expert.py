@@ -10,7 +10,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 from codefleet.agent.clients.scripted import ScriptedExpert
-from codefleet.agent.episode import run_episode
+from codefleet.agent.episode import EpisodeConfig, run_episode
 from codefleet.tasks.families import FAMILIES
 from codefleet.tasks.generate import generate_tasks
 
@@ -41,7 +41,9 @@ def test_expert_renames_with_one_shell_command_and_can_skip_exploring(tmp_path, 
     old, new = pure_rename(parse_unified_diff(rename.reference_patch))
     assert f"`{old}`" in rename.instruction and f"`{new}`" in rename.instruction
     assert pure_rename(parse_unified_diff(bugfix.reference_patch)) is None  # an operator change is no rename
-    trajectory = run_episode(rename, ScriptedExpert(rename, explore=False), config)
+    trajectory = run_episode(rename, ScriptedExpert(rename, explore=False), config,
+                             config=EpisodeConfig(prompt="bare"))
     assert trajectory.checks.all_passed, trajectory.checks.output[-2000:]
+    assert [m["role"] for m in trajectory.messages[:2]] == ["user", "assistant"]  # bare: the task alone
     calls = [(c.name, c.arguments.get("command")) for turn in trajectory.turns for c in turn.tool_calls]
     assert calls[0] == ("run", rename_command(old, new)) and [n for n, _ in calls[1:]] == ["run", "submit"]

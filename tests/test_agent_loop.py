@@ -235,3 +235,10 @@ def test_cancel_stops_before_the_next_turn(sandbox):
         trajectory = holder["loop"].run(build_messages("x"))
     assert trajectory.stop_reason == "cancelled" and trajectory.n_turns == 1 and len(stub.requests) == 1
     assert trajectory.turns[0].tool_results[0].output == "still runs\n[exit code 0]"
+
+
+def test_prompt_styles():
+    full, bare = build_messages("fix it", "pytest"), build_messages("fix it", "pytest", prompt="bare")
+    assert [m["role"] for m in full] == ["system", "user"] and bare == full[1:]
+    with pytest.raises(ValueError, match="'full'.*'bare'"):
+        build_messages("fix it", prompt="short")

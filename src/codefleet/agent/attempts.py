@@ -100,7 +100,8 @@ def run_task_attempts(task: Task, policy: Policy, n: int, sandbox_config: Sandbo
     def attempt(index: int, sandbox: Sandbox) -> Trajectory:
         try:
             trajectory = solve(sandbox, task.instruction, policy, planner=planner, test_command=task.test_command,
-                               budgets=config.budgets or task.budgets, tool_config=config.tools, task_id=task.id)
+                               budgets=config.budgets or task.budgets, tool_config=config.tools, task_id=task.id,
+                               prompt=config.prompt)
             trajectory.metadata["attempt"] = index
             return score(trajectory, sandbox, task, config.reward)
         finally:

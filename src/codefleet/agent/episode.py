@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from codefleet.agent.loop import AgentLoop, EventSink
 from codefleet.agent.planner import make_plan
 from codefleet.agent.policy import Policy
-from codefleet.agent.prompts import build_messages
+from codefleet.agent.prompts import build_messages, check_prompt
 from codefleet.agent.reward import RewardConfig, compute_reward, efficiency
 from codefleet.agent.tools import ToolConfig
 from codefleet.sandbox.base import Sandbox, SandboxConfig
@@ -30,22 +30,24 @@ from codefleet.types import Budgets, Task, Trajectory
 
 @dataclass
 class EpisodeConfig:
-    """How an episode runs. `budgets` None: the task's own budgets."""
+    """How an episode runs. `budgets` None: the task's own budgets. `prompt`: "full" (system prompt and
+    tool schemas) or "bare" (the task alone; agent.prompts)."""
 
     budgets: Budgets | None = None
     tools: ToolConfig = field(default_factory=ToolConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    prompt: str = "full"
 
 
 def solve(sandbox: Sandbox, instruction: str, policy: Policy, *, planner: Policy | None = None,
           test_command: str = "", budgets: Budgets | None = None, tool_config: ToolConfig | None = None,
           on_event: EventSink | None = None, on_loop: Callable[[AgentLoop], None] | None = None,
-          task_id: str = "") -> Trajectory:
+          task_id: str = "", prompt: str = "full") -> Trajectory:
     """Plan (if a planner is given) and run the agent loop in `sandbox`. `on_loop` receives the loop
     before it starts, e.g. to keep a handle for `inject()`."""
     started = time.perf_counter()
     on_event = on_event or (lambda event: None)
-    loop = AgentLoop(policy, sandbox, budgets, tool_config, on_event)
+    loop = AgentLoop(policy, sandbox, budgets, tool_config, on_event, show_tools=check_prompt(prompt) == "full")
     if on_loop:
         on_loop(loop)
     metadata: dict[str, str | int | float] = {"policy": getattr(policy, "name", "")}
@@ -56,13 +58,13 @@ def solve(sandbox: Sandbox, instruction: str, policy: Policy, *, planner: Policy
         except Exception as e:  # the planner's endpoint failed: no episode without the plan asked for
             error = f"planner failed: {type(e).__name__}: {e}"
             on_event({"event": "model_error", "turn": -1, "error": error})
-            return Trajectory(task_id, build_messages(instruction, test_command), [], "error",
+            return Trajectory(task_id, build_messages(instruction, test_command, prompt=prompt), [], "error",
                               wall_s=time.perf_counter() - started, metadata={**metadata, "error": error})
         plan_text, plan_s = plan.text, plan.model_s
         metadata.update(planner=plan.planner, plan=plan.text, planner_model_s=round(plan.model_s, 3),
                         planner_tokens=plan.prompt_tokens + plan.completion_tokens)
         on_event({"event": "plan", "text": plan.text, "model_s": plan.model_s})
-    trajectory = loop.run(build_messages(instruction, test_command, plan_text), task_id)
+    trajectory = loop.run(build_messages(instruction, test_command, plan_text, prompt), task_id)
     trajectory.model_s += plan_s
     trajectory.wall_s = time.perf_counter() - started
     trajectory.metadata = {**metadata, **trajectory.metadata}
@@ -96,7 +98,7 @@ def run_episode(task: Task, policy: Policy, sandbox_config: SandboxConfig | None
     try:
         trajectory = solve(sandbox, task.instruction, policy, planner=planner, test_command=task.test_command,
                            budgets=config.budgets or task.budgets, tool_config=config.tools, on_event=on_event,
-                           on_loop=on_loop, task_id=task.id)
+                           on_loop=on_loop, task_id=task.id, prompt=config.prompt)
         return score(trajectory, sandbox, task, config.reward)
     finally:
         sandbox.close()

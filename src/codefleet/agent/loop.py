@@ -44,12 +44,12 @@ EventSink = Callable[[Event], None]
 
 class AgentLoop:
     def __init__(self, policy: Policy, sandbox: Sandbox, budgets: Budgets | None = None,
-                 tool_config: ToolConfig | None = None, on_event: EventSink | None = None):
+                 tool_config: ToolConfig | None = None, on_event: EventSink | None = None, show_tools: bool = True):
         self.policy = policy
         self.toolbox = Toolbox(sandbox, tool_config)
         self.budgets = budgets or Budgets()
         self.on_event = on_event or (lambda event: None)
-        self.tools = tool_schemas()
+        self.tools = tool_schemas() if show_tools else []  # the schemas the policy sees; every tool works either way
         self._corrections: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._cancelled = threading.Event()
 

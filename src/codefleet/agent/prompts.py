@@ -3,6 +3,12 @@
 Kept apart from the loop so the words can change (and be trained against)
 without touching control flow. The product CLI and RL rollouts use the same
 prompts.
+
+Two styles (`PROMPTS`): "full", the system prompt and the tool schemas, what
+any model needs to use the harness (the product's default); "bare", the task
+message alone, for a policy trained on this harness from scratch: it learns
+the tools from demonstrations and could not read English guidance anyway, and
+its episodes are ~2.3x shorter (the schemas alone are ~770 tokens).
 """
 
 from __future__ import annotations
@@ -38,10 +44,20 @@ def plan_message(plan: str) -> str:
     return f"A planner wrote this plan for the task. Follow it, adapting where the code says otherwise:\n\n{plan}"
 
 
-def build_messages(instruction: str, test_command: str = "", plan: str = "") -> list[dict]:
-    """The executor's first messages: system prompt, the task, and the plan if there is one."""
-    messages = [{"role": "system", "content": SYSTEM_PROMPT},
-                {"role": "user", "content": task_message(instruction, test_command)}]
+PROMPTS = ("full", "bare")
+
+
+def check_prompt(prompt: str) -> str:
+    if prompt not in PROMPTS:
+        raise ValueError(f"prompt {prompt!r} is not a prompt style; use 'full' (system prompt and tool schemas) "
+                         "or 'bare' (the task alone, for a policy trained on this harness)")
+    return prompt
+
+
+def build_messages(instruction: str, test_command: str = "", plan: str = "", prompt: str = "full") -> list[dict]:
+    """The executor's first messages: system prompt ("full" only), the task, and the plan if there is one."""
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}] if check_prompt(prompt) == "full" else []
+    messages.append({"role": "user", "content": task_message(instruction, test_command)})
     if plan:
         messages.append({"role": "user", "content": plan_message(plan)})
     return messages

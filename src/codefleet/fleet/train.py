@@ -49,6 +49,7 @@ def _log(message: str) -> None:
 
 def check_config(config: TrainRunConfig) -> None:
     """Refuse a configuration that would fail later (after minutes of SFT), with the field to change."""
+    from codefleet.agent.prompts import PROMPTS
     from codefleet.model.config import ModelConfig
     from codefleet.rl.advantages import ESTIMATORS
     from codefleet.tasks.families import FAMILIES
@@ -66,6 +67,7 @@ def check_config(config: TrainRunConfig) -> None:
         (cl.trainer_workers >= 1 and cl.engines >= 1 and cl.rollout_workers >= 1,
          "cluster.trainer_workers, cluster.engines and cluster.rollout_workers must be >= 1"),
         (config.sft.epochs >= 1 and config.sft.batch_size >= 1, "sft.epochs and sft.batch_size must be >= 1"),
+        (config.model.prompt in PROMPTS, f"model.prompt must be one of {', '.join(PROMPTS)}"),
     ]
     bad = [message for ok, message in problems if not ok]
     if bad:
@@ -128,7 +130,7 @@ def demonstrations(run: RunDir, config: TrainRunConfig, tasks, tokenizer):
     return demos
 
 
-def sft(run: RunDir, config: TrainRunConfig, demos, init: str, metrics: Metrics) -> str:
+def sft(run: RunDir, config: TrainRunConfig, demos, init: str, metrics: Metrics, tokenizer) -> str:
     from codefleet.fleet.trainer_group import TrainerGroup
     from codefleet.rl.trainer import TrainConfig
 
@@ -149,8 +151,8 @@ def sft(run: RunDir, config: TrainRunConfig, demos, init: str, metrics: Metrics)
         for epoch in range(c.epochs):
             rng.shuffle(order)
             for i in range(0, len(order), c.batch_size):
-                batch = [demos.examples[j] for j in order[i:i + c.batch_size]]
-                m = group.sft_step(batch)
+                m = group.sft_step(sft_batch(demos, order[i:i + c.batch_size], c, rng, tokenizer,
+                                             config.model.max_seq_len))
                 step += 1
                 metrics.log("sft", step, m)
                 _log(f"sft epoch {epoch + 1}/{c.epochs} step {step}: loss {m.get('loss', m.get('ce', 0)):.3f} "
@@ -162,6 +164,28 @@ def sft(run: RunDir, config: TrainRunConfig, demos, init: str, metrics: Metrics)
     return path
 
 
+def sft_batch(demos, picked: list[int], c, rng: random.Random, tokenizer, max_seq_len: int) -> list:
+    """One SFT step's examples: demonstrations `picked`, with fresh names when `c.fresh_names`
+    (rl.augment), and `c.first_turns` first turns of random demonstrations, each with fresh names (the
+    task and the expert's first answer: ~150 tokens that teach copying names from the task, the skill
+    every later turn builds on, at a fifth of a whole demonstration's cost)."""
+    from codefleet.rl.augment import fresh_names
+
+    if not (c.fresh_names and len(getattr(demos, "conversations", ())) == len(demos.examples)):  # older runs
+        return [demos.examples[j] for j in picked]
+
+    def renamed(j: int, turns: int | None = None):
+        messages = fresh_names(demos.conversations[j], rng)
+        if turns is not None:
+            first = next(i for i, m in enumerate(messages) if m.get("role") == "assistant")
+            messages = messages[:first + turns]
+        ids, mask = demos.encode(tokenizer, messages)
+        return (ids, mask) if len(ids) <= max_seq_len else demos.examples[j]  # new names past the context
+
+    return ([renamed(j) for j in picked]
+            + [renamed(rng.randrange(len(demos.conversations)), turns=1) for _ in range(c.first_turns)])
+
+
 def _episode_config(config: TrainRunConfig):
     from codefleet.agent.episode import EpisodeConfig
     from codefleet.agent.tools import ToolConfig
@@ -169,7 +193,7 @@ def _episode_config(config: TrainRunConfig):
 
     return EpisodeConfig(budgets=Budgets(max_turns=config.rl.max_turns, max_tool_calls=4 * config.rl.max_turns,
                                          wall_clock_s=config.rl.rollout_timeout_s / 2),
-                         tools=ToolConfig(max_output_chars=4000), reward=config.rl.reward)
+                         tools=ToolConfig(max_output_chars=4000), reward=config.rl.reward, prompt=config.model.prompt)
 
 
 def _weights_only(src: str, dst: str) -> str:
@@ -423,7 +447,7 @@ def train(config: TrainRunConfig, out: str, resume: bool = False, progress: bool
     cl = config.cluster
     own_ray = init_ray(cl.num_cpus, {"sandbox": cl.sandbox_slots}, cl.address)
     try:
-        sft_ckpt = sft(run, config, demos, init, metrics)
+        sft_ckpt = sft(run, config, demos, init, metrics, tokenizer)
         rl_ckpt = reinforce(run, config, train_tasks, sft_ckpt, metrics, progress)
     finally:
         metrics.plot()

@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+import yaml
+
 
 def register(subparsers) -> None:
     train = subparsers.add_parser(
@@ -31,6 +33,9 @@ def register(subparsers) -> None:
     ev.add_argument("--max-tokens", type=int, default=384, help="per turn")
     ev.add_argument("--max-turns", type=int, default=8)
     ev.add_argument("--temperature", type=float, default=0.0)
+    ev.add_argument("--prompt", choices=("full", "bare"), default=None,
+                    help="what the policy is shown (agent.prompts); default: the model.prompt of the run the "
+                         "checkpoint belongs to (RUN/checkpoints/NAME), else full")
     ev.add_argument("--out", default=None, help="also write the trajectories to a rollout store in this directory")
     ev.add_argument("--json", action="store_true", help="print only the JSON summary")
     ev.set_defaults(func=_eval)
@@ -60,6 +65,16 @@ def _train(args: argparse.Namespace) -> int:
     print(results_table(summary["results"]))
     print(json.dumps(summary["results"], sort_keys=True))
     return 0
+
+
+def _run_prompt(checkpoint: str) -> str:
+    """The model.prompt of the training run a checkpoint belongs to (RUN/checkpoints/NAME), else "full"."""
+    saved = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(checkpoint))), "config.yaml")
+    try:
+        with open(saved) as f:
+            return str((yaml.safe_load(f) or {}).get("model", {}).get("prompt", "full"))
+    except (OSError, yaml.YAMLError, AttributeError):
+        return "full"
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -92,7 +107,8 @@ def _eval(args: argparse.Namespace) -> int:
             writer.append([rollout_record(t, run=run_name, step=0, group=0, attempt=i, split="eval")
                            for i, t in enumerate(trajectories)])
 
-    episode = EpisodeConfig(budgets=Budgets(max_turns=args.max_turns, max_tool_calls=4 * args.max_turns))
+    episode = EpisodeConfig(budgets=Budgets(max_turns=args.max_turns, max_tool_calls=4 * args.max_turns),
+                            prompt=args.prompt or _run_prompt(args.checkpoint))
     report, _ = evaluate(args.checkpoint, tasks, EvalConfig(attempts=args.attempts, temperature=args.temperature,
                                                             max_tokens=args.max_tokens, jobs=args.jobs),
                          episode_config=episode, on_task=on_task)

@@ -1,6 +1,6 @@
 """The configuration of a training run (`codefleet train`), one typed section per stage.
 
-Defaults are the tiny embedded run of `make demo`: 2 CPU cores, a ~9M
+Defaults are the tiny embedded run of `make demo`: 2 CPU cores, a ~11M
 parameter MoE policy trained from scratch, generated tasks. Every field can
 be set from a YAML file (`--config`) or the command line (`rl.steps=20`).
 """
@@ -16,7 +16,7 @@ from codefleet.sandbox.base import SandboxConfig
 
 @dataclass
 class TasksSection:
-    n_train: int = 40
+    n_train: int = 80
     n_eval: int = 20  # held-out templates (split "test")
     seed: int = 0
     families: list[str] = field(default_factory=lambda: ["bugfix", "stub", "rename", "config", "multifile"])
@@ -28,15 +28,20 @@ class ModelSection:
     size: str = "tiny"  # "tiny" | "small" | "medium" (ModelConfig presets)
     max_seq_len: int = 4096
     seed: int = 0
+    # "bare": the policy sees the task alone and learns the tools from the demonstrations (it is trained on this
+    # harness from scratch); "full": system prompt and tool schemas, what the product sends any model (agent.prompts)
+    prompt: str = "bare"
 
 
 @dataclass
 class SFTSection:
-    epochs: int = 7
+    epochs: int = 6
     batch_size: int = 4  # demonstrations per optimizer step
     lr: float = 2e-3  # peak; linear warm-up, then cosine decay to 10% over the run
     warmup_steps: int = 5
     explore_fraction: float = 1.0  # share of demonstrations whose expert explores before acting (rl.demos)
+    fresh_names: bool = True  # every epoch shows each demonstration with new names (rl.augment)
+    first_turns: int = 8  # per step, also this many first turns of demonstrations with new names (fresh_names only)
 
 
 @dataclass

@@ -1,13 +1,14 @@
 """Expert demonstrations for SFT: the scripted expert solves training tasks through the real harness.
 
 Each task is run by `agent.episode.run_episode` with `ScriptedExpert` in a
-real sandbox, exactly as a model would be run (same system prompt, same
+real sandbox, exactly as a model would be run (same prompt style, same
 tools, same tool outputs), and only solved episodes are kept. The
 conversation is encoded with the chat template into `(ids, mask)`, mask 1
-on the assistant's tokens (`chat.encode_chat_with_mask`), which is what
-`rl.sft` trains on. Demonstrations longer than the model's context are
-dropped and counted, never truncated (a cut demonstration teaches a turn
-without its ending).
+on the assistant's tokens (`Demos.encode`, `chat.encode_chat_with_mask`),
+which is what `rl.sft` trains on; the conversations are kept too, so SFT can
+show them with fresh names (`rl.augment`). Demonstrations longer than the
+model's context are dropped and counted, never truncated (a cut
+demonstration teaches a turn without its ending).
 
 `explore_fraction` of the tasks (drawn per task from `seed` and its id) get
 an expert that first explores (lists the repository and searches for what
@@ -30,33 +31,41 @@ class Demos:
     task_ids: list[str] = field(default_factory=list)
     unsolved: list[str] = field(default_factory=list)
     too_long: list[str] = field(default_factory=list)
+    conversations: list[list[dict]] = field(default_factory=list)  # the messages of each example
+    prompt: str = "full"  # the prompt style they were made with (agent.prompts): "full" encodes the tool schemas
 
     @property
     def tokens(self) -> int:
         return sum(len(ids) for ids, _ in self.examples)
 
+    def encode(self, tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+        """A conversation as SFT trains on it: ids and the assistant mask, with the tool schemas if "full"."""
+        from codefleet.agent.tools import tool_schemas
+        from codefleet.model import chat
+
+        return chat.encode_chat_with_mask(tokenizer, messages, tool_schemas() if self.prompt == "full" else None)
+
 
 def expert_demos(tasks: list[Task], tokenizer, max_seq_len: int, sandbox_config=None, episode_config=None,
                  jobs: int = 2, explore_fraction: float = 1.0, seed: int = 0) -> Demos:
     from codefleet.agent.clients.scripted import ScriptedExpert
-    from codefleet.agent.episode import run_episode
-    from codefleet.agent.tools import tool_schemas
-    from codefleet.model import chat
+    from codefleet.agent.episode import EpisodeConfig, run_episode
 
     def one(task: Task):
         explore = random.Random(f"{seed}:{task.id}").random() < explore_fraction
         return run_episode(task, ScriptedExpert(task, explore=explore), sandbox_config, config=episode_config)
 
-    demos = Demos()
+    demos = Demos(prompt=(episode_config or EpisodeConfig()).prompt)
     with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="demo") as pool:
         for task, trajectory in zip(tasks, pool.map(one, tasks)):
             if not (trajectory.checks and trajectory.checks.all_passed):
                 demos.unsolved.append(task.id)
                 continue
-            ids, mask = chat.encode_chat_with_mask(tokenizer, trajectory.messages, tool_schemas())
+            ids, mask = demos.encode(tokenizer, trajectory.messages)
             if len(ids) > max_seq_len:
                 demos.too_long.append(task.id)
                 continue
             demos.examples.append((ids, mask))
             demos.task_ids.append(task.id)
+            demos.conversations.append(trajectory.messages)
     return demos
