@@ -41,7 +41,8 @@ def test_every_name_is_renamed_consistently_and_nothing_else():
     task = after[0]["content"]
     new_old, new_new = re.findall(r"`([a-z_]+)`", task)[:2]
     # the call is the expert's call for the new names: `\bNAME\b` inside the sed expression was renamed too
-    assert json.loads(after[1]["tool_calls"][0]["function"]["arguments"]) == {"command": rename_command(new_old, new_new)}
+    call = json.loads(after[1]["tool_calls"][0]["function"]["arguments"])
+    assert call == {"command": rename_command(new_old, new_new)}
     assert after[1]["content"] == rename_step(new_old, new_new)[0]
     # parts of longer words (a test id) and anything outside the task's backticks are untouched
     assert "test_passed_count_0" in task and "test_passed_count_0" in after[2]["content"]

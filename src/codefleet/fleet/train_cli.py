@@ -33,7 +33,8 @@ def register(subparsers) -> None:
     ev.add_argument("--max-tokens", type=int, default=384, help="per turn")
     ev.add_argument("--max-turns", type=int, default=8)
     ev.add_argument("--temperature", type=float, default=0.0)
-    ev.add_argument("--prompt", choices=("full", "bare"), default=None,
+    ev.add_argument("--prompt", choices=("full", "bare"), default=None,  # agent.prompts.PROMPTS, not imported here:
+                    # the CLI starts without loading the agent package
                     help="what the policy is shown (agent.prompts); default: the model.prompt of the run the "
                          "checkpoint belongs to (RUN/checkpoints/NAME), else full")
     ev.add_argument("--out", default=None, help="also write the trajectories to a rollout store in this directory")

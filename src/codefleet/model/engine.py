@@ -363,7 +363,7 @@ class Engine:
         positions_BT = positions_BT.clamp_(max=self.max_seq_len - 1)  # padding past the cache (see cache.py)
         self.cache.begin([s.slot for s in seqs], starts, [len(x) for x in suffixes], T)
         last_B = torch.tensor([len(x) - 1 for x in suffixes], device=self.device)
-        out = self._forward(seqs, starts, tokens_BT, positions_BT, logits_at_B=last_B)  # logits of each prompt's last token
+        out = self._forward(seqs, starts, tokens_BT, positions_BT, logits_at_B=last_B)  # each prompt's last logits
         self.cache.end()
         self.prefill_tokens_computed += sum(len(x) for x in suffixes)
         logits_BV = out.logits_BTV[:, 0]

@@ -1,6 +1,7 @@
 """The decoder-only mixture-of-experts transformer.
 
-    tokens_BT -> embed (+ previous tokens' embeddings) -> n_layers x [x + attn(norm(x)); x + ffn(norm(x))] -> norm -> lm_head -> logits_BTV
+    tokens_BT -> embed (+ previous tokens' embeddings)
+              -> n_layers x [x + attn(norm(x)); x + ffn(norm(x))] -> norm -> lm_head -> logits_BTV
 
 - RMSNorm (pre-norm), rotary position embeddings on explicit `positions_BT`
   (the engine passes each row's own positions; training uses 0..T-1),
