@@ -131,13 +131,15 @@ def main() -> None:
     ap.add_argument("--prev-tokens", type=int, default=ModelConfig.prev_tokens, metavar="K",
                     help="the model's previous-token embeddings (ModelConfig.prev_tokens; 0 = none, as in the "
                          "runs before 2026-12-03)")
+    ap.add_argument("--copy-head", action="store_true", help="the model's pointer-generator output (ModelConfig.copy_head)")
     ap.add_argument("--induction-mix", type=float, default=0.0, metavar="W",
                     help="add W x the induction loss to every probe step (keeps the heads from being overwritten)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     torch.manual_seed(0)
     tokenizer = default_tokenizer()
-    model = Transformer(ModelConfig.tiny(vocab_size=tokenizer.vocab_size, prev_tokens=args.prev_tokens))
+    model = Transformer(ModelConfig.tiny(vocab_size=tokenizer.vocab_size, prev_tokens=args.prev_tokens,
+                                        copy_head=args.copy_head))
     if args.induction:
         started = time.perf_counter()
         steps = induction_warmup(model, args.induction, args.lr)

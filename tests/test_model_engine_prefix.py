@@ -16,10 +16,10 @@ from codefleet.model.transformer import Transformer, token_logprobs
 GREEDY = SamplingParams(max_tokens=10, temperature=0)
 
 
-@pytest.fixture(scope="module")
-def model():
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "copy_head"])
+def model(request):
     torch.manual_seed(0)
-    return Transformer(ModelConfig.tiny()).eval()
+    return Transformer(ModelConfig.tiny(copy_head=request.param)).eval()
 
 
 def pieces(n: int, length: int, seed: int) -> list[list[int]]:

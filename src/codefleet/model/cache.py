@@ -29,6 +29,10 @@ n_kv_heads` query heads that share a kv head are folded into the query-length
 axis (`q[B, Hkv, G*T, D]`), so one SDPA call attends with `[B, Hkv, L, D]`
 keys directly. Head `h` uses kv head `h // G` (the `repeat_interleave`
 convention of HF's `repeat_kv`).
+
+A model with a copy head (`ModelConfig.copy_head`) also keeps, per slot and
+position, the copy head's key (`copy_dim` wide) and the token there:
+`copy_context` stores the new ones and returns each row's history.
 """
 
 from __future__ import annotations
@@ -45,12 +49,15 @@ class SlotKVCache:
     """Preallocated per-slot keys and values for every layer."""
 
     def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, head_dim: int, max_len: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", copy_dim: int = 0):
         self.n_layers, self.n_slots, self.max_len = n_layers, n_slots, max_len
         self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
         shape = (n_layers, n_slots, n_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # the copy head's keys and the tokens they point at (empty without a copy head)
+        self.copy_k = torch.zeros((n_slots, max_len, copy_dim) if copy_dim else (0,), dtype=dtype, device=device)
+        self.tokens = torch.zeros((n_slots, max_len) if copy_dim else (0,), dtype=torch.long, device=device)
         self.lengths = [0] * n_slots  # tokens held per slot (host side; the engine owns the bookkeeping)
         self._step: _Step | None = None
 
@@ -96,6 +103,21 @@ class SlotKVCache:
             out = F.scaled_dot_product_attention(q_BHgD, keys_BHLD, values_BHLD, attn_mask=step.mask(G))
         return out.reshape(B, H, T, D)
 
+    def copy_context(self, k_BTD: torch.Tensor, tokens_BT: torch.Tensor, at_B: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Store the copy head's new keys and tokens; return each row's keys `[B, L, D]`, tokens `[B, L]` and
+        which of them each query sees, `[B, T, L]` (`at_B`: only that query of each row, `[B, 1, L]`)."""
+        step = self._step
+        assert step is not None, "cache.copy_context() called outside begin()/end(); the engine drives the cache"
+        if not self.tokens.numel():
+            raise ValueError("this cache keeps no copy-head keys: build it with copy_dim = the model's head_dim")
+        step.write_rows(self.copy_k, k_BTD)
+        step.write_rows(self.tokens, tokens_BT)
+        visible_BTL = step.mask_BTL
+        if at_B is not None:
+            visible_BTL = visible_BTL[torch.arange(len(at_B), device=at_B.device), at_B][:, None]
+        return step.read_rows(self.copy_k), step.read_rows(self.tokens), visible_BTL
+
     # -- slot management ----------------------------------------------------------------
 
     def move(self, src: int, dst: int) -> None:
@@ -108,6 +130,9 @@ class SlotKVCache:
         reuse: a cached conversation continues in a running slot)."""
         self.k[:, dst, :, :n] = self.k[:, src, :, :n]
         self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        if self.tokens.numel():
+            self.copy_k[dst, :n] = self.copy_k[src, :n]
+            self.tokens[dst, :n] = self.tokens[src, :n]
         self.lengths[dst] = n
 
     def free(self, slot: int) -> None:
@@ -164,7 +189,21 @@ class _Step:
         else:  # [B, T] positions per row; advanced indices (slot, position) broadcast to [B, T] -> [B, T, H, D]
             store[self.slots_B[:, None], :, self.positions_BT] = new_BHTD.transpose(1, 2)
 
+    def write_rows(self, store: torch.Tensor, new_BT_: torch.Tensor) -> None:
+        """`write` for a store without a head axis: `[n_slots, max_len, ...]`."""
+        new_BT_ = new_BT_.to(store.dtype)
+        if self.t_new == 1:
+            store[self.slots_B, self.positions_B] = new_BT_[:, 0]
+        else:
+            store[self.slots_B[:, None], self.positions_BT] = new_BT_
+
     def read(self, store: torch.Tensor) -> torch.Tensor:
         if self.packed:
             return store[: len(self.slots), :, : self.length]
         return store[self.slots_B, :, : self.length]
+
+    def read_rows(self, store: torch.Tensor) -> torch.Tensor:
+        """`read` for a store without a head axis."""
+        if self.packed:
+            return store[: len(self.slots), : self.length]
+        return store[self.slots_B, : self.length]

@@ -34,6 +34,16 @@ copies a name from the context, instead of first building a previous-token
 head. The tiny model learns to copy unseen names in a fraction of the steps
 (docs/model.md). 0 is the plain Llama/Qwen input; configs saved before the
 field existed load as 0.
+
+`copy_head`: the output is a pointer-generator mixture (See et al., 2017):
+`p = (1 - g) softmax(lm_head(h_t)) + g sum_{s <= t: x_s = w} a_ts`, where `a`
+is one extra attention of the last hidden state over the context's hidden
+states and `g` a learned gate. Predicting a token that occurs in the context
+then needs only the right attention, whose gradient comes straight from the
+target: a model trained from scratch copies names from its task far sooner
+(docs/model.md). The logits the model returns are `log p`, so sampling,
+logprobs and losses are unchanged. Off by default (the plain Llama/Qwen
+output); `codefleet train` turns it on (`model.copy_head`).
 """
 
 from __future__ import annotations
@@ -75,6 +85,7 @@ class ModelConfig:
     d_dense: int = 512
     tie_embeddings: bool = False
     prev_tokens: int = 2
+    copy_head: bool = False
     dtype: str = "float32"
 
     def __post_init__(self) -> None:

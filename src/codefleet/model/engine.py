@@ -150,7 +150,8 @@ class Engine:
         # slots 0..max_batch-1 hold the running sequences (packed low), the rest hold parked prefixes
         self.cache = SlotKVCache(config.n_layers, max_batch + prefix_slots,
                                  getattr(config, "n_kv_heads", None) or n_heads, head_dim, self.max_seq_len,
-                                 dtype=param.dtype, device=self.device)
+                                 dtype=param.dtype, device=self.device,
+                                 copy_dim=head_dim if getattr(config, "copy_head", False) else 0)
         if hasattr(model, "_rope"):  # the rotary table for every position the cache holds (no per-step growth)
             model._rope(self.max_seq_len, self.device)
         self._waiting: deque[_Sequence] = deque()

@@ -2,6 +2,7 @@
 
     tokens_BT -> embed (+ previous tokens' embeddings)
               -> n_layers x [x + attn(norm(x)); x + ffn(norm(x))] -> norm -> lm_head -> logits_BTV
+                                                                       (-> copy head: log of a mixture)
 
 - RMSNorm (pre-norm), rotary position embeddings on explicit `positions_BT`
   (the engine passes each row's own positions; training uses 0..T-1),
@@ -28,6 +29,10 @@
   own (index `vocab_size`) where t - i is before the sequence's start. A
   forward that continues a sequence (the engine's cache) passes the K tokens
   before its first one as `prev_BK`; without it the rows start their sequences.
+- Copy head (`config.copy_head`, `CopyHead`): the logits become the log of a
+  pointer-generator mixture, the LM head's distribution and an attention over
+  the context's tokens; with a cache, `cache.copy_context` keeps each
+  position's copy key and token.
 
 `forward` returns `ModelOutput(logits_BTV, routed_experts, aux_loss, z_loss)`:
 `routed_experts` is one `[B, T, top_k]` int64 tensor per MoE layer when
@@ -152,12 +157,68 @@ class Block(nn.Module):
         self.ffn = MoE(config) if self.is_moe else SwiGLU(config.d_model, config.d_dense)
 
 
+class CopyHead(nn.Module):
+    """Pointer-generator output (`config.copy_head`): mixes the LM head's distribution with one attention of
+    the last hidden state over the context's hidden states, whose weight on position s goes to token x_s.
+    Returns the mixture's log-probabilities, which every consumer can treat as logits."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.scale = config.head_dim ** -0.5
+        self.wq = nn.Linear(config.d_model, config.head_dim, bias=False)
+        self.wk = nn.Linear(config.d_model, config.head_dim, bias=False)
+        self.gate = nn.Linear(config.d_model, 1)
+
+    def forward(self, logits_BTV: torch.Tensor, hq_BTD: torch.Tensor, hk_BSD: torch.Tensor, tokens_BS: torch.Tensor,
+                cache=None, at_B: torch.Tensor | None = None) -> torch.Tensor:
+        """`hq_BTD`: the hidden states that predict (those of `logits_BTV`); `hk_BSD`, `tokens_BS`: every new
+        position's hidden state and token. Without a cache the context is `tokens_BS` (causal; `at_B`: the one
+        query position of each row); with one, `cache.copy_context` stores the new keys and tokens and returns
+        each row's whole history."""
+        attn_BTL, tokens_BL = self._attention(hq_BTD, hk_BSD, tokens_BS, cache, at_B)
+        B, T, V = logits_BTV.shape
+        p_copy_BTV = attn_BTL.new_zeros(B, T, V).scatter_add_(
+            2, tokens_BL[:, None, :].expand(B, T, tokens_BL.shape[1]), attn_BTL)
+        return self._mix(hq_BTD, torch.log_softmax(logits_BTV.float(), dim=-1), p_copy_BTV).to(logits_BTV.dtype)
+
+    def target_logprobs(self, logits_BTV: torch.Tensor, h_BTD: torch.Tensor, tokens_BT: torch.Tensor,
+                        targets_BT: torch.Tensor) -> torch.Tensor:
+        """log p(targets) under the mixture, `[B, T]` (fp32), without a `[B, T, V]` copy distribution: the
+        copy share of a target is the attention on the positions that hold it (training: no cache)."""
+        attn_BTS, _ = self._attention(h_BTD, h_BTD, tokens_BT)
+        p_copy_BT = (attn_BTS * (tokens_BT[:, None, :] == targets_BT[:, :, None])).sum(-1)
+        generator_BT = torch.log_softmax(logits_BTV.float(), dim=-1).gather(-1, targets_BT[..., None])[..., 0]
+        return self._mix(h_BTD, generator_BT, p_copy_BT, gate_dims=2)
+
+    def _attention(self, hq_BTD, hk_BSD, tokens_BS, cache=None, at_B=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The copy attention `[B, T, L]` (fp32) and the token at each of its `L` positions, `[B, L]`."""
+        q_BTD, k_BSD = self.wq(hq_BTD), self.wk(hk_BSD)
+        if cache is not None:
+            k_BLD, tokens_BL, visible_BTL = cache.copy_context(k_BSD, tokens_BS, at_B)
+        else:
+            S = tokens_BS.shape[1]
+            query_pos = torch.arange(S, device=tokens_BS.device)[:, None] if at_B is None else at_B[:, None, None]
+            k_BLD, tokens_BL = k_BSD, tokens_BS
+            visible_BTL = torch.arange(S, device=tokens_BS.device) <= query_pos  # [T, S] or [B, 1, S]
+        scores_BTL = torch.matmul(q_BTD, k_BLD.transpose(1, 2)).float() * self.scale
+        return torch.softmax(scores_BTL.masked_fill(~visible_BTL, float("-inf")), dim=-1), tokens_BL
+
+    def _mix(self, h_BTD: torch.Tensor, generator_logp: torch.Tensor, p_copy: torch.Tensor, gate_dims: int = 3
+             ) -> torch.Tensor:
+        """log((1 - g) p_generator + g p_copy) with g = sigmoid(gate(h)); a copy share of 0 stays finite."""
+        gate = self.gate(h_BTD).float()
+        if gate_dims == 2:
+            gate = gate[..., 0]
+        return torch.logaddexp(F.logsigmoid(-gate) + generator_logp, F.logsigmoid(gate) + p_copy.clamp_min(1e-30).log())
+
+
 @dataclass
 class ModelOutput:
-    logits_BTV: torch.Tensor
+    logits_BTV: torch.Tensor | None  # None when the forward was given targets_BT
     routed_experts: list[torch.Tensor] | None
     aux_loss: torch.Tensor
     z_loss: torch.Tensor
+    target_logprobs_BT: torch.Tensor | None = None  # log p(targets_BT), when given
 
 
 class Transformer(nn.Module):
@@ -171,6 +232,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.copy = CopyHead(config) if config.copy_head else None
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.reset_parameters()
@@ -190,11 +252,14 @@ class Transformer(nn.Module):
 
     def forward(self, tokens_BT: torch.Tensor, positions_BT: torch.Tensor | None = None, cache=None,
                 routing_replay: list[torch.Tensor] | None = None, return_routing: bool = False,
-                logits_at_B: torch.Tensor | None = None, prev_BK: torch.Tensor | None = None) -> ModelOutput:
+                logits_at_B: torch.Tensor | None = None, prev_BK: torch.Tensor | None = None,
+                targets_BT: torch.Tensor | None = None) -> ModelOutput:
         """`logits_at_B`: compute the logits only at that position of each row (`logits_BTV` is then
         [B, 1, V]); the engine's prefill needs only each prompt's last token, not a [B, T, V] head.
         `prev_BK`: the `prev_tokens` token ids before each row's first token, oldest first (`vocab_size`
-        where the sequence has none); None when every row starts its sequence."""
+        where the sequence has none); None when every row starts its sequence.
+        `targets_BT`: return `target_logprobs_BT`, log p of each target (what training needs), instead of
+        `logits_BTV`; with a copy head this skips the `[B, T, V]` copy distribution (no cache)."""
         cfg = self.config
         B, T = tokens_BT.shape
         if positions_BT is None:
@@ -231,14 +296,30 @@ class Transformer(nn.Module):
             else:
                 ffn_ND = block.ffn(h_ND)
             x_BTD = x_BTD + ffn_ND.view(B, T, cfg.d_model)
-        if logits_at_B is not None:
-            x_BTD = x_BTD[torch.arange(B, device=x_BTD.device), logits_at_B][:, None]
-        h_BTD = self.norm(x_BTD)
+        if self.copy is not None:  # the copy head's keys: every position's final hidden state
+            h_all_BTD = self.norm(x_BTD)
+            h_BTD = h_all_BTD if logits_at_B is None else h_all_BTD[torch.arange(B, device=x_BTD.device), logits_at_B][:, None]
+        else:
+            if logits_at_B is not None:
+                x_BTD = x_BTD[torch.arange(B, device=x_BTD.device), logits_at_B][:, None]
+            h_BTD = self.norm(x_BTD)
         if torch.is_grad_enabled():
             logits_BTV = self.lm_head(h_BTD)
         else:  # the engine, reference logprobs: the LM head is the largest GEMM of a decode step
             logits_BTV = inference_linear(self.lm_head, h_BTD, (self.lm_head.weight,))
-        return ModelOutput(logits_BTV, routed if return_routing else None, aux, z)
+        routed_out = routed if return_routing else None
+        if targets_BT is not None:
+            if cache is not None or logits_at_B is not None:
+                raise ValueError("targets_BT is for a full forward over whole sequences (training), not with "
+                                 "a cache or logits_at_B")
+            if self.copy is not None:
+                logp_BT = self.copy.target_logprobs(logits_BTV, h_BTD, tokens_BT, targets_BT)
+            else:
+                logp_BT = token_logprobs(logits_BTV, targets_BT)
+            return ModelOutput(None, routed_out, aux, z, logp_BT)
+        if self.copy is not None:
+            logits_BTV = self.copy(logits_BTV, h_BTD, h_all_BTD, tokens_BT, cache, logits_at_B)
+        return ModelOutput(logits_BTV, routed_out, aux, z)
 
     def embed_input(self, tokens_BT: torch.Tensor, prev_BK: torch.Tensor | None = None) -> torch.Tensor:
         """The first layer's input: each token's embedding plus those of the `prev_tokens` tokens before it."""

@@ -61,9 +61,10 @@ def forward_logprobs(model, tokens_BT: torch.Tensor, mask_BT: torch.Tensor | Non
     """Logprob of each token given those before it (aligned with tokens_BT), and the model's router losses."""
     B, T = tokens_BT.shape
     positions_BT = torch.arange(T, device=tokens_BT.device).expand(B, T)
-    out = model(tokens_BT, positions_BT=positions_BT, routing_replay=routing_replay)
+    next_BT = torch.cat([tokens_BT[:, 1:], tokens_BT[:, :1]], dim=1)  # the last column is never used
+    out = model(tokens_BT, positions_BT=positions_BT, routing_replay=routing_replay, targets_BT=next_BT)
     first_B1 = torch.zeros(B, 1, device=tokens_BT.device)
-    logprobs_BT = torch.cat([first_B1, token_logprobs(out.logits_BTV[:, :-1], tokens_BT[:, 1:])], dim=1)
+    logprobs_BT = torch.cat([first_B1, out.target_logprobs_BT[:, :-1]], dim=1)
     if mask_BT is not None:
         logprobs_BT = logprobs_BT * mask_BT.to(logprobs_BT.dtype)
     return LogprobOutput(logprobs_BT, out.aux_loss, out.z_loss)

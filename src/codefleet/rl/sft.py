@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from codefleet.rl.losses import add_moe_losses
+from codefleet.rl.losses import add_moe_losses, masked_reduce
 
 
 @dataclass
@@ -56,14 +56,13 @@ def pad_batch(examples: list[tuple[list[int], list[int]]], pad_id: int = 0) -> S
 def sft_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, loss_mask_BT: torch.Tensor) -> torch.Tensor:
     """Token-mean cross-entropy (fp32) over the targets where loss_mask is 1."""
     ce_BT = F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten(), reduction="none").view_as(targets_BT)
-    mask_BT = loss_mask_BT.to(ce_BT.dtype)
-    return (ce_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1)
+    return masked_reduce(ce_BT, loss_mask_BT, "token_mean")
 
 
 def sft_step_loss(model, batch: SFTBatch) -> tuple[torch.Tensor, dict[str, float]]:
     """Forward the batch; the loss to backpropagate (cross-entropy + router losses) and metrics."""
-    out = model(batch.tokens_BT, positions_BT=batch.positions_BT)
-    ce = sft_loss(out.logits_BTV, batch.targets_BT, batch.loss_mask_BT)
+    out = model(batch.tokens_BT, positions_BT=batch.positions_BT, targets_BT=batch.targets_BT)
+    ce = masked_reduce(-out.target_logprobs_BT, batch.loss_mask_BT, "token_mean")
     loss = add_moe_losses(ce, out)
     return loss, {"ce": float(ce.detach()), "aux_loss": float(out.aux_loss.detach()), "z_loss": float(out.z_loss.detach()),
                   "tokens": int(batch.loss_mask_BT.sum())}
