@@ -7,6 +7,7 @@ import pytest
 import ray
 import torch
 
+from codefleet.agent.episode import EpisodeConfig
 from codefleet.fleet.controller import AttemptResult
 from codefleet.fleet.inference import broadcast_weights, start_engines
 from codefleet.fleet.rollouts import AgentGroupRunner, RolloutSpec, start_workers
@@ -29,8 +30,9 @@ def setup(ray_session, tmp_path_factory, state_dir):
     return str(root / "ckpt"), tasks[0], state_dir
 
 
-def _spec(ckpt, state_dir):
-    return RolloutSpec(checkpoint=ckpt, sandbox=SandboxConfig(state_dir=state_dir, timeout_s=30), max_tokens=8)
+def _spec(ckpt, state_dir, prompt="full"):
+    return RolloutSpec(checkpoint=ckpt, sandbox=SandboxConfig(state_dir=state_dir, timeout_s=30), max_tokens=8,
+                       episode=EpisodeConfig(prompt=prompt))
 
 
 def test_an_attempt_runs_the_harness_and_returns_exact_tokens(setup):
@@ -49,6 +51,7 @@ def test_an_attempt_runs_the_harness_and_returns_exact_tokens(setup):
         assert 1 <= sum(s["loss_mask"]) <= 8 * t.n_turns + t.n_turns  # sampled (+ an <|end|> per cut turn)
         assert s["routed_experts"] is not None and len(s["routed_experts"]) == len(s["tokens"])
         assert r.rollout.policy_version == 0 and r.rollout.reward == t.reward
+        assert t.messages[0]["role"] == "system"  # the spec's prompt style: "full"
 
     weights = {k: v + 0.01 for k, v in checkpoint.load(ckpt).state_dict().items()}
     broadcast_weights(engines, ray.put(weights), 3)
@@ -63,6 +66,18 @@ def test_an_attempt_runs_the_harness_and_returns_exact_tokens(setup):
         ray.get(runner.start(Ticket(9, 3, 4, 1), task, [0])[0], timeout=240)
     for w in workers:
         ray.kill(w, no_restart=True)
+
+
+def test_attempts_show_the_policy_the_prompt_style_it_was_trained_on(setup):
+    ckpt, task, state_dir = setup
+    engines = start_engines(ckpt, 1, num_cpus=0, max_batch=2)
+    workers = start_workers(_spec(ckpt, state_dir, prompt="bare"), engines, 1, slots_per_worker=1, num_cpus=0)
+    (result,) = ray.get(AgentGroupRunner(workers).start(Ticket(3, 0, 1, 1), task, [0]), timeout=240)
+    trajectory = result.rollout.payload["trajectory"]
+    assert trajectory.messages[0]["role"] == "user" and task.instruction in trajectory.messages[0]["content"]
+    assert not any(m["role"] == "system" for m in trajectory.messages)
+    for actor in (*workers, *engines):
+        ray.kill(actor, no_restart=True)
 
 
 def test_an_engine_that_fails_a_request_is_an_infrastructure_error_and_keeps_serving(setup):

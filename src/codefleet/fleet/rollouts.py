@@ -127,7 +127,8 @@ class RolloutWorker:
         try:
             config = spec.episode
             trajectory = solve(sandbox, task.instruction, _Cancellable(policy), test_command=task.test_command,
-                               budgets=config.budgets or task.budgets, tool_config=config.tools, task_id=task.id)
+                               budgets=config.budgets or task.budgets, tool_config=config.tools, task_id=task.id,
+                               prompt=config.prompt)
             error = str(trajectory.metadata.get("error", ""))
             if "EngineDiedError" in error or "EngineFailedError" in error or CANCELLED in error:
                 raise InfraError(f"attempt {attempt} of group {ticket.group_id}: {error}")
