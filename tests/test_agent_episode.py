@@ -8,6 +8,7 @@ are solved in test_agent_expert.py.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -17,7 +18,7 @@ from codefleet.agent.attempts import best_trajectory, run_task_attempts
 from codefleet.agent.clients import OpenAIPolicy
 from codefleet.agent.clients.scripted import ScriptedExpert
 from codefleet.agent.episode import EpisodeConfig, run_episode
-from codefleet.agent.reward import RewardConfig
+from codefleet.agent.reward import RewardConfig, compute_reward
 from codefleet.tasks.patch import make_unified_diff
 from codefleet.types import HiddenChecks, Task
 
@@ -30,6 +31,7 @@ CALC_FIXED = (CALC.replace("a - b", "a + b")
 UNITS = "SCALE = 1\n"
 HIDDEN = """from pkg.calc import add, clamp, twice
 from pkg.units import SCALE
+import dataclasses
 import os
 
 
@@ -128,6 +130,14 @@ def test_reward_modes_and_speed_costs(task, config):
     assert trajectory.checks.per_test["tests/test_hidden.py::test_add"] is True
     with pytest.raises(ValueError, match="unknown reward mode"):
         RewardConfig(mode="vibes")
+    with pytest.raises(ValueError, match="unknown costs_on"):
+        RewardConfig(costs_on="sometimes")
+    # costs on solved episodes only: scaled by the correctness, so a failure scores 0 however long it ran
+    scaled = RewardConfig(mode="fraction", cost_per_turn=0.01, cost_per_token=1e-6, costs_on="solved")
+    assert compute_reward(trajectory, scaled) == pytest.approx(0.4 - 0.4 * (0.02 + 1e-6 * trajectory.tokens))
+    trajectory.checks = dataclasses.replace(trajectory.checks, passed=0)
+    assert compute_reward(trajectory, scaled) == 0.0
+    assert compute_reward(trajectory, cost) == pytest.approx(-0.02 - 1e-6 * trajectory.tokens)
 
 
 def test_tool_errors_cost_reward(task, config):

@@ -9,6 +9,13 @@ default reward is plain correctness; turning them on trains speed, the way a
 production agent is rewarded for finishing in fewer turns and less time. A
 tool error (a malformed call, an unknown tool, a tool that failed) wastes a
 round trip, so `cost_per_tool_error` prices it too.
+
+`costs_on="solved"` multiplies the costs by `base`: a failed episode scores 0
+however long it ran, a solved one 1 minus what it cost. With costs on every
+episode (`"all"`) and few successes, ending at once is the best-paid failure:
+the demo's policy learnt exactly that in 16 RL steps (1 turn, no tool calls,
+on every held-out task). Scaled, speed is still rewarded among successes and
+giving up never beats trying.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from dataclasses import dataclass
 from codefleet.types import CheckResult, Trajectory
 
 REWARD_MODES = ("all_pass", "fraction")
+COSTS_ON = ("all", "solved")
 
 
 @dataclass
@@ -27,10 +35,13 @@ class RewardConfig:
     cost_per_s: float = 0.0  # per second of episode wall clock
     cost_per_token: float = 0.0  # per prompt + completion token
     cost_per_tool_error: float = 0.0  # per tool call that came back as an error (Turn.errors)
+    costs_on: str = "all"  # "all" | "solved": the costs scaled by the correctness (see the module docstring)
 
     def __post_init__(self) -> None:
         if self.mode not in REWARD_MODES:
             raise ValueError(f"unknown reward mode {self.mode!r}; choose one of {', '.join(REWARD_MODES)}")
+        if self.costs_on not in COSTS_ON:
+            raise ValueError(f"unknown costs_on {self.costs_on!r}; choose one of {', '.join(COSTS_ON)}")
 
 
 def correctness(checks: CheckResult | None, mode: str = "all_pass") -> float:
@@ -44,11 +55,10 @@ def correctness(checks: CheckResult | None, mode: str = "all_pass") -> float:
 def compute_reward(trajectory: Trajectory, config: RewardConfig | None = None) -> float:
     """The reward of a finished trajectory (its `checks` filled in)."""
     config = config or RewardConfig()
-    return (correctness(trajectory.checks, config.mode)
-            - config.cost_per_turn * trajectory.n_turns
-            - config.cost_per_s * trajectory.wall_s
-            - config.cost_per_token * trajectory.tokens
-            - config.cost_per_tool_error * tool_errors(trajectory))
+    base = correctness(trajectory.checks, config.mode)
+    costs = (config.cost_per_turn * trajectory.n_turns + config.cost_per_s * trajectory.wall_s
+             + config.cost_per_token * trajectory.tokens + config.cost_per_tool_error * tool_errors(trajectory))
+    return base - (base * costs if config.costs_on == "solved" else costs)
 
 
 def tool_errors(trajectory: Trajectory) -> int:
