@@ -1,6 +1,8 @@
 """The data-parallel TrainerGroup on the shared Ray session: two gloo workers take the same step as one
 in-process Trainer on the full batch, publish weights an engine serves, save/load, and fail clearly."""
 
+import dataclasses
+
 import pytest
 import ray
 import torch
@@ -75,11 +77,21 @@ def test_two_workers_take_the_one_batch_step(group, single):
     s = single.forward_backward_rl(samples)
     single.optim_step()
     assert m["routing_replay_frac"] == 1.0 and m["loss"] == pytest.approx(s["loss"], abs=1e-5)
-    assert m["version"] == group.version == 2
+    assert m["version"] == group.version == 2 and m["skipped"] == 0.0
     w0, w1 = _worker_weights(group)
     for k in w0:
         assert torch.equal(w0[k], w1[k]), k
     _assert_close(w0, single.weights(), atol=1e-5)
+
+    # every advantage 0 (groups that all failed): the step is counted, no weight moves (the router losses alone
+    # would move every weight a full Adam step)
+    flat = [dataclasses.replace(s, advantage=0.0) for s in _samples(_model(3), 4, seed=3)]
+    m = group.rl_step(flat)
+    assert m["skipped"] == 1.0 and m["grad_norm"] == 0.0 and m["version"] == group.version == 3
+    for w in _worker_weights(group):
+        for k in w0:
+            assert torch.equal(w[k], w0[k]), k
+    single.skip_step()
 
 
 def test_publish_round_trip_to_an_engine(group, single):

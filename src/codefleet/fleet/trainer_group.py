@@ -63,6 +63,7 @@ from codefleet.rl.trainer import (
     Trainer,
     check_examples,
     check_samples,
+    has_signal,
     loss_units,
     sft_units,
 )
@@ -166,6 +167,9 @@ class TrainerWorker:
         metrics = self.trainer.forward_backward_rl(samples, total_units)
         return {**metrics, **self._reduce_and_step()}
 
+    def skip_step(self) -> dict[str, float]:
+        return self.trainer.skip_step()
+
     def _reduce_and_step(self) -> dict[str, float]:
         if self.world_size > 1:
             self.trainer.all_reduce(dist.all_reduce)
@@ -233,9 +237,11 @@ class TrainerGroup:
         total = loss_units(samples, self.config.loss)
         if total == 0:
             raise ValueError("no sample has a masked (sampled) token: nothing to train on")
+        if not has_signal(samples, self.config.loss):  # every advantage 0: count the step, move nothing
+            return {**self._step([w.skip_step.remote() for w in self.workers]), "skipped": 1.0}
         shards = shard_by_tokens([len(s.tokens) for s in samples], self.n_workers)
-        return self._step([w.rl_step.remote([samples[i] for i in shard], total)
-                           for w, shard in zip(self.workers, shards)])
+        return {**self._step([w.rl_step.remote([samples[i] for i in shard], total)
+                              for w, shard in zip(self.workers, shards)]), "skipped": 0.0}
 
     def _step(self, refs: list[ray.ObjectRef]) -> dict[str, float]:
         start = time.perf_counter()
