@@ -107,7 +107,8 @@ def init_model(run: RunDir, config: TrainRunConfig, tokenizer) -> str:
     if preset is None:
         raise RunError(f"model.size={config.model.size!r} is not a preset; use tiny, small or medium")
     torch.manual_seed(config.model.seed)
-    model = Transformer(preset(vocab_size=tokenizer.vocab_size, max_seq_len=config.model.max_seq_len))
+    model = Transformer(preset(vocab_size=tokenizer.vocab_size, max_seq_len=config.model.max_seq_len,
+                               copy_head=config.model.copy_head))
     checkpoint.save(model, path)
     return path
 

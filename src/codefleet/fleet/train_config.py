@@ -31,11 +31,13 @@ class ModelSection:
     # "bare": the policy sees the task alone and learns the tools from the demonstrations (it is trained on this
     # harness from scratch); "full": system prompt and tool schemas, what the product sends any model (agent.prompts)
     prompt: str = "bare"
+    # the pointer-generator output (ModelConfig.copy_head): names from the task are copied, not memorised
+    copy_head: bool = True
 
 
 @dataclass
 class SFTSection:
-    epochs: int = 6
+    epochs: int = 11
     batch_size: int = 4  # demonstrations per optimizer step
     lr: float = 2e-3  # peak; linear warm-up, then cosine decay to 10% over the run
     warmup_steps: int = 5
@@ -52,14 +54,16 @@ class RLSection:
     group_size: int = 4
     batch_groups: int = 2
     rollout_slots: int = 8
-    rollout_timeout_s: float = 600.0
+    rollout_timeout_s: float = 120.0
     estimator: str = "grpo"  # "grpo" | "drgrpo" | "rloo"
     drop_zero_variance: bool = False
     temperature: float = 1.0
     max_tokens: int = 256  # per turn
     max_turns: int = 6
     loss: LossConfig = field(default_factory=lambda: LossConfig(off_policy="tis"))
-    reward: RewardConfig = field(default_factory=lambda: RewardConfig(cost_per_turn=0.02, cost_per_tool_error=0.02))
+    # costs only on solved episodes: with costs on failures too, the policy learnt to end every episode at once
+    reward: RewardConfig = field(default_factory=lambda: RewardConfig(cost_per_turn=0.02, cost_per_tool_error=0.02,
+                                                                      costs_on="solved"))
     routing_replay: bool = True
 
 
