@@ -133,7 +133,8 @@ def main() -> None:
     ap.add_argument("--prev-tokens", type=int, default=ModelConfig.prev_tokens, metavar="K",
                     help="the model's previous-token embeddings (ModelConfig.prev_tokens; 0 = none, as in the "
                          "runs before 2026-12-03)")
-    ap.add_argument("--copy-head", action="store_true", help="the model's pointer-generator output (ModelConfig.copy_head)")
+    ap.add_argument("--copy-head", action="store_true",
+                    help="the model's pointer-generator output (ModelConfig.copy_head)")
     ap.add_argument("--induction-mix", type=float, default=0.0, metavar="W",
                     help="add W x the induction loss to every probe step (keeps the heads from being overwritten)")
     args = ap.parse_args()

@@ -298,7 +298,9 @@ class Transformer(nn.Module):
             x_BTD = x_BTD + ffn_ND.view(B, T, cfg.d_model)
         if self.copy is not None:  # the copy head's keys: every position's final hidden state
             h_all_BTD = self.norm(x_BTD)
-            h_BTD = h_all_BTD if logits_at_B is None else h_all_BTD[torch.arange(B, device=x_BTD.device), logits_at_B][:, None]
+            h_BTD = h_all_BTD
+            if logits_at_B is not None:
+                h_BTD = h_all_BTD[torch.arange(B, device=x_BTD.device), logits_at_B][:, None]
         else:
             if logits_at_B is not None:
                 x_BTD = x_BTD[torch.arange(B, device=x_BTD.device), logits_at_B][:, None]
