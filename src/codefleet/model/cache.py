@@ -55,9 +55,10 @@ class SlotKVCache:
         shape = (n_layers, n_slots, n_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        # the copy head's keys and the tokens they point at (empty without a copy head)
-        self.copy_k = torch.zeros((n_slots, max_len, copy_dim) if copy_dim else (0,), dtype=dtype, device=device)
-        self.tokens = torch.zeros((n_slots, max_len) if copy_dim else (0,), dtype=torch.long, device=device)
+        # the copy head's keys and the tokens they point at (empty without a copy head), with a head axis of 1 so
+        # that the keys' and values' write/read serve them too
+        self.copy_k = torch.zeros((n_slots, 1, max_len, copy_dim) if copy_dim else (0,), dtype=dtype, device=device)
+        self.tokens = torch.zeros((n_slots, 1, max_len, 1) if copy_dim else (0,), dtype=torch.long, device=device)
         self.lengths = [0] * n_slots  # tokens held per slot (host side; the engine owns the bookkeeping)
         self._step: _Step | None = None
 
@@ -111,12 +112,12 @@ class SlotKVCache:
         assert step is not None, "cache.copy_context() called outside begin()/end(); the engine drives the cache"
         if not self.tokens.numel():
             raise ValueError("this cache keeps no copy-head keys: build it with copy_dim = the model's head_dim")
-        step.write_rows(self.copy_k, k_BTD)
-        step.write_rows(self.tokens, tokens_BT)
+        step.write(self.copy_k, k_BTD[:, None])
+        step.write(self.tokens, tokens_BT[:, None, :, None])
         visible_BTL = step.mask_BTL
         if at_B is not None:
             visible_BTL = visible_BTL[torch.arange(len(at_B), device=at_B.device), at_B][:, None]
-        return step.read_rows(self.copy_k), step.read_rows(self.tokens), visible_BTL
+        return step.read(self.copy_k)[:, 0], step.read(self.tokens)[:, 0, :, 0], visible_BTL
 
     # -- slot management ----------------------------------------------------------------
 
@@ -131,8 +132,8 @@ class SlotKVCache:
         self.k[:, dst, :, :n] = self.k[:, src, :, :n]
         self.v[:, dst, :, :n] = self.v[:, src, :, :n]
         if self.tokens.numel():
-            self.copy_k[dst, :n] = self.copy_k[src, :n]
-            self.tokens[dst, :n] = self.tokens[src, :n]
+            self.copy_k[dst, :, :n] = self.copy_k[src, :, :n]
+            self.tokens[dst, :, :n] = self.tokens[src, :, :n]
         self.lengths[dst] = n
 
     def free(self, slot: int) -> None:
@@ -189,21 +190,7 @@ class _Step:
         else:  # [B, T] positions per row; advanced indices (slot, position) broadcast to [B, T] -> [B, T, H, D]
             store[self.slots_B[:, None], :, self.positions_BT] = new_BHTD.transpose(1, 2)
 
-    def write_rows(self, store: torch.Tensor, new_BT_: torch.Tensor) -> None:
-        """`write` for a store without a head axis: `[n_slots, max_len, ...]`."""
-        new_BT_ = new_BT_.to(store.dtype)
-        if self.t_new == 1:
-            store[self.slots_B, self.positions_B] = new_BT_[:, 0]
-        else:
-            store[self.slots_B[:, None], self.positions_BT] = new_BT_
-
     def read(self, store: torch.Tensor) -> torch.Tensor:
         if self.packed:
             return store[: len(self.slots), :, : self.length]
         return store[self.slots_B, :, : self.length]
-
-    def read_rows(self, store: torch.Tensor) -> torch.Tensor:
-        """`read` for a store without a head axis."""
-        if self.packed:
-            return store[: len(self.slots), : self.length]
-        return store[self.slots_B, : self.length]

@@ -179,7 +179,8 @@ class CopyHead(nn.Module):
         B, T, V = logits_BTV.shape
         p_copy_BTV = attn_BTL.new_zeros(B, T, V).scatter_add_(
             2, tokens_BL[:, None, :].expand(B, T, tokens_BL.shape[1]), attn_BTL)
-        return self._mix(hq_BTD, torch.log_softmax(logits_BTV.float(), dim=-1), p_copy_BTV).to(logits_BTV.dtype)
+        gate_BT1 = self.gate(hq_BTD).float()
+        return _mix(gate_BT1, torch.log_softmax(logits_BTV.float(), dim=-1), p_copy_BTV).to(logits_BTV.dtype)
 
     def target_logprobs(self, logits_BTV: torch.Tensor, h_BTD: torch.Tensor, tokens_BT: torch.Tensor,
                         targets_BT: torch.Tensor) -> torch.Tensor:
@@ -188,7 +189,7 @@ class CopyHead(nn.Module):
         attn_BTS, _ = self._attention(h_BTD, h_BTD, tokens_BT)
         p_copy_BT = (attn_BTS * (tokens_BT[:, None, :] == targets_BT[:, :, None])).sum(-1)
         generator_BT = torch.log_softmax(logits_BTV.float(), dim=-1).gather(-1, targets_BT[..., None])[..., 0]
-        return self._mix(h_BTD, generator_BT, p_copy_BT, gate_dims=2)
+        return _mix(self.gate(h_BTD).float()[..., 0], generator_BT, p_copy_BT)
 
     def _attention(self, hq_BTD, hk_BSD, tokens_BS, cache=None, at_B=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The copy attention `[B, T, L]` (fp32) and the token at each of its `L` positions, `[B, L]`."""
@@ -203,13 +204,10 @@ class CopyHead(nn.Module):
         scores_BTL = torch.matmul(q_BTD, k_BLD.transpose(1, 2)).float() * self.scale
         return torch.softmax(scores_BTL.masked_fill(~visible_BTL, float("-inf")), dim=-1), tokens_BL
 
-    def _mix(self, h_BTD: torch.Tensor, generator_logp: torch.Tensor, p_copy: torch.Tensor, gate_dims: int = 3
-             ) -> torch.Tensor:
-        """log((1 - g) p_generator + g p_copy) with g = sigmoid(gate(h)); a copy share of 0 stays finite."""
-        gate = self.gate(h_BTD).float()
-        if gate_dims == 2:
-            gate = gate[..., 0]
-        return torch.logaddexp(F.logsigmoid(-gate) + generator_logp, F.logsigmoid(gate) + p_copy.clamp_min(1e-30).log())
+
+def _mix(gate: torch.Tensor, generator_logp: torch.Tensor, p_copy: torch.Tensor) -> torch.Tensor:
+    """log((1 - g) p_generator + g p_copy) with g = sigmoid(gate); a copy share of 0 stays finite."""
+    return torch.logaddexp(F.logsigmoid(-gate) + generator_logp, F.logsigmoid(gate) + p_copy.clamp_min(1e-30).log())
 
 
 @dataclass
