@@ -67,6 +67,7 @@ def test_train_survives_sigkill_and_resumes_without_losing_or_repeating_rollouts
                           timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resuming at step" in done.stderr
+    assert "task families (attempts, success estimate)" in done.stderr  # the curriculum, fed again on resume
     trained = _trained(run)
     assert sorted(trained) == [1, 2, 3, 4, 5]
     ids = [i for step in trained.values() for i in step]

@@ -52,6 +52,7 @@ def check_config(config: TrainRunConfig) -> None:
     from codefleet.agent.prompts import PROMPTS
     from codefleet.model.config import ModelConfig
     from codefleet.rl.advantages import ESTIMATORS
+    from codefleet.rl.curriculum import MODES as SAMPLING_MODES
     from codefleet.tasks.families import FAMILIES
 
     t, r, cl = config.tasks, config.rl, config.cluster
@@ -68,6 +69,7 @@ def check_config(config: TrainRunConfig) -> None:
          "cluster.trainer_workers, cluster.engines and cluster.rollout_workers must be >= 1"),
         (config.sft.epochs >= 1 and config.sft.batch_size >= 1, "sft.epochs and sft.batch_size must be >= 1"),
         (config.model.prompt in PROMPTS, f"model.prompt must be one of {', '.join(PROMPTS)}"),
+        (r.task_sampling in SAMPLING_MODES, f"rl.task_sampling must be one of {', '.join(SAMPLING_MODES)}"),
     ]
     bad = [message for ok, message in problems if not ok]
     if bad:
@@ -244,6 +246,7 @@ class RLTrainer:
         self.group, self.engines, self.run, self.metrics = group, engines, run, metrics
         self.config, self.progress = config, progress
         self.controller = None  # set once the controller exists (its buffer state goes into checkpoints)
+        self.sampler = None  # the task sampler (rl.curriculum): its per-family success estimates go into the metrics
         self.started = time.perf_counter()
         self.tokens = 0
 
@@ -271,6 +274,8 @@ class RLTrainer:
         m.update(stats, train_s=time.perf_counter() - step_started, lag_max=max(batch.lags, default=0),
                  lag_mean=sum(batch.lags) / max(len(batch.lags), 1),
                  tokens_per_s=self.tokens / (time.perf_counter() - self.started))
+        if self.sampler is not None and self.sampler.mode != "uniform":
+            m.update({f"task_p/{k}": v["p"] for k, v in self.sampler.stats().items()})
         self.metrics.log("rl", version, m)
         if self.progress is not None:
             self.progress.set_postfix(reward=f"{stats['reward_mean']:.2f}", success=f"{stats['success_rate']:.0%}",
@@ -300,16 +305,23 @@ def resume_state(run: RunDir, latest: tuple[str, int, dict] | None, batch_groups
                   "consumed_ids": sorted(consumed), "lags": list(state["lags"])}
 
 
-def task_stream(tasks, seed: int, skip: int = 0):
-    """Training tasks forever, reshuffled every pass; `skip` items are passed over (resume)."""
-    n = 0
-    for epoch in range(10**9):
-        order = list(tasks)
-        random.Random(f"{seed}/{epoch}").shuffle(order)
-        for task in order:
-            n += 1
-            if n > skip:
-                yield task
+def _solved(rollout) -> bool:
+    checks = rollout.payload["trajectory"].checks
+    return bool(checks and checks.all_passed)
+
+
+def task_sampler(run: RunDir, config: TrainRunConfig, tasks, skip: int):
+    """The RL task stream (`rl.task_sampling`, rl.curriculum); on resume, the curriculum first re-reads how
+    the accepted groups did."""
+    from codefleet.rl.curriculum import TaskSampler
+
+    c = config.rl
+    sampler = TaskSampler(tasks, seed=config.tasks.seed, mode=c.task_sampling, group_size=c.group_size,
+                          floor=c.task_sampling_floor, skip=skip)
+    if skip and c.task_sampling != "uniform":
+        for g in run.load_groups()[0]:
+            sampler.observe(g.rollouts[0].payload["trajectory"].task_id, [_solved(r) for r in g.rollouts])
+    return sampler
 
 
 def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, metrics: Metrics,
@@ -344,7 +356,11 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
                             resources=cl.rollout_resources)
     writer = RolloutWriter(run.path("rollouts"))
 
+    skip = buffer_state["next_group_id"] if buffer_state else 0
+    tasks = task_sampler(run, config, train_tasks, skip)
+
     def on_group(g: Group, dropped: bool) -> None:
+        tasks.observe(g.rollouts[0].payload["trajectory"].task_id, [_solved(r) for r in g.rollouts])
         if not dropped:
             run.save_group(g)  # durable before the trainer can see it
         writer.append([rollout_record(r.payload["trajectory"], run=config.name, step=g.ticket.policy_version,
@@ -353,17 +369,20 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
 
     bar = tqdm(total=c.steps, initial=version, desc="rl", unit="step", disable=not progress, file=sys.stderr)
     trainer = RLTrainer(group, engines, run, metrics, config, bar)
-    skip = buffer_state["next_group_id"] if buffer_state else 0
+    trainer.sampler = tasks
     controller = Controller(
         ControllerConfig(eta=c.eta, rollout_slots=c.rollout_slots, batch_groups=c.batch_groups,
                          group_size=c.group_size, rollout_timeout_s=c.rollout_timeout_s,
                          drop_zero_variance=c.drop_zero_variance),
-        AgentGroupRunner(workers), trainer, task_stream(train_tasks, config.tasks.seed, skip),
+        AgentGroupRunner(workers), trainer, tasks,
         start_version=version, buffer_state=buffer_state, on_group=on_group)
     trainer.controller = controller
     try:
         report = controller.run(c.steps)
         _log_prefix_cache(engines)
+        if c.task_sampling != "uniform":
+            _log("task families (attempts, success estimate): " + ", ".join(
+                f"{k} {v['attempts']}, {v['p']:.2f}" for k, v in tasks.stats().items()))
     finally:
         bar.close()
         group.shutdown()

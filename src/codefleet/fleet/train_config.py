@@ -57,6 +57,10 @@ class RLSection:
     rollout_timeout_s: float = 120.0
     estimator: str = "grpo"  # "grpo" | "drgrpo" | "rloo"
     drop_zero_variance: bool = False
+    # which task next: "learnable" favours task families where a group is likely to both succeed and fail
+    # (rl.curriculum), "uniform" takes every task once per pass
+    task_sampling: str = "learnable"
+    task_sampling_floor: float = 0.1  # every family keeps at least this sampling weight
     temperature: float = 1.0
     max_tokens: int = 256  # per turn
     max_turns: int = 6
