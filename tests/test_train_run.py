@@ -97,7 +97,8 @@ def test_train_survives_sigkill_and_resumes_without_losing_or_repeating_rollouts
     assert (tmp_path / "run" / "analysis" / "report.html").stat().st_size > 10_000
 
     ev = subprocess.run(_cli("eval", "--checkpoint", os.path.join(run, "checkpoints", "sft"), "--tasks",
-                             os.path.join(run, "tasks", "eval"), "--max-tokens", "16", "--max-turns", "2", "--json"),
+                             os.path.join(run, "tasks", "eval"), "--max-tokens", "16", "--max-turns", "2",
+                             "--wall-clock", "60", "--json"),
                         env=env, capture_output=True, text=True, timeout=300)
     assert ev.returncode == 0, ev.stderr[-2000:]
     summary = json.loads(ev.stdout.strip().splitlines()[-1])

@@ -32,6 +32,8 @@ def register(subparsers) -> None:
     ev.add_argument("--jobs", type=int, default=4, help="tasks at once")
     ev.add_argument("--max-tokens", type=int, default=384, help="per turn")
     ev.add_argument("--max-turns", type=int, default=8)
+    ev.add_argument("--wall-clock", type=float, default=1800.0,
+                    help="seconds per episode (a weak policy's hanging command costs this much)")
     ev.add_argument("--temperature", type=float, default=0.0)
     ev.add_argument("--prompt", choices=("full", "bare"), default=None,  # agent.prompts.PROMPTS, not imported here:
                     # the CLI starts without loading the agent package
@@ -108,7 +110,8 @@ def _eval(args: argparse.Namespace) -> int:
             writer.append([rollout_record(t, run=run_name, step=0, group=0, attempt=i, split="eval")
                            for i, t in enumerate(trajectories)])
 
-    episode = EpisodeConfig(budgets=Budgets(max_turns=args.max_turns, max_tool_calls=4 * args.max_turns),
+    episode = EpisodeConfig(budgets=Budgets(max_turns=args.max_turns, max_tool_calls=4 * args.max_turns,
+                                            wall_clock_s=args.wall_clock),
                             prompt=args.prompt or _run_prompt(args.checkpoint))
     report, _ = evaluate(args.checkpoint, tasks, EvalConfig(attempts=args.attempts, temperature=args.temperature,
                                                             max_tokens=args.max_tokens, jobs=args.jobs),
