@@ -37,7 +37,7 @@ class ModelSection:
 
 @dataclass
 class SFTSection:
-    epochs: int = 11
+    epochs: int = 20  # 400 steps: held-out greedy 10% vs 0% at 220 steps (2026-12-03)
     batch_size: int = 4  # demonstrations per optimizer step
     lr: float = 2e-3  # peak; linear warm-up, then cosine decay to 10% over the run
     warmup_steps: int = 5
@@ -73,7 +73,7 @@ class RLSection:
 
 @dataclass
 class EvalSection:
-    attempts: int = 1
+    attempts: int = 4  # 80 episodes on the 20 held-out tasks: one attempt moves the rate in steps of 5 points
     temperature: float = 1.0  # the policy RL trains samples at rl.temperature; 0 = greedy
     max_tokens: int = 256
     jobs: int = 10
