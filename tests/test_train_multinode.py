@@ -29,7 +29,8 @@ SCRIPT = textwrap.dedent("""
     cluster.wait_for_nodes()
     overrides = ["tasks.n_train=4", "tasks.n_eval=1", "tasks.families=[config]", "sft.epochs=1",
                  "sft.batch_size=4", "rl.steps=4", "rl.group_size=2", "rl.batch_groups=1", "rl.rollout_slots=4",
-                 "rl.max_tokens=24", "rl.max_turns=2", "eval.max_tokens=8", "cluster.trainer_workers=1",
+                 "rl.max_tokens=24", "rl.max_turns=2", "eval.max_tokens=8", "eval.attempts=1",
+                 "cluster.trainer_workers=1",
                  "cluster.rollout_workers=2", "cluster.rollout_cpus=0.1", "cluster.trainer_cpus=0.5",
                  "cluster.rollout_resources={rollout: 1}", "cluster.engine_resources={head: 1}",
                  "cluster.trainer_resources={head: 1}"]

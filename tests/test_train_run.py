@@ -20,7 +20,7 @@ from helpers import wait_for
 
 TINY = ["tasks.n_train=4", "tasks.n_eval=2", "tasks.families=[bugfix, config]", "sft.epochs=1", "sft.batch_size=4",
         "rl.steps=5", "rl.group_size=2", "rl.batch_groups=1", "rl.rollout_slots=4", "rl.eta=1", "rl.max_tokens=24",
-        "rl.max_turns=2", "eval.max_tokens=24", "cluster.num_cpus=4"]
+        "rl.max_turns=2", "eval.max_tokens=24", "eval.attempts=1", "cluster.num_cpus=4"]
 
 
 def _cli(*args: str) -> list[str]:
