@@ -187,3 +187,23 @@ def test_the_learning_rate_schedule_warms_up_then_decays_by_step():
     assert c.lr_at(4) == 1.0 and abs(c.lr_at(9) - 0.55) < 1e-9 and abs(c.lr_at(14) - 0.1) < 1e-9
     assert c.lr_at(100) == c.lr_at(14)
     assert TrainConfig(lr=0.5).lr_at(1000) == 0.5
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_rl_starts_at_version_0_with_or_without_the_sft_optimizer(tmp_path, keep):
+    from codefleet.fleet.train import _rl_start
+
+    sft = Trainer(_model(), TrainConfig(lr=3e-3))
+    for _ in range(2):
+        sft.forward_backward_sft(_examples(4))
+        sft.optim_step()
+    sft.save(str(tmp_path / "sft"))
+    start = Trainer.load(_rl_start(str(tmp_path / "sft"), str(tmp_path / "rl-start"), keep), TrainConfig(lr=1e-4))
+    assert start.version == 0
+    for (k, va), vb in zip(sft.weights().items(), start.weights().values()):
+        assert torch.equal(va, vb), k
+    moments = [s for s in start.optimizer.state_dict()["state"].values()]
+    if keep:  # SFT's AdamW moments, so RL's first update is not a ±lr step for every weight
+        assert moments and all(float(s["step"]) == 2 for s in moments)
+    else:
+        assert not moments

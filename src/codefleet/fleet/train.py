@@ -199,11 +199,23 @@ def _episode_config(config: TrainRunConfig):
                          tools=ToolConfig(max_output_chars=4000), reward=config.rl.reward, prompt=config.model.prompt)
 
 
-def _weights_only(src: str, dst: str) -> str:
-    """A plain checkpoint (policy version 0, no optimizer) of `src`'s weights: where RL starts."""
-    from codefleet.model import checkpoint
+def _rl_start(src: str, dst: str, keep_optimizer: bool) -> str:
+    """Where RL starts: `src`'s weights as policy version 0, with `src`'s AdamW state when `keep_optimizer`.
 
-    if not os.path.isfile(os.path.join(dst, checkpoint.CONFIG_FILE)):
+    A fresh AdamW's first steps move every weight that has a gradient by about the learning rate, whatever
+    the gradient's size (m / sqrt(v) is ±1 after one step); on the tiny default that alone cost held-out
+    success (docs/training.md). The SFT moments scale RL's first updates by what SFT's gradients were."""
+    import torch
+
+    from codefleet.model import checkpoint
+    from codefleet.rl.trainer import TRAINER_FILE
+
+    if not os.path.isfile(os.path.join(dst, checkpoint.CONFIG_FILE)):  # the config is written last
+        os.makedirs(dst, exist_ok=True)
+        state_file = os.path.join(src, TRAINER_FILE)
+        if keep_optimizer and os.path.isfile(state_file):
+            state = torch.load(state_file, weights_only=True)
+            torch.save({**state, "version": 0}, os.path.join(dst, TRAINER_FILE))
         checkpoint.save(checkpoint.load(src), dst)
     return dst
 
@@ -337,7 +349,7 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
     from codefleet.rl.trainer import TrainConfig
 
     c, cl = config.rl, config.cluster
-    start = _weights_only(sft_ckpt, run.path("checkpoints", "rl-start"))
+    start = _rl_start(sft_ckpt, run.path("checkpoints", "rl-start"), c.keep_sft_optimizer)
     latest = run.latest()
     serving = latest[0] if latest else start
     version, buffer_state = resume_state(run, latest, c.batch_groups)

@@ -50,6 +50,8 @@ class SFTSection:
 class RLSection:
     steps: int = 16
     lr: float = 2e-4
+    # start from SFT's AdamW moments, not a fresh AdamW (whose first steps move every weight by ~lr)
+    keep_sft_optimizer: bool = True
     eta: int = 1  # staleness bound (0 = synchronous)
     group_size: int = 4
     batch_groups: int = 2
