@@ -254,11 +254,12 @@ def training_samples(groups: list[Group], advantages: list[list[float]]) -> tupl
 class RLTrainer:
     """The controller's TrainerClient: advantages, one RL step, weights to the engines, a checkpoint."""
 
-    def __init__(self, group, engines, run: RunDir, metrics: Metrics, config: TrainRunConfig, progress=None):
+    def __init__(self, group, engines, run: RunDir, metrics: Metrics, config: TrainRunConfig, progress=None,
+                 sampler=None):
         self.group, self.engines, self.run, self.metrics = group, engines, run, metrics
         self.config, self.progress = config, progress
         self.controller = None  # set once the controller exists (its buffer state goes into checkpoints)
-        self.sampler = None  # the task sampler (rl.curriculum): its per-family success estimates go into the metrics
+        self.sampler = sampler  # the task sampler (rl.curriculum): its per-family success estimates go into the metrics
         self.started = time.perf_counter()
         self.tokens = 0
 
@@ -317,9 +318,10 @@ def resume_state(run: RunDir, latest: tuple[str, int, dict] | None, batch_groups
                   "consumed_ids": sorted(consumed), "lags": list(state["lags"])}
 
 
-def _solved(rollout) -> bool:
-    checks = rollout.payload["trajectory"].checks
-    return bool(checks and checks.all_passed)
+def _observe(sampler, group: Group) -> None:
+    """Tell the task sampler which attempts of a finished group solved its task."""
+    trajectories = [r.payload["trajectory"] for r in group.rollouts]
+    sampler.observe(trajectories[0].task_id, [bool(t.checks and t.checks.all_passed) for t in trajectories])
 
 
 def task_sampler(run: RunDir, config: TrainRunConfig, tasks, skip: int):
@@ -332,7 +334,7 @@ def task_sampler(run: RunDir, config: TrainRunConfig, tasks, skip: int):
                           floor=c.task_sampling_floor, skip=skip)
     if skip and c.task_sampling != "uniform":
         for g in run.load_groups()[0]:
-            sampler.observe(g.rollouts[0].payload["trajectory"].task_id, [_solved(r) for r in g.rollouts])
+            _observe(sampler, g)
     return sampler
 
 
@@ -372,7 +374,7 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
     tasks = task_sampler(run, config, train_tasks, skip)
 
     def on_group(g: Group, dropped: bool) -> None:
-        tasks.observe(g.rollouts[0].payload["trajectory"].task_id, [_solved(r) for r in g.rollouts])
+        _observe(tasks, g)
         if not dropped:
             run.save_group(g)  # durable before the trainer can see it
         writer.append([rollout_record(r.payload["trajectory"], run=config.name, step=g.ticket.policy_version,
@@ -380,8 +382,7 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
                                       extra={"dropped": dropped}) for r in g.rollouts])
 
     bar = tqdm(total=c.steps, initial=version, desc="rl", unit="step", disable=not progress, file=sys.stderr)
-    trainer = RLTrainer(group, engines, run, metrics, config, bar)
-    trainer.sampler = tasks
+    trainer = RLTrainer(group, engines, run, metrics, config, bar, sampler=tasks)
     controller = Controller(
         ControllerConfig(eta=c.eta, rollout_slots=c.rollout_slots, batch_groups=c.batch_groups,
                          group_size=c.group_size, rollout_timeout_s=c.rollout_timeout_s,

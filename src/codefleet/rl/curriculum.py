@@ -60,7 +60,7 @@ class TaskSampler(Iterator):
         if not tasks:
             raise ValueError("TaskSampler needs at least one task")
         self.tasks, self.seed, self.mode, self.group_size = list(tasks), seed, mode, group_size
-        self.floor, self.prior, self.key = floor, prior, key
+        self.floor, self.prior = floor, prior
         self.by_key: dict[str, list] = defaultdict(list)
         for task in self.tasks:
             self.by_key[key(task)].append(task)
@@ -68,7 +68,6 @@ class TaskSampler(Iterator):
         self.key_of = {task.id: key(task) for task in self.tasks}
         self.solved: dict[str, int] = defaultdict(int)
         self.failed: dict[str, int] = defaultdict(int)
-        self.drawn = 0
         self._rng = random.Random(f"{seed}/curriculum/{skip}")
         self._queues: dict[str, list] = {}
         self._passes: dict[str, int] = defaultdict(int)
@@ -76,10 +75,8 @@ class TaskSampler(Iterator):
         if mode == "uniform":
             for _ in range(skip):
                 next(self._uniform)
-        self.drawn = skip
 
     def __next__(self):
-        self.drawn += 1
         if self.mode == "uniform":
             return next(self._uniform)
         key = self._rng.choices(self.keys, weights=[self.weight(k) for k in self.keys])[0]
