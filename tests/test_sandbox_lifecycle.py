@@ -126,3 +126,13 @@ def test_owner_liveness_comes_from_the_process_table_not_file_times():
     gone.wait()
     assert not state._owner_alive(f"{gone.pid}-1-abcdef", changed_at=1e12)
     assert state._owner_alive("not-an-owner", changed_at=0.0)  # not ours to remove
+
+
+def test_a_bad_repository_argument_is_a_clear_error_and_leaves_no_half_made_sandbox(config, tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        create_sandbox(str(tmp_path / "missing"), config)
+    with pytest.raises(TypeError, match=r"create_sandbox\(repo, config\)"):
+        create_sandbox(config)  # the config passed as the repository
+    owner = state.owner_for(config.state_dir)
+    assert not list(owner._live)  # nothing for the exit hook to close (it once failed on a half-made one)
+    owner.close_all()

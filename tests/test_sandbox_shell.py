@@ -52,6 +52,18 @@ def test_multiline_commands_and_quoting(sandbox):
     assert quoted.output == "it's say \"hi\" tab\there back\\slash } { eval\n"
 
 
+@pytest.mark.parametrize("broken", ["grep -rl 'abc .", "echo $((1 +", "if true; then echo x", "echo \"abc",
+                                    "( echo x", "case x in"])
+def test_a_syntax_error_answers_at_once_and_the_next_command_runs(sandbox, broken):
+    """A syntax error once left interactive bash parsing the next protocol line out of command position: that
+    command's marker never came and it hung until its timeout (a policy's unbalanced quote cost 60 s)."""
+    result = sandbox.exec(broken, timeout_s=5)
+    assert not result.timed_out and result.exit_code == 2 and "unexpected" in result.output
+    for command in ("echo after", "{ echo grouped; }"):
+        after = sandbox.exec(command, timeout_s=5)
+        assert not after.timed_out and after.exit_code == 0 and after.output.strip() in ("after", "grouped")
+
+
 def test_heredocs(sandbox):
     literal = sandbox.exec("cat <<'EOF'\n$HOME 'single' \"double\" `date` \\\nEOF")
     assert literal.output == "$HOME 'single' \"double\" `date` \\\n"

@@ -156,14 +156,18 @@ class NamespaceSandbox(ShellSandbox):
         reason = unavailable_reason()
         if reason:
             raise SandboxUnavailableError(reason)
+        if _lowers is None and repo is not None:  # checked before the owner tracks a half-made sandbox
+            if not isinstance(repo, (str, os.PathLike)):
+                raise TypeError(f"the repository must be a directory path, not {type(repo).__name__}; "
+                                "call create_sandbox(repo, config)")
+            if not os.path.isdir(repo):
+                raise FileNotFoundError(f"repository directory {repo!r} does not exist")
         self.owner = owner_for(config.state_dir)
         self.owner.track(self)
         sandbox_id = "sb-" + os.urandom(5).hex()
         self.dir = os.path.join(self.owner.dir, "sb", sandbox_id)
         os.makedirs(self.dir)
         if _lowers is None:
-            if repo is not None and not os.path.isdir(repo):
-                raise FileNotFoundError(f"repository directory {repo!r} does not exist")
             _lowers = [os.path.abspath(repo) if repo else _empty_dir(self.owner)]
         self._layers = list(_layers or [])
         for layer in self._layers:

@@ -2,13 +2,18 @@
 
 Protocol. The host writes one line per command:
 
-    { eval -- '<command>'
+    : ; { eval -- '<command>'
     } </dev/null 2>&1; printf '\\036<nonce>:<seq>:%d\\036' $?
 
 The brace group runs in the shell itself, so `cd`, `export` and background
 jobs persist; `2>&1` merges stderr into stdout in write order; stdin is
-/dev/null so a command can never eat the protocol. The host reads until the
-marker with this command's sequence number and takes the exit code from it.
+/dev/null so a command can never eat the protocol. The leading `: ;` is
+there because a command that is a syntax error (`grep 'abc`, an unclosed
+`$((`) leaves interactive bash reading the next line out of command
+position: a line that began with `{` would then be a syntax error too, its
+marker would never come, and the next command would hang until its timeout.
+The host reads until the marker with this command's sequence number and
+takes the exit code from it.
 
 Timeouts. bash runs *interactive* (`-i`, with no terminal and no prompt):
 an interactive bash abandons the current command line on SIGINT, which is
@@ -185,7 +190,7 @@ class ShellSession:
         started = time.perf_counter()
         self._seq += 1
         prefix = b"\x1e" + self._nonce + b":%d:" % self._seq
-        line = ("{ eval -- " + shell_quote(command) + "\n} </dev/null 2>&1; printf '\\036"
+        line = (": ; { eval -- " + shell_quote(command) + "\n} </dev/null 2>&1; printf '\\036"
                 + self._nonce.decode() + ":" + str(self._seq) + ":%d\\036' $?\n").encode()
         before = self._list_procs()
         out = OutputCollector(self._limit, prefix)
