@@ -16,10 +16,11 @@ from codefleet.model.transformer import Transformer, token_logprobs
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["plain", "copy_head"])
+@pytest.fixture(scope="module", params=["plain", "copy_head", "copy_prompt"])
 def model(request):
     torch.manual_seed(0)
-    return Transformer(ModelConfig.tiny(copy_head=request.param)).eval()
+    return Transformer(ModelConfig.tiny(copy_head=request.param != "plain",
+                                        copy_scope="prompt" if request.param == "copy_prompt" else "all")).eval()
 
 
 def prompts(n: int, seed: int = 0, lengths=(3, 9, 5, 14, 2, 7)) -> list[list[int]]:
@@ -35,7 +36,9 @@ def trainer_logprobs(model, prompt, result, replay: bool) -> torch.Tensor:
         experts_TLK = torch.tensor(result.prompt_routed_experts + result.routed_experts)
         routing = [experts_TLK[None, :, layer] for layer in range(experts_TLK.shape[1])]
     with torch.no_grad():
-        logits_BTV = model(tokens_BT, routing_replay=routing).logits_BTV
+        turn_mask_BT = torch.zeros_like(tokens_BT, dtype=torch.bool)
+        turn_mask_BT[0, len(prompt) - 1: -1] = True  # the queries that predict the completion
+        logits_BTV = model(tokens_BT, routing_replay=routing, turn_mask_BT=turn_mask_BT).logits_BTV
     lp = token_logprobs(logits_BTV[:, :-1], tokens_BT[:, 1:])
     return lp[0, len(prompt) - 1:]
 

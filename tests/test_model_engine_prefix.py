@@ -16,10 +16,11 @@ from codefleet.model.transformer import Transformer, token_logprobs
 GREEDY = SamplingParams(max_tokens=10, temperature=0)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["plain", "copy_head"])
+@pytest.fixture(scope="module", params=["plain", "copy_head", "copy_prompt"])
 def model(request):
     torch.manual_seed(0)
-    return Transformer(ModelConfig.tiny(copy_head=request.param)).eval()
+    return Transformer(ModelConfig.tiny(copy_head=request.param != "plain",
+                                        copy_scope="prompt" if request.param == "copy_prompt" else "all")).eval()
 
 
 def pieces(n: int, length: int, seed: int) -> list[list[int]]:
@@ -54,16 +55,23 @@ def test_a_multi_turn_conversation_reuses_its_prefix_and_samples_what_a_cold_eng
 
 
 def test_the_trainers_forward_over_a_reused_prefix_equals_the_engines_logprobs_with_routing_replay(model):
+    """One forward over the whole conversation (as RL trains it): every turn's logprobs are the engine's."""
     engine = Engine(model, max_batch=2, max_seq_len=256)
-    last = conversation(engine, turns=3, seed=1)[-1]
+    turns = conversation(engine, turns=3, seed=1)
+    last = turns[-1]
     assert last.cached_tokens > 0
     tokens_BT = torch.tensor([last.prompt_token_ids + last.token_ids])
+    turn_mask_BT = torch.zeros_like(tokens_BT, dtype=torch.bool)  # the queries that predict each turn's tokens
+    for r in turns:
+        turn_mask_BT[0, len(r.prompt_token_ids) - 1: len(r.prompt_token_ids) + len(r.token_ids) - 1] = True
     experts_TLK = torch.tensor(last.prompt_routed_experts + last.routed_experts)
     for replay in (None, [experts_TLK[None, :, layer] for layer in range(experts_TLK.shape[1])]):
         with torch.no_grad():
-            logits_BTV = model(tokens_BT, routing_replay=replay).logits_BTV
-        trainer = token_logprobs(logits_BTV[:, :-1], tokens_BT[:, 1:])[0, len(last.prompt_token_ids) - 1:]
-        assert (trainer - torch.tensor(last.logprobs)).abs().max().item() <= 1e-4
+            logits_BTV = model(tokens_BT, routing_replay=replay, turn_mask_BT=turn_mask_BT).logits_BTV
+        trainer = token_logprobs(logits_BTV[:, :-1], tokens_BT[:, 1:])[0]
+        for r in turns:
+            n = len(r.prompt_token_ids)
+            assert (trainer[n - 1: n - 1 + len(r.token_ids)] - torch.tensor(r.logprobs)).abs().max().item() <= 1e-4
 
 
 def test_a_group_sharing_a_prompt_copies_the_common_prefix_and_keeps_the_entry(model):

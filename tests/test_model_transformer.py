@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from codefleet.model.config import ModelConfig
-from codefleet.model.transformer import Transformer, apply_rope, rope_cos_sin, token_logprobs
+from codefleet.model.transformer import Transformer, apply_rope, copy_ends, rope_cos_sin, token_logprobs
 
 
 def _small(**overrides) -> ModelConfig:
@@ -228,6 +228,35 @@ def test_copy_head_output_is_a_mixture_whose_copy_share_lies_on_the_context():
     assert ModelConfig.from_json(json.dumps(saved)).copy_head is False
 
 
+def test_copy_ends_give_each_turn_the_prompt_it_was_generated_from():
+    turn_mask_BT = torch.tensor([[0, 1, 1, 1, 0, 0, 1, 1, 0], [1, 1, 0, 1, 0, 0, 0, 0, 0]]).bool()
+    assert copy_ends(turn_mask_BT).tolist() == [[1, 2, 2, 2, 5, 6, 7, 7, 9], [1, 1, 3, 4, 5, 6, 7, 8, 9]]
+
+
+def test_copy_scope_prompt_points_only_before_the_current_turn():
+    """Gate open: all of p is the copy share. In a turn (targets 6..11) only the prompt's tokens get any."""
+    torch.manual_seed(0)
+    model = Transformer(_small(copy_head=True, copy_scope="prompt")).eval()
+    model.copy.gate.bias.data.fill_(40.0)
+    tokens_BT = torch.tensor([[1, 2, 3, 4, 5, 6, 50, 51, 52, 53, 54, 55]])
+    turn_mask_BT = torch.zeros(1, 12, dtype=torch.bool)
+    turn_mask_BT[0, 6:11] = True  # queries 6..10 predict the turn's tokens 7..11 (token 6 is the prompt's last)
+    turn_mask_BT[0, 5] = True  # query 5 predicts the turn's first token, from the prompt tokens[:6]
+    with torch.no_grad():
+        p_TV = model(tokens_BT, turn_mask_BT=turn_mask_BT).logits_BTV[0].exp()
+        every_BTV = model(tokens_BT, turn_mask_BT=torch.zeros_like(turn_mask_BT)).logits_BTV.exp()
+    prompt = [1, 2, 3, 4, 5, 6]
+    for t in range(5, 11):
+        assert p_TV[t, prompt].sum() > 0.999 and p_TV[t, 50:56].sum() < 1e-6
+    assert every_BTV[0, 10, 50:56].sum() > 0.01  # outside a turn a query sees its whole past
+    with pytest.raises(ValueError, match="turn_mask_BT"):
+        model(tokens_BT, targets_BT=tokens_BT)
+    assert ModelConfig.from_json(json.dumps({k: v for k, v in model.config.to_dict().items()
+                                             if k != "copy_scope"})).copy_scope == "all"
+    with pytest.raises(ValueError, match="copy_scope"):
+        _small(copy_scope="turn")
+
+
 def test_copy_head_learns_to_copy_what_the_generator_alone_cannot_in_the_same_steps():
     """Repeat a random sequence: the copy head's gradient comes straight from the target."""
     def final_loss(copy_head: bool) -> float:
@@ -246,19 +275,21 @@ def test_copy_head_learns_to_copy_what_the_generator_alone_cannot_in_the_same_st
     assert final_loss(True) < 1.0 < final_loss(False)  # measured: 0.36 and 2.19
 
 
-@pytest.mark.parametrize("copy_head", [False, True], ids=["plain", "copy_head"])
-def test_target_logprobs_equal_the_full_distributions_and_their_gradients(copy_head):
+@pytest.mark.parametrize("copy_head,scope", [(False, "all"), (True, "all"), (True, "prompt")],
+                         ids=["plain", "copy_head", "copy_prompt"])
+def test_target_logprobs_equal_the_full_distributions_and_their_gradients(copy_head, scope):
     torch.manual_seed(0)
-    model = Transformer(_small(copy_head=copy_head))
+    model = Transformer(_small(copy_head=copy_head, copy_scope=scope))
     tokens_BT = torch.randint(0, 40, (2, 10))
     targets_BT = torch.randint(0, 97, (2, 10))
     targets_BT[:, :5] = tokens_BT[:, :5]  # some targets occur in the context, some do not
-    full = token_logprobs(model(tokens_BT).logits_BTV, targets_BT)
+    turns_BT = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1, 1, 0, 0, 0]]).bool()
+    full = token_logprobs(model(tokens_BT, turn_mask_BT=turns_BT).logits_BTV, targets_BT)
     (grad_full,) = torch.autograd.grad(full.sum(), model.lm_head.weight)
-    out = model(tokens_BT, targets_BT=targets_BT)
+    out = model(tokens_BT, targets_BT=targets_BT, turn_mask_BT=turns_BT)
     assert out.logits_BTV is None
     torch.testing.assert_close(out.target_logprobs_BT, full, atol=1e-5, rtol=1e-5)
     (grad_targets,) = torch.autograd.grad(out.target_logprobs_BT.sum(), model.lm_head.weight)
     torch.testing.assert_close(grad_targets, grad_full, atol=1e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="full forward"):
-        model(tokens_BT, targets_BT=targets_BT, logits_at_B=torch.tensor([1, 2]))
+        model(tokens_BT, targets_BT=targets_BT, logits_at_B=torch.tensor([1, 2]), turn_mask_BT=turns_BT)

@@ -32,7 +32,9 @@ convention of HF's `repeat_kv`).
 
 A model with a copy head (`ModelConfig.copy_head`) also keeps, per slot and
 position, the copy head's key (`copy_dim` wide) and the token there:
-`copy_context` stores the new ones and returns each row's history.
+`copy_context` stores the new ones and returns each row's history; with
+`copy_ends` given to `begin` (`ModelConfig.copy_scope = "prompt"`: each
+request's prompt length), a row's queries see only the copy keys before it.
 """
 
 from __future__ import annotations
@@ -64,14 +66,15 @@ class SlotKVCache:
 
     # -- one forward pass -------------------------------------------------------------
 
-    def begin(self, slots: list[int], starts: list[int], n_new: list[int], t_new: int) -> None:
+    def begin(self, slots: list[int], starts: list[int], n_new: list[int], t_new: int,
+              copy_ends: list[int] | None = None) -> None:
         """Prepare the next forward pass: row b writes `n_new[b]` (of `t_new`) tokens into `slots[b]` after
-        `starts[b]`."""
+        `starts[b]`; its copy-head queries point only before `copy_ends[b]` if given."""
         for s, n in zip(starts, n_new):
             if s + n > self.max_len:
                 raise CacheFullError(f"a sequence of {s + n} tokens does not fit the cache (max_len "
                                      f"{self.max_len}); raise max_seq_len or lower max_tokens")
-        self._step = _Step(self, slots, starts, n_new, t_new)
+        self._step = _Step(self, slots, starts, n_new, t_new, copy_ends)
 
     def end(self) -> None:
         """Commit the lengths of the forward pass that `begin` prepared."""
@@ -114,7 +117,7 @@ class SlotKVCache:
             raise ValueError("this cache keeps no copy-head keys: build it with copy_dim = the model's head_dim")
         step.write(self.copy_k, k_BTD[:, None])
         step.write(self.tokens, tokens_BT[:, None, :, None])
-        visible_BTL = step.mask_BTL
+        visible_BTL = step.copy_mask_BTL
         if at_B is not None:
             visible_BTL = visible_BTL[torch.arange(len(at_B), device=at_B.device), at_B][:, None]
         return step.read(self.copy_k)[:, 0], step.read(self.tokens)[:, 0, :, 0], visible_BTL
@@ -143,7 +146,8 @@ class SlotKVCache:
 class _Step:
     """Indices and the mask of one forward pass, computed once and shared by every layer."""
 
-    def __init__(self, cache: SlotKVCache, slots: list[int], starts: list[int], n_new: list[int], t_new: int):
+    def __init__(self, cache: SlotKVCache, slots: list[int], starts: list[int], n_new: list[int], t_new: int,
+                 copy_ends: list[int] | None = None):
         self.slots, self.starts, self.n_new, self.t_new = slots, starts, n_new, t_new
         device = cache.k.device
         B = len(slots)
@@ -161,6 +165,10 @@ class _Step:
         key_pos_L = torch.arange(self.length, device=device)
         query_pos_BT = starts_B[:, None] + torch.arange(t_new, device=device)[None, :]
         self.mask_BTL = key_pos_L[None, None, :] <= query_pos_BT[:, :, None]  # True: may attend
+        self.copy_mask_BTL = self.mask_BTL
+        if copy_ends is not None:
+            ends_B = torch.tensor(copy_ends, device=device)
+            self.copy_mask_BTL = self.mask_BTL & (key_pos_L[None, None, :] < ends_B[:, None, None])
         self._masks: dict[int, torch.Tensor] = {}
         self._additive: torch.Tensor | None = None
         self.dtype = cache.k.dtype

@@ -44,6 +44,15 @@ target: a model trained from scratch copies names from its task far sooner
 (docs/model.md). The logits the model returns are `log p`, so sampling,
 logprobs and losses are unchanged. Off by default (the plain Llama/Qwen
 output); `codefleet train` turns it on (`model.copy_head`).
+
+`copy_scope`: which positions the copy head may point at. "all": every
+earlier position, the model's own output included. "prompt": only the tokens
+before the current assistant turn (the prompt the engine was given), so the
+pointer cannot follow its own output around a loop (`to X to X to X ...`,
+seen in the tiny policy's transcripts); names are copied from the task and
+tool results, where they come from. Training then needs the turns' mask
+(`Transformer.forward(turn_mask_BT=...)`), the engine passes each request's
+prompt length. Configs saved before the field existed load as "all".
 """
 
 from __future__ import annotations
@@ -86,6 +95,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     prev_tokens: int = 2
     copy_head: bool = False
+    copy_scope: str = "all"  # "all" | "prompt"
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
@@ -98,6 +108,7 @@ class ModelConfig:
             (self.head_dim % 2 == 0, "head_dim must be even (rotary embeddings rotate pairs)"),
             (0 <= self.first_dense_layers <= self.n_layers, "first_dense_layers must be in [0, n_layers]"),
             (0 <= self.prev_tokens <= 8, "prev_tokens must be in [0, 8]"),
+            (self.copy_scope in ("all", "prompt"), "copy_scope must be 'all' or 'prompt'"),
         ]
         for ok, msg in checks:
             if not ok:

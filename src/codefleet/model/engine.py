@@ -351,6 +351,10 @@ class Engine:
         return self.model(tokens_BT, positions_BT=positions_BT, cache=self.cache,
                           return_routing=self.record_routing, logits_at_B=logits_at_B, prev_BK=prev_BK)
 
+    def _copy_ends(self, seqs: list[_Sequence]) -> list[int] | None:
+        """With `copy_scope = "prompt"` the copy head points only into each request's prompt."""
+        return [len(s.prompt) for s in seqs] if getattr(self.model.config, "copy_scope", "all") == "prompt" else None
+
     def _prefill(self, seqs: list[_Sequence]) -> None:
         """One forward pass over each prompt's tokens after its reused prefix (right-padded to the longest)."""
         suffixes = [s.prompt[s.reused:] for s in seqs]
@@ -362,7 +366,7 @@ class Engine:
         starts = [s.reused for s in seqs]
         positions_BT = torch.tensor(starts, device=self.device)[:, None] + torch.arange(T, device=self.device)
         positions_BT = positions_BT.clamp_(max=self.max_seq_len - 1)  # padding past the cache (see cache.py)
-        self.cache.begin([s.slot for s in seqs], starts, [len(x) for x in suffixes], T)
+        self.cache.begin([s.slot for s in seqs], starts, [len(x) for x in suffixes], T, self._copy_ends(seqs))
         last_B = torch.tensor([len(x) - 1 for x in suffixes], device=self.device)
         out = self._forward(seqs, starts, tokens_BT, positions_BT, logits_at_B=last_B)  # each prompt's last logits
         self.cache.end()
@@ -386,7 +390,7 @@ class Engine:
         tokens_B1 = torch.tensor([[s.tokens[-1]] for s in running], device=self.device)
         starts = [s.length - 1 for s in running]
         positions_B1 = torch.tensor(starts, device=self.device)[:, None]
-        self.cache.begin([s.slot for s in running], starts, [1] * len(running), 1)
+        self.cache.begin([s.slot for s in running], starts, [1] * len(running), 1, self._copy_ends(running))
         out = self._forward(running, starts, tokens_B1, positions_B1)
         self.cache.end()
         if self.record_routing:

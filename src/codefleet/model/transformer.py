@@ -32,7 +32,10 @@
 - Copy head (`config.copy_head`, `CopyHead`): the logits become the log of a
   pointer-generator mixture, the LM head's distribution and an attention over
   the context's tokens; with a cache, `cache.copy_context` keeps each
-  position's copy key and token.
+  position's copy key and token. With `config.copy_scope = "prompt"` a
+  position whose target the model writes in a turn points only at the tokens
+  before that turn: training passes `turn_mask_BT` (`copy_ends` turns it into
+  each query's limit), the engine each request's prompt length.
 
 `forward` returns `ModelOutput(logits_BTV, routed_experts, aux_loss, z_loss)`:
 `routed_experts` is one `[B, T, top_k]` int64 tensor per MoE layer when
@@ -170,12 +173,12 @@ class CopyHead(nn.Module):
         self.gate = nn.Linear(config.d_model, 1)
 
     def forward(self, logits_BTV: torch.Tensor, hq_BTD: torch.Tensor, hk_BSD: torch.Tensor, tokens_BS: torch.Tensor,
-                cache=None, at_B: torch.Tensor | None = None) -> torch.Tensor:
+                cache=None, at_B: torch.Tensor | None = None, end_BT: torch.Tensor | None = None) -> torch.Tensor:
         """`hq_BTD`: the hidden states that predict (those of `logits_BTV`); `hk_BSD`, `tokens_BS`: every new
         position's hidden state and token. Without a cache the context is `tokens_BS` (causal; `at_B`: the one
-        query position of each row); with one, `cache.copy_context` stores the new keys and tokens and returns
-        each row's whole history."""
-        attn_BTL, tokens_BL = self._attention(hq_BTD, hk_BSD, tokens_BS, cache, at_B)
+        query position of each row; `end_BT`: each query points only before that position, `copy_ends`); with
+        one, `cache.copy_context` stores the new keys and tokens and returns each row's visible history."""
+        attn_BTL, tokens_BL = self._attention(hq_BTD, hk_BSD, tokens_BS, cache, at_B, end_BT)
         B, T, V = logits_BTV.shape
         p_copy_BTV = attn_BTL.new_zeros(B, T, V).scatter_add_(
             2, tokens_BL[:, None, :].expand(B, T, tokens_BL.shape[1]), attn_BTL)
@@ -183,15 +186,16 @@ class CopyHead(nn.Module):
         return _mix(gate_BT1, torch.log_softmax(logits_BTV.float(), dim=-1), p_copy_BTV).to(logits_BTV.dtype)
 
     def target_logprobs(self, logits_BTV: torch.Tensor, h_BTD: torch.Tensor, tokens_BT: torch.Tensor,
-                        targets_BT: torch.Tensor) -> torch.Tensor:
+                        targets_BT: torch.Tensor, end_BT: torch.Tensor | None = None) -> torch.Tensor:
         """log p(targets) under the mixture, `[B, T]` (fp32), without a `[B, T, V]` copy distribution: the
         copy share of a target is the attention on the positions that hold it (training: no cache)."""
-        attn_BTS, _ = self._attention(h_BTD, h_BTD, tokens_BT)
+        attn_BTS, _ = self._attention(h_BTD, h_BTD, tokens_BT, end_BT=end_BT)
         p_copy_BT = (attn_BTS * (tokens_BT[:, None, :] == targets_BT[:, :, None])).sum(-1)
         generator_BT = torch.log_softmax(logits_BTV.float(), dim=-1).gather(-1, targets_BT[..., None])[..., 0]
         return _mix(self.gate(h_BTD).float()[..., 0], generator_BT, p_copy_BT)
 
-    def _attention(self, hq_BTD, hk_BSD, tokens_BS, cache=None, at_B=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _attention(self, hq_BTD, hk_BSD, tokens_BS, cache=None, at_B=None, end_BT=None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """The copy attention `[B, T, L]` (fp32) and the token at each of its `L` positions, `[B, L]`."""
         q_BTD, k_BSD = self.wq(hq_BTD), self.wk(hk_BSD)
         if cache is not None:
@@ -201,8 +205,22 @@ class CopyHead(nn.Module):
             query_pos = torch.arange(S, device=tokens_BS.device)[:, None] if at_B is None else at_B[:, None, None]
             k_BLD, tokens_BL = k_BSD, tokens_BS
             visible_BTL = torch.arange(S, device=tokens_BS.device) <= query_pos  # [T, S] or [B, 1, S]
+            if end_BT is not None:
+                visible_BTL = visible_BTL & (torch.arange(S, device=tokens_BS.device) < end_BT[..., None])
         scores_BTL = torch.matmul(q_BTD, k_BLD.transpose(1, 2)).float() * self.scale
         return torch.softmax(scores_BTL.masked_fill(~visible_BTL, float("-inf")), dim=-1), tokens_BL
+
+
+def copy_ends(turn_mask_BT: torch.Tensor) -> torch.Tensor:
+    """Where each query's copy context ends (exclusive), `[B, T]`, for `copy_scope = "prompt"`.
+
+    `turn_mask_BT` is True where position t's target is a token the model wrote (the loss mask). A run of such
+    positions t0..t1 is one turn, generated from the prompt `tokens[:t0 + 1]`: its queries see positions
+    `<= t0`. Any other query sees its whole past (`<= t`)."""
+    mask = turn_mask_BT.bool()
+    t_BT = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    continues = mask & F.pad(mask[:, :-1], (1, 0))  # inside a turn, not its first position
+    return torch.where(continues, 0, t_BT).cummax(dim=1).values + 1
 
 
 def _mix(gate: torch.Tensor, generator_logp: torch.Tensor, p_copy: torch.Tensor) -> torch.Tensor:
@@ -251,13 +269,16 @@ class Transformer(nn.Module):
     def forward(self, tokens_BT: torch.Tensor, positions_BT: torch.Tensor | None = None, cache=None,
                 routing_replay: list[torch.Tensor] | None = None, return_routing: bool = False,
                 logits_at_B: torch.Tensor | None = None, prev_BK: torch.Tensor | None = None,
-                targets_BT: torch.Tensor | None = None) -> ModelOutput:
+                targets_BT: torch.Tensor | None = None, turn_mask_BT: torch.Tensor | None = None) -> ModelOutput:
         """`logits_at_B`: compute the logits only at that position of each row (`logits_BTV` is then
         [B, 1, V]); the engine's prefill needs only each prompt's last token, not a [B, T, V] head.
         `prev_BK`: the `prev_tokens` token ids before each row's first token, oldest first (`vocab_size`
         where the sequence has none); None when every row starts its sequence.
         `targets_BT`: return `target_logprobs_BT`, log p of each target (what training needs), instead of
-        `logits_BTV`; with a copy head this skips the `[B, T, V]` copy distribution (no cache)."""
+        `logits_BTV`; with a copy head this skips the `[B, T, V]` copy distribution (no cache).
+        `turn_mask_BT`: True where the target is a token the model wrote in a turn (the loss mask); a forward
+        without a cache needs it when `config.copy_scope` is "prompt" (the copy head of those positions sees
+        only the tokens before their turn, as the engine's did)."""
         cfg = self.config
         B, T = tokens_BT.shape
         if positions_BT is None:
@@ -294,6 +315,14 @@ class Transformer(nn.Module):
             else:
                 ffn_ND = block.ffn(h_ND)
             x_BTD = x_BTD + ffn_ND.view(B, T, cfg.d_model)
+        copy_end_BT = None
+        if self.copy is not None and cfg.copy_scope == "prompt" and cache is None:
+            if turn_mask_BT is None:
+                raise ValueError("this model's copy head points only before the current turn (copy_scope='prompt'): "
+                                 "give turn_mask_BT, True where the target is a token the model wrote")
+            copy_end_BT = copy_ends(turn_mask_BT)
+            if logits_at_B is not None:
+                copy_end_BT = copy_end_BT[torch.arange(B, device=x_BTD.device), logits_at_B][:, None]
         if self.copy is not None:  # the copy head's keys: every position's final hidden state
             h_all_BTD = self.norm(x_BTD)
             h_BTD = h_all_BTD
@@ -313,12 +342,12 @@ class Transformer(nn.Module):
                 raise ValueError("targets_BT is for a full forward over whole sequences (training), not with "
                                  "a cache or logits_at_B")
             if self.copy is not None:
-                logp_BT = self.copy.target_logprobs(logits_BTV, h_BTD, tokens_BT, targets_BT)
+                logp_BT = self.copy.target_logprobs(logits_BTV, h_BTD, tokens_BT, targets_BT, copy_end_BT)
             else:
                 logp_BT = token_logprobs(logits_BTV, targets_BT)
             return ModelOutput(None, routed_out, aux, z, logp_BT)
         if self.copy is not None:
-            logits_BTV = self.copy(logits_BTV, h_BTD, h_all_BTD, tokens_BT, cache, logits_at_B)
+            logits_BTV = self.copy(logits_BTV, h_BTD, h_all_BTD, tokens_BT, cache, logits_at_B, copy_end_BT)
         return ModelOutput(logits_BTV, routed_out, aux, z)
 
     def embed_input(self, tokens_BT: torch.Tensor, prev_BK: torch.Tensor | None = None) -> torch.Tensor:

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from codefleet.model.transformer import token_logprobs
 
@@ -62,7 +63,10 @@ def forward_logprobs(model, tokens_BT: torch.Tensor, mask_BT: torch.Tensor | Non
     B, T = tokens_BT.shape
     positions_BT = torch.arange(T, device=tokens_BT.device).expand(B, T)
     next_BT = torch.cat([tokens_BT[:, 1:], tokens_BT[:, :1]], dim=1)  # the last column is never used
-    out = model(tokens_BT, positions_BT=positions_BT, routing_replay=routing_replay, targets_BT=next_BT)
+    # position t predicts token t + 1: the model wrote that target where mask_BT[t + 1] is 1
+    turn_mask_BT = None if mask_BT is None else F.pad(mask_BT[:, 1:] > 0, (0, 1))
+    out = model(tokens_BT, positions_BT=positions_BT, routing_replay=routing_replay, targets_BT=next_BT,
+                turn_mask_BT=turn_mask_BT)
     first_B1 = torch.zeros(B, 1, device=tokens_BT.device)
     logprobs_BT = torch.cat([first_B1, out.target_logprobs_BT[:, :-1]], dim=1)
     if mask_BT is not None:

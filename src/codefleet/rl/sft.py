@@ -61,7 +61,8 @@ def sft_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, loss_mask_BT: t
 
 def sft_step_loss(model, batch: SFTBatch) -> tuple[torch.Tensor, dict[str, float]]:
     """Forward the batch; the loss to backpropagate (cross-entropy + router losses) and metrics."""
-    out = model(batch.tokens_BT, positions_BT=batch.positions_BT, targets_BT=batch.targets_BT)
+    out = model(batch.tokens_BT, positions_BT=batch.positions_BT, targets_BT=batch.targets_BT,
+                turn_mask_BT=batch.loss_mask_BT > 0)
     ce = masked_reduce(-out.target_logprobs_BT, batch.loss_mask_BT, "token_mean")
     loss = add_moe_losses(ce, out)
     return loss, {"ce": float(ce.detach()), "aux_loss": float(out.aux_loss.detach()), "z_loss": float(out.z_loss.detach()),
