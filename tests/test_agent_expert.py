@@ -47,3 +47,21 @@ def test_expert_renames_with_one_shell_command_and_can_skip_exploring(tmp_path, 
     assert [m["role"] for m in trajectory.messages[:2]] == ["user", "assistant"]  # bare: the task alone
     calls = [(c.name, c.arguments.get("command")) for turn in trajectory.turns for c in turn.tool_calls]
     assert calls[0] == ("run", rename_command(old, new)) and [n for n, _ in calls[1:]] == ["run", "submit"]
+
+
+def test_expert_chains_the_tests_into_a_rename_and_explores_when_the_task_names_no_file(tmp_path, config):
+    from codefleet.agent.clients.scripted import pure_rename, rename_command
+    from codefleet.tasks.patch import parse_unified_diff
+
+    rename, cfg = (generate_tasks(str(tmp_path / f), n=1, seed=5, families=[f], split="all")[0]
+                   for f in ("rename", "config"))
+    old, new = pure_rename(parse_unified_diff(rename.reference_patch))
+    trajectory = run_episode(rename, ScriptedExpert(rename, explore=False, chain_tests=True), config,
+                             config=EpisodeConfig(prompt="bare"))
+    assert trajectory.checks.all_passed and trajectory.n_turns == 2  # rename + tests, then submit
+    first = trajectory.turns[0].tool_calls[0]
+    assert first.arguments["command"] == f"{rename_command(old, new)} && {rename.test_command}"
+    assert "passed" in trajectory.turns[0].tool_results[0].output
+    # a config task does not name the file to change: the expert explores before reading it all the same
+    assert not any(d.old_path in cfg.instruction for d in parse_unified_diff(cfg.reference_patch))
+    assert ScriptedExpert(cfg, explore=False).steps[0] == "explore"

@@ -88,6 +88,9 @@ def test_train_survives_sigkill_and_resumes_without_losing_or_repeating_rollouts
 
     table = read_rollouts(os.path.join(run, "rollouts"))
     assert table.num_rows >= 10
+    for label in ("sft", "rl"):  # every evaluation episode is kept too
+        episodes = read_rollouts(os.path.join(run, "eval", f"{label}-rollouts"))
+        assert episodes.num_rows == 2 and set(episodes.column("split").to_pylist()) == {"eval"}
 
     # the analytics pipeline on this real store
     an = subprocess.run(_cli("analyze", run), env=env, capture_output=True, text=True, timeout=600)

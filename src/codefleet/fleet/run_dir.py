@@ -14,6 +14,7 @@
       tb/                         TensorBoard event files
       metrics.jsonl, metrics.png  one line per step; reward / success / turns over steps
       eval/sft.json, eval/rl.json held-out evaluation of each checkpoint
+      eval/sft-rollouts/, ...     its episodes, Parquet (split "eval", run NAME-sft / NAME-rl)
       demos.pkl, sft.done         cached expert demonstrations; SFT finished
 
 Resume invariant. A group is durable once its pickle exists (written before

@@ -68,6 +68,9 @@ def check_config(config: TrainRunConfig) -> None:
         (cl.trainer_workers >= 1 and cl.engines >= 1 and cl.rollout_workers >= 1,
          "cluster.trainer_workers, cluster.engines and cluster.rollout_workers must be >= 1"),
         (config.sft.epochs >= 1 and config.sft.batch_size >= 1, "sft.epochs and sft.batch_size must be >= 1"),
+        (0 <= config.sft.explore_fraction <= 1 and 0 <= config.sft.chain_fraction <= 1,
+         "sft.explore_fraction and sft.chain_fraction must be in [0, 1]"),
+        (config.model.copy_scope in ("all", "prompt"), "model.copy_scope must be 'all' or 'prompt'"),
         (config.model.prompt in PROMPTS, f"model.prompt must be one of {', '.join(PROMPTS)}"),
         (r.task_sampling in SAMPLING_MODES, f"rl.task_sampling must be one of {', '.join(SAMPLING_MODES)}"),
     ]
@@ -110,7 +113,7 @@ def init_model(run: RunDir, config: TrainRunConfig, tokenizer) -> str:
         raise RunError(f"model.size={config.model.size!r} is not a preset; use tiny, small or medium")
     torch.manual_seed(config.model.seed)
     model = Transformer(preset(vocab_size=tokenizer.vocab_size, max_seq_len=config.model.max_seq_len,
-                               copy_head=config.model.copy_head))
+                               copy_head=config.model.copy_head, copy_scope=config.model.copy_scope))
     checkpoint.save(model, path)
     return path
 
@@ -125,7 +128,8 @@ def demonstrations(run: RunDir, config: TrainRunConfig, tasks, tokenizer):
     started = time.perf_counter()
     expert = dataclasses.replace(_episode_config(config), budgets=None)  # the task's own budgets, not RL's
     demos = expert_demos(tasks, tokenizer, config.model.max_seq_len, config.sandbox, expert,
-                         explore_fraction=config.sft.explore_fraction, seed=config.tasks.seed)
+                         explore_fraction=config.sft.explore_fraction, chain_fraction=config.sft.chain_fraction,
+                         seed=config.tasks.seed)
     atomic_write(path, pickle.dumps(demos))
     took_s = time.perf_counter() - started
     _log(f"{len(demos.examples)} expert demonstrations ({demos.tokens} tokens) in {took_s:.0f} s;"
@@ -418,6 +422,10 @@ def _log_prefix_cache(engines) -> None:
 
 
 def evaluate_checkpoints(run: RunDir, config: TrainRunConfig, eval_tasks, checkpoints: dict[str, str]) -> dict:
+    """Each checkpoint's report in eval/LABEL.json, its episodes in the rollout store eval/LABEL-rollouts."""
+    import shutil
+
+    from codefleet.analysis.store import RolloutWriter, rollout_record
     from codefleet.fleet.evaluate import EvalConfig, evaluate
 
     e = config.eval
@@ -429,9 +437,18 @@ def evaluate_checkpoints(run: RunDir, config: TrainRunConfig, eval_tasks, checkp
                 results[label] = json.load(f)
             continue
         _log(f"evaluating the {label} checkpoint on {len(eval_tasks)} held-out tasks")
+        store = run.path("eval", f"{label}-rollouts")
+        shutil.rmtree(store, ignore_errors=True)  # an evaluation a crash cut short starts over
+        writer = RolloutWriter(store)
+        index = {t.id: i for i, t in enumerate(eval_tasks)}
+
+        def on_task(task, trajectories, label=label, writer=writer):
+            writer.append([rollout_record(t, run=f"{config.name}-{label}", step=0, group=index[task.id],
+                                          attempt=i, split="eval") for i, t in enumerate(trajectories)])
+
         report, _ = evaluate(path, eval_tasks, EvalConfig(attempts=e.attempts, temperature=e.temperature,
                                                           max_tokens=e.max_tokens, jobs=e.jobs),
-                             config.sandbox, _episode_config(config))
+                             config.sandbox, _episode_config(config), on_task=on_task)
         results[label] = report.summary()
         atomic_write(out, json.dumps(results[label], indent=2, sort_keys=True).encode())
     return results

@@ -33,6 +33,8 @@ class ModelSection:
     prompt: str = "bare"
     # the pointer-generator output (ModelConfig.copy_head): names from the task are copied, not memorised
     copy_head: bool = True
+    # "prompt": the copy head points only at the tokens before the current turn (no loops over its own output)
+    copy_scope: str = "prompt"
 
 
 @dataclass
@@ -42,6 +44,7 @@ class SFTSection:
     lr: float = 2e-3  # peak; linear warm-up, then cosine decay to 10% over the run
     warmup_steps: int = 5
     explore_fraction: float = 1.0  # share of demonstrations whose expert explores before acting (rl.demos)
+    chain_fraction: float = 0.0  # share of renames whose expert runs the tests in the same command (rl.demos)
     fresh_names: bool = True  # every epoch shows each demonstration with new names (rl.augment)
     first_turns: int = 8  # per step, also this many first turns of demonstrations with new names (fresh_names only)
 

@@ -12,8 +12,10 @@ demonstration teaches a turn without its ending).
 
 `explore_fraction` of the tasks (drawn per task from `seed` and its id) get
 an expert that first explores (lists the repository and searches for what
-the patch touches), the rest one that acts on the instruction at once. Real
-demonstrations vary like this; RL then learns when exploring is worth a turn.
+the patch touches), the rest one that acts on the instruction at once where
+it names the files. `chain_fraction` of the renames run the tests in the
+same command as the rename. Real demonstrations vary like this; RL, whose
+reward costs turns, then learns which habit is faster.
 """
 
 from __future__ import annotations
@@ -47,13 +49,15 @@ class Demos:
 
 
 def expert_demos(tasks: list[Task], tokenizer, max_seq_len: int, sandbox_config=None, episode_config=None,
-                 jobs: int = 2, explore_fraction: float = 1.0, seed: int = 0) -> Demos:
+                 jobs: int = 2, explore_fraction: float = 1.0, chain_fraction: float = 0.0, seed: int = 0) -> Demos:
     from codefleet.agent.clients.scripted import ScriptedExpert
     from codefleet.agent.episode import EpisodeConfig, run_episode
 
     def one(task: Task):
         explore = random.Random(f"{seed}:{task.id}").random() < explore_fraction
-        return run_episode(task, ScriptedExpert(task, explore=explore), sandbox_config, config=episode_config)
+        chain = random.Random(f"{seed}:chain:{task.id}").random() < chain_fraction
+        return run_episode(task, ScriptedExpert(task, explore=explore, chain_tests=chain), sandbox_config,
+                           config=episode_config)
 
     demos = Demos(prompt=(episode_config or EpisodeConfig()).prompt)
     with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="demo") as pool:

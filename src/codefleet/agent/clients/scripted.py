@@ -19,8 +19,13 @@ When the patch is a pure rename (every changed line is its old line with one
 identifier replaced by another as a whole word), turns 1-2 become one shell
 command, the way a fast engineer renames (`rename_command`: `grep -rlw
 --include='*.py' 'OLD' . | xargs sed -i 's/\bOLD\b/NEW/g'`). With `explore=False` the expert skips
-turn 0 (the instruction already names what to change); demonstrations mix
-both so that RL can learn which is faster.
+turn 0 when the instruction already names what to change (every file it
+reads, or both names of a rename); it explores anyway when the files are not
+named, since acting on a path the task never showed teaches a policy to
+guess paths. With `chain_tests=True` a rename runs the visible tests in the
+same command (`... && python3 -m pytest -q tests`), one turn instead of two.
+Demonstrations mix these habits (`rl.demos`) so that RL, whose reward costs
+turns, can learn which is faster.
 
 Names and paths in its text are in backticks and quoted in shell commands,
 as instructions write them: a byte-level BPE gives `name` after a space other
@@ -52,7 +57,7 @@ _NAMED = re.compile(r"`([A-Za-z_][A-Za-z0-9_]{2,})[`(]")
 
 
 class ScriptedExpert:
-    def __init__(self, task: Task, explore: bool = True):
+    def __init__(self, task: Task, explore: bool = True, chain_tests: bool = False):
         if not task.reference_patch.strip():
             raise ValueError(f"task {task.id!r} has no reference patch; the scripted expert replays one")
         self.task = task
@@ -61,8 +66,10 @@ class ScriptedExpert:
         self.rename = pure_rename(self.diffs)
         self.to_read = [] if self.rename else [d for d in self.diffs
                                                if not d.is_new and not d.is_deleted and not d.is_binary]
-        self.steps = (["explore"] if explore else []) + (["read"] if self.to_read else []) + ["edit"]
-        self.steps += (["test"] if task.test_command else []) + ["submit"]
+        named = bool(self.rename) or (bool(self.to_read) and all(d.old_path in task.instruction for d in self.to_read))
+        self.chain_tests = chain_tests and bool(self.rename) and bool(task.test_command)
+        self.steps = (["explore"] if explore or not named else []) + (["read"] if self.to_read else []) + ["edit"]
+        self.steps += (["test"] if task.test_command and not self.chain_tests else []) + ["submit"]
 
     def generate(self, messages: list[dict], tools: list[dict]) -> PolicyOutput:
         index = sum(1 for m in messages if m.get("role") == "assistant")
@@ -90,7 +97,7 @@ class ScriptedExpert:
 
     def _edit(self, messages: list[dict], index: int) -> tuple[str, list[tuple[str, dict]]]:
         if self.rename:
-            return rename_step(*self.rename)
+            return rename_step(*self.rename, self.task.test_command if self.chain_tests else "")
         seen = self._read_results(messages)
         calls: list[tuple[str, dict]] = []
         for diff in self.diffs:
@@ -165,8 +172,11 @@ def rename_command(old: str, new: str) -> str:
     return f"grep -rlw --include='*.py' '{old}' . | xargs sed -i 's/\\b{old}\\b/{new}/g'"
 
 
-def rename_step(old: str, new: str) -> tuple[str, list[tuple[str, dict]]]:
-    """The expert's turn for a pure rename: its text and its one `run` call."""
+def rename_step(old: str, new: str, test_command: str = "") -> tuple[str, list[tuple[str, dict]]]:
+    """The expert's turn for a pure rename: its text and its one `run` call (then the tests, if given)."""
+    if test_command:
+        return (f"Renaming `{old}` to `{new}` everywhere and running the tests.",
+                [("run", {"command": f"{rename_command(old, new)} && {test_command}", "timeout": 300})])
     return f"Renaming `{old}` to `{new}` everywhere.", [("run", {"command": rename_command(old, new)})]
 
 
