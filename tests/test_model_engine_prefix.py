@@ -16,11 +16,12 @@ from codefleet.model.transformer import Transformer, token_logprobs
 GREEDY = SamplingParams(max_tokens=10, temperature=0)
 
 
-@pytest.fixture(scope="module", params=["plain", "copy_head", "copy_prompt"])
+@pytest.fixture(scope="module", params=["plain", "copy_head", "copy_prompt_match"])
 def model(request):
     torch.manual_seed(0)
-    return Transformer(ModelConfig.tiny(copy_head=request.param != "plain",
-                                        copy_scope="prompt" if request.param == "copy_prompt" else "all")).eval()
+    variant = {"plain": {}, "copy_head": {"copy_head": True},
+               "copy_prompt_match": {"copy_head": True, "copy_scope": "prompt", "copy_match": True}}[request.param]
+    return Transformer(ModelConfig.tiny(**variant)).eval()
 
 
 def pieces(n: int, length: int, seed: int) -> list[list[int]]:

@@ -257,6 +257,21 @@ def test_copy_scope_prompt_points_only_before_the_current_turn():
         _small(copy_scope="turn")
 
 
+def test_copy_match_continues_a_copy_where_the_tokens_before_match():
+    """Gate open, match weights large: after `7 8` the copy goes to what followed `7 8` in the context."""
+    torch.manual_seed(0)
+    model = Transformer(_small(copy_head=True, copy_match=True)).eval()
+    model.copy.gate.bias.data.fill_(40.0)
+    model.copy.match_w.data.fill_(30.0)
+    tokens_BT = torch.tensor([[5, 7, 8, 9, 6, 8, 11, 3, 7, 8], [1]  * 9 + [2]])
+    with torch.no_grad():
+        p_BTV = model(tokens_BT).logits_BTV.exp()
+        last_BV = model(tokens_BT, logits_at_B=torch.tensor([9, 9])).logits_BTV[:, 0].exp()
+    assert p_BTV[0, 9, 9] > 0.99  # `7 8` was followed by 9 (a lone `8` was followed by 9 and by 11)
+    torch.testing.assert_close(last_BV, p_BTV[:, 9], atol=1e-5, rtol=1e-5)
+    assert p_BTV[0, 0, 5] > 0.999 and p_BTV[1, 0, 1] > 0.999  # a sequence's first token has only itself
+
+
 def test_copy_head_learns_to_copy_what_the_generator_alone_cannot_in_the_same_steps():
     """Repeat a random sequence: the copy head's gradient comes straight from the target."""
     def final_loss(copy_head: bool) -> float:
@@ -275,11 +290,11 @@ def test_copy_head_learns_to_copy_what_the_generator_alone_cannot_in_the_same_st
     assert final_loss(True) < 1.0 < final_loss(False)  # measured: 0.36 and 2.19
 
 
-@pytest.mark.parametrize("copy_head,scope", [(False, "all"), (True, "all"), (True, "prompt")],
-                         ids=["plain", "copy_head", "copy_prompt"])
-def test_target_logprobs_equal_the_full_distributions_and_their_gradients(copy_head, scope):
+@pytest.mark.parametrize("copy_head,scope,match", [(False, "all", False), (True, "all", False), (True, "prompt", True)],
+                         ids=["plain", "copy_head", "copy_prompt_match"])
+def test_target_logprobs_equal_the_full_distributions_and_their_gradients(copy_head, scope, match):
     torch.manual_seed(0)
-    model = Transformer(_small(copy_head=copy_head, copy_scope=scope))
+    model = Transformer(_small(copy_head=copy_head, copy_scope=scope, copy_match=match))
     tokens_BT = torch.randint(0, 40, (2, 10))
     targets_BT = torch.randint(0, 97, (2, 10))
     targets_BT[:, :5] = tokens_BT[:, :5]  # some targets occur in the context, some do not

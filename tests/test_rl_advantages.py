@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from codefleet.agent.reward import RewardConfig
-from codefleet.rl.advantages import compute_advantages, grpo_advantages, rloo_advantages, zero_variance_groups
+from codefleet.rl.advantages import (compute_advantages, grpo_advantages, rloo_advantages, weigh_negatives,
+                                     zero_variance_groups)
 from codefleet.rl.rewards import group_rewards
 from codefleet.types import CheckResult, Trajectory, Turn
 
@@ -66,3 +67,11 @@ def test_group_rewards_use_the_agent_reward():
     torch.testing.assert_close(r, torch.tensor([[0.8, -0.1], [0.6, 0.9]]))
     with pytest.raises(ValueError, match="same number"):
         group_rewards([[traj(True, 1)], []])
+
+
+def test_weigh_negatives_scales_only_the_attempts_below_their_group():
+    adv_NG = compute_advantages(torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.5, 0.5, 0.5, 0.5]]), "drgrpo")
+    torch.testing.assert_close(weigh_negatives(adv_NG, 0.2), torch.tensor([[0.75, -0.05, -0.05, -0.05], [0.0] * 4]))
+    assert torch.equal(weigh_negatives(adv_NG, 1.0), adv_NG)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        weigh_negatives(adv_NG, 1.5)

@@ -63,6 +63,7 @@ def check_config(config: TrainRunConfig) -> None:
          "model.size must be tiny, small or medium"),
         (r.estimator in ESTIMATORS, f"rl.estimator must be one of {', '.join(ESTIMATORS)}"),
         (r.group_size >= 2, "rl.group_size must be >= 2: group-relative advantages need two attempts"),
+        (0 <= r.negative_weight <= 1, "rl.negative_weight must be in [0, 1]"),
         (r.rollout_slots >= r.group_size, "rl.rollout_slots must hold at least one group (>= rl.group_size)"),
         (r.steps >= 0 and r.eta >= 0 and r.batch_groups >= 1, "rl.steps, rl.eta >= 0 and rl.batch_groups >= 1"),
         (cl.trainer_workers >= 1 and cl.engines >= 1 and cl.rollout_workers >= 1,
@@ -113,7 +114,8 @@ def init_model(run: RunDir, config: TrainRunConfig, tokenizer) -> str:
         raise RunError(f"model.size={config.model.size!r} is not a preset; use tiny, small or medium")
     torch.manual_seed(config.model.seed)
     model = Transformer(preset(vocab_size=tokenizer.vocab_size, max_seq_len=config.model.max_seq_len,
-                               copy_head=config.model.copy_head, copy_scope=config.model.copy_scope))
+                               copy_head=config.model.copy_head, copy_scope=config.model.copy_scope,
+                               copy_match=config.model.copy_match))
     checkpoint.save(model, path)
     return path
 
@@ -271,10 +273,11 @@ class RLTrainer:
         import torch
 
         from codefleet.fleet.inference import broadcast_weights
-        from codefleet.rl.advantages import compute_advantages
+        from codefleet.rl.advantages import compute_advantages, weigh_negatives
 
         rewards_NG = torch.tensor([[r.reward for r in g.rollouts] for g in batch.groups])
-        adv_NG = compute_advantages(rewards_NG, self.config.rl.estimator)
+        adv_NG = weigh_negatives(compute_advantages(rewards_NG, self.config.rl.estimator),
+                                 self.config.rl.negative_weight)
         samples, empty = training_samples(batch.groups, adv_NG.tolist())
         step_started = time.perf_counter()
         m = dict(self.group.rl_step(samples))

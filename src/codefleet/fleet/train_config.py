@@ -35,6 +35,8 @@ class ModelSection:
     copy_head: bool = True
     # "prompt": the copy head points only at the tokens before the current turn (no loops over its own output)
     copy_scope: str = "prompt"
+    # the copy head also scores where the tokens before a context position match the last ones written
+    copy_match: bool = True
 
 
 @dataclass
@@ -43,8 +45,10 @@ class SFTSection:
     batch_size: int = 4  # demonstrations per optimizer step
     lr: float = 2e-3  # peak; linear warm-up, then cosine decay to 10% over the run
     warmup_steps: int = 5
-    explore_fraction: float = 1.0  # share of demonstrations whose expert explores before acting (rl.demos)
-    chain_fraction: float = 0.0  # share of renames whose expert runs the tests in the same command (rl.demos)
+    # habits RL can choose between (rl.demos): the share of demonstrations whose expert explores before
+    # acting (where the task names the files), and of renames that run the tests in the same command
+    explore_fraction: float = 0.5
+    chain_fraction: float = 0.5
     fresh_names: bool = True  # every epoch shows each demonstration with new names (rl.augment)
     first_turns: int = 8  # per step, also this many first turns of demonstrations with new names (fresh_names only)
 
@@ -52,7 +56,7 @@ class SFTSection:
 @dataclass
 class RLSection:
     steps: int = 16
-    lr: float = 2e-4
+    lr: float = 5e-5  # 2e-4 lowered held-out success (more malformed calls): 10.0% vs 12.5% (2026-12-04)
     # start from SFT's AdamW moments, not a fresh AdamW (whose first steps move every weight by ~lr)
     keep_sft_optimizer: bool = True
     eta: int = 1  # staleness bound (0 = synchronous)
@@ -61,6 +65,7 @@ class RLSection:
     rollout_slots: int = 8
     rollout_timeout_s: float = 120.0
     estimator: str = "grpo"  # "grpo" | "drgrpo" | "rloo"
+    negative_weight: float = 1.0  # scales negative advantages (0: learn only from attempts that beat their group)
     drop_zero_variance: bool = False
     # which task next: "learnable" favours task families where a group is likely to both succeed and fail
     # (rl.curriculum), "uniform" takes every task once per pass

@@ -108,19 +108,21 @@ class SlotKVCache:
         return out.reshape(B, H, T, D)
 
     def copy_context(self, k_BTD: torch.Tensor, tokens_BT: torch.Tensor, at_B: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Store the copy head's new keys and tokens; return each row's keys `[B, L, D]`, tokens `[B, L]` and
-        which of them each query sees, `[B, T, L]` (`at_B`: only that query of each row, `[B, 1, L]`)."""
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Store the copy head's new keys and tokens; return each row's keys `[B, L, D]`, tokens `[B, L]`,
+        which of them each query sees, `[B, T, L]`, and each query's position, `[B, T]` (`at_B`: only that
+        query of each row, T = 1)."""
         step = self._step
         assert step is not None, "cache.copy_context() called outside begin()/end(); the engine drives the cache"
         if not self.tokens.numel():
             raise ValueError("this cache keeps no copy-head keys: build it with copy_dim = the model's head_dim")
         step.write(self.copy_k, k_BTD[:, None])
         step.write(self.tokens, tokens_BT[:, None, :, None])
-        visible_BTL = step.copy_mask_BTL
+        visible_BTL, query_pos_BT = step.copy_mask_BTL, step.query_pos_BT.clamp(max=step.length - 1)
         if at_B is not None:
-            visible_BTL = visible_BTL[torch.arange(len(at_B), device=at_B.device), at_B][:, None]
-        return step.read(self.copy_k)[:, 0], step.read(self.tokens)[:, 0, :, 0], visible_BTL
+            rows_B = torch.arange(len(at_B), device=at_B.device)
+            visible_BTL, query_pos_BT = visible_BTL[rows_B, at_B][:, None], query_pos_BT[rows_B, at_B][:, None]
+        return step.read(self.copy_k)[:, 0], step.read(self.tokens)[:, 0, :, 0], visible_BTL, query_pos_BT
 
     # -- slot management ----------------------------------------------------------------
 
@@ -163,8 +165,8 @@ class _Step:
             positions_BT = starts_B[:, None] + torch.arange(t_new, device=device)[None, :]
             self.positions_BT = positions_BT.clamp_(max=cache.max_len - 1)
         key_pos_L = torch.arange(self.length, device=device)
-        query_pos_BT = starts_B[:, None] + torch.arange(t_new, device=device)[None, :]
-        self.mask_BTL = key_pos_L[None, None, :] <= query_pos_BT[:, :, None]  # True: may attend
+        self.query_pos_BT = starts_B[:, None] + torch.arange(t_new, device=device)[None, :]
+        self.mask_BTL = key_pos_L[None, None, :] <= self.query_pos_BT[:, :, None]  # True: may attend
         self.copy_mask_BTL = self.mask_BTL
         if copy_ends is not None:
             ends_B = torch.tensor(copy_ends, device=device)

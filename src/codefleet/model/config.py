@@ -53,6 +53,14 @@ seen in the tiny policy's transcripts); names are copied from the task and
 tool results, where they come from. Training then needs the turns' mask
 (`Transformer.forward(turn_mask_BT=...)`), the engine passes each request's
 prompt length. Configs saved before the field existed load as "all".
+
+`copy_match`: the copy head's score of context position s also adds
+`w1 [x_{s-1} = x_t] + w2 [x_{s-1} = x_t and x_{s-2} = x_{t-1}]` (two
+learned scalars): a position whose preceding tokens are the ones just
+written is where a copy continues. A tiny model that learns this by
+attention alone continues a copied name with the wrong piece
+(`transitansit`, `fee_for` for `fee_for_balance`); exact matching makes
+the continuation a lookup, as prompt-lookup decoding does. Off by default.
 """
 
 from __future__ import annotations
@@ -96,6 +104,7 @@ class ModelConfig:
     prev_tokens: int = 2
     copy_head: bool = False
     copy_scope: str = "all"  # "all" | "prompt"
+    copy_match: bool = False
     dtype: str = "float32"
 
     def __post_init__(self) -> None:

@@ -171,6 +171,8 @@ class CopyHead(nn.Module):
         self.wq = nn.Linear(config.d_model, config.head_dim, bias=False)
         self.wk = nn.Linear(config.d_model, config.head_dim, bias=False)
         self.gate = nn.Linear(config.d_model, 1)
+        # config.copy_match: score bonus where the 1 (2) tokens before a context position equal the query's last
+        self.match_w = nn.Parameter(torch.empty(2)) if config.copy_match else None  # 2.0 (reset_parameters)
 
     def forward(self, logits_BTV: torch.Tensor, hq_BTD: torch.Tensor, hk_BSD: torch.Tensor, tokens_BS: torch.Tensor,
                 cache=None, at_B: torch.Tensor | None = None, end_BT: torch.Tensor | None = None) -> torch.Tensor:
@@ -199,16 +201,29 @@ class CopyHead(nn.Module):
         """The copy attention `[B, T, L]` (fp32) and the token at each of its `L` positions, `[B, L]`."""
         q_BTD, k_BSD = self.wq(hq_BTD), self.wk(hk_BSD)
         if cache is not None:
-            k_BLD, tokens_BL, visible_BTL = cache.copy_context(k_BSD, tokens_BS, at_B)
+            k_BLD, tokens_BL, visible_BTL, query_pos_BT = cache.copy_context(k_BSD, tokens_BS, at_B)
         else:
-            S = tokens_BS.shape[1]
-            query_pos = torch.arange(S, device=tokens_BS.device)[:, None] if at_B is None else at_B[:, None, None]
+            B, S = tokens_BS.shape
+            positions_S = torch.arange(S, device=tokens_BS.device)
+            query_pos_BT = positions_S.expand(B, S) if at_B is None else at_B[:, None]
             k_BLD, tokens_BL = k_BSD, tokens_BS
-            visible_BTL = torch.arange(S, device=tokens_BS.device) <= query_pos  # [T, S] or [B, 1, S]
+            visible_BTL = positions_S <= query_pos_BT[..., None]  # [B, T, S]
             if end_BT is not None:
-                visible_BTL = visible_BTL & (torch.arange(S, device=tokens_BS.device) < end_BT[..., None])
+                visible_BTL = visible_BTL & (positions_S < end_BT[..., None])
         scores_BTL = torch.matmul(q_BTD, k_BLD.transpose(1, 2)).float() * self.scale
+        if self.match_w is not None:
+            scores_BTL = scores_BTL + self._match_bonus(tokens_BL, query_pos_BT)
         return torch.softmax(scores_BTL.masked_fill(~visible_BTL, float("-inf")), dim=-1), tokens_BL
+
+
+    def _match_bonus(self, tokens_BL: torch.Tensor, query_pos_BT: torch.Tensor) -> torch.Tensor:
+        """`[B, T, L]`: w1 where the token before position l is the query's token, + w2 where the one before
+        that is the query's previous token too (config.copy_match)."""
+        L = tokens_BL.shape[1]
+        before1_BL, before2_BL = (F.pad(tokens_BL, (k, 0), value=-1)[:, :L] for k in (1, 2))
+        one_BTL = before1_BL[:, None, :] == tokens_BL.gather(1, query_pos_BT)[..., None]
+        two_BTL = one_BTL & (before2_BL[:, None, :] == before1_BL.gather(1, query_pos_BT)[..., None])
+        return self.match_w[0] * one_BTL + self.match_w[1] * two_BTL
 
 
 def copy_ends(turn_mask_BT: torch.Tensor) -> torch.Tensor:
@@ -256,11 +271,14 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Normal(0, 0.02) everywhere; residual output projections scaled by 1/sqrt(2 * n_layers)."""
+        """Normal(0, 0.02) everywhere; residual output projections scaled by 1/sqrt(2 * n_layers); the copy
+        head's match weights 2."""
         out_std = 0.02 / math.sqrt(2 * self.config.n_layers)
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+            elif name.endswith("copy.match_w"):
+                p.fill_(2.0)  # a prior that a copy continues where the context matches
             elif name.endswith(("wo.weight", "down.weight", "w_down_EFD")):
                 p.normal_(0.0, out_std)
             else:

@@ -12,6 +12,11 @@ Every function takes the rewards of one group `[G]` or of many groups
   *other* G - 1 attempts, `A_i = r_i - (sum(r) - r_i) / (G - 1)`, which is
   `G / (G - 1) * (r_i - mean(r))`: unbiased, and a constant factor away from
   Dr.GRPO.
+- `weigh_negatives`: scales the negative advantages (1 = unchanged, 0 =
+  learn only from the attempts that beat their group, as in filtered
+  behaviour cloning / expert iteration). Pushing down a weak policy's many
+  failed tokens moves probability to tokens it never tried; a small weight
+  keeps the baseline's variance reduction and damps that.
 - `zero_variance_groups`: groups whose attempts all got the same reward have
   all-zero advantages, so they contribute no gradient; DAPO's dynamic
   sampling drops them and samples more.
@@ -54,6 +59,13 @@ def compute_advantages(rewards_NG: torch.Tensor, estimator: str = "grpo", eps: f
     if estimator == "rloo":
         return rloo_advantages(rewards_NG)
     raise ValueError(f"unknown advantage estimator {estimator!r}; choose one of {', '.join(ESTIMATORS)}")
+
+
+def weigh_negatives(adv_NG: torch.Tensor, weight: float) -> torch.Tensor:
+    """Negative advantages times `weight` (in [0, 1]); positive ones unchanged."""
+    if not 0.0 <= weight <= 1.0:
+        raise ValueError(f"the weight of negative advantages must be in [0, 1], got {weight}")
+    return torch.where(adv_NG < 0, adv_NG * weight, adv_NG)
 
 
 def zero_variance_groups(rewards_NG: torch.Tensor, atol: float = 1e-8) -> torch.Tensor:
