@@ -29,6 +29,8 @@ default now (2 previous tokens, quoted names; a variant of this script that
 decodes without the engine): 5 of 20 at 750 steps, 13 of 20 at 1000 (CE 0.07,
 ~7 min). With the copy head (`--copy-head`, `ModelConfig.copy_head`): 16 of 20 at 100
 steps (43 s), 20 of 20 at every check from 200 to 400 (CE 0.002 at 400).
+With `--copy-scope prompt` (2026-12-04, `--steps 150 --batch 8 --short`):
+0, 11, 19 of 20 at steps 50, 100, 150; adding `--copy-match`: 1, 13, 17.
 `--induction N` first trains up to N steps on repeated random token
 sequences (copy the second half from the first) until the copy loss is under
 0.3, so the model starts the probe with working induction heads;
@@ -135,6 +137,10 @@ def main() -> None:
                          "runs before 2026-12-03)")
     ap.add_argument("--copy-head", action="store_true",
                     help="the model's pointer-generator output (ModelConfig.copy_head)")
+    ap.add_argument("--copy-scope", choices=["all", "prompt"], default="all",
+                    help="what the copy head may point at (ModelConfig.copy_scope)")
+    ap.add_argument("--copy-match", action="store_true",
+                    help="the copy head also scores where the context repeats the last tokens (ModelConfig.copy_match)")
     ap.add_argument("--induction-mix", type=float, default=0.0, metavar="W",
                     help="add W x the induction loss to every probe step (keeps the heads from being overwritten)")
     args = ap.parse_args()
@@ -142,7 +148,8 @@ def main() -> None:
     torch.manual_seed(0)
     tokenizer = default_tokenizer()
     model = Transformer(ModelConfig.tiny(vocab_size=tokenizer.vocab_size, prev_tokens=args.prev_tokens,
-                                        copy_head=args.copy_head))
+                                        copy_head=args.copy_head, copy_scope=args.copy_scope,
+                                        copy_match=args.copy_match))
     if args.induction:
         started = time.perf_counter()
         steps = induction_warmup(model, args.induction, args.lr)
