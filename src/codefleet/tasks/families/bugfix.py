@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 
 from codefleet.tasks.families.base import SIZES, Case, Draft, DraftError, TestFile
-from codefleet.tasks.families.domains import DOMAINS, Func, module_source
+from codefleet.tasks.families.domains import DOMAINS, MORE_DOMAINS, Func, module_source
 from codefleet.tasks.families.layout import (
     case_name,
     describe,
@@ -27,7 +27,8 @@ from codefleet.tasks.families.mutate import Mutation, shuffled_mutations
 
 NAME = "bugfix"
 TEMPLATES = {"inventory": "train", "geometry": "train", "text": "train", "bank": "train", "grades": "train",
-             "schedule": "test", "shipping": "test"}
+             "schedule": "test", "shipping": "test",
+             **{d.name: "train" for d in MORE_DOMAINS}}
 
 _REPORTS = (
     "`{func}` in `{path}` gives a wrong result: `{call}` {got}, but it should return `{want}`. "

@@ -9,41 +9,16 @@ pure and loop only over bounded ranges (no `while`), so a mutated copy can
 always be executed at generation time.
 
 Each domain is one *template* of the bugfix, stub and rename families; which
-split it belongs to is decided in those families, not here.
+split it belongs to is decided in those families, not here. The seven here
+came first; `more_domains.py` adds training templates (more code to learn
+from, the held-out ones unchanged). `domain_types.py` has the two types.
 """
 
 from __future__ import annotations
 
-import ast
-import textwrap
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class Func:
-    name: str
-    source: str  # the whole `def`, docstring included, no indentation
-    cases: tuple[tuple, ...]  # argument tuples
-    aliases: tuple[str, ...]  # natural new names for the rename family
-
-
-@dataclass(frozen=True)
-class Domain:
-    name: str  # the template name
-    packages: tuple[str, ...]  # package name choices (never a stdlib module name)
-    module: str  # module holding the functions
-    topic: str  # for prose: "stock-keeping helpers"
-    imports: tuple[str, ...]
-    funcs: tuple[Func, ...]
-
-    def func(self, name: str) -> Func:
-        return next(f for f in self.funcs if f.name == name)
-
-
-def _func(source: str, cases: list[tuple], aliases: tuple[str, ...]) -> Func:
-    source = textwrap.dedent(source).strip() + "\n"
-    name = ast.parse(source).body[0].name
-    return Func(name, source, tuple(cases), aliases)
+from codefleet.tasks.families.domain_types import Domain, Func  # noqa: F401 (Func: re-exported)
+from codefleet.tasks.families.domain_types import make_func as _func
+from codefleet.tasks.families.more_domains import MORE_DOMAINS
 
 
 INVENTORY = Domain("inventory", ("stockroom", "warehouse_tools"), "stock", "stock-keeping helpers", (), (
@@ -430,7 +405,8 @@ SHIPPING = Domain("shipping", ("parcelpost", "freight_calc"), "rates", "shipping
           ("shipping_zone", "zone_of")),
 ))
 
-DOMAINS: dict[str, Domain] = {d.name: d for d in (INVENTORY, GEOMETRY, TEXT, BANK, GRADES, SCHEDULE, SHIPPING)}
+DOMAINS: dict[str, Domain] = {d.name: d for d in (INVENTORY, GEOMETRY, TEXT, BANK, GRADES, SCHEDULE, SHIPPING,
+                                                  *MORE_DOMAINS)}
 
 
 def module_source(domain: Domain, funcs: list[Func], doc: str | None = None) -> str:

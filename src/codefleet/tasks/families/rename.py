@@ -17,12 +17,13 @@ import random
 import re
 
 from codefleet.tasks.families.base import SIZES, Case, Draft, DraftError, TestFile
-from codefleet.tasks.families.domains import DOMAINS, Func, module_source
+from codefleet.tasks.families.domains import DOMAINS, MORE_DOMAINS, Func, module_source
 from codefleet.tasks.families.layout import distractors, module_cases, package_files, pick_funcs
 
 NAME = "rename"
 TEMPLATES = {"inventory": "train", "text": "train", "bank": "train", "grades": "train", "shipping": "train",
-             "geometry": "test", "schedule": "test"}
+             "geometry": "test", "schedule": "test",
+             **{d.name: "train" for d in MORE_DOMAINS}}
 
 # kind -> (module docstring, source with {ref} for the function reference, function name, args from cases)
 _USERS = {

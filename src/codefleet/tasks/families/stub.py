@@ -12,7 +12,7 @@ import ast
 import random
 
 from codefleet.tasks.families.base import SIZES, Case, Draft, TestFile
-from codefleet.tasks.families.domains import DOMAINS, module_source
+from codefleet.tasks.families.domains import DOMAINS, MORE_DOMAINS, module_source
 from codefleet.tasks.families.layout import (
     case_name,
     distractors,
@@ -24,7 +24,8 @@ from codefleet.tasks.families.layout import (
 
 NAME = "stub"
 TEMPLATES = {"inventory": "train", "geometry": "train", "grades": "train", "schedule": "train",
-             "shipping": "train", "text": "test", "bank": "test"}
+             "shipping": "train", "text": "test", "bank": "test",
+             **{d.name: "train" for d in MORE_DOMAINS}}
 
 _ASKS = (
     "`{func}` in `{path}` is only a stub: it raises NotImplementedError. Implement it as its docstring describes. "
