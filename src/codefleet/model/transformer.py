@@ -35,7 +35,9 @@
   position's copy key and token. With `config.copy_scope = "prompt"` a
   position whose target the model writes in a turn points only at the tokens
   before that turn: training passes `turn_mask_BT` (`copy_ends` turns it into
-  each query's limit), the engine each request's prompt length.
+  each query's limit), the engine each request's prompt length. With
+  `config.copy_match` its scores add learned bonuses where the context
+  repeats the last one or two tokens (a copy continues by lookup).
 
 `forward` returns `ModelOutput(logits_BTV, routed_experts, aux_loss, z_loss)`:
 `routed_experts` is one `[B, T, top_k]` int64 tensor per MoE layer when
@@ -214,7 +216,6 @@ class CopyHead(nn.Module):
         if self.match_w is not None:
             scores_BTL = scores_BTL + self._match_bonus(tokens_BL, query_pos_BT)
         return torch.softmax(scores_BTL.masked_fill(~visible_BTL, float("-inf")), dim=-1), tokens_BL
-
 
     def _match_bonus(self, tokens_BL: torch.Tensor, query_pos_BT: torch.Tensor) -> torch.Tensor:
         """`[B, T, L]`: w1 where the token before position l is the query's token, + w2 where the one before
