@@ -118,9 +118,10 @@ def test_train_refuses_an_existing_run_and_a_missing_one(tmp_path):
     out = subprocess.run(_cli("train", "--out", str(tmp_path / "r2"), "rl.stepz=3"), capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and "stepz" in out.stderr
-    out = subprocess.run(_cli("train", "--out", str(tmp_path / "r3"), "rl.group_size=1", "rl.rollout_slots=0"),
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(_cli("train", "--out", str(tmp_path / "r3"), "rl.group_size=1", "rl.rollout_slots=0",
+                              "sft.threads=0"), capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "rl.group_size must be >= 2" in out.stderr and "rl.rollout_slots" in out.stderr
+    assert "sft.workers and sft.threads must be >= 1" in out.stderr
     assert not (tmp_path / "r3").exists()
 
 

@@ -7,7 +7,7 @@ Stages (each skipped on `--resume` when its output exists, see run_dir.py):
 2. demonstrations: the scripted expert solves the training tasks through the
    real harness in real sandboxes (`rl.demos`).
 3. SFT: a freshly initialised MoE policy learns the demonstrations
-   (`TrainerGroup.sft_step`, data-parallel over `trainer_workers`).
+   (`TrainerGroup.sft_step`, data-parallel over `sft.workers`).
 4. RL: the controller (`fleet.controller`) admits groups of `group_size`
    attempts under the staleness bound `eta`; rollout workers run the agent
    harness in sandboxes forked from each task's prepared sandbox, with the
@@ -69,6 +69,7 @@ def check_config(config: TrainRunConfig) -> None:
         (cl.trainer_workers >= 1 and cl.engines >= 1 and cl.rollout_workers >= 1,
          "cluster.trainer_workers, cluster.engines and cluster.rollout_workers must be >= 1"),
         (config.sft.epochs >= 1 and config.sft.batch_size >= 1, "sft.epochs and sft.batch_size must be >= 1"),
+        (config.sft.workers >= 1 and config.sft.threads >= 1, "sft.workers and sft.threads must be >= 1"),
         (0 <= config.sft.explore_fraction <= 1 and 0 <= config.sft.chain_fraction <= 1,
          "sft.explore_fraction and sft.chain_fraction must be in [0, 1]"),
         (config.model.copy_scope in ("all", "prompt"), "model.copy_scope must be 'all' or 'prompt'"),
@@ -151,8 +152,8 @@ def sft(run: RunDir, config: TrainRunConfig, demos, init: str, metrics: Metrics,
     c, cl = config.sft, config.cluster
     total_steps = c.epochs * -(-len(demos.examples) // c.batch_size)
     schedule = TrainConfig(lr=c.lr, seed=config.model.seed, warmup_steps=c.warmup_steps, decay_steps=total_steps)
-    group = TrainerGroup(cl.trainer_workers, checkpoint=init, config=schedule,
-                         num_cpus_per_worker=cl.trainer_cpus, resources_per_worker=cl.trainer_resources)
+    group = TrainerGroup(c.workers, checkpoint=init, config=schedule, num_cpus_per_worker=cl.trainer_cpus,
+                         resources_per_worker=cl.trainer_resources, threads_per_worker=c.threads)
     try:
         rng = random.Random(config.model.seed)
         order = list(range(len(demos.examples)))
