@@ -62,6 +62,11 @@ def _grads(trainer: Trainer) -> list[torch.Tensor]:
 def test_pack_and_units_by_hand():
     assert pack([3, 5, 2, 5], max_tokens=10) == [[1, 3], [0, 2]]  # 2 x 5, then 2 x 3
     assert pack([20, 1], max_tokens=8) == [[0], [1]]  # too long: alone
+    # one long row and four short ones: greedy would pad a 2 into the 10's micro-batch (20 + 6 + 2 x 3 = 32);
+    # the short rows together cost 10 + 3 + 8 + 3 = 24
+    assert pack([10, 2, 2, 2, 2], max_tokens=20, overhead=3) == [[0], [1, 2, 3, 4]]
+    assert pack([4, 3], max_tokens=100, overhead=0) == [[0], [1]]  # no overhead: no padding at all
+    assert pack([4, 3], max_tokens=100, overhead=2) == [[0, 1]]  # 8 + 2 beats 4 + 3 + 2 x 2
     assert sft_units([([1, 2, 3], [1, 1, 0]), ([4, 5], [0, 1])]) == 2  # the first token predicts nothing
     s = [Sample([1, 2, 3], [0, 1, 1], [0.0] * 3, 1.0), Sample([1, 2], [0, 0], [0.0] * 2, 1.0)]
     assert loss_units(s, LossConfig()) == 2

@@ -7,7 +7,7 @@
     engine.update_weights(trainer.weights(), trainer.version)
 
 Gradient accumulation. A call packs its examples into micro-batches of at
-most `micro_batch_tokens` padded tokens (longest first, greedily), runs
+most `micro_batch_tokens` padded tokens (least padding, `pack`), runs
 forward + backward on each and lets the gradients add up. The losses of
 `rl.sft` and `rl.losses` are means *within* the batch they see, so each
 micro-batch's loss is multiplied by `its units / total units of the step`;
@@ -153,17 +153,30 @@ def check_samples(samples: Sequence[Sample]) -> None:
             raise ValueError(f"sample {i}: routing for {len(s.routed_experts)} tokens but only {len(s.tokens)} tokens")
 
 
-def pack(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Indices grouped into micro-batches whose padded size (rows x longest row) is at most `max_tokens`:
-    longest first, greedily; an item longer than `max_tokens` gets a micro-batch of its own."""
+def pack(lengths: Sequence[int], max_tokens: int, overhead: int = 256) -> list[list[int]]:
+    """Indices grouped into micro-batches whose padded size (rows x longest row) is at most `max_tokens`, with
+    the least padded tokens + `overhead` per micro-batch (the fixed cost of a forward, in tokens). Sorted
+    longest first, the best split into consecutive runs is a small dynamic programme; an item longer than
+    `max_tokens` gets a micro-batch of its own. (Greedy filling padded an SFT step's 4 demonstrations and 8
+    first turns to 2.1x their tokens, this to 1.1x.)"""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches: list[list[int]] = []
-    for i in order:
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_tokens:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-    return batches
+    longest = [lengths[i] for i in order]
+    cost = [0] + [0] * len(order)  # cost[j]: the cheapest packing of the j longest
+    start = [0] * (len(order) + 1)  # start[j]: where the last micro-batch of that packing starts
+    for j in range(1, len(order) + 1):
+        cost[j] = -1
+        for i in range(j - 1, -1, -1):  # the last micro-batch is order[i:j], padded to longest[i]
+            rows = j - i
+            if rows > 1 and rows * longest[i] > max_tokens:
+                break  # earlier starts are longer and have more rows
+            c = cost[i] + overhead + rows * longest[i]
+            if cost[j] < 0 or c < cost[j]:
+                cost[j], start[j] = c, i
+    batches, j = [], len(order)
+    while j:
+        batches.append(order[start[j]:j])
+        j = start[j]
+    return batches[::-1]
 
 
 def _to_device(batch, device: torch.device):
