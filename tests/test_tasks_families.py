@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from codefleet.tasks.families import FAMILIES, templates
+from codefleet.tasks.families import FAMILIES, MORE_TEMPLATES, templates
 from codefleet.tasks.families.base import finish
 from codefleet.tasks.families.domains import DOMAINS
 from codefleet.tasks.generate import generate_tasks
@@ -74,6 +74,17 @@ def test_splits_hold_out_templates(tmp_path):
     seen_train = {(t.metadata["family"], t.metadata["template"]) for t in train_tasks}
     seen_test = {(t.metadata["family"], t.metadata["template"]) for t in test_tasks}
     assert not seen_train & seen_test
+
+
+def test_more_domains_are_training_templates_that_can_be_left_out(tmp_path):
+    for family in ("bugfix", "stub", "rename"):
+        assert MORE_TEMPLATES <= set(templates(family, "train"))
+        assert not MORE_TEMPLATES & set(templates(family, "train", more_domains=False))
+        assert templates(family, "test", more_domains=False) == templates(family, "test")
+    drawn = {str(t.metadata["template"]) for t in generate_tasks(str(tmp_path / "a"), 30, seed=2, split="train")}
+    assert drawn & MORE_TEMPLATES
+    without = generate_tasks(str(tmp_path / "b"), 30, seed=2, split="train", more_domains=False)
+    assert not {str(t.metadata["template"]) for t in without} & MORE_TEMPLATES
 
 
 def test_difficulty_changes_size(tmp_path):

@@ -96,7 +96,7 @@ def make_tasks(run: RunDir, config: TrainRunConfig):
             sets[split] = load_tasks(folder)
         else:
             sets[split] = generate_tasks(folder, n=n, seed=t.seed, families=t.families, difficulty=t.difficulty,
-                                         split=split)
+                                         split=split, more_domains=t.more_domains)
     return sets["train"], sets["test"]
 
 

@@ -35,11 +35,11 @@ def _write_repo(root: str, files: dict[str, str]) -> None:
 
 
 def generate_task(out_dir: str, family: str, index: int, seed: int, difficulty: int | None = None,
-                  split: str = "train") -> Task:
+                  split: str = "train", more_domains: bool = True) -> Task:
     """Task number `index` of the set (out_dir, seed): its repo under out_dir/<id>/repo."""
     rng = random.Random(f"codefleet-tasks/{seed}/{index}")
     module = FAMILIES[family]
-    choices = templates(family, split)
+    choices = templates(family, split, more_domains)
     for _ in range(_ATTEMPTS):
         template = rng.choice(choices)
         level = difficulty if difficulty is not None else rng.choice(DIFFICULTIES)
@@ -71,10 +71,11 @@ def generate_task(out_dir: str, family: str, index: int, seed: int, difficulty: 
 
 
 def generate_tasks(out_dir: str, n: int, seed: int = 0, families: list[str] | None = None,
-                   difficulty: int | None = None, split: str = "train") -> list[Task]:
+                   difficulty: int | None = None, split: str = "train", more_domains: bool = True) -> list[Task]:
     """`n` tasks into `out_dir` (one sub-directory each, plus tasks.jsonl).
     `difficulty` 1-3 fixes it; None draws it per task. `split` is "train",
-    "test" or "all" (templates of both)."""
+    "test" or "all" (templates of both). `more_domains=False` leaves out the
+    six training domains of `families/more_domains.py`."""
     families = list(families or FAMILIES)
     unknown = [f for f in families if f not in FAMILIES]
     if unknown:
@@ -85,7 +86,8 @@ def generate_tasks(out_dir: str, n: int, seed: int = 0, families: list[str] | No
         if not templates(family, split):
             raise ValueError(f"family {family!r} has no templates in split {split!r}")
     os.makedirs(out_dir, exist_ok=True)
-    tasks = [generate_task(out_dir, families[i % len(families)], i, seed, difficulty, split) for i in range(n)]
+    tasks = [generate_task(out_dir, families[i % len(families)], i, seed, difficulty, split, more_domains)
+             for i in range(n)]
     with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:
         f.writelines(index_line(task) + "\n" for task in tasks)
     return tasks

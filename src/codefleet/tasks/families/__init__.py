@@ -20,18 +20,22 @@ from __future__ import annotations
 from types import ModuleType
 
 from codefleet.tasks.families import bugfix, config, multifile, rename, stub
+from codefleet.tasks.families.more_domains import MORE_DOMAINS
 
 FAMILIES: dict[str, ModuleType] = {m.NAME: m for m in (bugfix, stub, rename, config, multifile)}
 SPLITS = ("train", "test")
+MORE_TEMPLATES = frozenset(d.name for d in MORE_DOMAINS)  # the six training domains of more_domains.py
 
 
-def templates(family: str, split: str = "all") -> list[str]:
-    """Templates of `family` in `split` ("train", "test" or "all"), sorted."""
+def templates(family: str, split: str = "all", more_domains: bool = True) -> list[str]:
+    """Templates of `family` in `split` ("train", "test" or "all"), sorted; without those of more_domains.py
+    (`MORE_TEMPLATES`) when `more_domains` is False."""
     if family not in FAMILIES:
         raise ValueError(f"unknown task family {family!r}; choose from {', '.join(FAMILIES)}")
     if split not in (*SPLITS, "all"):
         raise ValueError(f"unknown split {split!r}; choose train, test or all")
-    return sorted(t for t, s in FAMILIES[family].TEMPLATES.items() if split == "all" or s == split)
+    return sorted(t for t, s in FAMILIES[family].TEMPLATES.items()
+                  if (split == "all" or s == split) and (more_domains or t not in MORE_TEMPLATES))
 
 
-__all__ = ["FAMILIES", "SPLITS", "templates"]
+__all__ = ["FAMILIES", "MORE_TEMPLATES", "SPLITS", "templates"]
