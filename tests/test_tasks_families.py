@@ -12,11 +12,13 @@ import sys
 
 import pytest
 
+from codefleet.tasks.cli import main
 from codefleet.tasks.families import FAMILIES, MORE_TEMPLATES, templates
 from codefleet.tasks.families.base import finish
 from codefleet.tasks.families.domains import DOMAINS
 from codefleet.tasks.generate import generate_tasks
 from codefleet.tasks.patch import apply_unified_diff, parse_unified_diff
+from codefleet.tasks.spec import load_tasks
 
 
 def _tree(root: str) -> dict[str, bytes]:
@@ -85,6 +87,8 @@ def test_more_domains_are_training_templates_that_can_be_left_out(tmp_path):
     assert drawn & MORE_TEMPLATES
     without = generate_tasks(str(tmp_path / "b"), 30, seed=2, split="train", more_domains=False)
     assert not {str(t.metadata["template"]) for t in without} & MORE_TEMPLATES
+    assert main(["tasks", "generate", "--out", str(tmp_path / "c"), "--n", "30", "--seed", "2", "--no-more-domains"]) == 0
+    assert not {str(t.metadata["template"]) for t in load_tasks(str(tmp_path / "c"))} & MORE_TEMPLATES
 
 
 def test_difficulty_changes_size(tmp_path):

@@ -1,7 +1,7 @@
 """`codefleet tasks ...`: generate, check and import task sets.
 
     codefleet tasks generate --out DIR --n N --seed S [--families a,b] [--difficulty 1|2|3|mixed]
-                             [--split train|test|all]
+                             [--split train|test|all] [--no-more-domains]
     codefleet tasks check DIR [--jobs J] [--runs R] [--set KEY=VALUE ...]
     codefleet tasks import-swebench --jsonl FILE --repos DIR --out DIR [--setup CMD ...] [--check-command CMD]
 
@@ -25,7 +25,7 @@ def _generate(args: argparse.Namespace) -> int:
     difficulty = None if args.difficulty == "mixed" else int(args.difficulty)
     started = time.perf_counter()
     try:
-        tasks = generate_tasks(args.out, args.n, args.seed, families, difficulty, args.split)
+        tasks = generate_tasks(args.out, args.n, args.seed, families, difficulty, args.split, args.more_domains)
     except ValueError as e:
         print(f"codefleet tasks generate: {e}", file=sys.stderr)
         return 2
@@ -103,6 +103,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                      help="files, size and distractors (default: mixed, drawn per task)")
     gen.add_argument("--split", default="train", choices=["train", "test", "all"],
                      help="templates to draw from; test holds out templates train never uses (default train)")
+    gen.add_argument("--more-domains", action=argparse.BooleanOptionalAction, default=True,
+                     help="draw training tasks from the six domains of families/more_domains.py too (default yes; "
+                          "codefleet train leaves them out, see tasks.more_domains)")
     gen.set_defaults(func=_generate)
 
     check = sub.add_parser("check", help="prove every task in DIR sound",
