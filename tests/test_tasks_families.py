@@ -87,8 +87,9 @@ def test_more_domains_are_training_templates_that_can_be_left_out(tmp_path):
     assert drawn & MORE_TEMPLATES
     without = generate_tasks(str(tmp_path / "b"), 30, seed=2, split="train", more_domains=False)
     assert not {str(t.metadata["template"]) for t in without} & MORE_TEMPLATES
-    assert main(["tasks", "generate", "--out", str(tmp_path / "c"), "--n", "30", "--seed", "2", "--no-more-domains"]) == 0
-    assert not {str(t.metadata["template"]) for t in load_tasks(str(tmp_path / "c"))} & MORE_TEMPLATES
+    out = str(tmp_path / "c")
+    assert main(["tasks", "generate", "--out", out, "--n", "30", "--seed", "2", "--no-more-domains"]) == 0
+    assert not {str(t.metadata["template"]) for t in load_tasks(out)} & MORE_TEMPLATES
 
 
 def test_difficulty_changes_size(tmp_path):
