@@ -16,11 +16,13 @@ from codefleet.model.transformer import Transformer, token_logprobs
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
 
 
-@pytest.fixture(scope="module", params=["plain", "copy_head", "copy_prompt_match"])
+@pytest.fixture(scope="module", params=["plain", "copy_head", "copy_prompt_match", "copy_blocked"])
 def model(request):
     torch.manual_seed(0)
     variant = {"plain": {}, "copy_head": {"copy_head": True},
-               "copy_prompt_match": {"copy_head": True, "copy_scope": "prompt", "copy_match": True}}[request.param]
+               "copy_prompt_match": {"copy_head": True, "copy_scope": "prompt", "copy_match": True},
+               "copy_blocked": {"copy_head": True, "copy_scope": "prompt", "copy_match": True,
+                                "copy_blocked": list(range(16, 600))}}[request.param]
     return Transformer(ModelConfig.tiny(**variant)).eval()
 
 

@@ -290,11 +290,13 @@ def test_copy_head_learns_to_copy_what_the_generator_alone_cannot_in_the_same_st
     assert final_loss(True) < 1.0 < final_loss(False)  # measured: 0.36 and 2.19
 
 
-@pytest.mark.parametrize("copy_head,scope,match", [(False, "all", False), (True, "all", False), (True, "prompt", True)],
-                         ids=["plain", "copy_head", "copy_prompt_match"])
-def test_target_logprobs_equal_the_full_distributions_and_their_gradients(copy_head, scope, match):
+@pytest.mark.parametrize("copy_head,scope,match,blocked", [(False, "all", False, []), (True, "all", False, []),
+                                                           (True, "prompt", True, []),
+                                                           (True, "prompt", True, list(range(0, 40, 3)))],
+                         ids=["plain", "copy_head", "copy_prompt_match", "copy_blocked"])
+def test_target_logprobs_equal_the_full_distributions_and_their_gradients(copy_head, scope, match, blocked):
     torch.manual_seed(0)
-    model = Transformer(_small(copy_head=copy_head, copy_scope=scope, copy_match=match))
+    model = Transformer(_small(copy_head=copy_head, copy_scope=scope, copy_match=match, copy_blocked=blocked))
     tokens_BT = torch.randint(0, 40, (2, 10))
     targets_BT = torch.randint(0, 97, (2, 10))
     targets_BT[:, :5] = tokens_BT[:, :5]  # some targets occur in the context, some do not
@@ -308,3 +310,17 @@ def test_target_logprobs_equal_the_full_distributions_and_their_gradients(copy_h
     torch.testing.assert_close(grad_targets, grad_full, atol=1e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="full forward"):
         model(tokens_BT, targets_BT=targets_BT, logits_at_B=torch.tensor([1, 2]), turn_mask_BT=turns_BT)
+
+
+def test_blocked_tokens_are_never_copied_unless_nothing_else_is_in_the_context():
+    torch.manual_seed(0)
+    blocked = [5, 6]
+    model = Transformer(_small(copy_head=True, copy_match=True, copy_blocked=blocked))
+    tokens_BT = torch.tensor([[5, 6, 7, 5, 8, 6, 9, 5]])
+    h_BTD = torch.randn(1, tokens_BT.shape[1], model.config.d_model)
+    attn_BTL, tokens_BL = model.copy._attention(h_BTD, h_BTD, tokens_BT)
+    on_blocked_BT = (attn_BTL * torch.isin(tokens_BL, torch.tensor(blocked))[:, None, :]).sum(-1).detach()
+    assert on_blocked_BT[0, 0] == pytest.approx(1.0) and on_blocked_BT[0, 1] == pytest.approx(1.0)  # only 5, 6 seen
+    assert on_blocked_BT[0, 2:].abs().max() == 0  # 7 is in sight from position 2 on
+    with pytest.raises(ValueError, match="copy_blocked"):
+        _small(copy_head=True, copy_blocked=[10_000])

@@ -40,6 +40,9 @@ class ModelSection:
     copy_scope: str = "prompt"
     # the copy head also scores where the tokens before a context position match the last ones written
     copy_match: bool = True
+    # the copy head never points at tokens holding quotes, backticks, brackets, commas or colons
+    # (ModelConfig.copy_blocked): a copied name ends where the LM head says, not where the context did
+    copy_words_only: bool = False
 
 
 @dataclass

@@ -61,6 +61,13 @@ written is where a copy continues. A tiny model that learns this by
 attention alone continues a copied name with the wrong piece
 (`transitansit`, `fee_for` for `fee_for_balance`); exact matching makes
 the continuation a lookup, as prompt-lookup decoding does. Off by default.
+
+`copy_blocked`: token ids the copy head never points at (a query whose
+context holds nothing else sees it all), so they come from the LM head
+alone. `codefleet train` (`model.copy_words_only`) fills it with the tokens
+that hold quotes, backticks, brackets, commas or colons: a copy that runs on
+past a name's end (`app.py"}}` out of an earlier tool call) then stops
+where the name does. Empty by default.
 """
 
 from __future__ import annotations
@@ -105,6 +112,7 @@ class ModelConfig:
     copy_head: bool = False
     copy_scope: str = "all"  # "all" | "prompt"
     copy_match: bool = False
+    copy_blocked: list[int] = dataclasses.field(default_factory=list)
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
@@ -118,6 +126,7 @@ class ModelConfig:
             (0 <= self.first_dense_layers <= self.n_layers, "first_dense_layers must be in [0, n_layers]"),
             (0 <= self.prev_tokens <= 8, "prev_tokens must be in [0, 8]"),
             (self.copy_scope in ("all", "prompt"), "copy_scope must be 'all' or 'prompt'"),
+            (all(0 <= t < self.vocab_size for t in self.copy_blocked), "copy_blocked holds ids outside the vocab"),
         ]
         for ok, msg in checks:
             if not ok:

@@ -175,6 +175,10 @@ class CopyHead(nn.Module):
         self.gate = nn.Linear(config.d_model, 1)
         # config.copy_match: score bonus where the 1 (2) tokens before a context position equal the query's last
         self.match_w = nn.Parameter(torch.empty(2)) if config.copy_match else None  # 2.0 (reset_parameters)
+        # config.copy_blocked: tokens it never points at (unless a query's context holds nothing else)
+        copyable_V = torch.ones(config.vocab_size, dtype=torch.bool)
+        copyable_V[list(config.copy_blocked)] = False
+        self.register_buffer("copyable_V", copyable_V if config.copy_blocked else None, persistent=False)
 
     def forward(self, logits_BTV: torch.Tensor, hq_BTD: torch.Tensor, hk_BSD: torch.Tensor, tokens_BS: torch.Tensor,
                 cache=None, at_B: torch.Tensor | None = None, end_BT: torch.Tensor | None = None) -> torch.Tensor:
@@ -212,6 +216,9 @@ class CopyHead(nn.Module):
             visible_BTL = positions_S <= query_pos_BT[..., None]  # [B, T, S]
             if end_BT is not None:
                 visible_BTL = visible_BTL & (positions_S < end_BT[..., None])
+        if self.copyable_V is not None:
+            only_BTL = visible_BTL & self.copyable_V[tokens_BL][:, None, :]
+            visible_BTL = torch.where(only_BTL.any(-1, keepdim=True), only_BTL, visible_BTL)
         scores_BTL = torch.matmul(q_BTD, k_BLD.transpose(1, 2)).float() * self.scale
         if self.match_w is not None:
             scores_BTL = scores_BTL + self._match_bonus(tokens_BL, query_pos_BT)
