@@ -159,3 +159,9 @@ def test_without_the_asset_the_default_recipe_is_trained_once_and_cached(monkeyp
     assert (cached / TOKENIZER_FILE).is_file() and (cached / META_FILE).is_file()
     assert built.vocab_size == tok.vocab_size and built.special == tok.special
     assert module.default_tokenizer.__wrapped__().to_json() == built.to_json()  # second call loads the cache
+
+
+def test_ids_containing_finds_every_token_that_holds_the_characters(tok):
+    ids = tok.ids_containing("`:")
+    assert ids == sorted(i for i in range(tok.vocab_size) if {"`", ":"} & set(tok.decode([i])))
+    assert tok.encode("`")[0] in ids and tok.call_open_id not in ids

@@ -100,6 +100,9 @@ def make_tasks(run: RunDir, config: TrainRunConfig):
     return sets["train"], sets["test"]
 
 
+STRUCTURE = "`\"'{}[](),:"  # model.copy_words_only: tokens holding these are never copied
+
+
 def init_model(run: RunDir, config: TrainRunConfig, tokenizer) -> str:
     import torch
 
@@ -114,20 +117,12 @@ def init_model(run: RunDir, config: TrainRunConfig, tokenizer) -> str:
     if preset is None:
         raise RunError(f"model.size={config.model.size!r} is not a preset; use tiny, small or medium")
     torch.manual_seed(config.model.seed)
-    blocked = structure_tokens(tokenizer) if config.model.copy_words_only else []
+    blocked = tokenizer.ids_containing(STRUCTURE) if config.model.copy_words_only else []
     model = Transformer(preset(vocab_size=tokenizer.vocab_size, max_seq_len=config.model.max_seq_len,
                                copy_head=config.model.copy_head, copy_scope=config.model.copy_scope,
                                copy_match=config.model.copy_match, copy_blocked=blocked))
     checkpoint.save(model, path)
     return path
-
-
-STRUCTURE = set("`\"'{}[](),:")
-
-
-def structure_tokens(tokenizer) -> list[int]:
-    """Ids of the tokens that hold a quote, backtick, bracket, comma or colon (`model.copy_words_only`)."""
-    return [i for i in range(tokenizer.vocab_size) if STRUCTURE & set(tokenizer.decode([i]))]
 
 
 def demonstrations(run: RunDir, config: TrainRunConfig, tasks, tokenizer):

@@ -151,6 +151,11 @@ class Tokenizer:
         """The bytes one token stands for (a special token: its string)."""
         return self._bytes[token_id]
 
+    def ids_containing(self, chars: str) -> list[int]:
+        """Ids of the tokens whose bytes hold any of the ASCII `chars` (e.g. the copy head's `copy_blocked`)."""
+        wanted = set(chars.encode("ascii"))
+        return [i for i, b in enumerate(self._bytes) if wanted.intersection(b)]
+
     def decode_bytes(self, ids: Iterable[int], skip_special: bool = False) -> bytes:
         table = self._bytes
         if skip_special:

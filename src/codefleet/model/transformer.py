@@ -176,9 +176,11 @@ class CopyHead(nn.Module):
         # config.copy_match: score bonus where the 1 (2) tokens before a context position equal the query's last
         self.match_w = nn.Parameter(torch.empty(2)) if config.copy_match else None  # 2.0 (reset_parameters)
         # config.copy_blocked: tokens it never points at (unless a query's context holds nothing else)
-        copyable_V = torch.ones(config.vocab_size, dtype=torch.bool)
-        copyable_V[list(config.copy_blocked)] = False
-        self.register_buffer("copyable_V", copyable_V if config.copy_blocked else None, persistent=False)
+        copyable_V = None
+        if config.copy_blocked:
+            copyable_V = torch.ones(config.vocab_size, dtype=torch.bool)
+            copyable_V[config.copy_blocked] = False
+        self.register_buffer("copyable_V", copyable_V, persistent=False)
 
     def forward(self, logits_BTV: torch.Tensor, hq_BTD: torch.Tensor, hk_BSD: torch.Tensor, tokens_BS: torch.Tensor,
                 cache=None, at_B: torch.Tensor | None = None, end_BT: torch.Tensor | None = None) -> torch.Tensor:

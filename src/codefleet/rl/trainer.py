@@ -161,16 +161,15 @@ def pack(lengths: Sequence[int], max_tokens: int, overhead: int = 256) -> list[l
     first turns to 2.1x their tokens, this to 1.1x.)"""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     longest = [lengths[i] for i in order]
-    cost = [0] + [0] * len(order)  # cost[j]: the cheapest packing of the j longest
+    cost = [0.0] + [math.inf] * len(order)  # cost[j]: the cheapest packing of the j longest
     start = [0] * (len(order) + 1)  # start[j]: where the last micro-batch of that packing starts
     for j in range(1, len(order) + 1):
-        cost[j] = -1
         for i in range(j - 1, -1, -1):  # the last micro-batch is order[i:j], padded to longest[i]
             rows = j - i
             if rows > 1 and rows * longest[i] > max_tokens:
                 break  # earlier starts are longer and have more rows
             c = cost[i] + overhead + rows * longest[i]
-            if cost[j] < 0 or c < cost[j]:
+            if c < cost[j]:
                 cost[j], start[j] = c, i
     batches, j = [], len(order)
     while j:
