@@ -157,7 +157,7 @@ def test_an_attempt_with_no_tokens_is_scored_but_not_trained_on():
     """An attempt that ended before the policy's first turn keeps its reward (in the advantages) but has no
     sequence; a batch holding one must still train on the others rather than fail the step."""
     from codefleet.fleet.staleness import Group, Rollout, Ticket
-    from codefleet.fleet.train import training_samples
+    from codefleet.fleet.train_rl import training_samples
 
     def rollout(i, tokens):
         sample = {"tokens": tokens, "loss_mask": [0] + [1] * (len(tokens) - 1) if tokens else [],

@@ -119,10 +119,30 @@ def test_train_refuses_an_existing_run_and_a_missing_one(tmp_path):
                          timeout=60)
     assert out.returncode == 2 and "stepz" in out.stderr
     out = subprocess.run(_cli("train", "--out", str(tmp_path / "r3"), "rl.group_size=1", "rl.rollout_slots=0",
-                              "sft.threads=0"), capture_output=True, text=True, timeout=60)
+                              "sft.threads=0", "tasks.n_rl_extra=-1"), capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "rl.group_size must be >= 2" in out.stderr and "rl.rollout_slots" in out.stderr
-    assert "sft.workers and sft.threads must be >= 1" in out.stderr
+    assert "sft.workers and sft.threads must be >= 1" in out.stderr and "tasks.n_rl_extra must be >= 0" in out.stderr
     assert not (tmp_path / "r3").exists()
+
+
+def test_rl_only_tasks_come_from_every_training_domain_and_never_from_held_out_templates(tmp_path):
+    from codefleet.config import from_dict
+    from codefleet.fleet.run_dir import RunDir
+    from codefleet.fleet.train import make_tasks
+    from codefleet.fleet.train_config import TrainRunConfig
+    from codefleet.tasks.families import MORE_TEMPLATES, templates
+
+    config = from_dict(TrainRunConfig, {"tasks": {"n_train": 2, "n_rl_extra": 12, "n_eval": 1, "families": ["rename"]}})
+    run = RunDir(str(tmp_path / "run"))
+    train, extra, held_out = make_tasks(run, config)
+    assert len(train) == 2 and len(extra) == 12 and len(held_out) == 1
+    assert not {t.id for t in train} & {t.id for t in extra}
+    assert {t.metadata["template"] for t in extra} <= set(templates("rename", "train"))
+    assert {t.metadata["template"] for t in extra} & MORE_TEMPLATES  # code the demonstrations never show
+    assert not {t.metadata["template"] for t in train} & MORE_TEMPLATES  # tasks.more_domains is off
+    assert [t.id for t in make_tasks(run, config)[1]] == [t.id for t in extra]  # read back, not drawn again
+    config.tasks.n_rl_extra = 0
+    assert make_tasks(RunDir(str(tmp_path / "other")), config)[1] == []
 
 
 def test_eval_shows_a_checkpoint_its_runs_prompt_style(tmp_path):

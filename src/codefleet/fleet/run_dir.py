@@ -3,6 +3,7 @@
     RUN_DIR/
       config.yaml                 the resolved TrainRunConfig
       tasks/train, tasks/eval     generated task sets (eval = held-out templates)
+      tasks/rl-extra              tasks only RL attempts (tasks.n_rl_extra)
       checkpoints/init, sft       initial and SFT weights (checkpoint.save format)
       checkpoints/rl-step-NNNNNN  trainer checkpoints (weights + optimizer + version)
       checkpoints/rl-step-NNNNNN.controller.json   consumed rollout ids, lags, next group id
@@ -31,9 +32,15 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import sys
 import tempfile
 
 from codefleet.fleet.staleness import Group
+
+
+def log(message: str) -> None:
+    """A progress line of `codefleet train` on stderr."""
+    print(f"[codefleet train] {message}", file=sys.stderr, flush=True)
 
 
 def atomic_write(path: str, data: bytes) -> None:

@@ -24,6 +24,9 @@ class TasksSection:
     # the six training domains of tasks/families/more_domains.py besides the five of domains.py: with them the
     # tiny policy solved 0 of 80 held-out episodes after SFT in 2 of 2 runs, without them 5.0% (2026-12-04)
     more_domains: bool = False
+    # tasks only RL attempts (no demonstration, seed `seed + 1`), from the training templates of all eleven
+    # domains: RL practises on code SFT never showed, as the held-out tasks are
+    n_rl_extra: int = 0
 
 
 @dataclass
@@ -129,3 +132,14 @@ class TrainRunConfig:
     eval: EvalSection = field(default_factory=EvalSection)
     cluster: ClusterSection = field(default_factory=ClusterSection)
     sandbox: SandboxConfig = field(default_factory=lambda: SandboxConfig(timeout_s=30.0, memory_mb=1024))
+
+
+def episode_config(config: TrainRunConfig):
+    """The agent harness's settings for RL's rollouts, the demonstrations and the evaluations."""
+    from codefleet.agent.episode import EpisodeConfig
+    from codefleet.agent.tools import ToolConfig
+    from codefleet.types import Budgets
+
+    return EpisodeConfig(budgets=Budgets(max_turns=config.rl.max_turns, max_tool_calls=4 * config.rl.max_turns,
+                                         wall_clock_s=config.rl.rollout_timeout_s / 2),
+                         tools=ToolConfig(max_output_chars=4000), reward=config.rl.reward, prompt=config.model.prompt)

@@ -29,8 +29,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from codefleet.model.transformer import token_logprobs
-
 
 @dataclass
 class LogprobOutput:
