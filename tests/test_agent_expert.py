@@ -65,3 +65,29 @@ def test_expert_chains_the_tests_into_a_rename_and_explores_when_the_task_names_
     # a config task does not name the file to change: the expert explores before reading it all the same
     assert not any(d.old_path in cfg.instruction for d in parse_unified_diff(cfg.reference_patch))
     assert ScriptedExpert(cfg, explore=False).steps[0] == "explore"
+
+
+def test_a_word_swap_in_a_config_file_is_no_rename_and_the_expert_solves_it(tmp_path, config):
+    from codefleet.agent.clients.scripted import pure_rename
+    from codefleet.tasks.generate import generate_task
+    from codefleet.tasks.patch import parse_unified_diff
+
+    # `"log_level": "INFO"` -> `"DEBUG"` in defaults.json, while a visible test also says "INFO": the rename
+    # command would have edited the test and left the JSON alone (3 of 240 demonstrations failed so)
+    task = generate_task(str(tmp_path / "tasks"), "config", 203, seed=0, difficulty=1, split="train")
+    diffs = parse_unified_diff(task.reference_patch)
+    assert [d.old_path for d in diffs] == ["worker_pool/defaults.json"]
+    assert pure_rename(diffs, task.repo) is None and ScriptedExpert(task).rename is None
+    trajectory = run_episode(task, ScriptedExpert(task, explore=False, chain_tests=True), config)
+    assert trajectory.checks.all_passed and trajectory.stop_reason == "submit"
+    # a word swap in one Python file is no rename either when another Python file holds the word
+    from codefleet.tasks.patch import make_unified_diff
+
+    before = {"pkg/a.py": "LEVEL = INFO\n", "pkg/b.py": "ok = level == INFO\n"}
+    for path, text in before.items():
+        (tmp_path / "repo" / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "repo" / path).write_text(text)
+    swap = parse_unified_diff(make_unified_diff(before, {**before, "pkg/a.py": "LEVEL = DEBUG\n"}))
+    assert pure_rename(swap) == ("INFO", "DEBUG") and pure_rename(swap, str(tmp_path / "repo")) is None
+    (tmp_path / "repo" / "pkg" / "b.py").write_text("ok = True\n")
+    assert pure_rename(swap, str(tmp_path / "repo")) == ("INFO", "DEBUG")

@@ -16,7 +16,8 @@ model would:
     turn 4  submit
 
 When the patch is a pure rename (every changed line is its old line with one
-identifier replaced by another as a whole word), turns 1-2 become one shell
+identifier replaced by another as a whole word, in exactly the Python files
+that hold it: `pure_rename`), turns 1-2 become one shell
 command, the way a fast engineer renames (`rename_command`: `grep -rlw
 --include='*.py' 'OLD' . | xargs sed -i 's/\bOLD\b/NEW/g'`). With `explore=False` the expert skips
 turn 0 when the instruction already names what to change (every file it
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import json
 import keyword
+import os
 import re
 import shlex
 
@@ -63,7 +65,7 @@ class ScriptedExpert:
         self.task = task
         self.name = f"scripted-expert:{task.id}"
         self.diffs = parse_unified_diff(task.reference_patch)
-        self.rename = pure_rename(self.diffs)
+        self.rename = pure_rename(self.diffs, task.repo)
         self.to_read = [] if self.rename else [d for d in self.diffs
                                                if not d.is_new and not d.is_deleted and not d.is_binary]
         named = bool(self.rename) or (bool(self.to_read) and all(d.old_path in task.instruction for d in self.to_read))
@@ -180,12 +182,16 @@ def rename_step(old: str, new: str, test_command: str = "") -> tuple[str, list[t
     return f"Renaming `{old}` to `{new}` everywhere.", [("run", {"command": rename_command(old, new)})]
 
 
-def pure_rename(diffs: list[FileDiff]) -> tuple[str, str] | None:
-    """(old, new) when every changed line of the patch is its old line with the identifier `old` replaced by
-    `new` as a whole word (and nothing is added, deleted or moved), else None."""
+def pure_rename(diffs: list[FileDiff], repo: str | None = None) -> tuple[str, str] | None:
+    """(old, new) when the patch is what `rename_command(old, new)` does: every changed line is its old line
+    with the identifier `old` replaced by `new` as a whole word, only Python files change (nothing is added,
+    deleted or moved), and, given the task's `repo`, no other Python file there holds `old`. Else None.
+
+    A config task that turns `"INFO"` into `"DEBUG"` in a JSON file is a word swap but no rename: the
+    command would edit every Python file that says INFO (a test among them) and leave the JSON alone."""
     pairs = []
     for diff in diffs:
-        if diff.is_new or diff.is_deleted or diff.is_binary or diff.is_rename:
+        if diff.is_new or diff.is_deleted or diff.is_binary or diff.is_rename or not diff.old_path.endswith(".py"):
             return None
         for hunk in diff.hunks:
             removed = [ln for ln in hunk.old_lines if ln not in hunk.new_lines]
@@ -201,6 +207,22 @@ def pure_rename(diffs: list[FileDiff]) -> tuple[str, str] | None:
         return None
     old, new = gone.pop(), came.pop()
     word = re.compile(rf"\b{re.escape(old)}\b")
-    if all(word.sub(new, a) == b for a, b in pairs):
-        return old, new
-    return None
+    if not all(word.sub(new, a) == b for a, b in pairs):
+        return None
+    if repo is not None and _python_files_holding(repo, word) - {d.old_path for d in diffs}:
+        return None
+    return old, new
+
+
+def _python_files_holding(repo: str, word: re.Pattern) -> set[str]:
+    """The repo-relative paths of the Python files under `repo` in which `word` matches."""
+    found = set()
+    for root, dirs, files in os.walk(repo):
+        dirs[:] = [d for d in dirs if d != ".git"]
+        for name in files:
+            path = os.path.join(root, name)
+            if name.endswith(".py"):
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    if word.search(f.read()):
+                        found.add(os.path.relpath(path, repo))
+    return found
