@@ -16,15 +16,33 @@ the patch touches), the rest one that acts on the instruction at once where
 it names the files. `chain_fraction` of the renames run the tests in the
 same command as the rename. Real demonstrations vary like this; RL, whose
 reward costs turns, then learns which habit is faster.
+
+The durations pytest prints (`8 passed in 0.02s`) are the one thing in a
+demonstration that changes from run to run; `steady_timings` writes them all
+as 0.01s, so the same tasks give the same demonstrations, token for token,
+and SFT the same checkpoint. (They differed in 4 to 19 of 80 demonstrations
+between runs, and two such runs' SFT checkpoints solved 0.6% and 9.4% of the
+held-out episodes.)
 """
 
 from __future__ import annotations
 
 import random
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from codefleet.types import Task
+
+
+_DURATION = re.compile(r"\b((?:passed|failed|errors?|skipped|warnings?|deselected|xfailed|xpassed|no tests ran)"
+                       r" in )\d+(?:\.\d+)?s\b")
+
+
+def steady_timings(messages: list[dict]) -> list[dict]:
+    """The conversation with every duration pytest printed in a tool result written as 0.01s."""
+    return [dict(m, content=_DURATION.sub(r"\g<1>0.01s", m["content"]))
+            if m.get("role") == "tool" and isinstance(m.get("content"), str) else m for m in messages]
 
 
 @dataclass
@@ -65,11 +83,12 @@ def expert_demos(tasks: list[Task], tokenizer, max_seq_len: int, sandbox_config=
             if not (trajectory.checks and trajectory.checks.all_passed):
                 demos.unsolved.append(task.id)
                 continue
-            ids, mask = demos.encode(tokenizer, trajectory.messages)
+            messages = steady_timings(trajectory.messages)
+            ids, mask = demos.encode(tokenizer, messages)
             if len(ids) > max_seq_len:
                 demos.too_long.append(task.id)
                 continue
             demos.examples.append((ids, mask))
             demos.task_ids.append(task.id)
-            demos.conversations.append(trajectory.messages)
+            demos.conversations.append(messages)
     return demos

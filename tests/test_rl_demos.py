@@ -1,0 +1,36 @@
+"""Expert demonstrations are the same token for token from run to run (rl.demos)."""
+
+from __future__ import annotations
+
+from codefleet.rl.demos import expert_demos, steady_timings
+
+
+def test_steady_timings_rewrites_the_durations_pytest_prints_in_tool_results_only():
+    messages = [{"role": "user", "content": "make 8 passed in 0.5s pass"},
+                {"role": "assistant", "content": "Running the tests.", "tool_calls": []},
+                {"role": "tool", "content": "........ [100%]\n8 passed in 0.38s\n[exit code 0]"},
+                {"role": "tool", "content": "FAILED tests/test_a.py::test_x\n1 failed, 7 passed, 2 warnings in 12.07s"},
+                {"role": "tool", "content": "no tests ran in 0.00s"},
+                {"role": "tool", "content": "sleep in 3s; grep 'passed in 2s' log"},
+                {"role": "tool", "content": None}]
+    out = steady_timings(messages)
+    assert out[0] == messages[0] and out[1] == messages[1] and out[6] == messages[6]
+    assert out[2]["content"] == "........ [100%]\n8 passed in 0.01s\n[exit code 0]"
+    assert out[3]["content"].endswith("1 failed, 7 passed, 2 warnings in 0.01s")
+    assert out[4]["content"] == "no tests ran in 0.01s"
+    assert out[5]["content"] == "sleep in 3s; grep 'passed in 0.01s' log"  # what pytest would print, anywhere
+    assert messages[2]["content"].endswith("in 0.38s\n[exit code 0]")  # the input is not changed
+
+
+def test_two_runs_of_the_expert_give_the_same_demonstrations(tmp_path, config):
+    from codefleet.agent.episode import EpisodeConfig
+    from codefleet.model.tokenizer import default_tokenizer
+    from codefleet.tasks.generate import generate_tasks
+
+    tasks = generate_tasks(str(tmp_path / "tasks"), n=3, seed=2, families=["bugfix", "rename", "stub"], split="train")
+    tokenizer = default_tokenizer()
+    runs = [expert_demos(tasks, tokenizer, 4096, config, EpisodeConfig(prompt="bare"), chain_fraction=0.5)
+            for _ in range(2)]
+    assert len(runs[0].examples) == 3 and not runs[0].unsolved
+    assert runs[0].examples == runs[1].examples and runs[0].conversations == runs[1].conversations
+    assert any("passed in 0.01s" in (m.get("content") or "") for conv in runs[0].conversations for m in conv)
