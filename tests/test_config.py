@@ -49,6 +49,14 @@ def test_type_errors_name_the_field(override, field):
         load_config(SandboxConfig, None, [override])
 
 
+def test_exponents_are_floats_though_yaml_1_1_reads_them_as_text(tmp_path):
+    assert load_config(SandboxConfig, None, ["timeout_s=1e-4"]).timeout_s == 1e-4
+    assert load_config(SandboxConfig, _yaml(tmp_path, "timeout_s: 2E3\n")).timeout_s == 2000.0
+    with pytest.raises(ConfigError, match="^timeout_s: expected float"):
+        load_config(SandboxConfig, None, ["timeout_s=1e"])
+    assert load_config(SandboxConfig, None, ["state_dir=1e3"]).state_dir == "1e3"  # text where text is meant
+
+
 def test_unknown_keys_are_refused_with_the_known_ones(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown config key\(s\) \['memory'\].*memory_mb"):
         load_config(SandboxConfig, None, ["memory=512"])

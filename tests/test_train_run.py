@@ -123,6 +123,10 @@ def test_train_refuses_an_existing_run_and_a_missing_one(tmp_path):
     assert out.returncode == 2 and "rl.group_size must be >= 2" in out.stderr and "rl.rollout_slots" in out.stderr
     assert "sft.workers and sft.threads must be >= 1" in out.stderr and "tasks.n_rl_extra must be >= 0" in out.stderr
     assert not (tmp_path / "r3").exists()
+    (tmp_path / "r4").mkdir()
+    (tmp_path / "r4" / "config.yaml").write_text("rl:\n  steps: many\n")  # a hand-edited run config
+    out = subprocess.run(_cli("train", "--resume", str(tmp_path / "r4")), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "rl.steps: expected int" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_rl_only_tasks_come_from_every_training_domain_and_never_from_held_out_templates(tmp_path):

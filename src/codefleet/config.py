@@ -11,6 +11,7 @@ with the field's name instead of silently doing nothing.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from typing import Any, TypeVar
@@ -22,6 +23,9 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
     """A config file or override does not match the config's fields."""
+
+
+_EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 def _set_path(tree: dict, dotted: str, value: Any) -> None:
@@ -67,6 +71,8 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
         raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}")
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str) and _EXPONENT.fullmatch(value.strip()):
+        return float(value)  # YAML 1.1, which PyYAML reads, takes `1e-4` for text; a float field means 0.0001
     if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     if isinstance(tp, type) and not isinstance(value, tp):

@@ -261,10 +261,14 @@ def train(config: TrainRunConfig, out: str, resume: bool = False, progress: bool
     if resume:
         if not os.path.isfile(saved):
             raise RunError(f"{out} has no config.yaml: nothing to resume; start a run with --out {out}")
-        from codefleet.config import from_dict
+        from codefleet.config import ConfigError, from_dict
 
-        with open(saved) as f:
-            config = from_dict(TrainRunConfig, yaml.safe_load(f))
+        try:
+            with open(saved) as f:
+                config = from_dict(TrainRunConfig, yaml.safe_load(f) or {})
+        except (OSError, yaml.YAMLError, ConfigError) as e:
+            raise RunError(f"{saved} cannot be read as this run's configuration ({e}); fix that file, or start "
+                           f"a new run with --out") from None
     check_config(config)
     if not resume:
         if os.path.isfile(saved):
