@@ -13,6 +13,9 @@ Every attempt is a scored trajectory; the figures are:
 - `pass_at_n`: tasks with at least one solved attempt / tasks;
 - `turns`, `tool_calls`, `tool_calls_per_turn`, `tool_errors`, `wall_s`: means over attempts;
 - `turns_per_solved`, `wall_s_per_solved`: means over solved attempts (None when none solved).
+- `wall_clock_stops`: the share of attempts their wall-clock budget cut off. `jobs` x `attempts`
+  episodes share one engine and the machine's cores; too many at once and the clock, not the policy,
+  ends them (32 attempts x 10 jobs on 2 cores: 72% of them), which the table then says.
 
 `codefleet eval --checkpoint DIR --tasks DIR [--attempts N]` prints the table
 and the JSON (and writes the trajectories to a rollout store with `--out`).
@@ -39,6 +42,9 @@ class EvalConfig:
     threads: int = 2  # torch threads of the engine
 
 
+CLOCK_WARNING = 0.1  # EvalReport.clock_warning above this share of attempts stopped by the wall clock
+
+
 @dataclass
 class EvalReport:
     checkpoint: str
@@ -54,6 +60,7 @@ class EvalReport:
     turns_per_solved: float | None
     wall_s_per_solved: float | None
     eval_s: float
+    wall_clock_stops: float = 0.0  # attempts cut off by the episode's wall-clock budget / attempts
     per_task: dict[str, list[dict]] = field(default_factory=dict)
 
     def summary(self) -> dict:
@@ -68,7 +75,16 @@ class EvalReport:
                 ("turns / solved", "-" if self.turns_per_solved is None else f"{self.turns_per_solved:.2f}"),
                 ("wall s / solved", "-" if self.wall_s_per_solved is None else f"{self.wall_s_per_solved:.2f}")]
         head = f"{label or self.checkpoint}: {self.tasks} tasks x {self.attempts} attempts"
-        return "\n".join([head] + [f"  {k:<18} {v}" for k, v in rows])
+        warning = [self.clock_warning()] if self.clock_warning() else []
+        return "\n".join([head] + [f"  {k:<18} {v}" for k, v in rows] + warning)
+
+    def clock_warning(self) -> str:
+        """A sentence when so many attempts ran out of wall clock that the figures measure the machine."""
+        if self.wall_clock_stops <= CLOCK_WARNING:
+            return ""
+        return (f"warning: {self.wall_clock_stops:.0%} of the attempts ran out of their wall-clock budget, so turns "
+                f"and success are cut short by the machine, not the policy; run fewer at once (--jobs x --attempts "
+                f"episodes share the engine and the cores) or give each more (--wall-clock)")
 
 
 def _solved(t: Trajectory) -> bool:
@@ -92,6 +108,7 @@ def summarize(checkpoint: str, results: dict[str, list[Trajectory]], attempts: i
         wall_s=_mean([t.wall_s for t in flat]) or 0.0,
         turns_per_solved=_mean([t.n_turns for t in solved]), wall_s_per_solved=_mean([t.wall_s for t in solved]),
         eval_s=round(eval_s, 2),
+        wall_clock_stops=round(sum(t.stop_reason == "wall_clock" for t in flat) / len(flat), 4) if flat else 0.0,
         per_task={tid: [{"solved": _solved(t), "reward": t.reward, "turns": t.n_turns, "tool_calls": t.n_tool_calls,
                          "wall_s": round(t.wall_s, 3), "stop_reason": t.stop_reason} for t in ts]
                   for tid, ts in results.items()})
