@@ -75,8 +75,8 @@ class EvalReport:
                 ("turns / solved", "-" if self.turns_per_solved is None else f"{self.turns_per_solved:.2f}"),
                 ("wall s / solved", "-" if self.wall_s_per_solved is None else f"{self.wall_s_per_solved:.2f}")]
         head = f"{label or self.checkpoint}: {self.tasks} tasks x {self.attempts} attempts"
-        warning = [self.clock_warning()] if self.clock_warning() else []
-        return "\n".join([head] + [f"  {k:<18} {v}" for k, v in rows] + warning)
+        warning = self.clock_warning()
+        return "\n".join([head] + [f"  {k:<18} {v}" for k, v in rows] + ([warning] if warning else []))
 
     def clock_warning(self) -> str:
         """A sentence when so many attempts ran out of wall clock that the figures measure the machine."""

@@ -233,8 +233,8 @@ def evaluate_checkpoints(run: RunDir, config: TrainRunConfig, eval_tasks, checkp
                                                           max_tokens=e.max_tokens, jobs=e.jobs),
                              config.sandbox, episode_config(config), on_task=on_task)
         results[label] = report.summary()
-        if report.clock_warning():
-            log(f"{label}: {report.clock_warning()} (eval.jobs, eval.attempts, rl.rollout_timeout_s)")
+        if warning := report.clock_warning():
+            log(f"{label}: {warning} (eval.jobs, eval.attempts, rl.rollout_timeout_s)")
         atomic_write(out, json.dumps(results[label], indent=2, sort_keys=True).encode())
     return results
 

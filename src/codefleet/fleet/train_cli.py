@@ -118,7 +118,7 @@ def _eval(args: argparse.Namespace) -> int:
                          episode_config=episode, on_task=on_task)
     if not args.json:
         print(report.table())
-    elif report.clock_warning():
-        print(f"codefleet eval: {report.clock_warning()}", file=sys.stderr)
+    elif warning := report.clock_warning():
+        print(f"codefleet eval: {warning}", file=sys.stderr)
     print(report_json(report))
     return 0
