@@ -98,3 +98,21 @@ def test_config_error_is_a_value_error():
 def test_to_dict_round_trips():
     cfg = SandboxConfig(memory_mb=100, env={"A": "b"}, ro_binds=["/x"], timeout_s=2.5)
     assert from_dict(SandboxConfig, to_dict(cfg)) == cfg
+
+
+def test_a_section_keeps_the_defaults_its_parent_gives_it(tmp_path):
+    """Setting one field of a nested section leaves its other fields as the parent's default has them, not as
+    the section class's own defaults (an override of the reward once turned the run's costs_on back to "all")."""
+    from codefleet.fleet.train_config import TrainRunConfig
+
+    path = tmp_path / "run.yaml"
+    path.write_text("sandbox:\n  cpu_cores: 1\n")
+    cfg = load_config(TrainRunConfig, str(path), ["rl.reward.cost_per_turn=0.1", "rl.loss.kl_coef=0.01"])
+    default = TrainRunConfig()
+    assert cfg.rl.reward.cost_per_turn == 0.1
+    assert cfg.rl.reward.costs_on == default.rl.reward.costs_on == "solved"
+    assert cfg.rl.reward.cost_per_tool_error == default.rl.reward.cost_per_tool_error > 0
+    assert cfg.rl.loss.kl_coef == 0.01 and cfg.rl.loss.off_policy == default.rl.loss.off_policy == "tis"
+    assert cfg.sandbox.cpu_cores == 1.0
+    assert (cfg.sandbox.timeout_s, cfg.sandbox.memory_mb) == (default.sandbox.timeout_s, default.sandbox.memory_mb)
+    assert cfg.rl.steps == default.rl.steps and cfg.tasks == default.tasks

@@ -37,12 +37,13 @@ def _set_path(tree: dict, dotted: str, value: Any) -> None:
     tree[keys[-1]] = value
 
 
-def _coerce(tp: Any, value: Any, where: str) -> Any:
+def _coerce(tp: Any, value: Any, where: str, default: Any = None) -> Any:
+    """`value` checked against the type `tp`; a section is merged into `default`, the field's default instance."""
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a section (mapping), got {value!r}")
-        return from_dict(tp, value, where)
+        return from_dict(tp, value, where, default if isinstance(default, tp) else None)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(tp)
         if value is None and type(None) in options:
@@ -51,7 +52,7 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
             if opt is type(None):
                 continue
             try:
-                return _coerce(opt, value, where)
+                return _coerce(opt, value, where, default)
             except ConfigError:
                 continue
         raise ConfigError(f"{where}: {value!r} is not a {tp}")
@@ -81,15 +82,29 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
     return value
 
 
-def from_dict(cls: type[T], data: dict, where: str = "") -> T:
+def _field_default(f: dataclasses.Field) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None if f.default is dataclasses.MISSING else f.default
+
+
+def from_dict(cls: type[T], data: dict, where: str = "", base: T | None = None) -> T:
+    """`cls` with the fields in `data` set, the others as in `base` (or their defaults).
+
+    A section keeps the defaults its parent gives it: `rl.reward.cost_per_turn=0.1` changes that one field of
+    the run's reward, not the other fields back to `RewardConfig()`'s.
+    """
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(data) - names
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(data) - set(fields)
     if unknown:
         raise ConfigError(f"unknown config key(s) {sorted(map(str, unknown))} in {where or cls.__name__}; "
-                          f"known: {sorted(names)}")
-    kwargs = {k: _coerce(hints[k], v, f"{where}.{k}" if where else k) for k, v in data.items()}
-    return cls(**kwargs)
+                          f"known: {sorted(fields)}")
+    kwargs = {}
+    for k, v in data.items():
+        default = getattr(base, k) if base is not None else _field_default(fields[k])
+        kwargs[k] = _coerce(hints[k], v, f"{where}.{k}" if where else k, default)
+    return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
 
 
 def load_config(cls: type[T], path: str | None = None, overrides: list[str] | None = None) -> T:
