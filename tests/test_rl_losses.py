@@ -128,6 +128,22 @@ def test_gspo_sequence_ratio_clipped_per_sequence_by_hand():
         LossConfig(ratio_level="sequence", off_policy="tis")
 
 
+def test_gspo_kl_is_per_sequence_so_micro_batches_add_up_to_the_batch():
+    # k3 per token of sequence 0 (one masked token) and sequence 1 (two): GSPO averages each sequence first
+    logp = torch.zeros(2, 2)
+    ref = torch.tensor([[ln(0.5), 0.0], [ln(0.5), ln(2.0)]])
+    mask = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    k3 = kl_k3(logp, ref)
+    seq = [k3[0, 0], (k3[1, 0] + k3[1, 1]) / 2]
+    cfg = LossConfig(ratio_level="sequence", kl_coef=1.0)
+    zero = torch.zeros(2)
+    loss, m = policy_loss(logp, logp, zero, mask, cfg, ref_logprobs_BT=ref)
+    assert m["kl"] == pytest.approx(float(seq[0] + seq[1]) / 2)
+    halves = [policy_loss(logp[i:i + 1], logp[i:i + 1], zero[i:i + 1], mask[i:i + 1], cfg, ref_logprobs_BT=ref[i:i + 1])[0]
+              for i in range(2)]  # one sequence each, weighted by their units (one sequence)
+    torch.testing.assert_close(loss, (halves[0] + halves[1]) / 2)
+
+
 def test_bad_config_names_the_allowed_values():
     with pytest.raises(ValueError, match="token_mean, seq_mean"):
         LossConfig(reduction="sum")

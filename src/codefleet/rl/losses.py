@@ -40,7 +40,8 @@ and always averaged over sequences.
 
 KL to a reference policy (`kl_coef > 0`, `ref_logprobs_BT`): the k3
 estimator `exp(ref - logp) - (ref - logp) - 1` per token (>= 0, unbiased for
-KL(pi || ref)), reduced like the policy loss and added times `kl_coef`.
+KL(pi || ref)), reduced like the policy loss (per sequence, then over sequences, with GSPO) and added
+times `kl_coef`.
 
 `add_moe_losses(loss, model_output)` adds the model's router losses
 (aux + z, already scaled by their coefficients in the model config).
@@ -160,7 +161,11 @@ def policy_loss(logprobs_BT: torch.Tensor, behave_logprobs_BT: torch.Tensor, adv
     metrics["pg_loss"] = float(pg.detach())
     loss = pg
     if ref_logprobs_BT is not None:
-        kl = masked_reduce(kl_k3(logprobs_BT, ref_logprobs_BT.detach()), mask_BT, cfg.reduction)
+        kl_BT = kl_k3(logprobs_BT, ref_logprobs_BT.detach())
+        if cfg.ratio_level == "sequence":  # per sequence like the GSPO loss, so micro-batches add up to the batch
+            kl = ((kl_BT * mask_BT).sum(-1) / len_B * has_B).sum() / n_seq
+        else:
+            kl = masked_reduce(kl_BT, mask_BT, cfg.reduction)
         metrics["kl"] = float(kl.detach())
         if cfg.kl_coef > 0:
             loss = loss + cfg.kl_coef * kl
