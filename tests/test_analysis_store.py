@@ -118,6 +118,8 @@ def test_older_version_corrupt_and_incomplete_files_are_reported_and_skipped(tmp
                              "turns": [3], "legacy_field": ["x"]}), old_dir / "part-old.parquet")
     (old_dir / "part-corrupt.parquet").write_bytes(b"PAR1 this is not parquet")
     pq.write_table(pa.table({"task_id": ["t"], "turns": [1]}), old_dir / "part-noreward.parquet")
+    pq.write_table(pa.table({"task_id": ["t"], "reward": ["high"], "stop_reason": ["submit"]}),  # text for a number
+                   old_dir / "part-textreward.parquet")
     problems: list[str] = []
     table = read_rollouts(root, on_problem=problems.append)
     assert table.num_rows == 2 and table.schema.equals(SCHEMA)
@@ -127,6 +129,7 @@ def test_older_version_corrupt_and_incomplete_files_are_reported_and_skipped(tmp
     assert "part-corrupt.parquet: not a readable Parquet file" in joined
     assert "part-noreward.parquet: lacks required column(s) reward, stop_reason; skipped" in joined
     assert "part-old.parquet: older or different schema" in joined
+    assert "part-textreward.parquet: cannot be read as rollouts (column reward has type string" in joined
     assert len(scan_store(root).files) == 2
 
 

@@ -217,6 +217,12 @@ def scan_store(root: str) -> StoreScan:
         run, step = partition_values(os.path.relpath(path, root))
         current = is_current(schema)
         if not current:
+            try:  # a column of another type may not cast (text where a number belongs): find out now, not mid-pipeline
+                upgrade_table(pq.read_table(path), run=run, step=step)
+            except Exception as e:
+                why = " ".join(str(e).split())[:200]
+                scan.problems.append(f"{path}: cannot be read as rollouts ({why}); skipped")
+                continue
             lacking = [c for c in COLUMNS if c not in schema.names]
             scan.problems.append(f"{path}: older or different schema (lacks {', '.join(lacking) or 'nothing'}); "
                                  f"upgraded on read")
