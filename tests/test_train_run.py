@@ -15,6 +15,7 @@ import sys
 import time
 
 import pytest
+import yaml
 
 from helpers import wait_for
 
@@ -127,6 +128,29 @@ def test_train_refuses_an_existing_run_and_a_missing_one(tmp_path):
     (tmp_path / "r4" / "config.yaml").write_text("rl:\n  steps: many\n")  # a hand-edited run config
     out = subprocess.run(_cli("train", "--resume", str(tmp_path / "r4")), capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "rl.steps: expected int" in out.stderr and "Traceback" not in out.stderr
+    out = subprocess.run(_cli("train", "--out", str(tmp_path / "r5"), "tasks.difficulty=9", "rl.lr=-1"),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "tasks.difficulty must be" in out.stderr and "rl.lr and sft.lr" in out.stderr
+    assert not (tmp_path / "r5").exists()
+    (tmp_path / "file").write_text("")
+    out = subprocess.run(_cli("train", "--out", str(tmp_path / "file")), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "cannot make the run directory" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_resumed_run_takes_changes_to_where_it_runs_how_long_rl_goes_and_its_evaluation_only(tmp_path):
+    from codefleet.config import to_dict
+    from codefleet.fleet.train import RunError, resumed_config
+    from codefleet.fleet.train_config import TrainRunConfig
+
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(to_dict(TrainRunConfig(name="saved"))))
+    config = resumed_config(str(tmp_path), ["rl.steps=32", "eval.attempts=2", "cluster.num_cpus=8"], "ray://head:1")
+    assert (config.name, config.rl.steps, config.eval.attempts) == ("saved", 32, 2)
+    assert (config.cluster.num_cpus, config.cluster.address) == (8.0, "ray://head:1")
+    with pytest.raises(RunError, match="rl.lr cannot change when a run resumes"):
+        resumed_config(str(tmp_path), ["rl.lr=1e-3"])
+    out = subprocess.run(_cli("train", "--resume", str(tmp_path), "--out", str(tmp_path)), capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and "drop --out" in out.stderr
 
 
 def test_rl_only_tasks_come_from_every_training_domain_and_never_from_held_out_templates(tmp_path):

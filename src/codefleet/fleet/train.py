@@ -71,6 +71,14 @@ def check_config(config: TrainRunConfig) -> None:
         (config.model.copy_scope in ("all", "prompt"), "model.copy_scope must be 'all' or 'prompt'"),
         (config.model.prompt in PROMPTS, f"model.prompt must be one of {', '.join(PROMPTS)}"),
         (r.task_sampling in SAMPLING_MODES, f"rl.task_sampling must be one of {', '.join(SAMPLING_MODES)}"),
+        (r.task_sampling_floor >= 0, "rl.task_sampling_floor must be >= 0"),
+        (t.difficulty in (None, 1, 2, 3), "tasks.difficulty must be 1, 2, 3 or null (drawn per task)"),
+        (r.lr > 0 and config.sft.lr > 0, "rl.lr and sft.lr must be > 0"),
+        (r.temperature >= 0 and config.eval.temperature >= 0, "rl.temperature and eval.temperature must be >= 0"),
+        (min(r.max_tokens, r.max_turns, config.eval.max_tokens, config.eval.attempts, config.eval.jobs) >= 1,
+         "rl.max_tokens, rl.max_turns, eval.max_tokens, eval.attempts and eval.jobs must be >= 1"),
+        (r.rollout_timeout_s > 0, "rl.rollout_timeout_s must be > 0"),
+        (config.model.max_seq_len >= 256, "model.max_seq_len must be >= 256 (a task and one turn)"),
     ]
     bad = [message for ok, message in problems if not ok]
     if bad:
@@ -215,10 +223,13 @@ def evaluate_checkpoints(run: RunDir, config: TrainRunConfig, eval_tasks, checkp
     results = {}
     for label, path in checkpoints.items():
         out = run.path("eval", f"{label}.json")
-        if os.path.isfile(out):
+        settings = dataclasses.asdict(e)
+        if os.path.isfile(out):  # this checkpoint, evaluated so, before a crash (a resume may change both)
             with open(out) as f:
-                results[label] = json.load(f)
-            continue
+                done = json.load(f)
+            if done.get("checkpoint") == path and done.get("settings") == settings:
+                results[label] = done
+                continue
         log(f"evaluating the {label} checkpoint on {len(eval_tasks)} held-out tasks")
         store = run.path("eval", f"{label}-rollouts")
         shutil.rmtree(store, ignore_errors=True)  # an evaluation a crash cut short starts over
@@ -232,7 +243,7 @@ def evaluate_checkpoints(run: RunDir, config: TrainRunConfig, eval_tasks, checkp
         report, _ = evaluate(path, eval_tasks, EvalConfig(attempts=e.attempts, temperature=e.temperature,
                                                           max_tokens=e.max_tokens, jobs=e.jobs),
                              config.sandbox, episode_config(config), on_task=on_task)
-        results[label] = report.summary()
+        results[label] = {**report.summary(), "settings": settings}
         if warning := report.clock_warning():
             log(f"{label}: {warning} (eval.jobs, eval.attempts, rl.rollout_timeout_s)")
         atomic_write(out, json.dumps(results[label], indent=2, sort_keys=True).encode())
@@ -252,31 +263,54 @@ def results_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+# what a resumed run may change: where it runs, how long RL goes on, how it is evaluated. The rest shaped the
+# tasks, demonstrations and checkpoints the run already holds.
+RESUMABLE = ("cluster.", "eval.", "rl.steps")
+RESUMABLE_TEXT = "cluster.*, eval.* and rl.steps"
+
+
+def resumed_config(out: str, overrides: list[str] | None = None, address: str | None = None) -> TrainRunConfig:
+    """The configuration saved in the run `out`, with the `key=value` changes a resumed run may take."""
+    from codefleet.config import ConfigError, load_config
+
+    saved = os.path.join(out, "config.yaml")
+    if not os.path.isfile(saved):
+        raise RunError(f"{out} has no config.yaml: nothing to resume; start a run with --out {out}")
+    for item in overrides or []:
+        key = item.partition("=")[0].strip()
+        if not any(key == p or key.startswith(p) for p in RESUMABLE):
+            raise RunError(f"{key} cannot change when a run resumes (it shaped what the run already holds); a "
+                           f"resumed run takes changes to {RESUMABLE_TEXT} only; start a new run with --out")
+    try:
+        config = load_config(TrainRunConfig, saved, overrides)
+    except ConfigError as e:
+        raise RunError(f"{saved} cannot be read as this run's configuration with the changes given ({e}); fix "
+                       f"that file or the change, or start a new run with --out") from None
+    if address:
+        config.cluster.address = address
+    return config
+
+
 def train(config: TrainRunConfig, out: str, resume: bool = False, progress: bool = True) -> dict:
-    """Run (or resume) the whole pipeline into `out`; returns the evaluation results."""
+    """Run the pipeline into `out`, or, with `resume`, go on with the run there (`config` from
+    `resumed_config(out, ...)`); returns the evaluation results."""
     import ray
 
     from codefleet.model.tokenizer import default_tokenizer
 
     run = RunDir(out)
     saved = run.path("config.yaml")
-    if resume:
-        if not os.path.isfile(saved):
-            raise RunError(f"{out} has no config.yaml: nothing to resume; start a run with --out {out}")
-        from codefleet.config import ConfigError, from_dict
-
-        try:
-            with open(saved) as f:
-                config = from_dict(TrainRunConfig, yaml.safe_load(f) or {})
-        except (OSError, yaml.YAMLError, ConfigError) as e:
-            raise RunError(f"{saved} cannot be read as this run's configuration ({e}); fix that file, or start "
-                           f"a new run with --out") from None
     check_config(config)
     if not resume:
         if os.path.isfile(saved):
             raise RunError(f"{out} already holds a run; pass --resume to continue it, or choose another --out")
-        os.makedirs(run.root, exist_ok=True)
-        atomic_write(saved, yaml.safe_dump(to_dict(config), sort_keys=False).encode())
+        try:
+            os.makedirs(run.root, exist_ok=True)
+        except OSError as e:
+            raise RunError(f"cannot make the run directory {out} ({e.strerror or e}); choose another --out") from None
+    elif not os.path.isfile(saved):
+        raise RunError(f"{out} has no config.yaml: nothing to resume; start a run with --out {out}")
+    atomic_write(saved, yaml.safe_dump(to_dict(config), sort_keys=False).encode())  # with a resume's changes
     started = time.perf_counter()
     tokenizer = default_tokenizer()
     train_tasks, rl_extra, eval_tasks = make_tasks(run, config)

@@ -46,19 +46,26 @@ def register(subparsers) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     from codefleet.config import ConfigError, load_config
-    from codefleet.fleet.train import RunError, results_table, train
+    from codefleet.fleet.train import RunError, results_table, resumed_config, train
     from codefleet.fleet.train_config import TrainRunConfig
 
     if not (args.out or args.resume):
         print("codefleet train: give --out RUN_DIR (a new run) or --resume RUN_DIR", file=sys.stderr)
         return 2
+    if args.resume and (args.out or args.config):
+        print("codefleet train: --resume RUN_DIR continues that run with its own configuration; drop --out and "
+              "--config (a resumed run takes KEY=VALUE changes to cluster.*, eval.* and rl.steps)", file=sys.stderr)
+        return 2
     try:
-        config = load_config(TrainRunConfig, args.config, args.overrides)
-    except (ConfigError, ValueError) as e:
+        if args.resume:
+            config = resumed_config(args.resume, args.overrides, args.address)
+        else:
+            config = load_config(TrainRunConfig, args.config, args.overrides)
+            if args.address:
+                config.cluster.address = args.address
+    except (ConfigError, ValueError, RunError) as e:
         print(f"codefleet train: {e}", file=sys.stderr)
         return 2
-    if args.address:
-        config.cluster.address = args.address
     try:
         summary = train(config, args.resume or args.out, resume=bool(args.resume), progress=not args.no_progress)
     except RunError as e:
@@ -90,6 +97,15 @@ def _eval(args: argparse.Namespace) -> int:
         if not os.path.isdir(path):
             print(f"codefleet eval: {what} {path!r} is not a directory", file=sys.stderr)
             return 2
+    bad = [f"{flag} {value}" for flag, value, ok in (
+        ("--attempts", args.attempts, args.attempts >= 1), ("--jobs", args.jobs, args.jobs >= 1),
+        ("--max-turns", args.max_turns, args.max_turns >= 1), ("--max-tokens", args.max_tokens, args.max_tokens >= 1),
+        ("--wall-clock", args.wall_clock, args.wall_clock > 0), ("--temperature", args.temperature,
+                                                                  args.temperature >= 0)) if not ok]
+    if bad:
+        print(f"codefleet eval: {', '.join(bad)}: counts must be at least 1, --wall-clock above 0 and --temperature "
+              f"at least 0", file=sys.stderr)
+        return 2
     try:
         tasks = load_tasks(args.tasks)
     except (OSError, ValueError) as e:
