@@ -25,7 +25,7 @@ import time
 import pytest
 from helpers import assert_released, footprint, processes_with, unique_sleep, wait_for
 
-from codefleet.sandbox import SandboxDeadError
+from codefleet.sandbox import SandboxDeadError, SandboxUnavailableError
 from codefleet.sandbox.namespace import unavailable_reason
 
 UNAVAILABLE = unavailable_reason()
@@ -366,3 +366,24 @@ def test_bwrap_killed_during_a_command(make_sandbox):
     assert result.output.startswith("started\n") and "never" not in result.output
     assert "[codefleet: the shell exited (status 137)" in result.output
     assert sb.exec("echo back").shell_restarted
+
+
+def test_ro_binds_that_do_not_exist_say_so_in_bwraps_words(make_sandbox, tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"ro_binds names .*missing.*remove it from ro_binds"):
+        make_sandbox(ro_binds=[str(tmp_path / "missing")])
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    sb = make_sandbox(ro_binds=[str(shared)])
+    assert sb.exec("echo started").output == "started\n"
+    shared.rmdir()  # gone after the start: every later bwrap fails while it sets the sandbox up
+    try:
+        said = sb.run_oneoff(["true"]).output
+    except SandboxUnavailableError as e:
+        said = str(e)
+    assert "Can't find source path" in said
+    sb.exec("exit 3")
+    with pytest.raises(SandboxDeadError, match="could not be restarted .*bwrap: Can't find source path"):
+        sb.exec("echo restarted")
+    fp = footprint(sb)
+    sb.close()
+    assert_released([fp])

@@ -17,7 +17,7 @@ import pytest
 from helpers import assert_released, footprint, processes_with, unique_sleep, wait_for
 
 from codefleet.sandbox import create_sandbox, state
-from codefleet.sandbox.layers import mounts_under, umount
+from codefleet.sandbox.layers import mountinfo_path, mounts_under, umount
 from codefleet.sandbox.namespace import unavailable_reason
 
 UNAVAILABLE = unavailable_reason()
@@ -136,3 +136,27 @@ def test_a_bad_repository_argument_is_a_clear_error_and_leaves_no_half_made_sand
     owner = state.owner_for(config.state_dir)
     assert not list(owner._live)  # nothing for the exit hook to close (it once failed on a half-made one)
     owner.close_all()
+
+
+def test_mountinfo_paths_are_unescaped_as_bytes(tmp_path):
+    """The kernel writes mount points as raw bytes with only space, tab, newline and
+    backslash escaped (\\040...): a UTF-8 name must come back as the same str."""
+    assert mountinfo_path("/tmp/x/stäte/merged".encode()) == "/tmp/x/stäte/merged"
+    assert mountinfo_path(rb"/tmp/a\040b\011c\134d\012e") == "/tmp/a b\tc\\d\ne"
+    assert mountinfo_path(b"/tmp/\xff") == os.fsdecode(b"/tmp/\xff")  # not UTF-8: kept as the OS names it
+    info = tmp_path / "mountinfo"
+    info.write_bytes(b"36 35 98:0 / /mnt/other rw - ext3 /dev/root rw\n"
+                     + "37 35 0:44 / /tmp/x/stäte/sb/a\\040b/merged rw - overlay overlay rw\n".encode()
+                     + "38 35 0:45 / /tmp/x/stäte rw - tmpfs tmpfs rw\n".encode())
+    assert mounts_under("/tmp/x/stäte/", str(info)) == ["/tmp/x/stäte/sb/a b/merged", "/tmp/x/stäte"]
+
+
+def test_mounts_under_a_non_ascii_state_dir_are_found_and_released(repo, config, tmp_path):
+    cfg = dataclasses.replace(config, backend="namespace", state_dir=str(tmp_path / "stäte dir"))
+    sb = create_sandbox(repo, cfg)
+    fp = footprint(sb)
+    if sb.workspace.strategy != "copy":
+        assert sb.workspace.merged in mounts_under(sb.dir)
+    sb.close()
+    assert_released([fp])
+    assert mounts_under(cfg.state_dir) == []

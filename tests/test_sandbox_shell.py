@@ -4,10 +4,11 @@ codes, output, command text of every shape, timeouts and shell restarts."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
-from codefleet.sandbox import SandboxClosedError, create_sandbox
+from codefleet.sandbox import SandboxClosedError, SandboxConfig, create_sandbox
 from codefleet.sandbox.shell import OutputCollector
 
 
@@ -177,6 +178,20 @@ def test_config_env_is_exported(repo, config):
     env = {"PLAIN": "a b", "TRICKY": "it's\ta\nmulti-line $value"}
     with create_sandbox(repo, dataclasses.replace(config, env=env)) as sb:
         assert sb.exec('printf "%s|%s" "$PLAIN" "$TRICKY"').output == "a b|it's\ta\nmulti-line $value"
+
+
+@pytest.mark.filterwarnings("ignore:codefleet local sandbox")
+@pytest.mark.parametrize("name", ["A B", "X=1; echo injected; B", "1ST", "", "PATH\n"])
+def test_config_env_names_must_be_variable_names(repo, config, name):
+    with pytest.raises(ValueError, match=f"SandboxConfig.env: {re.escape(repr(name))} is not a variable name"):
+        SandboxConfig(env={name: "v"})
+    with pytest.raises(ValueError, match="not a variable name"):
+        dataclasses.replace(config, env={"OK_1": "v", name: "v"})
+    for backend in ("auto", "local"):
+        changed = dataclasses.replace(config, backend=backend, env={})
+        changed.env[name] = "v"  # changed after the config was checked: refused before any shell sees it
+        with pytest.raises(ValueError, match="not a variable name"):
+            create_sandbox(repo, changed)
 
 
 def test_info_reports_isolation(sandbox):

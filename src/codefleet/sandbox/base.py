@@ -9,6 +9,7 @@ everything. Backends are siblings chosen by name (`namespace`, `local`).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -59,6 +60,20 @@ class SandboxConfig:
     ro_binds: list[str] = field(default_factory=list)  # extra host paths, read-only
     env: dict[str, str] = field(default_factory=dict)
     state_dir: str | None = None  # where mounts and layers live; see state.py
+
+    def __post_init__(self) -> None:
+        check_env_names(self.env)
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def check_env_names(env: dict[str, str]) -> None:
+    """Raise ValueError for a key of `env` that is not a shell variable name (it is exported as written)."""
+    for name in env:
+        if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
+            raise ValueError(f"SandboxConfig.env: {name!r} is not a variable name; use letters, digits and '_', "
+                             "not starting with a digit")
 
 
 @runtime_checkable

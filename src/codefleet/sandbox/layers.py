@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -36,32 +37,39 @@ MS_NOSUID, MS_NODEV = 2, 4
 MNT_DETACH = 2
 # The kernel takes mount options in one page; leave room for upper and work dirs.
 _MAX_LOWERDIR_CHARS = 3500
+_OCTAL_ESCAPE = re.compile(rb"\\([0-7]{3})")
 
 
 def mount(source: str, target: str, fstype: str, options: str, flags: int = MS_NOSUID | MS_NODEV) -> None:
-    if _libc.mount(source.encode(), target.encode(), fstype.encode(), flags, options.encode()) != 0:
+    if _libc.mount(os.fsencode(source), os.fsencode(target), fstype.encode(), flags, os.fsencode(options)) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"mount {fstype} on {target} failed: {os.strerror(err)}")
 
 
 def umount(target: str) -> None:
     """Lazily unmount `target`; fine if it is not mounted."""
-    if _libc.umount2(target.encode(), MNT_DETACH) != 0:
+    if _libc.umount2(os.fsencode(target), MNT_DETACH) != 0:
         err = ctypes.get_errno()
         if err not in (22, 2):  # EINVAL: not a mount point; ENOENT: gone
             raise OSError(err, f"umount {target} failed: {os.strerror(err)}")
 
 
-def mounts_under(prefix: str) -> list[str]:
+def mounts_under(prefix: str, mountinfo: str = "/proc/self/mountinfo") -> list[str]:
     """Mount points at or below `prefix`, deepest first (so they unmount cleanly)."""
     prefix = prefix.rstrip("/")
     points = []
-    with open("/proc/self/mountinfo") as f:
+    with open(mountinfo, "rb") as f:
         for line in f:
-            point = line.split()[4].encode().decode("unicode_escape")
+            point = mountinfo_path(line.split()[4])
             if point == prefix or point.startswith(prefix + "/"):
                 points.append(point)
     return sorted(points, key=len, reverse=True)
+
+
+def mountinfo_path(field: bytes) -> str:
+    """A path as /proc/self/mountinfo writes it: raw bytes (UTF-8 or not) with
+    space, tab, newline and backslash as octal escapes (\\040)."""
+    return os.fsdecode(_OCTAL_ESCAPE.sub(lambda m: bytes([int(m.group(1), 8)]), field))
 
 
 def _escape(path: str) -> str:

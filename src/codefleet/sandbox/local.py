@@ -16,7 +16,7 @@ import subprocess
 import warnings
 
 from codefleet.sandbox import procs
-from codefleet.sandbox.base import SandboxConfig
+from codefleet.sandbox.base import SandboxConfig, check_env_names
 from codefleet.sandbox.shell import ShellSession
 from codefleet.sandbox.shellbox import ShellSandbox, setup_script
 from codefleet.sandbox.state import owner_for
@@ -44,6 +44,7 @@ class LocalSandbox(ShellSandbox):
                  _replay: str = ""):
         warnings.warn("codefleet local sandbox: commands run WITHOUT isolation on this host", stacklevel=2)
         config = config or SandboxConfig()
+        check_env_names(config.env)
         source = _copy_from or repo
         if source is not None and not os.path.isdir(source):
             raise FileNotFoundError(f"repository directory {source!r} does not exist")

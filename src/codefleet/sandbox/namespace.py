@@ -36,7 +36,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from codefleet.sandbox import procs, seccomp
-from codefleet.sandbox.base import WORKSPACE, SandboxConfig, SandboxUnavailableError
+from codefleet.sandbox.base import (
+    WORKSPACE,
+    SandboxConfig,
+    SandboxDeadError,
+    SandboxUnavailableError,
+    check_env_names,
+)
 from codefleet.sandbox.cgroups import Cgroup
 from codefleet.sandbox.layers import Workspace, choose_strategy
 from codefleet.sandbox.shell import ShellSession
@@ -162,6 +168,11 @@ class NamespaceSandbox(ShellSandbox):
                                 "call create_sandbox(repo, config)")
             if not os.path.isdir(repo):
                 raise FileNotFoundError(f"repository directory {repo!r} does not exist")
+        check_env_names(config.env)
+        missing = [path for path in config.ro_binds if not os.path.exists(path)]
+        if missing:
+            raise FileNotFoundError(f"SandboxConfig.ro_binds names {missing[0]!r}, which does not exist on this host; "
+                                    "create it or remove it from ro_binds")
         self.owner = owner_for(config.state_dir)
         self.owner.track(self)
         sandbox_id = "sb-" + os.urandom(5).hex()
@@ -219,20 +230,43 @@ class NamespaceSandbox(ShellSandbox):
             for fd in pass_fds:
                 os.close(fd)
         try:
-            info = _read_info(info_r, proc)
+            info = _read_info(info_r)
+            if info is None:
+                raise self._start_failure(proc)
             init_pid = info["child-pid"]
-            if self.cgroup is not None:
-                self.cgroup.add(proc.pid)
-                self.cgroup.add(init_pid)
-            os.write(block_w, b"1")
+            try:
+                if self.cgroup is not None:
+                    self.cgroup.add(proc.pid)
+                    self.cgroup.add(init_pid)
+                os.write(block_w, b"1")
+            except (ProcessLookupError, BrokenPipeError):  # bwrap gave up while setting the sandbox up
+                raise self._start_failure(proc) from None
         except BaseException:
             proc.kill()
             proc.wait()
+            if proc.stdout:
+                proc.stdout.close()
             raise
         finally:
             os.close(info_r)
             os.close(block_w)
         return proc, init_pid
+
+    def _start_failure(self, proc: subprocess.Popen) -> SandboxUnavailableError:
+        """The error for a bwrap that exited while setting the sandbox up, in bwrap's words.
+        A one-off's output holds them; a shell's stderr is discarded, so the set-up is
+        tried once more with `true` to hear them."""
+        _wait_or_kill(proc)
+        said = _bwrap_output(proc)
+        if not said:
+            try:
+                said = subprocess.run(self._base_args + ["true"], stdin=subprocess.DEVNULL, capture_output=True,
+                                      timeout=20).stderr.decode(errors="replace").strip()
+            except subprocess.TimeoutExpired:
+                said = ""
+        said = said[:300] or f"exit status {proc.returncode}"
+        return SandboxUnavailableError(f"bwrap failed to start the sandbox ({said}); check the host paths the "
+                                       "sandbox config names (ro_binds, state_dir)")
 
     def _spawn_shell(self, replay: str) -> tuple[subprocess.Popen, ShellSession]:
         proc, init_pid = self._spawn(["bash", "--noprofile", "--norc", "--noediting", "-i"], subprocess.PIPE)
@@ -255,7 +289,15 @@ class NamespaceSandbox(ShellSandbox):
 
         session = ShellSession(proc.stdin.fileno(), proc.stdout.fileno(), 0, list_procs, exit_status,
                                self.config.output_limit_bytes)
-        session.wait_ready(setup_script(self.config, WORKSPACE, self._ulimits(), replay))
+        try:
+            session.wait_ready(setup_script(self.config, WORKSPACE, self._ulimits(), replay))
+        except SandboxDeadError:
+            if proc.poll() is None:
+                raise
+            error = self._start_failure(proc)  # bwrap may fail its set-up after the cgroup took it
+            proc.stdin.close()
+            proc.stdout.close()
+            raise error from None
         kids = procs.children(init_pid)
         session.shell_pid = shell_pid_box[0] = kids[0] if kids else 0
         return proc, session
@@ -360,19 +402,31 @@ def _wait_or_kill(proc: subprocess.Popen, timeout_s: float = 2.0) -> None:
         proc.wait()
 
 
-def _read_info(fd: int, proc: subprocess.Popen, timeout_s: float = 10.0) -> dict:
+def _read_info(fd: int, timeout_s: float = 10.0) -> dict | None:
+    """bwrap's --info-fd report; None if bwrap exited without one."""
     data = b""
     deadline = time.monotonic() + timeout_s
     while not data.rstrip().endswith(b"}"):
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([fd], [], [], left)[0]:
-            raise SandboxUnavailableError("bwrap did not start within 10 s")
+            raise SandboxUnavailableError(f"bwrap did not start within {timeout_s:g} s")
         chunk = os.read(fd, 4096)
         if not chunk:
-            out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
-            raise SandboxUnavailableError(f"bwrap failed to start the sandbox: {out.strip()[:300]}")
+            return None
         data += chunk
     return json.loads(data)
+
+
+def _bwrap_output(proc: subprocess.Popen) -> str:
+    """What an exited bwrap left on its stdout (a one-off's stderr is merged into it)."""
+    if proc.stdout is None:
+        return ""
+    os.set_blocking(proc.stdout.fileno(), False)
+    try:
+        data = proc.stdout.read() or b""
+    except BlockingIOError:
+        data = b""
+    return data.decode(errors="replace").strip()
 
 
 def _empty_dir(owner: Owner) -> str:

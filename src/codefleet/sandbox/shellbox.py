@@ -19,6 +19,7 @@ from codefleet.sandbox.base import (
     SandboxClosedError,
     SandboxConfig,
     SandboxDeadError,
+    check_env_names,
 )
 from codefleet.sandbox.files import WorkspaceFiles
 from codefleet.sandbox.shell import OutputCollector, ShellSession, shell_quote
@@ -32,6 +33,7 @@ def setup_script(config: SandboxConfig, workdir: str, ulimits: str, replay: str 
              'exit() { builtin exit "$@" 2>/dev/null; }; logout() { builtin exit "$@" 2>/dev/null; }',
              ulimits,
              f"cd {bash_literal(workdir)}"]
+    check_env_names(config.env)  # again: the dict may have changed since the config was made
     lines += [f"export {k}={bash_literal(v)}" for k, v in config.env.items()]
     if replay:
         lines.append(replay)
