@@ -194,6 +194,18 @@ def test_check_tasks_keeps_order_and_reports_each(bugfix_task, config):
     assert report.line().startswith(f"ok       {bugfix_task.id}  reference ")
 
 
+def test_runs_below_one_are_refused(bugfix_task, config, tmp_path, capsys):
+    for runs in (0, -1):
+        with pytest.raises(ValueError, match="runs must be a whole number of at least 1"):
+            check_task(bugfix_task, config, runs=runs)  # not a report that calls an unchecked task sound
+        with pytest.raises(ValueError, match="at least 1"):
+            check_tasks([bugfix_task], config, runs=runs)
+    save_tasks([bugfix_task], str(tmp_path / "tasks"))
+    assert main(["tasks", "check", str(tmp_path / "tasks"), "--runs", "0"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == "codefleet tasks check: --runs must be at least 1, got 0\n" and captured.out == ""
+
+
 def test_same_second_same_size_edit_is_in_the_diff(tmp_path, config):
     """Git compares whole seconds: a same-size edit in the second the baseline
     was taken is only caught by git's racy-index check, which the temporary

@@ -158,3 +158,21 @@ def test_generate_rejects_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="split"):
         generate_tasks(str(tmp_path), 1, split="dev")
     assert not os.path.exists(tmp_path / "tasks.jsonl")  # nothing written for a bad request
+
+
+def test_generate_cli_refuses_no_tasks_and_an_unwritable_out(tmp_path, capsys):
+    out = tmp_path / "tasks"
+    for n in ("0", "-3"):
+        assert main(["tasks", "generate", "--out", str(out), "--n", n]) == 2
+        assert capsys.readouterr().err == f"codefleet tasks generate: --n must be at least 1, got {n}\n"
+    assert not out.exists()
+    with pytest.raises(ValueError, match="0 or more"):
+        generate_tasks(str(out), -3)
+    taken = tmp_path / "a-file"
+    taken.write_text("not a directory\n")
+    assert main(["tasks", "generate", "--out", str(taken), "--n", "1"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.splitlines()) == 1
+    assert captured.err.startswith(f"codefleet tasks generate: cannot write {str(taken)!r} (File exists)")
+    assert "pass --out a directory you can write" in captured.err
+    assert taken.read_text() == "not a directory\n"

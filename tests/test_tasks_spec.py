@@ -103,3 +103,27 @@ def test_task_directory_with_index_and_without(tmp_path):
     assert sorted(t.id for t in load_tasks(str(tmp_path))) == ["t0", "t1", "t2"]
     with pytest.raises(FileNotFoundError, match="tasks generate"):
         load_tasks(str(tmp_path / "missing"))
+
+
+def test_a_task_file_that_is_not_utf8_is_a_spec_error(tmp_path):
+    broken = tmp_path / "task.json"
+    broken.write_bytes(b'{"id": "caf\xe9"}')  # Latin-1
+    with pytest.raises(TaskSpecError, match=r"not UTF-8 text \(bad byte at offset 11\)") as info:
+        load_task(str(broken))
+    assert info.value.source == str(broken)
+
+
+def test_ids_end_where_they_end_and_budgets_are_finite(tmp_path):
+    data = task_to_dict(_task("/r"))
+    for bad in ("demo-1\n", "demo-1\n\n", "-demo", "a" * 201):
+        assert any(e.startswith("id:") for e in validate_task_dict(data | {"id": bad})), bad
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        assert [e for e in validate_task_dict(data | {"budgets": {"wall_clock_s": bad}})
+                if e.startswith("budgets.wall_clock_s: must be a positive, finite number")], bad
+    text = json.dumps(data | {"budgets": {"wall_clock_s": float("nan")}})
+    assert "NaN" in text  # what json writes, and reads back, for a NaN
+    path = tmp_path / "task.json"
+    path.write_text(text)
+    with pytest.raises(TaskSpecError, match="budgets.wall_clock_s"):
+        load_task(str(path))
+    assert validate_task_dict(data | {"budgets": {"wall_clock_s": 1e9, "max_turns": 10 ** 30}}) == []

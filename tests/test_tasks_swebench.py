@@ -11,6 +11,7 @@ import tarfile
 import pytest
 
 from codefleet.tasks.checks import check_task
+from codefleet.tasks.cli import main
 from codefleet.tasks.patch import make_unified_diff
 from codefleet.tasks.spec import load_tasks, save_tasks
 from codefleet.tasks.swebench import LoadError, load_swebench
@@ -109,3 +110,31 @@ def test_imported_task_is_sound_and_survives_save_load(fixture, tmp_path, config
     assert report.untouched[0].per_test == {"tests/test_mod.py::test_high": False,
                                             "tests/test_mod.py::test_low": True,
                                             "tests/test_new.py::test_inside": True}
+
+
+def test_rows_of_the_wrong_shape_are_row_errors_not_a_crash(fixture, tmp_path):
+    jsonl, repos, _ = fixture
+    with open(jsonl, "rb") as f:
+        good_line = f.readline()
+    good = json.loads(good_line)
+    rows = tmp_path / "shapes.jsonl"
+    rows.write_bytes(json.dumps(good | {"instance_id": ["a", "b"]}).encode() + b"\n"   # 1: unhashable id
+                     + json.dumps(good | {"instance_id": "x\n"}).encode() + b"\n"      # 2: id ending in newline
+                     + b'{"instance_id": "caf\xe9"}\n'                                  # 3: Latin-1, not UTF-8
+                     + good_line)                                                      # 4: still loads
+    tasks, errors = load_swebench(str(rows), repos, str(tmp_path / "out"))
+    assert [t.id for t in tasks] == ["acme__clampy-1"]
+    by_line = {e.line: e.reason for e in errors}
+    assert sorted(by_line) == [1, 2, 3]
+    assert "instance_id" in by_line[1] and "non-string" in by_line[1]
+    assert "instance_id 'x\\n' must be letters" in by_line[2]
+    assert "not UTF-8 text" in by_line[3]
+
+
+def test_import_cli_names_a_missing_jsonl(tmp_path, capsys):
+    missing = str(tmp_path / "nope.jsonl")
+    assert main(["tasks", "import-swebench", "--jsonl", missing, "--repos", str(tmp_path), "--out",
+                 str(tmp_path / "out")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.splitlines()) == 1
+    assert captured.err.startswith(f"codefleet tasks import-swebench: cannot read {missing!r} (No such file")

@@ -337,6 +337,12 @@ def _judge(task: Task, reference: list[CheckResult], untouched: list[CheckResult
     return problems
 
 
+def _check_runs(runs: int) -> None:
+    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
+        raise ValueError(f"runs must be a whole number of at least 1 (each state's checks run that often), "
+                         f"got {runs!r}")
+
+
 def check_task(task: Task, config: SandboxConfig | None = None, cache_dir: str | None = None,
                runs: int = 2) -> TaskCheckReport:
     """Prove `task` sound (see TaskCheckReport). One prepared sandbox is forked
@@ -344,6 +350,7 @@ def check_task(task: Task, config: SandboxConfig | None = None, cache_dir: str |
     times, side by side."""
     from codefleet.tasks.spec import validate_task
 
+    _check_runs(runs)
     started = time.perf_counter()
     problems = validate_task(task)
     if not task.reference_patch.strip():
@@ -381,6 +388,7 @@ def check_tasks(tasks: list[Task], config: SandboxConfig | None = None, jobs: in
                 cache_dir: str | None = None, on_report=None, runs: int = 2) -> list[TaskCheckReport]:
     """check_task for many tasks, `jobs` at a time; reports in task order.
     `on_report(report)` is called as each one finishes (for progress lines)."""
+    _check_runs(runs)
     reports: dict[str, TaskCheckReport] = {}
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         futures = {pool.submit(check_task, task, config, cache_dir, runs): task for task in tasks}

@@ -23,11 +23,18 @@ def _generate(args: argparse.Namespace) -> int:
 
     families = [f.strip() for f in args.families.split(",") if f.strip()] if args.families else None
     difficulty = None if args.difficulty == "mixed" else int(args.difficulty)
+    if args.n < 1:
+        print(f"codefleet tasks generate: --n must be at least 1, got {args.n}", file=sys.stderr)
+        return 2
     started = time.perf_counter()
     try:
         tasks = generate_tasks(args.out, args.n, args.seed, families, difficulty, args.split, args.more_domains)
     except ValueError as e:
         print(f"codefleet tasks generate: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"codefleet tasks generate: cannot write {e.filename or args.out!r} ({e.strerror or e}); "
+              "pass --out a directory you can write", file=sys.stderr)
         return 2
     counts: dict[str, int] = {}
     for task in tasks:
@@ -44,6 +51,9 @@ def _check(args: argparse.Namespace) -> int:
     from codefleet.tasks.checks import check_tasks
     from codefleet.tasks.spec import TaskSpecError, load_task, task_paths
 
+    if args.runs < 1:
+        print(f"codefleet tasks check: --runs must be at least 1, got {args.runs}", file=sys.stderr)
+        return 2
     try:
         config = load_config(SandboxConfig, None, list(args.set or []))
         paths = task_paths(args.dir)
@@ -76,11 +86,16 @@ def _import_swebench(args: argparse.Namespace) -> int:
     from codefleet.tasks.spec import save_tasks
     from codefleet.tasks.swebench import DEFAULT_CHECK_COMMAND, load_swebench
 
-    tasks, errors = load_swebench(args.jsonl, args.repos, args.out, setup_commands=list(args.setup or []),
-                                  check_command=args.check_command or DEFAULT_CHECK_COMMAND)
-    for error in errors:
-        print(f"skipped {error}", file=sys.stderr)
-    save_tasks(tasks, args.out)
+    try:
+        tasks, errors = load_swebench(args.jsonl, args.repos, args.out, setup_commands=list(args.setup or []),
+                                      check_command=args.check_command or DEFAULT_CHECK_COMMAND)
+        for error in errors:
+            print(f"skipped {error}", file=sys.stderr)
+        save_tasks(tasks, args.out)
+    except OSError as e:
+        print(f"codefleet tasks import-swebench: cannot {'read' if e.filename == args.jsonl else 'write'} "
+              f"{e.filename or args.out!r} ({e.strerror or e}); check the --jsonl and --out paths", file=sys.stderr)
+        return 2
     print(f"imported {len(tasks)} tasks into {args.out} ({len(errors)} rows skipped)")
     return 1 if errors and not tasks else 0
 

@@ -76,6 +76,8 @@ def generate_tasks(out_dir: str, n: int, seed: int = 0, families: list[str] | No
     `difficulty` 1-3 fixes it; None draws it per task. `split` is "train",
     "test" or "all" (templates of both). `more_domains=False` leaves out the
     six training domains of `families/more_domains.py`."""
+    if n < 0:
+        raise ValueError(f"n must be a number of tasks (0 or more), got {n}")
     families = list(families or FAMILIES)
     unknown = [f for f in families if f not in FAMILIES]
     if unknown:

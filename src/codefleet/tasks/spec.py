@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 
@@ -25,7 +26,7 @@ from codefleet.types import TASK_SPEC_VERSION, Budgets, HiddenChecks, Task
 
 TASK_FILE = "task.json"
 INDEX_FILE = "tasks.jsonl"
-ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")  # use with fullmatch
 _TOP_KEYS = ("spec_version", "id", "repo", "instruction", "setup_commands", "test_command", "checks", "budgets",
              "metadata", "reference_patch")
 _CHECK_KEYS = ("command", "fail_to_pass", "pass_to_pass", "files")
@@ -98,8 +99,9 @@ def _validate_budgets(data: object, errors: list[str]) -> None:
     for key, value in data.items():
         if key not in names:
             errors.append(f"budgets.{key}: unknown key (allowed: {', '.join(names)})")
-        elif isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            errors.append(f"budgets.{key}: must be a positive number, got {value!r}")
+        elif (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
+              or isinstance(value, float) and not math.isfinite(value)):  # NaN <= 0 is False
+            errors.append(f"budgets.{key}: must be a positive, finite number, got {value!r}")
         elif key != "wall_clock_s" and not isinstance(value, int):
             errors.append(f"budgets.{key}: must be a whole number, got {value!r}")
 
@@ -117,7 +119,7 @@ def validate_task_dict(data: object) -> list[str]:
     elif version != TASK_SPEC_VERSION:
         errors.append(f"spec_version: {version} is not supported; this codefleet reads version {TASK_SPEC_VERSION}")
     task_id = data.get("id")
-    if not isinstance(task_id, str) or not ID_RE.match(task_id):
+    if not isinstance(task_id, str) or not ID_RE.fullmatch(task_id):
         errors.append(f"id: required, letters, digits, '.', '_' or '-' (at most 200), got {task_id!r}")
     for key in ("repo", "instruction"):
         if not isinstance(data.get(key), str) or not data[key].strip():
@@ -206,6 +208,9 @@ def load_task(path: str) -> Task:
             data = json.load(f)
     except json.JSONDecodeError as e:
         raise TaskSpecError([f"(file): not valid JSON: {e}"], path) from None
+    except UnicodeDecodeError as e:
+        raise TaskSpecError([f"(file): not UTF-8 text (bad byte at offset {e.start}); save it as UTF-8"],
+                            path) from None
     task = task_from_dict(data, path)
     if not os.path.isabs(task.repo):
         task.repo = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), task.repo))

@@ -136,9 +136,9 @@ def _row_task(row: object, repos_dir: str, export_dir: str, setup_commands: list
         raise _RowError("a row must be a JSON object")
     missing = [k for k in _REQUIRED if not isinstance(row.get(k), str) or not row[k].strip()]
     if missing:
-        raise _RowError(f"missing or empty field(s): {', '.join(missing)}")
+        raise _RowError(f"missing, empty or non-string field(s): {', '.join(missing)}")
     instance_id, repo, base = row["instance_id"], row["repo"], row["base_commit"].strip()
-    if not ID_RE.match(instance_id):
+    if not ID_RE.fullmatch(instance_id):
         raise _RowError(f"instance_id {instance_id!r} must be letters, digits, '.', '_' or '-'")
     if not re.match(r"^[\w.-]+/[\w.-]+$", repo):
         raise _RowError(f"repo must be 'owner/name', got {repo!r}")
@@ -180,14 +180,21 @@ def load_swebench(jsonl_path: str, repos_dir: str, export_dir: str, setup_comman
     tasks: list[Task] = []
     errors: list[LoadError] = []
     seen: set[str] = set()
-    with open(jsonl_path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with open(jsonl_path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                errors.append(LoadError(number, f"not UTF-8 text (bad byte at offset {e.start}); save it as UTF-8"))
+                continue
             if not line.strip():
                 continue
             instance_id = None
             try:
                 row = json.loads(line)
                 instance_id = row.get("instance_id") if isinstance(row, dict) else None
+                if not isinstance(instance_id, str):  # reported by _row_task; a list would not even hash
+                    instance_id = None
                 if instance_id in seen:
                     raise _RowError(f"duplicate instance_id {instance_id!r} (first row kept)")
                 task = _row_task(row, repos_dir, export_dir, list(setup_commands or []), check_command, test_command)
@@ -195,11 +202,10 @@ def load_swebench(jsonl_path: str, repos_dir: str, export_dir: str, setup_comman
                 errors.append(LoadError(number, f"not valid JSON: {e}"))
                 continue
             except _RowError as e:
-                errors.append(LoadError(number, str(e), instance_id if isinstance(instance_id, str) else None))
+                errors.append(LoadError(number, str(e), instance_id))
                 continue
             except (OSError, subprocess.SubprocessError) as e:
-                errors.append(LoadError(number, f"could not read the checkout: {e}",
-                                        instance_id if isinstance(instance_id, str) else None))
+                errors.append(LoadError(number, f"could not read the checkout: {e}", instance_id))
                 continue
             seen.add(task.id)
             tasks.append(task)
