@@ -373,8 +373,10 @@ def test_ro_binds_that_do_not_exist_say_so_in_bwraps_words(make_sandbox, tmp_pat
         make_sandbox(ro_binds=[str(tmp_path / "missing")])
     shared = tmp_path / "shared"
     shared.mkdir()
+    (shared / "data.txt").write_text("shared\n")
     sb = make_sandbox(ro_binds=[str(shared)])
-    assert sb.exec("echo started").output == "started\n"
+    assert sb.exec(f"cat {shared}/data.txt").output == "shared\n"  # under /tmp: on top of the private tmpfs
+    (shared / "data.txt").unlink()
     shared.rmdir()  # gone after the start: every later bwrap fails while it sets the sandbox up
     try:
         said = sb.run_oneoff(["true"]).output

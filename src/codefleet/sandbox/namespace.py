@@ -133,8 +133,6 @@ def _host_args(config: SandboxConfig, owner: Owner) -> list[str]:
         args += ["--perms", "0555", "--tmpfs", d, "--remount-ro", d]
     passwd, group = _identity_files(owner)
     args += ["--ro-bind", passwd, "/etc/passwd", "--ro-bind", group, "/etc/group"]
-    for path in config.ro_binds:
-        args += ["--ro-bind", os.path.abspath(path), os.path.abspath(path)]
     # The sandbox user is the host user, root here, for the kernel's permission
     # checks on sysctls: /proc/sys must be read-only (bwrap itself covers it only
     # when it finds it writable as a directory, which it never is).
@@ -150,6 +148,8 @@ def _host_args(config: SandboxConfig, owner: Owner) -> list[str]:
              "--clearenv", "--setenv", "PATH", _PATH, "--setenv", "HOME", "/tmp", "--setenv", "USER", "agent",
              "--setenv", "LOGNAME", "agent", "--setenv", "TERM", "dumb", "--setenv", "LANG", "C.UTF-8",
              "--setenv", "PAGER", "cat", "--setenv", "GIT_PAGER", "cat"]
+    for path in config.ro_binds:  # last: a bind under /tmp or /var/tmp goes on top of the private tmpfs
+        args += ["--ro-bind", os.path.abspath(path), os.path.abspath(path)]
     return args
 
 
