@@ -12,7 +12,8 @@ answers from a script, in order:
         stub.requests  # every chat request body received, parsed
 
 Script items: `reply(...)` (an assistant message, optionally with tool calls
-and a delay), `fail(status)` (an HTTP error), or a callable that receives
+and a delay), `fail(status)` (an HTTP error), `raw(body)` (a 200 answer sent
+as given, for servers that bend the protocol), or a callable that receives
 the request body and returns one of those. When the script runs out, the
 stub answers "stub script exhausted" without tool calls, so an episode ends.
 """
@@ -42,7 +43,12 @@ class Fail:
     retry_after_ms: int | None = 20
 
 
-ScriptItem = Reply | Fail | Callable[[dict], "Reply | Fail"]
+@dataclass
+class Raw:
+    body: dict
+
+
+ScriptItem = Reply | Fail | Raw | Callable[[dict], "Reply | Fail | Raw"]
 _ids = iter(range(1, 1 << 30))
 
 
@@ -54,6 +60,10 @@ def call(name: str, arguments: dict | str, id: str | None = None) -> dict:
 
 def reply(content: str = "", *tool_calls: dict, usage: tuple[int, int] | None = None, delay_s: float = 0.0) -> Reply:
     return Reply(content, list(tool_calls), usage, delay_s)
+
+
+def raw(body: dict) -> Raw:
+    return Raw(body)
 
 
 def fail(status: int = 500, message: str = "stub: scripted failure", retry_after_ms: int | None = 20) -> Fail:
@@ -90,7 +100,7 @@ class OpenAIStub:
 
     # -- protocol -------------------------------------------------------------------
 
-    def _next(self, body: dict) -> Reply | Fail:
+    def _next(self, body: dict) -> Reply | Fail | Raw:
         with self.lock:
             self.requests.append(body)
             self.request_times.append(time.perf_counter())
@@ -145,6 +155,9 @@ class OpenAIStub:
                 if isinstance(item, Fail):
                     headers = {} if item.retry_after_ms is None else {"retry-after-ms": str(item.retry_after_ms)}
                     self._send(item.status, {"error": {"message": item.message, "type": "stub_error"}}, headers)
+                    return
+                if isinstance(item, Raw):
+                    self._send(200, item.body)
                     return
                 if item.delay_s:
                     time.sleep(item.delay_s)

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import threading
+import time
 
 import pytest
 from openai_stub import OpenAIStub, call, reply
@@ -119,6 +120,10 @@ def test_an_unreachable_model_fails_with_the_url_in_the_message(repo, state_dir)
     (["--repo", "/nonexistent/repo"], "is not a directory"),
     (["--model", "ftp://x"], "OpenAI-compatible base URL"),
     (["--attempts", "0"], "at least 1"),
+    (["--max-turns", "0"], "--max-turns must be at least 1, got 0"),
+    (["--max-turns", "-1"], "--max-turns must be at least 1, got -1"),
+    (["--max-wall-s", "0"], "--max-wall-s must be a positive number of seconds, got 0"),
+    (["--max-wall-s", "nan"], "--max-wall-s must be a positive number of seconds, got nan"),
 ])
 def test_bad_arguments_say_what_is_wrong(repo, argv, message):
     err = io.StringIO()
@@ -146,3 +151,52 @@ def test_a_correction_typed_before_the_attempts_start_reaches_every_attempt(repo
     assert len(last_requests) == 2
     for request in last_requests:
         assert {"role": "user", "content": "only touch pkg/calc.py"} in request["messages"]
+
+
+def test_files_git_tracks_despite_gitignore_and_non_utf8_bytes_reach_the_diff_and_the_repository(repo, state_dir):
+    with open(os.path.join(repo, ".gitignore"), "w") as f:
+        f.write("*.cfg\n")
+    with open(os.path.join(repo, "app.cfg"), "w") as f:
+        f.write("debug = false\n")
+    with open(os.path.join(repo, "latin.txt"), "wb") as f:
+        f.write(b"caf\xe9\nprice = 1\n")
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
+    subprocess.run(["git", "add", "-f", "app.cfg"], cwd=repo, check=True)  # tracked, though ignored
+    script = [reply("", call("edit_file", {"path": "app.cfg", "old_text": "false", "new_text": "true"}),
+                    call("edit_file", {"path": "latin.txt", "old_text": "price = 1", "new_text": "price = 2"})),
+              reply("", call("submit", {}))]
+    with OpenAIStub(script) as stub:
+        code, out, err = run_cli(stub, repo, state_dir, "--apply")
+    assert code == 0 and "applied the diff" in err and "+debug = true" in out and "+price = 2" in out
+    with open(os.path.join(repo, "app.cfg")) as f:
+        assert f.read() == "debug = true\n"
+    with open(os.path.join(repo, "latin.txt"), "rb") as f:
+        assert f.read() == b"caf\xe9\nprice = 2\n"  # the byte that is not UTF-8 is still there
+
+
+def test_a_big_diff_comes_back_whole_and_nested_repositories_are_named(repo, state_dir):
+    os.makedirs(os.path.join(repo, "vendor", "lib"))
+    subprocess.run(["git", "init", "-q"], cwd=os.path.join(repo, "vendor", "lib"), check=True)
+    make_big = "python3 -c \"open('big.txt', 'w').write('line\\n' * 30000)\""  # 180 KB of diff
+    script = [reply("", call("run", {"command": make_big})), reply("", call("submit", {}))]
+    with OpenAIStub(script) as stub:
+        code, out, err = run_cli(stub, repo, state_dir, "--json")
+    diff = json.loads(out)["diff"]
+    assert code == 0 and diff.count("\n+line") == 30000 and "cut" not in diff
+    assert "vendor/lib/ is a git repository of its own" in err
+
+
+def test_a_diff_that_cannot_be_taken_is_reported_and_fails_the_run(repo, state_dir):
+    script = [reply("", FIX, call("run", {"command": "rm -rf .codefleet"})), reply("", call("submit", {}))]
+    with OpenAIStub(script) as stub:
+        code, out, err = run_cli(stub, repo, state_dir)
+    assert code == 1 and "could not take the diff, so its changes are lost" in err and "(no changes)" not in err
+
+
+def test_the_test_command_gets_only_the_time_left(repo, state_dir):
+    with OpenAIStub([reply("", call("submit", {}))]) as stub:
+        started = time.perf_counter()
+        code, out, err = run_cli(stub, repo, state_dir, "--json", "--max-wall-s", "5", "--test-command", "sleep 60")
+    assert time.perf_counter() - started < 40
+    assert code == 0 and json.loads(out)["tests_passed"] is False, err[-3000:]

@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from openai_stub import OpenAIStub, call, fail, reply
+from openai_stub import OpenAIStub, call, fail, raw, reply
 
 from codefleet.agent import AgentLoop, PolicyError, PolicyOutput, build_messages
 from codefleet.agent.clients import LocalEngineUnavailableError, OpenAIConfig, OpenAIPolicy, build_policy
@@ -52,15 +52,30 @@ def test_parallel_calls_run_concurrently_and_come_back_in_call_order(sandbox):
     assert trajectory.model_s > 0 and trajectory.wall_s >= trajectory.tool_s
 
 
+def like_vllm(item):
+    """`item`, unless the history holds tool-call arguments that are not JSON: then 400, as vLLM answers."""
+    def answer(body: dict):
+        for message in body["messages"]:
+            for tc in message.get("tool_calls") or []:
+                try:
+                    json.loads(tc["function"]["arguments"])
+                except ValueError as e:
+                    return fail(400, f"arguments are not JSON: {e}")
+        return item
+    return answer
+
+
 def test_malformed_output_becomes_error_observations_and_the_episode_goes_on(sandbox):
     script = [reply("", call("read_file", '{"path": "pkg/calc.py"', id="bad_json"),
                     call("delete_everything", {"path": "."}, id="unknown"),
                     call("edit_file", {"path": "pkg/calc.py"}, id="missing"),
                     call("read_file", {"path": "pkg/calc.py", "start_line": "one"}, id="mistyped"),
                     call("write_file", {"path": "x.txt", "content": "x" * 300_000}, id="huge"),
-                    call("read_file", {"path": "README.md"}, id="fine")),
-              reply("", call("edit_file", {"path": "pkg/calc.py", "old_text": "a - b", "new_text": "b - a"})),
-              reply("All done, nothing else to do.")]
+                    call("read_file", {"path": "README.md"}, id="fine"),
+                    call("list_dir", "", id="no_arguments")),
+              like_vllm(reply("", call("edit_file", {"path": "pkg/calc.py", "old_text": "a - b",
+                                                     "new_text": "b - a"}))),
+              like_vllm(reply("All done, nothing else to do."))]
     with OpenAIStub(script) as stub:
         trajectory = AgentLoop(policy_for(stub), sandbox).run(build_messages("fix it"))
     assert trajectory.stop_reason == "no_tool_calls" and trajectory.n_turns == 3
@@ -72,6 +87,10 @@ def test_malformed_output_becomes_error_observations_and_the_episode_goes_on(san
     assert "over the cap" in seen["huge"]
     assert seen["fine"] == "     1\t# demo"
     assert len(trajectory.turns[0].errors) == 5 and trajectory.turns[1].errors == []
+    sent = {tc["id"]: tc["function"]["arguments"] for tc in stub.requests[1]["messages"][-8]["tool_calls"]}
+    assert sent["bad_json"] == "{}" and sent["no_arguments"] == "{}"  # the server is sent valid JSON ...
+    assert sent["fine"] == '{"path": "README.md"}'
+    assert trajectory.turns[0].tool_calls[0].raw_arguments == '{"path": "pkg/calc.py"'  # ... the record keeps it
     assert "return b - a" in sandbox.read_file("pkg/calc.py")  # the episode went on and the edit landed
     assert not any(e.path == "x.txt" for e in sandbox.list_dir("."))
 
@@ -104,6 +123,15 @@ def test_wall_clock_budget_also_caps_a_running_command(sandbox):
     assert trajectory.stop_reason == "wall_clock"
     assert time.perf_counter() - started < 6
     assert "timed out" in trajectory.turns[0].tool_results[0].output
+
+
+def test_a_model_call_the_wall_clock_cuts_short_ends_the_episode_as_wall_clock(sandbox):
+    script = [reply("", call("list_dir", {}), delay_s=5)]
+    with OpenAIStub(script) as stub:
+        policy = policy_for(stub, deadline=time.monotonic() + 1.0, max_retries=0)
+        trajectory = AgentLoop(policy, sandbox, Budgets(wall_clock_s=1.0)).run(build_messages("wait"))
+    assert trajectory.stop_reason == "wall_clock" and trajectory.wall_s < 4
+    assert "error" in trajectory.metadata  # what the endpoint said, for the record
 
 
 def test_injected_correction_reaches_the_next_request(sandbox):
@@ -169,6 +197,25 @@ def test_unreachable_and_wrong_urls_name_what_to_check():
     with pytest.raises(PolicyError, match=f"could not connect to the model endpoint {url}.*server is running"):
         OpenAIPolicy(OpenAIConfig(base_url=url, model="m", max_retries=0, timeout_s=2)).generate(
             [{"role": "user", "content": "hi"}], [])
+
+
+def _completion(**choice) -> dict:
+    return {"id": "x", "object": "chat.completion", "created": 0, "model": "m",
+            "choices": [{"index": 0, "finish_reason": "stop", **choice}],
+            "usage": {"prompt_tokens": "12", "completion_tokens": None}}
+
+
+def test_answers_that_bend_the_protocol_are_read_or_refused_with_one_sentence():
+    parts = {"role": "assistant", "content": [{"type": "text", "text": "hello "}, {"type": "image_url"},
+                                              {"type": "text", "text": "world"}]}
+    with OpenAIStub([raw(_completion(message=parts)), raw(_completion(message=None)), raw(_completion()),
+                     raw({"error": {"message": "overloaded"}})]) as stub:
+        policy = policy_for(stub, max_retries=0)
+        output = policy.generate([{"role": "user", "content": "hi"}], [])
+        assert (output.text, output.prompt_tokens, output.completion_tokens) == ("hello world", 12, 0)
+        for expected in ["a choice without a message", "a choice without a message", "without a list of choices"]:
+            with pytest.raises(PolicyError, match=f"{stub.base_url} answered {expected}.*chat-completions"):
+                policy.generate([{"role": "user", "content": "hi"}], [])
 
 
 def test_backends_are_chosen_by_name_and_the_local_engine_needs_a_checkpoint():

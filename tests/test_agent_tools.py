@@ -115,6 +115,8 @@ def test_paths_outside_the_workspace_become_error_observations(tools, sandbox):
     (tc("edit_file", path="README.md", old_text="", new_text="x"), "non-empty old_text"),
     (tc("read_file", path="README.md", start_line=3, end_line=1), "start_line <= end_line"),
     (tc("run", command="ls", timeout=-1), "timeout must be positive"),
+    (parse_tool_call("c", "run", '{"command": "sleep 1", "timeout": NaN}'), "must be a finite number, got nan"),
+    (parse_tool_call("c", "run", '{"command": "sleep 1", "timeout": Infinity}'), "must be a finite number"),
 ])
 def test_malformed_calls_become_error_observations(tools, call, expect):
     result = tools.execute(call)
@@ -170,3 +172,27 @@ def test_line_numbers_follow_newlines_only_and_crlf_files_can_be_edited(tools, s
     edited = tools.execute(tc("edit_file", path="dos.txt", old_text="one\ntwo", new_text="uno\ndos"))
     assert edited.ok, edited.output
     assert sandbox.read_file("dos.txt") == "uno\r\ndos\x0cstill two\r\nthree\r\n"
+
+
+def test_edit_file_keeps_bytes_that_are_not_utf8_intact(tools, sandbox):
+    sandbox.write_file("latin.txt", b"caf\xe9 au lait\nprice = 1\nna\xefve\n")
+    assert tools.execute(tc("read_file", path="latin.txt")).output.split("\n")[0] == "     1\tcaf\ufffd au lait"
+    edited = tools.execute(tc("edit_file", path="latin.txt", old_text="price = 1", new_text="price = 2"))
+    assert edited.ok, edited.output
+    raw = sandbox.exec("python3 -c 'print(open(\"latin.txt\", \"rb\").read())'").output.strip()
+    assert raw == repr(b"caf\xe9 au lait\nprice = 2\nna\xefve\n")  # only the edited line changed
+    replaced = tools.execute(tc("edit_file", path="latin.txt", old_text="caf\ufffd", new_text="coffee"))
+    assert not replaced.ok and "not UTF-8" in replaced.output
+
+
+def test_search_and_list_dir_leave_out_the_harness_directory(sandbox):
+    from codefleet.agent import workspace
+
+    tools = Toolbox(sandbox, ToolConfig(max_search_matches=5))
+    workspace.snapshot(sandbox)
+    sandbox.write_file(".codefleet/git/notes.txt", "needle\n" * 40)  # more lines than the cap
+    sandbox.write_file("pkg/hay.py", "needle = 1\n")
+    assert tools.execute(tc("search", pattern="needle")).output == "pkg/hay.py:1:needle = 1"
+    assert "codefleet" not in tools.execute(tc("search", pattern="HEAD|ref|exclude")).output
+    listing = tools.execute(tc("list_dir")).output
+    assert "pkg/" in listing and ".codefleet" not in listing

@@ -16,6 +16,7 @@ Which attempt is best:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -42,9 +43,11 @@ def run_attempts(sandboxes: list[Sandbox], instruction: str, policy: Policy, *, 
                  test_command: str = "", budgets: Budgets | None = None, tool_config: ToolConfig | None = None,
                  on_event: Callable[[int, Event], None] | None = None,
                  on_loop: Callable[[AgentLoop], None] | None = None) -> list[Attempt]:
-    """One attempt per sandbox (each already holding a workspace.snapshot()), all at once. An
-    exception while waiting (Ctrl-C) cancels every attempt's loop before it propagates."""
+    """One attempt per sandbox (each already holding a workspace.snapshot()), all at once. The test
+    command gets what is left of the wall-clock budget (at least 1 s, at most 600 s). An exception while
+    waiting (Ctrl-C) cancels every attempt's loop before it propagates."""
     loops: list[AgentLoop] = []
+    deadline = time.monotonic() + (budgets or Budgets()).wall_clock_s
 
     def keep(loop: AgentLoop) -> None:
         loops.append(loop)
@@ -64,7 +67,8 @@ def run_attempts(sandboxes: list[Sandbox], instruction: str, policy: Policy, *, 
             trajectory.metadata["diff_error"] = str(e)
         result = Attempt(index, trajectory, diff)
         if test_command:
-            run = sandbox.run_oneoff(["bash", "-c", test_command], timeout_s=600)
+            left_s = deadline - time.monotonic()
+            run = sandbox.run_oneoff(["bash", "-c", test_command], timeout_s=min(max(left_s, 1.0), 600.0))
             result.tests_passed, result.test_output = run.ok, run.output
         return result
 

@@ -23,6 +23,7 @@ import os
 import stat
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import TextIO
 
@@ -145,21 +146,29 @@ def run_command(args: argparse.Namespace, stdin: TextIO | None = None, out: Text
     if args.attempts < 1:
         print("codefleet agent run: --attempts must be at least 1", file=err)
         return 2
+    if args.max_turns is not None and args.max_turns < 1:
+        print(f"codefleet agent run: --max-turns must be at least 1, got {args.max_turns}", file=err)
+        return 2
+    if args.max_wall_s is not None and not args.max_wall_s > 0:  # `not >`: NaN is refused too
+        print(f"codefleet agent run: --max-wall-s must be a positive number of seconds, got {args.max_wall_s:g}",
+              file=err)
+        return 2
     if not os.path.isdir(args.repo):
         print(f"codefleet agent run: --repo {args.repo!r} is not a directory", file=err)
         return 2
+    defaults = Budgets()
+    budgets = Budgets(max_turns=defaults.max_turns if args.max_turns is None else args.max_turns,
+                      wall_clock_s=defaults.wall_clock_s if args.max_wall_s is None else args.max_wall_s)
     try:
         overrides = list(args.set or []) + ([f"backend={args.backend}"] if args.backend else [])
         sandbox_config = load_config(SandboxConfig, None, overrides)
-        options = {"timeout_s": args.timeout_s, "max_retries": args.max_retries}
+        options = {"timeout_s": args.timeout_s, "max_retries": args.max_retries,
+                   "deadline": time.monotonic() + budgets.wall_clock_s}  # no request outlasts the wall clock
         policy = build_policy(args.model, args.model_name, **options)
         planner = build_policy(args.planner, args.planner_model_name, **options) if args.planner else None
     except (ConfigError, ValueError, NotImplementedError) as e:
         print(f"codefleet agent run: {e}", file=err)
         return 2
-    defaults = Budgets()
-    budgets = Budgets(max_turns=args.max_turns or defaults.max_turns,
-                      wall_clock_s=args.max_wall_s or defaults.wall_clock_s)
     corrections = Corrections()
     if _interactive(stdin):
         threading.Thread(target=corrections.read_from, args=(stdin, err), daemon=True, name="corrections").start()
@@ -167,7 +176,9 @@ def run_command(args: argparse.Namespace, stdin: TextIO | None = None, out: Text
     try:
         base = create_sandbox(args.repo, sandbox_config)
         sandboxes.append(base)
-        workspace.snapshot(base)
+        for nested in workspace.snapshot(base):
+            print(f"codefleet agent run: warning: {nested}/ is a git repository of its own, so changes inside it "
+                  "will not be in the diff; run the agent on that directory to change it", file=err)
         if args.attempts > 1:
             sandboxes = base.fork(args.attempts) + [base]
         attempts = run_attempts(sandboxes[:args.attempts], args.task, policy, planner=planner,
@@ -186,6 +197,14 @@ def run_command(args: argparse.Namespace, stdin: TextIO | None = None, out: Text
     result = {**_attempt_summary(best), "best_attempt": best.index, "applied": False,
               "attempts": [_attempt_summary(a) for a in attempts]}
     code = 1 if best.trajectory.stop_reason == "error" else 0
+    for a in attempts:
+        if "diff_error" in a.trajectory.metadata:
+            tag = f"attempt {a.index + 1}: " if len(attempts) > 1 else ""
+            print(f"codefleet agent run: {tag}could not take the diff, so its changes are lost: "
+                  f"{a.trajectory.metadata['diff_error']}", file=err)
+    if "diff_error" in best.trajectory.metadata:
+        result["diff_error"] = best.trajectory.metadata["diff_error"]
+        code = 1
     if args.apply and best.diff.strip():
         try:
             workspace.apply_diff(args.repo, best.diff)
@@ -198,11 +217,23 @@ def run_command(args: argparse.Namespace, stdin: TextIO | None = None, out: Text
     if args.json:
         print(json.dumps(result), file=out, flush=True)
     else:
-        out.write(best.diff or "")
-        out.flush()
-        if not best.diff.strip():
+        _write_diff(out, best.diff)
+        if not best.diff.strip() and "diff_error" not in best.trajectory.metadata:
             print("(no changes)", file=err)
     return code
+
+
+def _write_diff(out: TextIO, diff: str) -> None:
+    """Write the diff with bytes that are not UTF-8 as they are in the files (workspace.diff keeps them as
+    surrogates), not as an encoding error."""
+    buffer = getattr(out, "buffer", None)
+    if buffer is not None:
+        out.flush()
+        buffer.write(diff.encode("utf-8", "surrogateescape"))
+        buffer.flush()
+    else:
+        out.write(diff.encode("utf-8", "surrogateescape").decode("utf-8", "replace"))
+        out.flush()
 
 
 def build_parser() -> argparse.ArgumentParser:

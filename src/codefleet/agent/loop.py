@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from codefleet.agent.parallel import execute_calls
-from codefleet.agent.policy import Policy, PolicyOutput, assistant_message
+from codefleet.agent.policy import OutOfTime, Policy, PolicyOutput, assistant_message
 from codefleet.agent.tools import ToolConfig, Toolbox, tool_schemas
 from codefleet.sandbox.base import Sandbox
 from codefleet.types import Budgets, ToolCall, ToolResult, Trajectory, Turn
@@ -75,7 +75,8 @@ class AgentLoop:
             try:
                 output = self.policy.generate(messages, self.tools)
             except Exception as e:  # the endpoint, not the model's words: end the episode, say why
-                stop_reason, error = "error", f"{type(e).__name__}: {e}"
+                error = f"{type(e).__name__}: {e}"
+                stop_reason = "wall_clock" if isinstance(e, OutOfTime) else "error"  # the budget, not the endpoint
                 self.on_event({"event": "model_error", "turn": len(turns), "error": error})
                 break
             turn = self._new_turn(len(turns), output, time.perf_counter() - model_started)

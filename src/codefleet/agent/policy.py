@@ -11,7 +11,8 @@ knows which model it talks to.
 Tool calls travel as the model wrote them: `raw_arguments` is the JSON text;
 `parse_tool_call` decodes it once, here, so that every backend produces the
 same ToolCall and malformed JSON becomes an error the loop reports back to
-the model instead of an exception.
+the model instead of an exception. In the conversation sent back to the
+server such a call's arguments read "{}" (`assistant_message`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ from codefleet.types import ToolCall
 
 class PolicyError(RuntimeError):
     """The model could not produce a turn (endpoint down, bad response); the message says what to check."""
+
+
+class OutOfTime(PolicyError):
+    """The episode's wall clock ran out before or during the model call (the loop stops with "wall_clock")."""
 
 
 @dataclass
@@ -75,11 +80,21 @@ def parse_tool_call(call_id: str, name: str, raw_arguments: str | dict | None) -
 
 
 def assistant_message(output: PolicyOutput) -> dict:
-    """The OpenAI chat message that records `output` in the conversation."""
+    """The OpenAI chat message that records `output` in the conversation. A call whose arguments did not
+    parse is recorded with "{}": servers such as vLLM parse the arguments of the history and answer 400
+    to bad JSON, which would end the episode. The text the model wrote stays in the Turn's ToolCall, and
+    the tool message that answers the call says what was wrong with it."""
     message: dict = {"role": "assistant", "content": output.text or ""}
     if output.tool_calls:
         message["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.raw_arguments}}
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _sendable_arguments(c)}}
             for c in output.tool_calls
         ]
     return message
+
+
+def _sendable_arguments(call: ToolCall) -> str:
+    """The call's arguments as the model wrote them when they are a JSON object, else "{}"."""
+    if call.error is None and call.arguments is not None and call.raw_arguments.strip():
+        return call.raw_arguments
+    return "{}"

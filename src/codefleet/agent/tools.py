@@ -21,6 +21,7 @@ process that starts from the shell's cwd and exported environment
 
 from __future__ import annotations
 
+import math
 import shlex
 import time
 from dataclasses import dataclass
@@ -94,7 +95,16 @@ TOOL_SPECS: dict[str, ToolSpec] = {s.name: s for s in [
              {"summary": Param("string", "A short summary of what you changed and why.")}),
 ]}
 
-_SKIP_DIRS = {".git", ".codefleet", "__pycache__", "node_modules", ".venv", ".mypy_cache", ".pytest_cache", ".tox"}
+_SKIP_DIRS = {".git", "__pycache__", "node_modules", ".venv", ".mypy_cache", ".pytest_cache", ".tox"}
+# `.codefleet` at the workspace root is the harness's own (workspace.py: the git directory that the diff is
+# taken with); search and list_dir leave it out. Its text files hold a handful of lines, which search asks
+# for on top of its cap so that they cannot crowd out real matches.
+PRIVATE_DIR = ".codefleet"
+_PRIVATE_LINES = 50
+
+
+def _private(path: str) -> bool:
+    return path == PRIVATE_DIR or path.startswith(PRIVATE_DIR + "/")
 
 
 def tool_schemas(names: list[str] | None = None) -> list[dict]:
@@ -145,6 +155,8 @@ def validate(call: ToolCall, config: ToolConfig) -> dict:
         if not ok:
             raise ToolError(f"argument {key!r} of {call.name} must be a {param.type}, got "
                             f"{type(value).__name__} {str(value)[:60]!r}")
+        if param.type == "number" and not math.isfinite(value):  # json.loads accepts NaN and Infinity
+            raise ToolError(f"argument {key!r} of {call.name} must be a finite number, got {value}")
     return args
 
 
@@ -182,7 +194,8 @@ class Toolbox:
         if not pattern:
             raise ToolError("search needs a non-empty pattern")
         limit = self.config.max_search_matches
-        matches = self.sandbox.search(pattern, path or ".", max_matches=limit + 1)
+        matches = [m for m in self.sandbox.search(pattern, path or ".", max_matches=limit + 1 + _PRIVATE_LINES)
+                   if not _private(m.path)]
         if not matches:
             return f"no matches for {pattern!r} in {path}"
         lines = [f"{m.path}:{m.line_number}:{m.line[:300]}" for m in matches[:limit]]
@@ -219,11 +232,15 @@ class Toolbox:
             raise ToolError("edit_file needs a non-empty old_text; use write_file to create or replace a file")
         if old_text == new_text:
             raise ToolError("old_text and new_text are identical; there is nothing to change")
-        text = self.sandbox.read_file(path)
+        text = self._read_exact(path)
         count = text.count(old_text)
         if count == 0 and "\r\n" in text and "\r\n" not in old_text:  # a CRLF file, edited as read_file shows it
             old_text, new_text = old_text.replace("\n", "\r\n"), new_text.replace("\n", "\r\n")
             count = text.count(old_text)
+        if count == 0 and "\ufffd" in old_text and any("\udc80" <= ch <= "\udcff" for ch in text):
+            raise ToolError(f"old_text was not found in {path}: the file has bytes that are not UTF-8, which "
+                            "read_file shows as \ufffd; choose an old_text without them, or change those lines "
+                            "with run")
         if count == 0:
             raise ToolError(f"old_text was not found in {path}; it must match the file exactly, whitespace and "
                             "indentation included (read_file the region again and copy it without the "
@@ -232,10 +249,18 @@ class Toolbox:
             raise ToolError(f"old_text occurs {count} times in {path}; it must be unique — include more "
                             "surrounding lines")
         at = text.index(old_text)
-        self.sandbox.write_file(path, text[:at] + new_text + text[at + len(old_text):])
+        edited = text[:at] + new_text + text[at + len(old_text):]
+        self.sandbox.write_file(path, edited.encode("utf-8", "surrogateescape"))
         first = text.count("\n", 0, at) + 1
         return (f"edited {path}: replaced {old_text.count(chr(10)) + 1} line(s) at line {first} with "
                 f"{new_text.count(chr(10)) + 1} line(s)")
+
+    def _read_exact(self, path: str) -> str:
+        text = read_exact(self.sandbox, path)
+        if text is None:
+            raise ToolError(f"{path} has bytes that are not UTF-8, which edit_file cannot keep intact in this "
+                            "sandbox; change it with run (e.g. sed or python)")
+        return text
 
     def _write_file(self, path: str, content: str) -> str:
         self.sandbox.write_file(path, content)
@@ -247,6 +272,8 @@ class Toolbox:
         for entry in self.sandbox.list_dir(path or "."):
             if len(out) >= limit:
                 break
+            if _private(entry.path):
+                continue
             out.append(_describe(entry, ""))
             if entry.kind == "dir" and entry.path.rsplit("/", 1)[-1] not in _SKIP_DIRS:
                 for child in self.sandbox.list_dir(entry.path)[: max(limit - len(out), 0)]:
@@ -284,6 +311,19 @@ class Toolbox:
         keep = [ln for ln in lines[1:] if ln.startswith("declare -x ")
                 and ln.split()[2].split("=")[0] not in ("PWD", "OLDPWD", "SHLVL", "_")]
         return "\n".join([f"cd {shlex.quote(lines[0])} 2>/dev/null", *keep])
+
+
+def read_exact(sandbox: Sandbox, path: str) -> str | None:
+    """The text of `path` with every byte that is not UTF-8 kept as a surrogate (surrogateescape), so that
+    encoding it back the same way restores those bytes exactly (read_file shows them as \ufffd, and writing
+    that back would corrupt them). None when the file has such bytes and the sandbox cannot give bytes."""
+    text = sandbox.read_file(path)
+    if "\ufffd" not in text:
+        return text
+    files = getattr(sandbox, "files", None)  # the backends' WorkspaceFiles: bytes, with the same path checks
+    if files is None or not hasattr(files, "read_bytes"):
+        return None
+    return files.read_bytes(path).decode("utf-8", "surrogateescape")
 
 
 def _describe(entry, indent: str) -> str:

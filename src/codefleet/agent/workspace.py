@@ -6,9 +6,15 @@ and apply what changed, `snapshot()` records the workspace as a git tree in a
 private git directory inside the workspace (`.codefleet/git`, never the
 user's own `.git`, which may not exist or may point outside the sandbox) and
 `diff()` compares the workspace with it: new, deleted and binary files
-included, files the repository's .gitignore ignores left out. Both run as
-separate processes at the workspace root, so they neither see nor disturb
-the agent's shell. Forked sandboxes inherit the snapshot.
+included, files the repository's .gitignore ignores left out — unless the
+user's own git tracks them. Directories that are git repositories of their
+own (submodules, vendored clones) appear as one entry whose inside is not
+compared; `snapshot()` names them so the CLI can warn. The diff is read back
+from a file as bytes, so it is never cut and bytes that are not UTF-8 survive
+(as surrogates) into `apply_diff()`. Both run as separate processes at the
+workspace root, so they neither see nor disturb the agent's shell. Forked
+sandboxes inherit the snapshot. The tools hide `.codefleet` from `search`
+and `list_dir`.
 
 `apply_diff()` applies a diff to the real repository with `git apply`,
 checking first that it applies cleanly (all or nothing).
@@ -19,9 +25,10 @@ from __future__ import annotations
 import os
 import subprocess
 
+from codefleet.agent.tools import PRIVATE_DIR, read_exact
 from codefleet.sandbox.base import Sandbox
 
-PRIVATE_DIR = ".codefleet"
+_DIFF_FILE = f"{PRIVATE_DIR}/git/codefleet.diff"
 _GIT = (f"export GIT_DIR=\"$PWD/{PRIVATE_DIR}/git\" GIT_WORK_TREE=\"$PWD\" "
         f"GIT_INDEX_FILE=\"$PWD/{PRIVATE_DIR}/git/index\"; git() {{ command git -c safe.directory='*' "
         "-c core.autocrlf=false -c core.quotepath=off \"$@\"; }")
@@ -39,23 +46,61 @@ def _git(sandbox: Sandbox, script: str, timeout_s: float = 300) -> str:
     return result.output
 
 
-def snapshot(sandbox: Sandbox) -> None:
-    """Record the workspace's current files as the baseline `diff()` compares against."""
+def snapshot(sandbox: Sandbox) -> list[str]:
+    """Record the workspace's current files as the baseline `diff()` compares against. Returns the
+    directories that are git repositories of their own (submodules, vendored clones): the diff shows
+    none of the changes inside them."""
     _git(sandbox, f"""
 mkdir -p {PRIVATE_DIR}
-git init -q
+git init -q --template=
+mkdir -p "$GIT_DIR/info"
 printf '/{PRIVATE_DIR}/\\n' > "$GIT_DIR/info/exclude"
-git add -A
+{_ADD_ALL}
+{_ADD_TRACKED_IGNORED}
 git write-tree > "$GIT_DIR/codefleet-base"
+{{ git ls-files -s -z | {{ grep -z '^160000 ' || true; }} | cut -z -f2-
+  sed -n "s|^error: '\\(.*\\)/' does not have a commit checked out$|\\1|p" "$GIT_DIR/add-errors" | tr '\\n' '\\0'
+}} > "$GIT_DIR/nested"
 """)
+    return sorted(set(filter(None, _git(sandbox, 'cat "$GIT_DIR/nested"').split("\0"))))
+
+
+# `--ignore-errors`: a file git cannot add (unreadable, or a nested repository without a commit) is left
+# out instead of failing the whole snapshot or diff; a real failure (no git, a broken index) still fails
+# the `git write-tree` that follows.
+_ADD_ALL = """LC_ALL=C git add -A --ignore-errors 2>"$GIT_DIR/add-errors" || true"""
+
+
+# Files the user's repository tracks although its .gitignore matches them (added with `git add -f`): the
+# private index must hold them too, or changes to them would be missing from the diff. Once in the
+# index, `git add -A` follows them like any tracked file.
+_ADD_TRACKED_IGNORED = """
+if [ -e .git ]; then
+  (unset GIT_DIR GIT_WORK_TREE GIT_INDEX_FILE
+   command git -c safe.directory='*' ls-files -z --cached --ignored --exclude-standard 2>/dev/null || true) |
+    while IFS= read -r -d '' path; do
+      if [ -e "$path" ] || [ -L "$path" ]; then printf '%s\\0' "$path"; fi
+    done > "$GIT_DIR/tracked-ignored"
+  git --literal-pathspecs add -f --pathspec-from-file="$GIT_DIR/tracked-ignored" --pathspec-file-nul
+fi"""
 
 
 def diff(sandbox: Sandbox) -> str:
-    """The changes since `snapshot()`, as a `git apply`-able unified diff."""
-    return _git(sandbox, """
-git add -A
-git diff --binary --no-color --no-ext-diff "$(cat "$GIT_DIR/codefleet-base")" "$(git write-tree)"
+    """The changes since `snapshot()`, as a `git apply`-able unified diff. Bytes that are not UTF-8 come
+    back as surrogates (surrogateescape); `apply_diff` writes them back as they were."""
+    _git(sandbox, f"""
+{_ADD_ALL}
+git diff --binary --no-color --no-ext-diff "$(cat "$GIT_DIR/codefleet-base")" "$(git write-tree)" \\
+  > "$GIT_DIR/codefleet.diff"
 """)
+    try:
+        text = read_exact(sandbox, _DIFF_FILE)
+    finally:  # not left where search would find it
+        sandbox.run_oneoff(["rm", "-f", "--", _DIFF_FILE], timeout_s=30)
+    if text is None:
+        raise WorkspaceDiffError("the diff has bytes that are not UTF-8, which this sandbox cannot read back "
+                                 "exactly; run with a namespace or local sandbox")
+    return text
 
 
 def apply_diff(repo: str, patch: str) -> None:
@@ -69,8 +114,9 @@ def apply_diff(repo: str, patch: str) -> None:
     if prefix.returncode == 0 and prefix.stdout.strip():  # repo is a subdirectory of a git repository
         args.append(f"--directory={prefix.stdout.strip().rstrip('/')}")
     for check in (True, False):
-        result = subprocess.run(args + (["--check"] if check else []) + ["-"], cwd=repo, input=patch,
-                                capture_output=True, text=True)
+        result = subprocess.run(args + (["--check"] if check else []) + ["-"], cwd=repo,
+                                input=patch.encode("utf-8", "surrogateescape"), capture_output=True)
         if result.returncode != 0:
-            raise RuntimeError(f"the diff does not apply to {repo} ({result.stderr.strip()[:400]}); did the files "
+            stderr = result.stderr.decode(errors="replace").strip()
+            raise RuntimeError(f"the diff does not apply to {repo} ({stderr[:400]}); did the files "
                                "change while the agent ran? Nothing was changed; the diff is printed above")

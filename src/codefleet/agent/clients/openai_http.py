@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 import openai
 
-from codefleet.agent.policy import PolicyError, PolicyOutput, parse_tool_call
+from codefleet.agent.policy import OutOfTime, PolicyError, PolicyOutput, parse_tool_call
 
 
 @dataclass
@@ -34,6 +35,7 @@ class OpenAIConfig:
     max_tokens: int | None = None  # per turn
     parallel_tool_calls: bool = True  # False asks the server for at most one call per turn
     logprobs: bool = False  # ask for sampled-token logprobs (for RL analysis)
+    deadline: float | None = None  # time.monotonic() by which requests must end: caps each one's timeout
 
 
 _TOOLS_HINT = ("if it is about tools, enable tool calling on the server (vLLM: --enable-auto-tool-choice "
@@ -82,15 +84,30 @@ class OpenAIPolicy:
             kwargs["max_tokens"] = self.config.max_tokens
         if self.config.logprobs:
             kwargs["logprobs"] = True
+        if self.config.deadline is not None:
+            left_s = self.config.deadline - time.monotonic()
+            if left_s <= 0:
+                raise OutOfTime(f"the wall-clock budget ran out before the request to {self.url}; raise the "
+                                "budget (--max-wall-s) to give the model more time")
+            kwargs["timeout"] = min(self.config.timeout_s, left_s)
         try:
             response = self.client.chat.completions.create(**kwargs)
+        except openai.APITimeoutError as e:
+            if "timeout" in kwargs and kwargs["timeout"] < self.config.timeout_s:
+                raise OutOfTime(f"the wall-clock budget ran out while {self.url} was answering; raise the budget "
+                                "(--max-wall-s) to give the model more time") from e
+            raise self._explain(e, "POST /chat/completions") from e
         except openai.OpenAIError as e:
             raise self._explain(e, "POST /chat/completions") from e
-        if not getattr(response, "choices", None):
-            raise PolicyError(f"the model endpoint {self.url} answered without choices ({str(response)[:200]}); "
-                              "check that it speaks the OpenAI chat-completions protocol")
-        choice = response.choices[0]
-        message = choice.message
+        choices = getattr(response, "choices", None)
+        if not choices or not isinstance(choices, list):
+            raise PolicyError(f"the model endpoint {self.url} answered without a list of choices "
+                              f"({str(response)[:200]}); check that it speaks the OpenAI chat-completions protocol")
+        choice = choices[0]
+        message = getattr(choice, "message", None)
+        if message is None:
+            raise PolicyError(f"the model endpoint {self.url} answered a choice without a message "
+                              f"({str(choice)[:200]}); check that it speaks the OpenAI chat-completions protocol")
         calls = []
         for tc in message.tool_calls or []:
             function = getattr(tc, "function", None)
@@ -100,9 +117,9 @@ class OpenAIPolicy:
         logprobs = None
         if self.config.logprobs and choice.logprobs is not None and choice.logprobs.content:
             logprobs = [t.logprob for t in choice.logprobs.content]
-        return PolicyOutput(text=message.content or "", tool_calls=calls,
-                            prompt_tokens=(usage.prompt_tokens or 0) if usage else 0,
-                            completion_tokens=(usage.completion_tokens or 0) if usage else 0,
+        return PolicyOutput(text=_text(message.content), tool_calls=calls,
+                            prompt_tokens=_count(getattr(usage, "prompt_tokens", 0)),
+                            completion_tokens=_count(getattr(usage, "completion_tokens", 0)),
                             model=response.model or self._model, finish_reason=choice.finish_reason or "",
                             logprobs=logprobs)
 
@@ -131,6 +148,25 @@ class OpenAIPolicy:
             return PolicyError(f"the model endpoint {url} answered HTTP {e.status_code} to {what} after "
                                f"{retries} retries: {_detail(e)}; check the server's log")
         return PolicyError(f"the model endpoint {url} failed on {what}: {type(e).__name__}: {e}")
+
+
+def _text(content: object) -> str:
+    """The message's text: a string, or the text parts of a list of content parts joined (some servers
+    answer `[{"type": "text", "text": "..."}]`)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = [part.get("text") if isinstance(part, dict) else getattr(part, "text", None) for part in content]
+        return "".join(part for part in parts if isinstance(part, str))
+    return ""
+
+
+def _count(value: object) -> int:
+    """A token count as the server sent it (an int, a numeric string, or nothing), as an int."""
+    try:
+        return max(int(value or 0), 0)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return 0
 
 
 def _detail(e: openai.APIStatusError) -> str:
