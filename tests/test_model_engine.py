@@ -11,6 +11,7 @@ import torch
 from codefleet.model.config import ModelConfig
 from codefleet.model.engine import Engine
 from codefleet.model.sampling import SamplingParams
+from codefleet.model.tokenizer import default_tokenizer
 from codefleet.model.transformer import Transformer, token_logprobs
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
@@ -138,6 +139,11 @@ def test_cancelled_and_oversized_requests(model):
     engine = Engine(model, max_batch=2, max_seq_len=32)
     with pytest.raises(ValueError, match="raise max_seq_len"):
         engine.add(list(range(16, 48)), GREEDY)
+    for bad in ([5, model.config.vocab_size], [-1, 5]):  # refused alone, before it can fail a batch
+        with pytest.raises(ValueError, match="encode the prompt with the model's tokenizer"):
+            engine.add(bad, GREEDY)
+    with pytest.raises(ValueError, match="max_batch must be at least 1"):
+        Engine(model, max_batch=0)
     long = engine.add(prompts(1)[0], SamplingParams(max_tokens=25, temperature=0))
     other = engine.add(prompts(1, seed=5)[0], SamplingParams(max_tokens=6, temperature=0))
     engine.step()
@@ -148,3 +154,25 @@ def test_cancelled_and_oversized_requests(model):
     # max_tokens beyond the context ends with "length" at the context
     capped = engine.generate([prompts(1)[0]], SamplingParams(max_tokens=100, temperature=0))[0]
     assert capped.finish_reason == "length" and len(capped.token_ids) + len(capped.prompt_token_ids) == 32
+
+
+def test_a_request_cancelled_while_it_is_resolved_leaves_the_rest_of_the_batch_alone(model):
+    """A client cancels from another thread at any moment, also between the engine's done() check and
+    set_result; the other requests in the batch must not fail with it."""
+    tokenizer, victim = default_tokenizer(), []
+
+    class CancelWhileDecoding:  # the real tokenizer; the victim's client disconnects while its text is decoded
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def decode(self, ids, *args, **kwargs):
+            victim[0].cancel()
+            return tokenizer.decode(ids, *args, **kwargs)
+
+    engine = Engine(model, CancelWhileDecoding(), max_batch=2, max_seq_len=64)
+    victim.append(engine.add(prompts(1)[0], SamplingParams(max_tokens=2, temperature=0)))
+    bystander = engine.add(prompts(1, seed=5)[0], SamplingParams(max_tokens=8, temperature=0))
+    while not bystander.done():
+        engine.step()
+    assert victim[0].cancelled()
+    assert bystander.exception() is None and len(bystander.result().token_ids) == 8

@@ -77,8 +77,10 @@ def test_greedy_top_k_1_and_tiny_top_p_pick_the_argmax_and_logprobs_are_temperat
     torch.manual_seed(2)
     logits = torch.randn(4, 50)
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_k=1),
-              SamplingParams(temperature=1.3, top_p=1e-6), SamplingParams(temperature=0.01)]
-    tokens, logprobs = sample_next(logits, params, [None] * 4, torch.Generator().manual_seed(0))
+              SamplingParams(temperature=1.3, top_p=1e-6), SamplingParams(temperature=0.01),
+              SamplingParams(temperature=1e-40)]  # float32 logits / 1e-40 overflow: below MIN_TEMPERATURE is greedy
+    logits = torch.cat([logits, logits[:1]])
+    tokens, logprobs = sample_next(logits, params, [None] * 5, torch.Generator().manual_seed(0))
     assert tokens.tolist() == logits.argmax(-1).tolist()
     expected = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]
     torch.testing.assert_close(logprobs, expected)  # the model's own logprob, whatever the temperature
@@ -110,3 +112,6 @@ def test_sampling_params_say_what_is_wrong():
         SamplingParams(top_p=0).validate()
     with pytest.raises(ValueError, match="max_tokens must be a positive integer"):
         SamplingParams(max_tokens=0).validate()
+    with pytest.raises(ValueError, match="seed must be a signed 64-bit integer"):
+        SamplingParams(seed=2**63).validate()
+    SamplingParams(seed=-2**63).validate()

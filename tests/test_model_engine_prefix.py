@@ -119,6 +119,30 @@ def test_a_weight_update_drops_every_parked_prefix(model):
     assert engine.generate([prompt], GREEDY)[0].cached_tokens == 0
 
 
+def test_a_sequence_running_across_a_weight_update_is_not_parked():
+    """Its keys/values come partly from the old weights, so its next turn must not reuse them."""
+    torch.manual_seed(0)
+    engine = Engine(Transformer(ModelConfig.tiny()), max_batch=2, max_seq_len=128)
+    torch.manual_seed(1)
+    new = Transformer(ModelConfig.tiny()).eval()
+    prompt = pieces(1, 30, seed=6)[0]
+    future = engine.add(prompt, SamplingParams(max_tokens=12, temperature=0))
+    for _ in range(4):
+        engine.step()
+    engine.update_weights({k: v.clone() for k, v in new.state_dict().items()}, version=1)
+    while not future.done():
+        engine.step()
+    first = future.result()
+    assert set(first.versions) == {0, 1} and not engine._parked
+    turn = prompt + first.token_ids + [7, 8, 9]
+    warm = engine.generate([turn], GREEDY)[0]
+    cold = Engine(new, max_batch=2, max_seq_len=128, prefix_slots=0).generate([turn], GREEDY)[0]
+    assert warm.cached_tokens == 0 and warm.token_ids == cold.token_ids
+    assert warm.logprobs == pytest.approx(cold.logprobs, abs=1e-5)
+    # a turn run wholly under the new weights is parked and reused again
+    assert engine.generate([turn + warm.token_ids + [7]], GREEDY)[0].cached_tokens > 0
+
+
 def test_the_least_recently_used_prefix_is_evicted_and_short_ones_are_not_parked(model):
     engine = Engine(model, max_batch=1, max_seq_len=128, prefix_slots=2, min_prefix=16)
     p1, p2, p3 = pieces(3, 30, seed=4)

@@ -118,6 +118,9 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
         ({"model": NAME, "messages": USER, "temperature": "hot"}, 400, "temperature", "invalid_type"),
         ({"model": NAME, "messages": USER, "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
         ({"model": NAME, "messages": USER, "stop": 5}, 400, "stop", "invalid_type"),
+        ({"model": NAME, "messages": USER, "seed": 2**64}, 400, "seed", "invalid_value"),
+        ({"model": NAME, "messages": USER, "logprobs": True, "top_logprobs": 3}, 400, "top_logprobs",
+         "invalid_value"),
         ({"model": "gpt-9", "messages": USER}, 404, "model", "model_not_found"),
         ({"model": NAME, "messages": [{"role": "user", "content": "word " * 5000}]}, 400, "messages",
          "context_length_exceeded"),
@@ -135,6 +138,89 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
     with pytest.raises(openai.BadRequestError, match="context"):
         client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "word " * 5000}])
     assert client.chat.completions.create(model=NAME, messages=USER, max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_nulls_count_as_absent_developer_is_system_and_a_tiny_temperature_is_greedy(server, client):
+    greedy = {"model": NAME, "messages": USER, "max_tokens": 6, "temperature": 0}
+    status, plain = post(server, greedy)
+    assert status == 200
+    status, nulls = post(server, {**greedy, "n": None, "stream": None, "seed": None, "top_logprobs": None})
+    assert status == 200 and nulls["choices"][0]["message"] == plain["choices"][0]["message"]
+    status, tiny = post(server, {**greedy, "temperature": 1e-40})  # float32 logits / 1e-40 would be NaN
+    assert status == 200 and tiny["choices"][0]["message"] == plain["choices"][0]["message"]
+    system = [{"role": "system", "content": "Be brief."}, *USER]
+    developer = [{"role": "developer", "content": "Be brief."}, *USER]
+    as_system = client.chat.completions.create(model=NAME, messages=system, max_tokens=6, temperature=0)
+    as_developer = client.chat.completions.create(model=NAME, messages=developer, max_tokens=6, temperature=0)
+    assert as_developer.choices[0].message.content == as_system.choices[0].message.content
+    assert as_developer.usage.prompt_tokens == as_system.usage.prompt_tokens
+
+
+def test_a_stream_with_logprobs_carries_the_responses_logprobs(client):
+    whole = client.chat.completions.create(model=NAME, messages=USER, max_tokens=10, temperature=0, logprobs=True)
+    chunks = list(client.chat.completions.create(model=NAME, messages=USER, max_tokens=10, temperature=0,
+                                                 logprobs=True, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in whole.choices[0].logprobs.content]
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in whole.choices[0].logprobs.content],
+                                                          abs=1e-5)
+
+
+def _disconnect_midway(server, body: dict) -> int:
+    """Send `body` over a raw socket, hang up once the engine runs it; the engine steps it took afterwards."""
+    import socket
+
+    engine = server.server.engine
+    data = json.dumps(body).encode()
+    with socket.create_connection((server.host, server.port)) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(data) + data)
+        deadline = time.monotonic() + 30
+        while engine.n_running == 0:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.005)
+        steps = engine.steps
+    while engine.n_running:
+        assert time.monotonic() < deadline + 60, "the request still runs a minute after its client left"
+        time.sleep(0.005)
+    return engine.steps - steps
+
+
+@pytest.mark.parametrize("extra", [{}, {"stream": True, "stop": ["never printed"]},
+                                   {"stream": True, "tools": tool_schemas()}], ids=["plain", "stream_stop", "tools"])
+def test_a_client_that_disconnects_cancels_its_engine_request(server, extra):
+    # nothing is sent before the end in these modes, so only the closed connection can stop the request
+    body = {"model": NAME, "messages": USER, "max_tokens": 900, "temperature": 0, **extra}
+    assert _disconnect_midway(server, body) < 100  # of up to 900 steps
+
+
+def test_a_stream_that_fails_partway_ends_with_an_error_chunk_and_done(server):
+    tokenizer, calls = server.server.tokenizer, []
+
+    class BreaksAfterTwoTokens:  # the real tokenizer, until it fails on the third token the stream sends
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def token_bytes(self, token):
+            calls.append(token)
+            if len(calls) > 2:
+                raise RuntimeError("the tokenizer broke")
+            return tokenizer.token_bytes(token)
+
+    engine = server.server.engine
+    body = {"model": NAME, "messages": USER, "max_tokens": 900, "temperature": 0, "stream": True}
+    with ServerThread(engine, BreaksAfterTwoTokens(), model_name=NAME) as broken:
+        request = urllib.request.Request(broken.base_url + "/chat/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as r:
+            events = [line[len(b"data: "):] for line in r.read().splitlines() if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "server_error" and "the tokenizer broke" in error["message"]
+    deadline = time.monotonic() + 30
+    while engine.n_running:  # the engine request was cancelled, not left to run 900 tokens
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
 
 
 def test_the_response_builder_turns_parsed_tool_calls_into_openai_tool_calls(server):
@@ -192,3 +278,7 @@ def test_the_serve_command_runs_a_server_process(checkpoint_dir, tmp_path):
                               str(tmp_path / "nope"), "--port", "1"],
                              check=False, capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "does not exist" in missing.stderr
+    for flag, value in (("--max-batch", "0"), ("--max-seq-len", "-5")):
+        bad = subprocess.run([sys.executable, "-m", "codefleet.model.serve_cli", "--checkpoint", checkpoint_dir,
+                              "--port", "1", flag, value], check=False, capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and f"{flag} must be at least" in bad.stderr and "Traceback" not in bad.stderr

@@ -16,6 +16,7 @@ import json
 import os
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from codefleet.model.config import ModelConfig
@@ -48,14 +49,32 @@ def load_config(path: str) -> ModelConfig:
         raise FileNotFoundError(f"{config_file} not found: {path!r} is not a checkpoint directory written by "
                                 "codefleet.model.checkpoint.save")
     with open(config_file) as f:
-        return ModelConfig.from_json(f.read())
+        text = f.read()
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_file} is not valid JSON ({e}); it is truncated or was edited by hand") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_file} must hold a JSON object of ModelConfig fields, not {type(config).__name__}")
+    return ModelConfig.from_dict(config)
 
 
 def load(path: str, device: str | torch.device = "cpu") -> Transformer:
-    """The model saved in `path`, in the config's dtype, on `device`."""
+    """The model saved in `path`, in the config's dtype, on `device`. A truncated or corrupt weights file, or
+    weights whose shapes do not match config.json, raise ValueError naming the file."""
     config = load_config(path)
     model = Transformer(config)
-    state = load_file(os.path.join(path, WEIGHTS_FILE), device=str(device))
+    weights_file = os.path.join(path, WEIGHTS_FILE)
+    try:
+        state = load_file(weights_file, device=str(device))
+    except SafetensorError as e:
+        raise ValueError(f"{weights_file} is not a readable safetensors file ({e}); it is truncated or corrupt, "
+                         "save the checkpoint again") from None
+    expected = model.state_dict()
+    for name, tensor in state.items():
+        if name in expected and tensor.shape != expected[name].shape:
+            raise ValueError(f"{weights_file} holds {name} of shape {list(tensor.shape)} but {CONFIG_FILE} makes it "
+                             f"{list(expected[name].shape)}; the two files come from different models")
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = set(missing) - _tied_keys(model)
     if missing or unexpected:

@@ -116,6 +116,14 @@ class ModelConfig:
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        sizes = ["vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "max_seq_len", "n_experts",
+                 "top_k", "d_expert", "d_shared", "d_dense"]
+        bad = [f"{name}={getattr(self, name)!r}" for name in sizes if not _positive_int(getattr(self, name))]
+        if not (_positive_int(self.n_shared_experts) or self.n_shared_experts == 0):
+            bad.append(f"n_shared_experts={self.n_shared_experts!r}")
+        if bad:  # checked first: the checks below divide by some of them
+            raise ValueError(f"ModelConfig: sizes must be positive integers (n_shared_experts may be 0), got "
+                             f"{', '.join(bad)}; fix config.json or the overrides")
         checks = [
             (self.router_score in ("softmax", "sigmoid"), "router_score must be 'softmax' or 'sigmoid'"),
             (self.balance in ("aux", "bias", "none"), "balance must be 'aux', 'bias' or 'none'"),
@@ -183,3 +191,7 @@ class ModelConfig:
     @classmethod
     def from_json(cls, text: str) -> ModelConfig:
         return cls.from_dict(json.loads(text))
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1

@@ -24,8 +24,9 @@ the longest common prefix into its running slot and prefills only the rest.
 Reuse is exact: the copied keys/values are what the same weights computed for
 the same tokens at the same positions, so tokens and logprobs do not change.
 A weight update drops every parked prefix (a prefix is reused only under the
-weights that computed it). `prefix_hits`, `prefix_tokens_reused` and
-`prefill_tokens` count what it saved.
+weights that computed it), and a sequence admitted before an update is not
+parked when it finishes (its keys/values span both weights). `prefix_hits`,
+`prefix_tokens_reused` and `prefill_tokens` count what it saved.
 
 A finished sequence stays for one more pass ("drain"): its last token goes
 through the model once, so the routed experts of *every* generated token
@@ -55,7 +56,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 import torch
@@ -107,6 +108,7 @@ class _Sequence:
     prefilled: float = 0.0
     reused: int = 0  # prompt tokens whose keys/values came from the prefix cache
     reuse_from: Parked | None = None
+    weight_loads: int = -1  # the engine's `weight_loads` at admission: the weights its keys/values come from
 
     @property
     def length(self) -> int:
@@ -134,6 +136,10 @@ class Engine:
                  prefix_slots: int | None = None, min_prefix: int = 16):
         """`prefix_slots`: parked prefixes kept for reuse (default `max_batch`; 0 turns the prefix cache off);
         `min_prefix`: the fewest common tokens worth copying instead of recomputing."""
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        if max_seq_len is not None and max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be at least 2 (a prompt token and a generated one), got {max_seq_len}")
         self.model = model.eval()
         self.tokenizer = tokenizer
         config = model.config
@@ -169,6 +175,7 @@ class Engine:
         self.steps = 0  # forward passes that decoded
         self.peak_batch = 0  # most sequences decoded together
         self.prefill_tokens_computed = 0  # prompt tokens run through the model
+        self.weight_loads = 0  # weight updates applied (a policy version may repeat; this never does)
 
     # -- requests ------------------------------------------------------------------------
 
@@ -209,6 +216,11 @@ class Engine:
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("the prompt is empty; give at least one token")
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"the prompt holds token id {bad} but the model's vocabulary is 0..{vocab - 1}; "
+                             "encode the prompt with the model's tokenizer")
         if len(prompt) >= self.max_seq_len:
             raise ValueError(f"the prompt has {len(prompt)} tokens but the engine holds at most {self.max_seq_len} "
                              "per sequence (prompt + completion); shorten it or raise max_seq_len")
@@ -262,6 +274,7 @@ class Engine:
             with torch.no_grad():
                 self.model.load_state_dict(update.state_dict, strict=True)
             self.version = update.version
+            self.weight_loads += 1
             self.prefix.clear()  # their keys/values came from the old weights
         except Exception as e:  # a bad state dict is the caller's error; the engine keeps serving
             update.error = e
@@ -307,6 +320,7 @@ class Engine:
                 longest = longest_next
         for seq in admitted:
             seq.slot = len(self._running)
+            seq.weight_loads = self.weight_loads
             self._running.append(seq)
             if seq.reuse_from is not None:
                 self.prefix.take(seq.reuse_from, seq.slot, seq.reused)
@@ -332,8 +346,9 @@ class Engine:
         return self.prefix.entries
 
     def _park(self, seq: _Sequence) -> None:
-        """Keep a finished sequence's keys/values (every token that went through the model) for reuse."""
-        if seq.future.cancelled():
+        """Keep a finished sequence's keys/values (every token that went through the model) for reuse, unless
+        a weight update landed while it ran (a prefix is reused only under the weights that computed it)."""
+        if seq.future.cancelled() or seq.weight_loads != self.weight_loads:
             return
         n = self.cache.lengths[seq.slot]
         routing = (seq.prompt_routing + seq.routing)[:n] if self.record_routing else None
@@ -451,7 +466,7 @@ class Engine:
         return False
 
     def _resolve(self, s: _Sequence) -> None:
-        if s.future.done():
+        if s.future.done():  # cancelled by its client (it may still be cancelled while this runs: see _settle)
             return
         ids = s.tokens[:-1] if s.stop is not None and not isinstance(s.stop, str) else s.tokens
         text = self.tokenizer.decode(ids) if self.tokenizer is not None else ""
@@ -461,7 +476,7 @@ class Engine:
         result = Result(s.prompt, s.tokens, s.logprobs, s.versions, s.routing, s.prompt_routing, s.finish_reason,
                         text, s.stop, prefill_s=s.prefilled - s.submitted, total_s=now - s.submitted,
                         cached_tokens=s.reused)
-        s.future.set_result(result)
+        _settle(s.future, result=result)
 
     def _release(self, indices: list[int], park: bool = False) -> None:
         """Free the slots of running[indices] and move the last sequences into the holes (keeps slots packed);
@@ -481,8 +496,7 @@ class Engine:
     def _fail_all(self, error: Exception) -> int:
         failed = list(self._running)
         for s in failed:
-            if not s.future.done():
-                s.future.set_exception(error)
+            _settle(s.future, error=error)
         self._release(list(range(len(self._running))))
         self.cache._step = None
         return len(failed)
@@ -515,8 +529,7 @@ class Engine:
         with self._step_lock:
             error = RuntimeError("the engine was closed before the request finished")
             for s in list(self._waiting) + self._running:
-                if not s.future.done():
-                    s.future.set_exception(error)
+                _settle(s.future, error=error)
             self._waiting.clear()
             self._release(list(range(len(self._running))))
 
@@ -525,6 +538,17 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _settle(future: Future, result: Result | None = None, error: BaseException | None = None) -> None:
+    """Resolve `future` unless it is already done: a client may cancel it from another thread at any moment."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:  # cancelled (or resolved) since the caller looked
+        pass
 
 
 def load_engine(checkpoint_dir: str, max_batch: int = 32, max_seq_len: int | None = None, **engine_options) -> Engine:
@@ -540,7 +564,7 @@ def load_engine(checkpoint_dir: str, max_batch: int = 32, max_seq_len: int | Non
         tokenizer = Tokenizer.load(checkpoint_dir)
     else:
         tokenizer = default_tokenizer()
-    if tokenizer.vocab_size > model.config.vocab_size:
+    if tokenizer.vocab_size != model.config.vocab_size:  # larger: prompts fail; smaller: samples cannot decode
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary is "
                          f"{model.config.vocab_size}; save the checkpoint with the tokenizer it was trained with")
     return Engine(model, tokenizer, max_batch=max_batch, max_seq_len=max_seq_len, **engine_options)

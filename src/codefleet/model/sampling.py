@@ -1,7 +1,8 @@
 """Sampling parameters and batched sampling of the next token.
 
-One call samples every row of a batch at once: greedy rows (`temperature
-0`) take the argmax, the others draw from `softmax(logits / temperature)`
+One call samples every row of a batch at once: greedy rows (`temperature`
+below `MIN_TEMPERATURE`, 0 included: dividing float32 logits by less
+overflows to NaN) take the argmax, the others draw from `softmax(logits / temperature)`
 restricted by top-k and top-p. Randomness comes from one uniform number per
 row, drawn from the row's own generator when it has a seed, so a seeded
 request samples the same tokens alone or in any batch.
@@ -20,13 +21,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+MIN_TEMPERATURE = 1e-5  # below it a row samples greedily
+
 
 @dataclass
 class SamplingParams:
     """How one request samples; the OpenAI names where there is one."""
 
     max_tokens: int = 256
-    temperature: float = 1.0  # 0: greedy
+    temperature: float = 1.0  # 0 (or below MIN_TEMPERATURE): greedy
     top_p: float = 1.0
     top_k: int = 0  # 0: no limit
     stop_token_ids: list[int] = field(default_factory=list)  # end the sequence (the token is kept in the result)
@@ -43,6 +46,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be a non-negative integer (0: no limit), got {self.top_k!r}")
+        if self.seed is not None and not -2**63 <= self.seed < 2**63:
+            raise ValueError(f"seed must be a signed 64-bit integer, got {self.seed!r}")
 
 
 def sample_next(logits_BV: torch.Tensor, params: list[SamplingParams],
@@ -51,7 +56,7 @@ def sample_next(logits_BV: torch.Tensor, params: list[SamplingParams],
     """The next token of each row and its logprob under the model (temperature 1): `(tokens_B, logprobs_B)`."""
     logits_BV = logits_BV.float()
     tokens_B = logits_BV.max(dim=-1).indices  # argmax (the first of ties); max is ~20% faster on CPU
-    sampled = [i for i, p in enumerate(params) if p.temperature > 0]
+    sampled = [i for i, p in enumerate(params) if p.temperature >= MIN_TEMPERATURE]
     if sampled:
         rows = torch.tensor(sampled, device=logits_BV.device)
         tokens_B[rows] = _draw(logits_BV[rows], [params[i] for i in sampled], [generators[i] for i in sampled],

@@ -33,6 +33,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"codefleet serve: checkpoint directory {args.checkpoint!r} does not exist; give --checkpoint a "
               "directory written by codefleet.model.checkpoint.save", file=sys.stderr)
         return 2
+    for flag, value, least in (("--max-batch", args.max_batch, 1), ("--max-seq-len", args.max_seq_len, 2)):
+        if value is not None and value < least:
+            print(f"codefleet serve: {flag} must be at least {least}, got {value}", file=sys.stderr)
+            return 2
     import torch
 
     from codefleet.model.engine import load_engine

@@ -16,11 +16,18 @@ back as OpenAI `tool_calls` with ids unique to the response and
 
 Streaming sends the content as it is generated; once the model opens a tool
 call the rest of the turn is held back and its calls are sent, parsed, at
-the end (a call is only useful whole). A client that disconnects cancels its
-request in the engine.
+the end (a call is only useful whole). With `logprobs`, each chunk carries the
+logprobs of the tokens generated since the last one (a token held back is
+reported with the next chunk sent), so a stream's logprobs are the response's.
+A stream that fails partway ends with an `{"error": ...}` chunk and `[DONE]`.
+A client that disconnects cancels its request in the engine: the server runs
+with aiohttp's `handler_cancellation`, so a handler still waiting on the
+engine is cancelled with its connection.
 
-Bad requests (invalid JSON, missing or malformed fields, an unknown model,
-a prompt longer than the context) get a 4xx with the OpenAI error body
+A field sent as `null` counts as not sent (OpenAI clients do that), and a
+`developer` message is a `system` message. Bad requests (invalid JSON,
+missing or malformed fields, an unknown model, a prompt longer than the
+context) get a 4xx with the OpenAI error body
 `{"error": {"message", "type", "param", "code"}}`; nothing a client sends can
 stop the server.
 """
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 import json
 import logging
 import threading
@@ -84,10 +92,14 @@ def parse_request(body: object, engine: Engine, tokenizer, model_name: str, defa
     if not isinstance(messages, list) or not messages:
         raise RequestError("\"messages\" must be a non-empty array of chat messages", param="messages",
                            code="missing_required_parameter" if messages is None else "invalid_type")
+    # OpenAI's "developer" role is the system prompt of newer models
+    messages = [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
+                for m in messages]
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in chat.ROLE_TOKENS:
             raise RequestError(f"messages[{i}] must be an object whose \"role\" is one of "
-                               f"{', '.join(chat.ROLE_TOKENS)}", param=f"messages[{i}]", code="invalid_value")
+                               f"{', '.join(chat.ROLE_TOKENS)} or developer", param=f"messages[{i}]",
+                               code="invalid_value")
         content = m.get("content")
         if content is not None and not isinstance(content, str | list):
             raise RequestError(f"messages[{i}].content must be a string, an array of content parts or null",
@@ -98,8 +110,8 @@ def parse_request(body: object, engine: Engine, tokenizer, model_name: str, defa
                            param="tools", code="invalid_type")
     if body.get("tool_choice") == "none":
         tools = []
-    n = body.get("n", 1)
-    if n != 1:
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
         raise RequestError("only n=1 is supported; send several requests for several completions", param="n",
                            code="invalid_value")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -115,6 +127,11 @@ def parse_request(body: object, engine: Engine, tokenizer, model_name: str, defa
         top_k=_field(body, "top_k", body.get("top_k"), int, 0),
         seed=_field(body, "seed", body.get("seed"), int, None),
         stop=[s for s in (stop or []) if s], stop_token_ids=chat.stop_ids(tokenizer))
+    top_logprobs = body.get("top_logprobs")
+    if top_logprobs is not None and (isinstance(top_logprobs, bool) or top_logprobs != 0):
+        raise RequestError("top_logprobs is not supported: this server returns only the sampled tokens' logprobs "
+                           "(\"logprobs\": true); leave top_logprobs out or set it to 0", param="top_logprobs",
+                           code="invalid_value")
     if params.temperature > 2:
         raise RequestError(f"temperature must be between 0 and 2, got {params.temperature}", param="temperature",
                            code="invalid_value")
@@ -122,8 +139,8 @@ def parse_request(body: object, engine: Engine, tokenizer, model_name: str, defa
         params.validate()
     except ValueError as e:
         raise RequestError(str(e), param=str(e).split()[0], code="invalid_value") from None
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
         raise RequestError("\"stream\" must be true or false", param="stream", code="invalid_type")
     stream_options = body.get("stream_options") or {}
     try:
@@ -135,7 +152,7 @@ def parse_request(body: object, engine: Engine, tokenizer, model_name: str, defa
         raise RequestError(f"the prompt has {len(prompt)} tokens but this model's context is {engine.max_seq_len} "
                            "tokens; shorten the messages", param="messages", code="context_length_exceeded")
     params.max_tokens = min(params.max_tokens, room)
-    return ChatRequest(prompt, params, tools, stream, bool(isinstance(stream_options, dict)
+    return ChatRequest(prompt, params, tools, bool(stream), bool(isinstance(stream_options, dict)
                                                            and stream_options.get("include_usage")),
                        bool(body.get("logprobs")))
 
@@ -174,12 +191,12 @@ def build_completion(result: Result, request: ChatRequest, tokenizer, model_name
 
 
 def _logprobs_content(result: Result, tokenizer) -> list[dict]:
-    out = []
-    for tok, lp in zip(result.token_ids, result.logprobs):
-        raw = tokenizer.token_bytes(tok)
-        out.append({"token": raw.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(raw),
-                    "top_logprobs": []})
-    return out
+    return [_token_logprob(tokenizer, tok, lp) for tok, lp in zip(result.token_ids, result.logprobs)]
+
+
+def _token_logprob(tokenizer, token: int, logprob: float) -> dict:
+    raw = tokenizer.token_bytes(token)
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw), "top_logprobs": []}
 
 
 class ChatServer:
@@ -253,15 +270,19 @@ class ChatServer:
         loop = asyncio.get_running_loop()
         tokens: asyncio.Queue = asyncio.Queue()
         future = self.engine.submit(req.prompt, req.params,
-                                    on_token=lambda tok, lp: loop.call_soon_threadsafe(tokens.put_nowait, tok))
+                                    on_token=lambda tok, lp: loop.call_soon_threadsafe(tokens.put_nowait, (tok, lp)))
         done = asyncio.wrap_future(future)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
+        unsent: list[dict] = []  # logprobs of the tokens since the last chunk (with req.logprobs)
 
         def chunk(delta: dict, finish: str | None = None, usage: dict | None = None) -> bytes:
+            logprobs = None
+            if req.logprobs and usage is None:
+                logprobs = {"content": list(unsent)}
+                unsent.clear()
             body = {"id": completion_id, "object": "chat.completion.chunk", "created": created,
                     "model": self.model_name, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
-                                                           "logprobs": None}]}
+                                                           "logprobs": logprobs}]}
             if usage is not None:
                 body["choices"], body["usage"] = [], usage
             return f"data: {json.dumps(body)}\n\n".encode()
@@ -269,7 +290,9 @@ class ChatServer:
         stop_ids = set(req.params.stop_token_ids)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         held = False  # a tool call opened: hold the rest back until the turn is parsed
+        getter: asyncio.Future | None = None
         try:
+            await response.prepare(request)
             await response.write(chunk({"role": "assistant", "content": ""}))
             while True:
                 getter = asyncio.ensure_future(tokens.get())
@@ -278,9 +301,11 @@ class ChatServer:
                     getter.cancel()
                     if tokens.empty():
                         break
-                    tok = tokens.get_nowait()
+                    tok, lp = tokens.get_nowait()
                 else:
-                    tok = getter.result()
+                    tok, lp = getter.result()
+                if req.logprobs:
+                    unsent.append(_token_logprob(self.tokenizer, tok, lp))
                 if held or tok in stop_ids:
                     continue
                 if tok == self.tokenizer.call_open_id and req.tools:
@@ -309,6 +334,18 @@ class ChatServer:
         except (asyncio.CancelledError, ConnectionResetError):
             future.cancel()
             raise
+        except Exception as e:  # once the headers are sent, report it in the stream and end it
+            future.cancel()
+            if not response.prepared:
+                raise
+            log.exception("stream failed")
+            error = {"message": f"the server failed on this request: {type(e).__name__}: {e}", "type": "server_error",
+                     "param": None, "code": None}
+            with contextlib.suppress(ConnectionResetError):
+                await response.write(f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n".encode())
+        finally:
+            if getter is not None:
+                getter.cancel()
         return response
 
 
@@ -348,7 +385,7 @@ class ServerThread:
         self._loop.run_until_complete(self._serve())
 
     async def _serve(self) -> None:
-        runner = web.AppRunner(self.server.app, access_log=None)
+        runner = web.AppRunner(self.server.app, access_log=None, handler_cancellation=True)
         try:
             await runner.setup()
             site = web.TCPSite(runner, self.host, self.port)
@@ -381,4 +418,5 @@ def run_server(engine: Engine, tokenizer, host: str, port: int, model_name: str)
     server = ChatServer(engine, tokenizer, model_name)
     print(f"codefleet serve: {model_name} on http://{host}:{port}/v1 (max batch {engine.max_batch}, context "
           f"{engine.max_seq_len} tokens)", flush=True)
-    web.run_app(server.app, host=host, port=port, print=None, access_log=None)
+    # handler_cancellation: a client that disconnects cancels its handler, which cancels its engine request
+    web.run_app(server.app, host=host, port=port, print=None, access_log=None, handler_cancellation=True)
