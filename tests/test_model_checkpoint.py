@@ -47,32 +47,35 @@ def test_config_json_round_trip_and_errors(tmp_path):
         checkpoint.load(str(tmp_path))
 
 
-def test_a_corrupt_or_mismatched_checkpoint_is_a_value_error_naming_the_file(tmp_path):
+@pytest.mark.parametrize("read", ["load", "check"])
+def test_a_corrupt_or_mismatched_checkpoint_is_a_value_error_naming_the_file(tmp_path, read):
+    """`load` reads the weights; `check` only their header, and says the same."""
     from codefleet.model.engine import load_engine
 
     path = str(tmp_path / "ckpt")
     checkpoint.save(Transformer(_config()), path)
+    assert checkpoint.check(path) == _config()
     weights, config_file = os.path.join(path, "model.safetensors"), os.path.join(path, "config.json")
     good_config = json.loads(open(config_file).read())
     with open(weights, "r+b") as f:  # a copy cut short
         f.truncate(os.path.getsize(weights) // 2)
     with pytest.raises(ValueError, match="model.safetensors is not a readable safetensors file"):
-        checkpoint.load(path)
+        getattr(checkpoint, read)(path)
     checkpoint.save(Transformer(_config()), path)
     with open(config_file, "w") as f:  # the weights of another model
         json.dump({**good_config, "d_model": 48}, f)
     with pytest.raises(ValueError, match=r"holds embed.weight of shape \[101, 32\] but config.json makes it"):
-        checkpoint.load(path)
+        getattr(checkpoint, read)(path)
     for broken, match in (({**good_config, "n_heads": 0}, "sizes must be positive integers"),
                           ([1, 2], "must hold a JSON object")):
         with open(config_file, "w") as f:
             json.dump(broken, f)
         with pytest.raises(ValueError, match=match):
-            checkpoint.load(path)
+            getattr(checkpoint, read)(path)
     with open(config_file, "w") as f:
         f.write('{"d_model": 32,')
     with pytest.raises(ValueError, match="config.json is not valid JSON"):
-        checkpoint.load(path)
+        getattr(checkpoint, read)(path)
     # a model whose vocabulary the tokenizer does not fill would sample ids the tokenizer cannot decode
     checkpoint.save(Transformer(ModelConfig.tiny(vocab_size=4160, n_layers=1)), path)
     with pytest.raises(ValueError, match="the tokenizer has 4096 tokens but the model's vocabulary is 4160"):

@@ -135,6 +135,13 @@ def test_train_refuses_an_existing_run_and_a_missing_one(tmp_path):
     (tmp_path / "file").write_text("")
     out = subprocess.run(_cli("train", "--out", str(tmp_path / "file")), capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "cannot make the run directory" in out.stderr and "Traceback" not in out.stderr
+    (tmp_path / "ckpt").mkdir()
+    out = subprocess.run(_cli("eval", "--checkpoint", str(tmp_path / "ckpt"), "--tasks", str(tmp_path)),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "cannot be evaluated" in out.stderr and "config.json not found" in out.stderr
+    out = subprocess.run(_cli("eval", "--checkpoint", str(tmp_path / "ckpt"), "--tasks", str(tmp_path), "--jobs", "0"),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--jobs 0" in out.stderr
 
 
 def test_a_resumed_run_takes_changes_to_where_it_runs_how_long_rl_goes_and_its_evaluation_only(tmp_path):

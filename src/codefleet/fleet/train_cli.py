@@ -90,6 +90,7 @@ def _run_prompt(checkpoint: str) -> str:
 def _eval(args: argparse.Namespace) -> int:
     from codefleet.agent.episode import EpisodeConfig
     from codefleet.fleet.evaluate import EvalConfig, evaluate, report_json
+    from codefleet.model import checkpoint
     from codefleet.tasks.spec import load_tasks
     from codefleet.types import Budgets
 
@@ -105,6 +106,11 @@ def _eval(args: argparse.Namespace) -> int:
     if bad:
         print(f"codefleet eval: {', '.join(bad)}: counts must be at least 1, --wall-clock above 0 and --temperature "
               f"at least 0", file=sys.stderr)
+        return 2
+    try:
+        checkpoint.check(args.checkpoint)
+    except (OSError, ValueError) as e:
+        print(f"codefleet eval: --checkpoint {args.checkpoint} cannot be evaluated: {e}", file=sys.stderr)
         return 2
     try:
         tasks = load_tasks(args.tasks)

@@ -83,6 +83,35 @@ def load(path: str, device: str | torch.device = "cpu") -> Transformer:
     return model.to(device)
 
 
+def check(path: str) -> ModelConfig:
+    """`path`'s config, once its weights file's header is known to be whole and to match it, without
+    reading the weights (what a command checks before it starts minutes of work). Raises
+    FileNotFoundError or ValueError naming the file, as `load` would."""
+    from safetensors import safe_open
+
+    config = load_config(path)
+    weights_file = os.path.join(path, WEIGHTS_FILE)
+    if not os.path.isfile(weights_file):
+        raise FileNotFoundError(f"{weights_file} not found: the checkpoint has a config but no weights")
+    with torch.device("meta"):
+        expected = {k: list(v.shape) for k, v in Transformer(config).state_dict().items()}
+    try:
+        with safe_open(weights_file, "pt") as f:
+            shapes = {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
+    except SafetensorError as e:
+        raise ValueError(f"{weights_file} is not a readable safetensors file ({e}); it is truncated or corrupt, "
+                         "save the checkpoint again") from None
+    for name, shape in shapes.items():
+        if name in expected and shape != expected[name]:
+            raise ValueError(f"{weights_file} holds {name} of shape {shape} but {CONFIG_FILE} makes it "
+                             f"{expected[name]}; the two files come from different models")
+    missing = sorted(set(expected) - set(shapes) - ({"lm_head.weight"} if config.tie_embeddings else set()))
+    if missing:
+        raise ValueError(f"{weights_file} lacks {missing[:3]} that {CONFIG_FILE} needs; the two files come from "
+                         "different models")
+    return config
+
+
 def read_metadata(path: str) -> dict:
     meta_file = os.path.join(path, METADATA_FILE)
     if not os.path.isfile(meta_file):
