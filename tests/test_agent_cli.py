@@ -200,3 +200,36 @@ def test_the_test_command_gets_only_the_time_left(repo, state_dir):
         code, out, err = run_cli(stub, repo, state_dir, "--json", "--max-wall-s", "5", "--test-command", "sleep 60")
     assert time.perf_counter() - started < 40
     assert code == 0 and json.loads(out)["tests_passed"] is False, err[-3000:]
+
+
+def test_the_first_ctrl_c_keeps_the_work_and_the_second_quits_at_once(repo, state_dir):
+    import signal
+    import sys
+
+    cli = [sys.executable, "-m", "codefleet.cli", "agent", "run", "--repo", repo, "--task", "Mark sub as checked.",
+           "--set", f"state_dir={state_dir}", "--apply", "--test-command", "sleep 60"]
+
+    def interrupt(stub: OpenAIStub, times: int) -> tuple[subprocess.CompletedProcess, float]:
+        proc = subprocess.Popen(cli + ["--model", stub.base_url], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        deadline = time.monotonic() + 30
+        while len(stub.requests) < 2 and time.monotonic() < deadline:  # the edit is made, the next answer is slow
+            time.sleep(0.05)
+        started = time.monotonic()
+        for _ in range(times):
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.5)
+        out, err = proc.communicate(timeout=60)
+        return subprocess.CompletedProcess(cli, proc.returncode, out, err), time.monotonic() - started
+
+    slow = [reply("", FIX), reply("", call("submit", {}), delay_s=3)]
+    with OpenAIStub(slow) as stub:
+        done, _ = interrupt(stub, 1)
+    assert done.returncode == 130, done.stderr[-2000:]
+    assert "Ctrl-C again to quit at once" in done.stderr and "was not applied" in done.stderr
+    assert "+    return a - b  # checked" in done.stdout  # the edit is printed, not lost; no test command ran
+    assert "# checked" not in open(os.path.join(repo, "pkg", "calc.py")).read()
+    with OpenAIStub([reply("", FIX), reply("", call("submit", {}), delay_s=30)]) as stub:
+        done, waited = interrupt(stub, 2)
+    assert done.returncode == 130 and "interrupted; the repository was not changed" in done.stderr
+    assert waited < 15  # not the 30 s the model call would take

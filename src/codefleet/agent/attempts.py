@@ -16,6 +16,7 @@ Which attempt is best:
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -42,15 +43,23 @@ class Attempt:
 def run_attempts(sandboxes: list[Sandbox], instruction: str, policy: Policy, *, planner: Policy | None = None,
                  test_command: str = "", budgets: Budgets | None = None, tool_config: ToolConfig | None = None,
                  on_event: Callable[[int, Event], None] | None = None,
-                 on_loop: Callable[[AgentLoop], None] | None = None) -> list[Attempt]:
+                 on_loop: Callable[[AgentLoop], None] | None = None,
+                 on_interrupt: Callable[[], None] | None = None) -> list[Attempt]:
     """One attempt per sandbox (each already holding a workspace.snapshot()), all at once. The test
-    command gets what is left of the wall-clock budget (at least 1 s, at most 600 s). An exception while
-    waiting (Ctrl-C) cancels every attempt's loop before it propagates."""
+    command gets what is left of the wall-clock budget (at least 1 s, at most 600 s).
+
+    The first Ctrl-C (KeyboardInterrupt while waiting) keeps the work: every loop stops before its next
+    turn (stop reason "cancelled", after the model call or commands in flight), the test command is
+    skipped, `on_interrupt()` is called and the attempts come back with their diffs. A second Ctrl-C
+    propagates at once; the attempts run on daemon threads, so nothing then waits for them."""
     loops: list[AgentLoop] = []
     deadline = time.monotonic() + (budgets or Budgets()).wall_clock_s
+    interrupted = threading.Event()
 
     def keep(loop: AgentLoop) -> None:
         loops.append(loop)
+        if interrupted.is_set():
+            loop.cancel()
         if on_loop:
             on_loop(loop)
 
@@ -66,20 +75,48 @@ def run_attempts(sandboxes: list[Sandbox], instruction: str, policy: Policy, *, 
             diff = ""
             trajectory.metadata["diff_error"] = str(e)
         result = Attempt(index, trajectory, diff)
-        if test_command:
+        if test_command and not interrupted.is_set():
             left_s = deadline - time.monotonic()
             run = sandbox.run_oneoff(["bash", "-c", test_command], timeout_s=min(max(left_s, 1.0), 600.0))
             result.tests_passed, result.test_output = run.ok, run.output
         return result
 
-    with ThreadPoolExecutor(max_workers=max(len(sandboxes), 1), thread_name_prefix="attempt") as pool:
-        futures = [pool.submit(attempt, i, sb) for i, sb in enumerate(sandboxes)]
+    results: list[Attempt | BaseException | None] = [None] * len(sandboxes)
+    finished = [threading.Event() for _ in sandboxes]
+
+    def run(index: int, sandbox: Sandbox) -> None:
         try:
-            return [f.result() for f in futures]
-        except BaseException:
+            results[index] = attempt(index, sandbox)
+        except BaseException as e:
+            results[index] = e
+        finally:
+            finished[index].set()
+
+    def wait_all() -> None:  # Event.wait, not Thread.join: a join that Ctrl-C interrupts can lose the thread
+        for done in finished:
+            while not done.wait(0.2):
+                pass
+
+    for i, sb in enumerate(sandboxes):
+        threading.Thread(target=run, args=(i, sb), name=f"attempt-{i}", daemon=True).start()
+    try:
+        try:
+            wait_all()
+        except KeyboardInterrupt:
+            interrupted.set()
             for loop in list(loops):
                 loop.cancel()
-            raise
+            if on_interrupt:
+                on_interrupt()
+            wait_all()
+    except BaseException:
+        for loop in list(loops):
+            loop.cancel()
+        raise
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results  # type: ignore[return-value]
 
 
 def best_attempt(attempts: list[Attempt]) -> Attempt:

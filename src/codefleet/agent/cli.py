@@ -173,6 +173,13 @@ def run_command(args: argparse.Namespace, stdin: TextIO | None = None, out: Text
     if _interactive(stdin):
         threading.Thread(target=corrections.read_from, args=(stdin, err), daemon=True, name="corrections").start()
     sandboxes = []
+    stopping = threading.Event()  # the first Ctrl-C: attempts stop and keep their diffs, printed, not applied
+
+    def stop() -> None:
+        print("codefleet agent run: stopping; each attempt ends after its current model call or command and keeps "
+              "its diff; Ctrl-C again to quit at once", file=err, flush=True)
+        stopping.set()
+
     try:
         base = create_sandbox(args.repo, sandbox_config)
         sandboxes.append(base)
@@ -183,11 +190,12 @@ def run_command(args: argparse.Namespace, stdin: TextIO | None = None, out: Text
             sandboxes = base.fork(args.attempts) + [base]
         attempts = run_attempts(sandboxes[:args.attempts], args.task, policy, planner=planner,
                                 test_command=args.test_command, budgets=budgets,
-                                on_event=_progress(args.attempts, err), on_loop=corrections.add_loop)
+                                on_event=_progress(args.attempts, err), on_loop=corrections.add_loop,
+                                on_interrupt=stop)
     except (SandboxError, workspace.WorkspaceDiffError, FileNotFoundError) as e:
         print(f"codefleet agent run: {e}", file=err)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the second Ctrl-C
         print("codefleet agent run: interrupted; the repository was not changed", file=err)
         return 130
     finally:
@@ -205,7 +213,12 @@ def run_command(args: argparse.Namespace, stdin: TextIO | None = None, out: Text
     if "diff_error" in best.trajectory.metadata:
         result["diff_error"] = best.trajectory.metadata["diff_error"]
         code = 1
-    if args.apply and best.diff.strip():
+    if stopping.is_set():
+        code = 130
+        if args.apply and best.diff.strip():
+            print("codefleet agent run: interrupted, so the diff was not applied; it is in the output (`git apply` "
+                  "takes it)", file=err)
+    elif args.apply and best.diff.strip():
         try:
             workspace.apply_diff(args.repo, best.diff)
             result["applied"] = True
