@@ -121,6 +121,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
         ({"model": NAME, "messages": USER, "seed": 2**64}, 400, "seed", "invalid_value"),
         ({"model": NAME, "messages": USER, "logprobs": True, "top_logprobs": 3}, 400, "top_logprobs",
          "invalid_value"),
+        ({"model": NAME, "messages": USER, "tool_choice": "required"}, 400, "tool_choice", "invalid_value"),
         ({"model": "gpt-9", "messages": USER}, 404, "model", "model_not_found"),
         ({"model": NAME, "messages": [{"role": "user", "content": "word " * 5000}]}, 400, "messages",
          "context_length_exceeded"),

@@ -108,8 +108,13 @@ def parse_request(body: object, engine: Engine, tokenizer, model_name: str, defa
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise RequestError("\"tools\" must be an array of {\"type\": \"function\", \"function\": {...}} objects",
                            param="tools", code="invalid_type")
-    if body.get("tool_choice") == "none":
+    tool_choice = body.get("tool_choice")
+    if tool_choice == "none":
         tools = []
+    elif tool_choice not in (None, "auto"):  # "required" or one named function: the model would have to be forced
+        raise RequestError("tool_choice must be \"auto\" or \"none\": this server does not constrain decoding, so it "
+                           "cannot force a tool call; leave tool_choice out", param="tool_choice",
+                           code="invalid_value")
     n = body.get("n")
     if n is not None and (isinstance(n, bool) or n != 1):
         raise RequestError("only n=1 is supported; send several requests for several completions", param="n",
