@@ -295,6 +295,7 @@ class ChatServer:
         stop_ids = set(req.params.stop_token_ids)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         held = False  # a tool call opened: hold the rest back until the turn is parsed
+        sent = ""  # the content streamed so far
         getter: asyncio.Future | None = None
         try:
             await response.prepare(request)
@@ -321,14 +322,18 @@ class ChatServer:
                     continue
                 if piece:
                     await response.write(chunk({"content": piece}))
+                    sent += piece
             tail = decoder.decode(b"", final=True)
             if tail and not held and not req.params.stop:
                 await response.write(chunk({"content": tail}))
+                sent += tail
             result = done.result()
             final = build_completion(result, req, self.tokenizer, self.model_name, completion_id, created)
             message = final["choices"][0]["message"]
-            rest = (message.get("content") or "")
-            if req.params.stop and rest:  # content was held back for stop strings: send it cut
+            content = message.get("content") or ""
+            # what was held back: everything, for stop strings (sent cut); the text between or after tool calls
+            rest = content[len(sent):] if content.startswith(sent) else ""
+            if rest:
                 await response.write(chunk({"content": rest}))
             for i, call in enumerate(message.get("tool_calls") or []):
                 await response.write(chunk({"tool_calls": [{"index": i, **call}]}))
