@@ -231,6 +231,9 @@ def test_exit_codes_of_signals_pipes_and_exit(make_sandbox):
     assert gone.exit_code == 3 and "the shell exited (status 3)" in gone.output
     back = sb.exec("echo back")
     assert back.shell_restarted and back.output.startswith("back\n")
+    stuck = sb.exec("trap '' INT; while :; do :; done", timeout_s=1)  # the shell itself ignores the interrupt
+    assert stuck.timed_out and "ignored the interrupt, so codefleet ended the shell" in stuck.output
+    assert "the shell exited" not in stuck.output and sb.exec("echo back").shell_restarted
 
 
 @pytest.mark.parametrize("limit", [10, 101, 1000, 65536])

@@ -180,8 +180,10 @@ class ShellSandbox(ABC):
             return result
 
     def _death_note(self, result: ExecResult) -> str:
-        return (f"\n[codefleet: the shell exited (status {result.exit_code}); the next command gets a fresh "
-                "shell in the same workspace — cwd, environment and background jobs are reset]")
+        why = ("the command ignored the interrupt, so codefleet ended the shell" if result.timed_out
+               else f"the shell exited (status {result.exit_code})")
+        return (f"\n[codefleet: {why}; the next command gets a fresh shell in the same workspace — cwd, "
+                "environment and background jobs are reset]")
 
     def _limit_note(self, result: ExecResult) -> str:
         return ""
