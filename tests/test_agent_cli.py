@@ -163,12 +163,16 @@ def test_files_git_tracks_despite_gitignore_and_non_utf8_bytes_reach_the_diff_an
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
     subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
     subprocess.run(["git", "add", "-f", "app.cfg"], cwd=repo, check=True)  # tracked, though ignored
+    with open(os.path.join(repo, ".git", "info", "exclude"), "a") as f:
+        f.write("*.local\n")  # ignored by this clone only
     script = [reply("", call("edit_file", {"path": "app.cfg", "old_text": "false", "new_text": "true"}),
-                    call("edit_file", {"path": "latin.txt", "old_text": "price = 1", "new_text": "price = 2"})),
+                    call("edit_file", {"path": "latin.txt", "old_text": "price = 1", "new_text": "price = 2"}),
+                    call("write_file", {"path": "notes.local", "content": "scratch\n"})),
               reply("", call("submit", {}))]
     with OpenAIStub(script) as stub:
         code, out, err = run_cli(stub, repo, state_dir, "--apply")
     assert code == 0 and "applied the diff" in err and "+debug = true" in out and "+price = 2" in out
+    assert "notes.local" not in out
     with open(os.path.join(repo, "app.cfg")) as f:
         assert f.read() == "debug = true\n"
     with open(os.path.join(repo, "latin.txt"), "rb") as f:

@@ -6,8 +6,8 @@ and apply what changed, `snapshot()` records the workspace as a git tree in a
 private git directory inside the workspace (`.codefleet/git`, never the
 user's own `.git`, which may not exist or may point outside the sandbox) and
 `diff()` compares the workspace with it: new, deleted and binary files
-included, files the repository's .gitignore ignores left out — unless the
-user's own git tracks them. Directories that are git repositories of their
+included, files the repository's .gitignore (or .git/info/exclude) ignores
+left out — unless the user's own git tracks them. Directories that are git repositories of their
 own (submodules, vendored clones) appear as one entry whose inside is not
 compared; `snapshot()` names them so the CLI can warn. The diff is read back
 from a file as bytes, so it is never cut and bytes that are not UTF-8 survive
@@ -55,6 +55,7 @@ mkdir -p {PRIVATE_DIR}
 git init -q --template=
 mkdir -p "$GIT_DIR/info"
 printf '/{PRIVATE_DIR}/\\n' > "$GIT_DIR/info/exclude"
+if [ -f .git/info/exclude ]; then cat .git/info/exclude >> "$GIT_DIR/info/exclude"; fi  # the user's own ignores
 {_ADD_ALL}
 {_ADD_TRACKED_IGNORED}
 git write-tree > "$GIT_DIR/codefleet-base"
