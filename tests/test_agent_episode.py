@@ -135,6 +135,11 @@ def test_reward_modes_and_speed_costs(task, config):
     # costs on solved episodes only: scaled by the correctness, so a failure scores 0 however long it ran
     scaled = RewardConfig(mode="fraction", cost_per_turn=0.01, cost_per_token=1e-6, costs_on="solved")
     assert compute_reward(trajectory, scaled) == pytest.approx(0.4 - 0.4 * (0.02 + 1e-6 * trajectory.tokens))
+    # an episode that passed checks but never submitted is unsolved when the reward requires a submit
+    strict = dataclasses.replace(scaled, require_submit=True)
+    assert compute_reward(trajectory, strict) == compute_reward(trajectory, scaled)  # it submitted
+    assert compute_reward(dataclasses.replace(trajectory, stop_reason="max_turns"), strict) == 0.0
+    assert compute_reward(dataclasses.replace(trajectory, stop_reason="max_turns"), scaled) > 0
     trajectory.checks = dataclasses.replace(trajectory.checks, passed=0)
     assert compute_reward(trajectory, scaled) == 0.0
     assert compute_reward(trajectory, cost) == pytest.approx(-0.02 - 1e-6 * trajectory.tokens)
