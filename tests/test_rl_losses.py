@@ -139,8 +139,8 @@ def test_gspo_kl_is_per_sequence_so_micro_batches_add_up_to_the_batch():
     zero = torch.zeros(2)
     loss, m = policy_loss(logp, logp, zero, mask, cfg, ref_logprobs_BT=ref)
     assert m["kl"] == pytest.approx(float(seq[0] + seq[1]) / 2)
-    halves = [policy_loss(logp[i:i + 1], logp[i:i + 1], zero[i:i + 1], mask[i:i + 1], cfg, ref_logprobs_BT=ref[i:i + 1])[0]
-              for i in range(2)]  # one sequence each, weighted by their units (one sequence)
+    one = slice(0, 1), slice(1, 2)  # one sequence each, weighted by their units (one sequence)
+    halves = [policy_loss(logp[i], logp[i], zero[i], mask[i], cfg, ref_logprobs_BT=ref[i])[0] for i in one]
     torch.testing.assert_close(loss, (halves[0] + halves[1]) / 2)
 
 
