@@ -161,3 +161,29 @@ def test_parallel_attempts_on_a_task_are_all_scored(task, config):
     assert all(t.reward == 1.0 and t.checks.all_passed for t in trajectories)
     assert best_trajectory(trajectories) in trajectories
     assert os.path.exists(os.path.join(task.repo, "pkg/legacy.py"))  # the task's repo itself is untouched
+
+
+def test_exact_token_attempts_each_run_on_their_own_episode_view_of_the_engine(task, config):
+    import torch
+
+    from codefleet.agent.clients import LocalEnginePolicy
+    from codefleet.model.config import ModelConfig
+    from codefleet.model.engine import Engine
+    from codefleet.model.tokenizer import default_tokenizer
+    from codefleet.model.transformer import Transformer
+
+    torch.manual_seed(0)
+    engine = Engine(Transformer(ModelConfig.tiny()), default_tokenizer(), max_batch=4, max_seq_len=4096)
+    try:
+        policy = LocalEnginePolicy(engine=engine, max_tokens=8, temperature=1.0, seed=0)
+        views = []
+        original = policy.for_episode
+        policy.for_episode = lambda: views.append(original()) or views[-1]
+        trajectories = run_task_attempts(task, policy, 2, config, exact_tokens=True)
+    finally:
+        engine.close()
+    # one view per attempt, and each holds exactly the tokens its episode sampled
+    assert len(views) == 2
+    assert sorted(sum(v.tokens.mask) for v in views) == sorted(
+        sum(len(turn.token_ids) for turn in t.turns) for t in trajectories)
+    assert all(sum(v.tokens.mask) > 0 for v in views)

@@ -126,9 +126,13 @@ def best_attempt(attempts: list[Attempt]) -> Attempt:
 
 
 def run_task_attempts(task: Task, policy: Policy, n: int, sandbox_config: SandboxConfig | None = None, *,
-                      planner: Policy | None = None, config: EpisodeConfig | None = None) -> list[Trajectory]:
+                      planner: Policy | None = None, config: EpisodeConfig | None = None,
+                      exact_tokens: bool = False) -> list[Trajectory]:
     """n scored episodes of `task` in sandboxes forked from one prepared sandbox; in attempt order,
-    each with metadata["attempt"]. Pick the best with `best_trajectory`."""
+    each with metadata["attempt"]. Pick the best with `best_trajectory`. With `exact_tokens`, each
+    episode runs on `policy.for_episode()` (a local engine's token-in/token-out view, as in RL's
+    rollouts): every turn's prompt extends the exact tokens sampled before instead of the conversation
+    rendered again, where a malformed call reads as the parser understood it."""
     from codefleet.tasks.checks import prepare_sandbox
 
     config = config or EpisodeConfig()
@@ -140,7 +144,9 @@ def run_task_attempts(task: Task, policy: Policy, n: int, sandbox_config: Sandbo
 
     def attempt(index: int, sandbox: Sandbox) -> Trajectory:
         try:
-            trajectory = solve(sandbox, task.instruction, policy, planner=planner, test_command=task.test_command,
+            episode_policy = policy.for_episode() if exact_tokens else policy
+            trajectory = solve(sandbox, task.instruction, episode_policy, planner=planner,
+                               test_command=task.test_command,
                                budgets=config.budgets or task.budgets, tool_config=config.tools, task_id=task.id,
                                prompt=config.prompt)
             trajectory.metadata["attempt"] = index

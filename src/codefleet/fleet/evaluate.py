@@ -40,6 +40,9 @@ class EvalConfig:
     max_tokens: int = 384  # per turn
     jobs: int = 4  # tasks at once
     threads: int = 2  # torch threads of the engine
+    # each episode's prompts extend the exact sampled tokens, as RL's rollouts do, instead of the conversation
+    # rendered again as a server would (agent.attempts.run_task_attempts)
+    exact_tokens: bool = False
 
 
 CLOCK_WARNING = 0.1  # EvalReport.clock_warning above this share of attempts stopped by the wall clock
@@ -134,7 +137,8 @@ def evaluate(checkpoint: str, tasks: list[Task], config: EvalConfig | None = Non
                                    seed=0, name=f"local:{checkpoint}")
 
         def one(task: Task) -> list[Trajectory]:
-            trajectories = run_task_attempts(task, policy, config.attempts, sandbox_config, config=episode_config)
+            trajectories = run_task_attempts(task, policy, config.attempts, sandbox_config, config=episode_config,
+                                             exact_tokens=config.exact_tokens)
             if on_task:
                 on_task(task, trajectories)
             return trajectories

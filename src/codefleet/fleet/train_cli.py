@@ -35,6 +35,9 @@ def register(subparsers) -> None:
     ev.add_argument("--wall-clock", type=float, default=1800.0,
                     help="seconds per episode (a weak policy's hanging command costs this much)")
     ev.add_argument("--temperature", type=float, default=0.0)
+    ev.add_argument("--exact-tokens", action="store_true",
+                    help="each turn's prompt extends the exact tokens sampled before, as in RL's rollouts (default: "
+                         "the conversation rendered again, as a server would)")
     ev.add_argument("--prompt", choices=("full", "bare"), default=None,  # agent.prompts.PROMPTS, not imported here:
                     # the CLI starts without loading the agent package
                     help="what the policy is shown (agent.prompts); default: the model.prompt of the run the "
@@ -136,7 +139,8 @@ def _eval(args: argparse.Namespace) -> int:
                                             wall_clock_s=args.wall_clock),
                             prompt=args.prompt or _run_prompt(args.checkpoint))
     report, _ = evaluate(args.checkpoint, tasks, EvalConfig(attempts=args.attempts, temperature=args.temperature,
-                                                            max_tokens=args.max_tokens, jobs=args.jobs),
+                                                            max_tokens=args.max_tokens, jobs=args.jobs,
+                                                            exact_tokens=args.exact_tokens),
                          episode_config=episode, on_task=on_task)
     if not args.json:
         print(report.table())
