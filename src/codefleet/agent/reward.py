@@ -19,10 +19,11 @@ giving up never beats trying.
 
 `require_submit` scores an episode that never called `submit` (it ran out
 of turns, tokens or time, or stopped calling tools) as unsolved, whatever
-its checks say. Without it, an episode that passes the tests and then runs
-on to the turn limit is a success like one that submits at once, and RL on
-the demo's policy learnt exactly that: episodes solved at the turn limit
-went from 3 to 12-16 of 640 held-out attempts (2026-12-05).
+its checks say: an agent should know when it is done. Without it, an
+episode that passes the tests and then runs on to the turn limit is a
+success like one that submits at once. (On the demo's policy it changed
+nothing measurable: its training rollouts hardly ever solve a task without
+submitting; docs/training.md, 2026-12-05.)
 """
 
 from __future__ import annotations
