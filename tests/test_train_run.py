@@ -100,6 +100,17 @@ def test_train_survives_sigkill_and_resumes_without_losing_or_repeating_rollouts
     assert summary["rollouts"] == table.num_rows and sum(summary["categories"].values()) == table.num_rows
     assert (tmp_path / "run" / "analysis" / "report.html").stat().st_size > 10_000
 
+    # a finished run carried on: one more RL step from its last checkpoint; SFT's evaluation is reused
+    sft_eval = os.path.join(run, "eval", "sft.json")
+    sft_eval_mtime = os.path.getmtime(sft_eval)
+    more = subprocess.run(_cli("train", "--resume", run, "--no-progress", "rl.steps=6"), env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert sorted(_trained(run)) == [1, 2, 3, 4, 5, 6] and _trained(run)[5] == trained[5]
+    results = json.loads((tmp_path / "run" / "results.json").read_text())["results"]
+    assert results["rl"]["checkpoint"].endswith("rl-step-000006") and os.path.getmtime(sft_eval) == sft_eval_mtime
+    assert "steps: 6" in (tmp_path / "run" / "config.yaml").read_text()
+
     ev = subprocess.run(_cli("eval", "--checkpoint", os.path.join(run, "checkpoints", "sft"), "--tasks",
                              os.path.join(run, "tasks", "eval"), "--max-tokens", "16", "--max-turns", "2",
                              "--wall-clock", "60", "--json"),
