@@ -269,13 +269,17 @@ RESUMABLE = ("cluster.", "eval.", "rl.steps")
 RESUMABLE_TEXT = "cluster.*, eval.* and rl.steps"
 
 
+def _nothing_to_resume(out: str) -> RunError:
+    return RunError(f"{out} has no config.yaml: nothing to resume; start a run with --out {out}")
+
+
 def resumed_config(out: str, overrides: list[str] | None = None, address: str | None = None) -> TrainRunConfig:
     """The configuration saved in the run `out`, with the `key=value` changes a resumed run may take."""
     from codefleet.config import ConfigError, load_config
 
     saved = os.path.join(out, "config.yaml")
     if not os.path.isfile(saved):
-        raise RunError(f"{out} has no config.yaml: nothing to resume; start a run with --out {out}")
+        raise _nothing_to_resume(out)
     for item in overrides or []:
         key = item.partition("=")[0].strip()
         if not any(key == p or key.startswith(p) for p in RESUMABLE):
@@ -309,7 +313,7 @@ def train(config: TrainRunConfig, out: str, resume: bool = False, progress: bool
         except OSError as e:
             raise RunError(f"cannot make the run directory {out} ({e.strerror or e}); choose another --out") from None
     elif not os.path.isfile(saved):
-        raise RunError(f"{out} has no config.yaml: nothing to resume; start a run with --out {out}")
+        raise _nothing_to_resume(out)
     atomic_write(saved, yaml.safe_dump(to_dict(config), sort_keys=False).encode())  # with a resume's changes
     started = time.perf_counter()
     tokenizer = default_tokenizer()

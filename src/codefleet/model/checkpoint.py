@@ -16,7 +16,7 @@ import json
 import os
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from codefleet.model.config import ModelConfig
@@ -25,15 +25,15 @@ from codefleet.model.transformer import Transformer
 WEIGHTS_FILE, CONFIG_FILE, METADATA_FILE = "model.safetensors", "config.json", "metadata.json"
 
 
-def _tied_keys(model: Transformer) -> set[str]:
-    return {"lm_head.weight"} if model.config.tie_embeddings else set()
+def _tied_keys(config: ModelConfig) -> set[str]:
+    return {"lm_head.weight"} if config.tie_embeddings else set()
 
 
 def save(model: Transformer, path: str, config: ModelConfig | None = None, metadata: dict | None = None) -> None:
     """Write the weights, the config (default: `model.config`) and optional metadata into directory `path`."""
     config = config or model.config
     os.makedirs(path, exist_ok=True)
-    skip = _tied_keys(model)
+    skip = _tied_keys(model.config)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k not in skip}
     save_file(state, os.path.join(path, WEIGHTS_FILE), metadata={"format": "pt", "codefleet": "1"})
     with open(os.path.join(path, CONFIG_FILE), "w") as f:
@@ -61,22 +61,12 @@ def load_config(path: str) -> ModelConfig:
 
 def load(path: str, device: str | torch.device = "cpu") -> Transformer:
     """The model saved in `path`, in the config's dtype, on `device`. A truncated or corrupt weights file, or
-    weights whose shapes do not match config.json, raise ValueError naming the file."""
-    config = load_config(path)
+    weights whose shapes do not match config.json, raise ValueError naming the file (`check`)."""
+    config = check(path)
     model = Transformer(config)
-    weights_file = os.path.join(path, WEIGHTS_FILE)
-    try:
-        state = load_file(weights_file, device=str(device))
-    except SafetensorError as e:
-        raise ValueError(f"{weights_file} is not a readable safetensors file ({e}); it is truncated or corrupt, "
-                         "save the checkpoint again") from None
-    expected = model.state_dict()
-    for name, tensor in state.items():
-        if name in expected and tensor.shape != expected[name].shape:
-            raise ValueError(f"{weights_file} holds {name} of shape {list(tensor.shape)} but {CONFIG_FILE} makes it "
-                             f"{list(expected[name].shape)}; the two files come from different models")
+    state = load_file(os.path.join(path, WEIGHTS_FILE), device=str(device))
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = set(missing) - _tied_keys(model)
+    missing = set(missing) - _tied_keys(config)
     if missing or unexpected:
         raise ValueError(f"checkpoint {path!r} does not match its config.json: missing {sorted(missing)}, "
                          f"unexpected {sorted(unexpected)}")
@@ -87,8 +77,6 @@ def check(path: str) -> ModelConfig:
     """`path`'s config, once its weights file's header is known to be whole and to match it, without
     reading the weights (what a command checks before it starts minutes of work). Raises
     FileNotFoundError or ValueError naming the file, as `load` would."""
-    from safetensors import safe_open
-
     config = load_config(path)
     weights_file = os.path.join(path, WEIGHTS_FILE)
     if not os.path.isfile(weights_file):
@@ -105,7 +93,7 @@ def check(path: str) -> ModelConfig:
         if name in expected and shape != expected[name]:
             raise ValueError(f"{weights_file} holds {name} of shape {shape} but {CONFIG_FILE} makes it "
                              f"{expected[name]}; the two files come from different models")
-    missing = sorted(set(expected) - set(shapes) - ({"lm_head.weight"} if config.tie_embeddings else set()))
+    missing = sorted(set(expected) - set(shapes) - _tied_keys(config))
     if missing:
         raise ValueError(f"{weights_file} lacks {missing[:3]} that {CONFIG_FILE} needs; the two files come from "
                          "different models")
