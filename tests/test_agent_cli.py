@@ -237,3 +237,45 @@ def test_the_first_ctrl_c_keeps_the_work_and_the_second_quits_at_once(repo, stat
         done, waited = interrupt(stub, 2)
     assert done.returncode == 130 and "interrupted; the repository was not changed" in done.stderr
     assert waited < 15  # not the 30 s the model call would take
+
+
+def test_a_local_checkpoint_runs_in_process_and_a_missing_one_is_one_sentence(repo, state_dir, tmp_path):
+    import torch
+
+    from codefleet.model import checkpoint
+    from codefleet.model.config import ModelConfig
+    from codefleet.model.transformer import Transformer
+
+    torch.manual_seed(0)
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)  # a `codefleet train` run's checkpoint
+    (tmp_path / "run" / "config.yaml").write_text("model:\n  prompt: bare\n")
+    checkpoint.save(Transformer(ModelConfig.tiny()), str(tmp_path / "run" / "checkpoints" / "sft"))
+    for extra, bare in (([], True), (["--prompt", "full"], False)):
+        out, err = io.StringIO(), io.StringIO()
+        code = main(["agent", "run", "--repo", repo, "--task", "look around", "--model",
+                     f"local:{tmp_path / 'run' / 'checkpoints' / 'sft'}", "--max-turns", "1", "--json", "--set",
+                     f"state_dir={state_dir}", *extra], stdin=io.StringIO(), out=out, err=err)
+        result = json.loads(out.getvalue())
+        assert code == 0 and result["turns"] == 1 and result["tokens"] > 0, err.getvalue()
+        assert ("bare prompt: the model sees the task alone" in err.getvalue()) == bare  # the run's model.prompt
+    err = io.StringIO()
+    code = main(["agent", "run", "--repo", repo, "--task", "x", "--model", f"local:{tmp_path / 'missing'}"],
+                stdin=io.StringIO(), out=io.StringIO(), err=err)
+    assert code == 2 and "is not a checkpoint directory" in err.getvalue()
+    assert "Traceback" not in err.getvalue() and len(err.getvalue().strip().splitlines()) == 1
+
+
+def test_bytecode_the_tests_write_stays_out_of_the_diff_unless_git_tracks_it(repo, state_dir):
+    os.makedirs(os.path.join(repo, "legacy", "__pycache__"))
+    with open(os.path.join(repo, "legacy", "__pycache__", "old.cpython-311.pyc"), "wb") as f:
+        f.write(b"\x00old")
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    subprocess.run(["git", "add", "-A"], cwd=repo, check=True)  # this repository tracks one bytecode file
+    script = [reply("", FIX, call("run", {"command": "python3 -c 'import pkg.calc'"}),
+                    call("run", {"command": "printf '\\001new' > legacy/__pycache__/old.cpython-311.pyc"})),
+              reply("", call("submit", {}))]
+    with OpenAIStub(script) as stub:
+        code, out, err = run_cli(stub, repo, state_dir)
+    assert code == 0 and "+    return a - b  # checked" in out
+    assert "pkg/__pycache__" not in out  # written by the import
+    assert "legacy/__pycache__/old.cpython-311.pyc" in out  # tracked, so its change is shown

@@ -283,3 +283,43 @@ def test_the_serve_command_runs_a_server_process(checkpoint_dir, tmp_path):
         bad = subprocess.run([sys.executable, "-m", "codefleet.model.serve_cli", "--checkpoint", checkpoint_dir,
                               "--port", "1", flag, value], check=False, capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and f"{flag} must be at least" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_bare_prompt_policy_is_served_the_conversation_it_was_trained_on(checkpoint_dir):
+    """A `codefleet train` policy (model.prompt=bare) never saw a system prompt or tool schemas: served so, a
+    client sending the full prompt (as `codefleet agent run` does) gets the prompt the policy was trained on."""
+    system = [{"role": "system", "content": "You are a fast, careful coding agent."}]
+    engine = load_engine(checkpoint_dir, max_batch=4, max_seq_len=2048)
+    try:
+        with ServerThread(engine, engine.tokenizer, model_name=NAME, prompt="bare") as bare, \
+                ServerThread(engine, engine.tokenizer, model_name=NAME) as full:
+            body = {"messages": system + USER, "tools": tool_schemas(), "max_tokens": 2, "temperature": 0}
+            status, served = post(bare, body)
+            assert status == 200
+            assert served["usage"]["prompt_tokens"] == len(chat.encode_chat(engine.tokenizer, USER, None))
+            status, as_sent = post(full, body)
+            assert status == 200
+            assert as_sent["usage"]["prompt_tokens"] == len(chat.encode_chat(engine.tokenizer, system + USER,
+                                                                             tool_schemas()))
+            status, error = post(bare, {"messages": system, "max_tokens": 2})
+            assert status == 400 and "send the task as a user message" in error["error"]["message"]
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="is not a prompt style"):
+        ServerThread(engine, engine.tokenizer, prompt="short")
+
+
+def test_the_serve_command_serves_a_runs_checkpoint_in_the_runs_prompt_style(checkpoint_dir, tmp_path):
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "config.yaml").write_text("model:\n  prompt: bare\n")
+    os.symlink(checkpoint_dir, tmp_path / "run" / "checkpoints" / "rl")
+    proc = subprocess.Popen([sys.executable, "-m", "codefleet.model.serve_cli", "--checkpoint",
+                             str(tmp_path / "run" / "checkpoints" / "rl"), "--port", "0", "--max-seq-len", "512",
+                             "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        banner = proc.stdout.readline()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert "codefleet serve: rl on" in banner and "bare prompt" in banner, banner

@@ -192,15 +192,15 @@ def test_rl_only_tasks_come_from_every_training_domain_and_never_from_held_out_t
 
 
 def test_eval_shows_a_checkpoint_its_runs_prompt_style(tmp_path):
-    from codefleet.fleet.train_cli import _run_prompt
+    from codefleet.fleet.run_dir import trained_prompt
 
     (tmp_path / "run" / "checkpoints" / "sft").mkdir(parents=True)
     (tmp_path / "run" / "config.yaml").write_text("model:\n  prompt: bare\n")
-    assert _run_prompt(str(tmp_path / "run" / "checkpoints" / "sft")) == "bare"
+    assert trained_prompt(str(tmp_path / "run" / "checkpoints" / "sft")) == "bare"
     (tmp_path / "run" / "config.yaml").write_text("model:\n  size: tiny\n")  # a run from before the field
-    assert _run_prompt(str(tmp_path / "run" / "checkpoints" / "sft")) == "full"
+    assert trained_prompt(str(tmp_path / "run" / "checkpoints" / "sft")) == "full"
     (tmp_path / "elsewhere").mkdir()
-    assert _run_prompt(str(tmp_path / "elsewhere")) == "full"
+    assert trained_prompt(str(tmp_path / "elsewhere")) == "full"
     out = subprocess.run(_cli("train", "--out", str(tmp_path / "r4"), "model.prompt=short"), capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 2 and "model.prompt must be one of full, bare" in out.stderr

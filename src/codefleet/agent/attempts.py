@@ -44,9 +44,10 @@ def run_attempts(sandboxes: list[Sandbox], instruction: str, policy: Policy, *, 
                  test_command: str = "", budgets: Budgets | None = None, tool_config: ToolConfig | None = None,
                  on_event: Callable[[int, Event], None] | None = None,
                  on_loop: Callable[[AgentLoop], None] | None = None,
-                 on_interrupt: Callable[[], None] | None = None) -> list[Attempt]:
-    """One attempt per sandbox (each already holding a workspace.snapshot()), all at once. The test
-    command gets what is left of the wall-clock budget (at least 1 s, at most 600 s).
+                 on_interrupt: Callable[[], None] | None = None, prompt: str = "full") -> list[Attempt]:
+    """One attempt per sandbox (each already holding a workspace.snapshot()), all at once, each in the
+    prompt style `prompt` (agent.prompts). The test command gets what is left of the wall-clock budget
+    (at least 1 s, at most 600 s).
 
     The first Ctrl-C (KeyboardInterrupt while waiting) keeps the work: every loop stops before its next
     turn (stop reason "cancelled", after the model call or commands in flight), the test command is
@@ -67,7 +68,7 @@ def run_attempts(sandboxes: list[Sandbox], instruction: str, policy: Policy, *, 
         sink = (lambda event: on_event(index, event)) if on_event else None
         trajectory = solve(sandbox, instruction, policy, planner=planner, test_command=test_command,
                            budgets=budgets, tool_config=tool_config, on_event=sink, on_loop=keep,
-                           task_id=f"attempt-{index}")
+                           task_id=f"attempt-{index}", prompt=prompt)
         trajectory.metadata["attempt"] = index
         try:
             diff = workspace.diff(sandbox)

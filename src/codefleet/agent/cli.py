@@ -43,9 +43,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "Lines typed on stdin while it runs are sent to the agent as corrections.")
     run.add_argument("--repo", default=".", help="the repository to work on (default: .)")
     run.add_argument("--task", required=True, help="what to do, in words")
-    run.add_argument("--model", required=True, help="OpenAI-compatible base URL, e.g. http://localhost:8000/v1")
+    run.add_argument("--model", required=True, help="OpenAI-compatible base URL, e.g. http://localhost:8000/v1, or "
+                     "local:CHECKPOINT_DIR for codefleet's own engine in this process")
     run.add_argument("--model-name", default="", help="model name (default: the first one the endpoint lists)")
-    run.add_argument("--planner", default=None, help="base URL of a planner model that writes a plan first")
+    run.add_argument("--planner", default=None, help="base URL (or local:CHECKPOINT_DIR) of a planner model that "
+                     "writes a plan first")
     run.add_argument("--planner-model-name", default="", help="the planner's model name")
     run.add_argument("--attempts", type=int, default=1, help="parallel attempts in forked sandboxes (default 1)")
     run.add_argument("--test-command", default="", help="visible test command; picks the best attempt")
@@ -57,6 +59,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--timeout-s", type=float, default=300.0, help="per model request (default 300)")
     run.add_argument("--max-retries", type=int, default=3, help="retries of a failed model request (default 3)")
     run.add_argument("--backend", choices=["auto", "namespace", "local"], default=None, help="sandbox backend")
+    run.add_argument("--prompt", choices=["full", "bare"], default=None,
+                     help="'full' sends the system prompt and tool schemas; 'bare' the task alone, for a policy "
+                     "trained without them (default: full, or for --model local:RUN/checkpoints/NAME the "
+                     "training run's model.prompt)")
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a SandboxConfig field")
     run.set_defaults(func=run_command)
 
@@ -127,6 +133,16 @@ def _interactive(stream: TextIO | None) -> bool:
     return stream.isatty() or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
 
 
+def _trained_prompt(model: str) -> str:
+    """The prompt style a `local:CHECKPOINT` policy was trained on; "full" for a server, which renders requests
+    in its checkpoint's style itself (`codefleet serve`)."""
+    if not model.startswith("local:"):
+        return "full"
+    from codefleet.fleet.run_dir import trained_prompt
+
+    return trained_prompt(model.partition(":")[2])
+
+
 def _attempt_summary(a: Attempt) -> dict:
     t = a.trajectory
     return {"attempt": a.index, "stop_reason": t.stop_reason, "turns": t.n_turns, "tool_calls": t.n_tool_calls,
@@ -162,11 +178,16 @@ def run_command(args: argparse.Namespace, stdin: TextIO | None = None, out: Text
     try:
         overrides = list(args.set or []) + ([f"backend={args.backend}"] if args.backend else [])
         sandbox_config = load_config(SandboxConfig, None, overrides)
-        options = {"timeout_s": args.timeout_s, "max_retries": args.max_retries,
-                   "deadline": time.monotonic() + budgets.wall_clock_s}  # no request outlasts the wall clock
-        policy = build_policy(args.model, args.model_name, **options)
-        planner = build_policy(args.planner, args.planner_model_name, **options) if args.planner else None
-    except (ConfigError, ValueError, NotImplementedError) as e:
+        http = {"timeout_s": args.timeout_s, "max_retries": args.max_retries,
+                "deadline": time.monotonic() + budgets.wall_clock_s}  # no request outlasts the wall clock
+
+        def policy_for(spec: str, model_name: str):  # the HTTP options mean nothing to an in-process engine
+            return build_policy(spec, model_name, **({} if spec == "local" or spec.startswith("local:") else http))
+
+        policy = policy_for(args.model, args.model_name)
+        prompt = args.prompt or _trained_prompt(args.model)
+        planner = policy_for(args.planner, args.planner_model_name) if args.planner else None
+    except (ConfigError, ValueError, NotImplementedError, OSError) as e:
         print(f"codefleet agent run: {e}", file=err)
         return 2
     corrections = Corrections()
@@ -181,6 +202,9 @@ def run_command(args: argparse.Namespace, stdin: TextIO | None = None, out: Text
         stopping.set()
 
     try:
+        if prompt == "bare":
+            print("codefleet agent run: bare prompt: the model sees the task alone, without the system prompt and "
+                  "tool schemas, as it was trained", file=err)
         base = create_sandbox(args.repo, sandbox_config)
         sandboxes.append(base)
         for nested in workspace.snapshot(base):
@@ -191,7 +215,7 @@ def run_command(args: argparse.Namespace, stdin: TextIO | None = None, out: Text
         attempts = run_attempts(sandboxes[:args.attempts], args.task, policy, planner=planner,
                                 test_command=args.test_command, budgets=budgets,
                                 on_event=_progress(args.attempts, err), on_loop=corrections.add_loop,
-                                on_interrupt=stop)
+                                on_interrupt=stop, prompt=prompt)
     except (SandboxError, workspace.WorkspaceDiffError, FileNotFoundError) as e:
         print(f"codefleet agent run: {e}", file=err)
         return 2
@@ -201,6 +225,10 @@ def run_command(args: argparse.Namespace, stdin: TextIO | None = None, out: Text
     finally:
         for sb in sandboxes:
             sb.close()
+        for p in (policy, planner):
+            engine = getattr(p, "engine", None)  # a local:CHECKPOINT policy's engine thread
+            if engine is not None:
+                engine.close()
     best = best_attempt(attempts)
     result = {**_attempt_summary(best), "best_attempt": best.index, "applied": False,
               "attempts": [_attempt_summary(a) for a in attempts]}

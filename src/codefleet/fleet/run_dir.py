@@ -43,6 +43,21 @@ def log(message: str) -> None:
     print(f"[codefleet train] {message}", file=sys.stderr, flush=True)
 
 
+def trained_prompt(checkpoint: str) -> str:
+    """The prompt style (`model.prompt`) of the run a checkpoint belongs to (RUN/checkpoints/NAME), else "full".
+
+    A policy sees conversations the way it was trained to: `codefleet eval` runs its episodes in that style and
+    `codefleet serve` renders every request in it."""
+    import yaml
+
+    saved = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(checkpoint))), "config.yaml")
+    try:
+        with open(saved) as f:
+            return str((yaml.safe_load(f) or {}).get("model", {}).get("prompt", "full"))
+    except (OSError, yaml.YAMLError, AttributeError):
+        return "full"
+
+
 def atomic_write(path: str, data: bytes) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")

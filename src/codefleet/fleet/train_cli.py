@@ -7,8 +7,6 @@ import json
 import os
 import sys
 
-import yaml
-
 
 def register(subparsers) -> None:
     train = subparsers.add_parser(
@@ -80,19 +78,10 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_prompt(checkpoint: str) -> str:
-    """The model.prompt of the training run a checkpoint belongs to (RUN/checkpoints/NAME), else "full"."""
-    saved = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(checkpoint))), "config.yaml")
-    try:
-        with open(saved) as f:
-            return str((yaml.safe_load(f) or {}).get("model", {}).get("prompt", "full"))
-    except (OSError, yaml.YAMLError, AttributeError):
-        return "full"
-
-
 def _eval(args: argparse.Namespace) -> int:
     from codefleet.agent.episode import EpisodeConfig
     from codefleet.fleet.evaluate import EvalConfig, evaluate, report_json
+    from codefleet.fleet.run_dir import trained_prompt
     from codefleet.model import checkpoint
     from codefleet.tasks.spec import load_tasks
     from codefleet.types import Budgets
@@ -137,7 +126,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     episode = EpisodeConfig(budgets=Budgets(max_turns=args.max_turns, max_tool_calls=4 * args.max_turns,
                                             wall_clock_s=args.wall_clock),
-                            prompt=args.prompt or _run_prompt(args.checkpoint))
+                            prompt=args.prompt or trained_prompt(args.checkpoint))
     report, _ = evaluate(args.checkpoint, tasks, EvalConfig(attempts=args.attempts, temperature=args.temperature,
                                                             max_tokens=args.max_tokens, jobs=args.jobs,
                                                             exact_tokens=args.exact_tokens),

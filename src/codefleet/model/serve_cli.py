@@ -2,6 +2,10 @@
 
     codefleet serve --checkpoint runs/ckpt --port 8000
     codefleet agent run --model http://127.0.0.1:8000/v1 ...   # any OpenAI client works too
+
+A checkpoint of a `codefleet train` run (RUN/checkpoints/NAME) is served in the
+prompt style it was trained on (`model.prompt`; `--prompt` overrides it), so
+`codefleet agent run` on it sees the policy its run evaluated.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ def register(subparsers) -> None:
     serve.add_argument("--max-seq-len", type=int, default=None, help="context per sequence, prompt + completion "
                        "(default: the model's)")
     serve.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    serve.add_argument("--prompt", choices=("full", "bare"), default=None,
+                       help="how requests are rendered: 'bare' leaves out system messages and tool schemas, for a "
+                       "policy trained without them (default: the checkpoint's training run's model.prompt, else full)")
     serve.set_defaults(func=run)
 
 
@@ -39,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
     import torch
 
+    from codefleet.fleet.run_dir import trained_prompt
     from codefleet.model.engine import load_engine
     from codefleet.model.server import run_server
 
@@ -51,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
     try:
-        run_server(engine, engine.tokenizer, args.host, args.port, name)
+        run_server(engine, engine.tokenizer, args.host, args.port, name, args.prompt or trained_prompt(args.checkpoint))
     except OSError as e:
         print(f"codefleet serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2

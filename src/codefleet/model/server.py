@@ -24,6 +24,13 @@ A client that disconnects cancels its request in the engine: the server runs
 with aiohttp's `handler_cancellation`, so a handler still waiting on the
 engine is cancelled with its connection.
 
+A checkpoint trained on the bare prompt (`codefleet train`'s `model.prompt=bare`, the
+default there) never saw a system prompt or tool schemas; served with
+`prompt="bare"`, every request is rendered the way it was trained: system
+messages and tool schemas are left out of the prompt (tool calls are still
+parsed and returned), so a client that sends the full prompt, such as
+`codefleet agent run`, gets the policy it trained.
+
 A field sent as `null` counts as not sent (OpenAI clients do that), and a
 `developer` message is a `system` message. Bad requests (invalid JSON,
 missing or malformed fields, an unknown model, a prompt longer than the
@@ -80,7 +87,8 @@ class ChatRequest:
     logprobs: bool
 
 
-def parse_request(body: object, engine: Engine, tokenizer, model_name: str, default_max_tokens: int) -> ChatRequest:
+def parse_request(body: object, engine: Engine, tokenizer, model_name: str, default_max_tokens: int,
+                  prompt: str = "full") -> ChatRequest:
     """Validate an OpenAI chat-completions body; raises RequestError naming the bad field."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object with \"model\" and \"messages\"")
@@ -148,16 +156,22 @@ def parse_request(body: object, engine: Engine, tokenizer, model_name: str, defa
     if stream is not None and not isinstance(stream, bool):
         raise RequestError("\"stream\" must be true or false", param="stream", code="invalid_type")
     stream_options = body.get("stream_options") or {}
+    shown, shown_tools = messages, tools
+    if prompt == "bare":  # the policy was trained on the conversation alone (module docstring)
+        shown, shown_tools = [m for m in messages if m["role"] != "system"], None
+        if not shown:
+            raise RequestError("this model was trained without system prompts and sees none; send the task as a "
+                               "user message", param="messages", code="invalid_value")
     try:
-        prompt = chat.encode_chat(tokenizer, messages, tools)
+        ids = chat.encode_chat(tokenizer, shown, shown_tools)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise RequestError(f"the messages could not be rendered: {e}", param="messages", code="invalid_value") from None
-    room = engine.max_seq_len - len(prompt)
+    room = engine.max_seq_len - len(ids)
     if room < 1:
-        raise RequestError(f"the prompt has {len(prompt)} tokens but this model's context is {engine.max_seq_len} "
+        raise RequestError(f"the prompt has {len(ids)} tokens but this model's context is {engine.max_seq_len} "
                            "tokens; shorten the messages", param="messages", code="context_length_exceeded")
     params.max_tokens = min(params.max_tokens, room)
-    return ChatRequest(prompt, params, tools, bool(stream), bool(isinstance(stream_options, dict)
+    return ChatRequest(ids, params, tools, bool(stream), bool(isinstance(stream_options, dict)
                                                            and stream_options.get("include_usage")),
                        bool(body.get("logprobs")))
 
@@ -207,9 +221,12 @@ def _token_logprob(tokenizer, token: int, logprob: float) -> dict:
 class ChatServer:
     """The aiohttp application over one engine."""
 
-    def __init__(self, engine: Engine, tokenizer, model_name: str = "codefleet", default_max_tokens: int = 1024):
+    def __init__(self, engine: Engine, tokenizer, model_name: str = "codefleet", default_max_tokens: int = 1024,
+                 prompt: str = "full"):
+        from codefleet.agent.prompts import check_prompt
+
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
-        self.default_max_tokens = default_max_tokens
+        self.default_max_tokens, self.prompt = default_max_tokens, check_prompt(prompt)
         self.created = int(time.time())
         self.app = web.Application(middlewares=[self._errors], client_max_size=64 * 1024 * 1024)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -260,7 +277,8 @@ class ChatServer:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise RequestError(f"the request body is not valid JSON ({e}); send a JSON object with \"model\" and "
                                "\"messages\"", code="invalid_json") from None
-        req = parse_request(body, self.engine, self.tokenizer, self.model_name, self.default_max_tokens)
+        req = parse_request(body, self.engine, self.tokenizer, self.model_name, self.default_max_tokens,
+                            self.prompt)
         completion_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         if req.stream:
@@ -370,8 +388,8 @@ class ServerThread:
     """
 
     def __init__(self, engine: Engine, tokenizer, host: str = "127.0.0.1", port: int = 0,
-                 model_name: str = "codefleet", default_max_tokens: int = 1024):
-        self.server = ChatServer(engine, tokenizer, model_name, default_max_tokens)
+                 model_name: str = "codefleet", default_max_tokens: int = 1024, prompt: str = "full"):
+        self.server = ChatServer(engine, tokenizer, model_name, default_max_tokens, prompt)
         self.host, self.port = host, port
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
@@ -423,10 +441,11 @@ class ServerThread:
         self.stop()
 
 
-def run_server(engine: Engine, tokenizer, host: str, port: int, model_name: str) -> None:
+def run_server(engine: Engine, tokenizer, host: str, port: int, model_name: str, prompt: str = "full") -> None:
     """Serve until interrupted (the `codefleet serve` command)."""
-    server = ChatServer(engine, tokenizer, model_name)
+    server = ChatServer(engine, tokenizer, model_name, prompt=prompt)
+    shown = "; bare prompt: system messages and tool schemas are not rendered" if prompt == "bare" else ""
     print(f"codefleet serve: {model_name} on http://{host}:{port}/v1 (max batch {engine.max_batch}, context "
-          f"{engine.max_seq_len} tokens)", flush=True)
+          f"{engine.max_seq_len} tokens{shown})", flush=True)
     # handler_cancellation: a client that disconnects cancels its handler, which cancels its engine request
     web.run_app(server.app, host=host, port=port, print=None, access_log=None, handler_cancellation=True)
