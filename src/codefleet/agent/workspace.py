@@ -6,8 +6,9 @@ and apply what changed, `snapshot()` records the workspace as a git tree in a
 private git directory inside the workspace (`.codefleet/git`, never the
 user's own `.git`, which may not exist or may point outside the sandbox) and
 `diff()` compares the workspace with it: new, deleted and binary files
-included, files the repository's .gitignore (or .git/info/exclude) ignores
-left out — unless the user's own git tracks them. Directories that are git repositories of their
+included; files the repository's .gitignore (or .git/info/exclude) ignores
+and Python's bytecode caches (`__pycache__/`, which running the tests
+writes) left out — unless the user's own git tracks them. Directories that are git repositories of their
 own (submodules, vendored clones) appear as one entry whose inside is not
 compared; `snapshot()` names them so the CLI can warn. The diff is read back
 from a file as bytes, so it is never cut and bytes that are not UTF-8 survive
@@ -54,7 +55,7 @@ def snapshot(sandbox: Sandbox) -> list[str]:
 mkdir -p {PRIVATE_DIR}
 git init -q --template=
 mkdir -p "$GIT_DIR/info"
-printf '/{PRIVATE_DIR}/\\n' > "$GIT_DIR/info/exclude"
+printf '/{PRIVATE_DIR}/\\n{_BYTECODE}' > "$GIT_DIR/info/exclude"
 if [ -f .git/info/exclude ]; then cat .git/info/exclude >> "$GIT_DIR/info/exclude"; fi  # the user's own ignores
 {_ADD_ALL}
 {_ADD_TRACKED_IGNORED}
@@ -64,6 +65,12 @@ git write-tree > "$GIT_DIR/codefleet-base"
 }} > "$GIT_DIR/nested"
 """)
     return sorted(set(filter(None, _git(sandbox, 'cat "$GIT_DIR/nested"').split("\0"))))
+
+
+# Python's bytecode caches, which running the tests writes, are never part of a change (unless the user's git
+# tracks them: `_ADD_TRACKED_IGNORED`).
+_BYTECODE_PATTERNS = ("__pycache__/", "*.py[cod]")
+_BYTECODE = "".join(f"{pattern}\\n" for pattern in _BYTECODE_PATTERNS)
 
 
 # `--ignore-errors`: a file git cannot add (unreadable, or a nested repository without a commit) is left
@@ -78,7 +85,8 @@ _ADD_ALL = """LC_ALL=C git add -A --ignore-errors 2>"$GIT_DIR/add-errors" || tru
 _ADD_TRACKED_IGNORED = """
 if [ -e .git ]; then
   (unset GIT_DIR GIT_WORK_TREE GIT_INDEX_FILE
-   command git -c safe.directory='*' ls-files -z --cached --ignored --exclude-standard 2>/dev/null || true) |
+   command git -c safe.directory='*' ls-files -z --cached --ignored --exclude-standard \\
+     """ + " ".join(f"--exclude='{pattern}'" for pattern in _BYTECODE_PATTERNS) + """ 2>/dev/null || true) |
     while IFS= read -r -d '' path; do
       if [ -e "$path" ] || [ -L "$path" ]; then printf '%s\\0' "$path"; fi
     done > "$GIT_DIR/tracked-ignored"
