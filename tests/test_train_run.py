@@ -68,6 +68,7 @@ def test_train_survives_sigkill_and_resumes_without_losing_or_repeating_rollouts
                           timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resuming at step" in done.stderr
+    assert f"--model local:{os.path.abspath(run)}/checkpoints/rl-step-000005" in done.stderr  # how to run it
     assert "task families (attempts, success estimate)" in done.stderr  # the curriculum, fed again on resume
     trained = _trained(run)
     assert sorted(trained) == [1, 2, 3, 4, 5]

@@ -75,6 +75,9 @@ def _train(args: argparse.Namespace) -> int:
     print(f"\nheld-out tasks ({summary['run_dir']}/tasks/eval), run wall clock {summary['wall_s']:.0f} s:")
     print(results_table(summary["results"]))
     print(json.dumps(summary["results"], sort_keys=True))
+    if best := (summary["results"].get("rl") or summary["results"].get("sft") or {}).get("checkpoint"):
+        print(f"\nrun the policy on a repository: codefleet agent run --repo DIR --task TEXT --model local:{best}\n"
+              f"or serve it: codefleet serve --checkpoint {best} --port 8000", file=sys.stderr)
     return 0
 
 
