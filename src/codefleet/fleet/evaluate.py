@@ -19,6 +19,9 @@ Every attempt is a scored trajectory; the figures are:
 
 `codefleet eval --checkpoint DIR --tasks DIR [--attempts N]` prints the table
 and the JSON (and writes the trajectories to a rollout store with `--out`).
+`codefleet eval --model URL` (`evaluate_endpoint`) evaluates any model behind an
+OpenAI-compatible endpoint on the same tasks, the same way, for a baseline to
+hold a trained policy against.
 """
 
 from __future__ import annotations
@@ -122,7 +125,6 @@ def evaluate(checkpoint: str, tasks: list[Task], config: EvalConfig | None = Non
     """Run every task `attempts` times with the checkpoint; the report and the trajectories by task id."""
     import torch
 
-    from codefleet.agent.attempts import run_task_attempts
     from codefleet.agent.clients.local_engine import LocalEnginePolicy
     from codefleet.model.engine import load_engine
 
@@ -135,19 +137,48 @@ def evaluate(checkpoint: str, tasks: list[Task], config: EvalConfig | None = Non
     try:
         policy = LocalEnginePolicy(engine=engine, max_tokens=config.max_tokens, temperature=config.temperature,
                                    seed=0, name=f"local:{checkpoint}")
-
-        def one(task: Task) -> list[Trajectory]:
-            trajectories = run_task_attempts(task, policy, config.attempts, sandbox_config, config=episode_config,
-                                             exact_tokens=config.exact_tokens)
-            if on_task:
-                on_task(task, trajectories)
-            return trajectories
-
-        with ThreadPoolExecutor(max_workers=config.jobs, thread_name_prefix="eval") as pool:
-            results = dict(zip([t.id for t in tasks], pool.map(one, tasks)))
+        return evaluate_policy(policy, checkpoint, tasks, config, sandbox_config, episode_config, on_task, started)
     finally:
         engine.close()
-    return summarize(checkpoint, results, config.attempts, time.perf_counter() - started), results
+
+
+def evaluate_endpoint(base_url: str, tasks: list[Task], config: EvalConfig | None = None, model: str = "",
+                      sandbox_config=None, episode_config=None,
+                      on_task=None) -> tuple[EvalReport, dict[str, list[Trajectory]]]:
+    """The same evaluation of a model behind an OpenAI-compatible endpoint (vLLM, SGLang, `codefleet serve`,
+    ...): each turn is one chat request, so `exact_tokens` does not apply."""
+    from codefleet.agent.clients import OpenAIConfig, OpenAIPolicy
+
+    config = config or EvalConfig()
+    if config.exact_tokens:
+        raise ValueError("exact tokens need codefleet's own engine in process; evaluate a checkpoint for that, "
+                         "an endpoint sees the conversation rendered again each turn")
+    if not tasks:
+        raise ValueError("no tasks to evaluate: give a directory made by `codefleet tasks generate`")
+    policy = OpenAIPolicy(OpenAIConfig(base_url=base_url, model=model, temperature=config.temperature,
+                                       max_tokens=config.max_tokens))
+    label = policy.model_name()  # fails here, in one sentence (PolicyError), if the endpoint cannot be reached
+    return evaluate_policy(policy, label, tasks, config, sandbox_config, episode_config, on_task)
+
+
+def evaluate_policy(policy, label: str, tasks: list[Task], config: EvalConfig, sandbox_config=None,
+                    episode_config=None, on_task=None,
+                    started: float | None = None) -> tuple[EvalReport, dict[str, list[Trajectory]]]:
+    """`jobs` tasks at once, `attempts` forked attempts each, with `policy`; the report is labelled `label`."""
+    from codefleet.agent.attempts import run_task_attempts
+
+    started = time.perf_counter() if started is None else started
+
+    def one(task: Task) -> list[Trajectory]:
+        trajectories = run_task_attempts(task, policy, config.attempts, sandbox_config, config=episode_config,
+                                         exact_tokens=config.exact_tokens)
+        if on_task:
+            on_task(task, trajectories)
+        return trajectories
+
+    with ThreadPoolExecutor(max_workers=config.jobs, thread_name_prefix="eval") as pool:
+        results = dict(zip([t.id for t in tasks], pool.map(one, tasks)))
+    return summarize(label, results, config.attempts, time.perf_counter() - started), results
 
 
 def report_json(report: EvalReport) -> str:

@@ -21,10 +21,16 @@ def register(subparsers) -> None:
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     train.set_defaults(func=_train)
 
-    ev = subparsers.add_parser("eval", help="evaluate a checkpoint on a task directory",
+    ev = subparsers.add_parser("eval", help="evaluate a checkpoint or an OpenAI-compatible model on a task directory",
                                description="Success, turns, tool calls, tool calls per turn and wall clock per task "
-                               "of CHECKPOINT on the tasks in DIR (greedy decoding).")
-    ev.add_argument("--checkpoint", required=True, help="checkpoint directory")
+                               "of CHECKPOINT, or of the model behind --model URL, on the tasks in DIR (greedy "
+                               "decoding by default).")
+    policy = ev.add_mutually_exclusive_group(required=True)
+    policy.add_argument("--checkpoint", help="checkpoint directory, run by codefleet's engine in this process")
+    policy.add_argument("--model", metavar="URL", help="an OpenAI-compatible base URL (vLLM, SGLang, codefleet "
+                        "serve, ...), e.g. http://localhost:8000/v1")
+    ev.add_argument("--model-name", default="", help="with --model: the model to ask for (default: the first one "
+                    "the endpoint lists)")
     ev.add_argument("--tasks", required=True, help="task directory (codefleet tasks generate)")
     ev.add_argument("--attempts", type=int, default=1)
     ev.add_argument("--jobs", type=int, default=4, help="tasks at once")
@@ -39,7 +45,8 @@ def register(subparsers) -> None:
     ev.add_argument("--prompt", choices=("full", "bare"), default=None,  # agent.prompts.PROMPTS, not imported here:
                     # the CLI starts without loading the agent package
                     help="what the policy is shown (agent.prompts); default: the model.prompt of the run the "
-                         "checkpoint belongs to (RUN/checkpoints/NAME), else full")
+                         "checkpoint belongs to (RUN/checkpoints/NAME), else full (with --model: full; codefleet "
+                         "serve renders it in its checkpoint's style)")
     ev.add_argument("--out", default=None, help="also write the trajectories to a rollout store in this directory")
     ev.add_argument("--json", action="store_true", help="print only the JSON summary")
     ev.set_defaults(func=_eval)
@@ -83,14 +90,23 @@ def _train(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from codefleet.agent.episode import EpisodeConfig
-    from codefleet.fleet.evaluate import EvalConfig, evaluate, report_json
+    from codefleet.agent.policy import PolicyError
+    from codefleet.fleet.evaluate import EvalConfig, evaluate, evaluate_endpoint, report_json
     from codefleet.fleet.run_dir import trained_prompt
     from codefleet.model import checkpoint
     from codefleet.tasks.spec import load_tasks
     from codefleet.types import Budgets
 
+    if args.model and not args.model.startswith(("http://", "https://")):
+        print(f"codefleet eval: --model {args.model!r} is not a URL; give an OpenAI-compatible base URL such as "
+              "http://localhost:8000/v1, or a checkpoint directory with --checkpoint", file=sys.stderr)
+        return 2
+    if args.model and args.exact_tokens:
+        print("codefleet eval: --exact-tokens needs codefleet's own engine in process; use it with --checkpoint",
+              file=sys.stderr)
+        return 2
     for path, what in ((args.checkpoint, "--checkpoint"), (args.tasks, "--tasks")):
-        if not os.path.isdir(path):
+        if path is not None and not os.path.isdir(path):
             print(f"codefleet eval: {what} {path!r} is not a directory", file=sys.stderr)
             return 2
     bad = [f"{flag} {value}" for flag, value, ok in (
@@ -103,7 +119,8 @@ def _eval(args: argparse.Namespace) -> int:
               f"at least 0", file=sys.stderr)
         return 2
     try:
-        checkpoint.check(args.checkpoint)
+        if args.checkpoint:
+            checkpoint.check(args.checkpoint)
     except (OSError, ValueError) as e:
         print(f"codefleet eval: --checkpoint {args.checkpoint} cannot be evaluated: {e}", file=sys.stderr)
         return 2
@@ -121,7 +138,7 @@ def _eval(args: argparse.Namespace) -> int:
         from codefleet.analysis.store import RolloutWriter, rollout_record
 
         writer = RolloutWriter(os.path.join(args.out, "rollouts"))
-        run_name = os.path.basename(os.path.abspath(args.checkpoint))
+        run_name = os.path.basename(os.path.abspath(args.checkpoint)) if args.checkpoint else args.model_name or "model"
 
         def on_task(task, trajectories):
             writer.append([rollout_record(t, run=run_name, step=0, group=0, attempt=i, split="eval")
@@ -129,11 +146,18 @@ def _eval(args: argparse.Namespace) -> int:
 
     episode = EpisodeConfig(budgets=Budgets(max_turns=args.max_turns, max_tool_calls=4 * args.max_turns,
                                             wall_clock_s=args.wall_clock),
-                            prompt=args.prompt or trained_prompt(args.checkpoint))
-    report, _ = evaluate(args.checkpoint, tasks, EvalConfig(attempts=args.attempts, temperature=args.temperature,
-                                                            max_tokens=args.max_tokens, jobs=args.jobs,
-                                                            exact_tokens=args.exact_tokens),
-                         episode_config=episode, on_task=on_task)
+                            prompt=args.prompt or (trained_prompt(args.checkpoint) if args.checkpoint else "full"))
+    config = EvalConfig(attempts=args.attempts, temperature=args.temperature, max_tokens=args.max_tokens,
+                        jobs=args.jobs, exact_tokens=args.exact_tokens)
+    try:
+        if args.model:
+            report, _ = evaluate_endpoint(args.model, tasks, config, args.model_name, episode_config=episode,
+                                          on_task=on_task)
+        else:
+            report, _ = evaluate(args.checkpoint, tasks, config, episode_config=episode, on_task=on_task)
+    except PolicyError as e:
+        print(f"codefleet eval: {e}", file=sys.stderr)
+        return 2
     if not args.json:
         print(report.table())
     elif warning := report.clock_warning():
