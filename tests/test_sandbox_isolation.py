@@ -215,3 +215,30 @@ def test_seccomp_denies_kernel_keyrings_and_host_kernel_state(make_sandbox):
     assert "keyring" not in masked and "done" in masked
     # The filter leaves ordinary work alone: processes, files, pipes.
     assert sb.exec("echo hi | tr a-z A-Z > out.txt && cat out.txt").output == "HI\n"
+
+
+def test_the_sandboxs_pid_1_does_not_hold_the_host_environment(make_sandbox, monkeypatch):
+    """bwrap's own environment stays readable in /proc/1/environ (--clearenv clears only the
+    command's): host secrets such as API keys must not be in it."""
+    secret = "codefleet-secret-" + secrets.token_hex(6)
+    monkeypatch.setenv("CODEFLEET_TEST_API_KEY", secret)
+    sb = make_sandbox()
+    seen = run_ok(sb, "cat /proc/1/environ /proc/self/environ | tr '\\0' '\\n'; cat /proc/[0-9]*/environ "
+                      "2>/dev/null | tr '\\0' '\\n'")
+    assert secret not in seen and "CODEFLEET_TEST_API_KEY" not in seen, seen
+    assert "PATH=" in seen
+
+
+def test_dev_is_read_only_and_dev_shm_is_bounded_like_tmp(make_sandbox):
+    """/dev is bwrap's tmpfs, as large as half the host's memory: nothing may be written there
+    but /dev/shm, a tmpfs of tmp_mb like /tmp (or a memory hog lands outside every limit that
+    is not a cgroup)."""
+    sb = make_sandbox(tmp_mb=64)
+    probe = "codefleet-probe-" + secrets.token_hex(4)
+    out = sb.exec(f"touch /dev/{probe} && echo WROTE; mkdir /dev/{probe}d && echo WROTE", timeout_s=20).output
+    assert "WROTE" not in out and "Read-only file system" in out, out
+    shm_kb = int(run_ok(sb, "df -k --output=size /dev/shm | tail -1"))
+    assert 0 < shm_kb <= 64 * 1024, f"/dev/shm is {shm_kb} KiB"
+    full = sb.exec("head -c 100M /dev/zero > /dev/shm/big", timeout_s=20)
+    assert full.exit_code != 0 and "No space left on device" in full.output, full.output
+    assert run_ok(sb, "rm /dev/shm/big; echo ok > /dev/shm/x; cat /dev/shm/x; echo hi > /dev/null") == "ok\n"

@@ -55,7 +55,7 @@ class SandboxConfig:
     cpu_cores: float = 1.0  # CPU bandwidth (cgroup quota)
     cpu_time_s: int = 3600  # CPU seconds per process (RLIMIT_CPU)
     workspace_mb: int = 2048  # room for changes to the workspace
-    tmp_mb: int = 512  # size of the private /tmp (and /var/tmp); counts against memory_mb
+    tmp_mb: int = 512  # size of the private /tmp (and of /var/tmp and /dev/shm); counts against memory_mb
     max_file_mb: int = 1024  # largest single file a command may write
     ro_binds: list[str] = field(default_factory=list)  # extra host paths, read-only
     env: dict[str, str] = field(default_factory=dict)

@@ -10,10 +10,10 @@ The host filesystem is visible read-only and only in part: /usr (and the
 /bin, /lib... links into it), /etc with every file that is not
 world-readable masked, and the paths in `ro_binds`. /root, /home, the host
 /tmp and the state directory (other sandboxes' workspaces) are simply not
-there. /tmp is a private tmpfs; /workspace is the overlay (layers.py). The
-root holding these mount points is bwrap's tmpfs, remounted read-only: the
-workspace, /tmp, /var/tmp and /dev/shm are the only places a command can
-write.
+there. /tmp, /var/tmp and /dev/shm are private tmpfs of `tmp_mb` each;
+/workspace is the overlay (layers.py). The root holding these mount points
+and /dev are bwrap's tmpfs, remounted read-only: the workspace, /tmp,
+/var/tmp and /dev/shm are the only places a command can write.
 
 bwrap's own PID 1 reaps zombies; its death takes the whole PID namespace
 with it. bwrap is started with --die-with-parent from the spawner thread
@@ -143,7 +143,10 @@ def _host_args(config: SandboxConfig, owner: Owner) -> list[str]:
                  "/proc/latency_stats"):
         if os.path.exists(path):
             args += ["--ro-bind", "/dev/null", path]
-    args += ["--dev", "/dev", "--size", str(config.tmp_mb << 20), "--tmpfs", "/tmp",
+    # /dev is bwrap's own tmpfs, unbounded: it is made read-only last (in __init__), and /dev/shm, the
+    # one place there a program may write, is a tmpfs of its own, sized like /tmp.
+    args += ["--dev", "/dev", "--size", str(config.tmp_mb << 20), "--tmpfs", "/dev/shm",
+             "--size", str(config.tmp_mb << 20), "--tmpfs", "/tmp",
              "--size", str(config.tmp_mb << 20), "--tmpfs", "/var/tmp",
              "--clearenv", "--setenv", "PATH", _PATH, "--setenv", "HOME", "/tmp", "--setenv", "USER", "agent",
              "--setenv", "LOGNAME", "agent", "--setenv", "TERM", "dumb", "--setenv", "LANG", "C.UTF-8",
@@ -193,9 +196,9 @@ class NamespaceSandbox(ShellSandbox):
             self.workspace.mount()
             self.cgroup = self.owner.cgroups.create(sandbox_id, config.memory_mb, config.max_processes,
                                                     config.cpu_cores)
-            # Last, once every mount point in it exists: the sandbox's own root becomes read-only.
+            # Last, once every mount point in them exists: the sandbox's own root and /dev become read-only.
             self._base_args = _host_args(config, self.owner) + ["--bind", self.workspace.merged, WORKSPACE,
-                                                                 "--remount-ro", "/"]
+                                                                 "--remount-ro", "/dev", "--remount-ro", "/"]
             self._start(_replay)
         except BaseException:
             self._closed = True
@@ -223,9 +226,11 @@ class NamespaceSandbox(ShellSandbox):
             args += ["--seccomp", str(seccomp_r)]
             pass_fds.append(seccomp_r)
         try:
+            # bwrap's own environment stays the environment of the sandbox's PID 1, which any command
+            # reads in /proc/1/environ (--clearenv clears only the command's): the host's is not passed.
             proc = procs.spawner.popen(args + argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
                                        if stdin == subprocess.DEVNULL else subprocess.DEVNULL,
-                                       pass_fds=pass_fds, start_new_session=True)
+                                       pass_fds=pass_fds, start_new_session=True, env=_bwrap_env())
         finally:
             for fd in pass_fds:
                 os.close(fd)
@@ -391,6 +396,11 @@ class NamespaceSandbox(ShellSandbox):
                   "enforced_by": f"cgroup {self.cgroup.mode}" if self.cgroup else "rlimits",
                   "seccomp": "on" if seccomp.filter_bytes() is not None else "off"}
         return SandboxInfo(self.id, self.backend, WORKSPACE, self.workspace.strategy, limits, isolated=True)
+
+
+def _bwrap_env() -> dict[str, str]:
+    """The environment bwrap itself runs with: only what finds it."""
+    return {"PATH": os.environ.get("PATH", _PATH)}
 
 
 def _wait_or_kill(proc: subprocess.Popen, timeout_s: float = 2.0) -> None:
