@@ -112,6 +112,20 @@ def test_exit_reports_its_status_and_the_next_command_gets_a_fresh_shell(sandbox
     assert not sandbox.exec("true").shell_restarted
 
 
+@pytest.mark.parametrize("command", [
+    "printf() { echo fake; }", "eval() { echo evil; }", ":() { echo colon; }", "alias printf=echo",
+    "alias eval=echo", "alias '{'=echo", "exec >/dev/null", "exec 1>&-", "exec 2>&- 0<&-",
+])
+def test_the_commands_own_functions_aliases_and_redirections_leave_the_protocol_alone(sandbox, command):
+    """A command may redefine printf or eval, alias `{` or redirect the shell's own stdout for good:
+    the next command still runs, at once, in the same shell (cwd kept)."""
+    assert sandbox.exec("cd pkg").ok
+    sandbox.exec(command, timeout_s=5)
+    result = sandbox.exec("echo ping; pwd", timeout_s=5)
+    assert result.output == "ping\n/workspace/pkg\n", result.output
+    assert result.exit_code == 0 and not result.timed_out and not result.shell_restarted
+
+
 def test_a_killed_shell_is_replaced(sandbox):
     sandbox.exec("kill -9 $$")
     result = sandbox.exec("echo back")

@@ -2,16 +2,21 @@
 
 Protocol. The host writes one line per command:
 
-    : ; { eval -- '<command>'
-    } </dev/null 2>&1; printf '\\036<nonce>:<seq>:%d\\036' $?
+    \\builtin : ; \\builtin eval -- '<command>' </dev/null >/dev/stdout 2>&1; \\builtin printf '\\036<nonce>:<seq>:%d\\036' $?
 
-The brace group runs in the shell itself, so `cd`, `export` and background
-jobs persist; `2>&1` merges stderr into stdout in write order; stdin is
-/dev/null so a command can never eat the protocol. The leading `: ;` is
-there because a command that is a syntax error (`grep 'abc`, an unclosed
-`$((`) leaves interactive bash reading the next line out of command
-position: a line that began with `{` would then be a syntax error too, its
-marker would never come, and the next command would hang until its timeout.
+eval runs in the shell itself, so `cd`, `export` and background jobs
+persist; `2>&1` merges stderr into stdout in write order; stdin is
+/dev/null so a command can never eat the protocol. stdout is opened anew,
+so that bash saves it and puts it back after the command: an `exec
+>/dev/null` or `exec >&-` of the command's cannot swallow the marker.
+Every word of the line's own is a quoted `\\builtin` (or a redirection), so
+no alias or function the command defines (`printf() {...}`, `alias
+'{'=...`) can stand in for it (one named `builtin` itself can: then the
+timeout replaces the shell). The leading `: ;` is there because a command
+that is a syntax error (`grep 'abc`, an unclosed `$((`) leaves interactive
+bash reading the next line out of command position: a line that began with
+`{` would then be a syntax error too, its marker would never come, and the
+next command would hang until its timeout.
 The host reads until the marker with this command's sequence number and
 takes the exit code from it.
 
@@ -190,8 +195,8 @@ class ShellSession:
         started = time.perf_counter()
         self._seq += 1
         prefix = b"\x1e" + self._nonce + b":%d:" % self._seq
-        line = (": ; { eval -- " + shell_quote(command) + "\n} </dev/null 2>&1; printf '\\036"
-                + self._nonce.decode() + ":" + str(self._seq) + ":%d\\036' $?\n").encode()
+        line = ("\\builtin : ; \\builtin eval -- " + shell_quote(command) + " </dev/null >/dev/stdout 2>&1; "
+                "\\builtin printf '\\036" + self._nonce.decode() + ":" + str(self._seq) + ":%d\\036' $?\n").encode()
         before = self._list_procs()
         out = OutputCollector(self._limit, prefix)
         if self._pending:
@@ -295,7 +300,7 @@ class ShellSession:
         self.kill_started_since(before, signal.SIGINT)
         if self._pump(b"", out, time.perf_counter() + 0.02):
             return True
-        sync = ("printf '\\036" + self._nonce.decode() + ":" + str(self._seq) + ":124\\036'\n").encode()
+        sync = ("\\builtin printf '\\036" + self._nonce.decode() + ":" + str(self._seq) + ":124\\036'\n").encode()
         if self._pump(sync, out, time.perf_counter() + 0.2):
             return True
         give_up = time.perf_counter() + 3.0
