@@ -93,6 +93,34 @@ def test_closing_the_parent_does_not_break_children(repo, config):
         _close_all(children)
 
 
+@pytest.mark.slow
+def test_fork_copies_safely_while_the_parent_churns_its_files(sandbox, tmp_path):
+    """fork() copies the parent's changes while its processes still run: one that renames,
+    deletes and swaps directories for symlinks to host paths meanwhile must neither fail the
+    fork nor get a host file copied into the children."""
+    secret_dir = tmp_path / "host-only"
+    secret_dir.mkdir()
+    (secret_dir / "secret.txt").write_text("HOST-SECRET\n")
+    assert sandbox.exec("mkdir big && (cd big && python3 -c \"\nfor i in range(2000): open(str(i), 'w')\n\")").ok
+    sandbox.write_file("churn.py", f"""
+import os
+names = ["r%d" % i for i in range(8)]
+for n in names:
+    os.mkdir(n)
+while True:
+    for n in names:
+        os.rename(n, n + ".real"); os.symlink({str(secret_dir)!r}, n); os.unlink(n); os.rename(n + ".real", n)
+""")
+    assert sandbox.exec("python3 churn.py >/tmp/churn.log 2>&1 & sleep 0.3").ok
+    for _ in range(8):
+        (child,) = sandbox.fork(1)
+        try:
+            assert child.exec("grep -rl HOST-SECRET . ; ls -R r* 2>/dev/null | grep secret").output == ""
+        finally:
+            child.close()
+    assert sandbox.exec("kill %1").ok, sandbox.exec("cat /tmp/churn.log").output
+
+
 def test_fork_needs_a_positive_count(sandbox):
     with pytest.raises(ValueError):
         sandbox.fork(0)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import os
 import re
 import shutil
@@ -148,28 +149,47 @@ def _copy_tree(lowers: list[str], dest: str) -> None:
 
 def copy_layer(src: str, dst: str) -> None:
     """Copy an overlay upper layer exactly: whiteouts (0/0 char devices),
-    opaque-directory xattrs, modes, owners and symlinks included."""
+    opaque-directory xattrs, modes, owners and symlinks included.
+
+    The sandbox may still be running: its processes can rename, delete or swap
+    a file for a symlink while we copy. So the walk holds each directory open
+    (os.fwalk) and opens nothing by a path through a symlink: a symlink to
+    /etc planted mid-copy is copied as a symlink, never followed on the host;
+    an entry that vanishes is left out."""
     os.makedirs(dst, exist_ok=True)
     _copy_meta(src, dst, os.lstat(src))
-    for dirpath, dirnames, filenames in os.walk(src):
+    for dirpath, dirnames, filenames, dir_fd in os.fwalk(src):
         rel = os.path.relpath(dirpath, src)
         out_dir = dst if rel == "." else os.path.join(dst, rel)
+        if not os.path.isdir(out_dir):  # its parent saw it as something else
+            dirnames.clear()
+            continue
         for name in dirnames + filenames:
-            s = os.path.join(dirpath, name)
+            s = f"/proc/self/fd/{dir_fd}/{name}"  # the entry in the directory we hold, not a path to follow
             d = os.path.join(out_dir, name)
-            st = os.lstat(s)
-            if stat.S_ISDIR(st.st_mode):
-                os.mkdir(d)
-            elif stat.S_ISLNK(st.st_mode):
-                os.symlink(os.readlink(s), d)
-            elif stat.S_ISREG(st.st_mode):
-                with open(s, "rb") as fi, open(d, "wb") as fo:
-                    shutil.copyfileobj(fi, fo, 1 << 20)
-            elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) or stat.S_ISFIFO(st.st_mode):
-                os.mknod(d, st.st_mode, st.st_rdev)
-            else:
-                continue  # sockets are not part of a filesystem state
-            _copy_meta(s, d, st)
+            try:
+                st = os.lstat(name, dir_fd=dir_fd)
+                if stat.S_ISDIR(st.st_mode):
+                    os.mkdir(d)
+                elif stat.S_ISLNK(st.st_mode):
+                    os.symlink(os.readlink(name, dir_fd=dir_fd), d)
+                elif stat.S_ISREG(st.st_mode):
+                    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+                    with open(fd, "rb") as fi:
+                        if not stat.S_ISREG(os.fstat(fd).st_mode):
+                            continue  # swapped for a FIFO since it was listed: left out
+                        with open(d, "wb") as fo:
+                            shutil.copyfileobj(fi, fo, 1 << 20)
+                elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) or stat.S_ISFIFO(st.st_mode):
+                    os.mknod(d, st.st_mode, st.st_rdev)
+                else:
+                    continue  # sockets are not part of a filesystem state
+                _copy_meta(s, d, st)
+            except (FileNotFoundError, NotADirectoryError):  # renamed or deleted since it was listed
+                continue
+            except OSError as e:
+                if e.errno != errno.ELOOP:  # a file swapped for a symlink since it was listed
+                    raise
         # Directories' own metadata last would be nicer for mtimes; modes suffice.
 
 
