@@ -225,3 +225,11 @@ def test_same_second_same_size_edit_is_in_the_diff(tmp_path, config):
         assert "+X = 1 - 2" in workspace_diff(sandbox)
     finally:
         sandbox.close()
+
+
+def test_a_missing_task_directory_is_one_sentence(tmp_path, capsys):
+    missing = str(tmp_path / "nowhere")
+    assert main(["tasks", "check", missing]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (f"codefleet tasks check: task directory {missing!r} does not exist; create one with "
+                            "`codefleet tasks generate --out DIR`\n") and captured.out == ""

@@ -253,6 +253,9 @@ def save_tasks(tasks: list[Task], out_dir: str) -> list[str]:
 
 def task_paths(task_dir: str) -> list[str]:
     """Task files of a directory: from tasks.jsonl when present, else every */task.json."""
+    if not os.path.exists(task_dir):
+        raise FileNotFoundError(f"task directory {task_dir!r} does not exist; create one with "
+                                "`codefleet tasks generate --out DIR`")
     index = os.path.join(task_dir, INDEX_FILE)
     if os.path.exists(index):
         paths = []
@@ -273,7 +276,4 @@ def task_paths(task_dir: str) -> list[str]:
 
 def load_tasks(task_dir: str) -> list[Task]:
     """Every task of a task directory (or a single task.json), in index order."""
-    if not os.path.exists(task_dir):
-        raise FileNotFoundError(f"task directory {task_dir!r} does not exist; create one with "
-                                "`codefleet tasks generate --out DIR`")
     return [load_task(path) for path in task_paths(task_dir)]
