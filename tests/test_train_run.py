@@ -205,3 +205,28 @@ def test_eval_shows_a_checkpoint_its_runs_prompt_style(tmp_path):
     out = subprocess.run(_cli("train", "--out", str(tmp_path / "r4"), "model.prompt=short"), capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 2 and "model.prompt must be one of full, bare" in out.stderr
+
+
+def test_a_run_trains_and_evaluates_on_task_directories_of_your_own(tmp_path):
+    from codefleet.config import from_dict
+    from codefleet.fleet.run_dir import RunDir
+    from codefleet.fleet.train import RunError, check_config, make_tasks
+    from codefleet.fleet.train_config import TrainRunConfig
+    from codefleet.tasks.generate import generate_tasks
+
+    mine = generate_tasks(str(tmp_path / "mine"), n=3, seed=7, families=["bugfix", "rename"], split="train")
+    held = generate_tasks(str(tmp_path / "held"), n=2, seed=8, families=["stub"], split="test")
+    config = from_dict(TrainRunConfig, {"tasks": {"train_dir": str(tmp_path / "mine"),
+                                                  "eval_dir": str(tmp_path / "held"), "n_train": 50}})
+    check_config(config)
+    run = RunDir(str(tmp_path / "run"))
+    train, extra, held_out = make_tasks(run, config)
+    assert [t.id for t in train] == [t.id for t in mine] and [t.id for t in held_out] == [t.id for t in held]
+    assert extra == [] and not os.path.exists(run.path("tasks", "train"))  # nothing generated
+    (tmp_path / "empty").mkdir()
+    config.tasks.train_dir = str(tmp_path / "empty")
+    with pytest.raises(RunError, match="tasks.train_dir .* holds no tasks"):
+        make_tasks(RunDir(str(tmp_path / "run2")), config)
+    config.tasks.eval_dir = str(tmp_path / "nowhere")
+    with pytest.raises(RunError, match="tasks.eval_dir .* is not a directory"):
+        check_config(config)

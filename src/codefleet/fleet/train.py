@@ -79,6 +79,8 @@ def check_config(config: TrainRunConfig) -> None:
          "rl.max_tokens, rl.max_turns, eval.max_tokens, eval.attempts and eval.jobs must be >= 1"),
         (r.rollout_timeout_s > 0, "rl.rollout_timeout_s must be > 0"),
         (config.model.max_seq_len >= 256, "model.max_seq_len must be >= 256 (a task and one turn)"),
+        (not t.train_dir or os.path.isdir(t.train_dir), f"tasks.train_dir {t.train_dir!r} is not a directory"),
+        (not t.eval_dir or os.path.isdir(t.eval_dir), f"tasks.eval_dir {t.eval_dir!r} is not a directory"),
     ]
     bad = [message for ok, message in problems if not ok]
     if bad:
@@ -99,7 +101,15 @@ def make_tasks(run: RunDir, config: TrainRunConfig):
                                        ("rl-extra", t.n_rl_extra, "train", t.seed + 1, True),
                                        ("eval", t.n_eval, "test", t.seed, t.more_domains)):
         folder = run.path("tasks", name)
-        if not n:
+        if given := {"train": t.train_dir, "eval": t.eval_dir}.get(name):
+            try:
+                sets[name] = load_tasks(given)
+            except (OSError, ValueError) as e:
+                raise RunError(f"tasks.{name}_dir: {e}") from None
+            if not sets[name]:
+                raise RunError(f"tasks.{name}_dir {given!r} holds no tasks; make some with `codefleet tasks "
+                               "generate` or `codefleet tasks import`")
+        elif not n:
             sets[name] = []
         elif os.path.isdir(folder) and os.listdir(folder):
             sets[name] = load_tasks(folder)
@@ -149,7 +159,8 @@ def demonstrations(run: RunDir, config: TrainRunConfig, tasks, tokenizer):
     atomic_write(path, pickle.dumps(demos))
     took_s = time.perf_counter() - started
     log(f"{len(demos.examples)} expert demonstrations ({demos.tokens} tokens) in {took_s:.0f} s;"
-         f" {len(demos.unsolved)} unsolved, {len(demos.too_long)} longer than the context, dropped")
+         f" {len(demos.unsolved)} unsolved, {len(demos.too_long)} longer than the context, dropped"
+         + (f"; {len(demos.no_patch)} tasks without a reference patch (RL only)" if demos.no_patch else ""))
     return demos
 
 
@@ -161,7 +172,9 @@ def sft(run: RunDir, config: TrainRunConfig, demos, init: str, metrics: Metrics,
     if os.path.isfile(run.path("sft.done")):
         return path
     if not demos.examples:
-        raise RunError("no expert demonstration solved its task; check `codefleet tasks check` on the task set")
+        raise RunError("no expert demonstration solved its task; check `codefleet tasks check` on the task set"
+                       + (f" ({len(demos.no_patch)} of its tasks have no reference patch for the expert to replay)"
+                          if getattr(demos, "no_patch", None) else ""))
     c, cl = config.sft, config.cluster
     total_steps = c.epochs * -(-len(demos.examples) // c.batch_size)
     schedule = TrainConfig(lr=c.lr, seed=config.model.seed, warmup_steps=c.warmup_steps, decay_steps=total_steps)
@@ -314,6 +327,9 @@ def train(config: TrainRunConfig, out: str, resume: bool = False, progress: bool
             raise RunError(f"cannot make the run directory {out} ({e.strerror or e}); choose another --out") from None
     elif not os.path.isfile(saved):
         raise _nothing_to_resume(out)
+    for section, key in ((config.tasks, "train_dir"), (config.tasks, "eval_dir")):  # a resume may start elsewhere
+        if getattr(section, key):
+            setattr(section, key, os.path.abspath(getattr(section, key)))
     atomic_write(saved, yaml.safe_dump(to_dict(config), sort_keys=False).encode())  # with a resume's changes
     started = time.perf_counter()
     tokenizer = default_tokenizer()

@@ -27,6 +27,12 @@ class TasksSection:
     # tasks only RL attempts (no demonstration, seed `seed + 1`), from the training templates of all eleven
     # domains: RL practises on code SFT never showed, as the held-out tasks are
     n_rl_extra: int = 0
+    # your own tasks instead of generated ones: directories of task specs (`codefleet tasks generate`, `tasks
+    # import` of SWE-bench-style instances, or your own task.json files; docs/tasks.md). All of a directory's
+    # tasks are used and n_train / n_eval are ignored for it. The scripted expert demonstrates the training tasks
+    # that have a reference patch; RL attempts them all.
+    train_dir: str = ""
+    eval_dir: str = ""
 
 
 @dataclass

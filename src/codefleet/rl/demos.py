@@ -51,6 +51,7 @@ class Demos:
     task_ids: list[str] = field(default_factory=list)
     unsolved: list[str] = field(default_factory=list)
     too_long: list[str] = field(default_factory=list)
+    no_patch: list[str] = field(default_factory=list)  # tasks without a reference patch: RL attempts them only
     conversations: list[list[dict]] = field(default_factory=list)  # the messages of each example
     prompt: str = "full"  # the prompt style they were made with (agent.prompts): "full" encodes the tool schemas
 
@@ -72,6 +73,8 @@ def expert_demos(tasks: list[Task], tokenizer, max_seq_len: int, sandbox_config=
     from codefleet.agent.episode import EpisodeConfig, run_episode
 
     def one(task: Task):
+        if not task.reference_patch.strip():  # nothing for the expert to replay: no demonstration
+            return None
         explore = random.Random(f"{seed}:{task.id}").random() < explore_fraction
         chain = random.Random(f"{seed}:chain:{task.id}").random() < chain_fraction
         return run_episode(task, ScriptedExpert(task, explore=explore, chain_tests=chain), sandbox_config,
@@ -80,6 +83,9 @@ def expert_demos(tasks: list[Task], tokenizer, max_seq_len: int, sandbox_config=
     demos = Demos(prompt=(episode_config or EpisodeConfig()).prompt)
     with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="demo") as pool:
         for task, trajectory in zip(tasks, pool.map(one, tasks)):
+            if trajectory is None:
+                demos.no_patch.append(task.id)
+                continue
             if not (trajectory.checks and trajectory.checks.all_passed):
                 demos.unsolved.append(task.id)
                 continue
