@@ -327,9 +327,8 @@ def train(config: TrainRunConfig, out: str, resume: bool = False, progress: bool
             raise RunError(f"cannot make the run directory {out} ({e.strerror or e}); choose another --out") from None
     elif not os.path.isfile(saved):
         raise _nothing_to_resume(out)
-    for section, key in ((config.tasks, "train_dir"), (config.tasks, "eval_dir")):  # a resume may start elsewhere
-        if getattr(section, key):
-            setattr(section, key, os.path.abspath(getattr(section, key)))
+    t = config.tasks  # your task directories, absolute: a resume may start elsewhere
+    t.train_dir, t.eval_dir = (os.path.abspath(d) if d else "" for d in (t.train_dir, t.eval_dir))
     atomic_write(saved, yaml.safe_dump(to_dict(config), sort_keys=False).encode())  # with a resume's changes
     started = time.perf_counter()
     tokenizer = default_tokenizer()
