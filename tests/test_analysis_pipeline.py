@@ -13,7 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from codefleet.analysis.pipeline import AnalyzeConfig, NoRollouts, analyze
-from codefleet.analysis.store import RolloutWriter
+from codefleet.analysis.schema import SCHEMA
+from codefleet.analysis.store import RolloutWriter, read_rollouts, records_to_table
 from codefleet.analysis.synthetic import planted_category, synthetic_record, synthetic_records
 from codefleet.cli import main
 
@@ -115,6 +116,86 @@ def test_empty_or_missing_directory_says_so(tmp_path, capsys):
     assert main(["analyze", str(tmp_path), "--judge", "http://127.0.0.1:1/v1", "--rubric", "/no/rubric.md"]) == 2
     assert "/no/rubric.md" in capsys.readouterr().err
     assert not (tmp_path / "analysis").exists()
+
+
+def test_figures_equal_a_direct_computation_and_damaged_values_are_left_out(ray_session, tmp_path):
+    """Means and p50/p90 against numpy over the store; a NaN, infinite or null figure, a null tool-call list
+    and a row without a step neither crash the analysis nor count as 0."""
+    import numpy as np
+
+    store = tmp_path / "rollouts"
+    writer = RolloutWriter(str(store))
+    for chunk in synthetic_records(300, run="r", seed=4, rows_per_step=100):
+        writer.append(chunk)
+    rng = random.Random(9)
+    damaged = records_to_table([synthetic_record(rng, i, run="r", step=5) for i in range(4)]).to_pylist()
+    damaged[0]["wall_s"], damaged[1]["turns"], damaged[2]["tool_calls_per_turn"] = float("nan"), None, float("inf")
+    damaged[3]["tool_calls"], damaged[3]["step"] = None, None
+    os.makedirs(store / "run=r" / "step=5")
+    pq.write_table(pa.Table.from_pylist(damaged, schema=SCHEMA), store / "run=r" / "step=5" / "part-damaged.parquet")
+    result = analyze(str(tmp_path), AnalyzeConfig(out_dir=str(tmp_path / "out")), log=lambda m: None)
+    s = result.summary
+    rows = read_rollouts(str(store), on_problem=pytest.fail).to_pandas()
+    rows["tokens"] = rows["prompt_tokens"] + rows["completion_tokens"]
+    assert s["rollouts"] == len(rows) == 304 and result.problems == []
+    for column in ("turns", "wall_s", "tool_calls_per_turn", "tokens"):
+        values = rows[column].to_numpy(dtype=float)
+        values = values[np.isfinite(values)]
+        assert s["means"][column] == pytest.approx(values.mean()), column
+        for q in (0.5, 0.9) if column in s["quantiles"] else ():  # within 1% of the value at that rank
+            assert s["quantiles"][column][f"p{int(q * 100)}"] == pytest.approx(
+                np.quantile(values, q, method="lower"), rel=0.016), (column, q)
+    assert max(s["quantiles"]["turns"].values()) <= rows["turns"].max()
+    assert sum(s["histograms"]["wall_s"]["counts"]) == 303  # the NaN is in no bin
+    assert [r["rollouts"] for r in s["per_step"] if r["step"] is None] == [1]  # the row without a step: last
+    assert (tmp_path / "out" / "report.html").exists()
+
+
+def test_every_rollout_taking_6_turns_reads_p50_and_p90_of_6(ray_session, tmp_path):
+    rng = random.Random(2)
+    records = [synthetic_record(rng, i, run="r", step=0) for i in range(40)]
+    for r in records:
+        r["turns"] = 6
+    RolloutWriter(str(tmp_path / "rollouts")).append(records)
+    result = analyze(str(tmp_path), AnalyzeConfig(report=False), log=lambda m: None)
+    assert result.summary["quantiles"]["turns"] == {"p50": 6.0, "p90": 6.0}  # the 1-2-5 bins read 7.6 / 9.5
+
+
+def test_a_store_whose_files_hold_no_rows_says_so(tmp_path, capsys):
+    os.makedirs(tmp_path / "rollouts" / "run=r" / "step=0")
+    pq.write_table(SCHEMA.empty_table(), tmp_path / "rollouts" / "run=r" / "step=0" / "part-0.parquet")
+    assert main(["analyze", str(tmp_path)]) == 1
+    assert "its 1 Parquet file(s) hold no rows" in capsys.readouterr().err
+    assert not (tmp_path / "analysis").exists()
+
+
+def test_a_second_analysis_of_the_same_output_waits_for_the_first(ray_session, tmp_path):
+    """Two analyses writing one OUT: the second waits, then writes its own judgments only (no doubled counts)."""
+    import fcntl
+    import threading
+    import time
+
+    RolloutWriter(str(tmp_path / "rollouts")).append([synthetic_record(random.Random(1), i, run="r", step=0)
+                                                      for i in range(30)])
+    out = tmp_path / "analysis"
+    out.mkdir()
+    logged: list[str] = []
+    results = []
+    with open(out / ".analyze.lock", "a") as other:  # the first analysis, still running
+        fcntl.flock(other, fcntl.LOCK_EX)
+        thread = threading.Thread(target=lambda: results.append(
+            analyze(str(tmp_path), AnalyzeConfig(report=False), log=logged.append)))
+        thread.start()
+        deadline = time.monotonic() + 60
+        while not any("another analysis is writing" in m for m in logged) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert any(f"another analysis is writing {out}; waiting for it" in m for m in logged), logged
+        (out / "judgments.parquet").mkdir()  # the first one's judgments, half written
+        pq.write_table(read_rollouts(str(tmp_path)), out / "judgments.parquet" / "first.parquet")
+        assert thread.is_alive() and not (out / "summary.json").exists()
+    thread.join(timeout=120)
+    assert results and results[0].summary["rollouts"] == 30
+    assert pq.read_table(str(out / "judgments.parquet")).num_rows == 30
 
 
 @pytest.mark.slow

@@ -141,3 +141,13 @@ def test_rows_from_real_trajectories_categorise():
     assert out[2]["tool_errors"] == 2 and out[2]["findings"] == ["tool_errors: 2 of 3 calls failed"]
     assert out[1]["calls_per_turn"] == [2, 1] and out[1]["max_parallel_calls"] == 2
     assert out[1]["rule_score"] == 0.5 and out[0]["rule_score"] == 0.5  # half the checks; a halved win
+
+
+def test_a_null_tool_call_list_is_no_calls():
+    rng = random.Random(6)
+    rows = records_to_table([synthetic_record(rng, i, run="r", step=0) for i in range(3)]).to_pylist()
+    rows[1]["tool_calls"] = None  # a hand-written or damaged store
+    table = records_to_table(rows)
+    out = categorise(table).to_pylist()
+    assert (out[1]["tool_names"], out[1]["tool_errors"], out[1]["calls_per_turn"]) == ([], 0, [])
+    assert [len(r["tool_names"]) for r in (out[0], out[2])] == [len(rows[0]["tool_calls"]), len(rows[2]["tool_calls"])]

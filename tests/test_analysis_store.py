@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from codefleet.analysis.schema import SCHEMA, SCHEMA_VERSION
-from codefleet.analysis.store import RolloutWriter, read_rollouts, rollout_record, scan_store
+from codefleet.analysis.store import RolloutWriter, read_rollouts, records_to_table, rollout_record, scan_store
 from codefleet.types import CheckResult, ToolCall, ToolResult, Trajectory, Turn
 
 
@@ -140,3 +140,19 @@ def test_empty_store_reads_as_empty_table_and_analysis_output_is_not_rollouts(tm
     pq.write_table(pa.table({"task_id": ["t"], "reward": [1.0], "stop_reason": ["submit"]}),
                    tmp_path / "analysis" / "judgments.parquet" / "0.parquet")
     assert read_rollouts(str(tmp_path), on_problem=pytest.fail).num_rows == 0
+
+
+def test_a_file_from_a_newer_schema_version_is_read_and_named(tmp_path):
+    root = str(tmp_path)
+    table = records_to_table([rollout_record(make_trajectory(f"t{i}"), run="r", step=0, group=0, attempt=i)
+                              for i in range(3)])
+    table = table.set_column(0, "schema_version", pa.array([SCHEMA_VERSION + 1] * 3, pa.int32()))
+    os.makedirs(tmp_path / "run=r" / "step=0")
+    pq.write_table(table.append_column("reviewer", pa.array(["a", "b", "c"])),
+                   tmp_path / "run=r" / "step=0" / "part-future.parquet")
+    problems: list[str] = []
+    assert read_rollouts(root, on_problem=problems.append).num_rows == 3  # the rows are not lost
+    assert len(problems) == 1, problems  # one sentence, saying what happened and what to do
+    assert (f"part-future.parquet: written by a newer codefleet (schema version {SCHEMA_VERSION + 1}; this one "
+            f"reads up to {SCHEMA_VERSION}); read as version {SCHEMA_VERSION} (ignored unknown column(s) reviewer): "
+            "upgrade codefleet to read all of it") in problems[0]

@@ -6,7 +6,8 @@ two-level aggregation:
 
 1. `map_batches(_partials)`: each batch becomes a few partial-sum rows keyed by
    (dim, key) — dim "all", "family", "step", "family|category", "hist:<column>" (fixed
-   1-2-5 bins), "tool" (tool-use mix), "parallel" (turns that made k tool calls) — via
+   1-2-5 bins, for the plots), "sketch:<column>" (log bins 2% wide, for quantiles), "tool"
+   (tool-use mix), "parallel" (turns that made k tool calls) — via
    pyarrow's `group_by().aggregate()`, plus the batch's candidate rows for the tables
    (worst failures, suspicious wins, judge errors; JSON in `row`, sort key in `n`).
 2. The partials are summed by (dim, key): by default in the driver (`combine_partials`; a
@@ -15,9 +16,13 @@ two-level aggregation:
    The shuffle runs on aggregator actors and costs a fixed 80–130 s on a loaded 2-core
    machine even for 2,000 rollouts (measured), hence the default.
 
-Means are sums / counts; success rate = mean of `success` (1.0 for category "solved").
-p50/p90 are read off the histograms (linear within a bin, so exact to a bin's width; Ray's
-ApproximateQuantile needs `datasketches`, which codefleet does not depend on).
+Means are sums / counts of the rows that recorded the figure: a null, NaN or infinite value
+(a hand-written or damaged store) is left out of its mean, histogram and quantiles, not
+counted as 0. Success rate = mean of `success` (1.0 for category "solved").
+p50/p90 are read off the sketch: bucket k holds values in (1.02^(k-1), 1.02^k], so a quantile
+is within 1% of a value at that rank (reported to 3 significant figures); the 1-2-5
+histograms are too coarse for that (a run whose every rollout took 6 turns would read p90 = 9.4).
+Ray's ApproximateQuantile needs `datasketches`, which codefleet does not depend on.
 """
 
 from __future__ import annotations
@@ -35,9 +40,10 @@ TABLE_COLUMNS = ["run", "step", "task_id", "family", "attempt", "category", "sto
                  "checks_total", "turns", "n_tool_calls", "wall_s", "findings", "judge_score", "judge_reason",
                  "judge_error"]
 HISTOGRAMS = {"turns": 1.0, "wall_s": 0.01, "tokens": 10.0}  # column: lowest non-zero bin edge
-SUMMED = ["success", "suspicious", "turns", "tool_calls_per_turn", "wall_s", "tokens", "model_s", "tool_s",
-          "prompt_tokens", "completion_tokens", "judge_score", "judge_scored", "judge_errors"]
 MEANS = ["turns", "tool_calls_per_turn", "wall_s", "tokens", "model_s", "tool_s", "prompt_tokens", "completion_tokens"]
+COUNTS = [f"{c}_count" for c in MEANS]  # rows with a finite value of the column: the mean's denominator
+SUMMED = ["success", "suspicious", *MEANS, *COUNTS, "judge_score", "judge_scored", "judge_errors"]
+SKETCH_GAMMA = 1.02  # quantile sketch: relative bucket width
 
 
 def bin_edges(lowest: float, highest: float = 1e9) -> list[float]:
@@ -50,19 +56,55 @@ def bin_edges(lowest: float, highest: float = 1e9) -> list[float]:
 
 
 _EDGES = {column: np.array(bin_edges(lowest)) for column, lowest in HISTOGRAMS.items()}
+_SKETCH_ZERO = -(1 << 20)  # the sketch's bucket for values <= 1e-9 (negatives included)
+
+
+def _finite(column: pa.ChunkedArray) -> tuple[pa.Array, pa.Array]:
+    """(values with null/NaN/inf as 0.0, 1.0 where the value was finite else 0.0)."""
+    values = column.cast(pa.float64())
+    valid = pc.fill_null(pc.is_finite(values), False)
+    return pc.if_else(valid, values, 0.0), valid.cast(pa.float64())
+
+
+def sketch_bucket(values: np.ndarray) -> np.ndarray:
+    """The quantile sketch's bucket of each value (see the module docstring)."""
+    positive = values > 1e-9
+    buckets = np.full(len(values), _SKETCH_ZERO, np.int64)
+    buckets[positive] = np.ceil(np.log(values[positive]) / math.log(SKETCH_GAMMA) - 1e-9)
+    return buckets
+
+
+def sketch_quantile(sketch: dict[int, float], q: float) -> float | None:
+    """The q-quantile (numpy's linear rank q*(n-1)) of a sketch {bucket: count}, to 3 significant figures."""
+    total = sum(sketch.values())
+    if not total:
+        return None
+    rank, seen = q * (total - 1), 0.0
+    for bucket in sorted(sketch):
+        seen += sketch[bucket]
+        if seen > rank:
+            break
+    if bucket == _SKETCH_ZERO:
+        return 0.0
+    value = 2 * SKETCH_GAMMA ** bucket / (SKETCH_GAMMA + 1)  # relative midpoint of (gamma^(k-1), gamma^k]
+    return float(f"{value:.3g}")
 
 
 def _partials(batch: pa.Table) -> pa.Table:
     """Partial sums of one batch of judgments, one row per (dim, key) (see the module docstring)."""
     n = batch.num_rows
-    values = {c: pc.fill_null(batch.column(c), 0).cast(pa.float64()) for c in SUMMED[:-3] if c != "suspicious"}
-    values["suspicious"] = pc.fill_null(batch.column("suspicious"), False).cast(pa.float64())
+    values = {"success": pc.fill_null(batch.column("success"), 0.0),
+              "suspicious": pc.fill_null(batch.column("suspicious"), False).cast(pa.float64())}
+    finite = {c: _finite(batch.column(c)) for c in MEANS}
+    values.update({c: finite[c][0] for c in MEANS})
+    values.update({f"{c}_count": finite[c][1] for c in MEANS})
     values["judge_scored"] = pc.is_valid(batch.column("judge_score")).cast(pa.float64())
     values["judge_errors"] = pc.is_valid(batch.column("judge_error")).cast(pa.float64())
     values["judge_score"] = pc.fill_null(batch.column("judge_score"), 0.0)
     family = pc.fill_null(batch.column("family"), "")
     family = pc.if_else(pc.equal(family, ""), "(none)", family)
-    keys = {"all": pa.array([""] * n, pa.string()), "family": family, "step": batch.column("step").cast(pa.string()),
+    step = pc.fill_null(batch.column("step").cast(pa.string()), "")  # "": a row without a step
+    keys = {"all": pa.array([""] * n, pa.string()), "family": family, "step": step,
             "family|category": pc.binary_join_element_wise(family, batch.column("category"), "|")}
     parts = []
     for dim, key in keys.items():
@@ -72,9 +114,13 @@ def _partials(batch: pa.Table) -> pa.Table:
         parts.append(grouped.append_column("dim", pa.array([dim] * grouped.num_rows, pa.string())))
     counted: list[tuple[str, str, int]] = []
     for column, edges in _EDGES.items():
-        bins = np.searchsorted(edges, pc.fill_null(batch.column(column), 0).to_numpy(zero_copy_only=False), "right") - 1
+        numbers, valid = (a.to_numpy(zero_copy_only=False) for a in finite[column])
+        recorded = numbers[valid > 0]
+        bins = np.maximum(np.searchsorted(edges, recorded, "right") - 1, 0)
         index, count = np.unique(bins, return_counts=True)
         counted += [(f"hist:{column}", str(i), c) for i, c in zip(index.tolist(), count.tolist())]
+        index, count = np.unique(sketch_bucket(recorded), return_counts=True)
+        counted += [(f"sketch:{column}", str(i), c) for i, c in zip(index.tolist(), count.tolist())]
     for dim, column in (("tool", "tool_names"), ("parallel", "calls_per_turn")):
         flat = pc.list_flatten(batch.column(column))
         if len(flat):
@@ -106,9 +152,9 @@ def batch_summary(batch: pa.Table, k_worst: int, k_wins: int) -> pa.Table:
     return pa.concat_tables([_partials(batch), _candidates(batch, k_worst, k_wins)])
 
 
-def combine_partials(rows: list[dict]) -> dict[str, dict[str, dict]]:
-    """Partial rows summed by (dim, key): {dim: {key: {column: sum}}}."""
-    sums: dict[str, dict[str, dict]] = {}
+def combine_partials(rows: list[dict], sums: dict | None = None) -> dict[str, dict[str, dict]]:
+    """Partial rows summed by (dim, key): {dim: {key: {column: sum}}}, added into `sums` when given."""
+    sums = {} if sums is None else sums
     for row in rows:
         target = sums.setdefault(row["dim"], {}).setdefault(row["key"], dict.fromkeys(["n", *SUMMED], 0.0))
         for c in ("n", *SUMMED):
@@ -129,20 +175,6 @@ def _tables(batch: pa.Table, k_worst: int, k_wins: int) -> pa.Table:
     parts = [t.select(TABLE_COLUMNS + ["sort_score"]).append_column("table", pa.array([name] * t.num_rows, pa.string()))
              for name, t in (("worst_failures", worst), ("suspicious_wins", wins), ("judge_errors", errors))]
     return pa.concat_tables(parts)
-
-
-def histogram_quantile(histogram: dict, q: float) -> float | None:
-    """The q-quantile estimated from a histogram, linear within its bin (exact to the bin's width)."""
-    counts, edges = histogram["counts"], histogram["edges"]
-    total = sum(counts)
-    if not total:
-        return None
-    target, seen = q * total, 0
-    for i, n in enumerate(counts):
-        if n and seen + n >= target:
-            return round(edges[i] + (edges[i + 1] - edges[i]) * (target - seen) / n, 4)
-        seen += n
-    return edges[-1]
 
 
 def _clean(value):
@@ -166,9 +198,11 @@ def summarise(judgments, config) -> tuple[dict, dict]:
         sums = combine_partials([{"dim": r["dim"], "key": r["key"], **{c: r[f"sum({c})"] for c in ("n", *SUMMED)}}
                                  for r in summed])
     else:
-        rows = partials.take_all()
-        candidates = [r for r in rows if r["row"] is not None]
-        sums = combine_partials([r for r in rows if r["row"] is None])
+        candidates, sums = [], {}
+        for batch in partials.iter_batches(batch_format="pyarrow"):  # summed as they come: the driver holds sums
+            batch_rows = batch.to_pylist()
+            candidates += [r for r in batch_rows if r["row"] is not None]
+            combine_partials([r for r in batch_rows if r["row"] is None], sums)
     tables = {}
     for name, limit in zip(tables_dims, (k_worst, k_wins, 3)):
         chosen = sorted((r for r in candidates if r["dim"] == name),
@@ -178,7 +212,7 @@ def summarise(judgments, config) -> tuple[dict, dict]:
     def figures(s: dict) -> dict:
         n = s["n"] or 1
         return {"rollouts": int(s["n"]), "success_rate": _clean(s["success"] / n),
-                **{c: _clean(s[c] / n) for c in MEANS},
+                **{c: _clean(s[c] / s[f"{c}_count"]) if s[f"{c}_count"] else None for c in MEANS},
                 "judge_score": _clean(s["judge_score"] / s["judge_scored"]) if s["judge_scored"] else None}
 
     total = sums.get("all", {}).get("", dict.fromkeys(["n", *SUMMED], 0.0))  # no rows: all zero
@@ -194,17 +228,18 @@ def summarise(judgments, config) -> tuple[dict, dict]:
         top = max(bins, default=0) + 1
         histograms[column] = {"edges": [float(e) for e in edges[: top + 1]],
                               "counts": [bins.get(i, 0) for i in range(top)]}
+    sketches = {column: {int(k): s["n"] for k, s in sums.get(f"sketch:{column}", {}).items()} for column in _EDGES}
     summary = {
         "rollouts": int(total["n"]), "solved": int(total["success"]),
         "success_rate": _clean(total["success"] / total["n"]) if total["n"] else None,
         "suspicious_wins": int(total["suspicious"]),
         "means": {k: v for k, v in figures(total).items() if k not in ("rollouts", "success_rate")},
-        "quantiles": {c: {f"p{int(q * 100)}": histogram_quantile(h, q) for q in (0.5, 0.9)}
-                      for c, h in histograms.items()},
+        "quantiles": {c: {f"p{int(q * 100)}": sketch_quantile(sketch, q) for q in (0.5, 0.9)}
+                      for c, sketch in sketches.items()},
         "categories": dict(sorted(categories.items(), key=lambda kv: -kv[1])),
         "per_family": families,
-        "per_step": sorted(({"step": int(k), **figures(s)} for k, s in sums.get("step", {}).items()),
-                           key=lambda r: r["step"]),
+        "per_step": sorted(({"step": int(k) if k else None, **figures(s)} for k, s in sums.get("step", {}).items()),
+                           key=lambda r: (r["step"] is None, r["step"] or 0)),  # rows without a step last
         "tool_mix": {k: int(s["n"]) for k, s in sorted(sums.get("tool", {}).items(), key=lambda kv: -kv[1]["n"])},
         "parallel_calls_per_turn": {k: int(s["n"]) for k, s in sorted(sums.get("parallel", {}).items(),
                                                                        key=lambda kv: int(kv[0]))},

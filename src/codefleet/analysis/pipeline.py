@@ -16,7 +16,9 @@ Stages (all streaming; the driver never holds the rollouts):
     read judgments back -> groupby/aggregate -> summary.json, report.html (aggregate.py, report.py)
 
 Judgments are written first and aggregated from disk so that the judge (the
-expensive part) runs exactly once whatever the number of aggregates.
+expensive part) runs exactly once whatever the number of aggregates. OUT is
+locked (`OUT/.analyze.lock`) while an analysis writes it: a second analysis of
+the same run into the same OUT waits rather than mixing its judgments in.
 
 Bounded memory: rows move in blocks of `batch_rows`; transcripts and diffs are
 read only when a model judge needs them and are dropped before writing; Ray
@@ -33,6 +35,7 @@ reads, rules and judges always fit together on one CPU.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import sys
@@ -213,14 +216,35 @@ def analyze(path: str, config: AnalyzeConfig | None = None, log: Callable[[str],
     if not scan.files:
         raise NoRollouts(f"no readable rollouts under {store} (expected rollouts/run=<run>/step=<step>/*.parquet, "
                          "written by codefleet.analysis.store.RolloutWriter)")
+    if not scan.rows:
+        raise NoRollouts(f"no rollouts under {store}: its {len(scan.files)} Parquet file(s) hold no rows; "
+                         "analyse the run once it has finished rollouts")
     ensure_ray(config.num_cpus, config.object_store_mb)
-    with ray_data_settings(config):
+    with ray_data_settings(config), output_lock(out_dir, log):
         return _analyze_scan(scan, store, out_dir, config, log, problems, timings, started)
+
+
+@contextlib.contextmanager
+def output_lock(out_dir: str, log: Callable[[str], None]):
+    """Hold OUT/.analyze.lock: a second analysis into the same directory waits for the first instead of
+    deleting its judgments mid-write or adding its own files to them (doubling every count)."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, ".analyze.lock"), "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"codefleet analyze: another analysis is writing {out_dir}; waiting for it to finish "
+                "(pass --out DIR to run both at once)")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _analyze_scan(scan: StoreScan, store: str, out_dir: str, config: AnalyzeConfig, log: Callable[[str], None],
                   problems: list[str], timings: dict[str, float], started: float) -> AnalysisResult:
-    """analyze() from the scan on: judgments, then aggregates, report and summary."""
+    """analyze() from the scan on (holding OUT's lock): judgments, then aggregates, report and summary."""
     import ray.data
 
     from codefleet.analysis.aggregate import summarise, write_summary
@@ -240,8 +264,8 @@ def _analyze_scan(scan: StoreScan, store: str, out_dir: str, config: AnalyzeConf
         for message in broken:
             log(f"codefleet analyze: {message}")
         problems += broken
-        if not scan.files:
-            raise NoRollouts(f"no readable rollouts under {store}: every file failed to read") from e
+        if not scan.rows:
+            raise NoRollouts(f"no readable rollouts under {store}: every file with rows failed to read") from e
         shutil.rmtree(judgments_path, ignore_errors=True)
         judgments_dataset(scan, config).write_parquet(judgments_path)
     timings["judge_s"] = time.perf_counter() - started

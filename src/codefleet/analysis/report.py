@@ -43,7 +43,7 @@ def _plots(summary: dict) -> list[str]:
     import matplotlib.pyplot as plt
 
     images = []
-    steps = summary["per_step"]
+    steps = [s for s in summary["per_step"] if s["step"] is not None]  # rows without a step: in the totals only
     fig, ax = plt.subplots(figsize=(5, 3.2))
     ax.plot([s["step"] for s in steps], [s["success_rate"] for s in steps], marker="o", ms=3)
     ax.set(title="success rate over steps", xlabel="step", ylabel="solved fraction", ylim=(0, 1))

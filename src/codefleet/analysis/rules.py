@@ -160,7 +160,10 @@ def category_of(all_passed: bool | None, checks_total: int | None, stop_reason: 
 def _tool_stats(tool_calls: pa.ChunkedArray | pa.Array, n_rows: int) -> tuple[np.ndarray, list, list, np.ndarray]:
     """Per row: failed calls, tool names, calls per turn, max calls in one turn (vectorised over the batch)."""
     calls = tool_calls.combine_chunks() if isinstance(tool_calls, pa.ChunkedArray) else tool_calls
-    calls = pc.fill_null(calls, pa.array([], calls.type.value_type)) if calls.null_count else calls
+    if calls.null_count:  # a null list is no calls (fill_null cannot take a list-of-struct value)
+        lengths = pc.fill_null(pc.list_value_length(calls), 0).to_numpy(zero_copy_only=False)
+        offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]), pa.int32())
+        calls = pa.ListArray.from_arrays(offsets, pc.list_flatten(calls))
     parents = pc.list_parent_indices(calls).to_numpy()
     flat = pc.list_flatten(calls)
     ok = pc.fill_null(flat.field("ok"), False).to_numpy(zero_copy_only=False)

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from codefleet.analysis.schema import COLUMNS, REQUIRED_COLUMNS, SCHEMA, SCHEMA_VERSION, is_current, upgrade_table
@@ -216,18 +217,37 @@ def scan_store(root: str) -> StoreScan:
             continue
         run, step = partition_values(os.path.relpath(path, root))
         current = is_current(schema)
+        newer = _newest_version(path, schema)
+        notes: list[str] = []
         if not current:
             try:  # a column of another type may not cast (text where a number belongs): find out now, not mid-pipeline
-                upgrade_table(pq.read_table(path), run=run, step=step)
+                _, notes = upgrade_table(pq.read_table(path), run=run, step=step)
             except Exception as e:
                 why = " ".join(str(e).split())[:200]
                 scan.problems.append(f"{path}: cannot be read as rollouts ({why}); skipped")
                 continue
+        if newer > SCHEMA_VERSION:  # read what this version knows rather than lose the rows; say so
+            scan.problems.append(f"{path}: written by a newer codefleet (schema version {newer}; this one reads up to "
+                                 f"{SCHEMA_VERSION}); read as version {SCHEMA_VERSION}"
+                                 f"{' (' + '; '.join(notes) + ')' if notes else ''}: upgrade codefleet to read all of it")
+        elif not current:
             lacking = [c for c in COLUMNS if c not in schema.names]
-            scan.problems.append(f"{path}: older or different schema (lacks {', '.join(lacking) or 'nothing'}); "
-                                 f"upgraded on read")
+            unknown = [n for n in notes if n.startswith("ignored")]
+            scan.problems.append(f"{path}: older or different schema (lacks {', '.join(lacking) or 'nothing'}"
+                                 f"{'; ' + unknown[0] if unknown else ''}); upgraded on read")
         scan.files.append(StoreFile(path, meta.num_rows, current, schema, run, step))
     return scan
+
+
+def _newest_version(path: str, schema: pa.Schema) -> int:
+    """The highest schema_version in a file's rows (0 when it has no such column or no rows)."""
+    if "schema_version" not in schema.names:
+        return 0
+    try:
+        newest = pc.max(pq.read_table(path, columns=["schema_version"]).column(0)).as_py()
+    except (OSError, pa.ArrowException):  # pages that do not read: the pipeline names the file (unreadable_bodies)
+        return 0
+    return int(newest or 0)
 
 
 def read_file(store_file: StoreFile, columns: list[str] | None = None) -> pa.Table:
