@@ -11,7 +11,7 @@ import threading
 
 import pyarrow.parquet as pq
 import pytest
-from openai_stub import OpenAIStub, fail, reply
+from openai_stub import OpenAIStub, fail, raw, reply
 
 from codefleet.analysis.judge import JudgeBatch, JudgeConfig
 from codefleet.analysis.pipeline import AnalyzeConfig, analyze
@@ -52,17 +52,22 @@ class Verdicts:
             return reply(GOOD, delay_s=3.0)
         if kind == "flaky" and attempt == 1:
             return fail(503)
+        if kind == "no choices":  # a 200 that is not a chat completion
+            return raw({"id": "x", "object": "chat.completion", "choices": []})
+        if kind == "two objects":
+            return reply(GOOD + '\n{"note": "more after the verdict"}')
         return reply(json.dumps({"score": round(int(task[1:]) / 100, 2), "reason": f"judged {task}"}))
 
 
 def test_judge_batch_scores_marks_garbage_and_timeouts_and_retries():
-    plan = {"t000": "good", "t001": "garbage", "t002": "slow", "t003": "flaky"}
+    plan = {"t000": "good", "t001": "garbage", "t002": "slow", "t003": "flaky", "t004": "no choices",
+            "t005": "two objects"}
     verdicts = Verdicts(plan)
     with OpenAIStub([verdicts] * 20) as stub:
         config = JudgeConfig(backend=stub.base_url, model="judge-m", timeout_s=0.5, max_retries=1,
                              requests_in_flight=4)
         judge = JudgeBatch(config, "RUBRIC: be strict")
-        out = judge(categorise(records_to_table(records(4)), drop=("tool_calls",))).to_pylist()
+        out = judge(categorise(records_to_table(records(6)), drop=("tool_calls",))).to_pylist()
     by_task = {r["task_id"]: r for r in out}
     assert (by_task["t000"]["judge_score"], by_task["t000"]["judge_reason"], by_task["t000"]["judge_error"]) == (
         0.0, "judged t000", None)
@@ -71,6 +76,8 @@ def test_judge_batch_scores_marks_garbage_and_timeouts_and_retries():
     assert by_task["t002"]["judge_score"] is None and "Timeout" in by_task["t002"]["judge_error"]
     assert verdicts.attempts["t002"] == 2  # the timeout was retried once, then given up
     assert (by_task["t003"]["judge_score"], verdicts.attempts["t003"]) == (0.03, 2)  # 503, retried, judged
+    assert "does not speak the OpenAI chat-completions protocol" in by_task["t004"]["judge_error"]
+    assert (by_task["t005"]["judge_score"], by_task["t005"]["judge_error"]) == (0.9, None)  # the first object
     assert all(r["judge_backend"] == stub.base_url for r in out)
     body = stub.requests[0]
     assert body["model"] == "judge-m" and body["temperature"] == 0.0

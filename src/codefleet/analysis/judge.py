@@ -116,8 +116,8 @@ def parse_verdict(text: str) -> tuple[float, str]:
     start, end = cleaned.find("{"), cleaned.rfind("}")
     if start < 0 or end <= start:
         raise ValueError(f"no JSON object in the answer: {text[:120]!r}")
-    try:
-        verdict = json.loads(cleaned[start:end + 1])
+    try:  # the first JSON object; a judge may write more after it
+        verdict, _ = json.JSONDecoder().raw_decode(cleaned[start:end + 1])
     except json.JSONDecodeError as e:
         raise ValueError(f"answer is not valid JSON ({e.msg}): {text[:120]!r}") from e
     score = verdict.get("score") if isinstance(verdict, dict) else None
@@ -171,12 +171,21 @@ class JudgeBatch:
 
         client = openai.OpenAI(base_url=self.config.backend, api_key=os.environ.get(self.config.api_key_env) or "none",
                                timeout=self.config.timeout_s, max_retries=self.config.max_retries)
-        model = self.config.model or client.models.list().data[0].id
+        if not (model := self.config.model):
+            listed = getattr(client.models.list(), "data", None) or []
+            if not listed:
+                raise ValueError(f"{self.config.backend} lists no models; name the judge's model with --judge-model")
+            model = listed[0].id
 
         def complete(messages: list[dict]) -> str:
             response = client.chat.completions.create(model=model, messages=messages, temperature=0.0,
                                                       max_tokens=self.config.max_tokens)
-            return response.choices[0].message.content or ""
+            choices = getattr(response, "choices", None) or []
+            message = getattr(choices[0], "message", None) if choices else None
+            if message is None:
+                raise ValueError("the judge's answer has no choices[0].message: the endpoint does not speak the "
+                                 "OpenAI chat-completions protocol")
+            return message.content or ""
 
         return complete
 
