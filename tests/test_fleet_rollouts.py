@@ -93,3 +93,58 @@ def test_an_engine_that_fails_a_request_is_an_infrastructure_error_and_keeps_ser
         remote.submit([10**9, 5], SamplingParams(max_tokens=2)).result(timeout=120)  # a token id past the vocab
     assert len(remote.submit([5, 6, 7], SamplingParams(max_tokens=2)).result(timeout=120).token_ids) == 2
     ray.kill(engine, no_restart=True)
+
+
+def _crash_and_restart(engine, timeout_s=120.0) -> dict:
+    """Kill the engine's process (Ray restarts it) and wait until its new process answers; its info()."""
+    import time
+
+    pid = ray.get(engine.info.remote())["pid"]
+    ray.kill(engine, no_restart=False)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            info = ray.get(engine.info.remote(), timeout=timeout_s)
+            if info["pid"] != pid:
+                return info
+        except ray.exceptions.RayActorError:  # restarting
+            pass
+        assert time.monotonic() < deadline, "the engine did not restart"
+        time.sleep(0.3)
+
+
+@pytest.mark.slow
+def test_an_engine_that_restarts_serves_the_newest_committed_weights_not_its_first(setup, tmp_path):
+    """An engine process that dies is restarted by Ray with its first arguments: it must come back with the
+    newest committed weights and their version (else every attempt it serves reports an old version), a weight
+    broadcast must wait for it, and an attempt it served on older weights than its group's is an infrastructure
+    failure, never a rollout."""
+    ckpt, task, state_dir = setup
+    latest = tmp_path / "checkpoints" / "LATEST"
+    engines = start_engines(ckpt, 1, num_cpus=0, max_batch=2, restart_from=str(latest))
+    model = checkpoint.load(ckpt)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    checkpoint.save(model, str(tmp_path / "checkpoints" / "rl-step-000003"), metadata={"policy_version": 3})
+    latest.write_text("rl-step-000003")  # committed, then published
+    weights = ray.put(model.state_dict())
+    broadcast_weights(engines, weights, 3)
+
+    ray.kill(engines[0], no_restart=False)  # the process dies mid-run; Ray restarts it
+    broadcast_weights(engines, weights, 3)  # waits for the restarted engine instead of failing the step
+    assert ray.get(engines[0].info.remote())["version"] == 3
+    assert _crash_and_restart(engines[0])["version"] == 3  # from LATEST, not the checkpoint it was started with
+
+    workers = start_workers(_spec(ckpt, state_dir), engines, 1, slots_per_worker=1, num_cpus=0)
+    (result,) = ray.get(AgentGroupRunner(workers).start(Ticket(5, 3, 4, 1), task, [0]), timeout=240)
+    assert result.rollout.policy_version == 3
+
+    stale = start_engines(ckpt, 1, num_cpus=0, max_batch=2)  # no restart_from: comes back at version 0
+    broadcast_weights(stale, weights, 3)
+    assert _crash_and_restart(stale[0])["version"] == 0
+    old = start_workers(_spec(ckpt, state_dir), stale, 1, slots_per_worker=1, num_cpus=0)
+    with pytest.raises(ray.exceptions.RayTaskError, match="InfraError.*older than the group's 3"):
+        ray.get(AgentGroupRunner(old).start(Ticket(6, 3, 4, 1), task, [0])[0], timeout=240)
+    for actor in (*workers, *old, *engines, *stale):
+        ray.kill(actor, no_restart=True)

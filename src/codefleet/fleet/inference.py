@@ -12,6 +12,12 @@ version that sampled it). Weights arrive as one object from the Ray object
 store (see `TrainerGroup.publish`), passed by reference so each engine reads
 the shared copy.
 
+An engine whose process dies is restarted by Ray (`max_restarts=-1`) with the arguments it was created
+with; given `restart_from` (a file naming the newest checkpoint directory beside it, e.g. a run's
+`checkpoints/LATEST`), a restarted engine loads that checkpoint and its `policy_version` instead of the
+weights it started with, so it does not serve an old policy under a new version. `broadcast_weights`
+waits for an engine that is restarting.
+
 `RemoteEngine` gives a rollout worker the slice of the Engine API that
 `LocalEnginePolicy` uses (`submit(...).result()`, `max_seq_len`,
 `tokenizer`; a dead actor raises `EngineDiedError`), so the policy client is the same code in process and on Ray;
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import ray
 import torch
@@ -35,10 +42,12 @@ def _as_tensors(weights: dict) -> dict[str, torch.Tensor]:
 @ray.remote(max_restarts=-1, max_task_retries=0)
 class EngineActor:
     def __init__(self, checkpoint: str, max_batch: int = 32, max_seq_len: int | None = None, threads: int = 1,
-                 version: int = 0):
+                 version: int = 0, restart_from: str | None = None):
         from codefleet.model.engine import load_engine
 
         torch.set_num_threads(threads)
+        if restart_from and ray.get_runtime_context().was_current_actor_reconstructed:
+            checkpoint, version = newest_checkpoint(restart_from) or (checkpoint, version)
         self.engine = load_engine(checkpoint, max_batch=max_batch, max_seq_len=max_seq_len)
         self.engine.version = version
 
@@ -56,6 +65,20 @@ class EngineActor:
                 "node_id": ray.get_runtime_context().get_node_id(), "running": self.engine.n_running,
                 "prefill_tokens": self.engine.prefill_tokens_computed, "prefix_hits": self.engine.prefix_hits,
                 "prefix_tokens_reused": self.engine.prefix_tokens_reused}
+
+
+def newest_checkpoint(latest_file: str) -> tuple[str, int] | None:
+    """(directory, policy version) of the checkpoint `latest_file` names (beside it), or None if there is none."""
+    from codefleet.model.checkpoint import CONFIG_FILE, read_metadata
+
+    try:
+        with open(latest_file) as f:
+            path = os.path.join(os.path.dirname(latest_file), f.read().strip())
+    except OSError:
+        return None
+    if not os.path.isfile(os.path.join(path, CONFIG_FILE)):
+        return None
+    return path, int(read_metadata(path).get("policy_version", 0))
 
 
 class EngineDiedError(RuntimeError):
@@ -91,14 +114,33 @@ class RemoteEngine:
 
 
 def start_engines(checkpoint: str, n: int = 1, *, num_cpus: float = 1.0, resources: dict | None = None,
-                  threads: int = 1, max_batch: int = 32, max_seq_len: int | None = None, version: int = 0) -> list:
-    """`n` engine actors over `checkpoint`, placed by logical resources; waits until they are up."""
+                  threads: int = 1, max_batch: int = 32, max_seq_len: int | None = None, version: int = 0,
+                  restart_from: str | None = None) -> list:
+    """`n` engine actors over `checkpoint`, placed by logical resources; waits until they are up. A restarted
+    engine loads the checkpoint `restart_from` names, if any (see the module docstring)."""
     actors = [EngineActor.options(num_cpus=num_cpus, resources=resources or {}, max_concurrency=1000).remote(
-        checkpoint, max_batch=max_batch, max_seq_len=max_seq_len, threads=threads, version=version) for _ in range(n)]
+        checkpoint, max_batch=max_batch, max_seq_len=max_seq_len, threads=threads, version=version,
+        restart_from=restart_from) for _ in range(n)]
     ray.get([a.info.remote() for a in actors])
     return actors
 
 
 def broadcast_weights(engines: list, weights_ref: ray.ObjectRef, version: int, timeout_s: float = 300.0) -> None:
-    """Load `weights_ref` into every engine (in parallel) and wait until all serve `version`."""
-    ray.get([e.update_weights.remote([weights_ref], version) for e in engines], timeout=timeout_s)
+    """Load `weights_ref` into every engine (in parallel) and wait until all serve `version`. An engine that
+    dies or is restarting meanwhile is sent the weights again once it is back (until `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(engines)
+    while True:
+        refs = [e.update_weights.remote([weights_ref], version) for e in pending]
+        failed = []
+        for engine, ref in zip(pending, refs):
+            try:
+                ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
+            except RayActorError:
+                if time.monotonic() >= deadline:
+                    raise
+                failed.append(engine)
+        if not failed:
+            return
+        pending = failed
+        time.sleep(0.5)

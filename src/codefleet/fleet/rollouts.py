@@ -142,6 +142,9 @@ class RolloutWorker:
             sandbox.close()
         tokens = policy.tokens
         versions = [v for v in tokens.versions if v >= 0]
+        if versions and min(versions) < ticket.policy_version:  # an engine restarted on older weights
+            raise InfraError(f"attempt {attempt} of group {ticket.group_id}: the engine served policy version "
+                             f"{min(versions)}, older than the group's {ticket.policy_version}")
         trajectory.metadata.update(attempt=attempt, group=ticket.group_id)
         sample = {"tokens": tokens.ids, "loss_mask": tokens.mask, "behave_logprobs": tokens.logprobs,
                   "routed_experts": tokens.routed_experts(), "versions": tokens.versions}
