@@ -2,6 +2,7 @@
 in-process Trainer on the full batch, publish weights an engine serves, save/load, and fail clearly."""
 
 import dataclasses
+import json
 
 import pytest
 import ray
@@ -168,3 +169,53 @@ def test_an_attempt_with_no_tokens_is_scored_but_not_trained_on():
     samples, empty = training_samples([group], [[-1.0, 0.0, 1.0]])
     assert empty == 1
     assert [s.tokens for s in samples] == [[5, 6, 7], [5, 8]] and [s.advantage for s in samples] == [-1.0, 1.0]
+
+
+def test_a_trainer_worker_that_dies_mid_run_is_replaced_and_the_step_redone(ray_session, tmp_path):
+    """RL's trainer (train_rl.RLTrainer) on real actors: a worker killed before a step is an infrastructure
+    failure; a new group starts from the last commit, the same batch is trained once, committed and published."""
+    from codefleet.fleet.controller import Controller, ControllerConfig
+    from codefleet.fleet.inference import start_engines
+    from codefleet.fleet.run_dir import Metrics, RunDir
+    from codefleet.fleet.staleness import Group, Rollout
+    from codefleet.fleet.train_config import TrainRunConfig
+    from codefleet.fleet.train_rl import RLTrainer
+    from codefleet.model import checkpoint
+    from codefleet.types import Trajectory
+
+    from codefleet.model.tokenizer import default_tokenizer
+
+    model = _model(vocab_size=default_tokenizer().vocab_size)
+    start = str(tmp_path / "run" / "checkpoints" / "rl-start")
+    checkpoint.save(model, start)
+    run, made = RunDir(str(tmp_path / "run")), []
+
+    def new_group(ckpt):
+        made.append(TrainerGroup(1, checkpoint=ckpt, config=CONFIG, num_cpus_per_worker=CPUS))
+        return made[-1]
+
+    engines = start_engines(start, 1, num_cpus=0, max_batch=2)
+    metrics = Metrics(run)
+    trainer = RLTrainer(new_group(start), engines, run, metrics, TrainRunConfig(), new_group=new_group, start=start)
+    controller = Controller(ControllerConfig(eta=1, rollout_slots=2, batch_groups=1, group_size=2), None, trainer,
+                            iter(()))
+    trainer.controller = controller
+    ticket = controller.admission.try_admit(0)
+    rollouts = [Rollout(f"0/{i}", 0, 0, float(i), payload={
+        "sample": {"tokens": s.tokens, "loss_mask": s.loss_mask, "behave_logprobs": s.behave_logprobs,
+                   "routed_experts": s.routed_experts},
+        "trajectory": Trajectory("t", [], [], "submit", reward=float(i))}) for i, s in enumerate(_samples(model, 2))]
+    controller.buffer.put(Group(ticket, rollouts))
+    batch = controller.buffer.take_batch(1, 0)
+    try:
+        ray.kill(trainer.group.workers[0], no_restart=True)
+        m = trainer.train(batch)
+        assert len(made) == 2 and trainer.group is made[1] and trainer.group.version == 1
+        assert m["rollouts"] == 2 and run.latest()[:2] == (run.rl_checkpoint(1), 1)
+        assert json.load(open(run.path("trained", "step-000001.json"))) == ["0/0", "0/1"]
+        assert ray.get(engines[0].info.remote())["version"] == 1
+    finally:
+        metrics.close()
+        for g in made:
+            g.shutdown()
+        ray.kill(engines[0], no_restart=True)

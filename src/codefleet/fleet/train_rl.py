@@ -63,11 +63,19 @@ def training_samples(groups: list[Group], advantages: list[list[float]]) -> tupl
 
 
 class RLTrainer:
-    """The controller's TrainerClient: advantages, one RL step, weights to the engines, a checkpoint."""
+    """The controller's TrainerClient: advantages, one RL step, weights to the engines, a checkpoint.
+
+    A trainer worker that dies mid-step (its process or node is lost) is an infrastructure failure, not a
+    reason to stop the run: `new_group(checkpoint)` starts a new
+    TrainerGroup from the last committed checkpoint (`start` before the first) and the step is redone on the
+    same batch, up to `MAX_TRAINER_RESTARTS` times in a row."""
+
+    MAX_TRAINER_RESTARTS = 2
 
     def __init__(self, group, engines, run: RunDir, metrics: Metrics, config: TrainRunConfig, progress=None,
-                 sampler=None):
+                 sampler=None, new_group=None, start: str | None = None):
         self.group, self.engines, self.run, self.metrics = group, engines, run, metrics
+        self.new_group, self.start = new_group, start
         self.config, self.progress = config, progress
         self.controller = None  # set once the controller exists (its buffer state goes into checkpoints)
         self.sampler = sampler  # the task sampler (rl.curriculum): its per-family success estimates go into the metrics
@@ -85,14 +93,15 @@ class RLTrainer:
                                  self.config.rl.negative_weight)
         samples, empty = training_samples(batch.groups, adv_NG.tolist())
         step_started = time.perf_counter()
-        m = dict(self.group.rl_step(samples))
+        m = self._step(samples, batch.trainer_version)
         m["empty_samples"] = empty
-        weights_ref, version = self.group.publish()
-        broadcast_weights(self.engines, weights_ref, version)
-        self.group.save(self.run.rl_checkpoint(version))
+        version = self.group.version
         state = self.controller.buffer_state()
         kept = {k: state[k] for k in ("consumed_ids", "lags", "next_group_id", "next_batch")}
         self.run.commit_checkpoint(version, kept, [r.rollout_id for r in batch.rollouts])
+        # committed before the engines get the weights: an engine that restarts from now on loads them (LATEST)
+        weights_ref, version = self.group.publish()
+        broadcast_weights(self.engines, weights_ref, version)
         self.run.prune(version)
         stats = rollout_stats(batch.groups)
         self.tokens += stats["completion_tokens"]
@@ -107,6 +116,32 @@ class RLTrainer:
                                       tok_s=f"{m['tokens_per_s']:.0f}", lag=f"{m['lag_mean']:.1f}")
             self.progress.update(1)
         return m
+
+    def _step(self, samples, step: int) -> dict:
+        """One RL step from version `step`, saved as rl_checkpoint(step + 1); redone on a new trainer group
+        from the last commit if a worker dies."""
+        from ray.exceptions import RayActorError
+
+        from codefleet.fleet.trainer_group import TrainerWorkerError
+
+        for restarts in range(self.MAX_TRAINER_RESTARTS + 1):
+            try:
+                m = dict(self.group.rl_step(samples))
+                self.group.save(self.run.rl_checkpoint(self.group.version))
+                return m
+            except TrainerWorkerError as e:
+                died = isinstance(e.__cause__, RayActorError)  # a worker that raised (a full disk) would again
+                if not died or self.new_group is None or restarts == self.MAX_TRAINER_RESTARTS:
+                    raise
+                latest = self.run.latest()
+                log(f"{e}; starting a new trainer group from {latest[0] if latest else self.start} to redo step "
+                    f"{step}")
+                self.group.shutdown()
+                self.group = self.new_group(latest[0] if latest else self.start)
+                if self.group.version != step:
+                    raise RuntimeError(f"the last checkpoint is at version {self.group.version}, not {step}: "
+                                       "resume the run instead") from e
+        raise AssertionError("the loop returns or raises")
 
 
 def resume_state(run: RunDir, latest: tuple[str, int, dict] | None, batch_groups: int) -> tuple[int, dict | None]:
@@ -170,10 +205,14 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
     if version >= c.steps:
         return serving
     train_config = TrainConfig(lr=c.lr, loss=c.loss, routing_replay=c.routing_replay, seed=config.model.seed)
-    group = TrainerGroup(cl.trainer_workers, checkpoint=serving, config=train_config,
-                         num_cpus_per_worker=cl.trainer_cpus, resources_per_worker=cl.trainer_resources)
+    def new_group(checkpoint: str) -> TrainerGroup:
+        return TrainerGroup(cl.trainer_workers, checkpoint=checkpoint, config=train_config,
+                            num_cpus_per_worker=cl.trainer_cpus, resources_per_worker=cl.trainer_resources)
+
+    group = new_group(serving)
     engines = start_engines(serving, cl.engines, num_cpus=1.0, resources=cl.engine_resources,
-                            threads=cl.engine_threads, max_batch=max(c.rollout_slots, 1), version=version)
+                            threads=cl.engine_threads, max_batch=max(c.rollout_slots, 1), version=version,
+                            restart_from=run.path("checkpoints", "LATEST"))
     fleet = SandboxFleet.start()  # held for the run: a host whose last handle goes away is collected
     spec = RolloutSpec(checkpoint=serving, sandbox=config.sandbox, episode=episode_config(config),
                        max_tokens=c.max_tokens, temperature=c.temperature, max_seq_len=config.model.max_seq_len)
@@ -194,7 +233,7 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
                                       extra={"dropped": dropped}) for r in g.rollouts])
 
     bar = tqdm(total=c.steps, initial=version, desc="rl", unit="step", disable=not progress, file=sys.stderr)
-    trainer = RLTrainer(group, engines, run, metrics, config, bar, sampler=tasks)
+    trainer = RLTrainer(group, engines, run, metrics, config, bar, sampler=tasks, new_group=new_group, start=start)
     controller = Controller(
         ControllerConfig(eta=c.eta, rollout_slots=c.rollout_slots, batch_groups=c.batch_groups,
                          group_size=c.group_size, rollout_timeout_s=c.rollout_timeout_s,
@@ -210,7 +249,7 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
                 f"{k} {v['attempts']}, {v['p']:.2f}" for k, v in tasks.stats().items()))
     finally:
         bar.close()
-        group.shutdown()
+        trainer.group.shutdown()  # the one in use: a worker that died was replaced
         fleet.shutdown()
     log(f"RL done: {report}")
     return run.latest()[0]
