@@ -230,3 +230,89 @@ def test_a_run_trains_and_evaluates_on_task_directories_of_your_own(tmp_path):
     config.tasks.eval_dir = str(tmp_path / "nowhere")
     with pytest.raises(RunError, match="tasks.eval_dir .* is not a directory"):
         check_config(config)
+
+
+def _committed_run(tmp_path, step=2):
+    """A run directory as `codefleet train` leaves it after RL step `step` (a stand-in checkpoint directory)."""
+    from codefleet.config import to_dict
+    from codefleet.fleet.run_dir import RunDir
+    from codefleet.fleet.train_config import TrainRunConfig
+
+    run = RunDir(str(tmp_path / "run"))
+    os.makedirs(run.rl_checkpoint(step))
+    with open(os.path.join(run.rl_checkpoint(step), "config.json"), "w") as f:
+        f.write("{}")
+    run.commit_checkpoint(step, {"consumed_ids": ["0/0"], "lags": [0], "next_group_id": 3, "next_batch": step},
+                          ["0/0"])
+    (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(to_dict(TrainRunConfig(name="x"))))
+    return run
+
+
+def test_a_damaged_checkpoint_on_resume_is_one_sentence_that_says_what_to_do(tmp_path):
+    from codefleet.fleet.run_dir import RunError
+
+    run = _committed_run(tmp_path)
+    assert run.latest()[1:] == (2, {"consumed_ids": ["0/0"], "lags": [0], "next_group_id": 3, "next_batch": 2})
+    latest = os.path.join(run.root, "checkpoints", "LATEST")
+    controller = run.rl_checkpoint(2) + ".controller.json"
+    good = open(controller).read()
+    delete, keep = "delete it to start RL again", "write `rl-step-000002` into it"  # the intact one is offered
+    for damage, path, content, fix in (("truncated controller state", controller, good[:10], delete),
+                                       ("garbage in LATEST", latest, "\x00\xff\x13garbage", keep),
+                                       ("LATEST names a missing checkpoint", latest, "rl-step-000007", keep),
+                                       ("empty LATEST", latest, "", keep)):
+        with open(path, "w") as f:
+            f.write(content)
+        with pytest.raises(RunError, match=f"not a complete RL checkpoint.*{fix}"):
+            run.latest()
+        out = subprocess.run(_cli("train", "--resume", run.root), capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and "not a complete RL checkpoint" in out.stderr, damage
+        assert "Traceback" not in out.stderr, damage
+        with open(controller, "w") as f:
+            f.write(good)
+        with open(latest, "w") as f:
+            f.write("rl-step-000002")
+    os.makedirs(run.rl_checkpoint(1))  # an older intact checkpoint is offered
+    with open(os.path.join(run.rl_checkpoint(1), "config.json"), "w") as f:
+        f.write("{}")
+    with open(run.rl_checkpoint(1) + ".controller.json", "w") as f:
+        json.dump({"consumed_ids": [], "lags": [], "next_group_id": 1, "next_batch": 1}, f)
+    with open(controller, "w") as f:
+        f.write("{")
+    with pytest.raises(RunError, match="write `rl-step-000001` into it"):
+        run.latest()
+
+
+def test_a_damaged_accepted_group_is_reported_and_the_others_are_queued_again(tmp_path, capsys):
+    from codefleet.fleet.staleness import Group, Rollout, Ticket
+    from codefleet.fleet.train_rl import resume_state
+
+    run = _committed_run(tmp_path)
+    for gid in (0, 1, 2):
+        run.save_group(Group(Ticket(gid, 1, 2, 1), [Rollout(f"{gid}/0", gid, 1, 1.0)]))
+    path = os.path.join(run.root, "accepted", "group-00000002.pkl")
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(data[: len(data) // 2])
+    step, state = resume_state(run, run.latest(), batch_groups=1)
+    assert step == 2 and [t.group_id for t, _ in state["ready"]] == [1]  # 0 was trained, 2 is unreadable
+    assert "group-00000002.pkl" in capsys.readouterr().err
+
+
+def test_two_processes_cannot_work_in_one_run_at_once(tmp_path):
+    from codefleet.fleet.run_dir import RunDir, RunError
+
+    run = _committed_run(tmp_path)
+    run.lock()
+    try:
+        out = subprocess.run(_cli("train", "--resume", run.root), capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and f"another `codefleet train` (pid {os.getpid()})" in out.stderr
+        assert "Traceback" not in out.stderr
+        other = RunDir(run.root)
+        with pytest.raises(RunError, match="is working in"):
+            other.lock()
+    finally:
+        run.unlock()
+    other.lock()  # free again once the holder is gone
+    other.unlock()

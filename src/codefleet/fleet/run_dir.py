@@ -17,6 +17,7 @@
       eval/sft.json, eval/rl.json held-out evaluation of each checkpoint
       eval/sft-rollouts/, ...     its episodes, Parquet (split "eval", run NAME-sft / NAME-rl)
       demos.pkl, sft.done         cached expert demonstrations; SFT finished
+      .lock                       held (flock) by the one `codefleet train` working in the run
 
 Resume invariant. A group is durable once its pickle exists (written before
 it enters the buffer). A checkpoint is complete once LATEST names it (the
@@ -24,7 +25,9 @@ trainer state and the controller state are written first). On resume the
 trainer loads LATEST; the groups to train are the accepted pickles whose
 rollouts are not in that checkpoint's consumed ids — so an accepted rollout
 is never lost, and one trained before the checkpoint is never trained again.
-Groups that were in flight at the crash are simply regenerated.
+Groups that were in flight at the crash are simply regenerated. Two processes in one run would
+overwrite each other's groups and checkpoints, so `train` holds `.lock` (the OS releases it when the
+process dies, even by SIGKILL) and a second one is refused.
 """
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ import sys
 import tempfile
 
 from codefleet.fleet.staleness import Group
+
+
+class RunError(RuntimeError):
+    """The run cannot go on; the message says what to do."""
 
 
 def log(message: str) -> None:
@@ -80,6 +87,28 @@ class RunDir:
     def path(self, *parts: str) -> str:
         return os.path.join(self.root, *parts)
 
+    def lock(self) -> None:
+        """Take the run's lock for as long as this process lives (or `unlock()`); RunError if another holds it."""
+        import fcntl
+
+        fd = os.open(self.path(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RunError(f"another `codefleet train` (pid {holder}) is working in {self.root}; wait for it to "
+                           "finish or stop it before resuming this run") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        fd = getattr(self, "_lock_fd", None)
+        if fd is not None:
+            os.close(fd)  # releases the flock
+            self._lock_fd = None
+
     # -- accepted groups -----------------------------------------------------------------
 
     def save_group(self, group: Group) -> None:
@@ -114,16 +143,45 @@ class RunDir:
         atomic_write(self.path("checkpoints", "LATEST"), os.path.basename(base).encode())
 
     def latest(self) -> tuple[str, int, dict] | None:
-        """(checkpoint dir, step, controller state) of the newest complete RL checkpoint, or None."""
+        """(checkpoint dir, step, controller state) of the newest complete RL checkpoint, or None. RunError if
+        LATEST or what it names was damaged after the commit (atomic writes cannot tear them)."""
+        latest = self.path("checkpoints", "LATEST")
         try:
-            with open(self.path("checkpoints", "LATEST")) as f:
-                name = f.read().strip()
+            with open(latest, "rb") as f:
+                name = f.read().decode(errors="replace").strip()
         except FileNotFoundError:
             return None
-        base = self.path("checkpoints", name)
-        with open(base + ".controller.json") as f:
+        try:
+            return self._complete(name)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            intact = [n for n in sorted(os.listdir(self.path("checkpoints")), reverse=True)
+                      if n.startswith("rl-step-") and n != name and self._intact(n)]
+            fix = (f"write `{intact[0]}` into it to resume from that checkpoint" if intact else
+                   "delete it to start RL again from the SFT weights (accepted groups are queued again)")
+            raise RunError(f"{latest} names {name[:80]!r}, which is not a complete RL checkpoint ({type(e).__name__}: "
+                           f"{e}); restore that checkpoint from a backup, or {fix}") from None
+
+    def _complete(self, name: str) -> tuple[str, int, dict]:
+        from codefleet.model.checkpoint import CONFIG_FILE
+
+        if not name.startswith("rl-step-") or "/" in name:
+            raise ValueError("not the name of an RL checkpoint (rl-step-NNNNNN)")
+        step, base = int(name.removeprefix("rl-step-")), self.path("checkpoints", name)
+        if not os.path.isfile(os.path.join(base, CONFIG_FILE)):
+            raise FileNotFoundError(f"{base}/{CONFIG_FILE} is missing")
+        with open(base + ".controller.json", "rb") as f:
             state = json.load(f)
-        return base, int(name.rsplit("-", 1)[1]), state
+        if not (isinstance(state, dict) and isinstance(state["consumed_ids"], list) and isinstance(state["lags"], list)
+                and state["next_batch"] == step):
+            raise ValueError(f"{base}.controller.json does not hold this step's controller state")
+        return base, step, state
+
+    def _intact(self, name: str) -> bool:
+        try:
+            self._complete(name)
+            return True
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
 
     def prune(self, keep_step: int) -> None:
         """Remove RL checkpoints older than `keep_step` (LATEST already names a newer one)."""

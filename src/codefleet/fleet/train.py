@@ -33,13 +33,9 @@ import yaml
 
 from codefleet.config import to_dict
 from codefleet.fleet.ray_init import init_ray
-from codefleet.fleet.run_dir import Metrics, RunDir, atomic_write, log
+from codefleet.fleet.run_dir import Metrics, RunDir, RunError, atomic_write, log
 from codefleet.fleet.train_config import TrainRunConfig, episode_config
 from codefleet.fleet.train_rl import reinforce
-
-
-class RunError(RuntimeError):
-    """The run cannot go on; the message says what to do."""
 
 
 def check_config(config: TrainRunConfig) -> None:
@@ -311,10 +307,6 @@ def resumed_config(out: str, overrides: list[str] | None = None, address: str | 
 def train(config: TrainRunConfig, out: str, resume: bool = False, progress: bool = True) -> dict:
     """Run the pipeline into `out`, or, with `resume`, go on with the run there (`config` from
     `resumed_config(out, ...)`); returns the evaluation results."""
-    import ray
-
-    from codefleet.model.tokenizer import default_tokenizer
-
     run = RunDir(out)
     saved = run.path("config.yaml")
     check_config(config)
@@ -327,6 +319,21 @@ def train(config: TrainRunConfig, out: str, resume: bool = False, progress: bool
             raise RunError(f"cannot make the run directory {out} ({e.strerror or e}); choose another --out") from None
     elif not os.path.isfile(saved):
         raise _nothing_to_resume(out)
+    run.lock()  # one process per run: two would overwrite each other's groups and checkpoints
+    try:
+        if resume:
+            run.latest()  # a damaged RL checkpoint is reported now, not after the stages before RL
+        return _train(run, config, progress)
+    finally:
+        run.unlock()
+
+
+def _train(run: RunDir, config: TrainRunConfig, progress: bool) -> dict:
+    import ray
+
+    from codefleet.model.tokenizer import default_tokenizer
+
+    saved = run.path("config.yaml")
     t = config.tasks  # your task directories, absolute: a resume may start elsewhere
     t.train_dir, t.eval_dir = (os.path.abspath(d) if d else "" for d in (t.train_dir, t.eval_dir))
     atomic_write(saved, yaml.safe_dump(to_dict(config), sort_keys=False).encode())  # with a resume's changes
