@@ -43,3 +43,52 @@ def test_bench_moe_reports_moe_dense_and_hf_figures(state_dir):
     for key in ("moe_tokens_per_s", "dense_tokens_per_s", "hf_tokens_per_s"):
         assert r[key] > 0, key
     assert r["native_kernel"] is True  # set-up builds it; without it the figures are the PyTorch path's
+
+
+def test_bench_engine_prefills_every_timed_prompt(monkeypatch):
+    """The engine parks finished sequences in its prefix cache; a timed prompt seen before (in the warm-up or an
+    earlier repeat) would skip its prefill on the engine's side only, while HF prefills every prompt."""
+    from codefleet.bench import engine_bench
+    from codefleet.model.engine import Engine
+
+    reused: list[int] = []
+    generate = Engine.generate
+
+    def recording(self, prompts, params):
+        results = generate(self, prompts, params)
+        reused.extend(r.cached_tokens for r in results)
+        return results
+
+    monkeypatch.setattr(Engine, "generate", recording)
+    monkeypatch.setattr(engine_bench, "hf_peer", lambda config: None)  # the engine side only
+    monkeypatch.setattr(engine_bench, "_multiturn", lambda *a: {})  # measures the prefix cache on purpose
+    r = engine_bench.run(quick=True, repeats=2, log=lambda msg: None)
+    assert len(reused) == 2 + 2 * (1 + 32)  # the warm-up's 2 requests, then 2 repeats of b1 and b32
+    assert reused == [0] * len(reused)
+    assert r["engine_prefix_tokens_reused"] == 0
+    assert r["engine_tokens_per_s_b1"] > 0 and r["engine_tokens_per_s_b32"] > 0 and r["hf_tokens_per_s_b32"] is None
+
+
+def test_sandbox_bench_alternates_a_figure_with_its_peer():
+    from codefleet.bench.sandbox_bench import _alternated
+
+    calls: list[str] = []
+    times = _alternated({"exec": (lambda: calls.append("e"), 6), "subprocess": (lambda: calls.append("s"), 3)},
+                        rounds=3)
+    assert "".join(calls) == "ees" * 3  # each round calls both, so a burst of load hits both sides
+    assert len(times["exec"]) == 6 and len(times["subprocess"]) == 3
+    assert all(t >= 0 for t in times["exec"] + times["subprocess"])
+
+
+def test_bench_that_cannot_run_says_why_in_one_sentence(monkeypatch, capsys):
+    from codefleet.bench import sandbox_bench
+    from codefleet.sandbox import namespace
+
+    why = "bubblewrap cannot create namespaces here (no user namespaces); choose backend='local'"
+    monkeypatch.setattr(namespace, "unavailable_reason", lambda: why)
+    monkeypatch.delenv("CODEFLEET_DEBUG", raising=False)
+    assert sandbox_bench.run_cli(quick=True, backend="namespace") == 1
+    out, err = capsys.readouterr()
+    assert out == ""  # no table, no JSON: there is no figure to print
+    assert err.strip().splitlines()[-1] == f"codefleet bench sandbox could not run: {why}"
+    assert "Traceback" not in err

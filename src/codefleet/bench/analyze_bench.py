@@ -164,4 +164,4 @@ def _table(r: dict) -> str:
 def run_cli(quick: bool, as_json: bool) -> int:
     return report(lambda log: run(quick, log),
                   lambda r: f"analyze bench: {r['rollouts']} synthetic rollouts, rules judge, Ray with 2 CPUs",
-                  _table, as_json, note_key="memory_note")
+                  _table, as_json, note_key="memory_note", name="analyze")

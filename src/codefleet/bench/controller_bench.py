@@ -239,4 +239,4 @@ def run_cli(quick: bool = False, as_json: bool = False) -> int:
     return report(lambda log: run(cfg, log),
                   lambda r: f"codefleet bench controller (median rollout {r['median_rollout_s']} s"
                             f"{', quick' if quick else ''})",
-                  table, as_json, note_key="note")
+                  table, as_json, note_key="note", name="controller")

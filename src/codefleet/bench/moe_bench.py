@@ -162,7 +162,7 @@ def run_cli(quick: bool = False, as_json: bool = False) -> int:
                   lambda r: (f"codefleet bench moe (fwd+bwd, {N_TOKENS} tokens, hidden {D_MODEL}, {THREADS} threads, "
                              f"fp32{', quick' if quick else ''}"
                              f"{'' if r['native_kernel'] else ', without the native kernel'})"),
-                  table, as_json, note_key="hf_note")
+                  table, as_json, note_key="hf_note", name="moe")
 
 
 if __name__ == "__main__":
