@@ -215,7 +215,8 @@ def test_the_first_ctrl_c_keeps_the_work_and_the_second_quits_at_once(repo, stat
 
     def interrupt(stub: OpenAIStub, times: int) -> tuple[subprocess.CompletedProcess, float]:
         proc = subprocess.Popen(cli + ["--model", stub.base_url], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+                                text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        # (a terminal's Ctrl-C, even where the tests run with SIGINT ignored, as under `nohup ... &`)
         deadline = time.monotonic() + 30
         while len(stub.requests) < 2 and time.monotonic() < deadline:  # the edit is made, the next answer is slow
             time.sleep(0.05)
@@ -223,7 +224,10 @@ def test_the_first_ctrl_c_keeps_the_work_and_the_second_quits_at_once(repo, stat
         for _ in range(times):
             proc.send_signal(signal.SIGINT)
             time.sleep(0.5)
-        out, err = proc.communicate(timeout=60)
+        try:
+            out, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()  # no-op once it exited; never left running after a failure
         return subprocess.CompletedProcess(cli, proc.returncode, out, err), time.monotonic() - started
 
     slow = [reply("", FIX), reply("", call("submit", {}), delay_s=3)]

@@ -245,7 +245,8 @@ def test_exit_codes_of_signals_pipes_and_exit(make_sandbox):
     assert gone.exit_code == 3 and "the shell exited (status 3)" in gone.output
     back = sb.exec("echo back")
     assert back.shell_restarted and back.output.startswith("back\n")
-    stuck = sb.exec("trap '' INT; while :; do :; done", timeout_s=1)  # the shell itself ignores the interrupt
+    sb.exec("trap '' INT")  # the shell itself ignores the interrupt (set first: not raced by the timeout)
+    stuck = sb.exec("while :; do :; done", timeout_s=1)
     assert stuck.timed_out and "ignored the interrupt, so codefleet ended the shell" in stuck.output
     assert "the shell exited" not in stuck.output and sb.exec("echo back").shell_restarted
 
@@ -286,3 +287,19 @@ def test_invalid_utf8_is_replaced(make_sandbox):
     sb = make_sandbox()
     result = sb.exec(r"printf 'caf\303\251 \377\376 end\n'")
     assert result.output == "café \ufffd\ufffd end\n"
+
+
+def test_the_sandbox_can_be_interrupted_when_codefleet_runs_with_sigint_ignored(make_sandbox):
+    """`nohup codefleet train &` starts codefleet with SIGINT ignored, which exec passes on; the sandbox's shell
+    must still be interruptible, or a timed-out command in the shell itself cannot be stopped."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        sb = make_sandbox()
+        ignored = int(sb.exec("sed -n 's/^SigIgn:[[:space:]]*//p' /proc/$$/status").output.strip(), 16)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert not ignored & (1 << (signal.SIGINT - 1))  # (an interactive bash ignores SIGQUIT itself)
+    sb.exec("trap '' INT")
+    assert "ignored the interrupt" in sb.exec("while :; do :; done", timeout_s=1).output  # trap works again

@@ -4,12 +4,19 @@ The spawner exists because of PR_SET_PDEATHSIG (bwrap's --die-with-parent):
 Linux sends the signal when the *thread* that forked the child exits, not
 the process. Forking every sandbox from one long-lived thread ties each
 sandbox's life to its host process, whatever thread asked for it.
+
+Every process it starts has SIGINT and SIGQUIT at their default action, even
+when codefleet itself runs with them ignored (`nohup codefleet train &`, a
+job runner): an ignored signal is inherited across exec, and a shell that
+starts with SIGINT ignored cannot be interrupted, so a timed-out command
+running in the sandbox's shell itself could not be stopped as designed.
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import signal
 import subprocess
 import threading
 from concurrent.futures import Future
@@ -73,6 +80,15 @@ def rss_kb(pid: int) -> tuple[int, int]:
         return 0, 0
 
 
+_DEFAULTED = (signal.SIGINT, signal.SIGQUIT)
+
+
+def _default_signals() -> None:
+    """In the forked child, before exec: the default action for the signals a sandbox is stopped with."""
+    for s in _DEFAULTED:
+        signal.signal(s, signal.SIG_DFL)
+
+
 class _Spawner:
     """One daemon thread that forks every sandbox process."""
 
@@ -82,6 +98,8 @@ class _Spawner:
         self._lock = threading.Lock()
 
     def popen(self, *args: Any, **kwargs: Any) -> subprocess.Popen:
+        if any(signal.getsignal(s) == signal.SIG_IGN for s in _DEFAULTED):  # see the module docstring
+            kwargs.setdefault("preexec_fn", _default_signals)
         if threading.current_thread() is self._thread:
             return subprocess.Popen(*args, **kwargs)
         with self._lock:
