@@ -188,7 +188,8 @@ def copy_layer(src: str, dst: str) -> None:
             except (FileNotFoundError, NotADirectoryError):  # renamed or deleted since it was listed
                 continue
             except OSError as e:
-                if e.errno != errno.ELOOP:  # a file swapped for a symlink since it was listed
+                # a file swapped for a symlink since it was listed (ELOOP), or a symlink for a file (EINVAL)
+                if e.errno not in (errno.ELOOP, errno.EINVAL):
                     raise
         # Directories' own metadata last would be nicer for mtimes; modes suffice.
 
