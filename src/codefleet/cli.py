@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (a table, then one JSON object)")
     bench.add_argument("what", choices=sorted(_BENCHES))
-    bench.add_argument("--quick", action="store_true", help="a smaller run (about 30 s)")
+    bench.add_argument("--quick", action="store_true", help="a smaller run (10-90 s, by benchmark and machine load)")
     bench.add_argument("--json", action="store_true", help="print only the JSON object")
     bench.add_argument("--backend", choices=["auto", "namespace", "local"], default="auto",
                        help="sandbox backend (bench sandbox only)")

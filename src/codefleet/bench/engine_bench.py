@@ -249,5 +249,7 @@ def run_cli(quick: bool = False, as_json: bool = False) -> int:
                   table, as_json, name="engine")
 
 
-if __name__ == "__main__":
-    sys.exit(run_cli(quick="--quick" in sys.argv, as_json="--json" in sys.argv))
+if __name__ == "__main__":  # the same as `codefleet bench engine` (its flags, --help and errors)
+    from codefleet.cli import main
+
+    sys.exit(main(["bench", "engine", *sys.argv[1:]]))

@@ -165,5 +165,7 @@ def run_cli(quick: bool = False, as_json: bool = False) -> int:
                   table, as_json, note_key="hf_note", name="moe")
 
 
-if __name__ == "__main__":
-    raise SystemExit(run_cli(quick="--quick" in sys.argv, as_json="--json" in sys.argv))
+if __name__ == "__main__":  # the same as `codefleet bench moe` (its flags, --help and errors)
+    from codefleet.cli import main
+
+    sys.exit(main(["bench", "moe", *sys.argv[1:]]))
