@@ -134,10 +134,10 @@ class RLTrainer:
                 if not died or self.new_group is None or restarts == self.MAX_TRAINER_RESTARTS:
                     raise
                 latest = self.run.latest()
-                log(f"{e}; starting a new trainer group from {latest[0] if latest else self.start} to redo step "
-                    f"{step}")
+                restart = latest[0] if latest else self.start
+                log(f"{e}; starting a new trainer group from {restart} to redo step {step}")
                 self.group.shutdown()
-                self.group = self.new_group(latest[0] if latest else self.start)
+                self.group = self.new_group(restart)
                 if self.group.version != step:
                     raise RuntimeError(f"the last checkpoint is at version {self.group.version}, not {step}: "
                                        "resume the run instead") from e
