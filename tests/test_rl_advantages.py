@@ -8,7 +8,7 @@ import torch
 from codefleet.agent.reward import RewardConfig
 from codefleet.rl.advantages import (compute_advantages, grpo_advantages, rloo_advantages, weigh_negatives,
                                      zero_variance_groups)
-from codefleet.rl.rewards import group_rewards
+from codefleet.rl.rewards import group_rewards, speed_bonus
 from codefleet.types import CheckResult, Trajectory, Turn
 
 
@@ -75,3 +75,36 @@ def test_weigh_negatives_scales_only_the_attempts_below_their_group():
     assert torch.equal(weigh_negatives(adv_NG, 1.0), adv_NG)
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         weigh_negatives(adv_NG, 1.5)
+
+
+def test_speed_bonus_ranks_a_groups_solved_attempts_by_turns_and_leaves_failures_at_zero():
+    turns = torch.tensor([[2, 4, 3, 6], [3, 3, 6, 2], [5, 5, 5, 5], [4, 4, 5, 6]])
+    solved = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]])
+    # group 0: solved turns 2..4 -> +w/2, -w/2, 0 (linear); the failure's 6 turns count for nothing
+    # group 1: the solved attempts tie; group 2: none solved; group 3: one solved, no one to beat
+    torch.testing.assert_close(speed_bonus(turns, solved, 0.5),
+                               torch.tensor([[0.25, -0.25, 0.0, 0.0], [0.0] * 4, [0.0] * 4, [0.0] * 4]))
+    # what it is for: two solves of 4 and 5 turns and two failures get advantages far apart
+    rewards = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
+    bonus = speed_bonus(torch.tensor([[4, 5, 6, 6]]), torch.tensor([[1, 1, 0, 0]]), 0.5)
+    torch.testing.assert_close(grpo_advantages(rewards + bonus), torch.tensor([[1.2247, 0.4082, -0.8165, -0.8165]]),
+                               atol=1e-4, rtol=0)
+
+
+def test_the_rl_stage_adds_the_speed_bonus_by_what_the_reward_counts_solved():
+    from types import SimpleNamespace
+
+    from codefleet.fleet.staleness import Group, Rollout
+    from codefleet.fleet.train_config import RLSection
+    from codefleet.fleet.train_rl import group_speed_bonus
+
+    def attempt(all_passed: bool, turns: int, stop: str = "submit") -> Rollout:
+        checks = CheckResult(passed=int(all_passed), total=1, all_passed=all_passed)
+        t = Trajectory("t", [], [Turn(i, "") for i in range(turns)], stop, checks=checks)
+        return Rollout("r", 0, 0, 0.0, payload={"trajectory": t})
+
+    group = Group(SimpleNamespace(group_id=0), [attempt(True, 2), attempt(True, 4, "max_turns"), attempt(False, 1)])
+    torch.testing.assert_close(group_speed_bonus([group], RLSection(speed_bonus=1.0)), torch.tensor([[0.5, -0.5, 0.0]]))
+    # an attempt that never submitted is not solved when the reward requires it: no one left to compare with
+    strict = RLSection(speed_bonus=1.0, reward=RewardConfig(require_submit=True))
+    torch.testing.assert_close(group_speed_bonus([group], strict), torch.zeros(1, 3))

@@ -47,3 +47,46 @@ def test_a_task_without_a_reference_patch_gets_no_demonstration_and_the_rest_do(
     tasks[1] = dataclasses.replace(tasks[1], reference_patch="")  # say, a task of your own with hidden checks only
     demos = expert_demos(tasks, default_tokenizer(), 4096, config, EpisodeConfig(prompt="bare"))
     assert demos.task_ids == [tasks[0].id] and demos.no_patch == [tasks[1].id] and not demos.unsolved
+
+
+def test_all_habits_records_each_habit_that_makes_another_episode_and_sft_draws_one_each_time(tmp_path, config):
+    import random
+
+    from codefleet.agent.episode import EpisodeConfig
+    from codefleet.fleet.train import sft_batch
+    from codefleet.fleet.train_config import SFTSection
+    from codefleet.model.tokenizer import default_tokenizer
+    from codefleet.tasks.generate import generate_tasks
+
+    tasks = generate_tasks(str(tmp_path / "tasks"), n=2, seed=2, families=["rename", "stub"], split="train")
+    tokenizer = default_tokenizer()
+    drawn_once = expert_demos(tasks, tokenizer, 4096, config, EpisodeConfig(prompt="bare"), chain_fraction=0.5)
+    demos = expert_demos(tasks, tokenizer, 4096, config, EpisodeConfig(prompt="bare"), chain_fraction=0.5,
+                         all_habits=True)
+    # the habit drawn per task is the one recorded as the task's demonstration either way
+    assert demos.examples == drawn_once.examples and not drawn_once.variants
+    rename = demos.task_ids.index(next(t.id for t in tasks if t.id.startswith("rename")))
+    stub = 1 - rename
+
+    def turns(messages):
+        return sum(1 for m in messages if m["role"] == "assistant")
+
+    # a rename: explore or not, tests chained or not, four episodes; 4 turns slowest, 2 fastest
+    assert {h: turns(m) for h, m in demos.variants[rename].items()} == {
+        (True, False): 4, (True, True): 3, (False, False): 3, (False, True): 2}
+    # chaining the tests is a rename's habit only: a stub task's habits that differ in it share one episode
+    assert all(demos.variants[stub][(e, False)] is demos.variants[stub][(e, True)] for e in (True, False))
+    assert demos.conversations[rename] in demos.variants[rename].values()
+
+    rng = random.Random(0)
+    seen = {turns(demos.conversation(rename, rng)) for _ in range(40)}
+    assert seen == {2, 3, 4}
+    assert {turns(demos.conversation(rename, rng, 1.0, 0.0)) for _ in range(10)} == {4}  # always explore, never chain
+    assert demos.conversation(rename) is demos.conversations[rename]  # no rng: as recorded
+
+    def shown(habits):
+        batch = sft_batch(demos, [rename] * 40, SFTSection(habits=habits, fresh_names=False, first_turns=0),
+                          random.Random(0), tokenizer, 4096)
+        return {tokenizer.decode(ids).count("<|assistant|>") for ids, _ in batch}
+
+    assert shown("epoch") == {2, 3, 4} and shown("task") == {turns(demos.conversations[rename])}

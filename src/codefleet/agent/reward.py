@@ -64,11 +64,20 @@ def correctness(checks: CheckResult | None, mode: str = "all_pass") -> float:
 def compute_reward(trajectory: Trajectory, config: RewardConfig | None = None) -> float:
     """The reward of a finished trajectory (its `checks` filled in)."""
     config = config or RewardConfig()
-    submitted = trajectory.stop_reason == "submit"
-    base = correctness(trajectory.checks, config.mode) if submitted or not config.require_submit else 0.0
+    base = _base(trajectory, config)
     costs = (config.cost_per_turn * trajectory.n_turns + config.cost_per_s * trajectory.wall_s
              + config.cost_per_token * trajectory.tokens + config.cost_per_tool_error * tool_errors(trajectory))
     return base - (base * costs if config.costs_on == "solved" else costs)
+
+
+def _base(trajectory: Trajectory, config: RewardConfig) -> float:
+    submitted = trajectory.stop_reason == "submit"
+    return correctness(trajectory.checks, config.mode) if submitted or not config.require_submit else 0.0
+
+
+def solved(trajectory: Trajectory, config: RewardConfig | None = None) -> bool:
+    """Whether the reward counts the episode as fully solved (every check passes; submitted, if required)."""
+    return _base(trajectory, config or RewardConfig()) >= 1.0
 
 
 def tool_errors(trajectory: Trajectory) -> int:

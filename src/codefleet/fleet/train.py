@@ -56,6 +56,7 @@ def check_config(config: TrainRunConfig) -> None:
         (r.estimator in ESTIMATORS, f"rl.estimator must be one of {', '.join(ESTIMATORS)}"),
         (r.group_size >= 2, "rl.group_size must be >= 2: group-relative advantages need two attempts"),
         (0 <= r.negative_weight <= 1, "rl.negative_weight must be in [0, 1]"),
+        (r.speed_bonus >= 0, "rl.speed_bonus must be >= 0 (0 turns it off)"),
         (r.rollout_slots >= r.group_size, "rl.rollout_slots must hold at least one group (>= rl.group_size)"),
         (r.steps >= 0 and r.eta >= 0 and r.batch_groups >= 1, "rl.steps, rl.eta >= 0 and rl.batch_groups >= 1"),
         (cl.trainer_workers >= 1 and cl.engines >= 1 and cl.rollout_workers >= 1,
@@ -64,6 +65,7 @@ def check_config(config: TrainRunConfig) -> None:
         (config.sft.workers >= 1 and config.sft.threads >= 1, "sft.workers and sft.threads must be >= 1"),
         (0 <= config.sft.explore_fraction <= 1 and 0 <= config.sft.chain_fraction <= 1,
          "sft.explore_fraction and sft.chain_fraction must be in [0, 1]"),
+        (config.sft.habits in ("epoch", "task"), f"sft.habits must be epoch or task, got {config.sft.habits!r}"),
         (config.model.copy_scope in ("all", "prompt"), "model.copy_scope must be 'all' or 'prompt'"),
         (config.model.prompt in PROMPTS, f"model.prompt must be one of {', '.join(PROMPTS)}"),
         (r.task_sampling in SAMPLING_MODES, f"rl.task_sampling must be one of {', '.join(SAMPLING_MODES)}"),
@@ -151,10 +153,12 @@ def demonstrations(run: RunDir, config: TrainRunConfig, tasks, tokenizer):
     expert = dataclasses.replace(episode_config(config), budgets=None)  # the task's own budgets, not RL's
     demos = expert_demos(tasks, tokenizer, config.model.max_seq_len, config.sandbox, expert,
                          explore_fraction=config.sft.explore_fraction, chain_fraction=config.sft.chain_fraction,
-                         seed=config.tasks.seed)
+                         seed=config.tasks.seed, all_habits=config.sft.habits == "epoch")
     atomic_write(path, pickle.dumps(demos))
     took_s = time.perf_counter() - started
-    log(f"{len(demos.examples)} expert demonstrations ({demos.tokens} tokens) in {took_s:.0f} s;"
+    habits = (f", {sum(len({id(c) for c in v.values()}) for v in demos.variants)} episodes of their habits"
+              if demos.variants else "")
+    log(f"{len(demos.examples)} expert demonstrations ({demos.tokens} tokens{habits}) in {took_s:.0f} s;"
          f" {len(demos.unsolved)} unsolved, {len(demos.too_long)} longer than the context, dropped"
          + (f"; {len(demos.no_patch)} tasks without a reference patch (RL only)" if demos.no_patch else ""))
     return demos
@@ -200,14 +204,22 @@ def sft_batch(demos, picked: list[int], c, rng: random.Random, tokenizer, max_se
     """One SFT step's examples: demonstrations `picked`, with fresh names when `c.fresh_names`
     (rl.augment), and `c.first_turns` first turns of random demonstrations, each with fresh names (the
     task and the expert's first answer: ~150 tokens that teach copying names from the task, the skill
-    every later turn builds on, at a fifth of a whole demonstration's cost)."""
+    every later turn builds on, at a fifth of a whole demonstration's cost). With `c.habits == "epoch"`
+    and demonstrations recorded with all their habits, each one shows a habit drawn now (rl.demos)."""
     from codefleet.rl.augment import fresh_names
 
-    if not (c.fresh_names and len(getattr(demos, "conversations", ())) == len(demos.examples)):  # older runs
+    def conversation(j: int) -> list[dict]:
+        return demos.conversation(j, rng if c.habits == "epoch" else None, c.explore_fraction, c.chain_fraction)
+
+    if not len(getattr(demos, "conversations", ())) == len(demos.examples):  # runs older than conversations
         return [demos.examples[j] for j in picked]
+    if not c.fresh_names:
+        if c.habits != "epoch" or not getattr(demos, "variants", None):
+            return [demos.examples[j] for j in picked]
+        return [demos.encode(tokenizer, conversation(j)) for j in picked]
 
     def renamed(j: int, turns: int | None = None):
-        messages = fresh_names(demos.conversations[j], rng)
+        messages = fresh_names(conversation(j), rng)
         if turns is not None:
             first = next(i for i, m in enumerate(messages) if m.get("role") == "assistant")
             messages = messages[:first + turns]

@@ -64,6 +64,11 @@ class SFTSection:
     # acting (where the task names the files), and of renames that run the tests in the same command
     explore_fraction: float = 0.5
     chain_fraction: float = 0.5
+    # "task": one habit per task, drawn once, which the policy learns by heart (P(explore) 0.00-0.99 per held-out
+    # task, scripts/habit_probe.py); "epoch": the expert records every habit of each task and SFT draws one anew
+    # each time it shows the task, so the habit is a coin (0.53-0.78) RL can weigh. "epoch" did not help RL reach
+    # the speed target and its one SFT run solved fewer held-out renames, so it is not the default (2026-12-05)
+    habits: str = "task"
     fresh_names: bool = True  # every epoch shows each demonstration with new names (rl.augment)
     first_turns: int = 8  # per step, also this many first turns of demonstrations with new names (fresh_names only)
     # SFT has the machine to itself: on 2 cores one worker with 2 threads steps in ~1.8 s, two data-parallel
@@ -98,6 +103,9 @@ class RLSection:
     # costs only on solved episodes: with costs on failures too, the policy learnt to end every episode at once
     reward: RewardConfig = field(default_factory=lambda: RewardConfig(cost_per_turn=0.02, cost_per_tool_error=0.02,
                                                                       costs_on="solved"))
+    # Kimi k1.5's length reward on turns (rl.rewards.speed_bonus): among a group's solved attempts the one with
+    # the fewest turns gets +speed_bonus/2, the one with the most -speed_bonus/2; 0 = off
+    speed_bonus: float = 0.0
     routing_replay: bool = True
 
 

@@ -62,6 +62,19 @@ def training_samples(groups: list[Group], advantages: list[list[float]]) -> tupl
     return samples, empty
 
 
+def group_speed_bonus(groups: list[Group], rl):
+    """rl.rewards.speed_bonus of these groups' attempts, by their turns and whether the reward counts them solved."""
+    import torch
+
+    from codefleet.agent.reward import solved
+    from codefleet.rl.rewards import speed_bonus
+
+    trajectories = [[r.payload["trajectory"] for r in g.rollouts] for g in groups]
+    turns_NG = torch.tensor([[t.n_turns for t in ts] for ts in trajectories])
+    solved_NG = torch.tensor([[solved(t, rl.reward) for t in ts] for ts in trajectories])
+    return speed_bonus(turns_NG, solved_NG, rl.speed_bonus)
+
+
 class RLTrainer:
     """The controller's TrainerClient: advantages, one RL step, weights to the engines, a checkpoint.
 
@@ -89,6 +102,8 @@ class RLTrainer:
         from codefleet.rl.advantages import compute_advantages, weigh_negatives
 
         rewards_NG = torch.tensor([[r.reward for r in g.rollouts] for g in batch.groups])
+        if self.config.rl.speed_bonus:
+            rewards_NG = rewards_NG + group_speed_bonus(batch.groups, self.config.rl)
         adv_NG = weigh_negatives(compute_advantages(rewards_NG, self.config.rl.estimator),
                                  self.config.rl.negative_weight)
         samples, empty = training_samples(batch.groups, adv_NG.tolist())

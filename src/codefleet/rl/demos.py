@@ -17,6 +17,16 @@ it names the files. `chain_fraction` of the renames run the tests in the
 same command as the rename. Real demonstrations vary like this; RL, whose
 reward costs turns, then learns which habit is faster.
 
+That needs the policy to *have* a choice on a task. With one habit per task,
+the SFT policy learns each training task's habit by heart, so RL's attempts at
+a task all take the same path and no group has a fast and a slow solved
+attempt to compare (29 of 33 groups in a default run all explored or all acted
+at once; not one group's solved attempts differed in turns, 2026-12-05). With
+`all_habits`, the expert also records every other habit that makes a different
+episode of the task (`Demos.variants`), and SFT draws the habit anew each time
+it shows the task (`Demos.conversation`): the policy's habit becomes a coin it
+tosses on every task, which is what RL's turn costs can weigh.
+
 The durations pytest prints (`8 passed in 0.02s`) are the one thing in a
 demonstration that changes from run to run; `steady_timings` writes them all
 as 0.01s, so the same tasks give the same demonstrations, token for token,
@@ -54,6 +64,9 @@ class Demos:
     no_patch: list[str] = field(default_factory=list)  # tasks without a reference patch: RL attempts them only
     conversations: list[list[dict]] = field(default_factory=list)  # the messages of each example
     prompt: str = "full"  # the prompt style they were made with (agent.prompts): "full" encodes the tool schemas
+    # per example, when made with all_habits: (explore, chain) -> the conversation of the expert with that habit
+    # (habits that make the same episode share it); empty otherwise
+    variants: list[dict[tuple[bool, bool], list[dict]]] = field(default_factory=list)
 
     @property
     def tokens(self) -> int:
@@ -66,35 +79,59 @@ class Demos:
 
         return chat.encode_chat_with_mask(tokenizer, messages, tool_schemas() if self.prompt == "full" else None)
 
+    def conversation(self, j: int, rng: random.Random | None = None, explore_fraction: float = 0.5,
+                     chain_fraction: float = 0.5) -> list[dict]:
+        """Example j's messages: with `rng` and recorded variants, those of a habit drawn now (explore with
+        `explore_fraction`, chain the tests with `chain_fraction`); otherwise the habit drawn when recorded."""
+        variants = getattr(self, "variants", ())  # demonstrations pickled before variants existed have none
+        variants = variants[j] if rng is not None and j < len(variants) else None
+        if not variants:
+            return self.conversations[j]
+        return variants[(rng.random() < explore_fraction, rng.random() < chain_fraction)]
+
 
 def expert_demos(tasks: list[Task], tokenizer, max_seq_len: int, sandbox_config=None, episode_config=None,
-                 jobs: int = 2, explore_fraction: float = 1.0, chain_fraction: float = 0.0, seed: int = 0) -> Demos:
+                 jobs: int = 2, explore_fraction: float = 1.0, chain_fraction: float = 0.0, seed: int = 0,
+                 all_habits: bool = False) -> Demos:
+    """One solved demonstration per task, its habit drawn from `seed` and the task's id; with `all_habits`,
+    also the task's other habits' episodes (`Demos.variants`). A task is kept only if every one is solved
+    and fits the context."""
     from codefleet.agent.clients.scripted import ScriptedExpert
     from codefleet.agent.episode import EpisodeConfig, run_episode
+
+    habits = [(e, c) for e in (True, False) for c in (False, True)]
 
     def one(task: Task):
         if not task.reference_patch.strip():  # nothing for the expert to replay: no demonstration
             return None
-        explore = random.Random(f"{seed}:{task.id}").random() < explore_fraction
-        chain = random.Random(f"{seed}:chain:{task.id}").random() < chain_fraction
-        return run_episode(task, ScriptedExpert(task, explore=explore, chain_tests=chain), sandbox_config,
-                           config=episode_config)
+        drawn = (random.Random(f"{seed}:{task.id}").random() < explore_fraction,
+                 random.Random(f"{seed}:chain:{task.id}").random() < chain_fraction)
+        experts = {h: ScriptedExpert(task, explore=h[0], chain_tests=h[1]) for h in (habits if all_habits else [drawn])}
+        episodes: dict[tuple, object] = {}  # the expert's steps -> its episode: habits that change nothing share one
+        for expert in experts.values():
+            if tuple(expert.steps) not in episodes:
+                episodes[tuple(expert.steps)] = run_episode(task, expert, sandbox_config, config=episode_config)
+        return drawn, {h: episodes[tuple(expert.steps)] for h, expert in experts.items()}
 
     demos = Demos(prompt=(episode_config or EpisodeConfig()).prompt)
     with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="demo") as pool:
-        for task, trajectory in zip(tasks, pool.map(one, tasks)):
-            if trajectory is None:
+        for task, made in zip(tasks, pool.map(one, tasks)):
+            if made is None:
                 demos.no_patch.append(task.id)
                 continue
-            if not (trajectory.checks and trajectory.checks.all_passed):
+            drawn, trajectories = made
+            if not all(t.checks and t.checks.all_passed for t in trajectories.values()):
                 demos.unsolved.append(task.id)
                 continue
-            messages = steady_timings(trajectory.messages)
-            ids, mask = demos.encode(tokenizer, messages)
-            if len(ids) > max_seq_len:
+            cleaned = {id(t): steady_timings(t.messages) for t in trajectories.values()}
+            messages = {h: cleaned[id(t)] for h, t in trajectories.items()}
+            encoded = {h: demos.encode(tokenizer, m) for h, m in messages.items()}
+            if any(len(ids) > max_seq_len for ids, _ in encoded.values()):
                 demos.too_long.append(task.id)
                 continue
-            demos.examples.append((ids, mask))
+            demos.examples.append(encoded[drawn])
             demos.task_ids.append(task.id)
-            demos.conversations.append(messages)
+            demos.conversations.append(messages[drawn])
+            if all_habits:
+                demos.variants.append(messages)
     return demos
