@@ -5,8 +5,10 @@ import torch
 import torch.nn.functional as F
 
 from codefleet.model import kernels
+from codefleet.model.cache import SlotKVCache
 from codefleet.model.config import ModelConfig
 from codefleet.model.moe import MoE
+from codefleet.model.transformer import Transformer
 
 
 def _op():
@@ -102,6 +104,72 @@ def test_a_failed_build_says_why(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with pytest.raises(kernels.KernelBuildError, match="cannot run the C\\+\\+ compiler"):
         kernels.build("moe_experts")
+
+
+# ---- the decode step's attention half and router (csrc/decode_layer.cpp) -------------------------------------
+
+def _decode_steps(model, slots, prompts, steps):
+    """Prefill each prompt into its slot (the Python path: T > 1), then decode `steps` fixed tokens per row;
+    every decode step's logits and routing, and the cache."""
+    cfg = model.config
+    cache = SlotKVCache(cfg.n_layers, 6, cfg.n_kv_heads, cfg.head_dim, 32)
+    lengths = [len(p) for p in prompts]
+    T = max(lengths)
+    tokens_BT = torch.tensor([p + [0] * (T - len(p)) for p in prompts])
+    logits, routing = [], []
+    with torch.inference_mode():
+        cache.begin(slots, [0] * len(slots), lengths, T)
+        model(tokens_BT, torch.arange(T).expand(len(slots), T), cache=cache, logits_at_B=torch.tensor(lengths) - 1)
+        cache.end()
+        g = torch.Generator().manual_seed(5)
+        for _ in range(steps):
+            starts = [cache.lengths[s] for s in slots]
+            cache.begin(slots, starts, [1] * len(slots), 1)
+            out = model(torch.randint(16, cfg.vocab_size, (len(slots), 1), generator=g), torch.tensor(starts)[:, None],
+                        cache=cache, return_routing=True)
+            cache.end()
+            logits.append(out.logits_BTV)
+            routing.append(torch.stack(out.routed_experts))
+    return logits, routing, cache
+
+
+@pytest.mark.parametrize("overrides", [{}, {"first_dense_layers": 1, "n_shared_experts": 1},
+                                       {"router_score": "sigmoid", "router_renorm": False, "balance": "bias"}])
+def test_a_native_decode_step_equals_the_python_one(monkeypatch, overrides):
+    """The decode step's blocks in native calls (model/decode.py) against the Python path (cache.attend, the
+    Python router), over slots that are not packed; a dense layer and a shared expert take their modules."""
+    assert kernels.decode_layer() is not None, "the decode_layer kernel did not build"
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.tiny(prev_tokens=0, **overrides)).eval()
+    if "balance" in overrides:
+        for block in model.layers[model.config.first_dense_layers:]:
+            block.ffn.router.expert_bias_E.normal_(0.0, 0.05)
+    slots, prompts = [4, 1, 2], [[20, 21, 22, 23, 24], list(range(30, 39)), [40, 41]]
+    native = _decode_steps(model, slots, prompts, 4)
+    monkeypatch.setattr(kernels, "decode_layer", lambda: None)
+    python = _decode_steps(model, slots, prompts, 4)
+    for a, b in zip(native[0], python[0]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for a, b in zip(native[1], python[1]):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(native[2].k, python[2].k, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(native[2].v, python[2].v, atol=1e-6, rtol=1e-5)
+    assert native[2].lengths == python[2].lengths
+
+
+def test_decode_attention_refuses_a_position_outside_the_cache():
+    attention, _ = kernels.decode_layer()
+    cfg = ModelConfig.tiny()
+    model = Transformer(cfg).eval()
+    cache = SlotKVCache(cfg.n_layers, 2, cfg.n_kv_heads, cfg.head_dim, 8)
+    attn = model.layers[0].attn
+    w_qkv = torch.cat([attn.wq.weight, attn.wk.weight, attn.wv.weight]).detach()
+    args = (torch.randn(1, cfg.d_model), model.layers[0].attn_norm.weight.detach(), w_qkv, attn.wo.weight.detach(),
+            model.layers[0].ffn_norm.weight.detach(), model._rope(8, "cpu"), cache.k, cache.v, 0)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        attention(*args, torch.tensor([0]), torch.tensor([8]), cfg.n_heads, cfg.norm_eps)
+    with pytest.raises(RuntimeError, match="fp32"):
+        attention(args[0].double(), *args[1:], torch.tensor([0]), torch.tensor([3]), cfg.n_heads, cfg.norm_eps)
 
 
 # ---- the training kernels (csrc/moe_train.cpp) ---------------------------------------------------------------

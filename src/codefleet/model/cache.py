@@ -39,6 +39,8 @@ request's prompt length), a row's queries see only the copy keys before it.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -83,6 +85,14 @@ class SlotKVCache:
         for slot, s, n in zip(step.slots, step.starts, step.n_new):
             self.lengths[slot] = s + n
         self._step = None
+
+    @property
+    def decode_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`(slots_B, positions_B)` of the forward pass in progress when it is a decode step (one new token per
+        row, written at `positions_B[b]` of slot `slots_B[b]`), else None. The native decode step
+        (`model/decode.py`) writes and attends with these instead of `attend`."""
+        step = self._step
+        return None if step is None or step.t_new != 1 else (step.slots_B, step.positions_B)
 
     def attend(self, layer: int, q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor) -> torch.Tensor:
         """Store the new keys/values of `layer` and attend over each row's cached history plus them."""
@@ -151,29 +161,45 @@ class _Step:
     def __init__(self, cache: SlotKVCache, slots: list[int], starts: list[int], n_new: list[int], t_new: int,
                  copy_ends: list[int] | None = None):
         self.slots, self.starts, self.n_new, self.t_new = slots, starts, n_new, t_new
-        device = cache.k.device
+        self.device = cache.k.device
         B = len(slots)
         self.packed = slots == list(range(B))  # rows are slots 0..B-1: read a view, not a gather
-        self.slots_B = torch.tensor(slots, device=device)
+        self.slots_B = torch.tensor(slots, device=self.device)
         # keys to attend over; a padded row (prefill after a reused prefix) may reach past max_len: its padding
         # writes to the last position, beyond its real tokens, and is never attended to by a real query
         self.length = min(max(s + t_new for s in starts), cache.max_len)
-        starts_B = torch.tensor(starts, device=device)
+        self.starts_B = torch.tensor(starts, device=self.device)
         if t_new == 1:
-            self.positions_B = starts_B
+            self.positions_B = self.starts_B
         else:
-            positions_BT = starts_B[:, None] + torch.arange(t_new, device=device)[None, :]
+            positions_BT = self.starts_B[:, None] + torch.arange(t_new, device=self.device)[None, :]
             self.positions_BT = positions_BT.clamp_(max=cache.max_len - 1)
-        key_pos_L = torch.arange(self.length, device=device)
-        self.query_pos_BT = starts_B[:, None] + torch.arange(t_new, device=device)[None, :]
-        self.mask_BTL = key_pos_L[None, None, :] <= self.query_pos_BT[:, :, None]  # True: may attend
-        self.copy_mask_BTL = self.mask_BTL
-        if copy_ends is not None:
-            ends_B = torch.tensor(copy_ends, device=device)
-            self.copy_mask_BTL = self.mask_BTL & (key_pos_L[None, None, :] < ends_B[:, None, None])
+        self.copy_ends = copy_ends
         self._masks: dict[int, torch.Tensor] = {}
         self._additive: torch.Tensor | None = None
         self.dtype = cache.k.dtype
+
+    # the masks are built on first use (the native decode step needs none of them), then shared by every layer
+
+    @functools.cached_property
+    def query_pos_BT(self) -> torch.Tensor:
+        return self.starts_B[:, None] + torch.arange(self.t_new, device=self.device)[None, :]
+
+    @functools.cached_property
+    def key_pos_L(self) -> torch.Tensor:
+        return torch.arange(self.length, device=self.device)
+
+    @functools.cached_property
+    def mask_BTL(self) -> torch.Tensor:
+        """True where query t of row b may attend to key position l."""
+        return self.key_pos_L[None, None, :] <= self.query_pos_BT[:, :, None]
+
+    @functools.cached_property
+    def copy_mask_BTL(self) -> torch.Tensor:
+        if self.copy_ends is None:
+            return self.mask_BTL
+        ends_B = torch.tensor(self.copy_ends, device=self.device)
+        return self.mask_BTL & (self.key_pos_L[None, None, :] < ends_B[:, None, None])
 
     def additive_mask(self, n_kv_heads: int) -> torch.Tensor:
         """[B * n_kv_heads, 1, L] of 0 (visible) and -inf, for a decode step (T = 1): row b * n_kv_heads + h

@@ -3,8 +3,9 @@
     python -m codefleet.model.kernels          # build now (scripts/setup.sh does); prints where
 
 `moe_experts()` returns `torch.ops.codefleet.moe_experts` (fused SwiGLU experts
-for decode-sized slot counts, see csrc/moe_experts.cpp) and `moe_train()` the
-training path's forward and backward (one expert per core, csrc/moe_train.cpp),
+for decode-sized slot counts, see csrc/moe_experts.cpp), `decode_layer()` the
+decode step's attention half and router (csrc/decode_layer.cpp) and `moe_train()`
+the training path's forward and backward (one expert per core, csrc/moe_train.cpp),
 or None when they cannot be had: no C++ compiler, a failed build, not
 x86-64/Linux, a torch without an exported BLAS GEMM (moe_train), or
 `CODEFLEET_KERNELS=0`. Callers then take their PyTorch path, which computes
@@ -125,6 +126,17 @@ def moe_experts():
     """`torch.ops.codefleet.moe_experts(x_ND, experts_NK, weights_NK, *pack_experts(w_gate_up, w_down), e0) -> y_ND`,
     or None."""
     return torch.ops.codefleet.moe_experts if _load("moe_experts") else None
+
+
+def decode_layer():
+    """`(decode_attention, moe_route)` (csrc/decode_layer.cpp), or None:
+    `decode_attention(x_BD, attn_norm, w_qkv, wo, ffn_norm, rope_table, k_cache, v_cache, layer, slots_B,
+    positions_B, n_heads, eps) -> (x_BD, h_BD)`, a block's attention half for one new token per row, and
+    `moe_route(h_ND, w_ED, bias_E, sigmoid, renorm, top_k) -> (experts_NK, weights_NK)`, the router without
+    losses."""
+    if not _load("decode_layer"):
+        return None
+    return torch.ops.codefleet.decode_attention, torch.ops.codefleet.moe_route
 
 
 def moe_train():

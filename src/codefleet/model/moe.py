@@ -114,6 +114,15 @@ class Router(nn.Module):
     def forward(self, x_ND: torch.Tensor, replay_NK: torch.Tensor | None = None, losses: bool = True) -> Routing:
         """Choose the experts of every token; `losses=False` skips the aux/z losses (left None)."""
         cfg = self.config
+        count = self.training and cfg.balance == "bias"
+        native = not (losses or count or torch.is_grad_enabled()) and replay_NK is None
+        if native and _native_route(x_ND, self.weight_ED):
+            # the same choice in one native call (csrc/decode_layer.cpp): the scores through ATen as below, then
+            # top-k and the renormalised weights in a loop (bit-identical weights; experts equal but at exact ties)
+            experts_NK, weights_NK = kernels.decode_layer()[1](
+                x_ND.contiguous(), self.weight_ED, self.expert_bias_E if cfg.balance == "bias" else None,
+                cfg.router_score == "sigmoid", cfg.router_renorm, cfg.top_k)
+            return Routing(experts_NK, weights_NK)
         logits_NE = F.linear(x_ND, self.weight_ED)
         if logits_NE.dtype != torch.float32:
             logits_NE = logits_NE.float()
@@ -134,7 +143,6 @@ class Router(nn.Module):
         if cfg.router_renorm:
             weights_NK = weights_NK / (weights_NK.sum(-1, keepdim=True) + 1e-20)
         routing = Routing(experts_NK, weights_NK if weights_NK.dtype == x_ND.dtype else weights_NK.to(x_ND.dtype))
-        count = self.training and cfg.balance == "bias"
         if not (losses or count):
             return routing
         counts_E = torch.bincount(experts_NK.reshape(-1), minlength=cfg.n_experts)
@@ -158,6 +166,12 @@ class Router(nn.Module):
             return
         self.expert_bias_E += self.config.bias_update_rate * torch.sign(self.load_E.mean() - self.load_E)
         self.load_E.zero_()
+
+
+def _native_route(x_ND: torch.Tensor, weight_ED: torch.Tensor) -> bool:
+    """The router's native kernel runs here: fp32 on CPU, built (kernels.decode_layer)."""
+    return (x_ND.device.type == "cpu" and x_ND.dtype == torch.float32 and weight_ED.dtype == torch.float32
+            and kernels.decode_layer() is not None)
 
 
 # ---- grouped matrix products -------------------------------------------------

@@ -16,6 +16,10 @@
   LM head, a decode step's largest GEMM, runs on a oneDNN-prepacked copy of
   its weight (`weights.inference_linear`; equal to float rounding, ~1e-6). It comes
   after the last router, so the engine routes exactly as the trainer does.
+- A decode step over the engine's slot cache (one new token per row, under
+  `inference_mode`, fp32 on CPU) runs each block as native calls when the
+  kernels are built (`decode.decode_blocks`, csrc/decode_layer.cpp): the same
+  math to float rounding, without ~60 small ATen calls per layer.
 - Grouped-query attention: `n_heads` query heads share `n_kv_heads` key/value
   heads. Without a cache it is causal `scaled_dot_product_attention` over the
   given tokens (training, scoring). With a cache, `cache.attend(layer, q_BHTD,
@@ -60,6 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from codefleet.model.config import ModelConfig
+from codefleet.model.decode import decode_blocks
 from codefleet.model.moe import MoE, SwiGLU
 from codefleet.model.weights import fused_weight, inference_linear
 
@@ -314,35 +319,17 @@ class Transformer(nn.Module):
         if routing_replay is not None and len(routing_replay) != cfg.n_moe_layers:
             raise ValueError(f"routing_replay has {len(routing_replay)} entries; this model has "
                              f"{cfg.n_moe_layers} MoE layers (one [B, T, top_k] tensor each)")
-        if positions_BT is None:
-            cs_T2_1D = self._rope(T, tokens_BT.device)[:T]
-            cos, sin = cs_T2_1D[None, :, 0], cs_T2_1D[None, :, 1]  # [1, T, 1, head_dim]
-        else:
-            n = int(positions_BT.max()) + 1 if positions_BT.device.type == "cpu" else cfg.max_seq_len
-            cs_BT2_1D = self._rope(n, tokens_BT.device)[positions_BT]
-            cos, sin = cs_BT2_1D[:, :, 0], cs_BT2_1D[:, :, 1]  # [B, T, 1, head_dim]
         if prev_BK is None and cache is not None and cfg.prev_tokens and bool((positions_BT[:, 0] > 0).any()):
             raise ValueError("this forward continues cached sequences, so it needs prev_BK: the model's input "
                              f"includes each token's {cfg.prev_tokens} predecessors (config.prev_tokens)")
         x_BTD = self.embed_input(tokens_BT, prev_BK)
-        aux = z = x_BTD.new_zeros((), dtype=torch.float32)
-        routed: list[torch.Tensor] = []
-        moe_i = 0
-        for block in self.layers:
-            x_BTD = x_BTD + block.attn.forward_rope(block.attn_norm(x_BTD), cos, sin, cache)
-            h_ND = block.ffn_norm(x_BTD).reshape(B * T, cfg.d_model)
-            if block.is_moe:
-                replay_NK = None if routing_replay is None else routing_replay[moe_i].reshape(B * T, cfg.top_k)
-                out = block.ffn(h_ND, replay_NK)
-                ffn_ND = out.y_ND
-                if out.aux_loss is not None:  # None under inference_mode
-                    aux, z = aux + out.aux_loss, z + out.z_loss
-                if return_routing:
-                    routed.append(out.experts_NK.view(B, T, cfg.top_k))
-                moe_i += 1
-            else:
-                ffn_ND = block.ffn(h_ND)
-            x_BTD = x_BTD + ffn_ND.view(B, T, cfg.d_model)
+        routed: list[torch.Tensor] | None = [] if return_routing else None
+        x_native_BTD = decode_blocks(self, x_BTD, cache, routing_replay, routed)
+        if x_native_BTD is not None:  # a decode step, each block in native calls (model/decode.py)
+            no_loss = x_BTD.new_zeros((), dtype=torch.float32)  # it runs under inference_mode only
+            x_BTD, aux, z = x_native_BTD, no_loss, no_loss
+        else:
+            x_BTD, aux, z = self._blocks(x_BTD, positions_BT, cache, routing_replay, routed)
         copy_end_BT = None
         if self.copy is not None and cfg.copy_scope == "prompt" and cache is None:
             if turn_mask_BT is None:
@@ -364,7 +351,6 @@ class Transformer(nn.Module):
             logits_BTV = self.lm_head(h_BTD)
         else:  # the engine, reference logprobs: the LM head is the largest GEMM of a decode step
             logits_BTV = inference_linear(self.lm_head, h_BTD, (self.lm_head.weight,))
-        routed_out = routed if return_routing else None
         if targets_BT is not None:
             if cache is not None or logits_at_B is not None:
                 raise ValueError("targets_BT is for a full forward over whole sequences (training), not with "
@@ -373,10 +359,38 @@ class Transformer(nn.Module):
                 logp_BT = self.copy.target_logprobs(logits_BTV, h_BTD, tokens_BT, targets_BT, copy_end_BT)
             else:
                 logp_BT = token_logprobs(logits_BTV, targets_BT)
-            return ModelOutput(None, routed_out, aux, z, logp_BT)
+            return ModelOutput(None, routed, aux, z, logp_BT)
         if self.copy is not None:
             logits_BTV = self.copy(logits_BTV, h_BTD, h_all_BTD, tokens_BT, cache, logits_at_B, copy_end_BT)
-        return ModelOutput(logits_BTV, routed_out, aux, z)
+        return ModelOutput(logits_BTV, routed, aux, z)
+
+    def _blocks(self, x_BTD: torch.Tensor, positions_BT: torch.Tensor, cache, routing_replay, routed: list | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every block over `x_BTD`; the residual stream after them and the summed aux and z losses (0 under
+        inference_mode). Appends each MoE layer's experts `[B, T, top_k]` to `routed` if given."""
+        cfg = self.config
+        B, T, _ = x_BTD.shape
+        n = int(positions_BT.max()) + 1 if positions_BT.device.type == "cpu" else cfg.max_seq_len
+        cs_BT2_1D = self._rope(n, x_BTD.device)[positions_BT]
+        cos, sin = cs_BT2_1D[:, :, 0], cs_BT2_1D[:, :, 1]  # [B, T, 1, head_dim]
+        aux = z = x_BTD.new_zeros((), dtype=torch.float32)
+        moe_i = 0
+        for block in self.layers:
+            x_BTD = x_BTD + block.attn.forward_rope(block.attn_norm(x_BTD), cos, sin, cache)
+            h_ND = block.ffn_norm(x_BTD).reshape(B * T, cfg.d_model)
+            if block.is_moe:
+                replay_NK = None if routing_replay is None else routing_replay[moe_i].reshape(B * T, cfg.top_k)
+                out = block.ffn(h_ND, replay_NK)
+                ffn_ND = out.y_ND
+                if out.aux_loss is not None:  # None under inference_mode
+                    aux, z = aux + out.aux_loss, z + out.z_loss
+                if routed is not None:
+                    routed.append(out.experts_NK.view(B, T, cfg.top_k))
+                moe_i += 1
+            else:
+                ffn_ND = block.ffn(h_ND)
+            x_BTD = x_BTD + ffn_ND.view(B, T, cfg.d_model)
+        return x_BTD, aux, z
 
     def embed_input(self, tokens_BT: torch.Tensor, prev_BK: torch.Tensor | None = None) -> torch.Tensor:
         """The first layer's input: each token's embedding plus those of the `prev_tokens` tokens before it."""
