@@ -113,6 +113,31 @@ def test_dead_owner_in_an_abandoned_state_dir_is_reaped(config, tmp_path):
     assert_reaped(dead, marker)
 
 
+def test_a_sandbox_process_its_owner_never_recorded_is_killed_by_the_reaper(config, tmp_path):
+    """An owner SIGKILLed while starting a sandbox dies before it writes the sandbox's pids.json, and
+    the sandbox's bwrap, PID 1 of its namespace, outlived --die-with-parent (seen with a kill -9 during
+    a create/fork/close loop). Every bwrap of an owner names a path under its sb/ directory."""
+    owner = state.owner_for(config.state_dir)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    state_dir = str(tmp_path / "state")
+    dead_dir = os.path.join(state_dir, f"{gone.pid}-1-abcdef")
+    os.makedirs(os.path.join(dead_dir, "sb", "sb-0123456789"))
+    open(os.path.join(dead_dir, "lock"), "w").close()  # nobody holds it: a dead owner
+    stray = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
+                              os.path.join(dead_dir, "sb", "sb-0123456789", "merged")])
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", dead_dir + "-not-sb"])
+    try:
+        assert state.reap(state_dir, owner.cgroups) == [os.path.basename(dead_dir)]
+        assert stray.wait(timeout=10) == -9
+        assert bystander.poll() is None  # only what names the dead owner's sandboxes
+        assert not os.path.exists(dead_dir)
+    finally:
+        for proc in (stray, bystander):
+            proc.kill()
+            proc.wait()
+
+
 def test_owner_liveness_comes_from_the_process_table_not_file_times():
     """An owner's name records its pid and kernel start time, so a live owner whose
     directory looks old or new (a wall-clock step on a fresh machine) is never reaped,

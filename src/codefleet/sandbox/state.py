@@ -7,7 +7,11 @@ the cgroups `codefleet/<owner>/...`. Sandboxes are tied to their owner by
 bwrap's --die-with-parent, so when an owner dies (even by SIGKILL) their
 processes die with it; what is left — mounts, cgroups, directories — is
 reaped by the next owner that starts on the machine: an owner directory
-whose lock nobody holds belongs to a dead process.
+whose lock nobody holds belongs to a dead process. Not quite all die: an
+owner killed while it starts a sandbox can leave that sandbox's bwrap (PID 1
+of its namespace) running, before its pids were recorded; the reaper kills
+every process whose command line names the dead owner's sb/ directory, as
+each of its bwraps does.
 
 A dead owner's state directory may never be visited again: a test run's
 private one, deleted since around the mounts it could not delete (lock file
@@ -192,6 +196,9 @@ def _reap_owner(owner_dir: str, name: str, tree: cgroups.CgroupTree) -> None:
                     procs.kill_if_same(pid, started)
         except (OSError, ValueError):
             pass
+    # a bwrap whose owner died before recording its pids (killed while starting a sandbox) outlives
+    # --die-with-parent as its PID namespace's init; every bwrap of the owner binds a path under sb/
+    procs.kill_mentioning(os.path.join(owner_dir, "sb") + os.sep)
     for group in tree.stale_groups(name):
         group.remove(timeout_s=1.0)
     for point in layers.mounts_under(owner_dir):
