@@ -41,9 +41,9 @@ from codefleet.rl.logprobs import forward_logprobs
 from codefleet.tasks.spec import load_task
 
 
-def first_turn(task, explore: bool) -> dict:
-    """The expert's first assistant message under a habit, as a chat message."""
-    messages = build_messages(task.instruction, task.test_command, prompt="bare")
+def first_turn(task, explore: bool, messages: list[dict] | None = None) -> dict:
+    """The expert's first assistant message under a habit, as a chat message (`messages`: the task's prompt)."""
+    messages = messages or build_messages(task.instruction, task.test_command, prompt="bare")
     out = ScriptedExpert(task, explore=explore).generate(messages, [])
     return {"role": "assistant", "content": out.text, "tool_calls": [
         {"id": f"call_0_{i}", "type": "function", "function": {"name": c.name, "arguments": c.raw_arguments}}
@@ -52,7 +52,7 @@ def first_turn(task, explore: bool) -> dict:
 
 def opening_logprob(model, tokenizer, task, explore: bool, n_tokens: int) -> float:
     messages = build_messages(task.instruction, task.test_command, prompt="bare")
-    ids, mask = chat.encode_chat_with_mask(tokenizer, messages + [first_turn(task, explore)], None)
+    ids, mask = chat.encode_chat_with_mask(tokenizer, messages + [first_turn(task, explore, messages)], None)
     start = mask.index(1)
     mask = [1 if start <= i < start + n_tokens else 0 for i in range(len(mask))]
     with torch.no_grad():

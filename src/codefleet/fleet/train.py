@@ -211,7 +211,7 @@ def sft_batch(demos, picked: list[int], c, rng: random.Random, tokenizer, max_se
     def conversation(j: int) -> list[dict]:
         return demos.conversation(j, rng if c.habits == "epoch" else None, c.explore_fraction, c.chain_fraction)
 
-    if not len(getattr(demos, "conversations", ())) == len(demos.examples):  # runs older than conversations
+    if len(getattr(demos, "conversations", ())) != len(demos.examples):  # runs older than conversations
         return [demos.examples[j] for j in picked]
     if not c.fresh_names:
         if c.habits != "epoch" or not getattr(demos, "variants", None):

@@ -83,11 +83,10 @@ class Demos:
                      chain_fraction: float = 0.5) -> list[dict]:
         """Example j's messages: with `rng` and recorded variants, those of a habit drawn now (explore with
         `explore_fraction`, chain the tests with `chain_fraction`); otherwise the habit drawn when recorded."""
-        variants = getattr(self, "variants", ())  # demonstrations pickled before variants existed have none
-        variants = variants[j] if rng is not None and j < len(variants) else None
-        if not variants:
+        recorded = getattr(self, "variants", ())  # demonstrations pickled before variants existed have none
+        if rng is None or j >= len(recorded) or not recorded[j]:
             return self.conversations[j]
-        return variants[(rng.random() < explore_fraction, rng.random() < chain_fraction)]
+        return recorded[j][(rng.random() < explore_fraction, rng.random() < chain_fraction)]
 
 
 def expert_demos(tasks: list[Task], tokenizer, max_seq_len: int, sandbox_config=None, episode_config=None,
