@@ -37,6 +37,8 @@ def worker_cls(ray_session):
                 raise RuntimeError("the sandbox died")
             if mode == "infra":
                 return AttemptResult(None, "engine unreachable")
+            if mode == "broken":
+                return AttemptResult(None, task_error="setup command 'make deps' failed (exit 2)")
             return AttemptResult(Rollout(rollout_id, group_id, version, reward))
 
         def cancelled_count(self):
@@ -180,6 +182,34 @@ def test_an_abandoned_group_does_not_deadlock_the_run(ray_session, worker):
     assert report.infra_failures == 3 and runner.tries[(0, 0)] == 3
     assert 0 not in {g.group_id for b in trainer.batches for g in b.groups}
     assert ctrl.admission.in_flight == 0 and not ctrl.admission.unconsumed  # nothing leaked
+
+
+def test_a_broken_item_drops_its_group_at_once_and_the_run_goes_on(ray_session, worker):
+    """An item that cannot be attempted (a task whose set-up fails) is not retried as infrastructure and not
+    trained on: its group is withdrawn, on_broken hears of the item, and the other groups fill the batches."""
+    broken_items = {2, 5}
+    items = itertools.count()
+    ctrl, runner, trainer = build(ray_session, worker, lambda g, a, t: (0.01, float(a), "ok"), eta=1)
+    runner.script = lambda g, a, t: (0.01, float(a), "broken" if runner.group_items[g] in broken_items else "ok")
+    ctrl.items = items
+    heard = []
+    ctrl.on_broken = lambda item, why: heard.append((item, why))
+    report = ctrl.run(4)
+    assert report.steps == 4 and report.broken_groups == 2 and report.infra_failures == 0
+    assert sorted(item for item, _ in heard) == [2, 5] and "make deps" in heard[0][1]
+    assert "make deps" in report.last_task_error
+    trained_items = {runner.group_items[g.group_id] for b in trainer.batches for g in b.groups}
+    assert trained_items.isdisjoint(broken_items)
+    broken_groups = [g for g, item in runner.group_items.items() if item in broken_items]
+    assert all(runner.tries[(g, a)] == 1 for g in broken_groups for a in (0, 1) if (g, a) in runner.tries)
+
+
+def test_when_every_item_is_broken_the_run_stops_saying_so(ray_session, worker):
+    ctrl, runner, trainer = build(ray_session, worker, lambda g, a, t: (0.01, 0.0, "broken"), eta=1,
+                                  max_abandoned_in_a_row=3)
+    with pytest.raises(RuntimeError, match="3 groups in a row were dropped because their item cannot be attempted"):
+        ctrl.run(2)
+    assert ctrl.version == 0 and ctrl.admission.in_flight == 0
 
 
 def test_zero_variance_groups_are_dropped(ray_session, worker):

@@ -42,10 +42,15 @@ def test_a_model_behind_an_openai_endpoint_is_evaluated_like_a_checkpoint(tmp_pa
         out = ScriptedExpert(task).generate(body["messages"], body.get("tools") or [])
         return reply(out.text, *[call(c.name, c.raw_arguments) for c in out.tool_calls])
 
+    import dataclasses
+
+    broken = dataclasses.replace(tasks[0], id="broken-setup", setup_commands=["echo 'pip: no network' >&2; exit 1"])
     with OpenAIStub([expert] * 40) as stub:
-        report, results = evaluate_endpoint(stub.base_url, tasks, EvalConfig(attempts=2, jobs=2),
+        report, results = evaluate_endpoint(stub.base_url, [*tasks, broken], EvalConfig(attempts=2, jobs=2),
                                             sandbox_config=config)
         assert report.checkpoint == "stub-model" and report.tasks == 2 and report.attempts == 2
+        assert list(report.broken) == ["broken-setup"] and "pip: no network" in report.broken["broken-setup"]
+        assert "broken-setup" not in results and "1 task(s) left out, their set-up fails: broken-setup" in report.table()
         assert report.success_rate == 1.0 and report.pass_at_n == 1.0, report.per_task
         assert all(len(ts) == 2 for ts in results.values())
         assert all("tools" in body for body in stub.requests)  # the full prompt: an endpoint serves any model

@@ -148,3 +148,47 @@ def test_an_engine_that_restarts_serves_the_newest_committed_weights_not_its_fir
         ray.get(AgentGroupRunner(old).start(Ticket(6, 3, 4, 1), task, [0])[0], timeout=240)
     for actor in (*workers, *old, *engines, *stale):
         ray.kill(actor, no_restart=True)
+
+
+def test_an_engine_dead_for_good_gets_no_more_episodes_and_leaves_the_weight_broadcast(setup):
+    """Killed with no restart, an engine fails the attempt it serves (an infrastructure failure, retried); from
+    then on the worker routes every episode to the engines left, and a weight broadcast skips it."""
+    ckpt, task, state_dir = setup
+    engines = start_engines(ckpt, 2, num_cpus=0, max_batch=2)
+    workers = start_workers(_spec(ckpt, state_dir), engines, 1, slots_per_worker=1, num_cpus=0)
+    runner = AgentGroupRunner(workers)
+    ray.kill(engines[0], no_restart=True)
+    ticket = Ticket(group_id=10, policy_version=0, deadline=1, group_size=1)  # 10 * 1 + 0 -> engine 0 of 2
+    with pytest.raises(ray.exceptions.RayTaskError, match="engine 0 is dead for good"):
+        ray.get(runner.start(ticket, task, [0])[0], timeout=240)
+    for group_id in (10, 12):  # the retry, and a later group that would have gone to engine 0 too
+        (result,) = ray.get(runner.start(Ticket(group_id, 0, 1, 1), task, [0]), timeout=240)
+        assert result.rollout is not None
+    weights = {k: v + 0.01 for k, v in checkpoint.load(ckpt).state_dict().items()}
+    live = broadcast_weights(engines, ray.put(weights), 1)
+    assert live == [engines[1]] and ray.get(engines[1].info.remote())["version"] == 1
+    ray.kill(engines[1], no_restart=True)
+    with pytest.raises(Exception, match="all 2 engines are dead for good"):
+        broadcast_weights(engines, ray.put(weights), 2)
+    for w in workers:
+        ray.kill(w, no_restart=True)
+
+
+def test_a_task_whose_set_up_fails_is_broken_not_an_infrastructure_failure(setup):
+    """A set-up command that fails (twice, in fresh sandboxes) makes every attempt of the group resolve to a
+    task error, which the controller drops without retrying; the worker then runs other tasks as before."""
+    import dataclasses
+
+    ckpt, task, state_dir = setup
+    broken = dataclasses.replace(task, id="config-broken", setup_commands=["echo 'no such package: foo' >&2; exit 3"])
+    engines = start_engines(ckpt, 1, num_cpus=0, max_batch=2)
+    workers = start_workers(_spec(ckpt, state_dir), engines, 1, slots_per_worker=2, num_cpus=0)
+    runner = AgentGroupRunner(workers)
+    results = ray.get(runner.start(Ticket(20, 0, 1, 2), broken, [0, 1]), timeout=240)
+    for r in results:
+        assert r.rollout is None and not r.infra_error
+        assert "the set-up of config-broken failed twice" in r.task_error and "no such package: foo" in r.task_error
+    (result,) = ray.get(runner.start(Ticket(21, 0, 1, 1), task, [0]), timeout=240)
+    assert result.rollout is not None
+    for actor in (*workers, *engines):
+        ray.kill(actor, no_restart=True)

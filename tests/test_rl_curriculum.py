@@ -27,6 +27,22 @@ def test_uniform_is_every_task_once_per_pass_and_skip_resumes_the_same_stream():
     assert [next(resumed).id for _ in range(7)] == first[5:12]
 
 
+@pytest.mark.parametrize("mode", ["uniform", "learnable"])
+def test_an_excluded_task_never_comes_again_and_excluding_all_ends_the_stream(mode):
+    tasks = _tasks()
+    sampler = TaskSampler(tasks, seed=1, mode=mode)
+    first = next(sampler)
+    sampler.exclude(first.id)
+    sampler.exclude(tasks[5].id)
+    rest = [next(sampler).id for _ in range(3 * len(tasks))]
+    assert first.id not in rest and tasks[5].id not in rest
+    assert set(rest) == {t.id for t in tasks} - {first.id, tasks[5].id}
+    for t in tasks:
+        sampler.exclude(t.id)
+    with pytest.raises(StopIteration):
+        next(sampler)
+
+
 def test_mixed_group_probability_by_hand():
     assert mixed_group_probability(0.5, 4) == pytest.approx(1 - 2 / 16)
     assert mixed_group_probability(0.1, 4) == pytest.approx(1 - 0.1**4 - 0.9**4)

@@ -36,17 +36,20 @@ def test_two_runs_of_the_expert_give_the_same_demonstrations(tmp_path, config):
     assert any("passed in 0.01s" in (m.get("content") or "") for conv in runs[0].conversations for m in conv)
 
 
-def test_a_task_without_a_reference_patch_gets_no_demonstration_and_the_rest_do(tmp_path, config):
+def test_a_task_without_a_reference_patch_or_whose_set_up_fails_gets_no_demonstration_and_the_rest_do(tmp_path,
+                                                                                                       config):
     import dataclasses
 
     from codefleet.agent.episode import EpisodeConfig
     from codefleet.model.tokenizer import default_tokenizer
     from codefleet.tasks.generate import generate_tasks
 
-    tasks = generate_tasks(str(tmp_path / "tasks"), n=2, seed=2, families=["rename"], split="train")
+    tasks = generate_tasks(str(tmp_path / "tasks"), n=3, seed=2, families=["rename"], split="train")
     tasks[1] = dataclasses.replace(tasks[1], reference_patch="")  # say, a task of your own with hidden checks only
+    tasks[2] = dataclasses.replace(tasks[2], setup_commands=["npm ci || exit 7"])  # a set-up that cannot work here
     demos = expert_demos(tasks, default_tokenizer(), 4096, config, EpisodeConfig(prompt="bare"))
     assert demos.task_ids == [tasks[0].id] and demos.no_patch == [tasks[1].id] and not demos.unsolved
+    assert list(demos.broken) == [tasks[2].id] and "exit 7" in demos.broken[tasks[2].id]
 
 
 def test_all_habits_records_each_habit_that_makes_another_episode_and_sft_draws_one_each_time(tmp_path, config):

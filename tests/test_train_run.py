@@ -316,3 +316,36 @@ def test_two_processes_cannot_work_in_one_run_at_once(tmp_path):
         run.unlock()
     other.lock()  # free again once the holder is gone
     other.unlock()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_tasks_whose_set_up_fails_are_named_and_left_out_and_the_run_finishes(tmp_path):
+    """Tasks of your own, two of them broken: one the expert demonstrates (its set-up fails in the demonstrations)
+    and one for RL only (no reference patch: its set-up fails in a rollout worker). Neither stops the run nor is
+    retried as an infrastructure failure; each is named once and never attempted again."""
+    import dataclasses
+
+    from codefleet.tasks.generate import generate_tasks
+    from codefleet.tasks.spec import save_tasks
+
+    mine = str(tmp_path / "mine")
+    tasks = generate_tasks(mine, n=4, seed=5, families=["bugfix", "config"], split="train")
+    fails = ["echo 'E: Unable to locate package libfoo' >&2; exit 100"]
+    tasks += [dataclasses.replace(tasks[0], id="broken-demo", setup_commands=fails),
+              dataclasses.replace(tasks[1], id="broken-rl", setup_commands=fails, reference_patch="")]
+    save_tasks(tasks, mine)
+    generate_tasks(str(tmp_path / "held"), n=1, seed=6, families=["config"], split="test")
+    run = str(tmp_path / "run")
+    out = subprocess.run(_cli("train", "--out", run, "--no-progress", *TINY, f"tasks.train_dir={mine}",
+                              f"tasks.eval_dir={tmp_path / 'held'}", "rl.steps=6"),
+                         capture_output=True, text=True, timeout=840)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "task broken-demo is left out of the run, its set-up fails" in out.stderr
+    assert "Unable to locate package libfoo" in out.stderr
+    assert out.stderr.count("leaving task broken-rl out of RL") == 1, out.stderr[-3000:]
+    assert "broken_groups=1" in out.stderr and "abandoned_groups=0" in out.stderr
+    from codefleet.analysis.store import read_rollouts
+
+    attempted = set(read_rollouts(os.path.join(run, "rollouts"), columns=["task_id"]).column("task_id").to_pylist())
+    assert attempted and not attempted & {"broken-demo", "broken-rl"}

@@ -32,6 +32,11 @@ attempt index is started again with `runner.start(ticket, item, [attempt])` when
 more than `max_infra_retries` times abandons its group: the group's other attempts are cancelled
 and its ticket is withdrawn, so the trainer does not wait for it.
 
+Broken items. An attempt that resolves to `AttemptResult(None, task_error=why)` says the item itself
+cannot be attempted (a task whose set-up fails): retrying would fail the same way, and scoring it would
+teach the policy nothing. Its group is withdrawn at once (other attempts cancelled), counted in
+`broken_groups`, and `on_broken(item, why)` is called (the RL stage takes the task out of its stream).
+
 Ending. `run(n_steps)` returns once the trainer has reached version `n_steps` (versions count
 from 0, so a resumed controller at `start_version=3` does 2 steps in `run(5)`), after `stop()`, or
 when `items` is exhausted and no batch can be formed any more. In-flight attempts are then
@@ -136,9 +141,10 @@ class Controller:
         buffer_state: dict | None = None,
         on_group: Callable[[Group, bool], None] | None = None,
         on_step: Callable[[StepReport], None] | None = None,
+        on_broken: Callable[[Any, str], None] | None = None,
     ):
         self.config, self.runner, self.trainer, self.items = config, runner, trainer, iter(items)
-        self.on_step = on_step
+        self.on_step, self.on_broken = on_step, on_broken
         self.admission = AdmissionController(
             config.eta, config.rollout_slots, config.batch_groups, config.group_size
         )
@@ -167,6 +173,9 @@ class Controller:
         self._running = False
         self._last_infra_error = ""
         self._abandoned_in_a_row = 0
+        self._broken_groups = 0
+        self._broken_in_a_row = 0
+        self._last_task_error = ""
 
     @property
     def version(self) -> int:
@@ -200,7 +209,7 @@ class Controller:
                              version_lag_p99=0.0, version_lag_max=0, infra_failures=0, abandoned_groups=0,
                              dropped_groups=0)
         self._running = True
-        base = (adm.infra_failures, adm.abandoned_groups, buf.dropped_zero_variance)
+        base = (adm.infra_failures, adm.abandoned_groups, buf.dropped_zero_variance, self._broken_groups)
         start_version = self._version
         self._t_start = time.monotonic()
         self._t_first_batch: float | None = None
@@ -248,6 +257,8 @@ class Controller:
             abandoned_groups=adm.abandoned_groups - base[1],
             dropped_groups=buf.dropped_zero_variance - base[2],
             last_infra_error=self._last_infra_error,
+            broken_groups=self._broken_groups - base[3],
+            last_task_error=self._last_task_error,
             lags=list(self._lags),
         )
 
@@ -394,6 +405,9 @@ class Controller:
         if not isinstance(result, AttemptResult):
             raise _Fatal(f"an attempt of group {att.group_id} resolved to {type(result).__name__}; GroupRunner refs "
                          "must resolve to AttemptResult")
+        if result.rollout is None and result.task_error:
+            self._broken(g, att, result.task_error)
+            return
         if result.rollout is None:
             self._failed(g, att, result.infra_error or "the runner gave no reason")
             return
@@ -406,7 +420,7 @@ class Controller:
             raise _Fatal(f"rollout {r.rollout_id!r} reports policy_version {r.policy_version} but its group was "
                          f"admitted at version {g.ticket.policy_version}; report the version the attempt started with")
         g.rollout_ids.add(r.rollout_id)
-        self._abandoned_in_a_row = 0
+        self._abandoned_in_a_row = self._broken_in_a_row = 0
         self.admission.release(g.ticket, accepted=True)
         g.held_slots -= 1
         try:
@@ -432,6 +446,21 @@ class Controller:
                              "logs, fix the cause and resume from the last checkpoint")
         else:
             self._retries.append((att.group_id, att.attempt))
+
+    def _broken(self, g: _GroupState, att: _Attempt, why: str) -> None:
+        self._broken_groups += 1  # not an infrastructure failure: the withdrawal returns this attempt's slot too
+        self._last_task_error = f"group {att.group_id}: {why}"
+        log.warning("dropping group %d: its item cannot be attempted: %s", att.group_id, why)
+        self._withdraw(g, abandoned=False)
+        if self.on_broken is not None:
+            try:
+                self.on_broken(g.item, why)
+            except Exception as e:
+                raise _Fatal(f"on_broken failed for group {att.group_id}: {e!r}") from e
+        self._broken_in_a_row += 1
+        if self._broken_in_a_row >= self.config.max_abandoned_in_a_row:
+            raise _Fatal(f"{self._broken_in_a_row} groups in a row were dropped because their item cannot be "
+                         f"attempted, with no attempt succeeding between (last: {why}); check the work items")
 
     def _withdraw(self, g: _GroupState, abandoned: bool) -> None:
         for token in g.running.values():

@@ -20,7 +20,7 @@ class ControllerConfig:
     group_size: int = 4  # attempts per group (G)
     rollout_timeout_s: float = 900.0  # per attempt; past it the attempt is cancelled and retried
     max_infra_retries: int = 3  # per attempt; past it the whole group is abandoned
-    max_abandoned_in_a_row: int = 8  # this many groups abandoned with no attempt succeeding between: stop the run
+    max_abandoned_in_a_row: int = 8  # this many groups abandoned (or broken) with no success between: stop the run
     drop_zero_variance: bool = False  # drop groups whose rewards are all equal (no GRPO signal)
 
     def __post_init__(self) -> None:
@@ -34,8 +34,9 @@ class ControllerConfig:
 class AttemptResult:
     """What an attempt's ObjectRef resolves to."""
 
-    rollout: Rollout | None  # None when the infrastructure failed
-    infra_error: str = ""  # why, when rollout is None
+    rollout: Rollout | None  # None when the infrastructure failed, or the item cannot be attempted
+    infra_error: str = ""  # why, when rollout is None: the attempt is retried
+    task_error: str = ""  # set instead when the item itself is broken (its set-up fails): the group is dropped
 
 
 class GroupRunner(Protocol):
@@ -48,7 +49,10 @@ class GroupRunner(Protocol):
         and `policy_version` the version the attempt actually started with (≥ ticket.policy_version).
         On a timeout the controller frees the slot at once and `ray.cancel`s the ref: that cancels the
         coroutine of an async actor, but a regular or threaded actor's running method only sees a flag,
-        `ray.get_runtime_context().is_canceled()`, which it should check between turns to free its thread."""
+        `ray.get_runtime_context().is_canceled()`, which it should check between turns to free its thread.
+        An item that can never be attempted (a task whose set-up fails) resolves to
+        `AttemptResult(None, task_error=why)`: its group is dropped at once, not retried, and the controller's
+        `on_broken(item, why)` decides whether the item comes again."""
         ...
 
 
@@ -90,4 +94,6 @@ class RunReport:
     abandoned_groups: int
     dropped_groups: int
     last_infra_error: str = ""
+    broken_groups: int = 0  # dropped because their item cannot be attempted (AttemptResult.task_error)
+    last_task_error: str = ""
     lags: list[int] = field(default_factory=list, repr=False)  # one per trained rollout

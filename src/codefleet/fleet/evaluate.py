@@ -13,6 +13,7 @@ Every attempt is a scored trajectory; the figures are:
 - `pass_at_n`: tasks with at least one solved attempt / tasks;
 - `turns`, `tool_calls`, `tool_calls_per_turn`, `tool_errors`, `wall_s`: means over attempts;
 - `turns_per_solved`, `wall_s_per_solved`: means over solved attempts (None when none solved).
+- `broken`: tasks whose set-up fails (task id -> why): left out of every figure above, and named.
 - `wall_clock_stops`: the share of attempts their wall-clock budget cut off. `jobs` x `attempts`
   episodes share one engine and the machine's cores; too many at once and the clock, not the policy,
   ends them (32 attempts x 10 jobs on 2 cores: 72% of them), which the table then says.
@@ -68,6 +69,7 @@ class EvalReport:
     eval_s: float
     wall_clock_stops: float = 0.0  # attempts cut off by the episode's wall-clock budget / attempts
     per_task: dict[str, list[dict]] = field(default_factory=dict)
+    broken: dict[str, str] = field(default_factory=dict)  # task id -> why its set-up fails (not in the figures)
 
     def summary(self) -> dict:
         out = asdict(self)
@@ -82,7 +84,9 @@ class EvalReport:
                 ("wall s / solved", "-" if self.wall_s_per_solved is None else f"{self.wall_s_per_solved:.2f}")]
         head = f"{label or self.checkpoint}: {self.tasks} tasks x {self.attempts} attempts"
         warning = self.clock_warning()
-        return "\n".join([head] + [f"  {k:<18} {v}" for k, v in rows] + ([warning] if warning else []))
+        broken = ([f"{len(self.broken)} task(s) left out, their set-up fails: {', '.join(sorted(self.broken))}"]
+                  if self.broken else [])
+        return "\n".join([head] + [f"  {k:<18} {v}" for k, v in rows] + ([warning] if warning else []) + broken)
 
     def clock_warning(self) -> str:
         """A sentence when so many attempts ran out of wall clock that the figures measure the machine."""
@@ -101,7 +105,8 @@ def _mean(xs: list[float]) -> float | None:
     return round(statistics.fmean(xs), 4) if xs else None
 
 
-def summarize(checkpoint: str, results: dict[str, list[Trajectory]], attempts: int, eval_s: float) -> EvalReport:
+def summarize(checkpoint: str, results: dict[str, list[Trajectory]], attempts: int, eval_s: float,
+              broken: dict[str, str] | None = None) -> EvalReport:
     flat = [t for ts in results.values() for t in ts]
     solved = [t for t in flat if _solved(t)]
     return EvalReport(
@@ -117,7 +122,8 @@ def summarize(checkpoint: str, results: dict[str, list[Trajectory]], attempts: i
         wall_clock_stops=round(sum(t.stop_reason == "wall_clock" for t in flat) / len(flat), 4) if flat else 0.0,
         per_task={tid: [{"solved": _solved(t), "reward": t.reward, "turns": t.n_turns, "tool_calls": t.n_tool_calls,
                          "wall_s": round(t.wall_s, 3), "stop_reason": t.stop_reason} for t in ts]
-                  for tid, ts in results.items()})
+                  for tid, ts in results.items()},
+        broken=dict(broken or {}))
 
 
 def evaluate(checkpoint: str, tasks: list[Task], config: EvalConfig | None = None, sandbox_config=None,
@@ -166,19 +172,25 @@ def evaluate_policy(policy, label: str, tasks: list[Task], config: EvalConfig, s
                     started: float | None = None) -> tuple[EvalReport, dict[str, list[Trajectory]]]:
     """`jobs` tasks at once, `attempts` forked attempts each, with `policy`; the report is labelled `label`."""
     from codefleet.agent.attempts import run_task_attempts
+    from codefleet.tasks.checks import TaskSetupError
 
     started = time.perf_counter() if started is None else started
 
-    def one(task: Task) -> list[Trajectory]:
-        trajectories = run_task_attempts(task, policy, config.attempts, sandbox_config, config=episode_config,
-                                         exact_tokens=config.exact_tokens)
+    def one(task: Task) -> list[Trajectory] | TaskSetupError:
+        try:
+            trajectories = run_task_attempts(task, policy, config.attempts, sandbox_config, config=episode_config,
+                                             exact_tokens=config.exact_tokens)
+        except TaskSetupError as e:  # the task's fault, not the policy's: named in the report, not scored
+            return e
         if on_task:
             on_task(task, trajectories)
         return trajectories
 
     with ThreadPoolExecutor(max_workers=config.jobs, thread_name_prefix="eval") as pool:
-        results = dict(zip([t.id for t in tasks], pool.map(one, tasks)))
-    return summarize(label, results, config.attempts, time.perf_counter() - started), results
+        done = dict(zip([t.id for t in tasks], pool.map(one, tasks)))
+    results = {tid: r for tid, r in done.items() if not isinstance(r, TaskSetupError)}
+    broken = {tid: str(r) for tid, r in done.items() if isinstance(r, TaskSetupError)}
+    return summarize(label, results, config.attempts, time.perf_counter() - started, broken), results
 
 
 def report_json(report: EvalReport) -> str:

@@ -16,7 +16,9 @@ An engine whose process dies is restarted by Ray (`max_restarts=-1`) with the ar
 with; given `restart_from` (a file naming the newest checkpoint directory beside it, e.g. a run's
 `checkpoints/LATEST`), a restarted engine loads that checkpoint and its `policy_version` instead of the
 weights it started with, so it does not serve an old policy under a new version. `broadcast_weights`
-waits for an engine that is restarting.
+waits for an engine that is restarting. An engine dead for good (killed with `no_restart`, its node gone
+with no room elsewhere, out of restarts) is told apart by `engine_gone`: the broadcast leaves it out and
+returns the engines that remain, and rollout workers stop routing episodes to it.
 
 `RemoteEngine` gives a rollout worker the slice of the Engine API that
 `LocalEnginePolicy` uses (`submit(...).result()`, `max_seq_len`,
@@ -32,7 +34,7 @@ import time
 
 import ray
 import torch
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayTaskError
 
 
 def _as_tensors(weights: dict) -> dict[str, torch.Tensor]:
@@ -125,22 +127,49 @@ def start_engines(checkpoint: str, n: int = 1, *, num_cpus: float = 1.0, resourc
     return actors
 
 
-def broadcast_weights(engines: list, weights_ref: ray.ObjectRef, version: int, timeout_s: float = 300.0) -> None:
-    """Load `weights_ref` into every engine (in parallel) and wait until all serve `version`. An engine that
-    dies or is restarting meanwhile is sent the weights again once it is back (until `timeout_s`)."""
+def engine_gone(engine, timeout_s: float = 30.0) -> bool:
+    """Whether the engine actor is dead for good: a call to it raises ActorDiedError. Calls to an engine that
+    Ray is restarting wait until it is back, so one that answers, or is still coming back after `timeout_s`,
+    is not gone. (A call in flight when the process died raises ActorUnavailableError if a restart follows and
+    ActorDiedError if none does, but a fresh call is the one answer that does not depend on timing.)"""
+    try:
+        ray.get(engine.info.remote(), timeout=timeout_s)
+    except ActorDiedError:
+        return True
+    except (RayActorError, GetTimeoutError):
+        return False
+    return False
+
+
+def broadcast_weights(engines: list, weights_ref: ray.ObjectRef, version: int, timeout_s: float = 300.0) -> list:
+    """Load `weights_ref` into every engine (in parallel) and wait until all serve `version`; returns the engines
+    that do. An engine that dies and is restarted meanwhile is sent the weights again once it is back (until
+    `timeout_s`); one dead for good (`engine_gone`) is left out. Raises EngineDiedError if none is left."""
     deadline = time.monotonic() + timeout_s
-    pending = list(engines)
+    pending, gone = list(engines), []
     while True:
         refs = [e.update_weights.remote([weights_ref], version) for e in pending]
         failed = []
         for engine, ref in zip(pending, refs):
             try:
                 ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
+            except GetTimeoutError:
+                raise EngineDiedError(f"an engine did not take policy version {version} within {timeout_s:.0f} s: it "
+                                      "is restarting with no room on the cluster, or stuck; resume the run once the "
+                                      "cluster has room for it") from None
             except RayActorError:
-                if time.monotonic() >= deadline:
+                if engine_gone(engine):
+                    gone.append(engine)
+                elif time.monotonic() >= deadline:
                     raise
-                failed.append(engine)
+                else:
+                    failed.append(engine)
         if not failed:
-            return
+            break
         pending = failed
         time.sleep(0.5)
+    live = [e for e in engines if not any(e is g for g in gone)]
+    if not live:
+        raise EngineDiedError(f"all {len(engines)} engines are dead for good; policy version {version} has no "
+                              "engine to serve it: resume the run to start new ones")
+    return live

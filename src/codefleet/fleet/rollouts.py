@@ -12,9 +12,13 @@ scored Trajectory and the episode's exact token sequence
 
 Infrastructure failures are not the agent's failures: an engine or sandbox
 that died, or checks that could not run, raise `InfraError` out of
-`run_attempt`, and the controller retries the attempt. Everything the agent
-did wrong (bad tool calls, a context overflow, wrong fix, no submit) is an
-ordinary scored rollout.
+`run_attempt`, and the controller retries the attempt. An engine that is dead
+for good (`inference.engine_gone`) gets no further episodes from this worker;
+when none is left every attempt fails at once, saying so. A task whose set-up
+fails twice in a row, in fresh sandboxes, is broken, not unlucky: the attempt
+resolves to `AttemptResult(None, task_error=...)` and the controller drops the
+group without retrying it. Everything the agent did wrong (bad tool calls, a
+context overflow, wrong fix, no submit) is an ordinary scored rollout.
 
 `AgentGroupRunner` is the controller's `GroupRunner` over a set of workers.
 """
@@ -53,11 +57,16 @@ class RolloutSpec:
     namespace: str = "codefleet"
 
 
+class _BrokenTask(Exception):
+    """The task's set-up failed twice in fresh sandboxes: the task's fault, not the infrastructure's."""
+
+
 @dataclass
 class _Prepared:
     sandbox: object
     lock: threading.Lock = field(default_factory=threading.Lock)
     users: int = 0  # attempts preparing or forking from it
+    broken: _BrokenTask | None = None  # the set-up failed as the task's fault: the group's other attempts too
 
 
 @ray.remote(max_restarts=-1, max_task_retries=0)
@@ -76,6 +85,7 @@ class RolloutWorker:
         self._groups: dict[int, _Prepared] = {}
         self._lock = threading.Lock()
         self._fleet = None
+        self._gone: set[int] = set()  # indices of engines dead for good
 
     def _create(self):
         if not self.spec.use_fleet:
@@ -89,15 +99,19 @@ class RolloutWorker:
     def _child(self, task: Task, group_id: int):
         """A sandbox forked from the group's prepared sandbox. Attempts of a group arrive together and share
         one prepared sandbox; the last one to fork closes it (a later retry prepares again)."""
-        from codefleet.tasks.checks import prepare_sandbox
-
         with self._lock:
             prepared = self._groups.setdefault(group_id, _Prepared(None))
             prepared.users += 1
         try:
             with prepared.lock:
+                if prepared.broken is not None:
+                    raise prepared.broken
                 if prepared.sandbox is None or not prepared.sandbox.alive():
-                    prepared.sandbox = prepare_sandbox(task, self.spec.sandbox, create=self._create())
+                    try:
+                        prepared.sandbox = self._prepare(task)
+                    except _BrokenTask as e:
+                        prepared.broken = e
+                        raise
                 return prepared.sandbox.fork(1)[0]
         finally:
             with self._lock:
@@ -108,17 +122,44 @@ class RolloutWorker:
             if last and prepared.sandbox is not None:
                 prepared.sandbox.close()
 
+    def _prepare(self, task: Task):
+        """The task's prepared sandbox. A set-up that fails (not by timing out) is tried once more in a fresh
+        sandbox before it counts as the task's fault (`_BrokenTask`): a sandbox killed mid-set-up fails it too."""
+        from codefleet.tasks.checks import TaskSetupError, prepare_sandbox
+
+        for tries in (1, 2):
+            try:
+                return prepare_sandbox(task, self.spec.sandbox, create=self._create())
+            except TaskSetupError as e:
+                if e.timed_out:
+                    raise
+                if tries == 2:
+                    raise _BrokenTask(str(e)) from e
+        raise AssertionError("the loop returns or raises")
+
+    def _engine(self, ticket: Ticket, attempt: int) -> tuple[int, object]:
+        """(index, actor) of the engine for this attempt: spread over the engines not known to be gone."""
+        live = [i for i in range(len(self.engines)) if i not in self._gone]
+        if not live:
+            raise InfraError(f"all {len(self.engines)} engines are dead for good; nothing can serve the policy: "
+                             "resume the run to start new engines")
+        i = live[(ticket.group_id * ticket.group_size + attempt) % len(live)]
+        return i, self.engines[i]
+
     def run_attempt(self, task: Task, ticket: Ticket, attempt: int, version: int):
         from codefleet.agent.clients.local_engine import LocalEnginePolicy
         from codefleet.agent.episode import score, solve
         from codefleet.fleet.controller import AttemptResult
+        from codefleet.fleet.inference import engine_gone
 
         spec = self.spec
+        index, engine = self._engine(ticket, attempt)
         try:
             sandbox = self._child(task, ticket.group_id)
+        except _BrokenTask as e:
+            return AttemptResult(None, task_error=f"the set-up of {task.id} failed twice: {e}")
         except Exception as e:
             raise InfraError(f"could not prepare a sandbox for {task.id}: {type(e).__name__}: {e}") from e
-        engine = self.engines[(ticket.group_id * ticket.group_size + attempt) % len(self.engines)]
         remote = RemoteEngine(engine, self.tokenizer, self.max_seq_len)
         base = LocalEnginePolicy(engine=remote, tokenizer=self.tokenizer,
                                  max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
@@ -130,6 +171,10 @@ class RolloutWorker:
                                budgets=config.budgets or task.budgets, tool_config=config.tools, task_id=task.id,
                                prompt=config.prompt)
             error = str(trajectory.metadata.get("error", ""))
+            if "EngineDiedError" in error and engine_gone(engine):
+                self._gone.add(index)
+                raise InfraError(f"attempt {attempt} of group {ticket.group_id}: engine {index} is dead for good; "
+                                 f"this worker sends no more episodes to it ({error})")
             if "EngineDiedError" in error or "EngineFailedError" in error or CANCELLED in error:
                 raise InfraError(f"attempt {attempt} of group {ticket.group_id}: {error}")
             if not sandbox.alive():

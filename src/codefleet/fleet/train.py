@@ -161,6 +161,8 @@ def demonstrations(run: RunDir, config: TrainRunConfig, tasks, tokenizer):
     log(f"{len(demos.examples)} expert demonstrations ({demos.tokens} tokens{habits}) in {took_s:.0f} s;"
          f" {len(demos.unsolved)} unsolved, {len(demos.too_long)} longer than the context, dropped"
          + (f"; {len(demos.no_patch)} tasks without a reference patch (RL only)" if demos.no_patch else ""))
+    for task_id, why in getattr(demos, "broken", {}).items():  # demonstrations pickled before the field have none
+        log(f"task {task_id} is left out of the run, its set-up fails: {why}")
     return demos
 
 
@@ -359,7 +361,12 @@ def _train(run: RunDir, config: TrainRunConfig, progress: bool) -> dict:
     own_ray = init_ray(cl.num_cpus, {"sandbox": cl.sandbox_slots}, cl.address)
     try:
         sft_ckpt = sft(run, config, demos, init, metrics, tokenizer)
-        rl_ckpt = reinforce(run, config, train_tasks + rl_extra, sft_ckpt, metrics, progress)
+        broken = getattr(demos, "broken", {})
+        rl_tasks = [t for t in train_tasks + rl_extra if t.id not in broken]
+        if not rl_tasks:
+            raise RunError(f"the set-up of every training task fails (e.g. {next(iter(broken.values()))}); "
+                           "fix the tasks' setup commands and start a new run")
+        rl_ckpt = reinforce(run, config, rl_tasks, sft_ckpt, metrics, progress)
     finally:
         metrics.plot()
         metrics.close()

@@ -116,7 +116,10 @@ class RLTrainer:
         self.run.commit_checkpoint(version, kept, [r.rollout_id for r in batch.rollouts])
         # committed before the engines get the weights: an engine that restarts from now on loads them (LATEST)
         weights_ref, version = self.group.publish()
-        broadcast_weights(self.engines, weights_ref, version)
+        live = broadcast_weights(self.engines, weights_ref, version)
+        if len(live) < len(self.engines):
+            log(f"{len(self.engines) - len(live)} engine(s) died for good; {len(live)} serve version {version}")
+            self.engines = live
         self.run.prune(version)
         stats = rollout_stats(batch.groups)
         self.tokens += stats["completion_tokens"]
@@ -247,6 +250,10 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
                                       group=g.group_id, attempt=int(r.rollout_id.split("/")[1]),
                                       extra={"dropped": dropped}) for r in g.rollouts])
 
+    def on_broken(task, why: str) -> None:
+        log(f"leaving task {task.id} out of RL: {why}")
+        tasks.exclude(task.id)
+
     bar = tqdm(total=c.steps, initial=version, desc="rl", unit="step", disable=not progress, file=sys.stderr)
     trainer = RLTrainer(group, engines, run, metrics, config, bar, sampler=tasks, new_group=new_group, start=start)
     controller = Controller(
@@ -254,11 +261,14 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
                          group_size=c.group_size, rollout_timeout_s=c.rollout_timeout_s,
                          drop_zero_variance=c.drop_zero_variance),
         AgentGroupRunner(workers), trainer, tasks,
-        start_version=version, buffer_state=buffer_state, on_group=on_group)
+        start_version=version, buffer_state=buffer_state, on_group=on_group, on_broken=on_broken)
     trainer.controller = controller
     try:
         report = controller.run(c.steps)
-        _log_prefix_cache(engines)
+        if report.ended_by == "no_more_items":
+            raise RuntimeError(f"RL stopped at step {report.version} of {c.steps}: every training task was left "
+                               f"out because its set-up fails (last: {report.last_task_error})")
+        _log_prefix_cache(trainer.engines)
         if c.task_sampling != "uniform":
             log("task families (attempts, success estimate): " + ", ".join(
                 f"{k} {v['attempts']}, {v['p']:.2f}" for k, v in tasks.stats().items()))
@@ -274,7 +284,12 @@ def _log_prefix_cache(engines) -> None:
     """How much prefill the engines' prefix cache saved over the run (the turns of an episode share it)."""
     import ray
 
-    for i, info in enumerate(ray.get([e.info.remote() for e in engines])):
+    for i, engine in enumerate(engines):
+        try:
+            info = ray.get(engine.info.remote())
+        except ray.exceptions.RayActorError as e:
+            log(f"engine {i}: no prefix cache figures, it died ({type(e).__name__})")
+            continue
         reused, computed = info["prefix_tokens_reused"], info["prefill_tokens"]
         log(f"engine {i}: prefix cache supplied {reused} of {reused + computed} prompt tokens "
              f"({reused / max(reused + computed, 1):.0%}, {info['prefix_hits']} hits)")

@@ -66,6 +66,7 @@ class TaskSampler(Iterator):
             self.by_key[key(task)].append(task)
         self.keys = sorted(self.by_key)
         self.key_of = {task.id: key(task) for task in self.tasks}
+        self.excluded: set[str] = set()
         self.solved: dict[str, int] = defaultdict(int)
         self.failed: dict[str, int] = defaultdict(int)
         self._rng = random.Random(f"{seed}/curriculum/{skip}")
@@ -77,15 +78,25 @@ class TaskSampler(Iterator):
                 next(self._uniform)
 
     def __next__(self):
+        if not self.key_of.keys() - self.excluded:
+            raise StopIteration  # every task was left out
         if self.mode == "uniform":
             return next(self._uniform)
-        key = self._rng.choices(self.keys, weights=[self.weight(k) for k in self.keys])[0]
+        keys = [k for k in self.keys if any(t.id not in self.excluded for t in self.by_key[k])]
+        key = self._rng.choices(keys, weights=[self.weight(k) for k in keys])[0]
         if not self._queues.get(key):
             order = list(self.by_key[key])
             random.Random(f"{self.seed}/{key}/{self._passes[key]}").shuffle(order)
             self._passes[key] += 1
-            self._queues[key] = order
+            self._queues[key] = [t for t in order if t.id not in self.excluded]
         return self._queues[key].pop(0)
+
+    def exclude(self, task_id: str) -> None:
+        """Never hand out `task_id` again (its set-up fails: it cannot be attempted). Once every task is
+        excluded, `next()` raises StopIteration."""
+        self.excluded.add(task_id)
+        for queue in self._queues.values():
+            queue[:] = [t for t in queue if t.id != task_id]
 
     def observe(self, task_id: str, solved: list[bool]) -> None:
         """A finished group of attempts at `task_id`: which attempts solved it. Unknown task ids are ignored."""
@@ -112,4 +123,4 @@ class TaskSampler(Iterator):
         for epoch in range(10**9):
             order = list(self.tasks)
             random.Random(f"{self.seed}/{epoch}").shuffle(order)
-            yield from order
+            yield from (t for t in order if t.id not in self.excluded)

@@ -62,6 +62,7 @@ class Demos:
     unsolved: list[str] = field(default_factory=list)
     too_long: list[str] = field(default_factory=list)
     no_patch: list[str] = field(default_factory=list)  # tasks without a reference patch: RL attempts them only
+    broken: dict[str, str] = field(default_factory=dict)  # task id -> why its set-up fails (RL leaves it out too)
     conversations: list[list[dict]] = field(default_factory=list)  # the messages of each example
     prompt: str = "full"  # the prompt style they were made with (agent.prompts): "full" encodes the tool schemas
     # per example, when made with all_habits: (explore, chain) -> the conversation of the expert with that habit
@@ -94,15 +95,23 @@ def expert_demos(tasks: list[Task], tokenizer, max_seq_len: int, sandbox_config=
                  all_habits: bool = False) -> Demos:
     """One solved demonstration per task, its habit drawn from `seed` and the task's id; with `all_habits`,
     also the task's other habits' episodes (`Demos.variants`). A task is kept only if every one is solved
-    and fits the context."""
+    and fits the context; a task whose set-up fails is recorded in `Demos.broken`, not raised."""
     from codefleet.agent.clients.scripted import ScriptedExpert
     from codefleet.agent.episode import EpisodeConfig, run_episode
 
     habits = [(e, c) for e in (True, False) for c in (False, True)]
 
+    from codefleet.tasks.checks import TaskSetupError
+
     def one(task: Task):
         if not task.reference_patch.strip():  # nothing for the expert to replay: no demonstration
             return None
+        try:
+            return demonstrate(task)
+        except TaskSetupError as e:
+            return e
+
+    def demonstrate(task: Task):
         drawn = (random.Random(f"{seed}:{task.id}").random() < explore_fraction,
                  random.Random(f"{seed}:chain:{task.id}").random() < chain_fraction)
         experts = {h: ScriptedExpert(task, explore=h[0], chain_tests=h[1]) for h in (habits if all_habits else [drawn])}
@@ -117,6 +126,9 @@ def expert_demos(tasks: list[Task], tokenizer, max_seq_len: int, sandbox_config=
         for task, made in zip(tasks, pool.map(one, tasks)):
             if made is None:
                 demos.no_patch.append(task.id)
+                continue
+            if isinstance(made, TaskSetupError):
+                demos.broken[task.id] = str(made)
                 continue
             drawn, trajectories = made
             if not all(t.checks and t.checks.all_passed for t in trajectories.values()):

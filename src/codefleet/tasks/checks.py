@@ -66,7 +66,12 @@ _MAX_RERUNS = 4
 
 
 class TaskSetupError(RuntimeError):
-    """The task's repository could not be prepared (missing repo, a failing setup command)."""
+    """The task's repository could not be prepared (missing repo, a failing setup command). `timed_out`: a
+    setup command ran out of time (on a loaded machine that may not be the task's fault)."""
+
+    def __init__(self, message: str, timed_out: bool = False):
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 class PatchApplyError(RuntimeError):
@@ -153,7 +158,8 @@ def prepare_sandbox(task: Task, config: SandboxConfig | None = None, cache_dir: 
             result = sandbox.exec(command, timeout_s=setup_timeout_s)
             if not result.ok:
                 raise TaskSetupError(f"task {task.id}: setup command {command!r} failed (exit {result.exit_code}"
-                                     f"{', timed out' if result.timed_out else ''}): {result.output[-2000:]}")
+                                     f"{', timed out' if result.timed_out else ''}): {result.output[-2000:]}",
+                                     timed_out=result.timed_out)
         result = sandbox.run_oneoff(["bash", "-c", _BASELINE_SCRIPT], timeout_s=setup_timeout_s)
         if not result.ok:
             raise TaskSetupError(f"task {task.id}: could not record the git baseline: {result.output[-2000:]}")
