@@ -151,24 +151,21 @@ def test_an_engine_that_restarts_serves_the_newest_committed_weights_not_its_fir
 
 
 def test_an_engine_dead_for_good_gets_no_more_episodes_and_leaves_the_weight_broadcast(setup):
-    """Killed with no restart, an engine fails the attempt it serves (an infrastructure failure, retried); from
-    then on the worker routes every episode to the engines left, and a weight broadcast skips it."""
+    """Killed with no restart, an engine gets no episode: the worker finds it dead for good before an episode
+    would start on it and routes every episode to the engines left; a weight broadcast leaves it out."""
     ckpt, task, state_dir = setup
     engines = start_engines(ckpt, 2, num_cpus=0, max_batch=2)
     workers = start_workers(_spec(ckpt, state_dir), engines, 1, slots_per_worker=1, num_cpus=0)
     runner = AgentGroupRunner(workers)
     ray.kill(engines[0], no_restart=True)
-    ticket = Ticket(group_id=10, policy_version=0, deadline=1, group_size=1)  # 10 * 1 + 0 -> engine 0 of 2
-    with pytest.raises(ray.exceptions.RayTaskError, match="engine 0 is dead for good"):
-        ray.get(runner.start(ticket, task, [0])[0], timeout=240)
-    for group_id in (10, 12):  # the retry, and a later group that would have gone to engine 0 too
+    for group_id in (10, 12):  # 10 * 1 + 0 -> engine 0 of 2, and a later group that would have gone there too
         (result,) = ray.get(runner.start(Ticket(group_id, 0, 1, 1), task, [0]), timeout=240)
         assert result.rollout is not None
     weights = {k: v + 0.01 for k, v in checkpoint.load(ckpt).state_dict().items()}
-    live = broadcast_weights(engines, ray.put(weights), 1)
-    assert live == [engines[1]] and ray.get(engines[1].info.remote())["version"] == 1
+    assert broadcast_weights(engines, ray.put(weights), 1) == ([engines[1]], {})
+    assert ray.get(engines[1].info.remote())["version"] == 1
     ray.kill(engines[1], no_restart=True)
-    with pytest.raises(Exception, match="all 2 engines are dead for good"):
+    with pytest.raises(Exception, match="no engine took policy version 2: of 2, 0 are restarting"):
         broadcast_weights(engines, ray.put(weights), 2)
     for w in workers:
         ray.kill(w, no_restart=True)
@@ -190,5 +187,32 @@ def test_a_task_whose_set_up_fails_is_broken_not_an_infrastructure_failure(setup
         assert "the set-up of config-broken failed twice" in r.task_error and "no such package: foo" in r.task_error
     (result,) = ray.get(runner.start(Ticket(21, 0, 1, 1), task, [0]), timeout=240)
     assert result.rollout is not None
+    for actor in (*workers, *engines):
+        ray.kill(actor, no_restart=True)
+
+
+def test_an_engine_that_never_comes_back_is_routed_around_and_the_broadcast_goes_on_without_it(setup):
+    """An engine Ray cannot place (its node is gone and no other has room) takes calls that never return. A worker
+    finds that out before an episode starts on it and sends the episode elsewhere; a weight broadcast waits for
+    it up to its limit once, then only briefly, and the engines that took the weights go on serving."""
+    import time
+
+    from codefleet.fleet.inference import EngineActor
+
+    ckpt, task, state_dir = setup
+    up = start_engines(ckpt, 1, num_cpus=0, max_batch=2)[0]
+    nowhere = EngineActor.options(num_cpus=0, resources={"no-such-node": 1}).remote(ckpt)
+    engines = [nowhere, up]
+    workers = start_workers(_spec(ckpt, state_dir), engines, 1, slots_per_worker=1, num_cpus=0)
+    (result,) = ray.get(AgentGroupRunner(workers).start(Ticket(0, 0, 1, 1), task, [0]), timeout=240)  # -> engine 0
+    assert result.rollout is not None and result.rollout.payload["trajectory"].n_turns >= 1
+
+    weights = ray.put({k: v + 0.01 for k, v in checkpoint.load(ckpt).state_dict().items()})
+    serving, away = broadcast_weights(engines, weights, 1, timeout_s=2.0)
+    assert serving == [up] and list(away) == [nowhere]
+    t0 = time.monotonic()
+    serving, away = broadcast_weights(engines, weights, 2, timeout_s=60.0, away=away)  # not waited for again
+    assert serving == [up] and list(away) == [nowhere] and time.monotonic() - t0 < 30
+    assert ray.get(up.info.remote())["version"] == 2
     for actor in (*workers, *engines):
         ray.kill(actor, no_restart=True)

@@ -23,9 +23,10 @@ SCRIPT = textwrap.dedent("""
     import ray
     from ray.cluster_utils import Cluster
 
-    run, python = sys.argv[1], sys.executable
+    run, python, engines_on_workers = sys.argv[1], sys.executable, sys.argv[2] == "1"
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "resources": {"head": 8}})
-    workers = [cluster.add_node(num_cpus=1, resources={"sandbox": 8, "rollout": 4}) for _ in range(2)]
+    node = {"sandbox": 8, "rollout": 4, **({"engine_slot": 1} if engines_on_workers else {})}
+    workers = [cluster.add_node(num_cpus=2, resources=node) for _ in range(2)]
     cluster.wait_for_nodes()
     overrides = ["tasks.n_train=4", "tasks.n_eval=1", "tasks.families=[config]", "sft.epochs=1",
                  "sft.batch_size=4", "rl.steps=4", "rl.group_size=2", "rl.batch_groups=1", "rl.rollout_slots=4",
@@ -34,6 +35,8 @@ SCRIPT = textwrap.dedent("""
                  "cluster.rollout_workers=2", "cluster.rollout_cpus=0.1", "cluster.trainer_cpus=0.5",
                  "cluster.rollout_resources={rollout: 1}", "cluster.engine_resources={head: 1}",
                  "cluster.trainer_resources={head: 1}"]
+    if engines_on_workers:  # one engine per worker node: the removed node's engine has nowhere to go
+        overrides += ["cluster.engines=2", "cluster.engine_resources={engine_slot: 1}", "cluster.engine_wait_s=20"]
     proc = subprocess.Popen([python, "-m", "codefleet.cli", "train", "--out", run, "--no-progress",
                              "--address", cluster.address, *overrides], stderr=open(run + ".log", "w"))
     deadline = time.time() + 600
@@ -50,11 +53,14 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_training_continues_when_a_worker_node_is_removed(tmp_path):
+@pytest.mark.parametrize("engines_on_workers", [False, True], ids=["engines-on-head", "an-engine-lost"])
+def test_training_continues_when_a_worker_node_is_removed(tmp_path, engines_on_workers):
+    """With `an-engine-lost`, each worker node holds an engine too: the removed node's engine cannot be placed
+    again, so rollouts go to the other and weight broadcasts go on without it."""
     run = str(tmp_path / "run")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
-    out = subprocess.run([sys.executable, "-c", SCRIPT, run], env=env, capture_output=True, text=True, timeout=1500)
+    out = subprocess.run([sys.executable, "-c", SCRIPT, run, str(int(engines_on_workers))], env=env, capture_output=True, text=True, timeout=1500)
     log = open(run + ".log").read() if os.path.exists(run + ".log") else ""
     assert out.returncode == 0, out.stderr[-3000:] + log[-3000:]
     status = json.loads(out.stdout.strip().splitlines()[-1])
@@ -68,3 +74,5 @@ def test_training_continues_when_a_worker_node_is_removed(tmp_path):
         accepted |= {r.rollout_id for r in pickle.load(open(path, "rb")).rollouts}
     assert set(trained) <= accepted
     assert json.load(open(os.path.join(run, "results.json")))["results"]["rl"]["tasks"] == 1
+    if engines_on_workers:
+        assert "1 away (restarting, not waited for)" in log, log[-3000:]

@@ -16,9 +16,11 @@ An engine whose process dies is restarted by Ray (`max_restarts=-1`) with the ar
 with; given `restart_from` (a file naming the newest checkpoint directory beside it, e.g. a run's
 `checkpoints/LATEST`), a restarted engine loads that checkpoint and its `policy_version` instead of the
 weights it started with, so it does not serve an old policy under a new version. `broadcast_weights`
-waits for an engine that is restarting. An engine dead for good (killed with `no_restart`, its node gone
-with no room elsewhere, out of restarts) is told apart by `engine_gone`: the broadcast leaves it out and
-returns the engines that remain, and rollout workers stop routing episodes to it.
+waits for an engine that is restarting, up to a limit: one that is still not back (its node gone with no
+room elsewhere) is left *away* and gets later broadcasts without being waited for; it loads the newest
+checkpoint itself when it returns, and an update older than the weights it serves is ignored. An engine
+dead for good (killed with `no_restart`, out of restarts) is told apart by `engine_gone` and left out.
+Rollout workers route episodes around both.
 
 `RemoteEngine` gives a rollout worker the slice of the Engine API that
 `LocalEnginePolicy` uses (`submit(...).result()`, `max_seq_len`,
@@ -57,7 +59,10 @@ class EngineActor:
         return await asyncio.wrap_future(self.engine.submit(prompt, params))
 
     async def update_weights(self, weights_ref: list, version: int) -> int:
-        """`weights_ref` is `[ObjectRef]` (a list, so Ray passes the reference, not a copy per call)."""
+        """`weights_ref` is `[ObjectRef]` (a list, so Ray passes the reference, not a copy per call). An update
+        older than the weights served (sent while this engine restarted from a newer checkpoint) is ignored."""
+        if version < self.engine.version:
+            return self.engine.version
         weights = _as_tensors(await weights_ref[0])
         await asyncio.get_running_loop().run_in_executor(None, self.engine.update_weights, weights, version)
         return self.engine.version
@@ -127,49 +132,58 @@ def start_engines(checkpoint: str, n: int = 1, *, num_cpus: float = 1.0, resourc
     return actors
 
 
-def engine_gone(engine, timeout_s: float = 30.0) -> bool:
-    """Whether the engine actor is dead for good: a call to it raises ActorDiedError. Calls to an engine that
-    Ray is restarting wait until it is back, so one that answers, or is still coming back after `timeout_s`,
-    is not gone. (A call in flight when the process died raises ActorUnavailableError if a restart follows and
-    ActorDiedError if none does, but a fresh call is the one answer that does not depend on timing.)"""
+def engine_state(engine, timeout_s: float = 30.0) -> str:
+    """"up" if the engine actor answers a call within `timeout_s`, "gone" if it is dead for good (the call raises
+    ActorDiedError), else "away" (Ray is restarting it: calls wait until it is back, which may be never if its
+    node is gone and no other has room). A call in flight when the process died raises ActorUnavailableError if
+    a restart follows and ActorDiedError if none does, but a fresh call is the answer that does not depend on
+    timing."""
     try:
         ray.get(engine.info.remote(), timeout=timeout_s)
     except ActorDiedError:
-        return True
+        return "gone"
     except (RayActorError, GetTimeoutError):
-        return False
-    return False
+        return "away"
+    return "up"
 
 
-def broadcast_weights(engines: list, weights_ref: ray.ObjectRef, version: int, timeout_s: float = 300.0) -> list:
-    """Load `weights_ref` into every engine (in parallel) and wait until all serve `version`; returns the engines
-    that do. An engine that dies and is restarted meanwhile is sent the weights again once it is back (until
-    `timeout_s`); one dead for good (`engine_gone`) is left out. Raises EngineDiedError if none is left."""
+def engine_gone(engine, timeout_s: float = 30.0) -> bool:
+    return engine_state(engine, timeout_s) == "gone"
+
+
+def broadcast_weights(engines: list, weights_ref: ray.ObjectRef, version: int, timeout_s: float = 300.0,
+                      away: dict | None = None) -> tuple[list, dict]:
+    """Load `weights_ref` into the engines (in parallel) and wait until they serve `version`: (serving, away).
+
+    An engine that dies and is restarted meanwhile is sent the weights again once it is back. One that has not
+    taken them after `timeout_s` (restarting with no room on the cluster) is *away*: `away` maps it to a call
+    that returns once it is back. Pass `away` in next time: an engine still away is neither sent the weights nor
+    waited for (when it returns it loads the newest checkpoint itself), one that is back is sent them again.
+    One dead for good (`engine_gone`) is left out of both. Raises EngineDiedError when no engine serves `version`."""
     deadline = time.monotonic() + timeout_s
-    pending, gone = list(engines), []
-    while True:
+    away = {e: probe for e, probe in (away or {}).items() if not ray.wait([probe], timeout=0)[0]}
+    serving, pending = [], [e for e in engines if e not in away]
+    while pending:
         refs = [e.update_weights.remote([weights_ref], version) for e in pending]
-        failed = []
+        retry = []
         for engine, ref in zip(pending, refs):
             try:
                 ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
+                serving.append(engine)
             except GetTimeoutError:
-                raise EngineDiedError(f"an engine did not take policy version {version} within {timeout_s:.0f} s: it "
-                                      "is restarting with no room on the cluster, or stuck; resume the run once the "
-                                      "cluster has room for it") from None
+                away[engine] = engine.info.remote()
             except RayActorError:
                 if engine_gone(engine):
-                    gone.append(engine)
-                elif time.monotonic() >= deadline:
-                    raise
+                    continue
+                if time.monotonic() >= deadline:
+                    away[engine] = engine.info.remote()
                 else:
-                    failed.append(engine)
-        if not failed:
-            break
-        pending = failed
-        time.sleep(0.5)
-    live = [e for e in engines if not any(e is g for g in gone)]
-    if not live:
-        raise EngineDiedError(f"all {len(engines)} engines are dead for good; policy version {version} has no "
-                              "engine to serve it: resume the run to start new ones")
-    return live
+                    retry.append(engine)
+        pending = retry
+        if pending:
+            time.sleep(0.5)
+    if not serving:
+        raise EngineDiedError(f"no engine took policy version {version}: of {len(engines)}, {len(away)} are "
+                              f"restarting with no room on the cluster (or stuck) and the rest are dead for good; "
+                              "resume the run once the cluster has room")
+    return [e for e in engines if e in serving], {e: away[e] for e in engines if e in away}

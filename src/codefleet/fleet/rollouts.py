@@ -12,9 +12,11 @@ scored Trajectory and the episode's exact token sequence
 
 Infrastructure failures are not the agent's failures: an engine or sandbox
 that died, or checks that could not run, raise `InfraError` out of
-`run_attempt`, and the controller retries the attempt. An engine that is dead
-for good (`inference.engine_gone`) gets no further episodes from this worker;
-when none is left every attempt fails at once, saying so. A task whose set-up
+`run_attempt`, and the controller retries the attempt. An engine that died
+gets no further episodes from this worker: for good if it is dead for good
+(`inference.engine_gone`; when none is left every attempt fails at once,
+saying so), else for `AWAY_S` at a time until it answers again (restarting,
+or its node gone with no room elsewhere). A task whose set-up
 fails twice in a row, in fresh sandboxes, is broken, not unlucky: the attempt
 resolves to `AttemptResult(None, task_error=...)` and the controller drops the
 group without retrying it. Everything the agent did wrong (bad tool calls, a
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 
 import ray
@@ -55,6 +58,11 @@ class RolloutSpec:
     max_seq_len: int | None = None
     use_fleet: bool = True  # sandboxes on the SandboxHost fleet; False: in the worker's process
     namespace: str = "codefleet"
+
+
+AWAY_S = 30.0  # an engine that did not answer gets no episode from a worker for this long
+PROBE_S = 5.0  # how long an engine may take to answer before an episode starts on it
+AWAY_PROBE_S = 60.0  # ... when every engine is away
 
 
 class _BrokenTask(Exception):
@@ -86,6 +94,7 @@ class RolloutWorker:
         self._lock = threading.Lock()
         self._fleet = None
         self._gone: set[int] = set()  # indices of engines dead for good
+        self._away: dict[int, float] = {}  # engine index -> time.monotonic() until which it gets no episode
 
     def _create(self):
         if not self.spec.use_fleet:
@@ -138,19 +147,41 @@ class RolloutWorker:
         raise AssertionError("the loop returns or raises")
 
     def _engine(self, ticket: Ticket, attempt: int) -> tuple[int, object]:
-        """(index, actor) of the engine for this attempt: spread over the engines not known to be gone."""
-        live = [i for i in range(len(self.engines)) if i not in self._gone]
-        if not live:
-            raise InfraError(f"all {len(self.engines)} engines are dead for good; nothing can serve the policy: "
-                             "resume the run to start new engines")
-        i = live[(ticket.group_id * ticket.group_size + attempt) % len(live)]
-        return i, self.engines[i]
+        """(index, actor) of the engine for this attempt, spread over the engines that are neither gone nor away,
+        and one that answers a call now: an engine whose node is gone takes calls that never return. When every
+        engine is away, the attempt waits for one a while before it fails as infrastructure."""
+        from codefleet.fleet.inference import engine_state
+
+        start = ticket.group_id * ticket.group_size + attempt
+        while True:
+            alive = [i for i in range(len(self.engines)) if i not in self._gone]
+            if not alive:
+                raise InfraError(f"all {len(self.engines)} engines are dead for good; nothing can serve the policy: "
+                                 "resume the run to start new engines")
+            now = time.monotonic()
+            live = [i for i in alive if self._away.get(i, 0.0) <= now]
+            i = (live or alive)[start % len(live or alive)]
+            state = engine_state(self.engines[i], timeout_s=PROBE_S if live else AWAY_PROBE_S)
+            self._note(i, state)
+            if state == "up":
+                return i, self.engines[i]
+            if not live and state == "away":
+                raise InfraError(f"no engine answered within {AWAY_PROBE_S:.0f} s: they are restarting, or their "
+                                 "nodes are gone with no room for them elsewhere")
+
+    def _note(self, index: int, state: str) -> None:
+        """Route by what a call to engine `index` found (`inference.engine_state`)."""
+        self._away.pop(index, None)
+        if state == "gone":
+            self._gone.add(index)
+        elif state == "away":
+            self._away[index] = time.monotonic() + AWAY_S
 
     def run_attempt(self, task: Task, ticket: Ticket, attempt: int, version: int):
         from codefleet.agent.clients.local_engine import LocalEnginePolicy
         from codefleet.agent.episode import score, solve
         from codefleet.fleet.controller import AttemptResult
-        from codefleet.fleet.inference import engine_gone
+        from codefleet.fleet.inference import engine_state
 
         spec = self.spec
         index, engine = self._engine(ticket, attempt)
@@ -171,10 +202,11 @@ class RolloutWorker:
                                budgets=config.budgets or task.budgets, tool_config=config.tools, task_id=task.id,
                                prompt=config.prompt)
             error = str(trajectory.metadata.get("error", ""))
-            if "EngineDiedError" in error and engine_gone(engine):
-                self._gone.add(index)
-                raise InfraError(f"attempt {attempt} of group {ticket.group_id}: engine {index} is dead for good; "
-                                 f"this worker sends no more episodes to it ({error})")
+            if "EngineDiedError" in error:
+                self._note(index, engine_state(engine, timeout_s=10.0))
+                if index in self._gone:
+                    raise InfraError(f"attempt {attempt} of group {ticket.group_id}: engine {index} is dead for "
+                                     f"good; this worker sends no more episodes to it ({error})")
             if "EngineDiedError" in error or "EngineFailedError" in error or CANCELLED in error:
                 raise InfraError(f"attempt {attempt} of group {ticket.group_id}: {error}")
             if not sandbox.alive():

@@ -76,6 +76,7 @@ def check_config(config: TrainRunConfig) -> None:
         (min(r.max_tokens, r.max_turns, config.eval.max_tokens, config.eval.attempts, config.eval.jobs) >= 1,
          "rl.max_tokens, rl.max_turns, eval.max_tokens, eval.attempts and eval.jobs must be >= 1"),
         (r.rollout_timeout_s > 0, "rl.rollout_timeout_s must be > 0"),
+        (config.cluster.engine_wait_s > 0, "cluster.engine_wait_s must be > 0"),
         (config.model.max_seq_len >= 256, "model.max_seq_len must be >= 256 (a task and one turn)"),
         (not t.train_dir or os.path.isdir(t.train_dir), f"tasks.train_dir {t.train_dir!r} is not a directory"),
         (not t.eval_dir or os.path.isdir(t.eval_dir), f"tasks.eval_dir {t.eval_dir!r} is not a directory"),

@@ -126,6 +126,9 @@ class ClusterSection:
     sandbox_slots: int = 64
     engines: int = 1
     engine_threads: int = 2
+    # how long a weight broadcast waits for an engine that does not answer (restarting, or its node gone with no
+    # room elsewhere) before the run goes on without it; it loads the newest checkpoint itself when it is back
+    engine_wait_s: float = 300.0
     trainer_workers: int = 2
     trainer_cpus: float = 0.5  # logical CPUs per trainer worker
     rollout_workers: int = 2

@@ -92,6 +92,7 @@ class RLTrainer:
         self.config, self.progress = config, progress
         self.controller = None  # set once the controller exists (its buffer state goes into checkpoints)
         self.sampler = sampler  # the task sampler (rl.curriculum): its per-family success estimates go into the metrics
+        self.away: dict = {}  # engines that did not take weights in time -> a call that returns once they are back
         self.started = time.perf_counter()
         self.tokens = 0
 
@@ -116,10 +117,13 @@ class RLTrainer:
         self.run.commit_checkpoint(version, kept, [r.rollout_id for r in batch.rollouts])
         # committed before the engines get the weights: an engine that restarts from now on loads them (LATEST)
         weights_ref, version = self.group.publish()
-        live = broadcast_weights(self.engines, weights_ref, version)
-        if len(live) < len(self.engines):
-            log(f"{len(self.engines) - len(live)} engine(s) died for good; {len(live)} serve version {version}")
-            self.engines = live
+        serving, away = broadcast_weights(self.engines, weights_ref, version, self.config.cluster.engine_wait_s,
+                                          self.away)
+        if len(serving) + len(away) < len(self.engines) or len(away) != len(self.away):
+            gone = len(self.engines) - len(serving) - len(away)
+            log(f"engines: {len(serving)} serve version {version}, {len(away)} away (restarting, not waited for)"
+                + (f", {gone} dead for good and left out" if gone else ""))
+        self.engines, self.away = [e for e in self.engines if e in serving or e in away], away
         self.run.prune(version)
         stats = rollout_stats(batch.groups)
         self.tokens += stats["completion_tokens"]
@@ -286,9 +290,9 @@ def _log_prefix_cache(engines) -> None:
 
     for i, engine in enumerate(engines):
         try:
-            info = ray.get(engine.info.remote())
-        except ray.exceptions.RayActorError as e:
-            log(f"engine {i}: no prefix cache figures, it died ({type(e).__name__})")
+            info = ray.get(engine.info.remote(), timeout=10)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+            log(f"engine {i}: no prefix cache figures, it is not there ({type(e).__name__})")
             continue
         reused, computed = info["prefix_tokens_reused"], info["prefill_tokens"]
         log(f"engine {i}: prefix cache supplied {reused} of {reused + computed} prompt tokens "
