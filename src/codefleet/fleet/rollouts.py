@@ -12,12 +12,12 @@ scored Trajectory and the episode's exact token sequence
 
 Infrastructure failures are not the agent's failures: an engine or sandbox
 that died, or checks that could not run, raise `InfraError` out of
-`run_attempt`, and the controller retries the attempt. An engine that died
-gets no further episodes from this worker: for good if it is dead for good
-(`inference.engine_gone`; when none is left every attempt fails at once,
-saying so), else for `AWAY_S` at a time until it answers again (restarting,
-or its node gone with no room elsewhere). A task whose set-up
-fails twice in a row, in fresh sandboxes, is broken, not unlucky: the attempt
+`run_attempt`, and the controller retries the attempt. Before an episode
+starts, the worker makes one short call to the engine chosen for it
+(`inference.engine_state`): one dead for good gets no episode from this worker
+again (when none is left every attempt fails at once, saying so); one that
+does not answer (restarting, or its node gone with no room elsewhere) gets
+none for `AWAY_S`, then is asked again. A task whose set-up fails twice in a row, in fresh sandboxes, is broken, not unlucky: the attempt
 resolves to `AttemptResult(None, task_error=...)` and the controller drops the
 group without retrying it. Everything the agent did wrong (bad tool calls, a
 context overflow, wrong fix, no submit) is an ordinary scored rollout.
