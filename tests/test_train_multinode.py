@@ -36,7 +36,8 @@ SCRIPT = textwrap.dedent("""
                  "cluster.rollout_resources={rollout: 1}", "cluster.engine_resources={head: 1}",
                  "cluster.trainer_resources={head: 1}"]
     if engines_on_workers:  # one engine per worker node: the removed node's engine has nowhere to go
-        overrides += ["cluster.engines=2", "cluster.engine_resources={engine_slot: 1}", "cluster.engine_wait_s=20"]
+        overrides += ["cluster.engines=2", "cluster.engine_resources={engine_slot: 1}", "cluster.engine_wait_s=20",
+                      "rl.steps=10"]
     proc = subprocess.Popen([python, "-m", "codefleet.cli", "train", "--out", run, "--no-progress",
                              "--address", cluster.address, *overrides], stderr=open(run + ".log", "w"))
     deadline = time.time() + 600
@@ -45,8 +46,15 @@ SCRIPT = textwrap.dedent("""
     removed = proc.poll() is None
     if removed:
         cluster.remove_node(workers[0])
+    readded = False
+    if removed and engines_on_workers:  # once the run goes on without the lost engine, give it a node again
+        while "away (restarting" not in open(run + ".log").read() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        if proc.poll() is None:
+            cluster.add_node(num_cpus=2, resources=node)
+            readded = True
     code = proc.wait(timeout=900)
-    print(json.dumps({"code": code, "removed": removed}))
+    print(json.dumps({"code": code, "removed": removed, "readded": readded}))
     cluster.shutdown()
 """)
 
@@ -56,7 +64,8 @@ SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("engines_on_workers", [False, True], ids=["engines-on-head", "an-engine-lost"])
 def test_training_continues_when_a_worker_node_is_removed(tmp_path, engines_on_workers):
     """With `an-engine-lost`, each worker node holds an engine too: the removed node's engine cannot be placed
-    again, so rollouts go to the other and weight broadcasts go on without it."""
+    again, so rollouts go to the other and weight broadcasts go on without it; once a new node joins, the engine
+    comes back there with the newest weights and serves again."""
     run = str(tmp_path / "run")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
@@ -64,15 +73,17 @@ def test_training_continues_when_a_worker_node_is_removed(tmp_path, engines_on_w
     log = open(run + ".log").read() if os.path.exists(run + ".log") else ""
     assert out.returncode == 0, out.stderr[-3000:] + log[-3000:]
     status = json.loads(out.stdout.strip().splitlines()[-1])
-    assert status == {"code": 0, "removed": True}, log[-3000:]
+    assert status == {"code": 0, "removed": True, "readded": engines_on_workers}, log[-3000:]
     trained = []
     for path in sorted(glob.glob(os.path.join(run, "trained", "step-*.json"))):
         trained += json.load(open(path))
-    assert len(trained) == len(set(trained)) == 4 * 2
+    assert len(trained) == len(set(trained)) == (10 if engines_on_workers else 4) * 2
     accepted = set()
     for path in glob.glob(os.path.join(run, "accepted", "*.pkl")):
         accepted |= {r.rollout_id for r in pickle.load(open(path, "rb")).rollouts}
     assert set(trained) <= accepted
     assert json.load(open(os.path.join(run, "results.json")))["results"]["rl"]["tasks"] == 1
     if engines_on_workers:
-        assert "1 away (restarting, not waited for)" in log, log[-3000:]
+        lost = log.index("engines: 1 serve version")
+        assert "1 away (restarting, not waited for)" in log[lost:].splitlines()[0], log[-3000:]
+        assert "engines: 2 serve version" in log[lost:], log[-3000:]  # back on the new node

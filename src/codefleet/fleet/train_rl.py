@@ -121,7 +121,8 @@ class RLTrainer:
                                           self.away)
         if len(serving) + len(away) < len(self.engines) or len(away) != len(self.away):
             gone = len(self.engines) - len(serving) - len(away)
-            log(f"engines: {len(serving)} serve version {version}, {len(away)} away (restarting, not waited for)"
+            log(f"engines: {len(serving)} serve version {version}"
+                + (f", {len(away)} away (restarting, not waited for)" if away else "")
                 + (f", {gone} dead for good and left out" if gone else ""))
         self.engines, self.away = [e for e in self.engines if e in serving or e in away], away
         self.run.prune(version)
