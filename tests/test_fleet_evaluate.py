@@ -3,7 +3,7 @@ clock, not the policy, ended the attempts."""
 
 from __future__ import annotations
 
-from codefleet.fleet.evaluate import summarize
+from codefleet.fleet.evaluate import compare, comparison_line, difference_interval, summarize, wilson_interval
 from codefleet.types import CheckResult, Trajectory
 
 
@@ -22,6 +22,36 @@ def test_summary_counts_attempts_the_wall_clock_cut_off():
     assert "25% of the attempts ran out of their wall-clock budget" in report.table()
     calm = summarize("ckpt", {"a": results["a"][:1], "b": results["b"][:1]}, attempts=1, eval_s=1.0)
     assert calm.wall_clock_stops == 0.0 and calm.clock_warning() == "" and "warning" not in calm.table()
+
+
+def test_intervals_against_newcombes_worked_examples():
+    # Newcombe (1998), Statistics in Medicine 17: 81/263 has the Wilson interval 0.2553-0.3662; 56/70 - 48/80
+    # = 0.2000 has the hybrid score interval 0.0524-0.3339 (method 10)
+    assert [round(x, 4) for x in wilson_interval(81, 263)] == [0.2553, 0.3662]
+    assert [round(x, 4) for x in difference_interval(56, 70, 48, 80)] == [0.0524, 0.3339]
+    assert wilson_interval(0, 10)[0] == 0.0 and wilson_interval(10, 10)[1] == 1.0
+
+
+def test_rl_against_sft_reads_the_target_off_the_estimates_and_says_how_sure_they_are():
+    def summary(solved_turns, n=160):
+        return {"tasks": n // 8, "attempts": 8, "success_rate": len(solved_turns) / n, "solved_turns": solved_turns}
+
+    sft = summary([2, 3, 4, 4, 6, 6, 7])
+    noise = compare(sft, summary([2, 2, 3, 3, 4, 4, 6, 7]))  # the last demo's kind of table: 7 vs 8 solved
+    assert noise["solved"] == [7, 8] and noise["success_points"] == 0.0063 and not noise["target_met"]
+    assert noise["turns_change"] == round(31 / 8 / 4.5714285714 - 1, 4) == -0.1523
+    lo, hi = noise["turns_change_ci"]
+    assert lo < -0.2 and hi > 0  # seven solved episodes cannot tell -15% from nothing
+    assert "+0.6 points" in comparison_line(noise) and "not met" in comparison_line(noise)
+
+    faster = compare(sft, summary([2] * 7))  # the same success, every solve in 2 turns: -56%
+    assert faster["turns_change"] == round(2 / (32 / 7) - 1, 4) and faster["target_met"]
+    assert faster["turns_change_ci"][1] < 0
+    better = compare(sft, summary([3] * 24))  # 4.4% -> 15%: +10.6 points
+    assert better["target_met"] and better["success_points_ci"][0] > 0
+    worse_but_faster = compare(summary([3] * 24), summary([2] * 7))  # faster, but success fell for sure
+    assert worse_but_faster["turns_change"] < -0.2 and not worse_but_faster["target_met"]
+    assert compare({**sft, "solved_turns": []}, summary([2]))["turns_change"] is None  # an old run's report
 
 
 def test_a_model_behind_an_openai_endpoint_is_evaluated_like_a_checkpoint(tmp_path, config, capsys):

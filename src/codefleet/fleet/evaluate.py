@@ -28,6 +28,8 @@ hold a trained policy against.
 from __future__ import annotations
 
 import json
+import math
+import random
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -191,6 +193,71 @@ def evaluate_policy(policy, label: str, tasks: list[Task], config: EvalConfig, s
     results = {tid: r for tid, r in done.items() if not isinstance(r, TaskSetupError)}
     broken = {tid: str(r) for tid, r in done.items() if isinstance(r, TaskSetupError)}
     return summarize(label, results, config.attempts, time.perf_counter() - started, broken), results
+
+
+def wilson_interval(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a proportion k/n."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    center = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(center - half, 0.0), min(center + half, 1.0)
+
+
+def difference_interval(k_new: int, n_new: int, k_base: int, n_base: int) -> tuple[float, float]:
+    """95% interval of k_new/n_new - k_base/n_base (Newcombe's hybrid score interval, from two Wilson intervals)."""
+    p_new, p_base = k_new / n_new, k_base / n_base
+    (l_new, u_new), (l_base, u_base) = wilson_interval(k_new, n_new), wilson_interval(k_base, n_base)
+    d = p_new - p_base
+    return (d - math.sqrt((p_new - l_new) ** 2 + (u_base - p_base) ** 2),
+            d + math.sqrt((u_new - p_new) ** 2 + (p_base - l_base) ** 2))
+
+
+def mean_ratio_interval(new: list[float], base: list[float], resamples: int = 2000,
+                        seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval (percentiles, seeded) of mean(new) / mean(base) - 1."""
+    rng = random.Random(seed)
+    changes = sorted(statistics.fmean(rng.choices(new, k=len(new))) / statistics.fmean(rng.choices(base, k=len(base)))
+                     - 1 for _ in range(resamples))
+    return changes[int(0.025 * resamples)], changes[int(0.975 * resamples) - 1]
+
+
+TARGET_POINTS, TARGET_TURNS = 0.10, -0.20  # issue 5: +10 points of success, or -20% turns per solved task
+
+
+def compare(base: dict, new: dict) -> dict:
+    """How `new` did against `base` (two evaluation summaries of the same tasks and settings, with `solved_turns`):
+    the change in success with its 95% interval, the change in turns per solved task with its bootstrap 95%
+    interval, and whether that meets the target (+10 points, or -20% turns at equal success, i.e. a success
+    change whose interval holds 0 or lies above it)."""
+    n_base, n_new = base["tasks"] * base["attempts"], new["tasks"] * new["attempts"]
+    k_base, k_new = round(base["success_rate"] * n_base), round(new["success_rate"] * n_new)
+    points = k_new / n_new - k_base / n_base
+    points_ci = difference_interval(k_new, n_new, k_base, n_base)
+    out = {"success_points": round(points, 4), "success_points_ci": [round(x, 4) for x in points_ci],
+           "solved": [k_base, k_new], "episodes": [n_base, n_new], "turns_change": None, "turns_change_ci": None}
+    turns_base, turns_new = base.get("solved_turns") or [], new.get("solved_turns") or []
+    if turns_base and turns_new:
+        out["turns_change"] = round(statistics.fmean(turns_new) / statistics.fmean(turns_base) - 1, 4)
+        out["turns_change_ci"] = [round(x, 4) for x in mean_ratio_interval(turns_new, turns_base)]
+    faster = out["turns_change"] is not None and out["turns_change"] <= TARGET_TURNS and points_ci[1] >= 0
+    out["target_met"] = points >= TARGET_POINTS or faster
+    return out
+
+
+def comparison_line(c: dict, base: str = "sft", new: str = "rl") -> str:
+    """`compare()` in two sentences, intervals included."""
+    lo, hi = c["success_points_ci"]
+    text = (f"{new} vs {base}: success {100 * c['success_points']:+.1f} points (95% interval {100 * lo:+.1f} to "
+            f"{100 * hi:+.1f}; {c['solved'][1]} vs {c['solved'][0]} solved of {c['episodes'][1]} and "
+            f"{c['episodes'][0]} episodes)")
+    if c["turns_change"] is not None:
+        tlo, thi = c["turns_change_ci"]
+        text += f", turns per solved task {c['turns_change']:+.0%} ({tlo:+.0%} to {thi:+.0%})"
+    verdict = "met" if c["target_met"] else "not met"
+    return (text + f". Target (+{100 * TARGET_POINTS:.0f} points, or {TARGET_TURNS:.0%} turns per solved task at equal "
+            f"success): {verdict}, by the point estimates.")
 
 
 def report_json(report: EvalReport) -> str:

@@ -267,7 +267,8 @@ def evaluate_checkpoints(run: RunDir, config: TrainRunConfig, eval_tasks, checkp
         report, _ = evaluate(path, eval_tasks, EvalConfig(attempts=e.attempts, temperature=e.temperature,
                                                           max_tokens=e.max_tokens, jobs=e.jobs),
                              config.sandbox, episode_config(config), on_task=on_task)
-        results[label] = {**report.summary(), "settings": settings}
+        solved_turns = sorted(a["turns"] for ts in report.per_task.values() for a in ts if a["solved"])
+        results[label] = {**report.summary(), "settings": settings, "solved_turns": solved_turns}
         if warning := report.clock_warning():
             log(f"{label}: {warning} (eval.jobs, eval.attempts, rl.rollout_timeout_s)")
         atomic_write(out, json.dumps(results[label], indent=2, sort_keys=True).encode())
@@ -373,7 +374,10 @@ def _train(run: RunDir, config: TrainRunConfig, progress: bool) -> dict:
         metrics.close()
         if own_ray:
             ray.shutdown()
+    from codefleet.fleet.evaluate import compare
+
     results = evaluate_checkpoints(run, config, eval_tasks, {"sft": sft_ckpt, "rl": rl_ckpt})
-    summary = {"results": results, "wall_s": round(time.perf_counter() - started, 1), "run_dir": run.root}
+    summary = {"results": results, "wall_s": round(time.perf_counter() - started, 1), "run_dir": run.root,
+               "rl_vs_sft": compare(results["sft"], results["rl"])}
     atomic_write(run.path("results.json"), json.dumps(summary, indent=2, sort_keys=True).encode())
     return summary

@@ -54,6 +54,7 @@ def register(subparsers) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     from codefleet.config import ConfigError, load_config
+    from codefleet.fleet.evaluate import comparison_line
     from codefleet.fleet.train import RunError, results_table, resumed_config, train
     from codefleet.fleet.train_config import TrainRunConfig
 
@@ -81,6 +82,7 @@ def _train(args: argparse.Namespace) -> int:
         return 2
     print(f"\nheld-out tasks ({summary['run_dir']}/tasks/eval), run wall clock {summary['wall_s']:.0f} s:")
     print(results_table(summary["results"]))
+    print(comparison_line(summary["rl_vs_sft"]))
     print(json.dumps(summary["results"], sort_keys=True))
     if best := (summary["results"].get("rl") or summary["results"].get("sft") or {}).get("checkpoint"):
         print(f"\nrun the policy on a repository: codefleet agent run --repo DIR --task TEXT --model local:{best}\n"
