@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from codefleet.fleet.run_dir import Metrics, RunDir, log
+from codefleet.fleet.run_dir import Metrics, RunDir, RunError, log
 from codefleet.fleet.staleness import Group
 from codefleet.fleet.train_config import TrainRunConfig, episode_config
 
@@ -271,8 +271,8 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
     try:
         report = controller.run(c.steps)
         if report.ended_by == "no_more_items":
-            raise RuntimeError(f"RL stopped at step {report.version} of {c.steps}: every training task was left "
-                               f"out because its set-up fails (last: {report.last_task_error})")
+            raise RunError(f"RL stopped at step {report.version} of {c.steps}: every training task was left "
+                           f"out because its set-up fails (last: {report.last_task_error})")
         _log_prefix_cache(trainer.engines)
         if c.task_sampling != "uniform":
             log("task families (attempts, success estimate): " + ", ".join(
