@@ -127,7 +127,13 @@ def test_a_sandbox_process_its_owner_never_recorded_is_killed_by_the_reaper(conf
     stray = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
                               os.path.join(dead_dir, "sb", "sb-0123456789", "merged")])
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", dead_dir + "-not-sb"])
+
+    def shows_its_arguments(proc) -> bool:  # a process mid-exec reads as an empty command line for a moment
+        with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
+            return dead_dir.encode() in f.read()
+
     try:
+        assert wait_for(lambda: shows_its_arguments(stray) and shows_its_arguments(bystander), timeout_s=30)
         assert state.reap(state_dir, owner.cgroups) == [os.path.basename(dead_dir)]
         assert stray.wait(timeout=10) == -9
         assert bystander.poll() is None  # only what names the dead owner's sandboxes
