@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from codefleet.fleet.controller import AttemptResult, Controller, ControllerConfig
+from codefleet.fleet.controller import AttemptResult, Controller, ControllerConfig, ControllerError
 from codefleet.fleet.staleness import Rollout
 
 
@@ -207,7 +207,7 @@ def test_a_broken_item_drops_its_group_at_once_and_the_run_goes_on(ray_session, 
 def test_when_every_item_is_broken_the_run_stops_saying_so(ray_session, worker):
     ctrl, runner, trainer = build(ray_session, worker, lambda g, a, t: (0.01, 0.0, "broken"), eta=1,
                                   max_abandoned_in_a_row=3)
-    with pytest.raises(RuntimeError, match="3 groups in a row were dropped because their item cannot be attempted"):
+    with pytest.raises(ControllerError, match="3 groups in a row were dropped because their item cannot be attempted"):
         ctrl.run(2)
     assert ctrl.version == 0 and ctrl.admission.in_flight == 0
 

@@ -44,9 +44,10 @@ cancelled and their groups withdrawn (their finished attempts are discarded; a l
 this controller starts their items again first); buffered groups stay, and `buffer_state()` holds
 them for a checkpoint. `run()` may be called again to continue.
 
-Errors. An exception in `trainer.train`, `on_step` or `on_group`, or a runner breaking its contract
-(see `GroupRunner`), stops the run the same way and `run()` raises a RuntimeError naming the step or
-group, with the original exception as its cause; Ctrl-C leaves as KeyboardInterrupt after clean-up.
+Errors. An exception in `trainer.train`, `on_step`, `on_group` or `on_broken`, a runner breaking its
+contract (see `GroupRunner`), or a stop rule (`max_abandoned_in_a_row`) stops the run the same way and
+`run()` raises a ControllerError (a RuntimeError) naming the step or group, with the original exception
+as its cause; Ctrl-C leaves as KeyboardInterrupt after clean-up.
 
 What is measured (RunReport, StepReport).
 - `rollouts_per_s`: rollouts trained in this `run()` / seconds from the start of `run()` to the end
@@ -76,6 +77,7 @@ import ray
 from codefleet.fleet.controller_api import (  # noqa: F401 - the contract, re-exported
     AttemptResult,
     ControllerConfig,
+    ControllerError,
     GroupRunner,
     RunReport,
     StepReport,
@@ -235,7 +237,7 @@ class Controller:
             self._running = False
         if self._error is not None:
             msg, cause = self._error
-            raise RuntimeError(
+            raise ControllerError(
                 f"{msg}. The run stopped and in-flight attempts were cancelled; resume from the last checkpoint "
                 "(buffer_state() saved with it), since a failed step may have consumed its batch."
             ) from cause

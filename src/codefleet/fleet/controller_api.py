@@ -30,6 +30,12 @@ class ControllerConfig:
             raise ValueError(f"max_infra_retries={self.max_infra_retries} must be >= 0")
 
 
+class ControllerError(RuntimeError):
+    """`Controller.run()` stopped: a failing trainer step or callback, a runner breaking its contract, or a stop
+    rule (every attempt failing by infrastructure, every item broken). The message says which; the cause is
+    chained."""
+
+
 @dataclass
 class AttemptResult:
     """What an attempt's ObjectRef resolves to."""

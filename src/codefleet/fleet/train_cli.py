@@ -54,6 +54,7 @@ def register(subparsers) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     from codefleet.config import ConfigError, load_config
+    from codefleet.fleet.controller_api import ControllerError
     from codefleet.fleet.evaluate import comparison_line
     from codefleet.fleet.train import RunError, results_table, resumed_config, train
     from codefleet.fleet.train_config import TrainRunConfig
@@ -75,11 +76,20 @@ def _train(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError, RunError) as e:
         print(f"codefleet train: {e}", file=sys.stderr)
         return 2
+    run_dir = args.resume or args.out
     try:
-        summary = train(config, args.resume or args.out, resume=bool(args.resume), progress=not args.no_progress)
+        summary = train(config, run_dir, resume=bool(args.resume), progress=not args.no_progress)
     except RunError as e:
         print(f"codefleet train: {e}", file=sys.stderr)
         return 2
+    except ControllerError as e:  # the RL loop stopped, saying why; the traceback is for a bug report
+        import traceback
+
+        path = os.path.join(run_dir, "error.txt")
+        with open(path, "w") as f:
+            f.write(traceback.format_exc())
+        print(f"codefleet train: {e} (traceback: {path})", file=sys.stderr)
+        return 1
     print(f"\nheld-out tasks ({summary['run_dir']}/tasks/eval), run wall clock {summary['wall_s']:.0f} s:")
     print(results_table(summary["results"]))
     print(comparison_line(summary["rl_vs_sft"]))
