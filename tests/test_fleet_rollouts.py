@@ -216,3 +216,32 @@ def test_an_engine_that_never_comes_back_is_routed_around_and_the_broadcast_goes
     assert ray.get(up.info.remote())["version"] == 2
     for actor in (*workers, *engines):
         ray.kill(actor, no_restart=True)
+
+
+def test_a_retry_goes_to_another_worker_when_one_never_answers(setup):
+    """A rollout worker Ray cannot place (its node is gone, no room elsewhere) takes attempts that never start.
+    The controller times such an attempt out; its retry goes to the next worker and the group completes."""
+    from codefleet.fleet.controller import Controller, ControllerConfig
+    from codefleet.fleet.rollouts import RolloutWorker
+
+    ckpt, task, state_dir = setup
+    engines = start_engines(ckpt, 1, num_cpus=0, max_batch=2)
+    live = start_workers(_spec(ckpt, state_dir), engines, 1, slots_per_worker=2, num_cpus=0)[0]
+    nowhere = RolloutWorker.options(num_cpus=0, resources={"no-such-node": 1}).remote(_spec(ckpt, state_dir), engines)
+
+    class Recorder:  # the trainer: the edge of this test
+        batches = []
+
+        def train(self, batch):
+            self.batches.append(batch)
+            return {}
+
+    controller = Controller(ControllerConfig(eta=0, rollout_slots=2, batch_groups=1, group_size=2,
+                                             rollout_timeout_s=20.0, max_infra_retries=1),
+                            AgentGroupRunner([nowhere, live]), Recorder(), iter([task] * 4))
+    report = controller.run(1)  # group 0: attempt 0 -> the worker that never answers, attempt 1 -> the live one
+    assert report.steps == 1 and report.infra_failures == 1 and "timed out" in report.last_infra_error
+    (group,) = Recorder.batches[0].groups
+    assert sorted(r.rollout_id for r in group.rollouts) == ["0/0", "0/1"] and report.abandoned_groups == 0
+    for actor in (live, nowhere, *engines):
+        ray.kill(actor, no_restart=True)

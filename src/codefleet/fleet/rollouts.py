@@ -17,12 +17,14 @@ starts, the worker makes one short call to the engine chosen for it
 (`inference.engine_state`): one dead for good gets no episode from this worker
 again (when none is left every attempt fails at once, saying so); one that
 does not answer (restarting, or its node gone with no room elsewhere) gets
-none for `AWAY_S`, then is asked again. A task whose set-up fails twice in a row, in fresh sandboxes, is broken, not unlucky: the attempt
-resolves to `AttemptResult(None, task_error=...)` and the controller drops the
-group without retrying it. Everything the agent did wrong (bad tool calls, a
-context overflow, wrong fix, no submit) is an ordinary scored rollout.
+none for `AWAY_S`, then is asked again. A task whose set-up fails twice in a
+row, in fresh sandboxes, is broken, not unlucky: the attempt resolves to
+`AttemptResult(None, task_error=...)` and the controller drops the group
+without retrying it. Everything the agent did wrong (bad tool calls, a context
+overflow, wrong fix, no submit) is an ordinary scored rollout.
 
-`AgentGroupRunner` is the controller's `GroupRunner` over a set of workers.
+`AgentGroupRunner` is the controller's `GroupRunner` over a set of workers; a
+group's retries move on by one worker per infrastructure failure.
 """
 
 from __future__ import annotations
@@ -252,15 +254,17 @@ CANCELLED = "the attempt was cancelled by the controller"
 
 
 class AgentGroupRunner:
-    """The controller's GroupRunner: attempts spread over rollout workers."""
+    """The controller's GroupRunner: attempts spread over rollout workers. Each infrastructure failure of a
+    group moves its retries on by one worker, so a worker that is stuck, or restarting with no room on the
+    cluster, costs an attempt one timeout rather than every retry (and the group)."""
 
     def __init__(self, workers: list):
         self.workers = workers
 
     def start(self, ticket: Ticket, item: Task, attempts: list[int]) -> list:
-        n = len(self.workers)
-        return [self.workers[(ticket.group_id * ticket.group_size + a) % n].run_attempt.remote(
-            item, ticket, a, ticket.policy_version) for a in attempts]
+        first = ticket.group_id * ticket.group_size + ticket.infra_failures
+        return [self.workers[(first + a) % len(self.workers)].run_attempt.remote(item, ticket, a, ticket.policy_version)
+                for a in attempts]
 
 
 def start_workers(spec: RolloutSpec, engines: list, n: int, *, slots_per_worker: int, num_cpus: float = 0.25,
