@@ -20,6 +20,7 @@ def test_summary_counts_attempts_the_wall_clock_cut_off():
     assert report.wall_s == 17.5 and report.wall_s_per_solved == 2.0
     assert report.wall_clock_stops == 0.25 and report.summary()["wall_clock_stops"] == 0.25
     assert "25% of the attempts ran out of their wall-clock budget" in report.table()
+    assert "success rate       25.0% (95% interval 4.6% to 69.9%, 4 attempts)" in report.table()  # Wilson, 1 of 4
     calm = summarize("ckpt", {"a": results["a"][:1], "b": results["b"][:1]}, attempts=1, eval_s=1.0)
     assert calm.wall_clock_stops == 0.0 and calm.clock_warning() == "" and "warning" not in calm.table()
 

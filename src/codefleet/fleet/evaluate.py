@@ -79,7 +79,10 @@ class EvalReport:
         return out
 
     def table(self, label: str = "") -> str:
-        rows = [("success rate", f"{self.success_rate:.1%}"), (f"pass@{self.attempts}", f"{self.pass_at_n:.1%}"),
+        n = self.tasks * self.attempts
+        lo, hi = wilson_interval(round(self.success_rate * n), n)
+        rows = [("success rate", f"{self.success_rate:.1%} (95% interval {lo:.1%} to {hi:.1%}, {n} attempts)"),
+                (f"pass@{self.attempts}", f"{self.pass_at_n:.1%}"),
                 ("turns / attempt", f"{self.turns:.2f}"), ("tool calls / turn", f"{self.tool_calls_per_turn:.2f}"),
                 ("tool errors", f"{self.tool_errors:.2f}"), ("wall s / attempt", f"{self.wall_s:.2f}"),
                 ("turns / solved", "-" if self.turns_per_solved is None else f"{self.turns_per_solved:.2f}"),
