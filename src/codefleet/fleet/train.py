@@ -347,6 +347,7 @@ def train(config: TrainRunConfig, out: str, resume: bool = False, progress: bool
 def _train(run: RunDir, config: TrainRunConfig, progress: bool) -> dict:
     import ray
 
+    from codefleet.fleet.evaluate import compare
     from codefleet.model.tokenizer import default_tokenizer
 
     saved = run.path("config.yaml")
@@ -374,8 +375,6 @@ def _train(run: RunDir, config: TrainRunConfig, progress: bool) -> dict:
         metrics.close()
         if own_ray:
             ray.shutdown()
-    from codefleet.fleet.evaluate import compare
-
     results = evaluate_checkpoints(run, config, eval_tasks, {"sft": sft_ckpt, "rl": rl_ckpt})
     summary = {"results": results, "wall_s": round(time.perf_counter() - started, 1), "run_dir": run.root,
                "rl_vs_sft": compare(results["sft"], results["rl"])}

@@ -98,10 +98,9 @@ def expert_demos(tasks: list[Task], tokenizer, max_seq_len: int, sandbox_config=
     and fits the context; a task whose set-up fails is recorded in `Demos.broken`, not raised."""
     from codefleet.agent.clients.scripted import ScriptedExpert
     from codefleet.agent.episode import EpisodeConfig, run_episode
+    from codefleet.tasks.checks import TaskSetupError
 
     habits = [(e, c) for e in (True, False) for c in (False, True)]
-
-    from codefleet.tasks.checks import TaskSetupError
 
     def one(task: Task):
         if not task.reference_patch.strip():  # nothing for the expert to replay: no demonstration
