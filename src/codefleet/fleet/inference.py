@@ -135,9 +135,9 @@ def start_engines(checkpoint: str, n: int = 1, *, num_cpus: float = 1.0, resourc
 def engine_state(engine, timeout_s: float = 30.0) -> str:
     """What one call to the engine actor finds: "up" if it answers within `timeout_s`, "gone" if it is dead for
     good (the call raises ActorDiedError), else "away" (Ray is restarting it: calls wait until it is back, which
-    may be never if its node is gone and no other has room). A call in flight when the process died raises ActorUnavailableError if
-    a restart follows and ActorDiedError if none does, but a fresh call is the answer that does not depend on
-    timing."""
+    may be never if its node is gone and no other has room). A call in flight when the process died raises
+    ActorUnavailableError if a restart follows and ActorDiedError if none does, but a fresh call is the answer
+    that does not depend on timing."""
     try:
         ray.get(engine.info.remote(), timeout=timeout_s)
     except ActorDiedError:
