@@ -87,6 +87,7 @@ def test_a_model_behind_an_openai_endpoint_is_evaluated_like_a_checkpoint(tmp_pa
         assert all("tools" in body for body in stub.requests)  # the full prompt: an endpoint serves any model
     for argv, words in ((["--model", "localhost:8000"], "is not a URL"),
                         (["--model", "http://127.0.0.1:9/v1", "--exact-tokens"], "needs codefleet's own engine"),
+                        (["--model", "http://127.0.0.1:9/v1", "--tool-grammar"], "codefleet serve --tool-grammar"),
                         (["--model", "http://127.0.0.1:9/v1"], "127.0.0.1:9")):
         assert main(["eval", "--tasks", str(tmp_path / "tasks"), *argv]) == 2
         err = capsys.readouterr().err

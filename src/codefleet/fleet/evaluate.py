@@ -49,6 +49,7 @@ class EvalConfig:
     # each episode's prompts extend the exact sampled tokens, as RL's rollouts do, instead of the conversation
     # rendered again as a server would (agent.attempts.run_task_attempts)
     exact_tokens: bool = False
+    tool_grammar: str = "off"  # "auto"/"required": tool calls constrained to parse and fit their schemas (model.grammar)
 
 
 CLOCK_WARNING = 0.1  # EvalReport.clock_warning above this share of attempts stopped by the wall clock
@@ -136,7 +137,7 @@ def evaluate(checkpoint: str, tasks: list[Task], config: EvalConfig | None = Non
     """Run every task `attempts` times with the checkpoint; the report and the trajectories by task id."""
     import torch
 
-    from codefleet.agent.clients.local_engine import LocalEnginePolicy
+    from codefleet.agent.clients.local_engine import LocalEnginePolicy, grammar_options
     from codefleet.model.engine import load_engine
 
     config = config or EvalConfig()
@@ -147,7 +148,7 @@ def evaluate(checkpoint: str, tasks: list[Task], config: EvalConfig | None = Non
     engine = load_engine(checkpoint, max_batch=max(1, config.jobs * config.attempts))
     try:
         policy = LocalEnginePolicy(engine=engine, max_tokens=config.max_tokens, temperature=config.temperature,
-                                   seed=0, name=f"local:{checkpoint}")
+                                   seed=0, name=f"local:{checkpoint}", **grammar_options(config.tool_grammar))
         return evaluate_policy(policy, checkpoint, tasks, config, sandbox_config, episode_config, on_task, started)
     finally:
         engine.close()

@@ -58,6 +58,7 @@ class RolloutSpec:
     temperature: float = 1.0
     top_p: float = 1.0
     max_seq_len: int | None = None
+    tool_grammar: str = "off"  # "auto"/"required": tool calls constrained to parse and fit their schemas (model.grammar)
     use_fleet: bool = True  # sandboxes on the SandboxHost fleet; False: in the worker's process
     namespace: str = "codefleet"
 
@@ -180,7 +181,7 @@ class RolloutWorker:
             self._away[index] = time.monotonic() + AWAY_S
 
     def run_attempt(self, task: Task, ticket: Ticket, attempt: int, version: int):
-        from codefleet.agent.clients.local_engine import LocalEnginePolicy
+        from codefleet.agent.clients.local_engine import LocalEnginePolicy, grammar_options
         from codefleet.agent.episode import score, solve
         from codefleet.fleet.controller import AttemptResult
         from codefleet.fleet.inference import engine_state
@@ -196,7 +197,7 @@ class RolloutWorker:
         remote = RemoteEngine(engine, self.tokenizer, self.max_seq_len)
         base = LocalEnginePolicy(engine=remote, tokenizer=self.tokenizer,
                                  max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
-                                 name="local:rl")
+                                 name="local:rl", **grammar_options(spec.tool_grammar))
         policy = base.for_episode()
         try:
             config = spec.episode

@@ -68,6 +68,7 @@ def check_config(config: TrainRunConfig) -> None:
         (config.sft.habits in ("epoch", "task"), f"sft.habits must be epoch or task, got {config.sft.habits!r}"),
         (config.model.copy_scope in ("all", "prompt"), "model.copy_scope must be 'all' or 'prompt'"),
         (config.model.prompt in PROMPTS, f"model.prompt must be one of {', '.join(PROMPTS)}"),
+        (config.model.tool_grammar in ("off", "auto", "required"), "model.tool_grammar must be off, auto or required"),
         (r.task_sampling in SAMPLING_MODES, f"rl.task_sampling must be one of {', '.join(SAMPLING_MODES)}"),
         (r.task_sampling_floor >= 0, "rl.task_sampling_floor must be >= 0"),
         (t.difficulty in (None, 1, 2, 3), "tasks.difficulty must be 1, 2, 3 or null (drawn per task)"),
@@ -247,7 +248,8 @@ def evaluate_checkpoints(run: RunDir, config: TrainRunConfig, eval_tasks, checkp
     results = {}
     for label, path in checkpoints.items():
         out = run.path("eval", f"{label}.json")
-        settings = dataclasses.asdict(e)
+        grammar = config.model.tool_grammar
+        settings = dataclasses.asdict(e) | ({"tool_grammar": grammar} if grammar != "off" else {})
         if os.path.isfile(out):  # this checkpoint, evaluated so, before a crash (a resume may change both)
             with open(out) as f:
                 done = json.load(f)
@@ -265,7 +267,8 @@ def evaluate_checkpoints(run: RunDir, config: TrainRunConfig, eval_tasks, checkp
                                           attempt=i, split="eval") for i, t in enumerate(trajectories)])
 
         report, _ = evaluate(path, eval_tasks, EvalConfig(attempts=e.attempts, temperature=e.temperature,
-                                                          max_tokens=e.max_tokens, jobs=e.jobs),
+                                                          max_tokens=e.max_tokens, jobs=e.jobs,
+                                                          tool_grammar=config.model.tool_grammar),
                              config.sandbox, episode_config(config), on_task=on_task)
         solved_turns = sorted(a["turns"] for ts in report.per_task.values() for a in ts if a["solved"])
         results[label] = {**report.summary(), "settings": settings, "solved_turns": solved_turns}

@@ -42,6 +42,9 @@ def register(subparsers) -> None:
     ev.add_argument("--exact-tokens", action="store_true",
                     help="each turn's prompt extends the exact tokens sampled before, as in RL's rollouts (default: "
                          "the conversation rendered again, as a server would)")
+    ev.add_argument("--tool-grammar", nargs="?", const="auto", default="off", choices=("off", "auto", "required"),
+                    help="the engine samples only tool calls that parse and fit their schemas (constrained decoding); "
+                    "'required': and every turn calls a tool")
     ev.add_argument("--prompt", choices=("full", "bare"), default=None,  # agent.prompts.PROMPTS, not imported here:
                     # the CLI starts without loading the agent package
                     help="what the policy is shown (agent.prompts); default: the model.prompt of the run the "
@@ -113,6 +116,10 @@ def _eval(args: argparse.Namespace) -> int:
         print(f"codefleet eval: --model {args.model!r} is not a URL; give an OpenAI-compatible base URL such as "
               "http://localhost:8000/v1, or a checkpoint directory with --checkpoint", file=sys.stderr)
         return 2
+    if args.model and args.tool_grammar != "off":
+        print("codefleet eval: --tool-grammar constrains codefleet's own engine, used with --checkpoint; an endpoint "
+              "constrains its own decoding (`codefleet serve --tool-grammar`)", file=sys.stderr)
+        return 2
     if args.model and args.exact_tokens:
         print("codefleet eval: --exact-tokens needs codefleet's own engine in process; use it with --checkpoint",
               file=sys.stderr)
@@ -160,7 +167,7 @@ def _eval(args: argparse.Namespace) -> int:
                                             wall_clock_s=args.wall_clock),
                             prompt=args.prompt or (trained_prompt(args.checkpoint) if args.checkpoint else "full"))
     config = EvalConfig(attempts=args.attempts, temperature=args.temperature, max_tokens=args.max_tokens,
-                        jobs=args.jobs, exact_tokens=args.exact_tokens)
+                        jobs=args.jobs, exact_tokens=args.exact_tokens, tool_grammar=args.tool_grammar)
     try:
         if args.model:
             report, _ = evaluate_endpoint(args.model, tasks, config, args.model_name, episode_config=episode,

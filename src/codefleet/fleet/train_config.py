@@ -52,6 +52,10 @@ class ModelSection:
     # the copy head never points at tokens holding quotes, backticks, brackets, commas or colons
     # (ModelConfig.copy_blocked): a copied name ends where the LM head says, not where the context did
     copy_words_only: bool = False
+    # "auto": the engine samples only tool calls that parse and fit the tools' schemas (model.grammar), in RL's
+    # rollouts and in the evaluations; "required": and every turn calls a tool (a turn without one ends the
+    # episode); "off": the model's tokens as drawn
+    tool_grammar: str = "off"
 
 
 @dataclass

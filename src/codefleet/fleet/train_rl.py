@@ -238,7 +238,8 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
                             restart_from=run.path("checkpoints", "LATEST"))
     fleet = SandboxFleet.start()  # held for the run: a host whose last handle goes away is collected
     spec = RolloutSpec(checkpoint=serving, sandbox=config.sandbox, episode=episode_config(config),
-                       max_tokens=c.max_tokens, temperature=c.temperature, max_seq_len=config.model.max_seq_len)
+                       max_tokens=c.max_tokens, temperature=c.temperature, max_seq_len=config.model.max_seq_len,
+                       tool_grammar=config.model.tool_grammar)
     workers = start_workers(spec, engines, cl.rollout_workers,
                             slots_per_worker=-(-c.rollout_slots // cl.rollout_workers), num_cpus=cl.rollout_cpus,
                             resources=cl.rollout_resources)

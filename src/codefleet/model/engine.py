@@ -38,7 +38,12 @@ model at temperature 1 (`log_softmax` of the raw logits — exactly what the
 trainer's `token_logprobs` computes on a full forward over prompt +
 completion; temperature/top-k/top-p only choose the token), the policy
 version of the weights that sampled it, and the experts each MoE layer routed
-it to. The prompt's routing (from prefill) is kept too, for rollout routing
+it to.
+
+Constrained tool calls: a request whose `SamplingParams.tools` is set samples
+only turns whose tool calls parse and fit those schemas (`grammar.py`: a token
+the grammar refuses is masked and the row sampled again); `Result.refused`
+counts the tokens where the model's first choice was refused. The prompt's routing (from prefill) is kept too, for rollout routing
 replay over the whole sequence.
 
 Two ways in: `generate(prompts, params)` runs steps in the caller's thread
@@ -51,6 +56,7 @@ thread-safe; one lock serialises steps and weight updates.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import threading
 import time
@@ -62,10 +68,12 @@ from dataclasses import dataclass, field
 import torch
 
 from codefleet.model.cache import SlotKVCache
+from codefleet.model.grammar import ToolCallGrammar, TurnMatcher, constrained_sample
 from codefleet.model.prefix_cache import Parked, PrefixCache
 from codefleet.model.sampling import SamplingParams, sample_next
 
 log = logging.getLogger(__name__)
+GRAMMARS_KEPT = 16  # compiled tool-call grammars the engine keeps (one per distinct tool list)
 
 
 @dataclass
@@ -84,6 +92,7 @@ class Result:
     prefill_s: float = 0.0
     total_s: float = 0.0
     cached_tokens: int = 0  # prompt tokens whose keys/values the prefix cache supplied
+    refused: int = 0  # tokens whose first draw the tool-call grammar refused (SamplingParams.tools)
 
 
 @dataclass
@@ -109,6 +118,8 @@ class _Sequence:
     reused: int = 0  # prompt tokens whose keys/values came from the prefix cache
     reuse_from: Parked | None = None
     weight_loads: int = -1  # the engine's `weight_loads` at admission: the weights its keys/values come from
+    matcher: TurnMatcher | None = None  # where it stands in the tool-call grammar (SamplingParams.tools)
+    refused: int = 0
 
     @property
     def length(self) -> int:
@@ -176,6 +187,7 @@ class Engine:
         self.peak_batch = 0  # most sequences decoded together
         self.prefill_tokens_computed = 0  # prompt tokens run through the model
         self.weight_loads = 0  # weight updates applied (a policy version may repeat; this never does)
+        self._grammars: dict[str, ToolCallGrammar] = {}  # by tools and tool choice, most recent last
 
     # -- requests ------------------------------------------------------------------------
 
@@ -230,8 +242,26 @@ class Engine:
             generator.manual_seed(params.seed)
         # the last token needs a cache position for its drain pass, hence max_seq_len - len(prompt)
         max_tokens = min(params.max_tokens, self.max_seq_len - len(prompt))
-        return _Sequence(next(self._ids), prompt, params, max_tokens, Future(), on_token, generator,
-                         time.perf_counter())
+        seq = _Sequence(next(self._ids), prompt, params, max_tokens, Future(), on_token, generator,
+                        time.perf_counter())
+        if params.tools:
+            seq.matcher = self._grammar(params).start()
+        return seq
+
+    def _grammar(self, params: SamplingParams) -> ToolCallGrammar:
+        if self.tokenizer is None:
+            raise ValueError("constrained tool calls (SamplingParams.tools) need the engine's tokenizer; "
+                             "create the Engine with tokenizer=")
+        key = json.dumps([params.tools, params.tool_choice], sort_keys=True, default=str)
+        with self._queue_lock:
+            grammar = self._grammars.pop(key, None)
+        if grammar is None:
+            grammar = ToolCallGrammar.build(self.tokenizer, params.tools, params.tool_choice)
+        with self._queue_lock:
+            self._grammars[key] = grammar
+            while len(self._grammars) > GRAMMARS_KEPT:
+                self._grammars.pop(next(iter(self._grammars)))
+        return grammar
 
     def _enqueue(self, seqs: list[_Sequence]) -> None:
         with self._queue_lock:
@@ -433,7 +463,17 @@ class Engine:
     def _sample(self, seqs: list[_Sequence], logits_BV: torch.Tensor) -> None:
         tokens_B, logprobs_B = sample_next(logits_BV, [s.params for s in seqs], [s.generator for s in seqs],
                                            self._default_generator)
-        for s, tok, lp in zip(seqs, tokens_B.tolist(), logprobs_B.tolist()):
+        tokens, logprobs = tokens_B.tolist(), logprobs_B.tolist()
+        for i, s in enumerate(seqs):
+            if s.matcher is None:
+                continue
+            tok, refused = constrained_sample(s.matcher, logits_BV[i], tokens[i], self._resampler(s))
+            if refused:
+                s.refused += 1
+                tokens[i] = tok
+                logprobs[i] = torch.log_softmax(logits_BV[i].float(), dim=-1)[tok].item()  # the model's own
+            s.matcher.advance(tok)
+        for s, tok, lp in zip(seqs, tokens, logprobs):
             s.tokens.append(tok)
             s.logprobs.append(lp)
             s.versions.append(self.version)
@@ -443,6 +483,11 @@ class Engine:
                 except Exception:  # a broken stream must not stop the batch
                     log.exception("on_token callback failed")
             self._check_finished(s)
+
+    def _resampler(self, s: _Sequence) -> Callable[[torch.Tensor], int]:
+        def draw(logits_V: torch.Tensor) -> int:
+            return int(sample_next(logits_V[None], [s.params], [s.generator], self._default_generator)[0][0])
+        return draw
 
     def _check_finished(self, s: _Sequence) -> None:
         tok = s.tokens[-1]
@@ -475,7 +520,7 @@ class Engine:
         now = time.perf_counter()
         result = Result(s.prompt, s.tokens, s.logprobs, s.versions, s.routing, s.prompt_routing, s.finish_reason,
                         text, s.stop, prefill_s=s.prefilled - s.submitted, total_s=now - s.submitted,
-                        cached_tokens=s.reused)
+                        cached_tokens=s.reused, refused=s.refused)
         _settle(s.future, result=result)
 
     def _release(self, indices: list[int], park: bool = False) -> None:

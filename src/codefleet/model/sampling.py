@@ -35,6 +35,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # end the sequence (the token is kept in the result)
     stop: list[str] = field(default_factory=list)  # end when the decoded text contains one (the text is cut before it)
     seed: int | None = None
+    # constrained tool calls (model.grammar): every call sampled parses and fits one of these OpenAI tool
+    # schemas; tool_choice "required" also needs a call before the turn ends, "none" allows none
+    tools: list[dict] | None = None
+    tool_choice: str = "auto"
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field and its allowed range."""
@@ -48,6 +52,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be a non-negative integer (0: no limit), got {self.top_k!r}")
         if self.seed is not None and not -2**63 <= self.seed < 2**63:
             raise ValueError(f"seed must be a signed 64-bit integer, got {self.seed!r}")
+        if self.tool_choice not in ("auto", "required", "none"):
+            raise ValueError(f"tool_choice must be auto, required or none, got {self.tool_choice!r}")
 
 
 def sample_next(logits_BV: torch.Tensor, params: list[SamplingParams],

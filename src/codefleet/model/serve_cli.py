@@ -32,6 +32,9 @@ def register(subparsers) -> None:
     serve.add_argument("--prompt", choices=("full", "bare"), default=None,
                        help="how requests are rendered: 'bare' leaves out system messages and tool schemas, for a "
                        "policy trained without them (default: the checkpoint's training run's model.prompt, else full)")
+    serve.add_argument("--tool-grammar", action="store_true",
+                       help="constrain every request's tool calls to parse and fit their tools' schemas "
+                       "(without it, only tool_choice \"required\", a named function or tools marked strict are)")
     serve.set_defaults(func=run)
 
 
@@ -59,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
     try:
-        run_server(engine, engine.tokenizer, args.host, args.port, name, args.prompt or trained_prompt(args.checkpoint))
+        run_server(engine, engine.tokenizer, args.host, args.port, name, args.prompt or trained_prompt(args.checkpoint),
+                   tool_grammar=args.tool_grammar)
     except OSError as e:
         print(f"codefleet serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2

@@ -9,7 +9,10 @@
 Each request renders its messages with the chat template (`chat.encode_chat`),
 is submitted to the engine (whose background thread batches all requests in
 flight into the same decode steps) and awaited without blocking the event
-loop. The completion is parsed with `chat.parse_tool_calls`: tool calls come
+loop. `tool_choice` "required" or a named function, a tool marked `"strict":
+true`, or a server started with `tool_grammar` constrain decoding so that
+every tool call parses and fits its schema (`grammar.py`); "none" offers no
+tools. The completion is parsed with `chat.parse_tool_calls`: tool calls come
 back as OpenAI `tool_calls` with ids unique to the response and
 `finish_reason: "tool_calls"`; otherwise "stop" (the turn ended) or
 "length" (max_tokens or the context ran out).
@@ -55,6 +58,7 @@ from aiohttp import web
 
 from codefleet.model import chat
 from codefleet.model.engine import Engine, Result
+from codefleet.model.grammar import call_node
 from codefleet.model.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -88,7 +92,7 @@ class ChatRequest:
 
 
 def parse_request(body: object, engine: Engine, tokenizer, model_name: str, default_max_tokens: int,
-                  prompt: str = "full") -> ChatRequest:
+                  prompt: str = "full", tool_grammar: bool = False) -> ChatRequest:
     """Validate an OpenAI chat-completions body; raises RequestError naming the bad field."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object with \"model\" and \"messages\"")
@@ -116,13 +120,7 @@ def parse_request(body: object, engine: Engine, tokenizer, model_name: str, defa
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise RequestError("\"tools\" must be an array of {\"type\": \"function\", \"function\": {...}} objects",
                            param="tools", code="invalid_type")
-    tool_choice = body.get("tool_choice")
-    if tool_choice == "none":
-        tools = []
-    elif tool_choice not in (None, "auto"):  # "required" or one named function: the model would have to be forced
-        raise RequestError("tool_choice must be \"auto\" or \"none\": this server does not constrain decoding, so it "
-                           "cannot force a tool call; leave tool_choice out", param="tool_choice",
-                           code="invalid_value")
+    tools, constrain, choice = _tool_choice(body.get("tool_choice"), tools, tool_grammar)
     n = body.get("n")
     if n is not None and (isinstance(n, bool) or n != 1):
         raise RequestError("only n=1 is supported; send several requests for several completions", param="n",
@@ -139,7 +137,8 @@ def parse_request(body: object, engine: Engine, tokenizer, model_name: str, defa
         top_p=float(_field(body, "top_p", body.get("top_p"), (int, float), 1.0)),
         top_k=_field(body, "top_k", body.get("top_k"), int, 0),
         seed=_field(body, "seed", body.get("seed"), int, None),
-        stop=[s for s in (stop or []) if s], stop_token_ids=chat.stop_ids(tokenizer))
+        stop=[s for s in (stop or []) if s], stop_token_ids=chat.stop_ids(tokenizer),
+        tools=tools if constrain else None, tool_choice=choice)
     top_logprobs = body.get("top_logprobs")
     if top_logprobs is not None and (isinstance(top_logprobs, bool) or top_logprobs != 0):
         raise RequestError("top_logprobs is not supported: this server returns only the sampled tokens' logprobs "
@@ -174,6 +173,43 @@ def parse_request(body: object, engine: Engine, tokenizer, model_name: str, defa
     return ChatRequest(ids, params, tools, bool(stream), bool(isinstance(stream_options, dict)
                                                            and stream_options.get("include_usage")),
                        bool(body.get("logprobs")))
+
+
+def _tool_choice(tool_choice: object, tools: list[dict], tool_grammar: bool) -> tuple[list[dict], bool, str]:
+    """(the tools offered, whether decoding is constrained to them, the grammar's tool choice) for OpenAI's
+    `tool_choice`. "required" and a named function are honoured by constraining decoding (model.grammar); so
+    is "auto" for tools marked `"strict": true`, or for every request on a server started with tool_grammar."""
+    def name_of(tool: dict) -> object:
+        return (tool.get("function") or {}).get("name") if isinstance(tool.get("function"), dict) else tool.get("name")
+
+    if tool_choice == "none":
+        return [], False, "auto"
+    if isinstance(tool_choice, dict):  # {"type": "function", "function": {"name": ...}}
+        name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice.get("function"), dict) \
+            else None
+        tools = [t for t in tools if name_of(t) == name]
+        if not tools:
+            raise RequestError(f"tool_choice names the function {name!r}, which is not in \"tools\"",
+                               param="tool_choice", code="invalid_value")
+        tool_choice = "required"
+    elif tool_choice not in (None, "auto", "required"):
+        raise RequestError("tool_choice must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
+                           "\"function\": {\"name\": ...}}", param="tool_choice", code="invalid_value")
+    if tool_choice == "required":
+        if not tools:
+            raise RequestError("tool_choice requires a tool call but \"tools\" is empty", param="tool_choice",
+                               code="invalid_value")
+        constrain = True
+    else:
+        constrain = bool(tools) and (tool_grammar or any(
+            isinstance(t.get("function"), dict) and t["function"].get("strict") is True for t in tools))
+    if constrain:
+        try:
+            call_node(tools)
+        except ValueError as e:
+            raise RequestError(f"the tools cannot constrain decoding: {e}", param="tools", code="invalid_value") \
+                from None
+    return tools, constrain, tool_choice or "auto"
 
 
 def _field(body: dict, name: str, value: object, types, default):
@@ -222,11 +258,12 @@ class ChatServer:
     """The aiohttp application over one engine."""
 
     def __init__(self, engine: Engine, tokenizer, model_name: str = "codefleet", default_max_tokens: int = 1024,
-                 prompt: str = "full"):
+                 prompt: str = "full", tool_grammar: bool = False):
         from codefleet.agent.prompts import check_prompt
 
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.default_max_tokens, self.prompt = default_max_tokens, check_prompt(prompt)
+        self.tool_grammar = tool_grammar  # constrain every request's tool calls (model.grammar), not only strict ones
         self.created = int(time.time())
         self.app = web.Application(middlewares=[self._errors], client_max_size=64 * 1024 * 1024)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -278,7 +315,7 @@ class ChatServer:
             raise RequestError(f"the request body is not valid JSON ({e}); send a JSON object with \"model\" and "
                                "\"messages\"", code="invalid_json") from None
         req = parse_request(body, self.engine, self.tokenizer, self.model_name, self.default_max_tokens,
-                            self.prompt)
+                            self.prompt, self.tool_grammar)
         completion_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         if req.stream:
@@ -388,8 +425,9 @@ class ServerThread:
     """
 
     def __init__(self, engine: Engine, tokenizer, host: str = "127.0.0.1", port: int = 0,
-                 model_name: str = "codefleet", default_max_tokens: int = 1024, prompt: str = "full"):
-        self.server = ChatServer(engine, tokenizer, model_name, default_max_tokens, prompt)
+                 model_name: str = "codefleet", default_max_tokens: int = 1024, prompt: str = "full",
+                 tool_grammar: bool = False):
+        self.server = ChatServer(engine, tokenizer, model_name, default_max_tokens, prompt, tool_grammar)
         self.host, self.port = host, port
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
@@ -441,10 +479,12 @@ class ServerThread:
         self.stop()
 
 
-def run_server(engine: Engine, tokenizer, host: str, port: int, model_name: str, prompt: str = "full") -> None:
+def run_server(engine: Engine, tokenizer, host: str, port: int, model_name: str, prompt: str = "full",
+               tool_grammar: bool = False) -> None:
     """Serve until interrupted (the `codefleet serve` command)."""
-    server = ChatServer(engine, tokenizer, model_name, prompt=prompt)
+    server = ChatServer(engine, tokenizer, model_name, prompt=prompt, tool_grammar=tool_grammar)
     shown = "; bare prompt: system messages and tool schemas are not rendered" if prompt == "bare" else ""
+    shown += "; tool calls constrained to their schemas" if tool_grammar else ""
     print(f"codefleet serve: {model_name} on http://{host}:{port}/v1 (max batch {engine.max_batch}, context "
           f"{engine.max_seq_len} tokens{shown})", flush=True)
     # handler_cancellation: a client that disconnects cancels its handler, which cancels its engine request

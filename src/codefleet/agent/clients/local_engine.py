@@ -13,6 +13,12 @@ MoE layer 0, then layer 1, ...). The text is parsed with
 its `error` set, so the loop tells the model what was wrong instead of ending
 the episode.
 
+With `tool_grammar=True` the engine samples only tool calls that parse and fit
+their tools' schemas (`codefleet.model.grammar`): the turn's tools, or the
+harness's own (`agent.tools.tool_schemas`) when the prompt shows none (a policy
+trained on the bare prompt). `tool_choice="required"` also makes every turn
+call a tool.
+
 For RL, `for_episode()` gives a per-episode policy whose `.tokens` (episode_tokens.EpisodeTokens)
 is the episode's exact token sequence: each turn's prompt extends the ids sampled before, never a
 re-tokenization of their text.
@@ -40,7 +46,8 @@ class LocalEnginePolicy:
 
     def __init__(self, checkpoint: str = "", engine=None, tokenizer=None, max_tokens: int = 1024,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                 max_batch: int = 16, max_seq_len: int | None = None, name: str = ""):
+                 max_batch: int = 16, max_seq_len: int | None = None, name: str = "", tool_grammar: bool = False,
+                 tool_choice: str = "auto"):
         from codefleet.model import chat
         from codefleet.model.sampling import SamplingParams
 
@@ -59,7 +66,8 @@ class LocalEnginePolicy:
         self.name = name or (f"local:{checkpoint}" if checkpoint else "local")
         self._chat = chat
         self.params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                     stop_token_ids=chat.stop_ids(self.tokenizer))
+                                     stop_token_ids=chat.stop_ids(self.tokenizer), tool_choice=tool_choice)
+        self.tool_grammar = tool_grammar
         self.params.validate()
         self._seeds = itertools.count(seed) if seed is not None else None
         self._turns = itertools.count()
@@ -73,17 +81,19 @@ class LocalEnginePolicy:
             prompt = self._chat.encode_chat(self.tokenizer, messages, tools)
         except (ValueError, KeyError) as e:
             raise PolicyError(f"the messages could not be rendered with the chat template: {e}") from e
-        return self.turn(prompt)[1]
+        return self.turn(prompt, tools)[1]
 
-    def turn(self, prompt: list[int]):
-        """Generate one assistant turn for the token ids `prompt`: the engine's Result and the PolicyOutput."""
+    def turn(self, prompt: list[int], tools: list[dict] | None = None):
+        """Generate one assistant turn for the token ids `prompt` (`tools`: what its calls may call, for the
+        tool grammar): the engine's Result and the PolicyOutput."""
         chat = self._chat
         room = self.engine.max_seq_len - len(prompt)
         if room < 1:
             raise PolicyError(f"the conversation has {len(prompt)} tokens, over the local model's context of "
                               f"{self.engine.max_seq_len}; shorten tool outputs or raise max_seq_len")
         params = replace(self.params, max_tokens=min(self.params.max_tokens, room),
-                         seed=next(self._seeds) if self._seeds is not None else None)
+                         seed=next(self._seeds) if self._seeds is not None else None,
+                         tools=(tools or _harness_tools()) if self.tool_grammar else None)
         try:
             result = self.engine.submit(prompt, params).result()
         except Exception as e:
@@ -117,6 +127,19 @@ class EpisodePolicy:
             prompt = self.tokens.prompt(self.base.tokenizer, messages, tools)
         except (ValueError, KeyError, SequenceBroken) as e:
             raise PolicyError(f"the messages could not be rendered with the chat template: {e}") from e
-        result, output = self.base.turn(prompt)
+        result, output = self.base.turn(prompt, tools)
         self.tokens.add_turn(prompt, result, len(messages) + 1, self._end_id)
         return output
+
+
+def grammar_options(tool_grammar: str) -> dict:
+    """LocalEnginePolicy's options for a config's `tool_grammar`: "off", "auto" or "required"."""
+    if tool_grammar not in ("off", "auto", "required"):
+        raise ValueError(f"tool_grammar must be off, auto or required, got {tool_grammar!r}")
+    return {"tool_grammar": tool_grammar != "off", "tool_choice": "required" if tool_grammar == "required" else "auto"}
+
+
+def _harness_tools() -> list[dict]:
+    from codefleet.agent.tools import tool_schemas
+
+    return tool_schemas()
