@@ -122,7 +122,12 @@ class TurnMatcher:
         g = self.grammar
         if token in g.special:
             return self._special_ok(token)
-        return not self.done and self.copy()._feed(g.token_bytes[token])
+        if self.done:
+            return False
+        data = g.token_bytes[token]
+        if not self.in_call:  # text: no "<|" (the common case, without a copy)
+            return not ((self.after_lt and data[:1] == b"|") or b"<|" in data)
+        return self.copy()._feed(data)
 
     def advance(self, token: int) -> None:
         """Move on by `token` (one the grammar allows; a refused one marks the turn done)."""
