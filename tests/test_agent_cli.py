@@ -262,11 +262,13 @@ def test_a_local_checkpoint_runs_in_process_and_a_missing_one_is_one_sentence(re
         result = json.loads(out.getvalue())
         assert code == 0 and result["turns"] == 1 and result["tokens"] > 0, err.getvalue()
         assert ("bare prompt: the model sees the task alone" in err.getvalue()) == bare  # the run's model.prompt
-    err = io.StringIO()
-    code = main(["agent", "run", "--repo", repo, "--task", "x", "--model", f"local:{tmp_path / 'missing'}"],
-                stdin=io.StringIO(), out=io.StringIO(), err=err)
-    assert code == 2 and "is not a checkpoint directory" in err.getvalue()
-    assert "Traceback" not in err.getvalue() and len(err.getvalue().strip().splitlines()) == 1
+    for model, extra, words in ((f"local:{tmp_path / 'missing'}", [], "is not a checkpoint directory"),
+                                ("http://127.0.0.1:9/v1", ["--tool-grammar", "auto"], "codefleet serve --tool-grammar")):
+        err = io.StringIO()
+        code = main(["agent", "run", "--repo", repo, "--task", "x", "--model", model, *extra],
+                    stdin=io.StringIO(), out=io.StringIO(), err=err)
+        assert code == 2 and words in err.getvalue()
+        assert "Traceback" not in err.getvalue() and len(err.getvalue().strip().splitlines()) == 1
 
 
 def test_bytecode_the_tests_write_stays_out_of_the_diff_unless_git_tracks_it(repo, state_dir):

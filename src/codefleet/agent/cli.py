@@ -63,6 +63,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="'full' sends the system prompt and tool schemas; 'bare' the task alone, for a policy "
                      "trained without them (default: full, or for --model local:RUN/checkpoints/NAME the "
                      "training run's model.prompt)")
+    run.add_argument("--tool-grammar", choices=["off", "auto", "required"], default=None,
+                     help="for --model local:...: the engine samples only tool calls that parse and fit their schemas "
+                     "('required': and every turn calls a tool; default: the training run's model.tool_grammar, else "
+                     "off). A server constrains its own decoding (codefleet serve --tool-grammar)")
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a SandboxConfig field")
     run.set_defaults(func=run_command)
 
@@ -143,6 +147,13 @@ def _trained_prompt(model: str) -> str:
     return trained_prompt(model.partition(":")[2])
 
 
+def _trained_grammar(model: str) -> str:
+    """The tool grammar a `local:CHECKPOINT` policy was trained and evaluated with."""
+    from codefleet.fleet.run_dir import trained_tool_grammar
+
+    return trained_tool_grammar(model.partition(":")[2]) if model.startswith("local:") else "off"
+
+
 def _attempt_summary(a: Attempt) -> dict:
     t = a.trajectory
     return {"attempt": a.index, "stop_reason": t.stop_reason, "turns": t.n_turns, "tool_calls": t.n_tool_calls,
@@ -154,6 +165,7 @@ def _attempt_summary(a: Attempt) -> dict:
 def run_command(args: argparse.Namespace, stdin: TextIO | None = None, out: TextIO | None = None,
                 err: TextIO | None = None) -> int:
     from codefleet.agent.clients import build_policy
+    from codefleet.agent.clients.local_engine import grammar_options
     from codefleet.config import ConfigError, load_config
     from codefleet.sandbox import SandboxConfig, SandboxError, create_sandbox
 
@@ -181,12 +193,17 @@ def run_command(args: argparse.Namespace, stdin: TextIO | None = None, out: Text
         http = {"timeout_s": args.timeout_s, "max_retries": args.max_retries,
                 "deadline": time.monotonic() + budgets.wall_clock_s}  # no request outlasts the wall clock
 
-        def policy_for(spec: str, model_name: str):  # the HTTP options mean nothing to an in-process engine
-            return build_policy(spec, model_name, **({} if spec == "local" or spec.startswith("local:") else http))
+        def policy_for(spec: str, model_name: str, grammar: str | None = "off"):
+            if spec == "local" or spec.startswith("local:"):  # the HTTP options mean nothing to an in-process engine
+                return build_policy(spec, model_name, **grammar_options(grammar or _trained_grammar(spec)))
+            if grammar not in (None, "off"):
+                raise ValueError("--tool-grammar constrains codefleet's own engine (--model local:...); a server "
+                                 "constrains its own decoding (codefleet serve --tool-grammar)")
+            return build_policy(spec, model_name, **http)
 
-        policy = policy_for(args.model, args.model_name)
+        policy = policy_for(args.model, args.model_name, args.tool_grammar)
         prompt = args.prompt or _trained_prompt(args.model)
-        planner = policy_for(args.planner, args.planner_model_name) if args.planner else None
+        planner = policy_for(args.planner, args.planner_model_name) if args.planner else None  # it writes a plan
     except (ConfigError, ValueError, NotImplementedError, OSError) as e:
         print(f"codefleet agent run: {e}", file=err)
         return 2

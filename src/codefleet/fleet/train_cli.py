@@ -42,9 +42,9 @@ def register(subparsers) -> None:
     ev.add_argument("--exact-tokens", action="store_true",
                     help="each turn's prompt extends the exact tokens sampled before, as in RL's rollouts (default: "
                          "the conversation rendered again, as a server would)")
-    ev.add_argument("--tool-grammar", nargs="?", const="auto", default="off", choices=("off", "auto", "required"),
+    ev.add_argument("--tool-grammar", nargs="?", const="auto", default=None, choices=("off", "auto", "required"),
                     help="the engine samples only tool calls that parse and fit their schemas (constrained decoding); "
-                    "'required': and every turn calls a tool")
+                    "'required': and every turn calls a tool (default: the checkpoint's run's model.tool_grammar)")
     ev.add_argument("--prompt", choices=("full", "bare"), default=None,  # agent.prompts.PROMPTS, not imported here:
                     # the CLI starts without loading the agent package
                     help="what the policy is shown (agent.prompts); default: the model.prompt of the run the "
@@ -107,7 +107,7 @@ def _eval(args: argparse.Namespace) -> int:
     from codefleet.agent.episode import EpisodeConfig
     from codefleet.agent.policy import PolicyError
     from codefleet.fleet.evaluate import EvalConfig, evaluate, evaluate_endpoint, report_json
-    from codefleet.fleet.run_dir import trained_prompt
+    from codefleet.fleet.run_dir import trained_prompt, trained_tool_grammar
     from codefleet.model import checkpoint
     from codefleet.tasks.spec import load_tasks
     from codefleet.types import Budgets
@@ -116,7 +116,7 @@ def _eval(args: argparse.Namespace) -> int:
         print(f"codefleet eval: --model {args.model!r} is not a URL; give an OpenAI-compatible base URL such as "
               "http://localhost:8000/v1, or a checkpoint directory with --checkpoint", file=sys.stderr)
         return 2
-    if args.model and args.tool_grammar != "off":
+    if args.model and args.tool_grammar not in (None, "off"):
         print("codefleet eval: --tool-grammar constrains codefleet's own engine, used with --checkpoint; an endpoint "
               "constrains its own decoding (`codefleet serve --tool-grammar`)", file=sys.stderr)
         return 2
@@ -167,7 +167,9 @@ def _eval(args: argparse.Namespace) -> int:
                                             wall_clock_s=args.wall_clock),
                             prompt=args.prompt or (trained_prompt(args.checkpoint) if args.checkpoint else "full"))
     config = EvalConfig(attempts=args.attempts, temperature=args.temperature, max_tokens=args.max_tokens,
-                        jobs=args.jobs, exact_tokens=args.exact_tokens, tool_grammar=args.tool_grammar)
+                        jobs=args.jobs, exact_tokens=args.exact_tokens,
+                        tool_grammar=args.tool_grammar or (trained_tool_grammar(args.checkpoint) if args.checkpoint
+                                                           else "off"))
     try:
         if args.model:
             report, _ = evaluate_endpoint(args.model, tasks, config, args.model_name, episode_config=episode,

@@ -54,8 +54,9 @@ class ModelSection:
     copy_words_only: bool = False
     # "auto": the engine samples only tool calls that parse and fit the tools' schemas (model.grammar), in RL's
     # rollouts and in the evaluations; "required": and every turn calls a tool (a turn without one ends the
-    # episode); "off": the model's tokens as drawn
-    tool_grammar: str = "off"
+    # episode); "off": the model's tokens as drawn. A 600-step SFT checkpoint, 640 held-out episodes: tool errors
+    # per episode 3.16 off, 1.32 required; success 12.2% and 11.4%; turns per solved task 3.24 and 2.97 (2026-12-05)
+    tool_grammar: str = "required"
 
 
 @dataclass

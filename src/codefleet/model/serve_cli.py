@@ -32,9 +32,10 @@ def register(subparsers) -> None:
     serve.add_argument("--prompt", choices=("full", "bare"), default=None,
                        help="how requests are rendered: 'bare' leaves out system messages and tool schemas, for a "
                        "policy trained without them (default: the checkpoint's training run's model.prompt, else full)")
-    serve.add_argument("--tool-grammar", action="store_true",
-                       help="constrain every request's tool calls to parse and fit their tools' schemas "
-                       "(without it, only tool_choice \"required\", a named function or tools marked strict are)")
+    serve.add_argument("--tool-grammar", action="store_true", default=None,
+                       help="constrain every request's tool calls to parse and fit their tools' schemas (default: "
+                       "on for a checkpoint whose run trained so, model.tool_grammar; otherwise only tool_choice "
+                       "\"required\", a named function or tools marked strict are)")
     serve.set_defaults(func=run)
 
 
@@ -49,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
     import torch
 
-    from codefleet.fleet.run_dir import trained_prompt
+    from codefleet.fleet.run_dir import trained_prompt, trained_tool_grammar
     from codefleet.model.engine import load_engine
     from codefleet.model.server import run_server
 
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
     try:
         run_server(engine, engine.tokenizer, args.host, args.port, name, args.prompt or trained_prompt(args.checkpoint),
-                   tool_grammar=args.tool_grammar)
+                   tool_grammar=args.tool_grammar or trained_tool_grammar(args.checkpoint) != "off")
     except OSError as e:
         print(f"codefleet serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
