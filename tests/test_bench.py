@@ -30,6 +30,7 @@ def test_bench_sandbox_reports_every_named_figure(state_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.beyond_ci  # ~23 s; `make bench` runs the benchmark itself
 def test_bench_engine_reports_engine_and_hf_figures(state_dir):
     r = _bench("engine", state_dir, 600)
     for key in ("engine_tokens_per_s_b1", "engine_tokens_per_s_b32", "hf_tokens_per_s_b32", "prefix_cache_speedup"):
@@ -38,6 +39,7 @@ def test_bench_engine_reports_engine_and_hf_figures(state_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.beyond_ci  # ~21 s; `make bench` runs the benchmark itself
 def test_bench_moe_reports_moe_dense_and_hf_figures(state_dir):
     r = _bench("moe", state_dir, 900)
     for key in ("moe_tokens_per_s", "dense_tokens_per_s", "hf_tokens_per_s"):
