@@ -40,6 +40,7 @@ from codefleet.fleet.train_rl import reinforce
 
 def check_config(config: TrainRunConfig) -> None:
     """Refuse a configuration that would fail later (after minutes of SFT), with the field to change."""
+    from codefleet.agent.clients.local_engine import TOOL_GRAMMARS
     from codefleet.agent.prompts import PROMPTS
     from codefleet.model.config import ModelConfig
     from codefleet.rl.advantages import ESTIMATORS
@@ -68,7 +69,7 @@ def check_config(config: TrainRunConfig) -> None:
         (config.sft.habits in ("epoch", "task"), f"sft.habits must be epoch or task, got {config.sft.habits!r}"),
         (config.model.copy_scope in ("all", "prompt"), "model.copy_scope must be 'all' or 'prompt'"),
         (config.model.prompt in PROMPTS, f"model.prompt must be one of {', '.join(PROMPTS)}"),
-        (config.model.tool_grammar in ("off", "auto", "required"), "model.tool_grammar must be off, auto or required"),
+        (config.model.tool_grammar in TOOL_GRAMMARS, "model.tool_grammar must be off, auto or required"),
         (r.task_sampling in SAMPLING_MODES, f"rl.task_sampling must be one of {', '.join(SAMPLING_MODES)}"),
         (r.task_sampling_floor >= 0, "rl.task_sampling_floor must be >= 0"),
         (t.difficulty in (None, 1, 2, 3), "tasks.difficulty must be 1, 2, 3 or null (drawn per task)"),

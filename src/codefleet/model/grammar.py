@@ -36,13 +36,13 @@ from dataclasses import dataclass, field
 import torch
 
 from codefleet.model.chat import CALL_CLOSE, CALL_OPEN, STOP
+from codefleet.model.sampling import TOOL_CHOICES
 
 MAX_REJECTIONS = 4  # single resamples before the full mask
 MASKS_KEPT = 4096  # full masks a grammar keeps, by matcher state
 # Whitespace between a call's JSON tokens: at most this many bytes in a row. Unbounded, a model that wants a
 # token the grammar refuses (an argument its tool does not take) writes spaces instead until its token limit.
 MAX_WS_RUN = 2
-TOOL_CHOICES = ("auto", "required", "none")
 _WS = frozenset(b" \t\n\r")
 _DIGITS = frozenset(b"0123456789")
 _HEX = frozenset(b"0123456789abcdefABCDEF")

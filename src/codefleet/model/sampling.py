@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 MIN_TEMPERATURE = 1e-5  # below it a row samples greedily
+TOOL_CHOICES = ("auto", "required", "none")  # OpenAI's tool_choice strings (model.grammar)
 
 
 @dataclass
@@ -52,7 +53,7 @@ class SamplingParams:
             raise ValueError(f"top_k must be a non-negative integer (0: no limit), got {self.top_k!r}")
         if self.seed is not None and not -2**63 <= self.seed < 2**63:
             raise ValueError(f"seed must be a signed 64-bit integer, got {self.seed!r}")
-        if self.tool_choice not in ("auto", "required", "none"):
+        if self.tool_choice not in TOOL_CHOICES:
             raise ValueError(f"tool_choice must be auto, required or none, got {self.tool_choice!r}")
 
 

@@ -132,9 +132,12 @@ class EpisodePolicy:
         return output
 
 
+TOOL_GRAMMARS = ("off", "auto", "required")  # model.tool_grammar, --tool-grammar
+
+
 def grammar_options(tool_grammar: str) -> dict:
     """LocalEnginePolicy's options for a config's `tool_grammar`: "off", "auto" or "required"."""
-    if tool_grammar not in ("off", "auto", "required"):
+    if tool_grammar not in TOOL_GRAMMARS:
         raise ValueError(f"tool_grammar must be off, auto or required, got {tool_grammar!r}")
     return {"tool_grammar": tool_grammar != "off", "tool_choice": "required" if tool_grammar == "required" else "auto"}
 
