@@ -29,6 +29,7 @@ def test_ppo_clip_inside_and_outside_the_bounds_by_hand():
     assert abs(loss.item() - 0.05) < 1e-6
     assert m["clip_frac"] == pytest.approx(2 / 6) and m["clip_high_frac"] == pytest.approx(1 / 6)
     assert m["clip_low_frac"] == pytest.approx(1 / 6) and m["ratio_mean"] == pytest.approx(1.0)
+    assert m["entropy"] == 0  # every sampled token had probability 1 under the behaviour policy
     loss.backward()
     # d/dlogp of -rA/6 is -rA/6 where unclipped, 0 where the clipped term is taken
     expected = torch.tensor([[-1.1, 0.0, -0.5, 0.0, 1.5, 0.9]]) / 6
@@ -72,6 +73,12 @@ def _stale_tokens():
     prox = torch.tensor([[ln(1.2), ln(3.0), ln(0.5)]])
     logp = (prox + torch.tensor([[ln(1.1), 0.0, ln(1.5)]])).requires_grad_(True)
     return logp, behave, prox
+
+
+def test_entropy_is_the_sampled_tokens_mean_surprisal_over_the_mask():
+    behave = torch.tensor([[ln(0.5), ln(0.25), ln(0.01)]])  # the last token is a tool output: masked out
+    _, m = policy_loss(_lp([0.0, 0.0, 0.0]), behave, torch.tensor([1.0]), torch.tensor([[1.0, 1.0, 0.0]]))
+    assert m["entropy"] == pytest.approx((ln(2) + ln(4)) / 2)
 
 
 def test_decoupled_ppo_drops_tokens_over_the_cap_by_hand():

@@ -111,7 +111,8 @@ def policy_loss(logprobs_BT: torch.Tensor, behave_logprobs_BT: torch.Tensor, adv
                 mask_BT: torch.Tensor, config: LossConfig | None = None, prox_logprobs_BT: torch.Tensor | None = None,
                 ref_logprobs_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """The policy loss of a batch and its metrics (floats): clip_frac, clip_high_frac, clip_low_frac,
-    ratio_mean, pg_loss, and when they apply is_weight_mean, is_dropped_frac, kl."""
+    ratio_mean, pg_loss, entropy (the sampled tokens' mean -behave logprob), and when they apply is_weight_mean,
+    is_dropped_frac, kl."""
     cfg = config or LossConfig()
     mask_BT = mask_BT.to(logprobs_BT.dtype)
     adv_BT = advantages[:, None].expand_as(logprobs_BT) if advantages.dim() == 1 else advantages
@@ -121,7 +122,9 @@ def policy_loss(logprobs_BT: torch.Tensor, behave_logprobs_BT: torch.Tensor, adv
     def frac(where_BT: torch.Tensor) -> float:  # share of the masked tokens where `where_BT` holds
         return float((where_BT.to(mask_BT.dtype) * mask_BT).sum() / n_tokens)
 
-    metrics: dict[str, float] = {}
+    # the mean surprisal of the sampled tokens under the policy that sampled them: the policy's entropy on its own
+    # samples (unbiased when sampled unconstrained)
+    metrics: dict[str, float] = {"entropy": float((-behave_logprobs_BT.detach() * mask_BT).sum() / n_tokens)}
 
     if cfg.ratio_level == "sequence":  # GSPO
         len_B = mask_BT.sum(-1).clamp(min=1)
