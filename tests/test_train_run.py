@@ -235,6 +235,15 @@ def test_a_run_trains_and_evaluates_on_task_directories_of_your_own(tmp_path):
         check_config(config)
 
 
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "*.yaml"))))
+def test_the_shipped_configs_load_and_pass_the_checks(path):
+    from codefleet.config import load_config
+    from codefleet.fleet.train import check_config
+    from codefleet.fleet.train_config import TrainRunConfig
+
+    check_config(load_config(TrainRunConfig, path))
+
+
 def _committed_run(tmp_path, step=2):
     """A run directory as `codefleet train` leaves it after RL step `step` (a stand-in checkpoint directory)."""
     from codefleet.config import to_dict
