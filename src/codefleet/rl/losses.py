@@ -124,7 +124,7 @@ def policy_loss(logprobs_BT: torch.Tensor, behave_logprobs_BT: torch.Tensor, adv
 
     # the mean surprisal of the sampled tokens under the policy that sampled them: the policy's entropy on its own
     # samples (unbiased when sampled unconstrained)
-    metrics: dict[str, float] = {"entropy": float((-behave_logprobs_BT.detach() * mask_BT).sum() / n_tokens)}
+    metrics: dict[str, float] = {"entropy": float(masked_reduce(-behave_logprobs_BT.detach(), mask_BT, "token_mean"))}
 
     if cfg.ratio_level == "sequence":  # GSPO
         len_B = mask_BT.sum(-1).clamp(min=1)
