@@ -7,7 +7,7 @@ import torch
 
 from codefleet.model.config import ModelConfig
 from codefleet.model.transformer import Transformer
-from codefleet.rl.losses import LossConfig, add_moe_losses, kl_k3, masked_reduce, policy_loss
+from codefleet.rl.losses import LossConfig, add_moe_losses, kl_k2, kl_k3, masked_reduce, policy_loss
 
 ln = math.log
 
@@ -116,6 +116,25 @@ def test_kl_k3_by_hand_and_added_with_its_coefficient():
     assert m["kl"] == pytest.approx(k3 / 2)
     with pytest.raises(ValueError, match="ref_logprobs_BT"):
         policy_loss(logp, logp, torch.tensor([0.0]), torch.ones(1, 2), LossConfig(kl_coef=0.1))
+
+
+def test_kl_k2_by_hand_and_its_gradient_is_linear_in_the_log_ratio():
+    # a token the reference finds 8x likelier than the policy: k3's gradient is 1 - exp(ref - logp) = -7 per unit
+    # logp, k2's is logp - ref = -ln 8
+    logp = torch.tensor([[ln(0.1), ln(0.3)]], requires_grad=True)
+    ref = torch.tensor([[ln(0.8), ln(0.3)]])
+    torch.testing.assert_close(kl_k2(logp, ref), torch.tensor([[0.5 * ln(8) ** 2, 0.0]]))
+    loss, m = policy_loss(logp, logp.detach(), torch.tensor([0.0]), torch.ones(1, 2), LossConfig(kl_coef=1.0, kl_estimator="k2"),
+                          ref_logprobs_BT=ref)
+    assert m["kl"] == pytest.approx(0.5 * ln(8) ** 2 / 2)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-ln(8) / 2, 0.0]]))
+    k3_logp = logp.detach().clone().requires_grad_()
+    policy_loss(k3_logp, k3_logp.detach(), torch.tensor([0.0]), torch.ones(1, 2), LossConfig(kl_coef=1.0),
+                ref_logprobs_BT=ref)[0].backward()
+    torch.testing.assert_close(k3_logp.grad, torch.tensor([[(1 - 8.0) / 2, 0.0]]))
+    with pytest.raises(ValueError, match="k3, k2"):
+        LossConfig(kl_estimator="k1")
 
 
 def test_gspo_sequence_ratio_clipped_per_sequence_by_hand():

@@ -38,10 +38,15 @@ sequences weigh more, DAPO); "seq_mean" averages each sequence's tokens
 first, then the sequences (GRPO as published). GSPO losses are per sequence
 and always averaged over sequences.
 
-KL to a reference policy (`kl_coef > 0`, `ref_logprobs_BT`): the k3
-estimator `exp(ref - logp) - (ref - logp) - 1` per token (>= 0, unbiased for
-KL(pi || ref)), reduced like the policy loss (per sequence, then over sequences, with GSPO) and added
-times `kl_coef`.
+KL to a reference policy (`kl_coef > 0`, `ref_logprobs_BT`), per token,
+reduced like the policy loss (per sequence, then over sequences, with GSPO)
+and added times `kl_coef`. `kl_estimator="k3"`: `exp(ref - logp) - (ref -
+logp) - 1` (>= 0, unbiased for KL(pi || ref) on the policy's own samples);
+its gradient grows as exp(ref - logp), so one token the reference found
+likely and the policy does not (a constrained or stale sample) can dominate
+a step. `kl_estimator="k2"`: `(logp - ref)^2 / 2`, whose gradient
+`(logp - ref) * grad logp` is linear in the log-ratio and, on the policy's
+own samples, is the gradient of KL(pi || ref) in expectation.
 
 `add_moe_losses(loss, model_output)` adds the model's router losses
 (aux + z, already scaled by their coefficients in the model config).
@@ -56,6 +61,7 @@ import torch
 OFF_POLICY = ("none", "decoupled", "tis")
 REDUCTIONS = ("token_mean", "seq_mean")
 RATIO_LEVELS = ("token", "sequence")
+KL_ESTIMATORS = ("k3", "k2")
 
 
 @dataclass
@@ -67,10 +73,12 @@ class LossConfig:
     off_policy: str = "none"  # "none" | "decoupled" | "tis"
     is_cap: float = 2.0  # decoupled: tokens with weight above are dropped; tis: weights truncated to it
     kl_coef: float = 0.0  # > 0 needs ref_logprobs_BT
+    kl_estimator: str = "k3"  # "k3" | "k2" (bounded gradient: linear in logp - ref)
 
     def __post_init__(self) -> None:
         for value, allowed, name in ((self.reduction, REDUCTIONS, "reduction"), (self.ratio_level, RATIO_LEVELS, "ratio_level"),
-                                     (self.off_policy, OFF_POLICY, "off_policy")):
+                                     (self.off_policy, OFF_POLICY, "off_policy"),
+                                     (self.kl_estimator, KL_ESTIMATORS, "kl_estimator")):
             if value not in allowed:
                 raise ValueError(f"LossConfig.{name}={value!r} is not one of {', '.join(allowed)}")
         if self.ratio_level == "sequence" and self.off_policy != "none":
@@ -96,6 +104,11 @@ def kl_k3(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor) -> torch.Ten
     """Per-token k3 estimate of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1."""
     d_BT = ref_logprobs_BT - logprobs_BT
     return d_BT.exp() - d_BT - 1
+
+
+def kl_k2(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor) -> torch.Tensor:
+    """Per-token k2 estimate of KL(pi || ref): (logp - ref)^2 / 2."""
+    return 0.5 * (logprobs_BT - ref_logprobs_BT) ** 2
 
 
 def _clipped_objective(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float):
@@ -164,7 +177,7 @@ def policy_loss(logprobs_BT: torch.Tensor, behave_logprobs_BT: torch.Tensor, adv
     metrics["pg_loss"] = float(pg.detach())
     loss = pg
     if ref_logprobs_BT is not None:
-        kl_BT = kl_k3(logprobs_BT, ref_logprobs_BT.detach())
+        kl_BT = (kl_k3 if cfg.kl_estimator == "k3" else kl_k2)(logprobs_BT, ref_logprobs_BT.detach())
         if cfg.ratio_level == "sequence":  # per sequence like the GSPO loss, so micro-batches add up to the batch
             kl = ((kl_BT * mask_BT).sum(-1) / len_B * has_B).sum() / n_seq
         else:
