@@ -101,6 +101,10 @@ class RLSection:
     # SFT, 0 kept held-out success (12.2% -> 13.4%) and cut turns per solved task by 29%, where 1 broke the policy
     # (12.2% -> 3.0%; configs/fast-habits.yaml, 2026-12-06). Not the default: not yet measured in the demo's 20 minutes
     negative_weight: float = 1.0
+    # an attempt that beat its group is not trained on its turns whose tool calls failed (a malformed call, an
+    # unknown tool or argument, a missing file): without this, learning from the winners reinforces the broken
+    # turns a solved episode passed through, and RL raised tool errors per held-out episode (2.7-3.0 -> 3.8-4.0)
+    skip_error_turns: bool = False
     drop_zero_variance: bool = False
     # which task next: "learnable" favours task families where a group is likely to both succeed and fail
     # (rl.curriculum), "uniform" takes every task once per pass

@@ -45,21 +45,28 @@ def rollout_stats(groups: list[Group]) -> dict[str, float]:
             "rollouts": len(trajectories)}
 
 
-def training_samples(groups: list[Group], advantages: list[list[float]]) -> tuple[list, int]:
-    """The RL samples of these groups with their advantages, and how many attempts had no token to train on
+def training_samples(groups: list[Group], advantages: list[list[float]],
+                     skip_error_turns: bool = False) -> tuple[list, int, int]:
+    """The RL samples of these groups with their advantages, how many attempts had no token to train on
     (an attempt that ended before the policy's first turn is scored, so its reward is in the group's
-    advantages, but it has no sequence: training on it would fail the whole step)."""
-    from codefleet.rl.batch import Sample
+    advantages, but it has no sequence: training on it would fail the whole step), and how many turns were
+    left out. With `skip_error_turns` an attempt with a positive advantage is not trained on its turns whose
+    tool calls failed (rl.skip_error_turns)."""
+    from codefleet.rl.batch import Sample, mask_turns
 
-    samples, empty = [], 0
+    samples, empty, skipped = [], 0, 0
     for g, adv_G in zip(groups, advantages):
         for r, adv in zip(g.rollouts, adv_G):
             s = r.payload["sample"]
             if not s["tokens"]:
                 empty += 1
                 continue
-            samples.append(Sample(s["tokens"], s["loss_mask"], s["behave_logprobs"], adv, s["routed_experts"]))
-    return samples, empty
+            mask = s["loss_mask"]
+            failed = [bool(turn.errors) for turn in r.payload["trajectory"].turns] if skip_error_turns and adv > 0 else []
+            if any(failed) and (kept := mask_turns(mask, failed)) is not None:
+                mask, skipped = kept, skipped + sum(failed)
+            samples.append(Sample(s["tokens"], mask, s["behave_logprobs"], adv, s["routed_experts"]))
+    return samples, empty, skipped
 
 
 def group_speed_bonus(groups: list[Group], rl):
@@ -107,10 +114,10 @@ class RLTrainer:
             rewards_NG = rewards_NG + group_speed_bonus(batch.groups, self.config.rl)
         adv_NG = weigh_negatives(compute_advantages(rewards_NG, self.config.rl.estimator),
                                  self.config.rl.negative_weight)
-        samples, empty = training_samples(batch.groups, adv_NG.tolist())
+        samples, empty, skipped = training_samples(batch.groups, adv_NG.tolist(), self.config.rl.skip_error_turns)
         step_started = time.perf_counter()
         m = self._step(samples, batch.trainer_version)
-        m["empty_samples"] = empty
+        m.update(empty_samples=empty, skipped_error_turns=skipped)
         version = self.group.version
         state = self.controller.buffer_state()
         kept = {k: state[k] for k in ("consumed_ids", "lags", "next_group_id", "next_batch")}
