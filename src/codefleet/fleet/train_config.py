@@ -102,8 +102,9 @@ class RLSection:
     # (12.2% -> 3.0%; configs/fast-habits.yaml, 2026-12-06). Not the default: not yet measured in the demo's 20 minutes
     negative_weight: float = 1.0
     # an attempt that beat its group is not trained on its turns whose tool calls failed (a malformed call, an
-    # unknown tool or argument, a missing file): without this, learning from the winners reinforces the broken
-    # turns a solved episode passed through, and RL raised tool errors per held-out episode (2.7-3.0 -> 3.8-4.0)
+    # unknown tool or argument, a missing file), so learning from the winners does not raise the broken turns a
+    # solved episode passed through. Off: after the demo's SFT solved training episodes hold few (5 of 204 turns;
+    # 83 of 754 after a 600-step SFT), and one run with it is no evidence either way (2026-12-06, stop 30)
     skip_error_turns: bool = False
     drop_zero_variance: bool = False
     # which task next: "learnable" favours task families where a group is likely to both succeed and fail
