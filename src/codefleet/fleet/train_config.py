@@ -99,7 +99,8 @@ class RLSection:
     estimator: str = "grpo"  # "grpo" | "drgrpo" | "rloo"
     # scales negative advantages (0: learn only from attempts that beat their group). At rl.lr=6e-4 after a 600-step
     # SFT, 0 kept held-out success (12.2% -> 13.4%) and cut turns per solved task by 29%, where 1 broke the policy
-    # (12.2% -> 3.0%; configs/fast-habits.yaml, 2026-12-06). Not the default: not yet measured in the demo's 20 minutes
+    # (12.2% -> 3.0%; configs/fast-habits.yaml, 2026-12-06). Not the default: after the demo's 400 SFT steps it gave
+    # 0.0-13.1% held-out success over nine runs and never cut turns (docs/training.md, stop 30)
     negative_weight: float = 1.0
     # an attempt that beat its group is not trained on its turns whose tool calls failed (a malformed call, an
     # unknown tool or argument, a missing file), so learning from the winners does not raise the broken turns a

@@ -62,9 +62,10 @@ def training_samples(groups: list[Group], advantages: list[list[float]],
                 empty += 1
                 continue
             mask = s["loss_mask"]
-            failed = [bool(turn.errors) for turn in r.payload["trajectory"].turns] if skip_error_turns and adv > 0 else []
-            if any(failed) and (kept := mask_turns(mask, failed)) is not None:
-                mask, skipped = kept, skipped + sum(failed)
+            if skip_error_turns and adv > 0:
+                failed = [bool(turn.errors) for turn in r.payload["trajectory"].turns]
+                if any(failed) and (kept := mask_turns(mask, failed)) is not None:
+                    mask, skipped = kept, skipped + sum(failed)
             samples.append(Sample(s["tokens"], mask, s["behave_logprobs"], adv, s["routed_experts"]))
     return samples, empty, skipped
 
