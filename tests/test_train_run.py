@@ -184,15 +184,42 @@ def test_rl_only_tasks_come_from_every_training_domain_and_never_from_held_out_t
 
     config = from_dict(TrainRunConfig, {"tasks": {"n_train": 2, "n_rl_extra": 12, "n_eval": 1, "families": ["rename"]}})
     run = RunDir(str(tmp_path / "run"))
-    train, extra, held_out = make_tasks(run, config)
-    assert len(train) == 2 and len(extra) == 12 and len(held_out) == 1
+    train, rl, held_out = make_tasks(run, config)
+    extra = rl[len(train):]
+    assert rl[:len(train)] == train and len(extra) == 12 and len(held_out) == 1
     assert not {t.id for t in train} & {t.id for t in extra}
     assert {t.metadata["template"] for t in extra} <= set(templates("rename", "train"))
     assert {t.metadata["template"] for t in extra} & MORE_TEMPLATES  # code the demonstrations never show
     assert not {t.metadata["template"] for t in train} & MORE_TEMPLATES  # tasks.more_domains is off
-    assert [t.id for t in make_tasks(run, config)[1]] == [t.id for t in extra]  # read back, not drawn again
+    assert [t.id for t in make_tasks(run, config)[1]] == [t.id for t in rl]  # read back, not drawn again
     config.tasks.n_rl_extra = 0
-    assert make_tasks(RunDir(str(tmp_path / "other")), config)[1] == []
+    assert [t.id for t in make_tasks(RunDir(str(tmp_path / "other")), config)[1]] == [t.id for t in train]
+
+
+def test_fresh_rl_tasks_are_new_instances_of_the_demonstrated_templates(tmp_path):
+    from codefleet.config import from_dict
+    from codefleet.fleet.run_dir import RunDir
+    from codefleet.fleet.train import RunError, check_config, make_tasks
+    from codefleet.fleet.train_config import TrainRunConfig
+    from codefleet.tasks.families import MORE_TEMPLATES, templates
+
+    config = from_dict(TrainRunConfig, {"tasks": {"n_train": 10, "n_eval": 2, "rl_tasks": "fresh"}})
+    check_config(config)
+    run = RunDir(str(tmp_path / "run"))
+    train, rl, held_out = make_tasks(run, config)
+    assert len(rl) == len(train) == 10 and not {t.id for t in rl} & {t.id for t in train}
+    assert {t.metadata["family"] for t in rl} == {t.metadata["family"] for t in train}
+    for task in rl:  # the demonstrations' templates and domains, never a held-out one
+        assert task.metadata["template"] in templates(task.metadata["family"], "train")
+        assert task.metadata["template"] not in MORE_TEMPLATES
+    assert not {t.instruction for t in rl} & {t.instruction for t in train + held_out}
+    assert [t.id for t in make_tasks(run, config)[1]] == [t.id for t in rl]  # read back on resume
+    config.tasks.rl_tasks = "demos"
+    with pytest.raises(RunError, match="tasks.rl_tasks must be train or fresh"):
+        check_config(config)
+    config.tasks.rl_tasks, config.tasks.train_dir = "fresh", str(tmp_path)
+    with pytest.raises(RunError, match="with tasks.train_dir set it to train"):
+        check_config(config)
 
 
 def test_eval_shows_a_checkpoint_its_runs_prompt_style(tmp_path):
@@ -223,9 +250,9 @@ def test_a_run_trains_and_evaluates_on_task_directories_of_your_own(tmp_path):
                                                   "eval_dir": str(tmp_path / "held"), "n_train": 50}})
     check_config(config)
     run = RunDir(str(tmp_path / "run"))
-    train, extra, held_out = make_tasks(run, config)
+    train, rl, held_out = make_tasks(run, config)
     assert [t.id for t in train] == [t.id for t in mine] and [t.id for t in held_out] == [t.id for t in held]
-    assert extra == [] and not os.path.exists(run.path("tasks", "train"))  # nothing generated
+    assert rl == train and not os.path.exists(run.path("tasks", "train"))  # nothing generated
     (tmp_path / "empty").mkdir()
     config.tasks.train_dir = str(tmp_path / "empty")
     with pytest.raises(RunError, match="tasks.train_dir .* holds no tasks"):

@@ -51,6 +51,9 @@ def check_config(config: TrainRunConfig) -> None:
     problems = [
         (t.n_train >= 1 and t.n_eval >= 1, "tasks.n_train and tasks.n_eval must be >= 1"),
         (t.n_rl_extra >= 0, "tasks.n_rl_extra must be >= 0"),
+        (t.rl_tasks in ("train", "fresh"), f"tasks.rl_tasks must be train or fresh, got {t.rl_tasks!r}"),
+        (t.rl_tasks == "train" or not t.train_dir,
+         "tasks.rl_tasks=fresh draws new instances of the bundled templates; with tasks.train_dir set it to train"),
         (not set(t.families) - set(FAMILIES), f"tasks.families must be among {', '.join(sorted(FAMILIES))}"),
         (config.model.size in ("tiny", "small", "medium") and hasattr(ModelConfig, config.model.size),
          "model.size must be tiny, small or medium"),
@@ -92,13 +95,15 @@ def check_config(config: TrainRunConfig) -> None:
 
 
 def make_tasks(run: RunDir, config: TrainRunConfig):
-    """The training tasks (demonstrated, then attempted by RL), the RL-only tasks and the held-out tasks."""
+    """The demonstrated training tasks, the tasks RL attempts and the held-out tasks."""
     from codefleet.tasks.generate import generate_tasks
     from codefleet.tasks.spec import load_tasks
 
     t = config.tasks
+    fresh = t.n_train if t.rl_tasks == "fresh" else 0
     sets = {}
     for name, n, split, seed, more in (("train", t.n_train, "train", t.seed, t.more_domains),
+                                       ("rl-fresh", fresh, "train", t.seed + 1, t.more_domains),
                                        ("rl-extra", t.n_rl_extra, "train", t.seed + 1, True),
                                        ("eval", t.n_eval, "test", t.seed, t.more_domains)):
         folder = run.path("tasks", name)
@@ -114,10 +119,13 @@ def make_tasks(run: RunDir, config: TrainRunConfig):
             sets[name] = []
         elif os.path.isdir(folder) and os.listdir(folder):
             sets[name] = load_tasks(folder)
-        else:
+        else:  # new instances for RL are never a demonstrated task drawn again
+            seen = frozenset(task.instruction for task in sets.get("train", [])) if name == "rl-fresh" else frozenset()
             sets[name] = generate_tasks(folder, n=n, seed=seed, families=t.families, difficulty=t.difficulty,
-                                        split=split, more_domains=more)
-    return sets["train"], sets["rl-extra"], sets["eval"]
+                                        split=split, more_domains=more, exclude=seen)
+    rl = sets["rl-fresh"] if t.rl_tasks == "fresh" else sets["train"]
+    seen = {task.id for task in rl}
+    return sets["train"], rl + [task for task in sets["rl-extra"] if task.id not in seen], sets["eval"]
 
 
 STRUCTURE = "`\"'{}[](),:"  # model.copy_words_only: tokens holding these are never copied
@@ -360,7 +368,7 @@ def _train(run: RunDir, config: TrainRunConfig, progress: bool) -> dict:
     atomic_write(saved, yaml.safe_dump(to_dict(config), sort_keys=False).encode())  # with a resume's changes
     started = time.perf_counter()
     tokenizer = default_tokenizer()
-    train_tasks, rl_extra, eval_tasks = make_tasks(run, config)
+    train_tasks, rl_tasks, eval_tasks = make_tasks(run, config)
     init = init_model(run, config, tokenizer)
     demos = demonstrations(run, config, train_tasks, tokenizer)
     metrics = Metrics(run)
@@ -369,7 +377,7 @@ def _train(run: RunDir, config: TrainRunConfig, progress: bool) -> dict:
     try:
         sft_ckpt = sft(run, config, demos, init, metrics, tokenizer)
         broken = getattr(demos, "broken", {})
-        rl_tasks = [t for t in train_tasks + rl_extra if t.id not in broken]
+        rl_tasks = [t for t in rl_tasks if t.id not in broken]
         if not rl_tasks:
             raise RunError(f"the set-up of every training task fails (e.g. {next(iter(broken.values()))}); "
                            "fix the tasks' setup commands and start a new run")

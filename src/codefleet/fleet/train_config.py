@@ -27,6 +27,10 @@ class TasksSection:
     # tasks only RL attempts (no demonstration, seed `seed + 1`), from the training templates of all eleven
     # domains: RL practises on code SFT never showed, as the held-out tasks are
     n_rl_extra: int = 0
+    # which tasks RL attempts: "train", the demonstrated ones, whose instances SFT has learnt by heart; "fresh",
+    # n_train new instances of the training templates (seed `seed + 1`, the same families and domains) that SFT
+    # never showed, so a group succeeds only through what carries over to new code, as on the held-out tasks
+    rl_tasks: str = "train"
     # your own tasks instead of generated ones: directories of task specs (`codefleet tasks generate`, `tasks
     # import` of SWE-bench-style instances, or your own task.json files; docs/tasks.md). All of a directory's
     # tasks are used and n_train / n_eval are ignored for it. The scripted expert demonstrates the training tasks

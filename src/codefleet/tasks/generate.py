@@ -7,7 +7,9 @@ Task i uses family `families[i % len(families)]` and its own random stream
 split's), the difficulty (unless fixed) and everything inside the task. So
 the same arguments always give byte-identical task files and repositories,
 and task i does not change when n grows. Ids are
-`<family>-<template>-s<seed>-<i>`.
+`<family>-<template>-s<seed>-<i>`. Instructions in `exclude` (another set's
+tasks) are drawn again from the same stream, so a set of new instances
+holds none of those.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def _write_repo(root: str, files: dict[str, str]) -> None:
 
 
 def generate_task(out_dir: str, family: str, index: int, seed: int, difficulty: int | None = None,
-                  split: str = "train", more_domains: bool = True) -> Task:
+                  split: str = "train", more_domains: bool = True, exclude: frozenset[str] = frozenset()) -> Task:
     """Task number `index` of the set (out_dir, seed): its repo under out_dir/<id>/repo."""
     rng = random.Random(f"codefleet-tasks/{seed}/{index}")
     module = FAMILIES[family]
@@ -45,6 +47,8 @@ def generate_task(out_dir: str, family: str, index: int, seed: int, difficulty: 
         level = difficulty if difficulty is not None else rng.choice(DIFFICULTIES)
         try:
             draft = module.draft(template, rng, level)
+            if draft.instruction in exclude:
+                continue  # a task the excluded set already has
             done = finish(draft)
             break
         except DraftError:
@@ -71,7 +75,8 @@ def generate_task(out_dir: str, family: str, index: int, seed: int, difficulty: 
 
 
 def generate_tasks(out_dir: str, n: int, seed: int = 0, families: list[str] | None = None,
-                   difficulty: int | None = None, split: str = "train", more_domains: bool = True) -> list[Task]:
+                   difficulty: int | None = None, split: str = "train", more_domains: bool = True,
+                   exclude: frozenset[str] = frozenset()) -> list[Task]:
     """`n` tasks into `out_dir` (one sub-directory each, plus tasks.jsonl).
     `difficulty` 1-3 fixes it; None draws it per task. `split` is "train",
     "test" or "all" (templates of both). `more_domains=False` leaves out the
@@ -88,7 +93,7 @@ def generate_tasks(out_dir: str, n: int, seed: int = 0, families: list[str] | No
         if not templates(family, split):
             raise ValueError(f"family {family!r} has no templates in split {split!r}")
     os.makedirs(out_dir, exist_ok=True)
-    tasks = [generate_task(out_dir, families[i % len(families)], i, seed, difficulty, split, more_domains)
+    tasks = [generate_task(out_dir, families[i % len(families)], i, seed, difficulty, split, more_domains, exclude)
              for i in range(n)]
     with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:
         f.writelines(index_line(task) + "\n" for task in tasks)
