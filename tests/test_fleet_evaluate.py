@@ -52,6 +52,10 @@ def test_rl_against_sft_reads_the_target_off_the_estimates_and_says_how_sure_the
     assert better["target_met"] and better["success_points_ci"][0] > 0
     worse_but_faster = compare(summary([3] * 24), summary([2] * 7))  # faster, but success fell for sure
     assert worse_but_faster["turns_change"] < -0.2 and not worse_but_faster["target_met"]
+    fewer = compare(summary([3] * 22), summary([2] * 13))  # 13.8% -> 8.1%: the interval (-12.7 to +1.3) holds 0
+    assert fewer["success_points_ci"][1] > 0 and fewer["turns_change"] < -0.2 and not fewer["target_met"]
+    slightly_fewer = compare(summary([3] * 22), summary([2] * 20))  # 20 of 22 solves kept: equal success
+    assert slightly_fewer["target_met"]
     assert compare({**sft, "solved_turns": []}, summary([2]))["turns_change"] is None  # an old run's report
 
 
