@@ -52,8 +52,6 @@ def check_config(config: TrainRunConfig) -> None:
         (t.n_train >= 1 and t.n_eval >= 1, "tasks.n_train and tasks.n_eval must be >= 1"),
         (t.n_rl_extra >= 0, "tasks.n_rl_extra must be >= 0"),
         (t.rl_tasks in ("train", "fresh"), f"tasks.rl_tasks must be train or fresh, got {t.rl_tasks!r}"),
-        (t.rl_tasks == "train" or not t.train_dir,
-         "tasks.rl_tasks=fresh draws new instances of the bundled templates; with tasks.train_dir set it to train"),
         (not set(t.families) - set(FAMILIES), f"tasks.families must be among {', '.join(sorted(FAMILIES))}"),
         (config.model.size in ("tiny", "small", "medium") and hasattr(ModelConfig, config.model.size),
          "model.size must be tiny, small or medium"),
@@ -100,7 +98,7 @@ def make_tasks(run: RunDir, config: TrainRunConfig):
     from codefleet.tasks.spec import load_tasks
 
     t = config.tasks
-    fresh = t.n_train if t.rl_tasks == "fresh" else 0
+    fresh = t.n_train if t.rl_tasks == "fresh" and not t.train_dir else 0  # no more of your own tasks to draw
     sets = {}
     for name, n, split, seed, more in (("train", t.n_train, "train", t.seed, t.more_domains),
                                        ("rl-fresh", fresh, "train", t.seed + 1, t.more_domains),
@@ -123,7 +121,7 @@ def make_tasks(run: RunDir, config: TrainRunConfig):
             seen = frozenset(task.instruction for task in sets.get("train", [])) if name == "rl-fresh" else frozenset()
             sets[name] = generate_tasks(folder, n=n, seed=seed, families=t.families, difficulty=t.difficulty,
                                         split=split, more_domains=more, exclude=seen)
-    rl = sets["rl-fresh"] if t.rl_tasks == "fresh" else sets["train"]
+    rl = sets["rl-fresh"] if fresh else sets["train"]
     seen = {task.id for task in rl}
     return sets["train"], rl + [task for task in sets["rl-extra"] if task.id not in seen], sets["eval"]
 

@@ -29,8 +29,9 @@ class TasksSection:
     n_rl_extra: int = 0
     # which tasks RL attempts: "train", the demonstrated ones, whose instances SFT has learnt by heart; "fresh",
     # n_train new instances of the training templates (seed `seed + 1`, the same families and domains) that SFT
-    # never showed, so a group succeeds only through what carries over to new code, as on the held-out tasks
-    rl_tasks: str = "train"
+    # never showed, so a group succeeds only through what carries over to new code, as on the held-out tasks.
+    # With tasks.train_dir RL attempts your tasks either way
+    rl_tasks: str = "fresh"
     # your own tasks instead of generated ones: directories of task specs (`codefleet tasks generate`, `tasks
     # import` of SWE-bench-style instances, or your own task.json files; docs/tasks.md). All of a directory's
     # tasks are used and n_train / n_eval are ignored for it. The scripted expert demonstrates the training tasks
@@ -67,7 +68,9 @@ class ModelSection:
 
 @dataclass
 class SFTSection:
-    epochs: int = 20  # 400 steps: held-out greedy 10% vs 0% at 220 steps (2026-12-03)
+    # 600 steps: 11.2-13.8% held-out success in seven evaluations, against 1.2-3.8% after 400 with sft.habits=epoch
+    # (2026-12-06); held-out greedy 10% vs 0% at 220 steps against 400 (2026-12-03)
+    epochs: int = 30
     batch_size: int = 4  # demonstrations per optimizer step
     lr: float = 2e-3  # peak; linear warm-up, then cosine decay to 10% over the run
     warmup_steps: int = 5
@@ -77,9 +80,9 @@ class SFTSection:
     chain_fraction: float = 0.5
     # "task": one habit per task, drawn once, which the policy learns by heart (P(explore) 0.00-0.99 per held-out
     # task, scripts/habit_probe.py); "epoch": the expert records every habit of each task and SFT draws one anew
-    # each time it shows the task, so the habit is a coin (0.53-0.78) RL can weigh. "epoch" did not help RL reach
-    # the speed target and its one SFT run solved fewer held-out renames, so it is not the default (2026-12-05)
-    habits: str = "task"
+    # each time it shows the task, so the habit is a coin (0.53-0.78) RL can weigh: RL on fresh tasks then moved the
+    # held-out renames to acting at once and chaining their tests (docs/training.md, stop 31)
+    habits: str = "epoch"
     fresh_names: bool = True  # every epoch shows each demonstration with new names (rl.augment)
     first_turns: int = 8  # per step, also this many first turns of demonstrations with new names (fresh_names only)
     # SFT has the machine to itself: on 2 cores one worker with 2 threads steps in ~1.8 s, two data-parallel
@@ -91,21 +94,24 @@ class SFTSection:
 
 @dataclass
 class RLSection:
-    steps: int = 16
-    lr: float = 5e-5  # 2e-4 lowered held-out success (more malformed calls): 10.0% vs 12.5% (2026-12-04)
+    steps: int = 24
+    # with negative_weight=0 and tasks.rl_tasks=fresh: 6e-4 mis-copied the held-out renames' names (13.8% -> 8.1%),
+    # 3e-4 kept them (docs/training.md, stop 31). With every advantage in, 2e-4 already broke calls (2026-12-04)
+    lr: float = 3e-4
     # start from SFT's AdamW moments, not a fresh AdamW (whose first steps move every weight by ~lr)
     keep_sft_optimizer: bool = True
     eta: int = 1  # staleness bound (0 = synchronous)
     group_size: int = 4
-    batch_groups: int = 2
-    rollout_slots: int = 8
+    batch_groups: int = 4
+    rollout_slots: int = 16
     rollout_timeout_s: float = 120.0
     estimator: str = "grpo"  # "grpo" | "drgrpo" | "rloo"
     # scales negative advantages (0: learn only from attempts that beat their group). At rl.lr=6e-4 after a 600-step
     # SFT, 0 kept held-out success (12.2% -> 13.4%) and cut turns per solved task by 29%, where 1 broke the policy
-    # (12.2% -> 3.0%; configs/fast-habits.yaml, 2026-12-06). Not the default: after the demo's 400 SFT steps it gave
-    # 0.0-13.1% held-out success over nine runs and never cut turns (docs/training.md, stop 30)
-    negative_weight: float = 1.0
+    # (12.2% -> 3.0%; configs/fast-habits.yaml, 2026-12-06). At 3e-4 on fresh tasks, 0 cut held-out turns per solved
+    # task in one run of three (-30%; -7%, -4%), 0.5 (failures pushed down at half their weight) in two of two (-32%,
+    # -13%) with success up 1.9 and 3.1 points (docs/training.md, stop 31)
+    negative_weight: float = 0.5
     # an attempt that beat its group is not trained on its turns whose tool calls failed (a malformed call, an
     # unknown tool or argument, a missing file), so learning from the winners does not raise the broken turns a
     # solved episode passed through. Off: after the demo's SFT solved training episodes hold few (5 of 204 turns;
@@ -119,13 +125,14 @@ class RLSection:
     temperature: float = 1.0
     max_tokens: int = 256  # per turn
     max_turns: int = 6
-    loss: LossConfig = field(default_factory=lambda: LossConfig(off_policy="tis"))
+    # one weight per episode however long (seq_mean), and a KL anchor to the SFT policy
+    loss: LossConfig = field(default_factory=lambda: LossConfig(off_policy="tis", reduction="seq_mean", kl_coef=0.05))
     # costs only on solved episodes: with costs on failures too, the policy learnt to end every episode at once
     reward: RewardConfig = field(default_factory=lambda: RewardConfig(cost_per_turn=0.02, cost_per_tool_error=0.02,
                                                                       costs_on="solved"))
     # Kimi k1.5's length reward on turns (rl.rewards.speed_bonus): among a group's solved attempts the one with
     # the fewest turns gets +speed_bonus/2, the one with the most -speed_bonus/2; 0 = off
-    speed_bonus: float = 0.0
+    speed_bonus: float = 1.0
     routing_replay: bool = True
 
 
