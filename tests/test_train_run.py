@@ -170,6 +170,11 @@ def test_a_resumed_run_takes_changes_to_where_it_runs_how_long_rl_goes_and_its_e
     assert (config.cluster.num_cpus, config.cluster.address) == (8.0, "ray://head:1")
     with pytest.raises(RunError, match="rl.lr cannot change when a run resumes"):
         resumed_config(str(tmp_path), ["rl.lr=1e-3"])
+    assert config.tasks.rl_tasks == "fresh"  # saved with the field
+    old = to_dict(TrainRunConfig(name="old"))
+    del old["tasks"]["rl_tasks"]  # a run from before tasks.rl_tasks: RL went on with its demonstrated tasks
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
+    assert resumed_config(str(tmp_path)).tasks.rl_tasks == "train"
     out = subprocess.run(_cli("train", "--resume", str(tmp_path), "--out", str(tmp_path)), capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 2 and "drop --out" in out.stderr

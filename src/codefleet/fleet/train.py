@@ -325,6 +325,9 @@ def resumed_config(out: str, overrides: list[str] | None = None, address: str | 
     except ConfigError as e:
         raise RunError(f"{saved} cannot be read as this run's configuration with the changes given ({e}); fix "
                        f"that file or the change, or start a new run with --out") from None
+    with open(saved) as f:
+        if "rl_tasks" not in ((yaml.safe_load(f) or {}).get("tasks") or {}):
+            config.tasks.rl_tasks = "train"  # a run from before the field: RL attempted its demonstrated tasks
     if address:
         config.cluster.address = address
     return config
