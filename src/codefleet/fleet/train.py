@@ -118,12 +118,12 @@ def make_tasks(run: RunDir, config: TrainRunConfig):
         elif os.path.isdir(folder) and os.listdir(folder):
             sets[name] = load_tasks(folder)
         else:  # new instances for RL are never a demonstrated task drawn again
-            seen = frozenset(task.instruction for task in sets.get("train", [])) if name == "rl-fresh" else frozenset()
+            demonstrated = frozenset(task.instruction for task in sets["train"]) if name == "rl-fresh" else frozenset()
             sets[name] = generate_tasks(folder, n=n, seed=seed, families=t.families, difficulty=t.difficulty,
-                                        split=split, more_domains=more, exclude=seen)
+                                        split=split, more_domains=more, exclude=demonstrated)
     rl = sets["rl-fresh"] if fresh else sets["train"]
-    seen = {task.id for task in rl}
-    return sets["train"], rl + [task for task in sets["rl-extra"] if task.id not in seen], sets["eval"]
+    ids = {task.id for task in rl}
+    return sets["train"], rl + [task for task in sets["rl-extra"] if task.id not in ids], sets["eval"]
 
 
 STRUCTURE = "`\"'{}[](),:"  # model.copy_words_only: tokens holding these are never copied
