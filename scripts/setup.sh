@@ -32,6 +32,14 @@ if [ ${#need_apt[@]} -gt 0 ]; then
     fi
 fi
 
+# Started as root, codefleet runs sandboxed commands as this system user, who owns nothing on the host
+# (src/codefleet/sandbox/identity.py); as any other user, sandboxes run as that user.
+if ! id -u codefleet-sandbox >/dev/null 2>&1; then
+    echo "setup: creating the system user codefleet-sandbox (sandboxed commands run as it)"
+    $SUDO useradd --system --user-group --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin \
+        codefleet-sandbox
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi

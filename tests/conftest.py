@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pathlib
 import tempfile
 
 import pytest
@@ -17,6 +18,15 @@ def state_dir():
     """A state directory private to this test run (the reaper then only sees our own)."""
     with tempfile.TemporaryDirectory(prefix="codefleet-test-state-", dir="/var/tmp") as d:
         yield d
+
+
+@pytest.fixture
+def open_tmp():
+    """A temporary directory the sandbox user may enter, for state directories and ro_binds
+    (tmp_path is inside root's 0700 /tmp/pytest-of-root)."""
+    with tempfile.TemporaryDirectory(prefix="codefleet-test-", dir="/var/tmp") as d:
+        os.chmod(d, 0o755)
+        yield pathlib.Path(d)
 
 
 @pytest.fixture

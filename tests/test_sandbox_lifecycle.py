@@ -97,11 +97,11 @@ def test_sigkilled_host_process_is_cleaned_up_by_the_reaper(config):
     assert_reaped(dead, marker)
 
 
-def test_dead_owner_in_an_abandoned_state_dir_is_reaped(config, tmp_path):
+def test_dead_owner_in_an_abandoned_state_dir_is_reaped(config, open_tmp):
     """Its state directory deleted around the mounts (lock file included), as a
     test run's temporary one is: the next owner anywhere still finds and reaps it."""
     owner = state.owner_for(config.state_dir)
-    abandoned = str(tmp_path / "state")
+    abandoned = str(open_tmp / "state")
     dead, marker = crash_an_owner(abandoned, owner.cgroups)
     shutil.rmtree(abandoned, ignore_errors=True)
     assert mounts_under(dead["owner_dir"]) and not os.path.exists(os.path.join(dead["owner_dir"], "lock"))
@@ -113,14 +113,14 @@ def test_dead_owner_in_an_abandoned_state_dir_is_reaped(config, tmp_path):
     assert_reaped(dead, marker)
 
 
-def test_a_sandbox_process_its_owner_never_recorded_is_killed_by_the_reaper(config, tmp_path):
+def test_a_sandbox_process_its_owner_never_recorded_is_killed_by_the_reaper(config, open_tmp):
     """An owner SIGKILLed while starting a sandbox dies before it writes the sandbox's pids.json, and
     the sandbox's bwrap, PID 1 of its namespace, outlived --die-with-parent (seen with a kill -9 during
     a create/fork/close loop). Every bwrap of an owner names a path under its sb/ directory."""
     owner = state.owner_for(config.state_dir)
     gone = subprocess.Popen(["true"])
     gone.wait()
-    state_dir = str(tmp_path / "state")
+    state_dir = str(open_tmp / "state")
     dead_dir = os.path.join(state_dir, f"{gone.pid}-1-abcdef")
     os.makedirs(os.path.join(dead_dir, "sb", "sb-0123456789"))
     open(os.path.join(dead_dir, "lock"), "w").close()  # nobody holds it: a dead owner
@@ -182,8 +182,8 @@ def test_mountinfo_paths_are_unescaped_as_bytes(tmp_path):
     assert mounts_under("/tmp/x/stäte/", str(info)) == ["/tmp/x/stäte/sb/a b/merged", "/tmp/x/stäte"]
 
 
-def test_mounts_under_a_non_ascii_state_dir_are_found_and_released(repo, config, tmp_path):
-    cfg = dataclasses.replace(config, backend="namespace", state_dir=str(tmp_path / "stäte dir"))
+def test_mounts_under_a_non_ascii_state_dir_are_found_and_released(repo, config, open_tmp):
+    cfg = dataclasses.replace(config, backend="namespace", state_dir=str(open_tmp / "stäte dir"))
     sb = create_sandbox(repo, cfg)
     fp = footprint(sb)
     if sb.workspace.strategy != "copy":

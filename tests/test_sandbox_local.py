@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 
 import pytest
 
 from codefleet.sandbox import PathEscapeError, create_sandbox
+from codefleet.sandbox import local as local_backend
 from codefleet.types import SearchMatch
 from helpers import tree_digest
-
-pytestmark = pytest.mark.filterwarnings("ignore:codefleet local sandbox")
-
 
 @pytest.fixture
 def local_config(config):
@@ -26,15 +25,18 @@ def local(repo, local_config):
     sb.close()
 
 
-def test_it_says_it_is_not_isolated(repo, local_config):
-    with pytest.warns(UserWarning, match="WITHOUT isolation"):
-        sb = create_sandbox(repo, local_config)
+def test_it_says_once_that_it_is_not_isolated(repo, local_config, capfd, monkeypatch):
+    monkeypatch.setattr(local_backend, "_said", threading.Event())
+    first, second = create_sandbox(repo, local_config), create_sandbox(repo, local_config)
     try:
-        assert sb.info.backend == "local"
-        assert sb.info.isolated is False
-        assert sb.info.workspace != repo
+        said = capfd.readouterr().err.splitlines()
+        assert len(said) == 1 and "WITHOUT isolation" in said[0]
+        assert first.info.backend == second.info.backend == "local"
+        assert first.info.isolated is False
+        assert first.info.workspace != repo
     finally:
-        sb.close()
+        first.close()
+        second.close()
 
 
 def test_persistent_shell(local):

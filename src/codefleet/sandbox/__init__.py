@@ -7,7 +7,8 @@
         attempts = sb.fork(8)          # a GRPO group, all from this state
 
 Backends: `namespace` (bubblewrap + overlayfs; the default on Linux) and
-`local` (no isolation). `auto` picks namespace where it works.
+`local` (no isolation, opt-in: it says so on stderr). `auto` picks namespace
+unless this host cannot have it at all (resolve_backend).
 """
 
 from __future__ import annotations
@@ -27,10 +28,13 @@ BACKENDS = ("namespace", "local")
 
 
 def resolve_backend(name: str = "auto") -> str:
-    from codefleet.sandbox.namespace import unavailable_reason
+    """The backend `name` stands for. 'auto' is 'local' only where namespace sandboxes can never work
+    on this host (no bubblewrap, user namespaces off in the kernel); any other failure of theirs is an
+    error, never a silent fall back to no isolation."""
+    from codefleet.sandbox.namespace import never_works_here
 
     if name == "auto":
-        return "namespace" if unavailable_reason() is None else "local"
+        return "local" if never_works_here() else "namespace"
     if name not in BACKENDS:
         raise ValueError(f"unknown sandbox backend {name!r}; choose one of {', '.join(BACKENDS)} or 'auto'")
     return name

@@ -7,10 +7,18 @@ own upper layer takes every change. The upper layer lives on a tmpfs sized
 (ENOSPC inside the sandbox, nothing on the host) and its pages are charged
 to the sandbox's memory cgroup.
 
+Where sandboxes run as another host user than ours (identity.py), the
+repository is stacked through an idmapped view, so that its owner's files are
+that user's inside, and the upper layer belongs to that user: what a command
+creates is owned on the host by the sandbox user, never by root.
+
 `fork` freezes a sandbox's changes by copying its upper layer (usually
 small: only what changed) into a new frozen layer that all children stack on
 their parent's lowers. The parent keeps writing to its own upper; the
-children never see those later writes.
+children never see those later writes. As root, a frozen layer is a tmpfs of
+its own no larger than the workspace (`workspace_mb`), never the host's disk:
+its pages are charged to the process that forks (the sandbox owner), and
+set-user-ID and set-group-ID bits are not carried into it.
 
 Strategies, best first: a kernel overlay mount (root), fuse-overlayfs
 (unprivileged, if installed), or a plain copy of the repository (last
@@ -29,6 +37,7 @@ import stat
 import subprocess
 
 from codefleet.sandbox.base import SandboxError
+from codefleet.sandbox.identity import Identity, mount_idmapped
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
@@ -91,14 +100,16 @@ class Workspace:
 
     Layout under `root` (a per-sandbox state directory):
       rw/       tmpfs (overlay strategies): rw/upper and rw/work
+      repo/     the repository's idmapped view (when the sandbox runs as another user)
       merged/   what the sandbox sees as /workspace
     """
 
-    def __init__(self, root: str, lowers: list[str], strategy: str, size_mb: int):
+    def __init__(self, root: str, lowers: list[str], strategy: str, size_mb: int, ident: Identity | None = None):
         self.root = root
         self.lowers = list(lowers)  # top first; the repository is last
         self.strategy = strategy
         self.size_mb = size_mb
+        self.ident = ident if ident is not None and ident.switches else None
         self.rw = os.path.join(root, "rw")
         self.upper = os.path.join(self.rw, "upper")
         self.merged = os.path.join(root, "merged")
@@ -113,7 +124,14 @@ class Workspace:
             mount("tmpfs", self.rw, "tmpfs", f"size={self.size_mb}m,mode=0755")
         os.makedirs(self.upper, exist_ok=True)
         os.makedirs(os.path.join(self.rw, "work"), exist_ok=True)
-        lowerdir = ":".join(_escape(p) for p in self.lowers)
+        lowers = self.lowers
+        if self.ident is not None:
+            os.chown(self.upper, self.ident.uid, self.ident.gid)
+            view = os.path.join(self.root, "repo")
+            os.mkdir(view)
+            mount_idmapped(lowers[-1], view, self.ident)
+            lowers = lowers[:-1] + [view]
+        lowerdir = ":".join(_escape(p) for p in lowers)
         if len(lowerdir) > _MAX_LOWERDIR_CHARS:
             raise SandboxError(
                 f"too many stacked fork layers ({len(self.lowers)}) for one overlay mount; "
@@ -133,12 +151,28 @@ class Workspace:
                 umount(point)
 
     def freeze(self, layer_dir: str) -> bool:
-        """Copy this workspace's changes into `layer_dir`; False if there are none."""
+        """Copy this workspace's changes into `layer_dir`; False if there are none.
+        As root, `layer_dir` becomes a tmpfs of `size_mb` (drop_layer removes it)."""
         src = self.merged if self.strategy == "copy" else self.upper
         if self.strategy != "copy" and not os.listdir(src):
             return False
-        copy_layer(src, layer_dir)
+        os.makedirs(layer_dir)
+        if self.strategy == "overlay":
+            mount("tmpfs", layer_dir, "tmpfs", f"size={self.size_mb}m,mode=0755")
+        try:
+            copy_layer(src, layer_dir)
+        except BaseException:
+            drop_layer(layer_dir)
+            raise
         return True
+
+
+def drop_layer(layer_dir: str) -> None:
+    """Remove a frozen layer: unmount its tmpfs (if it has one) and delete what is left."""
+    try:
+        umount(layer_dir)
+    finally:
+        shutil.rmtree(layer_dir, ignore_errors=True)
 
 
 def _copy_tree(lowers: list[str], dest: str) -> None:
@@ -149,7 +183,8 @@ def _copy_tree(lowers: list[str], dest: str) -> None:
 
 def copy_layer(src: str, dst: str) -> None:
     """Copy an overlay upper layer exactly: whiteouts (0/0 char devices),
-    opaque-directory xattrs, modes, owners and symlinks included.
+    opaque-directory xattrs, modes, owners and symlinks included; only the
+    set-user-ID bit and a file's set-group-ID bit are dropped.
 
     The sandbox may still be running: its processes can rename, delete or swap
     a file for a symlink while we copy. So the walk holds each directory open
@@ -205,7 +240,10 @@ def _copy_meta(src: str, dst: str, st: os.stat_result) -> None:
     except OSError:
         pass
     if not stat.S_ISLNK(st.st_mode):
-        os.chmod(dst, stat.S_IMODE(st.st_mode))
+        mode = stat.S_IMODE(st.st_mode) & ~stat.S_ISUID
+        if not stat.S_ISDIR(st.st_mode):  # on a directory, set-group-ID only says who owns new files
+            mode &= ~stat.S_ISGID
+        os.chmod(dst, mode)
 
 
 def _xattrs(path: str) -> list[str]:

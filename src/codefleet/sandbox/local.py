@@ -13,7 +13,8 @@ import shutil
 import signal
 import stat
 import subprocess
-import warnings
+import sys
+import threading
 
 from codefleet.sandbox import procs
 from codefleet.sandbox.base import SandboxConfig, check_env_names
@@ -37,12 +38,23 @@ def copy_tree(src: str, dst: str) -> None:
     shutil.copytree(src, dst, symlinks=True, copy_function=copy_entry)
 
 
+_said = threading.Event()
+
+
+def _say_not_isolated() -> None:
+    """One line on stderr, the first time this process makes a local sandbox."""
+    if not _said.is_set():
+        _said.set()
+        print("codefleet: backend 'local': sandboxed commands run WITHOUT isolation, as this user on this host",
+              file=sys.stderr, flush=True)
+
+
 class LocalSandbox(ShellSandbox):
     backend = "local"
 
     def __init__(self, repo: str | None, config: SandboxConfig | None = None, *, _copy_from: str | None = None,
                  _replay: str = ""):
-        warnings.warn("codefleet local sandbox: commands run WITHOUT isolation on this host", stacklevel=2)
+        _say_not_isolated()
         config = config or SandboxConfig()
         check_env_names(config.env)
         source = _copy_from or repo

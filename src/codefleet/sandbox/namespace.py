@@ -2,18 +2,32 @@
 
 Each sandbox is one `bwrap` with its own user, mount, PID, IPC, UTS, network
 and cgroup namespaces (loopback only), every capability dropped, running as
-uid 1000. Where bwrap can (0.8 and later: --disable-userns) the sandbox
-cannot make user namespaces of its own, so a command cannot become root with
-every capability in a namespace it made itself (`unshare -r`).
+uid 1000 inside and, on the host, as a user who owns nothing: the system
+user `codefleet-sandbox` when codefleet runs as root, the invoking user
+otherwise (identity.py). bwrap itself runs as that user, unprivileged, so the
+kernel's own permission checks guard every host file, device node and /proc
+entry a command can reach, /proc/1/exe (the host's bwrap binary) included.
+Where bwrap can (0.8 and later: --disable-userns) the sandbox cannot make
+user namespaces of its own, so a command cannot become root with every
+capability in a namespace it made itself (`unshare -r`).
 
 The host filesystem is visible read-only and only in part: /usr (and the
-/bin, /lib... links into it), /etc with every file that is not
-world-readable masked, and the paths in `ro_binds`. /root, /home, the host
-/tmp and the state directory (other sandboxes' workspaces) are simply not
-there. /tmp, /var/tmp and /dev/shm are private tmpfs of `tmp_mb` each;
-/workspace is the overlay (layers.py). The root holding these mount points
-and /dev are bwrap's tmpfs, remounted read-only: the workspace, /tmp,
-/var/tmp and /dev/shm are the only places a command can write.
+/bin, /lib... links into it), /etc and the paths in `ro_binds`. /root,
+/home, the host /tmp and the state directory (other sandboxes' workspaces)
+are simply not there. /tmp, /var/tmp and /dev/shm are private tmpfs of
+`tmp_mb` each; /workspace is the overlay (layers.py). The root holding these
+mount points and /dev are bwrap's tmpfs, remounted read-only, and so are the
+device nodes bound into /dev: the workspace, /tmp, /var/tmp and /dev/shm are
+the only places a command can write. bwrap, running as the sandbox user,
+reaches what it binds from the state directory through the directories'
+group (state.py); nothing there is readable to it but what it binds.
+
+The persistent shell talks to the host over two pipes that bwrap receives
+as extra descriptors, not as its standard streams: bwrap's own PID 1 closes
+them, so nothing in the sandbox reaches them through /proc/1/fd. The shell
+runs from an execute-only copy of bash, so it is not dumpable: the commands
+it runs cannot read its memory (the protocol's nonce) or its descriptors
+through /proc. What stays possible is documented in docs/sandbox.md.
 
 bwrap's own PID 1 reaps zombies; its death takes the whole PID namespace
 with it. bwrap is started with --die-with-parent from the spawner thread
@@ -44,28 +58,55 @@ from codefleet.sandbox.base import (
     check_env_names,
 )
 from codefleet.sandbox.cgroups import Cgroup
-from codefleet.sandbox.layers import Workspace, choose_strategy
+from codefleet.sandbox.identity import Identity, exec_only_shell, host_identity
+from codefleet.sandbox.layers import Workspace, choose_strategy, drop_layer
 from codefleet.sandbox.shell import ShellSession
 from codefleet.sandbox.shellbox import ShellSandbox, setup_script
 from codefleet.sandbox.state import Owner, owner_for
 from codefleet.types import ExecResult, SandboxInfo
 
 SANDBOX_UID = 1000
+SHELL_PATH = "/run/codefleet/shell"  # the execute-only bash, inside the sandbox
+_DEVICES = ("null", "zero", "full", "random", "urandom", "tty")  # what bwrap's --dev binds from the host
 _FORK_THREADS = 4
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def never_works_here() -> str | None:
+    """Why namespace sandboxes cannot work on this host at all, else None: bubblewrap is not
+    installed, or the kernel has user namespaces switched off. Only these send backend
+    'auto' to 'local'; nothing a sandbox does can cause them."""
+    if not shutil.which("bwrap"):
+        return "bubblewrap is not installed"
+    for sysctl in ("/proc/sys/user/max_user_namespaces", "/proc/sys/kernel/unprivileged_userns_clone"):
+        try:
+            with open(sysctl) as f:
+                if f.read().strip() == "0":
+                    return f"the kernel has user namespaces switched off ({sysctl} is 0)"
+        except OSError:
+            pass
+    return None
 
 
 @functools.cache
 def unavailable_reason() -> str | None:
     """None if bwrap can build a sandbox here, else a sentence saying what to do."""
-    if not shutil.which("bwrap"):
+    why = never_works_here()
+    if why == "bubblewrap is not installed":
         return ("bubblewrap is not installed: run `apt-get install bubblewrap` (or `make test`, which does), "
                 "or choose backend='local' (no isolation)")
+    if why:
+        return f"{why}: enable them (sysctl user.max_user_namespaces=15000) or choose backend='local' (no isolation)"
+    try:
+        ident = host_identity()
+    except SandboxUnavailableError as e:
+        return str(e)
     probe = subprocess.run(["bwrap", "--unshare-user", "--unshare-pid", "--unshare-net", "--ro-bind", "/", "/",
-                            "true"], capture_output=True, text=True, timeout=20)
+                            "true"], capture_output=True, text=True, timeout=20, cwd="/", **ident.popen_kwargs())
     if probe.returncode != 0:
-        return (f"bubblewrap cannot create namespaces here ({probe.stderr.strip()[:200]}); enable unprivileged "
-                "user namespaces (sysctl kernel.unprivileged_userns_clone=1) or choose backend='local'")
+        return (f"bubblewrap cannot create namespaces as {ident.name} here ({probe.stderr.strip()[:200]}); allow "
+                "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1, or on Ubuntu an AppArmor "
+                "profile for bwrap)")
     return None
 
 
@@ -76,29 +117,17 @@ def _can_disable_userns() -> bool:
 
 
 @functools.cache
-def _masked_etc() -> tuple[list[str], list[str]]:
-    """Files and directories under /etc that are not world-readable: hidden in sandboxes.
-    (Inside, uid 1000 maps to the host user, who may own them.)"""
-    files, dirs = [], []
-    for dirpath, dirnames, filenames in os.walk("/etc"):
-        for name in list(dirnames):
-            full = os.path.join(dirpath, name)
-            try:
-                st = os.lstat(full)
-            except OSError:
-                continue
-            if stat.S_ISDIR(st.st_mode) and (st.st_mode & 0o005) != 0o005:
-                dirs.append(full)
-                dirnames.remove(name)
-        for name in filenames:
-            full = os.path.join(dirpath, name)
-            try:
-                st = os.lstat(full)
-            except OSError:
-                continue
-            if stat.S_ISREG(st.st_mode) and not st.st_mode & 0o004:
-                files.append(full)
-    return files, dirs
+def _private_devices(owner: Owner) -> str | None:
+    """A directory of this owner's own device nodes (made once), as root and where the state
+    directory's filesystem honours device nodes; else None (bwrap binds the host's)."""
+    if os.geteuid() != 0 or os.statvfs(owner.dir).f_flag & os.ST_NODEV:
+        return None
+    path = os.path.join(owner.dir, "dev")
+    os.makedirs(path)
+    for name in _DEVICES:
+        os.mknod(os.path.join(path, name), 0o666 | stat.S_IFCHR, os.stat(f"/dev/{name}").st_rdev)
+        os.chmod(os.path.join(path, name), 0o666)
+    return path
 
 
 def _identity_files(owner: Owner) -> tuple[str, str]:
@@ -113,7 +142,8 @@ def _identity_files(owner: Owner) -> tuple[str, str]:
     return passwd, group
 
 
-def _host_args(config: SandboxConfig, owner: Owner) -> list[str]:
+def _host_args(config: SandboxConfig, devices: str | None) -> list[str]:
+    """The bwrap arguments every sandbox with this config shares; `devices`: see _private_devices."""
     args = ["bwrap", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
             "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net", "--unshare-cgroup-try",
             "--hostname", "sandbox", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
@@ -126,33 +156,29 @@ def _host_args(config: SandboxConfig, owner: Owner) -> list[str]:
         elif os.path.isdir(top):
             args += ["--ro-bind", top, top]
     args += ["--ro-bind", "/etc", "/etc"]
-    files, dirs = _masked_etc()
-    for f in files:
-        args += ["--ro-bind", "/dev/null", f]
-    for d in dirs:
-        args += ["--perms", "0555", "--tmpfs", d, "--remount-ro", d]
-    passwd, group = _identity_files(owner)
-    args += ["--ro-bind", passwd, "/etc/passwd", "--ro-bind", group, "/etc/group"]
-    # The sandbox user is the host user, root here, for the kernel's permission
-    # checks on sysctls: /proc/sys must be read-only (bwrap itself covers it only
-    # when it finds it writable as a directory, which it never is).
+    # /proc/sys read-only even to a sandbox user that some sysctl would let write (bwrap itself covers
+    # it only when it finds it writable as a directory, which it never is).
     args += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys",
              "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger"]
-    # Host-wide kernel state a sandbox has no business reading (as container runtimes mask it).
+    # Host-wide kernel state that is world-readable but none of a sandbox's business (as container
+    # runtimes mask it); what only root may read the sandbox user cannot read anyway.
     for path in ("/proc/keys", "/proc/key-users", "/proc/kcore", "/proc/timer_list", "/proc/sched_debug",
                  "/proc/latency_stats"):
         if os.path.exists(path):
             args += ["--ro-bind", "/dev/null", path]
-    # /dev is bwrap's own tmpfs, unbounded: it is made read-only last (in __init__), and /dev/shm, the
-    # one place there a program may write, is a tmpfs of its own, sized like /tmp.
-    args += ["--dev", "/dev", "--size", str(config.tmp_mb << 20), "--tmpfs", "/dev/shm",
+    # /dev is bwrap's own tmpfs, made read-only last; /dev/shm, the one place there a program may write, is a
+    # tmpfs of its own, sized like /tmp. The device nodes in it are the owner's own where it can make them (as
+    # root), so that not even their times are the host's.
+    args += ["--dev", "/dev"]
+    if devices:
+        for name in _DEVICES:
+            args += ["--dev-bind", os.path.join(devices, name), f"/dev/{name}"]
+    args += ["--size", str(config.tmp_mb << 20), "--tmpfs", "/dev/shm",
              "--size", str(config.tmp_mb << 20), "--tmpfs", "/tmp",
              "--size", str(config.tmp_mb << 20), "--tmpfs", "/var/tmp",
              "--clearenv", "--setenv", "PATH", _PATH, "--setenv", "HOME", "/tmp", "--setenv", "USER", "agent",
              "--setenv", "LOGNAME", "agent", "--setenv", "TERM", "dumb", "--setenv", "LANG", "C.UTF-8",
              "--setenv", "PAGER", "cat", "--setenv", "GIT_PAGER", "cat"]
-    for path in config.ro_binds:  # last: a bind under /tmp or /var/tmp goes on top of the private tmpfs
-        args += ["--ro-bind", os.path.abspath(path), os.path.abspath(path)]
     return args
 
 
@@ -171,12 +197,16 @@ class NamespaceSandbox(ShellSandbox):
                                 "call create_sandbox(repo, config)")
             if not os.path.isdir(repo):
                 raise FileNotFoundError(f"repository directory {repo!r} does not exist")
+        self.ident: Identity = host_identity()
         check_env_names(config.env)
         missing = [path for path in config.ro_binds if not os.path.exists(path)]
         if missing:
             raise FileNotFoundError(f"SandboxConfig.ro_binds names {missing[0]!r}, which does not exist on this host; "
                                     "create it or remove it from ro_binds")
-        self.owner = owner_for(config.state_dir)
+        for path in config.ro_binds:
+            _check_reachable(os.path.abspath(path), self.ident, "SandboxConfig.ro_binds names")
+        self.owner = owner_for(config.state_dir, self.ident.gid if self.ident.switches else None)
+        _check_reachable(os.path.join(self.owner.dir, "sb"), self.ident, "the sandbox state directory holds")
         self.owner.track(self)
         sandbox_id = "sb-" + os.urandom(5).hex()
         self.dir = os.path.join(self.owner.dir, "sb", sandbox_id)
@@ -186,8 +216,9 @@ class NamespaceSandbox(ShellSandbox):
         self._layers = list(_layers or [])
         for layer in self._layers:
             _layer_refs.acquire(layer)
-        self.workspace = Workspace(self.dir, _lowers, choose_strategy(), config.workspace_mb)
-        super().__init__(sandbox_id, config, self.workspace.merged)
+        self.workspace = Workspace(self.dir, _lowers, choose_strategy(), config.workspace_mb, self.ident)
+        super().__init__(sandbox_id, config, self.workspace.merged,
+                         (self.ident.uid, self.ident.gid) if self.workspace.ident else None)
         self.cgroup: Cgroup | None = None
         self._oom_seen = 0  # OOM kills already reported
         self._pids: list[tuple[int, int | None]] = []  # (outer bwrap, sandbox init) host pids
@@ -196,9 +227,16 @@ class NamespaceSandbox(ShellSandbox):
             self.workspace.mount()
             self.cgroup = self.owner.cgroups.create(sandbox_id, config.memory_mb, config.max_processes,
                                                     config.cpu_cores)
-            # Last, once every mount point in them exists: the sandbox's own root and /dev become read-only.
-            self._base_args = _host_args(config, self.owner) + ["--bind", self.workspace.merged, WORKSPACE,
-                                                                 "--remount-ro", "/dev", "--remount-ro", "/"]
+            passwd, group = _identity_files(self.owner)
+            # ro_binds after the private /tmp and /var/tmp, so that a bind under them goes on top; last, once
+            # every mount point exists, the sandbox's own root and /dev become read-only.
+            self._base_args = (_host_args(config, _private_devices(self.owner))
+                               + ["--ro-bind", passwd, "/etc/passwd", "--ro-bind", group, "/etc/group",
+                                  "--ro-bind", exec_only_shell(self.owner.dir), SHELL_PATH]
+                               + [arg for p in config.ro_binds for arg in ("--ro-bind", os.path.abspath(p),
+                                                                           os.path.abspath(p))]
+                               + ["--bind", self.workspace.merged, WORKSPACE, "--remount-ro", "/dev",
+                                  "--remount-ro", "/"])
             self._start(_replay)
         except BaseException:
             self._closed = True
@@ -215,8 +253,10 @@ class NamespaceSandbox(ShellSandbox):
             parts += [f"-u {c.max_processes}", f"-v {c.memory_mb * 1024}"]
         return "ulimit -S -H " + " ".join(parts)
 
-    def _spawn(self, argv: list[str], stdin: int) -> tuple[subprocess.Popen, int]:
-        """Start bwrap + argv blocked, move it into the cgroup, let it go; (proc, init pid)."""
+    def _spawn(self, argv: list[str], stdout: int, stderr: int, keep_fds: tuple[int, ...] = ()
+               ) -> tuple[subprocess.Popen, int]:
+        """Start bwrap + argv blocked, move it into the cgroup, let it go; (proc, init pid).
+        `keep_fds` reach argv (not bwrap's PID 1) with their numbers; the caller closes them."""
         info_r, info_w = os.pipe2(os.O_CLOEXEC)
         block_r, block_w = os.pipe2(os.O_CLOEXEC)
         args = self._base_args + ["--chdir", WORKSPACE, "--info-fd", str(info_w), "--block-fd", str(block_r)]
@@ -228,9 +268,9 @@ class NamespaceSandbox(ShellSandbox):
         try:
             # bwrap's own environment stays the environment of the sandbox's PID 1, which any command
             # reads in /proc/1/environ (--clearenv clears only the command's): the host's is not passed.
-            proc = procs.spawner.popen(args + argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-                                       if stdin == subprocess.DEVNULL else subprocess.DEVNULL,
-                                       pass_fds=pass_fds, start_new_session=True, env=_bwrap_env())
+            proc = procs.spawner.popen(args + argv, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+                                       pass_fds=pass_fds + list(keep_fds), start_new_session=True,
+                                       env=_bwrap_env(), cwd="/", **self.ident.popen_kwargs())
         finally:
             for fd in pass_fds:
                 os.close(fd)
@@ -266,7 +306,8 @@ class NamespaceSandbox(ShellSandbox):
         if not said:
             try:
                 said = subprocess.run(self._base_args + ["true"], stdin=subprocess.DEVNULL, capture_output=True,
-                                      timeout=20).stderr.decode(errors="replace").strip()
+                                      timeout=20, cwd="/", **self.ident.popen_kwargs()
+                                      ).stderr.decode(errors="replace").strip()
             except subprocess.TimeoutExpired:
                 said = ""
         said = said[:300] or f"exit status {proc.returncode}"
@@ -274,7 +315,25 @@ class NamespaceSandbox(ShellSandbox):
                                        "sandbox config names (ro_binds, state_dir)")
 
     def _spawn_shell(self, replay: str) -> tuple[subprocess.Popen, ShellSession]:
-        proc, init_pid = self._spawn(["bash", "--noprofile", "--norc", "--noediting", "-i"], subprocess.PIPE)
+        commands_r, commands_w = os.pipe2(os.O_CLOEXEC)
+        output_r, output_w = os.pipe2(os.O_CLOEXEC)
+        if self.ident.switches:  # the shell reopens its output (>/dev/stdout): the pipe must be its user's
+            os.fchown(output_w, self.ident.uid, self.ident.gid)
+        # A readable bash puts the pipes on its own stdin and stdout and becomes the execute-only one.
+        shell = (f"exec -a bash {SHELL_PATH} --noprofile --norc --noediting -i <&{commands_r} >&{output_w} "
+                 f"{commands_r}<&- {output_w}>&-")
+        try:
+            proc, init_pid = self._spawn(["bash", "--noprofile", "--norc", "-c", shell], subprocess.DEVNULL,
+                                         subprocess.DEVNULL, (commands_r, output_w))
+        except BaseException:
+            os.close(commands_w)
+            os.close(output_r)
+            raise
+        finally:
+            os.close(commands_r)
+            os.close(output_w)
+        # The host's ends of the protocol pipes, closed with the process like its own streams would be.
+        proc.stdin, proc.stdout = open(commands_w, "wb", buffering=0), open(output_r, "rb", buffering=0)
         self._init_pid = init_pid
         self._pids = [(proc.pid, procs.start_time(proc.pid)), (init_pid, procs.start_time(init_pid))]
         with open(os.path.join(self.dir, "pids.json"), "w") as f:
@@ -308,7 +367,7 @@ class NamespaceSandbox(ShellSandbox):
         return proc, session
 
     def _spawn_oneoff(self, argv: list[str]) -> subprocess.Popen:
-        proc, _ = self._spawn(argv, subprocess.DEVNULL)
+        proc, _ = self._spawn(argv, subprocess.PIPE, subprocess.STDOUT)
         return proc
 
     # -- faults ----------------------------------------------------------------------
@@ -394,8 +453,26 @@ class NamespaceSandbox(ShellSandbox):
                   "cpu_cores": str(self.config.cpu_cores), "cpu_time_s": str(self.config.cpu_time_s),
                   "workspace_mb": str(self.config.workspace_mb),
                   "enforced_by": f"cgroup {self.cgroup.mode}" if self.cgroup else "rlimits",
-                  "seccomp": "on" if seccomp.filter_bytes() is not None else "off"}
+                  "seccomp": "on" if seccomp.filter_bytes() is not None else "off",
+                  "host_user": f"{self.ident.name} (uid {self.ident.uid})"}
         return SandboxInfo(self.id, self.backend, WORKSPACE, self.workspace.strategy, limits, isolated=True)
+
+
+def _check_reachable(path: str, ident: Identity, what: str) -> None:
+    """Raise SandboxUnavailableError if `ident` may not walk down to `path` (bwrap opens it as that user)."""
+    if not ident.switches:
+        return
+    parts = os.path.dirname(path).strip("/").split("/")
+    for i in range(len(parts) + 1):
+        ancestor = "/" + "/".join(parts[:i])
+        st = os.stat(ancestor)
+        can = (st.st_mode & 0o001 or (st.st_gid == ident.gid and st.st_mode & 0o010)
+               or (st.st_uid == ident.uid and st.st_mode & 0o100))
+        if not can:
+            raise SandboxUnavailableError(
+                f"{what} {path!r}, inside {ancestor!r}, which the sandbox user {ident.name} may not enter "
+                f"(mode {stat.S_IMODE(st.st_mode):04o}); choose a path under a directory that others may enter, or "
+                f"`chmod o+x {ancestor}`")
 
 
 def _bwrap_env() -> dict[str, str]:
@@ -462,7 +539,7 @@ class _LayerRefs:
             if self._counts[layer] > 0:
                 return
             del self._counts[layer]
-        shutil.rmtree(layer, ignore_errors=True)
+        drop_layer(layer)
 
 
 _layer_refs = _LayerRefs()

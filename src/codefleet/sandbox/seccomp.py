@@ -1,15 +1,22 @@
 """A seccomp filter for namespace sandboxes: deny the system calls that reach
 past the namespaces.
 
-Inside a sandbox uid 1000 maps to the host user that started it (root on a
-training node), with every capability dropped. Capabilities already stop
-mount, module loading and the like; what they do not stop are kernel
-interfaces keyed to the *uid*: the kernel keyrings (keyctl, add_key,
-request_key) are shared with the host user. Those, and a few interfaces
-that are large attack surface and never needed to build and test code
-(bpf, perf_event_open, userfaultfd, io_uring, kexec, the new mount API),
-fail with EPERM. ptrace stays allowed: the PID namespace confines it, and
-debuggers are part of fixing code.
+Inside a sandbox uid 1000 maps to an unprivileged host user (identity.py),
+with every capability dropped. Capabilities already stop mount, module
+loading and the like; what they do not stop are kernel interfaces keyed to
+the *uid*: the kernel keyrings (keyctl, add_key, request_key) are shared
+with the host user. Those, and a few interfaces that are large attack
+surface and never needed to build and test code (bpf, perf_event_open,
+userfaultfd, io_uring, kexec, the new mount API), fail with EPERM. ptrace
+stays allowed: the PID namespace confines it, and debuggers are part of
+fixing code.
+
+Sockets: a sandbox may make Unix, IPv4, IPv6 and netlink sockets (its own
+loopback, `ip`, `ss`); every other address family fails with
+EAFNOSUPPORT, as on a kernel built without it. The network namespace does
+not cover them all: AF_VSOCK reaches the hypervisor on a VM host, and
+packet, Bluetooth, CAN, RDS, TIPC... are kernel code a test suite never
+needs.
 
 The filter is compiled once per process with libseccomp (through the
 `pyseccomp` ctypes binding) and handed to bwrap with `--seccomp FD`, which
@@ -39,6 +46,11 @@ DENIED_SYSCALLS = (
 )
 
 
+# socket(2) families a sandbox keeps: AF_UNIX, AF_INET, AF_INET6, AF_NETLINK
+ALLOWED_SOCKET_FAMILIES = (1, 2, 10, 16)
+_MAX_SOCKET_FAMILY = 64  # above every family Linux has (46 in 6.x); larger numbers are refused too
+
+
 @functools.cache
 def filter_bytes() -> bytes | None:
     """The compiled BPF program, or None where libseccomp is not available."""
@@ -53,6 +65,11 @@ def filter_bytes() -> bytes | None:
             flt.add_rule(sc.ERRNO(errno.EPERM), name)
         except (RuntimeError, ValueError, OSError):
             pass  # a syscall this architecture or kernel does not have
+    for call in ("socket", "socketpair"):
+        for family in range(_MAX_SOCKET_FAMILY):
+            if family not in ALLOWED_SOCKET_FAMILIES:
+                flt.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), call, sc.Arg(0, sc.EQ, family))
+        flt.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), call, sc.Arg(0, sc.GE, _MAX_SOCKET_FAMILY))
     with tempfile.TemporaryFile() as f:
         flt.export_bpf(f)
         f.seek(0)

@@ -115,10 +115,11 @@ class ShellSandbox(ABC):
 
     backend = "?"
 
-    def __init__(self, sandbox_id: str, config: SandboxConfig, workspace_host_path: str):
+    def __init__(self, sandbox_id: str, config: SandboxConfig, workspace_host_path: str,
+                 file_owner: tuple[int, int] | None = None):
         self.id = sandbox_id
         self.config = config
-        self.files = WorkspaceFiles(workspace_host_path)
+        self.files = WorkspaceFiles(workspace_host_path, file_owner)
         self._lock = threading.RLock()
         self._closed = False
         self._session: ShellSession | None = None

@@ -24,7 +24,11 @@ Owner names are `<pid>-<start ticks>-<6 hex>`: liveness is read from /proc
 alone, never from file times, which a wall-clock step can make disagree.
 
 The state directory must not be visible inside sandboxes (it is not: only
-/usr, /etc and the workspace are bound in) and is, by default,
+/usr, /etc and the workspace are bound in). Where sandboxes run as another
+host user (identity.py), that user's bwrap must reach the workspaces and the
+files it binds: the state directory is then mode 0710, its group the sandbox
+user's, so that user may walk through it but not list it, and nobody else
+may enter it. It is, by default,
 /var/lib/codefleet for root and $XDG_RUNTIME_DIR/codefleet (or
 /tmp/codefleet-<uid>) otherwise; `CODEFLEET_STATE_DIR` overrides it.
 """
@@ -74,6 +78,14 @@ class Owner:
         self.cgroups = cgroups.CgroupTree(self.name)
         self.reaped = reap(self.state_dir, self.cgroups) + reap_orphans(self.cgroups)
         self._live: weakref.WeakSet = weakref.WeakSet()
+        self.shared_with_gid: int | None = None
+
+    def let_through(self, gid: int) -> None:
+        """Let group `gid` (the sandbox user's) walk through the state directory, and nobody else."""
+        if self.shared_with_gid != gid:
+            os.chown(self.state_dir, -1, gid)
+            os.chmod(self.state_dir, 0o710)
+            self.shared_with_gid = gid
 
     def track(self, sandbox: object) -> None:
         """Remember a sandbox so that a normal interpreter exit closes it."""
@@ -108,7 +120,7 @@ def reap_orphans(tree: cgroups.CgroupTree) -> list[str]:
     their state directory: workspace mounts anywhere, cgroups beside ours."""
     reaped = []
     for point in layers.mounts_under("/"):
-        found = _WORKSPACE_MOUNT.match(point)
+        found = _WORKSPACE_MOUNT.fullmatch(point)
         if found and found["name"] not in reaped + [tree.owner] and _reap_if_dead(found["dir"], tree):
             reaped.append(found["name"])
     for name, changed_at in tree.other_owners().items():
@@ -127,7 +139,9 @@ def reap_orphans(tree: cgroups.CgroupTree) -> list[str]:
 
 # Owner.name: "<pid>-<start ticks>-<6 hex>"; "<pid>-<6 hex>" from older versions (no start time)
 _OWNER_NAME = re.compile(r"(?P<pid>\d+)-(?:(?P<ticks>\d+)-)?[0-9a-f]{6}")
-_WORKSPACE_MOUNT = re.compile(rf"(?P<dir>.*/(?P<name>{_OWNER_NAME.pattern}))/sb/sb-[0-9a-f]{{10}}/(rw|merged)")
+# what an owner mounts: a sandbox's upper layer, workspace and repository view; a frozen layer
+_WORKSPACE_MOUNT = re.compile(rf"(?P<dir>.*/(?P<name>{_OWNER_NAME.pattern}))/"
+                              r"(sb/sb-[0-9a-f]{10}/(rw|merged|repo)|layers/l[0-9a-f]{8})")
 
 
 def _reap_if_dead(owner_dir: str, tree: cgroups.CgroupTree) -> bool:
@@ -213,14 +227,17 @@ _owners: dict[str, Owner] = {}
 _owners_lock = threading.Lock()
 
 
-def owner_for(state_dir: str | None) -> Owner:
-    """The process-wide owner for `state_dir` (created, and the reaper run, on first use)."""
+def owner_for(state_dir: str | None, let_through_gid: int | None = None) -> Owner:
+    """The process-wide owner for `state_dir` (created, and the reaper run, on first use);
+    `let_through_gid`: see Owner.let_through."""
     key = os.path.abspath(state_dir or default_state_dir())
     with _owners_lock:
         owner = _owners.get(key)
         if owner is None or owner.pid != os.getpid():
             owner = Owner(key)
             _owners[key] = owner
+        if let_through_gid is not None:
+            owner.let_through(let_through_gid)
         return owner
 
 
