@@ -90,6 +90,7 @@ def run(quick: bool = False, backend: str = "auto", log=print) -> dict:
     requested, backend = backend, resolve_backend(backend)
     n_create, n_exec, n_fork, n_live = (40, 500, 5, 100) if quick else (200, 3000, 20, 500)
     work = tempfile.mkdtemp(prefix="codefleet-bench-", dir="/var/tmp")
+    os.chmod(work, 0o755)  # the sandbox user walks through it to the state directory (sandbox/state.py)
     config = SandboxConfig(backend=backend, state_dir=os.path.join(work, "state"))
     repo = _make_repo(work)
     results: dict = {"backend": backend, "quick": quick}
