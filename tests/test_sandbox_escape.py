@@ -160,7 +160,7 @@ _DEV_NULL_COPY = """
     subprocess.run(["mount", "--bind", copy, "/dev/null"], check=True)
     before = os.stat(copy)
     sb = create_sandbox(None, SandboxConfig(state_dir=os.path.join(state_dir, "s"), backend="namespace"))
-    said = sb.exec("chmod 000 /dev/null; chmod 000 /dev/zero; touch -d 2001-01-01 /dev/null; touch /dev/null; "
+    said = sb.exec("chmod 000 /dev/null; chmod 4777 /dev/null; touch -d 2001-01-01 /dev/null; touch /dev/null; "
                    "echo works > /dev/null && echo written").output
     sb.close()
     after = os.stat(copy)

@@ -18,6 +18,7 @@ import pytest
 
 from codefleet.sandbox import cgroups
 from codefleet.sandbox.namespace import SANDBOX_UID, unavailable_reason
+from helpers import needs_cgroup
 
 UNAVAILABLE = unavailable_reason()
 pytestmark = [
@@ -167,6 +168,7 @@ def _cgroup_of(pid: int) -> dict[str, str]:
 
 def test_limits_are_enforced_by_the_sandbox_cgroup(make_sandbox):
     sb = make_sandbox(memory_mb=300, max_processes=77, cpu_cores=0.5)
+    needs_cgroup(sb)
     assert sb.info.limits["enforced_by"].startswith("cgroup"), sb.info.limits
     assert (sb.info.limits["memory_mb"], sb.info.limits["max_processes"]) == ("300", "77")
     cg = sb.cgroup

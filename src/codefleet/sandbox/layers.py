@@ -170,7 +170,8 @@ class Workspace:
 def drop_layer(layer_dir: str) -> None:
     """Remove a frozen layer: unmount its tmpfs (if it has one) and delete what is left."""
     try:
-        umount(layer_dir)
+        if os.path.ismount(layer_dir):
+            umount(layer_dir)
     finally:
         shutil.rmtree(layer_dir, ignore_errors=True)
 
