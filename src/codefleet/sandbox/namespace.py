@@ -16,9 +16,10 @@ The host filesystem is visible read-only and only in part: /usr (and the
 /home, the host /tmp and the state directory (other sandboxes' workspaces)
 are simply not there. /tmp, /var/tmp and /dev/shm are private tmpfs of
 `tmp_mb` each; /workspace is the overlay (layers.py). The root holding these
-mount points and /dev are bwrap's tmpfs, remounted read-only, and so are the
-device nodes bound into /dev: the workspace, /tmp, /var/tmp and /dev/shm are
-the only places a command can write. bwrap, running as the sandbox user,
+mount points and /dev are bwrap's tmpfs, remounted read-only: the workspace,
+/tmp, /var/tmp and /dev/shm are the only places a command can write. The
+device nodes in /dev are root's, and as root they are the owner's own copies,
+not the host's. bwrap, running as the sandbox user,
 reaches what it binds from the state directory through the directories'
 group (state.py); nothing there is readable to it but what it binds.
 
