@@ -5,14 +5,20 @@
     codefleet serve --checkpoint DIR [--host H] --port P
     codefleet agent run --repo PATH --task TEXT --model URL [...]
     codefleet tasks generate|check ...
+
+Ctrl-C, SIGTERM and SIGHUP end any command with one line on stderr and the status 128 + the signal's
+number, after its sandboxes are closed and their mounts, cgroups and state directory removed (`main`).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
+import signal
 import sys
+import threading
 
 from codefleet.agent.cli import register as register_agent
 from codefleet.fleet.train_cli import register as register_train
@@ -31,8 +37,13 @@ def _sandbox_run(args: argparse.Namespace) -> int:
               "`codefleet sandbox run --repo . -- pytest -q`", file=sys.stderr)
         return 2
     if args.repo is not None and not os.path.isdir(args.repo):
-        print(f"codefleet sandbox run: repository directory {args.repo!r} does not exist; give --repo an "
+        problem = "is not a directory" if os.path.exists(args.repo) else "does not exist"
+        print(f"codefleet sandbox run: repository directory {args.repo!r} {problem}; give --repo an "
               "existing directory (or leave it out for an empty workspace)", file=sys.stderr)
+        return 2
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        print(f"codefleet sandbox run: --timeout must be a positive number of seconds, got {args.timeout:g}",
+              file=sys.stderr)
         return 2
     overrides = list(args.set or [])
     if args.memory_mb is not None:
@@ -112,9 +123,55 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(SystemExit):
+    """Raised in the main thread by SIGTERM or SIGHUP, so that on the way out `with` blocks and `finally`
+    clauses close the sandboxes, and at exit state.py's hook removes their mounts, cgroups and state
+    directory. A SystemExit: `except Exception` lets it through, and were it never caught the process
+    would still exit quietly with 128 + the signal's number."""
+
+    def __init__(self, signum: int):
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _set_handlers(handlers: dict) -> None:
+    """Install `handlers` ({signal: handler}) if this is the main thread (no other may)."""
+    if threading.current_thread() is threading.main_thread():
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+
+
+def _terminate(signum: int, frame: object) -> None:
+    _set_handlers(dict.fromkeys(_STOP_SIGNALS, signal.SIG_IGN))  # the clean-up on the way out is not cut short
+    raise Terminated(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    """Run one `codefleet` command: the program (argv None: the command line), or a call from Python.
+
+    As the program, Ctrl-C (SIGINT), SIGTERM and SIGHUP end the command with one line on stderr and the
+    status 128 + the signal's number, with everything it started released (a subcommand may handle Ctrl-C
+    itself: `agent run` stops its attempts gently at the first one). A call leaves signals to its caller."""
+    if argv is not None:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    # a signal the process was started with ignored (nohup, a background job) stays ignored
+    _set_handlers({s: _terminate for s in _STOP_SIGNALS if signal.getsignal(s) != signal.SIG_IGN})
+    try:
+        args = build_parser().parse_args()
+        return args.func(args)
+    except KeyboardInterrupt:
+        stopped_by = signal.SIGINT
+    except Terminated as e:
+        stopped_by = e.signum
+    # what is released at exit (state.py: mounts, cgroups, the state directory) is not cut short either
+    _set_handlers(dict.fromkeys((signal.SIGINT, *_STOP_SIGNALS), signal.SIG_IGN))
+    name = "SIGINT (Ctrl-C)" if stopped_by == signal.SIGINT else signal.Signals(stopped_by).name
+    print(f"codefleet: interrupted by {name}; its sandboxes were closed", file=sys.stderr)
+    return 128 + stopped_by
 
 
 if __name__ == "__main__":

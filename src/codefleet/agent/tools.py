@@ -10,7 +10,8 @@ mistyped or unknown arguments, oversized arguments, paths outside the
 workspace and failing file operations all become an error observation
 (`ok=False`, output starting with "error:") that says what to do instead.
 Every output is capped (`ToolConfig.max_output_chars`) so one `cat` of a log
-cannot flood the model's context.
+cannot flood the model's context, and is valid UTF-8 (`printable`: a file
+name that is not shows its bytes as \\xNN escapes).
 
 `run` goes through the sandbox's persistent shell (cwd and environment
 persist between calls). When one turn holds several `run` calls they must
@@ -27,6 +28,7 @@ import time
 from dataclasses import dataclass
 
 from codefleet.sandbox.base import Sandbox, SandboxError
+from codefleet.sandbox.files import FileTooLargeError
 from codefleet.types import ToolCall, ToolResult
 
 
@@ -112,8 +114,27 @@ def tool_schemas(names: list[str] | None = None) -> list[dict]:
     return [TOOL_SPECS[n].schema() for n in (names or list(TOOL_SPECS))]
 
 
+# Lines read from a file over the file API's size limit when no end_line is given (the output is capped anyway).
+_BIG_FILE_LINES = 2000
+
+
 class ToolError(Exception):
     """A call the tool refuses; the message goes back to the model."""
+
+
+def printable(text: str) -> str:
+    """`text` as valid UTF-8, which every model client, tokenizer and log needs: the bytes of a file name
+    that is not UTF-8 (which Python keeps as surrogates, as the file API gives them) become \\xNN escapes
+    (in bash, `$'\\xff.txt'` names such a file); any other lone surrogate becomes \\udNNN."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate that stands for no byte
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def cap_text(text: str, max_chars: int) -> str:
@@ -185,7 +206,7 @@ class Toolbox:
             output, ok = f"error: {e}", False
         except Exception as e:  # a bug in a tool must not end the episode
             output, ok = f"error: {call.name} failed unexpectedly ({type(e).__name__}: {e})", False
-        return ToolResult(call.id, call.name, cap_text(output, self.config.max_output_chars), ok,
+        return ToolResult(call.id, call.name, cap_text(printable(output), self.config.max_output_chars), ok,
                           time.perf_counter() - started)
 
     # -- the tools ---------------------------------------------------------------------
@@ -207,20 +228,26 @@ class Toolbox:
         if start_line < 1 or (end_line is not None and end_line < start_line):
             raise ToolError(f"read_file needs 1 <= start_line <= end_line, got start_line={start_line}, "
                             f"end_line={end_line}")
-        text = self.sandbox.read_file(path)
+        try:
+            text, first = self.sandbox.read_file(path), 1
+        except FileTooLargeError:  # only the lines asked for are read; how many the file has is not known then
+            wanted = end_line if end_line is not None else start_line + _BIG_FILE_LINES - 1
+            text, first = self.sandbox.read_file(path, start_line, wanted), start_line
         # split on \n only (not str.splitlines, which also splits on \f, \x1c, ...): numbers match sed and editors
         lines = [ln.removesuffix("\r") for ln in text.removesuffix("\n").split("\n")] if text else []
-        if not lines:
+        total: int | str = len(lines) if first == 1 else "a file too large to count"
+        if not lines and first == 1:
             return f"[{path} is empty]"
-        if start_line > len(lines):
-            raise ToolError(f"{path} has {len(lines)} lines; start_line {start_line} is past the end")
-        last = len(lines) if end_line is None else min(end_line, len(lines))
+        if not lines or start_line > first + len(lines) - 1:
+            raise ToolError(f"{path} has {len(lines) if first == 1 else 'fewer'} lines; start_line {start_line} is "
+                            "past the end")
+        last = first + len(lines) - 1 if end_line is None else min(end_line, first + len(lines) - 1)
         out: list[str] = []
         size = 0
         for number in range(start_line, last + 1):
-            line = f"{number:>6}\t{lines[number - 1]}"
+            line = f"{number:>6}\t{lines[number - first]}"
             if size + len(line) > self.config.max_output_chars - 200 and out:
-                out.append(f"[output capped at line {number - 1} of {len(lines)}; read on with "
+                out.append(f"[output capped at line {number - 1} of {total}; read on with "
                            f"start_line={number}]")
                 break
             out.append(line)

@@ -47,7 +47,7 @@ them for a checkpoint. `run()` may be called again to continue.
 Errors. An exception in `trainer.train`, `on_step`, `on_group` or `on_broken`, a runner breaking its
 contract (see `GroupRunner`), or a stop rule (`max_abandoned_in_a_row`) stops the run the same way and
 `run()` raises a ControllerError (a RuntimeError) naming the step or group, with the original exception
-as its cause; Ctrl-C leaves as KeyboardInterrupt after clean-up.
+as its cause; Ctrl-C (KeyboardInterrupt) and SystemExit (the CLI's SIGTERM) leave as they are after clean-up.
 
 What is measured (RunReport, StepReport).
 - `rollouts_per_s`: rollouts trained in this `run()` / seconds from the start of `run()` to the end
@@ -225,7 +225,7 @@ class Controller:
         trainer_thread.start()
         try:
             self._dispatch(trainer_thread)
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, SystemExit):
             raise  # as it is, after the clean-up below
         except BaseException as e:
             if self._error is None:

@@ -9,6 +9,7 @@ everything. Backends are siblings chosen by name (`namespace`, `local`).
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -62,7 +63,25 @@ class SandboxConfig:
     state_dir: str | None = None  # where mounts and layers live; see state.py
 
     def __post_init__(self) -> None:
+        for name, kind in _POSITIVE_FIELDS.items():
+            _check_positive(f"SandboxConfig.{name}", getattr(self, name), kind)
         check_env_names(self.env)
+
+
+# The numeric fields of SandboxConfig: each must be above 0 (a limit of 0 or less would break the sandbox's
+# start with an error that names something else, or, for timeout_s, time out every command at once).
+_POSITIVE_FIELDS = {"timeout_s": float, "output_limit_bytes": int, "memory_mb": int, "max_processes": int,
+                    "cpu_cores": float, "cpu_time_s": int, "workspace_mb": int, "tmp_mb": int, "max_file_mb": int}
+
+
+def _check_positive(where: str, value: object, kind: type) -> None:
+    """Raise ValueError unless `value` is a `kind` (int, or float where an int is fine too) above 0;
+    bool, NaN and infinity are refused."""
+    allowed = int if kind is int else (int, float)
+    if (isinstance(value, bool) or not isinstance(value, allowed)
+            or (isinstance(value, float) and not math.isfinite(value)) or value <= 0):
+        what = "a whole number" if kind is int else "a finite number"
+        raise ValueError(f"{where} is {value!r}; it must be {what} greater than 0")
 
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

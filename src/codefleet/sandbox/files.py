@@ -22,6 +22,10 @@ _MAX_LINKS = 40
 MAX_READ_BYTES = 8 * 1024 * 1024
 
 
+class FileTooLargeError(ValueError):
+    """A whole file asked for is larger than MAX_READ_BYTES: read a line range of it instead."""
+
+
 def _relative_parts(path: str) -> list[str]:
     """Split a user path into workspace-relative components; refuse other absolute paths."""
     if "\x00" in path:
@@ -36,8 +40,9 @@ def _relative_parts(path: str) -> list[str]:
 class WorkspaceFiles:
     """File operations on a workspace directory `root` (a host path)."""
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, owner: tuple[int, int] | None = None):
         self.root = root
+        self.owner = owner  # (uid, gid) given to what we create, where the sandbox runs as another host user
 
     # -- resolution ------------------------------------------------------------
 
@@ -64,6 +69,8 @@ class WorkspaceFiles:
                 except OSError as e:
                     if e.errno == errno.ENOENT and create_parents:
                         os.mkdir(part, 0o755, dir_fd=stack[-1])
+                        if self.owner:
+                            os.chown(part, *self.owner, dir_fd=stack[-1], follow_symlinks=False)
                     elif e.errno not in (errno.EINVAL, errno.ENOENT):
                         raise
                 else:
@@ -132,7 +139,8 @@ class WorkspaceFiles:
 
     # -- operations ------------------------------------------------------------
 
-    def read_bytes(self, path: str, max_bytes: int = MAX_READ_BYTES) -> bytes:
+    def _open_regular(self, path: str) -> int:
+        """A read-only fd of the regular file `path`; a directory or anything else is refused."""
         fd = self._open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not hang us
         try:
             mode = os.fstat(fd).st_mode
@@ -140,6 +148,14 @@ class WorkspaceFiles:
                 raise IsADirectoryError(errno.EISDIR, f"{path!r} is a directory; use list_dir")
             if not stat.S_ISREG(mode):
                 raise ValueError(f"{path!r} is not a regular file")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def read_bytes(self, path: str, max_bytes: int = MAX_READ_BYTES) -> bytes:
+        fd = self._open_regular(path)
+        try:
             data = os.read(fd, max_bytes + 1)
             chunks = [data]
             while data and sum(map(len, chunks)) <= max_bytes:
@@ -147,20 +163,42 @@ class WorkspaceFiles:
                 chunks.append(data)
             blob = b"".join(chunks)
             if len(blob) > max_bytes:
-                raise ValueError(f"{path!r} is larger than {max_bytes} bytes; read it by line range or with run")
+                raise FileTooLargeError(f"{path!r} is larger than {max_bytes} bytes; read it by line range or with run")
             return blob
         finally:
             os.close(fd)
 
     def read_text(self, path: str, start_line: int | None = None, end_line: int | None = None) -> str:
-        """Text of `path`, or lines start_line..end_line (1-based, inclusive)."""
-        text = self.read_bytes(path).decode("utf-8", "replace")
+        """Text of `path`, or lines start_line..end_line (1-based, inclusive; lines end at \\n, as for sed).
+
+        A whole file is read only up to MAX_READ_BYTES; a line range is read line by line, so it may come
+        from a file of any size, as long as the lines asked for hold no more than MAX_READ_BYTES."""
         if start_line is None and end_line is None:
-            return text
-        lines = text.splitlines(keepends=True)
-        start = max((start_line or 1) - 1, 0)
-        end = len(lines) if end_line is None else max(end_line, 0)
-        return "".join(lines[start:end])
+            return self.read_bytes(path).decode("utf-8", "replace")
+        start = max(start_line or 1, 1)
+        with os.fdopen(self._open_regular(path), "rb") as f:
+            number = 1
+            while number < start:  # skipped in pieces: a line may be longer than memory allows
+                piece = f.readline(1 << 16)
+                if not piece:
+                    return ""
+                if piece.endswith(b"\n"):
+                    number += 1
+            chunks: list[bytes] = []
+            size = 0
+            while end_line is None or number <= end_line:
+                piece = f.readline(MAX_READ_BYTES + 1 - size)
+                if not piece:
+                    break
+                chunks.append(piece)
+                size += len(piece)
+                if size > MAX_READ_BYTES:
+                    last = "the end" if end_line is None else end_line
+                    raise ValueError(f"lines {start} to {last} of {path!r} are larger than {MAX_READ_BYTES} bytes; "
+                                     "read fewer lines, or use run")
+                if piece.endswith(b"\n"):
+                    number += 1
+        return b"".join(chunks).decode("utf-8", "replace")
 
     def write(self, path: str, content: str | bytes) -> None:
         """Create or replace the regular file `path`, creating missing parent directories."""
@@ -172,8 +210,11 @@ class WorkspaceFiles:
                 raise ValueError(f"{path!r} is not a regular file") from None
             raise
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
                 raise ValueError(f"{path!r} is not a regular file")
+            if self.owner and st.st_uid == os.geteuid():  # just created by us: the sandbox user's
+                os.fchown(fd, *self.owner)
             os.set_blocking(fd, True)
             os.ftruncate(fd, 0)
             view = memoryview(data)
@@ -183,27 +224,48 @@ class WorkspaceFiles:
             os.close(fd)
 
     def list(self, path: str = ".", recursive: bool = False, max_entries: int = 10_000) -> list[FileEntry]:
-        fd = self.resolve_dir(path)
+        """The entries of the directory `path`, sorted by name; with `recursive`, depth first (a directory's
+        entries right after it; .git is not entered); at most `max_entries`. A name that is not UTF-8 keeps
+        its bytes as surrogates (as os.listdir gives it), so a path listed can be given back to every call.
+
+        A loop, not recursion: a tree may be thousands of directories deep. One directory is open at a time
+        (the way back up is its '..', checked to be the directory we came down from), so depth costs no fds."""
         out: list[FileEntry] = []
+        fd = self.resolve_dir(path)
         try:
-            base = self._relpath_of(fd)
-            self._list_fd(fd, base, recursive, out, max_entries)
+            here = os.fstat(fd)
+            # one frame per directory on the way down: (its path, its names not listed yet, last first, its identity)
+            frames = [(self._relpath_of(fd), sorted(os.listdir(fd), reverse=True), (here.st_dev, here.st_ino))]
+            while len(out) < max_entries:
+                prefix, names, _ = frames[-1]
+                if not names:
+                    frames.pop()
+                    if not frames:
+                        break
+                    fd = self._move(fd, "..", frames[-1][2], path)
+                    continue
+                name = names.pop()
+                st = os.lstat(name, dir_fd=fd)
+                kind = ("dir" if stat.S_ISDIR(st.st_mode) else "file" if stat.S_ISREG(st.st_mode)
+                        else "symlink" if stat.S_ISLNK(st.st_mode) else "other")
+                rel = name if prefix in ("", ".") else f"{prefix}/{name}"
+                out.append(FileEntry(rel, kind, st.st_size))
+                if recursive and kind == "dir" and name != ".git":
+                    fd = self._move(fd, name, (st.st_dev, st.st_ino), path)
+                    frames.append((rel, sorted(os.listdir(fd), reverse=True), (st.st_dev, st.st_ino)))
         finally:
             os.close(fd)
         return out
 
-    def _list_fd(self, fd: int, prefix: str, recursive: bool, out: list[FileEntry], limit: int) -> None:
-        for name in sorted(os.listdir(fd)):
-            if len(out) >= limit:
-                return
-            st = os.lstat(name, dir_fd=fd)
-            kind = ("dir" if stat.S_ISDIR(st.st_mode) else "file" if stat.S_ISREG(st.st_mode)
-                    else "symlink" if stat.S_ISLNK(st.st_mode) else "other")
-            rel = name if prefix in ("", ".") else f"{prefix}/{name}"
-            out.append(FileEntry(rel, kind, st.st_size))
-            if recursive and kind == "dir" and name != ".git":
-                sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-                try:
-                    self._list_fd(sub, rel, True, out, limit)
-                finally:
-                    os.close(sub)
+    @staticmethod
+    def _move(fd: int, name: str, expected: tuple[int, int], listed: str) -> int:
+        """An fd of the directory `name` (a child, or '..') of the directory `fd`, and `fd` closed; the new
+        one must be the directory `expected` (st_dev, st_ino) names, or the tree changed under the listing."""
+        new = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        st = os.fstat(new)
+        if (st.st_dev, st.st_ino) != expected:
+            os.close(new)
+            raise ValueError(f"{listed!r} changed while it was being listed (a directory in it was moved); "
+                             "list it again")
+        os.close(fd)
+        return new
