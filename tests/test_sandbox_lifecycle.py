@@ -11,6 +11,8 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -191,3 +193,20 @@ def test_mounts_under_a_non_ascii_state_dir_are_found_and_released(repo, config,
     sb.close()
     assert_released([fp])
     assert mounts_under(cfg.state_dir) == []
+
+
+def test_close_does_not_wait_for_a_command_running_in_another_thread(make_sandbox):
+    """What SIGTERM to `codefleet agent run` does: the main thread closes the sandboxes that its
+    attempts' threads are running commands in."""
+    sb = make_sandbox()
+    marker = unique_sleep()
+    results = []
+    worker = threading.Thread(target=lambda: results.append(sb.exec(f"sleep {marker}; echo finished", timeout_s=60)))
+    worker.start()
+    assert wait_for(lambda: processes_with(marker), timeout_s=10)
+    started = time.perf_counter()
+    sb.close()
+    worker.join(timeout=10)
+    assert time.perf_counter() - started < 5 and not worker.is_alive()
+    assert results and "finished" not in results[0].output
+    assert processes_with(marker) == []

@@ -304,7 +304,10 @@ class ShellSandbox(ABC):
             return self._make_children(n, replay)
 
     def close(self) -> None:
-        """Kill everything in the sandbox and free its workspace. Idempotent."""
+        """Kill everything in the sandbox and free its workspace. Idempotent. A command running in
+        another thread is not waited for: its processes are killed first, so it returns at once."""
+        if not self._closed:
+            self._kill_processes()  # outside the lock, which a running exec holds until its shell dies
         with self._lock:
             if self._closed:
                 return
