@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import functools
 import os
 import pwd
 import subprocess
@@ -183,7 +182,10 @@ def mount_idmapped(source: str, target: str, ident: Identity) -> None:
         os.close(tree)
 
 
-@functools.cache
+_shells: dict[str, str] = {}
+_shells_lock = threading.Lock()
+
+
 def exec_only_shell(directory: str) -> str:
     """A copy of bash that the sandbox user may run but not read, in `directory` (once per directory).
 
@@ -192,10 +194,12 @@ def exec_only_shell(directory: str) -> str:
     The persistent shell runs from this copy, so the commands it runs cannot read
     the protocol's nonce from its memory nor reach its pipes through /proc; what it
     starts from ordinary binaries is dumpable as usual (a debugger still works)."""
-    path = os.path.join(directory, "shell")
-    tmp = path + ".tmp"
-    with open("/bin/bash", "rb") as src, open(tmp, "wb") as dst:
-        dst.write(src.read())
-    os.chmod(tmp, 0o111)
-    os.replace(tmp, path)
-    return path
+    with _shells_lock:  # sandboxes start in parallel threads
+        if directory not in _shells:
+            path = os.path.join(directory, "shell")
+            with open("/bin/bash", "rb") as src, open(path + ".tmp", "wb") as dst:
+                dst.write(src.read())
+            os.chmod(path + ".tmp", 0o111)
+            os.replace(path + ".tmp", path)
+            _shells[directory] = path
+        return _shells[directory]

@@ -60,7 +60,7 @@ class LocalSandbox(ShellSandbox):
         source = _copy_from or repo
         if source is not None and not os.path.isdir(source):
             raise FileNotFoundError(f"repository directory {source!r} does not exist")
-        owner = owner_for(config.state_dir)
+        self.owner = owner = owner_for(config.state_dir)
         sandbox_id = "lo-" + os.urandom(5).hex()
         self.dir = os.path.join(owner.dir, "sb", sandbox_id)
         workspace = os.path.join(self.dir, "workspace")
@@ -138,6 +138,7 @@ class LocalSandbox(ShellSandbox):
 
     def _release(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+        self.owner.untrack(self)
 
     @property
     def info(self) -> SandboxInfo:

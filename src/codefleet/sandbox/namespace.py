@@ -117,18 +117,24 @@ def _can_disable_userns() -> bool:
     return "--disable-userns" in help_text
 
 
-@functools.cache
+_devices: dict[str, str | None] = {}
+_devices_lock = threading.Lock()
+
+
 def _private_devices(owner: Owner) -> str | None:
     """A directory of this owner's own device nodes (made once), as root and where the state
     directory's filesystem honours device nodes; else None (bwrap binds the host's)."""
-    if os.geteuid() != 0 or os.statvfs(owner.dir).f_flag & os.ST_NODEV:
-        return None
-    path = os.path.join(owner.dir, "dev")
-    os.makedirs(path)
-    for name in _DEVICES:
-        os.mknod(os.path.join(path, name), 0o666 | stat.S_IFCHR, os.stat(f"/dev/{name}").st_rdev)
-        os.chmod(os.path.join(path, name), 0o666)
-    return path
+    with _devices_lock:  # sandboxes start in parallel threads
+        if owner.dir not in _devices:
+            path = None
+            if os.geteuid() == 0 and not os.statvfs(owner.dir).f_flag & os.ST_NODEV:
+                path = os.path.join(owner.dir, "dev")
+                os.makedirs(path)
+                for name in _DEVICES:
+                    os.mknod(os.path.join(path, name), 0o666 | stat.S_IFCHR, os.stat(f"/dev/{name}").st_rdev)
+                    os.chmod(os.path.join(path, name), 0o666)
+            _devices[owner.dir] = path
+        return _devices[owner.dir]
 
 
 def _identity_files(owner: Owner) -> tuple[str, str]:
@@ -447,6 +453,7 @@ class NamespaceSandbox(ShellSandbox):
             for layer in self._layers:
                 _layer_refs.release(layer)
             self._layers = []
+            self.owner.untrack(self)
 
     @property
     def info(self) -> SandboxInfo:

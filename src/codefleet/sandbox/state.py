@@ -91,6 +91,10 @@ class Owner:
         """Remember a sandbox so that a normal interpreter exit closes it."""
         self._live.add(sandbox)
 
+    def untrack(self, sandbox: object) -> None:
+        """Forget a sandbox that was closed."""
+        self._live.discard(sandbox)
+
     def close_all(self) -> None:
         for sb in list(self._live):
             try:
