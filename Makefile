@@ -15,6 +15,7 @@ demo: setup
 	$(VENV)/bin/codefleet train --out $(DEMO_DIR)
 
 test: setup
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -m "not slow" -q
 
 test-slow: setup
