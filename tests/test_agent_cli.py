@@ -251,9 +251,9 @@ def test_a_local_checkpoint_runs_in_process_and_a_missing_one_is_one_sentence(re
     from codefleet.model.transformer import Transformer
 
     torch.manual_seed(0)
-    (tmp_path / "run" / "checkpoints").mkdir(parents=True)  # a `codefleet train` run's checkpoint
-    (tmp_path / "run" / "config.yaml").write_text("model:\n  prompt: bare\n")
-    checkpoint.save(Transformer(ModelConfig.tiny()), str(tmp_path / "run" / "checkpoints" / "sft"))
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)  # a checkpoint that says how it is prompted
+    checkpoint.save(Transformer(ModelConfig.tiny()), str(tmp_path / "run" / "checkpoints" / "sft"),
+                    metadata={"prompt": "bare"})
     for extra, bare in (([], True), (["--prompt", "full"], False)):
         out, err = io.StringIO(), io.StringIO()
         code = main(["agent", "run", "--repo", repo, "--task", "look around", "--model",
@@ -261,7 +261,7 @@ def test_a_local_checkpoint_runs_in_process_and_a_missing_one_is_one_sentence(re
                      f"state_dir={state_dir}", *extra], stdin=io.StringIO(), out=out, err=err)
         result = json.loads(out.getvalue())
         assert code == 0 and result["turns"] == 1 and result["tokens"] > 0, err.getvalue()
-        assert ("bare prompt: the model sees the task alone" in err.getvalue()) == bare  # the run's model.prompt
+        assert ("bare prompt: the model sees the task alone" in err.getvalue()) == bare  # the checkpoint's prompt
     for model, extra, words in ((f"local:{tmp_path / 'missing'}", [], "is not a checkpoint directory"),
                                 ("http://127.0.0.1:9/v1", ["--tool-grammar", "auto"], "codefleet serve --tool-grammar")):
         err = io.StringIO()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -309,12 +310,11 @@ def test_a_bare_prompt_policy_is_served_the_conversation_it_was_trained_on(check
         ServerThread(engine, engine.tokenizer, prompt="short")
 
 
-def test_the_serve_command_serves_a_runs_checkpoint_in_the_runs_prompt_style(checkpoint_dir, tmp_path):
-    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
-    (tmp_path / "run" / "config.yaml").write_text("model:\n  prompt: bare\n")
-    os.symlink(checkpoint_dir, tmp_path / "run" / "checkpoints" / "rl")
+def test_the_serve_command_serves_a_checkpoint_in_the_prompt_style_it_says(checkpoint_dir, tmp_path):
+    shutil.copytree(checkpoint_dir, tmp_path / "rl")
+    checkpoint.write_usage(str(tmp_path / "rl"), prompt="bare")
     proc = subprocess.Popen([sys.executable, "-m", "codefleet.model.serve_cli", "--checkpoint",
-                             str(tmp_path / "run" / "checkpoints" / "rl"), "--port", "0", "--max-seq-len", "512",
+                             str(tmp_path / "rl"), "--port", "0", "--max-seq-len", "512",
                              "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:

@@ -9,6 +9,7 @@ import glob
 import json
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -115,6 +116,12 @@ def test_train_survives_sigkill_and_resumes_without_losing_or_repeating_rollouts
     assert results["rl"]["checkpoint"].endswith("rl-step-000006") and os.path.getmtime(sft_eval) == sft_eval_mtime
     assert "steps: 6" in (tmp_path / "run" / "config.yaml").read_text()
 
+    from codefleet.model import checkpoint
+
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"]
+    for name in ("init", "sft", "rl-step-000006"):  # each checkpoint says how its policy is prompted
+        assert checkpoint.usage(os.path.join(run, "checkpoints", name)) == {
+            "prompt": saved["prompt"], "tool_grammar": saved["tool_grammar"]}
     ev = subprocess.run(_cli("eval", "--checkpoint", os.path.join(run, "checkpoints", "sft"), "--tasks",
                              os.path.join(run, "tasks", "eval"), "--max-tokens", "16", "--max-turns", "2",
                              "--wall-clock", "60", "--json"),
@@ -225,16 +232,19 @@ def test_fresh_rl_tasks_are_new_instances_of_the_demonstrated_templates(tmp_path
         check_config(config)
 
 
-def test_eval_shows_a_checkpoint_its_runs_prompt_style(tmp_path):
-    from codefleet.fleet.run_dir import trained_prompt
+def test_a_checkpoint_says_how_it_is_prompted_wherever_it_is_copied(tmp_path):
+    from codefleet.model import checkpoint
 
-    (tmp_path / "run" / "checkpoints" / "sft").mkdir(parents=True)
-    (tmp_path / "run" / "config.yaml").write_text("model:\n  prompt: bare\n")
-    assert trained_prompt(str(tmp_path / "run" / "checkpoints" / "sft")) == "bare"
-    (tmp_path / "run" / "config.yaml").write_text("model:\n  size: tiny\n")  # a run from before the field
-    assert trained_prompt(str(tmp_path / "run" / "checkpoints" / "sft")) == "full"
-    (tmp_path / "elsewhere").mkdir()
-    assert trained_prompt(str(tmp_path / "elsewhere")) == "full"
+    made = tmp_path / "run" / "checkpoints" / "sft"
+    made.mkdir(parents=True)
+    (tmp_path / "run" / "config.yaml").write_text("model:\n  prompt: full\n")  # never read: the checkpoint says
+    checkpoint.write_usage(str(made), prompt="bare", tool_grammar="auto")
+    shutil.copytree(made, tmp_path / "elsewhere")
+    assert checkpoint.usage(str(tmp_path / "elsewhere")) == {"prompt": "bare", "tool_grammar": "auto"}
+    (tmp_path / "unsaid").mkdir()
+    assert checkpoint.usage(str(tmp_path / "unsaid")) == checkpoint.USAGE_DEFAULTS
+    with pytest.raises(ValueError, match="unknown usage setting"):
+        checkpoint.write_usage(str(made), temperature="1")
     out = subprocess.run(_cli("train", "--out", str(tmp_path / "r4"), "model.prompt=short"), capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 2 and "model.prompt must be one of full, bare" in out.stderr

@@ -137,21 +137,12 @@ def _interactive(stream: TextIO | None) -> bool:
     return stream.isatty() or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
 
 
-def _trained_prompt(model: str) -> str:
-    """The prompt style a `local:CHECKPOINT` policy was trained on; "full" for a server, which renders requests
-    in its checkpoint's style itself (`codefleet serve`)."""
-    if not model.startswith("local:"):
-        return "full"
-    from codefleet.fleet.run_dir import trained_prompt
+def _usage(model: str) -> dict[str, str]:
+    """How a `local:CHECKPOINT` policy is meant to be prompted (its checkpoint says: prompt style, tool grammar);
+    the defaults for a server, which renders requests in its checkpoint's style itself (`codefleet serve`)."""
+    from codefleet.model import checkpoint  # torch: only a local: model needs it
 
-    return trained_prompt(model.partition(":")[2])
-
-
-def _trained_grammar(model: str) -> str:
-    """The tool grammar a `local:CHECKPOINT` policy was trained and evaluated with."""
-    from codefleet.fleet.run_dir import trained_tool_grammar
-
-    return trained_tool_grammar(model.partition(":")[2]) if model.startswith("local:") else "off"
+    return checkpoint.usage(model.partition(":")[2]) if model.startswith("local:") else dict(checkpoint.USAGE_DEFAULTS)
 
 
 def _attempt_summary(a: Attempt) -> dict:
@@ -195,14 +186,14 @@ def run_command(args: argparse.Namespace, stdin: TextIO | None = None, out: Text
 
         def policy_for(spec: str, model_name: str, grammar: str | None = "off"):
             if spec == "local" or spec.startswith("local:"):  # the HTTP options mean nothing to an in-process engine
-                return build_policy(spec, model_name, **grammar_options(grammar or _trained_grammar(spec)))
+                return build_policy(spec, model_name, **grammar_options(grammar or _usage(spec)["tool_grammar"]))
             if grammar not in (None, "off"):
                 raise ValueError("--tool-grammar constrains codefleet's own engine (--model local:...); a server "
                                  "constrains its own decoding (codefleet serve --tool-grammar)")
             return build_policy(spec, model_name, **http)
 
         policy = policy_for(args.model, args.model_name, args.tool_grammar)
-        prompt = args.prompt or _trained_prompt(args.model)
+        prompt = args.prompt or _usage(args.model)["prompt"]
         planner = policy_for(args.planner, args.planner_model_name) if args.planner else None  # it writes a plan
     except (ConfigError, ValueError, NotImplementedError, OSError) as e:
         print(f"codefleet agent run: {e}", file=err)

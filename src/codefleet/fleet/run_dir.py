@@ -51,30 +51,6 @@ def log(message: str) -> None:
     print(f"[codefleet train] {message}", file=sys.stderr, flush=True)
 
 
-def trained_prompt(checkpoint: str) -> str:
-    """The prompt style (`model.prompt`) of the run a checkpoint belongs to (RUN/checkpoints/NAME), else "full".
-
-    A policy sees conversations the way it was trained to: `codefleet eval` runs its episodes in that style and
-    `codefleet serve` renders every request in it."""
-    return str(_trained(checkpoint, "prompt", "full"))
-
-
-def trained_tool_grammar(checkpoint: str) -> str:
-    """How the run a checkpoint belongs to constrained its tool calls (`model.tool_grammar`), else "off"."""
-    return str(_trained(checkpoint, "tool_grammar", "off"))
-
-
-def _trained(checkpoint: str, key: str, default: object) -> object:
-    import yaml
-
-    saved = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(checkpoint))), "config.yaml")
-    try:
-        with open(saved) as f:
-            return (yaml.safe_load(f) or {}).get("model", {}).get(key, default)
-    except (OSError, yaml.YAMLError, AttributeError):
-        return default
-
-
 def atomic_write(path: str, data: bytes) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")

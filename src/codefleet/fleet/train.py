@@ -34,7 +34,7 @@ import yaml
 from codefleet.config import to_dict
 from codefleet.fleet.ray_init import init_ray
 from codefleet.fleet.run_dir import Metrics, RunDir, RunError, atomic_write, log
-from codefleet.fleet.train_config import TrainRunConfig, episode_config
+from codefleet.fleet.train_config import TrainRunConfig, episode_config, policy_usage
 from codefleet.fleet.train_rl import reinforce
 
 
@@ -147,7 +147,7 @@ def init_model(run: RunDir, config: TrainRunConfig, tokenizer) -> str:
     model = Transformer(preset(vocab_size=tokenizer.vocab_size, max_seq_len=config.model.max_seq_len,
                                copy_head=config.model.copy_head, copy_scope=config.model.copy_scope,
                                copy_match=config.model.copy_match, copy_blocked=blocked))
-    checkpoint.save(model, path)
+    checkpoint.save(model, path, metadata=policy_usage(config))
     return path
 
 
@@ -177,6 +177,7 @@ def demonstrations(run: RunDir, config: TrainRunConfig, tasks, tokenizer):
 
 def sft(run: RunDir, config: TrainRunConfig, demos, init: str, metrics: Metrics, tokenizer) -> str:
     from codefleet.fleet.trainer_group import TrainerGroup
+    from codefleet.model import checkpoint
     from codefleet.rl.trainer import TrainConfig
 
     path = run.path("checkpoints", "sft")
@@ -205,6 +206,7 @@ def sft(run: RunDir, config: TrainRunConfig, demos, init: str, metrics: Metrics,
                 log(f"sft epoch {epoch + 1}/{c.epochs} step {step}: loss {m.get('loss', m.get('ce', 0)):.3f} "
                      f"({time.perf_counter() - started:.0f} s)")
         group.save(path)
+        checkpoint.write_usage(path, **policy_usage(config))
     finally:
         group.shutdown()
     atomic_write(run.path("sft.done"), b"")

@@ -107,7 +107,6 @@ def _eval(args: argparse.Namespace) -> int:
     from codefleet.agent.episode import EpisodeConfig
     from codefleet.agent.policy import PolicyError
     from codefleet.fleet.evaluate import EvalConfig, evaluate, evaluate_endpoint, report_json
-    from codefleet.fleet.run_dir import trained_prompt, trained_tool_grammar
     from codefleet.model import checkpoint
     from codefleet.tasks.spec import load_tasks
     from codefleet.types import Budgets
@@ -163,13 +162,13 @@ def _eval(args: argparse.Namespace) -> int:
             writer.append([rollout_record(t, run=run_name, step=0, group=0, attempt=i, split="eval")
                            for i, t in enumerate(trajectories)])
 
+    usage = checkpoint.usage(args.checkpoint) if args.checkpoint else dict(checkpoint.USAGE_DEFAULTS)
     episode = EpisodeConfig(budgets=Budgets(max_turns=args.max_turns, max_tool_calls=4 * args.max_turns,
                                             wall_clock_s=args.wall_clock),
-                            prompt=args.prompt or (trained_prompt(args.checkpoint) if args.checkpoint else "full"))
+                            prompt=args.prompt or usage["prompt"])
     config = EvalConfig(attempts=args.attempts, temperature=args.temperature, max_tokens=args.max_tokens,
                         jobs=args.jobs, exact_tokens=args.exact_tokens,
-                        tool_grammar=args.tool_grammar or (trained_tool_grammar(args.checkpoint) if args.checkpoint
-                                                           else "off"))
+                        tool_grammar=args.tool_grammar or usage["tool_grammar"])
     try:
         if args.model:
             report, _ = evaluate_endpoint(args.model, tasks, config, args.model_name, episode_config=episode,

@@ -178,6 +178,11 @@ class TrainRunConfig:
     sandbox: SandboxConfig = field(default_factory=lambda: SandboxConfig(timeout_s=30.0, memory_mb=1024))
 
 
+def policy_usage(config: TrainRunConfig) -> dict[str, str]:
+    """How this run's policy checkpoints are meant to be used, written into each of them (checkpoint.usage)."""
+    return {"prompt": config.model.prompt, "tool_grammar": config.model.tool_grammar}
+
+
 def episode_config(config: TrainRunConfig):
     """The agent harness's settings for RL's rollouts, the demonstrations and the evaluations."""
     from codefleet.agent.episode import EpisodeConfig

@@ -10,7 +10,7 @@ import time
 
 from codefleet.fleet.run_dir import Metrics, RunDir, RunError, log
 from codefleet.fleet.staleness import Group
-from codefleet.fleet.train_config import TrainRunConfig, episode_config
+from codefleet.fleet.train_config import TrainRunConfig, episode_config, policy_usage
 
 
 def _rl_start(src: str, dst: str, keep_optimizer: bool) -> str:
@@ -30,7 +30,7 @@ def _rl_start(src: str, dst: str, keep_optimizer: bool) -> str:
         if keep_optimizer and os.path.isfile(state_file):
             state = torch.load(state_file, weights_only=True)
             torch.save({**state, "version": 0}, os.path.join(dst, TRAINER_FILE))
-        checkpoint.save(checkpoint.load(src), dst)
+        checkpoint.save(checkpoint.load(src), dst, metadata=checkpoint.usage(src))
     return dst
 
 
@@ -154,11 +154,14 @@ class RLTrainer:
         from ray.exceptions import RayActorError
 
         from codefleet.fleet.trainer_group import TrainerWorkerError
+        from codefleet.model import checkpoint
 
         for restarts in range(self.MAX_TRAINER_RESTARTS + 1):
             try:
                 m = dict(self.group.rl_step(samples))
-                self.group.save(self.run.rl_checkpoint(self.group.version))
+                saved = self.run.rl_checkpoint(self.group.version)
+                self.group.save(saved)
+                checkpoint.write_usage(saved, **policy_usage(self.config))  # before LATEST names it
                 return m
             except TrainerWorkerError as e:
                 died = isinstance(e.__cause__, RayActorError)  # a worker that raised (a full disk) would again

@@ -7,7 +7,10 @@
 Tied embeddings: safetensors refuses tensors that share memory, so the tied
 `lm_head.weight` is not written; `load` rebuilds the tie from the config.
 Buffers that decide routing (the per-expert selection bias) are saved too.
-Extra metadata (JSON-serialisable) goes to `metadata.json`.
+Extra metadata (JSON-serialisable) goes to `metadata.json`, and with it how
+the policy is meant to be used (`usage`: its prompt style and tool grammar),
+so that a checkpoint copied anywhere is served and run the way it was
+trained.
 """
 
 from __future__ import annotations
@@ -98,6 +101,30 @@ def check(path: str) -> ModelConfig:
         raise ValueError(f"{weights_file} lacks {missing[:3]} that {CONFIG_FILE} needs; the two files come from "
                          "different models")
     return config
+
+
+# How a policy checkpoint is meant to be used, and what a checkpoint that does not say is taken to mean:
+# the prompt style it was trained on (agent.prompts.PROMPTS) and the grammar its tool calls were sampled under.
+USAGE_DEFAULTS = {"prompt": "full", "tool_grammar": "off"}
+
+
+def usage(path: str) -> dict[str, str]:
+    """How the policy in `path` is meant to be prompted ({"prompt": ..., "tool_grammar": ...}), from its
+    metadata.json; USAGE_DEFAULTS for what it does not say."""
+    meta = read_metadata(path)
+    return {key: str(meta.get(key, default)) for key, default in USAGE_DEFAULTS.items()}
+
+
+def write_usage(path: str, **settings: str) -> None:
+    """Record in `path`'s metadata.json how its policy is meant to be used (keys of USAGE_DEFAULTS)."""
+    unknown = set(settings) - set(USAGE_DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown usage setting(s) {sorted(unknown)}; known: {sorted(USAGE_DEFAULTS)}")
+    meta = {**read_metadata(path), **settings}
+    tmp = os.path.join(path, METADATA_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(meta, f, indent=2, sort_keys=True)
+    os.replace(tmp, os.path.join(path, METADATA_FILE))
 
 
 def read_metadata(path: str) -> dict:

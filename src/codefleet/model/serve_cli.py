@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
     import torch
 
-    from codefleet.fleet.run_dir import trained_prompt, trained_tool_grammar
+    from codefleet.model import checkpoint
     from codefleet.model.engine import load_engine
     from codefleet.model.server import run_server
 
@@ -63,8 +63,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
     try:
-        run_server(engine, engine.tokenizer, args.host, args.port, name, args.prompt or trained_prompt(args.checkpoint),
-                   tool_grammar=args.tool_grammar or trained_tool_grammar(args.checkpoint) != "off")
+        usage = checkpoint.usage(args.checkpoint)
+        run_server(engine, engine.tokenizer, args.host, args.port, name, args.prompt or usage["prompt"],
+                   tool_grammar=args.tool_grammar or usage["tool_grammar"] != "off")
     except OSError as e:
         print(f"codefleet serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
