@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import os
+import stat
 import subprocess
 import sys
 
@@ -19,8 +20,9 @@ from codefleet.agent.clients import OpenAIConfig, OpenAIPolicy
 from codefleet.agent.policy import parse_tool_call
 from codefleet.agent.tools import Toolbox
 from codefleet.config import load_config
-from codefleet.sandbox import SandboxConfig
+from codefleet.sandbox import SandboxConfig, create_sandbox
 from codefleet.sandbox.files import MAX_READ_BYTES
+from codefleet.sandbox.layers import copy_layer, mount, remove_tree, umount
 
 
 def run_cli(state_dir: str, *args: str) -> subprocess.CompletedProcess:
@@ -141,6 +143,63 @@ def test_a_recursive_listing_of_a_tree_3000_directories_deep(sandbox):
     assert [e.path for e in sandbox.list_dir(".", recursive=True)] == expected
     assert [e.path for e in sandbox.files.list(".", recursive=True, max_entries=50)] == expected[:50]
     assert [e.path for e in sandbox.list_dir("deep/d", recursive=True)] == [*chain[1:], chain[-1] + "/leaf.txt"]
+
+
+DEEP_TREE = ("python3 -c 'import os\nfor _ in range(3000): os.mkdir(\"d\"); os.chdir(\"d\")\n"
+             "open(\"leaf.txt\", \"w\").write(\"bottom\")'")
+
+
+@pytest.mark.parametrize("backend", ["namespace", "local"])
+def test_a_tree_3000_directories_deep_forks_and_closes(repo, config, backend):
+    sb = create_sandbox(repo, dataclasses.replace(config, backend=backend))
+    assert sb.exec(DEEP_TREE).exit_code == 0
+    kids = sb.fork(2)
+    assert [kid.exec("find . -name leaf.txt -execdir cat {} +").output for kid in kids] == ["bottom", "bottom"]
+    dirs = [sb.dir] + [kid.dir for kid in kids]
+    for box in [*kids, sb]:
+        box.close()
+    assert not any(os.path.exists(d) for d in dirs)
+
+
+def test_removing_a_tree_stops_at_mount_points_and_symlinks(open_tmp):
+    if os.geteuid() != 0:
+        pytest.skip("mounts a tmpfs")
+    keep = open_tmp / "keep"
+    keep.mkdir()
+    (keep / "precious").write_text("x")
+    doomed = open_tmp / "doomed"
+    (doomed / "a" / "mnt").mkdir(parents=True)
+    (doomed / "a" / "link").symlink_to(keep)
+    mount("tmpfs", str(doomed / "a" / "mnt"), "tmpfs", "size=1m")
+    try:
+        (doomed / "a" / "mnt" / "inside").write_text("y")
+        remove_tree(str(doomed))
+        assert (doomed / "a" / "mnt" / "inside").read_text() == "y"  # another filesystem: not entered
+        assert not (doomed / "a" / "link").exists()
+    finally:
+        umount(str(doomed / "a" / "mnt"))
+    assert (keep / "precious").read_text() == "x"  # the symlink was removed, not followed
+    remove_tree(str(doomed))
+    assert not doomed.exists()
+
+
+def test_a_copy_stacks_layers_the_upper_one_winning(tmp_path):
+    lower, upper, out = tmp_path / "lower", tmp_path / "upper", tmp_path / "out"
+    (lower / "was_dir").mkdir(parents=True)
+    (lower / "was_dir" / "f").write_text("lower")
+    (lower / "kept").write_text("lower")
+    (lower / "ro").mkdir()
+    (lower / "ro" / "f").write_text("lower")
+    (lower / "ro").chmod(0o555)
+    upper.mkdir()
+    (upper / "was_dir").write_text("now a file")
+    (upper / "ro").mkdir()
+    (upper / "ro" / "g").write_text("upper")
+    (upper / "ro").chmod(0o555)
+    copy_layer(str(lower), str(out))
+    copy_layer(str(upper), str(out))
+    assert (out / "was_dir").read_text() == "now a file" and (out / "kept").read_text() == "lower"
+    assert sorted(os.listdir(out / "ro")) == ["f", "g"] and stat.S_IMODE((out / "ro").stat().st_mode) == 0o555
 
 
 # -- a line range of a file too large to read whole -----------------------------------------------------

@@ -173,61 +173,226 @@ def drop_layer(layer_dir: str) -> None:
         if os.path.ismount(layer_dir):
             umount(layer_dir)
     finally:
-        shutil.rmtree(layer_dir, ignore_errors=True)
+        remove_tree(layer_dir)
 
 
 def _copy_tree(lowers: list[str], dest: str) -> None:
     """'copy' strategy: materialise the stacked lowers (bottom first) into dest."""
     for lower in reversed(lowers):
-        shutil.copytree(lower, dest, symlinks=True, dirs_exist_ok=True)
+        copy_layer(lower, dest)
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class TreeChangedError(SandboxError):
+    """A directory was moved while codefleet walked the tree it is in."""
+
+
+class _Cursor:
+    """One open directory that walks a tree a level at a time, however deep (a sandbox can make a tree
+    thousands of directories deep: no recursion, one descriptor, no path longer than a name). Down opens a
+    child without following a symlink; up goes through '..' and checks it is the directory it came from."""
+
+    def __init__(self, path: str):
+        self.fd = os.open(path, _DIR_FLAGS)
+        self._trail = [_identity(os.fstat(self.fd))]
+
+    def down(self, name: str) -> None:
+        new = os.open(name, _DIR_FLAGS, dir_fd=self.fd)
+        os.close(self.fd)
+        self.fd = new
+        self._trail.append(_identity(os.fstat(new)))
+
+    def up(self) -> None:
+        self._trail.pop()
+        new = os.open("..", _DIR_FLAGS, dir_fd=self.fd)
+        if _identity(os.fstat(new)) != self._trail[-1]:
+            os.close(new)
+            raise TreeChangedError("a directory was moved while codefleet copied or removed the tree it is in; "
+                                   "try again once the sandbox's processes are done")
+        os.close(self.fd)
+        self.fd = new
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
 
 
 def copy_layer(src: str, dst: str) -> None:
     """Copy an overlay upper layer exactly: whiteouts (0/0 char devices),
     opaque-directory xattrs, modes, owners and symlinks included; only the
-    set-user-ID bit and a file's set-group-ID bit are dropped.
+    set-user-ID bit and a file's set-group-ID bit are dropped. What `dst`
+    already holds is merged into (the 'copy' strategy stacks layers so).
 
     The sandbox may still be running: its processes can rename, delete or swap
-    a file for a symlink while we copy. So the walk holds each directory open
-    (os.fwalk) and opens nothing by a path through a symlink: a symlink to
-    /etc planted mid-copy is copied as a symlink, never followed on the host;
-    an entry that vanishes is left out."""
+    a file for a symlink while we copy. So the walk holds the directory it is
+    in open (_Cursor) and opens nothing by a path through a symlink: a symlink
+    to /etc planted mid-copy is copied as a symlink, never followed on the
+    host; an entry that vanishes is left out; a directory moved from under the
+    walk stops it with TreeChangedError."""
     os.makedirs(dst, exist_ok=True)
-    _copy_meta(src, dst, os.lstat(src))
-    for dirpath, dirnames, filenames, dir_fd in os.fwalk(src):
-        rel = os.path.relpath(dirpath, src)
-        out_dir = dst if rel == "." else os.path.join(dst, rel)
-        if not os.path.isdir(out_dir):  # its parent saw it as something else
-            dirnames.clear()
-            continue
-        for name in dirnames + filenames:
-            s = f"/proc/self/fd/{dir_fd}/{name}"  # the entry in the directory we hold, not a path to follow
-            d = os.path.join(out_dir, name)
-            try:
-                st = os.lstat(name, dir_fd=dir_fd)
-                if stat.S_ISDIR(st.st_mode):
-                    os.mkdir(d)
-                elif stat.S_ISLNK(st.st_mode):
-                    os.symlink(os.readlink(name, dir_fd=dir_fd), d)
-                elif stat.S_ISREG(st.st_mode):
-                    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
-                    with open(fd, "rb") as fi:
-                        if not stat.S_ISREG(os.fstat(fd).st_mode):
-                            continue  # swapped for a FIFO since it was listed: left out
-                        with open(d, "wb") as fo:
-                            shutil.copyfileobj(fi, fo, 1 << 20)
-                elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) or stat.S_ISFIFO(st.st_mode):
-                    os.mknod(d, st.st_mode, st.st_rdev)
-                else:
-                    continue  # sockets are not part of a filesystem state
-                _copy_meta(s, d, st)
-            except (FileNotFoundError, NotADirectoryError):  # renamed or deleted since it was listed
+    os.chmod(dst, 0o700)  # writable while it is filled (its own mode comes last)
+    source, target = _Cursor(src), _Cursor(dst)
+    try:
+        # per level: the names still to copy (last first), and the directory's name and stat, whose
+        # metadata is copied once its content is (a read-only directory must stay writable until then)
+        todo = [(sorted(os.listdir(source.fd), reverse=True), "", os.fstat(source.fd))]
+        while todo:
+            names, dir_name, dir_st = todo[-1]
+            if not names:
+                todo.pop()
+                if todo:
+                    source.up()
+                    target.up()
+                    _copy_meta(f"/proc/self/fd/{source.fd}/{dir_name}", f"/proc/self/fd/{target.fd}/{dir_name}",
+                               dir_st)
                 continue
-            except OSError as e:
-                # a file swapped for a symlink since it was listed (ELOOP), or a symlink for a file (EINVAL)
-                if e.errno not in (errno.ELOOP, errno.EINVAL):
+            name = names.pop()
+            st = _copy_entry(source.fd, target.fd, name)
+            if st is None:
+                continue
+            try:
+                source.down(name)
+            except OSError as e:  # gone, or swapped for a file or a symlink: left empty
+                if not isinstance(e, (FileNotFoundError, NotADirectoryError)) and e.errno != errno.ELOOP:
                     raise
-        # Directories' own metadata last would be nicer for mtimes; modes suffice.
+                _copy_meta(f"/proc/self/fd/{source.fd}/{name}", f"/proc/self/fd/{target.fd}/{name}", st)
+                continue
+            target.down(name)
+            todo.append((sorted(os.listdir(source.fd), reverse=True), name, st))
+    finally:
+        source.close()
+        target.close()
+    _copy_meta(src, dst, os.lstat(src))
+
+
+def _copy_entry(src_fd: int, dst_fd: int, name: str) -> os.stat_result | None:
+    """Copy the entry `name` of directory src_fd into dst_fd; for a directory (made, to descend into and
+    whose metadata is copied last) its stat, else None."""
+    src, dst = f"/proc/self/fd/{src_fd}/{name}", f"/proc/self/fd/{dst_fd}/{name}"  # never paths to follow
+    try:
+        st = os.lstat(name, dir_fd=src_fd)
+        if stat.S_ISDIR(st.st_mode):
+            if not _is_dir_at(dst_fd, name):
+                _remove_at(dst_fd, name)
+                os.mkdir(name, 0o700, dir_fd=dst_fd)
+            else:
+                os.chmod(dst, 0o700, follow_symlinks=False)  # writable while it is filled
+            return st
+        _remove_at(dst_fd, name)  # what a lower layer had there
+        if stat.S_ISLNK(st.st_mode):
+            os.symlink(os.readlink(name, dir_fd=src_fd), name, dir_fd=dst_fd)
+        elif stat.S_ISREG(st.st_mode):
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=src_fd)
+            with open(fd, "rb") as fi:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    return None  # swapped for a FIFO since it was listed: left out
+                out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                              dir_fd=dst_fd)
+                with open(out, "wb") as fo:
+                    shutil.copyfileobj(fi, fo, 1 << 20)
+        elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) or stat.S_ISFIFO(st.st_mode):
+            try:
+                os.mknod(name, st.st_mode, st.st_rdev, dir_fd=dst_fd)
+            except PermissionError:  # a device node, copied by a user who may not make one: left out
+                return None
+        else:
+            return None  # sockets are not part of a filesystem state
+        _copy_meta(src, dst, st)
+    except (FileNotFoundError, NotADirectoryError):  # renamed or deleted since it was listed
+        return None
+    except OSError as e:
+        # a file swapped for a symlink since it was listed (ELOOP), or a symlink for a file (EINVAL)
+        if e.errno not in (errno.ELOOP, errno.EINVAL):
+            raise
+        return None
+    return None
+
+
+def _is_dir_at(dir_fd: int, name: str) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(name, dir_fd=dir_fd).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def _remove_at(dir_fd: int, name: str) -> None:
+    """Remove the entry `name` of directory dir_fd, whatever it is; fine if there is none."""
+    if _is_dir_at(dir_fd, name):
+        remove_tree(f"/proc/self/fd/{dir_fd}/{name}")
+    else:
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+
+
+def remove_tree(path: str) -> None:
+    """Delete `path` and everything below it, however deep, never through a symlink and never into
+    another filesystem (a mount point is left, as `rm --one-file-system` does); what cannot be deleted
+    stays, silently: the reaper tries again."""
+    try:
+        cursor = _Cursor(path)
+    except FileNotFoundError:
+        return
+    except OSError:  # not a directory (or a symlink to one): one unlink
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        return
+    device = os.fstat(cursor.fd).st_dev
+    down: list[str] = []  # the names walked down through
+    stuck: list[set[str]] = [set()]  # per level: what could not be deleted
+    try:
+        while True:
+            below = None
+            for name in os.listdir(cursor.fd):
+                if name in stuck[-1]:
+                    continue
+                try:
+                    st = os.lstat(name, dir_fd=cursor.fd)
+                    if stat.S_ISDIR(st.st_mode) and st.st_dev == device:
+                        below = name
+                        break
+                    if stat.S_ISDIR(st.st_mode):  # a mount point
+                        stuck[-1].add(name)
+                    else:
+                        os.unlink(name, dir_fd=cursor.fd)
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    stuck[-1].add(name)
+            if below is not None:
+                try:
+                    cursor.down(below)
+                except OSError:
+                    stuck[-1].add(below)
+                    continue
+                down.append(below)
+                stuck.append(set())
+                continue
+            if not down:
+                break
+            name = down.pop()
+            stuck.pop()
+            cursor.up()
+            try:
+                os.rmdir(name, dir_fd=cursor.fd)
+            except OSError:
+                stuck[-1].add(name)
+    except TreeChangedError:
+        pass  # left for the reaper
+    finally:
+        cursor.close()
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
 
 
 def _copy_meta(src: str, dst: str, st: os.stat_result) -> None:

@@ -9,33 +9,18 @@ namespace backend works. rlimits bound processes, memory and CPU time.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import stat
 import subprocess
 import sys
 import threading
 
 from codefleet.sandbox import procs
 from codefleet.sandbox.base import SandboxConfig, check_env_names
+from codefleet.sandbox.layers import copy_layer, remove_tree
 from codefleet.sandbox.shell import ShellSession
 from codefleet.sandbox.shellbox import ShellSandbox, setup_script
 from codefleet.sandbox.state import owner_for
 from codefleet.types import SandboxInfo
-
-
-def copy_tree(src: str, dst: str) -> None:
-    """Copy a workspace: symlinks as symlinks, FIFOs recreated (never opened: that would hang),
-    sockets and device files left out."""
-
-    def copy_entry(s: str, d: str) -> None:
-        mode = os.lstat(s).st_mode
-        if stat.S_ISFIFO(mode):
-            os.mkfifo(d, stat.S_IMODE(mode))
-        elif stat.S_ISREG(mode):
-            shutil.copy2(s, d)
-
-    shutil.copytree(src, dst, symlinks=True, copy_function=copy_entry)
 
 
 _said = threading.Event()
@@ -70,7 +55,7 @@ class LocalSandbox(ShellSandbox):
         owner.track(self)
         try:
             if source:
-                copy_tree(source, workspace)
+                copy_layer(source, workspace)
             else:
                 os.makedirs(workspace)
             if _copy_from and _replay:  # the parent's shell state names the parent's workspace
@@ -137,7 +122,7 @@ class LocalSandbox(ShellSandbox):
         return children
 
     def _release(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
+        remove_tree(self.dir)
         self.owner.untrack(self)
 
     @property

@@ -60,7 +60,7 @@ from codefleet.sandbox.base import (
 )
 from codefleet.sandbox.cgroups import Cgroup
 from codefleet.sandbox.identity import Identity, exec_only_shell, host_identity
-from codefleet.sandbox.layers import Workspace, choose_strategy, drop_layer
+from codefleet.sandbox.layers import Workspace, choose_strategy, drop_layer, remove_tree
 from codefleet.sandbox.shell import ShellSession
 from codefleet.sandbox.shellbox import ShellSandbox, setup_script
 from codefleet.sandbox.state import Owner, owner_for
@@ -449,7 +449,7 @@ class NamespaceSandbox(ShellSandbox):
         finally:
             if self.cgroup is not None:
                 self.cgroup.remove()
-            shutil.rmtree(self.dir, ignore_errors=True)
+            remove_tree(self.dir)
             for layer in self._layers:
                 _layer_refs.release(layer)
             self._layers = []

@@ -41,7 +41,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import threading
 import weakref
 
@@ -106,7 +105,7 @@ class Owner:
         """Forget this owner (all its sandboxes must be closed)."""
         try:
             self.cgroups.remove()
-            shutil.rmtree(self.dir, ignore_errors=True)
+            layers.remove_tree(self.dir)
         finally:
             os.close(self._lock_fd)
 
@@ -224,7 +223,7 @@ def _reap_owner(owner_dir: str, name: str, tree: cgroups.CgroupTree) -> None:
             layers.umount(point)
         except OSError as e:
             log.warning("codefleet: could not unmount %s: %s", point, e)
-    shutil.rmtree(owner_dir, ignore_errors=True)
+    layers.remove_tree(owner_dir)
 
 
 _owners: dict[str, Owner] = {}
