@@ -12,10 +12,10 @@ import tempfile
 import time
 
 import pytest
+from helpers import processes_with, unique_sleep, wait_for
 from openai_stub import OpenAIStub, call, reply
 
 from codefleet.sandbox.layers import mounts_under
-from helpers import processes_with, unique_sleep, wait_for
 
 
 @pytest.fixture

@@ -22,11 +22,17 @@ import textwrap
 
 import pytest
 
-from codefleet.sandbox import SandboxConfig, SandboxUnavailableError, create_sandbox, identity, resolve_backend
-from codefleet.sandbox import namespace
+from codefleet.sandbox import (
+    SandboxUnavailableError,
+    bwrap,
+    create_sandbox,
+    identity,
+    namespace,
+    resolve_backend,
+)
 from codefleet.sandbox.layers import mounts_under
 
-UNAVAILABLE = namespace.unavailable_reason()
+UNAVAILABLE = bwrap.unavailable_reason()
 AS_ROOT = os.geteuid() == 0
 pytestmark = [
     pytest.mark.skipif(UNAVAILABLE is not None, reason=f"namespace sandbox unavailable: {UNAVAILABLE}"),
@@ -311,5 +317,5 @@ def test_a_frozen_fork_layer_is_bounded_memory_not_host_disk(make_sandbox):
 
 def test_auto_falls_back_to_local_only_where_namespaces_can_never_work(monkeypatch):
     assert resolve_backend("auto") == "namespace"
-    monkeypatch.setattr(namespace.shutil, "which", lambda name: None)
+    monkeypatch.setattr(bwrap.shutil, "which", lambda name: None)
     assert resolve_backend("auto") == "local"

@@ -35,7 +35,7 @@ from helpers import (
 )
 
 from codefleet.sandbox import SandboxDeadError, SandboxUnavailableError
-from codefleet.sandbox.namespace import unavailable_reason
+from codefleet.sandbox.bwrap import unavailable_reason
 
 UNAVAILABLE = unavailable_reason()
 pytestmark = [

@@ -15,10 +15,10 @@ import tempfile
 import time
 
 import pytest
+from helpers import needs_cgroup
 
 from codefleet.sandbox import cgroups
-from codefleet.sandbox.namespace import SANDBOX_UID, unavailable_reason
-from helpers import needs_cgroup
+from codefleet.sandbox.bwrap import SANDBOX_UID, unavailable_reason
 
 UNAVAILABLE = unavailable_reason()
 pytestmark = [

@@ -19,8 +19,8 @@ import pytest
 from helpers import assert_released, footprint, processes_with, unique_sleep, wait_for
 
 from codefleet.sandbox import create_sandbox, state
+from codefleet.sandbox.bwrap import unavailable_reason
 from codefleet.sandbox.layers import mountinfo_path, mounts_under, umount
-from codefleet.sandbox.namespace import unavailable_reason
 
 UNAVAILABLE = unavailable_reason()
 pytestmark = [

@@ -7,11 +7,12 @@ import os
 import threading
 
 import pytest
+from helpers import tree_digest
 
 from codefleet.sandbox import PathEscapeError, create_sandbox
 from codefleet.sandbox import local as local_backend
 from codefleet.types import SearchMatch
-from helpers import tree_digest
+
 
 @pytest.fixture
 def local_config(config):

@@ -17,7 +17,6 @@ import time
 
 import pytest
 import yaml
-
 from helpers import wait_for
 
 TINY = ["tasks.n_train=4", "tasks.n_eval=2", "tasks.families=[bugfix, config]", "sft.epochs=1", "sft.batch_size=4",

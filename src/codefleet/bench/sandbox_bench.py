@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from codefleet.bench.report import report
 from codefleet.sandbox import SandboxConfig, SandboxPool, create_sandbox, procs, resolve_backend
-from codefleet.sandbox.namespace import unavailable_reason
+from codefleet.sandbox.bwrap import unavailable_reason
 
 
 def _pct(values: list[float], q: float) -> float:

@@ -31,7 +31,7 @@ def resolve_backend(name: str = "auto") -> str:
     """The backend `name` stands for. 'auto' is 'local' only where namespace sandboxes can never work
     on this host (no bubblewrap, user namespaces off in the kernel); any other failure of theirs is an
     error, never a silent fall back to no isolation."""
-    from codefleet.sandbox.namespace import never_works_here
+    from codefleet.sandbox.bwrap import never_works_here
 
     if name == "auto":
         return "local" if never_works_here() else "namespace"

@@ -66,7 +66,11 @@ class Identity:
 def host_identity() -> Identity:
     """The identity sandboxes run as here; SandboxUnavailableError where there is none but root."""
     if os.geteuid() != 0:
-        return Identity(os.getuid(), os.getgid(), pwd.getpwuid(os.getuid()).pw_name if _has_passwd_entry() else "?")
+        try:
+            name = pwd.getpwuid(os.getuid()).pw_name
+        except KeyError:  # a uid with no passwd entry (a container's)
+            name = f"uid {os.getuid()}"
+        return Identity(os.getuid(), os.getgid(), name)
     try:
         entry = pwd.getpwnam(SANDBOX_USER)
     except KeyError:
@@ -78,14 +82,6 @@ def host_identity() -> Identity:
         raise SandboxUnavailableError(f"the system user {SANDBOX_USER!r} has uid {entry.pw_uid} and gid "
                                       f"{entry.pw_gid}; it must not be root: recreate it with `{CREATE_USER}`")
     return Identity(entry.pw_uid, entry.pw_gid, SANDBOX_USER)
-
-
-def _has_passwd_entry() -> bool:
-    try:
-        pwd.getpwuid(os.getuid())
-    except KeyError:
-        return False
-    return True
 
 
 # -- idmapped bind mounts --------------------------------------------------------------
@@ -182,24 +178,16 @@ def mount_idmapped(source: str, target: str, ident: Identity) -> None:
         os.close(tree)
 
 
-_shells: dict[str, str] = {}
-_shells_lock = threading.Lock()
-
-
-def exec_only_shell(directory: str) -> str:
-    """A copy of bash that the sandbox user may run but not read, in `directory` (once per directory).
+def write_exec_only_shell(path: str) -> str:
+    """Write at `path` a copy of bash that the sandbox user may run but not read; `path`.
 
     A process started from a binary its user cannot read is not dumpable: no other
     process of that user may ptrace it or open its /proc/<pid>/mem, fd/, environ.
     The persistent shell runs from this copy, so the commands it runs cannot read
     the protocol's nonce from its memory nor reach its pipes through /proc; what it
     starts from ordinary binaries is dumpable as usual (a debugger still works)."""
-    with _shells_lock:  # sandboxes start in parallel threads
-        if directory not in _shells:
-            path = os.path.join(directory, "shell")
-            with open("/bin/bash", "rb") as src, open(path + ".tmp", "wb") as dst:
-                dst.write(src.read())
-            os.chmod(path + ".tmp", 0o111)
-            os.replace(path + ".tmp", path)
-            _shells[directory] = path
-        return _shells[directory]
+    with open("/bin/bash", "rb") as src, open(path + ".tmp", "wb") as dst:
+        dst.write(src.read())
+    os.chmod(path + ".tmp", 0o111)
+    os.replace(path + ".tmp", path)
+    return path

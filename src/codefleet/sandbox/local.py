@@ -22,7 +22,6 @@ from codefleet.sandbox.shellbox import ShellSandbox, setup_script
 from codefleet.sandbox.state import owner_for
 from codefleet.types import SandboxInfo
 
-
 _said = threading.Event()
 
 

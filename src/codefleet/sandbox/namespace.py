@@ -21,7 +21,8 @@ mount points and /dev are bwrap's tmpfs, remounted read-only: the workspace,
 device nodes in /dev are root's, and as root they are the owner's own copies,
 not the host's. bwrap, running as the sandbox user,
 reaches what it binds from the state directory through the directories'
-group (state.py); nothing there is readable to it but what it binds.
+group (state.py); nothing there is readable to it but what it binds. What
+bwrap is given, and what each owner makes once for it, is in bwrap.py.
 
 The persistent shell talks to the host over two pipes that bwrap receives
 as extra descriptors, not as its standard streams: bwrap's own PID 1 closes
@@ -38,13 +39,10 @@ sandbox's cgroup, so no process of the sandbox ever runs outside its limits.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import select
-import shutil
 import signal
-import stat
 import subprocess
 import threading
 import time
@@ -58,135 +56,23 @@ from codefleet.sandbox.base import (
     SandboxUnavailableError,
     check_env_names,
 )
+from codefleet.sandbox.bwrap import (
+    SHELL_PATH,
+    bwrap_env,
+    check_reachable,
+    host_args,
+    owner_files,
+    unavailable_reason,
+)
 from codefleet.sandbox.cgroups import Cgroup
-from codefleet.sandbox.identity import Identity, exec_only_shell, host_identity
+from codefleet.sandbox.identity import Identity, host_identity
 from codefleet.sandbox.layers import Workspace, choose_strategy, drop_layer, remove_tree
 from codefleet.sandbox.shell import ShellSession
 from codefleet.sandbox.shellbox import ShellSandbox, setup_script
 from codefleet.sandbox.state import Owner, owner_for
 from codefleet.types import ExecResult, SandboxInfo
 
-SANDBOX_UID = 1000
-SHELL_PATH = "/run/codefleet/shell"  # the execute-only bash, inside the sandbox
-_DEVICES = ("null", "zero", "full", "random", "urandom", "tty")  # what bwrap's --dev binds from the host
 _FORK_THREADS = 4
-_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-
-
-def never_works_here() -> str | None:
-    """Why namespace sandboxes cannot work on this host at all, else None: bubblewrap is not
-    installed, or the kernel has user namespaces switched off. Only these send backend
-    'auto' to 'local'; nothing a sandbox does can cause them."""
-    if not shutil.which("bwrap"):
-        return "bubblewrap is not installed"
-    for sysctl in ("/proc/sys/user/max_user_namespaces", "/proc/sys/kernel/unprivileged_userns_clone"):
-        try:
-            with open(sysctl) as f:
-                if f.read().strip() == "0":
-                    return f"the kernel has user namespaces switched off ({sysctl} is 0)"
-        except OSError:
-            pass
-    return None
-
-
-@functools.cache
-def unavailable_reason() -> str | None:
-    """None if bwrap can build a sandbox here, else a sentence saying what to do."""
-    why = never_works_here()
-    if why == "bubblewrap is not installed":
-        return ("bubblewrap is not installed: run `apt-get install bubblewrap` (or `make test`, which does), "
-                "or choose backend='local' (no isolation)")
-    if why:
-        return f"{why}: enable them (sysctl user.max_user_namespaces=15000) or choose backend='local' (no isolation)"
-    try:
-        ident = host_identity()
-    except SandboxUnavailableError as e:
-        return str(e)
-    probe = subprocess.run(["bwrap", "--unshare-user", "--unshare-pid", "--unshare-net", "--ro-bind", "/", "/",
-                            "true"], capture_output=True, text=True, timeout=20, cwd="/", **ident.popen_kwargs())
-    if probe.returncode != 0:
-        return (f"bubblewrap cannot create namespaces as {ident.name} here ({probe.stderr.strip()[:200]}); allow "
-                "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1, or on Ubuntu an AppArmor "
-                "profile for bwrap)")
-    return None
-
-
-@functools.cache
-def _can_disable_userns() -> bool:
-    help_text = subprocess.run(["bwrap", "--help"], capture_output=True, text=True, timeout=20).stdout
-    return "--disable-userns" in help_text
-
-
-_devices: dict[str, str | None] = {}
-_devices_lock = threading.Lock()
-
-
-def _private_devices(owner: Owner) -> str | None:
-    """A directory of this owner's own device nodes (made once), as root and where the state
-    directory's filesystem honours device nodes; else None (bwrap binds the host's)."""
-    with _devices_lock:  # sandboxes start in parallel threads
-        if owner.dir not in _devices:
-            path = None
-            if os.geteuid() == 0 and not os.statvfs(owner.dir).f_flag & os.ST_NODEV:
-                path = os.path.join(owner.dir, "dev")
-                os.makedirs(path)
-                for name in _DEVICES:
-                    os.mknod(os.path.join(path, name), 0o666 | stat.S_IFCHR, os.stat(f"/dev/{name}").st_rdev)
-                    os.chmod(os.path.join(path, name), 0o666)
-            _devices[owner.dir] = path
-        return _devices[owner.dir]
-
-
-def _identity_files(owner: Owner) -> tuple[str, str]:
-    """A passwd and group naming the sandbox user `agent` (written once per owner)."""
-    passwd, group = os.path.join(owner.dir, "passwd"), os.path.join(owner.dir, "group")
-    if not os.path.exists(group):
-        with open(passwd, "w") as f:
-            f.write(f"root:x:0:0:root:/root:/bin/sh\nagent:x:{SANDBOX_UID}:{SANDBOX_UID}:agent:/tmp:/bin/bash\n"
-                    "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
-        with open(group, "w") as f:
-            f.write(f"root:x:0:\nagent:x:{SANDBOX_UID}:\nnogroup:x:65534:\n")
-    return passwd, group
-
-
-def _host_args(config: SandboxConfig, devices: str | None) -> list[str]:
-    """The bwrap arguments every sandbox with this config shares; `devices`: see _private_devices."""
-    args = ["bwrap", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
-            "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net", "--unshare-cgroup-try",
-            "--hostname", "sandbox", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-            "--ro-bind", "/usr", "/usr"]
-    if _can_disable_userns():
-        args.append("--disable-userns")
-    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
-        if os.path.islink(top):
-            args += ["--symlink", os.readlink(top), top]
-        elif os.path.isdir(top):
-            args += ["--ro-bind", top, top]
-    args += ["--ro-bind", "/etc", "/etc"]
-    # /proc/sys read-only even to a sandbox user that some sysctl would let write (bwrap itself covers
-    # it only when it finds it writable as a directory, which it never is).
-    args += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys",
-             "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger"]
-    # Host-wide kernel state that is world-readable but none of a sandbox's business (as container
-    # runtimes mask it); what only root may read the sandbox user cannot read anyway.
-    for path in ("/proc/keys", "/proc/key-users", "/proc/kcore", "/proc/timer_list", "/proc/sched_debug",
-                 "/proc/latency_stats"):
-        if os.path.exists(path):
-            args += ["--ro-bind", "/dev/null", path]
-    # /dev is bwrap's own tmpfs, made read-only last; /dev/shm, the one place there a program may write, is a
-    # tmpfs of its own, sized like /tmp. The device nodes in it are the owner's own where it can make them (as
-    # root), so that not even their times are the host's.
-    args += ["--dev", "/dev"]
-    if devices:
-        for name in _DEVICES:
-            args += ["--dev-bind", os.path.join(devices, name), f"/dev/{name}"]
-    args += ["--size", str(config.tmp_mb << 20), "--tmpfs", "/dev/shm",
-             "--size", str(config.tmp_mb << 20), "--tmpfs", "/tmp",
-             "--size", str(config.tmp_mb << 20), "--tmpfs", "/var/tmp",
-             "--clearenv", "--setenv", "PATH", _PATH, "--setenv", "HOME", "/tmp", "--setenv", "USER", "agent",
-             "--setenv", "LOGNAME", "agent", "--setenv", "TERM", "dumb", "--setenv", "LANG", "C.UTF-8",
-             "--setenv", "PAGER", "cat", "--setenv", "GIT_PAGER", "cat"]
-    return args
 
 
 class NamespaceSandbox(ShellSandbox):
@@ -211,9 +97,9 @@ class NamespaceSandbox(ShellSandbox):
             raise FileNotFoundError(f"SandboxConfig.ro_binds names {missing[0]!r}, which does not exist on this host; "
                                     "create it or remove it from ro_binds")
         for path in config.ro_binds:
-            _check_reachable(os.path.abspath(path), self.ident, "SandboxConfig.ro_binds names")
+            check_reachable(os.path.abspath(path), self.ident, "SandboxConfig.ro_binds names")
         self.owner = owner_for(config.state_dir, self.ident.gid if self.ident.switches else None)
-        _check_reachable(os.path.join(self.owner.dir, "sb"), self.ident, "the sandbox state directory holds")
+        files = owner_files(self.owner, self.ident)
         self.owner.track(self)
         sandbox_id = "sb-" + os.urandom(5).hex()
         self.dir = os.path.join(self.owner.dir, "sb", sandbox_id)
@@ -234,16 +120,9 @@ class NamespaceSandbox(ShellSandbox):
             self.workspace.mount()
             self.cgroup = self.owner.cgroups.create(sandbox_id, config.memory_mb, config.max_processes,
                                                     config.cpu_cores)
-            passwd, group = _identity_files(self.owner)
-            # ro_binds after the private /tmp and /var/tmp, so that a bind under them goes on top; last, once
-            # every mount point exists, the sandbox's own root and /dev become read-only.
-            self._base_args = (_host_args(config, _private_devices(self.owner))
-                               + ["--ro-bind", passwd, "/etc/passwd", "--ro-bind", group, "/etc/group",
-                                  "--ro-bind", exec_only_shell(self.owner.dir), SHELL_PATH]
-                               + [arg for p in config.ro_binds for arg in ("--ro-bind", os.path.abspath(p),
-                                                                           os.path.abspath(p))]
-                               + ["--bind", self.workspace.merged, WORKSPACE, "--remount-ro", "/dev",
-                                  "--remount-ro", "/"])
+            # Last, once every mount point exists: the sandbox's own root and /dev become read-only.
+            self._base_args = host_args(config, files) + ["--bind", self.workspace.merged, WORKSPACE,
+                                                          "--remount-ro", "/dev", "--remount-ro", "/"]
             self._start(_replay)
         except BaseException:
             self._closed = True
@@ -277,7 +156,7 @@ class NamespaceSandbox(ShellSandbox):
             # reads in /proc/1/environ (--clearenv clears only the command's): the host's is not passed.
             proc = procs.spawner.popen(args + argv, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
                                        pass_fds=pass_fds + list(keep_fds), start_new_session=True,
-                                       env=_bwrap_env(), cwd="/", **self.ident.popen_kwargs())
+                                       env=bwrap_env(), cwd="/", **self.ident.popen_kwargs())
         finally:
             for fd in pass_fds:
                 os.close(fd)
@@ -464,28 +343,6 @@ class NamespaceSandbox(ShellSandbox):
                   "seccomp": "on" if seccomp.filter_bytes() is not None else "off",
                   "host_user": f"{self.ident.name} (uid {self.ident.uid})"}
         return SandboxInfo(self.id, self.backend, WORKSPACE, self.workspace.strategy, limits, isolated=True)
-
-
-def _check_reachable(path: str, ident: Identity, what: str) -> None:
-    """Raise SandboxUnavailableError if `ident` may not walk down to `path` (bwrap opens it as that user)."""
-    if not ident.switches:
-        return
-    parts = os.path.dirname(path).strip("/").split("/")
-    for i in range(len(parts) + 1):
-        ancestor = "/" + "/".join(parts[:i])
-        st = os.stat(ancestor)
-        can = (st.st_mode & 0o001 or (st.st_gid == ident.gid and st.st_mode & 0o010)
-               or (st.st_uid == ident.uid and st.st_mode & 0o100))
-        if not can:
-            raise SandboxUnavailableError(
-                f"{what} {path!r}, inside {ancestor!r}, which the sandbox user {ident.name} may not enter "
-                f"(mode {stat.S_IMODE(st.st_mode):04o}); choose a path under a directory that others may enter, or "
-                f"`chmod o+x {ancestor}`")
-
-
-def _bwrap_env() -> dict[str, str]:
-    """The environment bwrap itself runs with: only what finds it."""
-    return {"PATH": os.environ.get("PATH", _PATH)}
 
 
 def _wait_or_kill(proc: subprocess.Popen, timeout_s: float = 2.0) -> None:

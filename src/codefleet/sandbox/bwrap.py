@@ -1,0 +1,181 @@
+"""What bubblewrap is given: whether it can work here at all, the arguments every
+namespace sandbox shares, and the files each owner makes once for its sandboxes.
+
+Backend 'auto' falls back to 'local' only where namespace sandboxes can never
+work on this host (`never_works_here`: no bubblewrap, user namespaces off in
+the kernel), never after a failure that a sandbox could cause.
+
+Each owner (state.py) makes, once, in its directory: a passwd and group naming
+the sandbox user `agent`, the execute-only copy of bash the persistent shell
+runs from (identity.py), and, as root, its own copies of the device nodes
+bwrap's --dev would bind from the host, so that not even their times are the
+host's. bwrap, running as the sandbox user, reaches them through the state
+directory's group: a state directory it cannot walk to is refused once, with
+the `chmod` that fixes it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import stat
+import subprocess
+import threading
+from dataclasses import dataclass
+
+from codefleet.sandbox.base import SandboxConfig, SandboxUnavailableError
+from codefleet.sandbox.identity import Identity, host_identity, write_exec_only_shell
+from codefleet.sandbox.state import Owner
+
+SANDBOX_UID = 1000
+SHELL_PATH = "/run/codefleet/shell"  # the execute-only bash, inside the sandbox
+_DEVICES = ("null", "zero", "full", "random", "urandom", "tty")  # what bwrap's --dev binds from the host
+PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def never_works_here() -> str | None:
+    """Why namespace sandboxes cannot work on this host at all, and what to do, else None: bubblewrap is
+    not installed, or the kernel has user namespaces switched off. Only these send backend 'auto' to
+    'local'; nothing a sandbox does can cause them."""
+    if not shutil.which("bwrap"):
+        return ("bubblewrap is not installed: run `apt-get install bubblewrap` (or `make test`, which does), "
+                "or choose backend='local' (no isolation)")
+    for sysctl in ("/proc/sys/user/max_user_namespaces", "/proc/sys/kernel/unprivileged_userns_clone"):
+        try:
+            with open(sysctl) as f:
+                if f.read().strip() == "0":
+                    return (f"the kernel has user namespaces switched off ({sysctl} is 0): enable them (sysctl "
+                            "user.max_user_namespaces=15000) or choose backend='local' (no isolation)")
+        except OSError:
+            pass
+    return None
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+    """None if bwrap can build a sandbox here, else a sentence saying what to do."""
+    why = never_works_here()
+    if why:
+        return why
+    try:
+        ident = host_identity()
+    except SandboxUnavailableError as e:
+        return str(e)
+    probe = subprocess.run(["bwrap", "--unshare-user", "--unshare-pid", "--unshare-net", "--ro-bind", "/", "/",
+                            "true"], capture_output=True, text=True, timeout=20, cwd="/", **ident.popen_kwargs())
+    if probe.returncode != 0:
+        return (f"bubblewrap cannot create namespaces as {ident.name} here ({probe.stderr.strip()[:200]}); allow "
+                "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1, or on Ubuntu an AppArmor "
+                "profile for bwrap)")
+    return None
+
+
+@functools.cache
+def _can_disable_userns() -> bool:
+    help_text = subprocess.run(["bwrap", "--help"], capture_output=True, text=True, timeout=20).stdout
+    return "--disable-userns" in help_text
+
+
+@dataclass(frozen=True)
+class OwnerFiles:
+    """What an owner's sandboxes bind from its directory."""
+
+    passwd: str
+    group: str
+    shell: str
+    devices: str | None  # the owner's own device nodes; None: bwrap binds the host's
+
+
+_made: dict[str, OwnerFiles] = {}
+_made_lock = threading.Lock()
+
+
+def owner_files(owner: Owner, ident: Identity) -> OwnerFiles:
+    """The owner's files, made on its first sandbox (sandboxes start in parallel threads)."""
+    with _made_lock:
+        if owner.dir not in _made:
+            check_reachable(os.path.join(owner.dir, "sb"), ident, "the sandbox state directory holds")
+            _made[owner.dir] = _make_owner_files(owner.dir)
+        return _made[owner.dir]
+
+
+def _make_owner_files(directory: str) -> OwnerFiles:
+    passwd, group = os.path.join(directory, "passwd"), os.path.join(directory, "group")
+    with open(passwd, "w") as f:
+        f.write(f"root:x:0:0:root:/root:/bin/sh\nagent:x:{SANDBOX_UID}:{SANDBOX_UID}:agent:/tmp:/bin/bash\n"
+                "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
+    with open(group, "w") as f:
+        f.write(f"root:x:0:\nagent:x:{SANDBOX_UID}:\nnogroup:x:65534:\n")
+    devices = None
+    if os.geteuid() == 0 and not os.statvfs(directory).f_flag & os.ST_NODEV:
+        devices = os.path.join(directory, "dev")
+        os.makedirs(devices)
+        for name in _DEVICES:
+            os.mknod(os.path.join(devices, name), 0o666 | stat.S_IFCHR, os.stat(f"/dev/{name}").st_rdev)
+            os.chmod(os.path.join(devices, name), 0o666)
+    return OwnerFiles(passwd, group, write_exec_only_shell(os.path.join(directory, "shell")), devices)
+
+
+def host_args(config: SandboxConfig, files: OwnerFiles) -> list[str]:
+    """The bwrap arguments of a sandbox with this config, up to its workspace."""
+    args = ["bwrap", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
+            "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net", "--unshare-cgroup-try",
+            "--hostname", "sandbox", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+            "--ro-bind", "/usr", "/usr"]
+    if _can_disable_userns():
+        args.append("--disable-userns")
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+    args += ["--ro-bind", "/etc", "/etc", "--ro-bind", files.passwd, "/etc/passwd", "--ro-bind", files.group,
+             "/etc/group", "--ro-bind", files.shell, SHELL_PATH]
+    # /proc/sys read-only even to a sandbox user that some sysctl would let write (bwrap itself covers
+    # it only when it finds it writable as a directory, which it never is).
+    args += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys",
+             "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger"]
+    # Host-wide kernel state that is world-readable but none of a sandbox's business (as container
+    # runtimes mask it); what only root may read the sandbox user cannot read anyway.
+    for path in ("/proc/keys", "/proc/key-users", "/proc/kcore", "/proc/timer_list", "/proc/sched_debug",
+                 "/proc/latency_stats"):
+        if os.path.exists(path):
+            args += ["--ro-bind", "/dev/null", path]
+    # /dev is bwrap's own tmpfs, made read-only last (by the caller); /dev/shm, the one place there a program
+    # may write, is a tmpfs of its own, sized like /tmp.
+    args += ["--dev", "/dev"]
+    if files.devices:
+        for name in _DEVICES:
+            args += ["--dev-bind", os.path.join(files.devices, name), f"/dev/{name}"]
+    args += ["--size", str(config.tmp_mb << 20), "--tmpfs", "/dev/shm",
+             "--size", str(config.tmp_mb << 20), "--tmpfs", "/tmp",
+             "--size", str(config.tmp_mb << 20), "--tmpfs", "/var/tmp",
+             "--clearenv", "--setenv", "PATH", PATH, "--setenv", "HOME", "/tmp", "--setenv", "USER", "agent",
+             "--setenv", "LOGNAME", "agent", "--setenv", "TERM", "dumb", "--setenv", "LANG", "C.UTF-8",
+             "--setenv", "PAGER", "cat", "--setenv", "GIT_PAGER", "cat"]
+    for path in config.ro_binds:  # after the private /tmp and /var/tmp: a bind under them goes on top
+        args += ["--ro-bind", os.path.abspath(path), os.path.abspath(path)]
+    return args
+
+
+def check_reachable(path: str, ident: Identity, what: str) -> None:
+    """Raise SandboxUnavailableError if `ident` may not walk down to `path` (bwrap opens it as that user)."""
+    if not ident.switches:
+        return
+    parts = os.path.dirname(path).strip("/").split("/")
+    for i in range(len(parts) + 1):
+        ancestor = "/" + "/".join(parts[:i])
+        st = os.stat(ancestor)
+        can = (st.st_mode & 0o001 or (st.st_gid == ident.gid and st.st_mode & 0o010)
+               or (st.st_uid == ident.uid and st.st_mode & 0o100))
+        if not can:
+            raise SandboxUnavailableError(
+                f"{what} {path!r}, inside {ancestor!r}, which the sandbox user {ident.name} may not enter "
+                f"(mode {stat.S_IMODE(st.st_mode):04o}); choose a path under a directory that others may enter, or "
+                f"`chmod o+x {ancestor}`")
+
+
+def bwrap_env() -> dict[str, str]:
+    """The environment bwrap itself runs with: only what finds it."""
+    return {"PATH": os.environ.get("PATH", PATH)}
