@@ -23,7 +23,7 @@ its checks say: an agent should know when it is done. Without it, an
 episode that passes the tests and then runs on to the turn limit is a
 success like one that submits at once. (On the demo's policy it changed
 nothing measurable: its training rollouts hardly ever solve a task without
-submitting; docs/training.md, 2026-12-05.)
+submitting; docs/experiments/.)
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ class SFTSection:
     # "task": one habit per task, drawn once, which the policy learns by heart (P(explore) 0.00-0.99 per held-out
     # task, scripts/habit_probe.py); "epoch": the expert records every habit of each task and SFT draws one anew
     # each time it shows the task, so the habit is a coin (0.53-0.78) RL can weigh: RL on fresh tasks then moved the
-    # held-out renames to acting at once and chaining their tests (docs/training.md, stop 31)
+    # held-out renames to acting at once and chaining their tests (docs/experiments/, "Fresh tasks for RL")
     habits: str = "epoch"
     fresh_names: bool = True  # every epoch shows each demonstration with new names (rl.augment)
     first_turns: int = 8  # per step, also this many first turns of demonstrations with new names (fresh_names only)
@@ -96,7 +96,7 @@ class SFTSection:
 class RLSection:
     steps: int = 24
     # with negative_weight=0 and tasks.rl_tasks=fresh: 6e-4 mis-copied the held-out renames' names (13.8% -> 8.1%),
-    # 3e-4 kept them (docs/training.md, stop 31). With every advantage in, 2e-4 already broke calls (2026-12-04)
+    # 3e-4 kept them (docs/experiments/, "Fresh tasks for RL"). With every advantage in, 2e-4 already broke calls (2026-12-04)
     lr: float = 3e-4
     # start from SFT's AdamW moments, not a fresh AdamW (whose first steps move every weight by ~lr)
     keep_sft_optimizer: bool = True
@@ -110,7 +110,7 @@ class RLSection:
     # SFT, 0 kept held-out success (12.2% -> 13.4%) and cut turns per solved task by 29%, where 1 broke the policy
     # (12.2% -> 3.0%; configs/fast-habits.yaml, 2026-12-06). At 3e-4 on fresh tasks, 0 cut held-out turns per solved
     # task in one run of three (-30%; -7%, -4%), 0.5 (failures pushed down at half their weight) in two of two (-32%,
-    # -13%) with success up 1.9 and 3.1 points (docs/training.md, stop 31)
+    # -13%) with success up 1.9 and 3.1 points (docs/experiments/, "Fresh tasks for RL")
     negative_weight: float = 0.5
     # an attempt that beat its group is not trained on its turns whose tool calls failed (a malformed call, an
     # unknown tool or argument, a missing file), so learning from the winners does not raise the broken turns a

@@ -18,7 +18,7 @@ def _rl_start(src: str, dst: str, keep_optimizer: bool) -> str:
 
     A fresh AdamW's first steps move every weight that has a gradient by about the learning rate, whatever
     the gradient's size (m / sqrt(v) is ±1 after one step); on the tiny default that alone cost held-out
-    success (docs/training.md). The SFT moments scale RL's first updates by what SFT's gradients were."""
+    success (docs/experiments/). The SFT moments scale RL's first updates by what SFT's gradients were."""
     import torch
 
     from codefleet.model import checkpoint

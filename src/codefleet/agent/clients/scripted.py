@@ -32,7 +32,7 @@ Names and paths in its text are in backticks and quoted in shell commands,
 as instructions write them: a byte-level BPE gives `name` after a space other
 tokens than after a backtick or quote (' node' vs 'node'), and a policy
 learning from these demonstrations copies a name far sooner when it is the
-same tokens in the instruction and in its answer (docs/training.md).
+same tokens in the instruction and in its answer (docs/experiments/).
 
 The expert is stateless: which step comes next is the number of assistant
 messages so far, and the edits are computed from the read_file results in
