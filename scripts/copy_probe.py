@@ -56,7 +56,7 @@ from codefleet.model.engine import Engine
 from codefleet.model.sampling import SamplingParams
 from codefleet.model.tokenizer import default_tokenizer
 from codefleet.model.transformer import Transformer
-from codefleet.rl.augment import identifier
+from codefleet.recipe.augment import identifier
 from codefleet.rl.trainer import Trainer, TrainConfig
 from codefleet.tasks.families.rename import _ASKS
 

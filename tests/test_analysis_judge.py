@@ -16,7 +16,7 @@ from openai_stub import OpenAIStub, fail, raw, reply
 from codefleet.analysis.judge import JudgeBatch, JudgeConfig
 from codefleet.analysis.pipeline import AnalyzeConfig, analyze
 from codefleet.analysis.rules import categorise
-from codefleet.analysis.store import RolloutWriter, records_to_table
+from codefleet.store.parquet import RolloutWriter, records_to_table
 from codefleet.analysis.synthetic import synthetic_record
 
 GOOD = '{"score": 0.9, "reason": "a clean fix of the cause"}'

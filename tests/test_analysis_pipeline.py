@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from codefleet.analysis.pipeline import AnalyzeConfig, NoRollouts, analyze
-from codefleet.analysis.schema import SCHEMA
-from codefleet.analysis.store import RolloutWriter, read_rollouts, records_to_table
+from codefleet.store.schema import SCHEMA
+from codefleet.store.parquet import RolloutWriter, read_rollouts, records_to_table
 from codefleet.analysis.synthetic import planted_category, synthetic_record, synthetic_records
 from codefleet.cli import main
 

@@ -9,7 +9,7 @@ import pytest
 
 from codefleet.analysis.judge import JudgeConfig, parse_verdict
 from codefleet.analysis.rules import categorise, category_of, diff_findings
-from codefleet.analysis.store import records_to_table
+from codefleet.store.parquet import records_to_table
 from codefleet.analysis.synthetic import planted_category, synthetic_record
 
 GIT_DIFF = """diff --git a/tests/test_calc.py b/tests/test_calc.py
@@ -117,7 +117,7 @@ def test_unknown_judge_backend_says_what_to_use():
 
 def test_rows_from_real_trajectories_categorise():
     """rollout_record -> store row -> rules, for Trajectory objects as the agent loop makes them."""
-    from codefleet.analysis.store import rollout_record
+    from codefleet.store.parquet import rollout_record
     from codefleet.types import CheckResult, ToolCall, ToolResult, Trajectory, Turn
 
     def trajectory(stop: str, checks: CheckResult | None, diff: str, ok: bool = True) -> Trajectory:

@@ -11,8 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from codefleet.analysis.schema import SCHEMA, SCHEMA_VERSION
-from codefleet.analysis.store import RolloutWriter, read_rollouts, records_to_table, rollout_record, scan_store
+from codefleet.store.schema import SCHEMA, SCHEMA_VERSION
+from codefleet.store.parquet import RolloutWriter, read_rollouts, records_to_table, rollout_record, scan_store
 from codefleet.types import CheckResult, ToolCall, ToolResult, Trajectory, Turn
 
 

@@ -103,7 +103,7 @@ def test_to_dict_round_trips():
 def test_a_section_keeps_the_defaults_its_parent_gives_it(tmp_path):
     """Setting one field of a nested section leaves its other fields as the parent's default has them, not as
     the section class's own defaults (an override of the reward once turned the run's costs_on back to "all")."""
-    from codefleet.fleet.train_config import TrainRunConfig
+    from codefleet.recipe.config import TrainRunConfig
 
     path = tmp_path / "run.yaml"
     path.write_text("sandbox:\n  cpu_cores: 1\n")

@@ -158,7 +158,7 @@ def test_an_attempt_with_no_tokens_is_scored_but_not_trained_on():
     """An attempt that ended before the policy's first turn keeps its reward (in the advantages) but has no
     sequence; a batch holding one must still train on the others rather than fail the step."""
     from codefleet.fleet.staleness import Group, Rollout, Ticket
-    from codefleet.fleet.train_rl import training_samples
+    from codefleet.recipe.train_rl import training_samples
 
     def rollout(i, tokens):
         sample = {"tokens": tokens, "loss_mask": [0] + [1] * (len(tokens) - 1) if tokens else [],
@@ -175,7 +175,7 @@ def test_a_winner_is_not_trained_on_its_turns_whose_tool_calls_failed():
     """rl.skip_error_turns: an attempt with a positive advantage keeps its other turns; one with a negative
     advantage, and every attempt without the option, keeps them all."""
     from codefleet.fleet.staleness import Group, Rollout, Ticket
-    from codefleet.fleet.train_rl import training_samples
+    from codefleet.recipe.train_rl import training_samples
     from codefleet.types import Trajectory, Turn
 
     # prompt, turn 0 (2 tokens), a tool result, turn 1 whose call failed (2 tokens), a tool result, turn 2
@@ -201,10 +201,10 @@ def test_a_trainer_worker_that_dies_mid_run_is_replaced_and_the_step_redone(ray_
     failure; a new group starts from the last commit, the same batch is trained once, committed and published."""
     from codefleet.fleet.controller import Controller, ControllerConfig
     from codefleet.fleet.inference import start_engines
-    from codefleet.fleet.run_dir import Metrics, RunDir
+    from codefleet.recipe.run_dir import Metrics, RunDir
     from codefleet.fleet.staleness import Group, Rollout
-    from codefleet.fleet.train_config import TrainRunConfig
-    from codefleet.fleet.train_rl import RLTrainer
+    from codefleet.recipe.config import TrainRunConfig
+    from codefleet.recipe.train_rl import RLTrainer
     from codefleet.model import checkpoint
     from codefleet.types import Trajectory
 

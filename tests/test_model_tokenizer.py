@@ -10,7 +10,6 @@ import sys
 
 import pytest
 
-from codefleet.model.corpus import CorpusConfig, build_corpus, fingerprint
 from codefleet.model.tokenizer import (
     ASSETS_DIR,
     META_FILE,
@@ -19,6 +18,7 @@ from codefleet.model.tokenizer import (
     Tokenizer,
     default_tokenizer,
 )
+from codefleet.recipe.corpus import CorpusConfig, build_corpus, fingerprint
 
 SMALL = CorpusConfig(n_tasks=10, n_transcripts=5, include_src=False)
 
@@ -149,16 +149,20 @@ def test_the_shipped_asset_records_how_it_was_built(tok):
     CorpusConfig(**meta["corpus"])  # the recorded recipe is still a valid corpus config
 
 
-def test_without_the_asset_the_default_recipe_is_trained_once_and_cached(monkeypatch, tmp_path, tok):
+def test_without_the_asset_the_default_tokenizer_says_how_to_rebuild_it(monkeypatch, tmp_path):
     import codefleet.model.tokenizer as module
 
     monkeypatch.setattr(module, "ASSETS_DIR", str(tmp_path / "no-assets"))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    built = module.default_tokenizer.__wrapped__()
-    cached = tmp_path / "cache" / "codefleet" / "tokenizer"
-    assert (cached / TOKENIZER_FILE).is_file() and (cached / META_FILE).is_file()
-    assert built.vocab_size == tok.vocab_size and built.special == tok.special
-    assert module.default_tokenizer.__wrapped__().to_json() == built.to_json()  # second call loads the cache
+    with pytest.raises(FileNotFoundError, match="python -m codefleet.recipe.corpus build"):
+        module.default_tokenizer.__wrapped__()
+
+
+def test_the_rebuild_command_writes_a_loadable_tokenizer_and_its_recipe(tmp_path, tok):
+    from codefleet.recipe import corpus
+
+    assert corpus.main(["build", "--out", str(tmp_path)]) == 0
+    built = Tokenizer.load(str(tmp_path))
+    assert (tmp_path / META_FILE).is_file() and built.vocab_size == tok.vocab_size and built.special == tok.special
 
 
 def test_ids_containing_finds_every_token_that_holds_the_characters(tok):

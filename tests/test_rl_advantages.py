@@ -95,8 +95,8 @@ def test_the_rl_stage_adds_the_speed_bonus_by_what_the_reward_counts_solved():
     from types import SimpleNamespace
 
     from codefleet.fleet.staleness import Group, Rollout
-    from codefleet.fleet.train_config import RLSection
-    from codefleet.fleet.train_rl import group_speed_bonus
+    from codefleet.recipe.config import RLSection
+    from codefleet.recipe.train_rl import group_speed_bonus
 
     def attempt(all_passed: bool, turns: int, stop: str = "submit") -> Rollout:
         checks = CheckResult(passed=int(all_passed), total=1, all_passed=all_passed)

@@ -196,7 +196,7 @@ def test_the_learning_rate_schedule_warms_up_then_decays_by_step():
 
 @pytest.mark.parametrize("keep", [True, False])
 def test_rl_starts_at_version_0_with_or_without_the_sft_optimizer(tmp_path, keep):
-    from codefleet.fleet.train_rl import _rl_start
+    from codefleet.recipe.train_rl import _rl_start
 
     sft = Trainer(_model(), TrainConfig(lr=3e-3))
     for _ in range(2):

@@ -1,10 +1,16 @@
 """`codefleet` — one command, subcommands per capability.
 
-    codefleet sandbox run [--repo DIR] [--timeout S] [--memory-mb N] -- CMD [ARGS...]
-    codefleet bench sandbox|moe|engine [--quick] [--json]
-    codefleet serve --checkpoint DIR [--host H] --port P
     codefleet agent run --repo PATH --task TEXT --model URL [...]
-    codefleet tasks generate|check ...
+    codefleet serve --checkpoint DIR [--host H] --port P
+    codefleet train [--config FILE] --out RUN_DIR [KEY=VALUE ...]
+    codefleet eval --checkpoint DIR --tasks DIR
+    codefleet analyze RUN_DIR
+    codefleet tasks generate|check|import-swebench ...
+    codefleet sandbox run [--repo DIR] [--timeout S] [--memory-mb N] -- CMD [ARGS...]
+    codefleet bench sandbox|moe|engine|controller|analyze [--quick] [--json]
+
+Each command's module is imported only when that command runs, so that `codefleet sandbox run` and
+`codefleet --help` do not pay for importing PyTorch and Ray (about 2 s).
 
 Ctrl-C, SIGTERM and SIGHUP end any command with one line on stderr and the status 128 + the signal's
 number, after its sandboxes are closed and their mounts, cgroups and state directory removed (`main`).
@@ -13,6 +19,7 @@ number, after its sandboxes are closed and their mounts, cgroups and state direc
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import os
 import shlex
@@ -20,16 +27,22 @@ import signal
 import sys
 import threading
 
-from codefleet.agent.cli import register as register_agent
-from codefleet.fleet.train_cli import register as register_train
-from codefleet.model.serve_cli import register as register_serve
-from codefleet.analysis.cli import register as register_analyze
-from codefleet.tasks.cli import register as register_tasks
+from codefleet.config import ConfigError, load_config
+from codefleet.sandbox import SandboxConfig, SandboxError, create_sandbox, resolve_backend
+
+# command -> (the module whose `register(subparsers)` adds its parser, what it does in one line)
+COMMANDS = {
+    "agent": ("codefleet.agent.cli", "run the coding agent on a repository"),
+    "serve": ("codefleet.model.serve_cli", "serve a checkpoint behind an OpenAI-compatible API"),
+    "train": ("codefleet.recipe.cli", "tasks -> expert demos -> SFT -> asynchronous RL on Ray -> held-out evaluation"),
+    "eval": ("codefleet.recipe.cli", "evaluate a checkpoint or an OpenAI-compatible model on a task directory"),
+    "analyze": ("codefleet.analysis.cli", "analyse a run's rollouts with Ray Data: summary.json, judgments.parquet, "
+                "report.html"),
+    "tasks": ("codefleet.tasks.cli", "coding task sets: generate, check, import"),
+}
 
 
 def _sandbox_run(args: argparse.Namespace) -> int:
-    from codefleet.config import ConfigError, load_config
-    from codefleet.sandbox import SandboxConfig, SandboxError, create_sandbox, resolve_backend
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
@@ -80,19 +93,21 @@ _BENCHES = {
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import importlib
-
     run_cli = importlib.import_module(_BENCHES[args.what]).run_cli
     if args.what == "sandbox":
         return run_cli(quick=args.quick, as_json=args.json, backend=args.backend)
     return run_cli(quick=args.quick, as_json=args.json)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of `codefleet`; of the commands in COMMANDS, only the one `argv` names (default: the
+    command line's) gets its full parser, the others a line in the help."""
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="codefleet", description="Train fast coding agents with RL.")
     sub = parser.add_subparsers(dest="group", required=True)
 
-    sandbox = sub.add_parser("sandbox", help="isolated copy-on-write sandboxes")
+    sandbox = sub.add_parser("sandbox", help="isolated copy-on-write sandboxes",
+                             description="Isolated copy-on-write sandboxes (docs/sandbox.md).")
     sandbox_sub = sandbox.add_subparsers(dest="action", required=True)
     run = sandbox_sub.add_parser("run", help="run one command in a fresh sandbox over a repository",
                                  description="Run CMD in a fresh sandbox's shell with the workspace (a "
@@ -107,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     run.set_defaults(func=_sandbox_run)
 
-    bench = sub.add_parser("bench", help="benchmarks (a table, then one JSON object)")
+    bench = sub.add_parser("bench", help="benchmarks (a table, then one JSON object)",
+                           description="Run a benchmark; it prints a table, then one JSON object (docs/benchmarks.md).")
     bench.add_argument("what", choices=sorted(_BENCHES))
     bench.add_argument("--quick", action="store_true", help="a smaller run (10-90 s, by benchmark and machine load)")
     bench.add_argument("--json", action="store_true", help="print only the JSON object")
@@ -115,11 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sandbox backend (bench sandbox only)")
     bench.set_defaults(func=_bench)
 
-    register_agent(sub)
-    register_tasks(sub)
-    register_serve(sub)
-    register_analyze(sub)
-    register_train(sub)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    if chosen in COMMANDS:
+        importlib.import_module(COMMANDS[chosen][0]).register(sub)
+    for name, (_, help_line) in COMMANDS.items():
+        if name not in sub.choices:
+            sub.add_parser(name, help=help_line)
     return parser
 
 
@@ -156,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     status 128 + the signal's number, with everything it started released (a subcommand may handle Ctrl-C
     itself: `agent run` stops its attempts gently at the first one). A call leaves signals to its caller."""
     if argv is not None:
-        args = build_parser().parse_args(argv)
+        args = build_parser(argv).parse_args(argv)
         return args.func(args)
     # a signal the process was started with ignored (nohup, a background job) stays ignored
     _set_handlers({s: _terminate for s in _STOP_SIGNALS if signal.getsignal(s) != signal.SIG_IGN})

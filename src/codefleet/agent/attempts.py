@@ -28,6 +28,7 @@ from codefleet.agent.loop import AgentLoop, Event
 from codefleet.agent.policy import Policy
 from codefleet.agent.tools import ToolConfig
 from codefleet.sandbox.base import Sandbox, SandboxConfig
+from codefleet.tasks.checks import prepare_sandbox
 from codefleet.types import Budgets, Task, Trajectory
 
 
@@ -134,7 +135,6 @@ def run_task_attempts(task: Task, policy: Policy, n: int, sandbox_config: Sandbo
     episode runs on `policy.for_episode()` (a local engine's token-in/token-out view, as in RL's
     rollouts): every turn's prompt extends the exact tokens sampled before instead of the conversation
     rendered again, where a malformed call reads as the parser understood it."""
-    from codefleet.tasks.checks import prepare_sandbox
 
     config = config or EpisodeConfig()
     base = prepare_sandbox(task, sandbox_config)

@@ -29,7 +29,12 @@ from typing import TextIO
 
 from codefleet.agent import workspace
 from codefleet.agent.attempts import Attempt, best_attempt, run_attempts
+from codefleet.agent.clients import build_policy
+from codefleet.agent.clients.local_engine import grammar_options
 from codefleet.agent.loop import AgentLoop, Event
+from codefleet.config import ConfigError, load_config
+from codefleet.model import checkpoint
+from codefleet.sandbox import SandboxConfig, SandboxError, create_sandbox
 from codefleet.types import Budgets
 
 
@@ -140,7 +145,6 @@ def _interactive(stream: TextIO | None) -> bool:
 def _usage(model: str) -> dict[str, str]:
     """How a `local:CHECKPOINT` policy is meant to be prompted (its checkpoint says: prompt style, tool grammar);
     the defaults for a server, which renders requests in its checkpoint's style itself (`codefleet serve`)."""
-    from codefleet.model import checkpoint  # torch: only a local: model needs it
 
     return checkpoint.usage(model.partition(":")[2]) if model.startswith("local:") else dict(checkpoint.USAGE_DEFAULTS)
 
@@ -155,10 +159,6 @@ def _attempt_summary(a: Attempt) -> dict:
 
 def run_command(args: argparse.Namespace, stdin: TextIO | None = None, out: TextIO | None = None,
                 err: TextIO | None = None) -> int:
-    from codefleet.agent.clients import build_policy
-    from codefleet.agent.clients.local_engine import grammar_options
-    from codefleet.config import ConfigError, load_config
-    from codefleet.sandbox import SandboxConfig, SandboxError, create_sandbox
 
     stdin = sys.stdin if stdin is None else stdin
     out, err = out or sys.stdout, err or sys.stderr

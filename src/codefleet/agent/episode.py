@@ -25,6 +25,7 @@ from codefleet.agent.prompts import build_messages, check_prompt
 from codefleet.agent.reward import RewardConfig, compute_reward, efficiency
 from codefleet.agent.tools import ToolConfig
 from codefleet.sandbox.base import Sandbox, SandboxConfig
+from codefleet.tasks.checks import prepare_sandbox, run_checks, workspace_diff
 from codefleet.types import Budgets, Task, Trajectory
 
 
@@ -73,7 +74,6 @@ def solve(sandbox: Sandbox, instruction: str, policy: Policy, *, planner: Policy
 
 def score(trajectory: Trajectory, sandbox: Sandbox, task: Task, reward: RewardConfig | None = None) -> Trajectory:
     """After the loop: the final diff, the hidden checks in the sandbox, reward and figures."""
-    from codefleet.tasks.checks import run_checks, workspace_diff
 
     try:
         trajectory.diff = workspace_diff(sandbox)
@@ -91,7 +91,6 @@ def run_episode(task: Task, policy: Policy, sandbox_config: SandboxConfig | None
                 planner: Policy | None = None, config: EpisodeConfig | None = None,
                 on_event: EventSink | None = None, on_loop: Callable[[AgentLoop], None] | None = None) -> Trajectory:
     """Run `policy` on `task` in a fresh sandbox and score it; the sandbox is closed afterwards."""
-    from codefleet.tasks.checks import prepare_sandbox
 
     config = config or EpisodeConfig()
     sandbox = prepare_sandbox(task, sandbox_config)

@@ -13,6 +13,11 @@ its episodes are ~2.3x shorter (the schemas alone are ~770 tokens).
 
 from __future__ import annotations
 
+from codefleet.model.chat import PROMPTS, check_prompt
+
+__all__ = ["PROMPTS", "check_prompt", "SYSTEM_PROMPT", "PLANNER_PROMPT", "build_messages", "task_message",
+           "plan_message"]
+
 SYSTEM_PROMPT = """\
 You are a fast, careful coding agent. You work in a sandboxed copy of a software repository; your \
 working directory is its root. Use the tools to explore the code, change it and check your work.
@@ -42,16 +47,6 @@ def task_message(instruction: str, test_command: str = "") -> str:
 
 def plan_message(plan: str) -> str:
     return f"A planner wrote this plan for the task. Follow it, adapting where the code says otherwise:\n\n{plan}"
-
-
-PROMPTS = ("full", "bare")
-
-
-def check_prompt(prompt: str) -> str:
-    if prompt not in PROMPTS:
-        raise ValueError(f"prompt {prompt!r} is not a prompt style; use 'full' (system prompt and tool schemas) "
-                         "or 'bare' (the task alone, for a policy trained on this harness)")
-    return prompt
 
 
 def build_messages(instruction: str, test_command: str = "", plan: str = "", prompt: str = "full") -> list[dict]:

@@ -18,6 +18,9 @@ import argparse
 import os
 import sys
 
+from codefleet.analysis.judge import JudgeConfig
+from codefleet.analysis.pipeline import AnalyzeConfig, NoRollouts, analyze
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -46,8 +49,6 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from codefleet.analysis.judge import JudgeConfig
-    from codefleet.analysis.pipeline import AnalyzeConfig, NoRollouts, analyze
 
     judge = JudgeConfig(backend=args.judge, model=args.judge_model, rubric_path=args.rubric,
                         timeout_s=args.judge_timeout_s, max_retries=args.judge_retries,

@@ -33,6 +33,8 @@ from importlib import resources
 
 import pyarrow as pa
 
+from codefleet.agent.clients.local_engine import LocalEnginePolicy
+
 JUDGE_FIELDS = [
     pa.field("judge_backend", pa.string()),
     pa.field("judge_score", pa.float64()),
@@ -190,7 +192,6 @@ class JudgeBatch:
         return complete
 
     def _local(self):
-        from codefleet.agent.clients.local_engine import LocalEnginePolicy
 
         policy = LocalEnginePolicy(self.config.backend.removeprefix("local:"), max_tokens=self.config.max_tokens,
                                    temperature=0.0)

@@ -46,9 +46,12 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from codefleet.analysis import rules
+from codefleet.analysis.aggregate import summarise, write_summary
 from codefleet.analysis.judge import JUDGE_COLUMNS, JudgeBatch, JudgeConfig, rules_verdict
-from codefleet.analysis.schema import COLUMNS, upgrade_table
-from codefleet.analysis.store import StoreScan, find_store, scan_store
+from codefleet.analysis.report import write_report
+from codefleet.fleet.ray_init import init_ray
+from codefleet.store.parquet import StoreScan, find_store, partition_values, scan_store
+from codefleet.store.schema import COLUMNS, upgrade_table
 
 # store columns carried into judgments.parquet
 KEEP_COLUMNS = ["run", "step", "task_id", "family", "group", "attempt", "split", "policy_version_min",
@@ -90,7 +93,6 @@ class AnalysisResult:
 
 def _upgrade(batch: pa.Table) -> pa.Table:
     """Older-schema rows (read with include_paths) as the current schema, run/step from their path."""
-    from codefleet.analysis.store import partition_values
 
     parts = []
     paths = batch.column("path").to_pylist()
@@ -194,7 +196,6 @@ def judgments_dataset(scan: StoreScan, config: AnalyzeConfig):
 def ensure_ray(num_cpus: int | None = None, object_store_mb: int | None = None) -> None:
     """Start a local Ray with explicit CPUs when none is running in this process (never silently join a
     `ray start` cluster someone else left on the machine); RAY_ADDRESS=<address> connects to a cluster."""
-    from codefleet.fleet.ray_init import init_ray
 
     init_ray(num_cpus or max(2, min(os.cpu_count() or 2, 8)), object_store_mb=object_store_mb)
 
@@ -215,7 +216,7 @@ def analyze(path: str, config: AnalyzeConfig | None = None, log: Callable[[str],
         log(f"codefleet analyze: {problem}")
     if not scan.files:
         raise NoRollouts(f"no readable rollouts under {store} (expected rollouts/run=<run>/step=<step>/*.parquet, "
-                         "written by codefleet.analysis.store.RolloutWriter)")
+                         "written by codefleet.store.parquet.RolloutWriter)")
     if not scan.rows:
         raise NoRollouts(f"no rollouts under {store}: its {len(scan.files)} Parquet file(s) hold no rows; "
                          "analyse the run once it has finished rollouts")
@@ -247,7 +248,6 @@ def _analyze_scan(scan: StoreScan, store: str, out_dir: str, config: AnalyzeConf
     """analyze() from the scan on (holding OUT's lock): judgments, then aggregates, report and summary."""
     import ray.data
 
-    from codefleet.analysis.aggregate import summarise, write_summary
 
     judgments_path = os.path.join(out_dir, "judgments.parquet")
     if os.path.isdir(judgments_path):
@@ -281,7 +281,6 @@ def _analyze_scan(scan: StoreScan, store: str, out_dir: str, config: AnalyzeConf
         log(f"codefleet analyze: {msg}")
     timings["aggregate_s"] = time.perf_counter() - started - timings["judge_s"]
     if config.report:
-        from codefleet.analysis.report import write_report
 
         write_report(os.path.join(out_dir, "report.html"), summary, tables)
     timings["total_s"] = time.perf_counter() - started

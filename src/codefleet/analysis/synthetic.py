@@ -19,7 +19,7 @@ import random
 from collections.abc import Iterator
 from datetime import datetime, timezone
 
-from codefleet.analysis.schema import SCHEMA_VERSION
+from codefleet.store.schema import SCHEMA_VERSION
 
 FAMILIES = ("calc", "strings", "parsing", "graphs", "dates")
 TOOLS = ("read_file", "search", "edit_file", "run", "list_dir", "write_file")

@@ -35,7 +35,11 @@ import tempfile
 import threading
 import time
 
+from codefleet.analysis.pipeline import AnalyzeConfig, analyze
+from codefleet.analysis.synthetic import synthetic_records
 from codefleet.bench.report import Log, report
+from codefleet.fleet.ray_init import init_ray
+from codefleet.store.parquet import RolloutWriter
 
 FULL_ROWS, QUICK_ROWS = 100_000, 2_000
 OBJECT_STORE_MB = 1024  # the bench's Ray: 2 CPUs, a 1 GiB object store (the same as `codefleet analyze` starts)
@@ -94,10 +98,6 @@ def run(quick: bool, log: Log) -> dict:
     import pyarrow.parquet as pq
     import ray
 
-    from codefleet.analysis.pipeline import AnalyzeConfig, analyze
-    from codefleet.analysis.store import RolloutWriter
-    from codefleet.analysis.synthetic import synthetic_records
-    from codefleet.fleet.ray_init import init_ray
 
     n = QUICK_ROWS if quick else FULL_ROWS
     root = tempfile.mkdtemp(prefix="codefleet-analyze-bench-")

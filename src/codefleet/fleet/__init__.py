@@ -34,7 +34,6 @@ _EXPORTS = {
     "RemoteEngine": "codefleet.fleet.inference",
     "AgentGroupRunner": "codefleet.fleet.rollouts",
     "RolloutWorker": "codefleet.fleet.rollouts",
-    "TrainRunConfig": "codefleet.fleet.train_config",
     "TrainerGroup": "codefleet.fleet.trainer_group",
     "TrainerWorker": "codefleet.fleet.trainer_group",
     "TrainerWorkerError": "codefleet.fleet.trainer_group",

@@ -38,6 +38,9 @@ import ray
 import torch
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayTaskError
 
+from codefleet.model.checkpoint import CONFIG_FILE, read_metadata
+from codefleet.model.engine import load_engine
+
 
 def _as_tensors(weights: dict) -> dict[str, torch.Tensor]:
     return {k: v if isinstance(v, torch.Tensor) else torch.from_numpy(v) for k, v in weights.items()}
@@ -47,7 +50,6 @@ def _as_tensors(weights: dict) -> dict[str, torch.Tensor]:
 class EngineActor:
     def __init__(self, checkpoint: str, max_batch: int = 32, max_seq_len: int | None = None, threads: int = 1,
                  version: int = 0, restart_from: str | None = None):
-        from codefleet.model.engine import load_engine
 
         torch.set_num_threads(threads)
         if restart_from and ray.get_runtime_context().was_current_actor_reconstructed:
@@ -76,7 +78,6 @@ class EngineActor:
 
 def newest_checkpoint(latest_file: str) -> tuple[str, int] | None:
     """(directory, policy version) of the checkpoint `latest_file` names (beside it), or None if there is none."""
-    from codefleet.model.checkpoint import CONFIG_FILE, read_metadata
 
     try:
         with open(latest_file) as f:

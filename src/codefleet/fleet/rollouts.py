@@ -36,10 +36,17 @@ from dataclasses import dataclass, field
 
 import ray
 
-from codefleet.agent.episode import EpisodeConfig
-from codefleet.fleet.inference import RemoteEngine
+from codefleet.agent.clients.local_engine import LocalEnginePolicy, grammar_options
+from codefleet.agent.episode import EpisodeConfig, score, solve
+from codefleet.agent.policy import PolicyError
+from codefleet.fleet.controller import AttemptResult
+from codefleet.fleet.inference import RemoteEngine, engine_state
+from codefleet.fleet.sandbox_fleet import SandboxFleet
 from codefleet.fleet.staleness import Rollout, Ticket
+from codefleet.model.checkpoint import load_config
+from codefleet.model.tokenizer import TOKENIZER_FILE, Tokenizer, default_tokenizer
 from codefleet.sandbox.base import SandboxConfig
+from codefleet.tasks.checks import TaskSetupError, prepare_sandbox
 from codefleet.types import Task
 
 
@@ -85,8 +92,6 @@ class RolloutWorker:
     def __init__(self, spec: RolloutSpec, engines: list):
         import torch
 
-        from codefleet.model.checkpoint import load_config
-        from codefleet.model.tokenizer import TOKENIZER_FILE, Tokenizer, default_tokenizer
 
         torch.set_num_threads(1)
         self.spec, self.engines = spec, engines
@@ -103,7 +108,6 @@ class RolloutWorker:
         if not self.spec.use_fleet:
             return None
         if self._fleet is None:
-            from codefleet.fleet.sandbox_fleet import SandboxFleet
 
             self._fleet = SandboxFleet.start(self.spec.namespace)
         return self._fleet.create
@@ -137,7 +141,6 @@ class RolloutWorker:
     def _prepare(self, task: Task):
         """The task's prepared sandbox. A set-up that fails (not by timing out) is tried once more in a fresh
         sandbox before it counts as the task's fault (`_BrokenTask`): a sandbox killed mid-set-up fails it too."""
-        from codefleet.tasks.checks import TaskSetupError, prepare_sandbox
 
         for tries in (1, 2):
             try:
@@ -153,7 +156,6 @@ class RolloutWorker:
         """(index, actor) of the engine for this attempt, spread over the engines that are neither gone nor away,
         and one that answers a call now: an engine whose node is gone takes calls that never return. When every
         engine is away, the attempt waits for one a while before it fails as infrastructure."""
-        from codefleet.fleet.inference import engine_state
 
         start = ticket.group_id * ticket.group_size + attempt
         while True:
@@ -181,10 +183,6 @@ class RolloutWorker:
             self._away[index] = time.monotonic() + AWAY_S
 
     def run_attempt(self, task: Task, ticket: Ticket, attempt: int, version: int):
-        from codefleet.agent.clients.local_engine import LocalEnginePolicy, grammar_options
-        from codefleet.agent.episode import score, solve
-        from codefleet.fleet.controller import AttemptResult
-        from codefleet.fleet.inference import engine_state
 
         spec = self.spec
         index, engine = self._engine(ticket, attempt)
@@ -244,7 +242,6 @@ class _Cancellable:
         self.policy, self.name = policy, policy.name
 
     def generate(self, messages: list[dict], tools: list[dict]):
-        from codefleet.agent.policy import PolicyError
 
         if ray.get_runtime_context().is_canceled():
             raise PolicyError(CANCELLED)

@@ -65,6 +65,19 @@ CALL_CLOSE = "<|/tool_call|>"
 ROLE_TOKENS = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT, "tool": TOOL}
 STOP = [END, EOS]  # strings (and, via stop_ids, token ids) that end an assistant turn
 
+# Prompt styles a policy is trained and served with: "full", the system prompt and tool schemas (what any
+# model needs to use the agent harness); "bare", the conversation alone, for a policy trained on the harness
+# from its demonstrations. A checkpoint records its style (checkpoint.usage); the server renders requests in it.
+PROMPTS = ("full", "bare")
+
+
+def check_prompt(prompt: str) -> str:
+    """`prompt` if it is a prompt style, else a ValueError naming the styles."""
+    if prompt not in PROMPTS:
+        raise ValueError(f"prompt {prompt!r} is not a prompt style; use 'full' (system prompt and tool schemas) "
+                         "or 'bare' (the task alone, for a policy trained on this harness)")
+    return prompt
+
 
 class Piece(NamedTuple):
     text: str

@@ -14,6 +14,10 @@ import argparse
 import os
 import sys
 
+from codefleet.model import checkpoint
+from codefleet.model.engine import load_engine
+from codefleet.model.server import run_server
+
 
 def register(subparsers) -> None:
     serve = subparsers.add_parser(
@@ -50,9 +54,6 @@ def run(args: argparse.Namespace) -> int:
             return 2
     import torch
 
-    from codefleet.model import checkpoint
-    from codefleet.model.engine import load_engine
-    from codefleet.model.server import run_server
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from codefleet.model import chat
+from codefleet.model.chat import check_prompt
 from codefleet.model.engine import Engine, Result
 from codefleet.model.grammar import call_node
 from codefleet.model.sampling import SamplingParams
@@ -259,7 +260,6 @@ class ChatServer:
 
     def __init__(self, engine: Engine, tokenizer, model_name: str = "codefleet", default_max_tokens: int = 1024,
                  prompt: str = "full", tool_grammar: bool = False):
-        from codefleet.agent.prompts import check_prompt
 
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.default_max_tokens, self.prompt = default_max_tokens, check_prompt(prompt)

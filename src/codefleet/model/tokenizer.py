@@ -23,21 +23,18 @@ Design:
   `decode_bytes`), and needs no HF decoder quirks.
 - Training is deterministic: the same texts in the same order give the same
   `tokenizer.json`, in any process (tests check it across hash seeds). The
-  default tokenizer is trained once on `corpus.build_corpus()` and shipped
-  in `assets/` with a `tokenizer.meta.json` recording the recipe and the
-  corpus fingerprint; `python -m codefleet.model.tokenizer build` rebuilds
-  it. Its vocabulary is frozen on purpose: model checkpoints depend on it,
+  default tokenizer was trained once on codefleet's own corpus
+  (`codefleet.recipe.corpus`) and is shipped in `assets/` with a
+  `tokenizer.meta.json` recording the recipe and the corpus fingerprint;
+  `python -m codefleet.recipe.corpus build` rebuilds it. Its vocabulary is frozen on purpose: model checkpoints depend on it,
   and it must not drift when someone edits the code the corpus is made of.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
-import sys
-import time
 from collections.abc import Iterable
 
 import tokenizers
@@ -184,43 +181,17 @@ class Tokenizer:
 # -- the default tokenizer -----------------------------------------------------------------
 
 
-def build_default(vocab_size: int = DEFAULT_VOCAB_SIZE, min_frequency: int = DEFAULT_MIN_FREQUENCY,
-                  ) -> tuple[Tokenizer, dict]:
-    """Train on the default corpus; returns the tokenizer and the recipe (what meta.json records)."""
-    from codefleet.model.corpus import CorpusConfig, build_corpus, fingerprint
-
-    config = CorpusConfig()
-    texts = build_corpus(config)
-    started = time.perf_counter()
-    tok = Tokenizer.train(texts, vocab_size, min_frequency)
-    meta = {"vocab_size": tok.vocab_size, "min_frequency": min_frequency, "corpus": config.to_dict(),
-            "corpus_fingerprint": fingerprint(texts), "corpus_documents": len(texts),
-            "corpus_bytes": sum(len(t.encode()) for t in texts), "tokenizers_version": tokenizers.__version__,
-            "train_s": round(time.perf_counter() - started, 2),
-            "rebuild": "python -m codefleet.model.tokenizer build"}
-    return tok, meta
-
-
-def _cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "codefleet", "tokenizer")
-
-
 @functools.cache
 def default_tokenizer() -> Tokenizer:
-    """The shipped tokenizer (assets/tokenizer.json); when it is missing, the default recipe is trained
-    once (a few seconds) and cached under ~/.cache/codefleet/tokenizer."""
-    if os.path.isfile(os.path.join(ASSETS_DIR, TOKENIZER_FILE)):
-        return Tokenizer.load(ASSETS_DIR)
-    cached = _cache_dir()
-    if os.path.isfile(os.path.join(cached, TOKENIZER_FILE)):
-        return Tokenizer.load(cached)
-    tok, meta = build_default()
-    _write(cached, tok, meta)
-    return tok
+    """The shipped tokenizer (assets/tokenizer.json)."""
+    if not os.path.isfile(os.path.join(ASSETS_DIR, TOKENIZER_FILE)):
+        raise FileNotFoundError(f"the default tokenizer {os.path.join(ASSETS_DIR, TOKENIZER_FILE)} is missing: "
+                                "reinstall codefleet, or rebuild it with `python -m codefleet.recipe.corpus build`")
+    return Tokenizer.load(ASSETS_DIR)
 
 
-def _write(directory: str, tok: Tokenizer, meta: dict) -> None:
+def write(directory: str, tok: Tokenizer, meta: dict) -> None:
+    """Write `tok` and its recipe `meta` into `directory`, replacing both files at once."""
     tmp = f"{directory}.tmp{os.getpid()}"
     tok.save(tmp)
     with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
@@ -230,23 +201,3 @@ def _write(directory: str, tok: Tokenizer, meta: dict) -> None:
     for name in (TOKENIZER_FILE, META_FILE):
         os.replace(os.path.join(tmp, name), os.path.join(directory, name))
     os.rmdir(tmp)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m codefleet.model.tokenizer",
-                                     description="Build the default tokenizer from codefleet's own corpus.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    build = sub.add_parser("build", help="train on the default corpus and write tokenizer.json + meta")
-    build.add_argument("--out", default=ASSETS_DIR, help="output directory (default: the package assets)")
-    build.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
-    args = parser.parse_args(argv)
-    tok, meta = build_default(args.vocab_size)
-    _write(args.out, tok, meta)
-    size = os.path.getsize(os.path.join(args.out, TOKENIZER_FILE))
-    print(f"wrote {args.out}/{TOKENIZER_FILE} ({size / 1024:.0f} KiB): vocab {tok.vocab_size}, corpus "
-          f"{meta['corpus_documents']} documents / {meta['corpus_bytes'] / 1e6:.2f} MB, trained in {meta['train_s']} s")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

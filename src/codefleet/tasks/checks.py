@@ -53,6 +53,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
 from codefleet.sandbox import Sandbox, SandboxConfig, create_sandbox
+from codefleet.tasks.spec import validate_task
 from codefleet.types import CheckResult, Task
 
 BASELINE_REF = "refs/codefleet/baseline"
@@ -354,7 +355,6 @@ def check_task(task: Task, config: SandboxConfig | None = None, cache_dir: str |
     """Prove `task` sound (see TaskCheckReport). One prepared sandbox is forked
     into the untouched and the patched state; both run their checks `runs`
     times, side by side."""
-    from codefleet.tasks.spec import validate_task
 
     _check_runs(runs)
     started = time.perf_counter()

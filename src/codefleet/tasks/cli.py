@@ -17,9 +17,16 @@ import argparse
 import sys
 import time
 
+from codefleet.config import ConfigError, load_config
+from codefleet.sandbox import SandboxConfig
+from codefleet.tasks.checks import check_tasks
+from codefleet.tasks.families import FAMILIES
+from codefleet.tasks.generate import generate_tasks
+from codefleet.tasks.spec import TaskSpecError, load_task, save_tasks, task_paths
+from codefleet.tasks.swebench import DEFAULT_CHECK_COMMAND, load_swebench
+
 
 def _generate(args: argparse.Namespace) -> int:
-    from codefleet.tasks.generate import generate_tasks
 
     families = [f.strip() for f in args.families.split(",") if f.strip()] if args.families else None
     difficulty = None if args.difficulty == "mixed" else int(args.difficulty)
@@ -46,10 +53,6 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from codefleet.config import ConfigError, load_config
-    from codefleet.sandbox import SandboxConfig
-    from codefleet.tasks.checks import check_tasks
-    from codefleet.tasks.spec import TaskSpecError, load_task, task_paths
 
     if args.runs < 1:
         print(f"codefleet tasks check: --runs must be at least 1, got {args.runs}", file=sys.stderr)
@@ -83,8 +86,6 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _import_swebench(args: argparse.Namespace) -> int:
-    from codefleet.tasks.spec import save_tasks
-    from codefleet.tasks.swebench import DEFAULT_CHECK_COMMAND, load_swebench
 
     try:
         tasks, errors = load_swebench(args.jsonl, args.repos, args.out, setup_commands=list(args.setup or []),
@@ -102,7 +103,6 @@ def _import_swebench(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add `tasks generate|check|import-swebench` to a parser's subcommands."""
-    from codefleet.tasks.families import FAMILIES
 
     tasks = subparsers.add_parser("tasks", help="coding task sets: generate, check, import",
                                   description="Coding task sets (format: docs/tasks.md).")

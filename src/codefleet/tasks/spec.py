@@ -22,6 +22,7 @@ import math
 import os
 import re
 
+from codefleet.tasks.patch import PatchError, parse_unified_diff
 from codefleet.types import TASK_SPEC_VERSION, Budgets, HiddenChecks, Task
 
 TASK_FILE = "task.json"
@@ -141,7 +142,6 @@ def validate_task_dict(data: object) -> list[str]:
     if not isinstance(patch, str):
         errors.append("reference_patch: must be a string (a unified diff)")
     elif patch.strip():
-        from codefleet.tasks.patch import PatchError, parse_unified_diff
 
         try:
             if not parse_unified_diff(patch):

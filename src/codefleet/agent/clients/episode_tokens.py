@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from codefleet.model import chat
+
 
 class SequenceBroken(RuntimeError):
     """The conversation was edited, not appended to; the exact sequence cannot continue."""
@@ -47,7 +49,6 @@ class EpisodeTokens:
 
     def prompt(self, tokenizer, messages: list[dict], tools: list[dict]) -> list[int]:
         """The ids to send for the next turn: the exact sequence so far plus the new messages' pieces."""
-        from codefleet.model import chat
 
         if not self.ids:
             return chat.encode_chat(tokenizer, messages, tools)

@@ -34,6 +34,10 @@ from dataclasses import replace
 
 from codefleet.agent.clients.episode_tokens import EpisodeTokens, SequenceBroken, flat
 from codefleet.agent.policy import PolicyError, PolicyOutput, parse_tool_call
+from codefleet.agent.tools import tool_schemas
+from codefleet.model import chat
+from codefleet.model.engine import load_engine
+from codefleet.model.sampling import SamplingParams
 from codefleet.types import ToolCall
 
 
@@ -48,15 +52,12 @@ class LocalEnginePolicy:
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  max_batch: int = 16, max_seq_len: int | None = None, name: str = "", tool_grammar: bool = False,
                  tool_choice: str = "auto"):
-        from codefleet.model import chat
-        from codefleet.model.sampling import SamplingParams
 
         if engine is None:
             if not checkpoint:
                 raise LocalEngineUnavailableError(
                     "the local engine needs a checkpoint: use `local:DIR` (a directory written by "
                     "codefleet.model.checkpoint.save), or pass engine= to share a running engine")
-            from codefleet.model.engine import load_engine
 
             engine = load_engine(checkpoint, max_batch=max_batch, max_seq_len=max_seq_len)
         self.engine = engine
@@ -143,6 +144,5 @@ def grammar_options(tool_grammar: str) -> dict:
 
 
 def _harness_tools() -> list[dict]:
-    from codefleet.agent.tools import tool_schemas
 
     return tool_schemas()

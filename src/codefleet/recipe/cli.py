@@ -7,6 +7,18 @@ import json
 import os
 import sys
 
+from codefleet.agent.episode import EpisodeConfig
+from codefleet.agent.policy import PolicyError
+from codefleet.config import ConfigError, load_config
+from codefleet.fleet.controller_api import ControllerError
+from codefleet.model import checkpoint
+from codefleet.recipe.config import TrainRunConfig
+from codefleet.recipe.evaluate import EvalConfig, comparison_line, evaluate, evaluate_endpoint, report_json
+from codefleet.recipe.train import RunError, results_table, resumed_config, train
+from codefleet.store.parquet import RolloutWriter, rollout_record
+from codefleet.tasks.spec import load_tasks
+from codefleet.types import Budgets
+
 
 def register(subparsers) -> None:
     train = subparsers.add_parser(
@@ -56,11 +68,6 @@ def register(subparsers) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from codefleet.config import ConfigError, load_config
-    from codefleet.fleet.controller_api import ControllerError
-    from codefleet.fleet.evaluate import comparison_line
-    from codefleet.fleet.train import RunError, results_table, resumed_config, train
-    from codefleet.fleet.train_config import TrainRunConfig
 
     if not (args.out or args.resume):
         print("codefleet train: give --out RUN_DIR (a new run) or --resume RUN_DIR", file=sys.stderr)
@@ -104,12 +111,6 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from codefleet.agent.episode import EpisodeConfig
-    from codefleet.agent.policy import PolicyError
-    from codefleet.fleet.evaluate import EvalConfig, evaluate, evaluate_endpoint, report_json
-    from codefleet.model import checkpoint
-    from codefleet.tasks.spec import load_tasks
-    from codefleet.types import Budgets
 
     if args.model and not args.model.startswith(("http://", "https://")):
         print(f"codefleet eval: --model {args.model!r} is not a URL; give an OpenAI-compatible base URL such as "
@@ -153,7 +154,6 @@ def _eval(args: argparse.Namespace) -> int:
         return 2
     on_task = None
     if args.out:
-        from codefleet.analysis.store import RolloutWriter, rollout_record
 
         writer = RolloutWriter(os.path.join(args.out, "rollouts"))
         run_name = os.path.basename(os.path.abspath(args.checkpoint)) if args.checkpoint else args.model_name or "model"

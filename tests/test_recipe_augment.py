@@ -7,7 +7,7 @@ import random
 import re
 
 from codefleet.agent.clients.scripted import rename_command, rename_step
-from codefleet.rl.augment import fresh_names, task_names
+from codefleet.recipe.augment import fresh_names, task_names
 
 
 def _rename_episode() -> list[dict]:
@@ -57,10 +57,10 @@ def test_a_conversation_without_names_is_returned_as_is():
 
 
 def test_sft_batches_show_demonstrations_and_first_turns_with_new_names():
-    from codefleet.fleet.train import sft_batch
-    from codefleet.fleet.train_config import SFTSection
+    from codefleet.recipe.train import sft_batch
+    from codefleet.recipe.config import SFTSection
     from codefleet.model.tokenizer import default_tokenizer
-    from codefleet.rl.demos import Demos
+    from codefleet.recipe.demos import Demos
 
     tokenizer = default_tokenizer()
     conversation = _rename_episode() + [{"role": "assistant", "content": "Done.", "tool_calls": [

@@ -12,7 +12,7 @@
       trained/step-NNNNNN.json    the rollout ids each committed step trained on
       accepted/group-NNNNNNNN.pkl every accepted group (rollouts + token samples), written
                                   atomically before the trainer can see the group
-      rollouts/                   every finished rollout, Parquet (codefleet.analysis.store)
+      rollouts/                   every finished rollout, Parquet (codefleet.store.parquet)
       tb/                         TensorBoard event files
       metrics.jsonl, metrics.png  one line per step; reward / success / turns over steps
       eval/sft.json, eval/rl.json held-out evaluation of each checkpoint
@@ -40,6 +40,7 @@ import sys
 import tempfile
 
 from codefleet.fleet.staleness import Group
+from codefleet.model.checkpoint import CONFIG_FILE
 
 
 class RunError(RuntimeError):
@@ -148,7 +149,6 @@ class RunDir:
                            f"{e}); restore that checkpoint from a backup, or {fix}") from None
 
     def _complete(self, name: str) -> tuple[str, int, dict]:
-        from codefleet.model.checkpoint import CONFIG_FILE
 
         if not name.startswith("rl-step-") or "/" in name:
             raise ValueError("not the name of an RL checkpoint (rl-step-NNNNNN)")

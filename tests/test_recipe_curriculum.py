@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from codefleet.rl.curriculum import TaskSampler, family_of, mixed_group_probability
+from codefleet.recipe.curriculum import TaskSampler, family_of, mixed_group_probability
 from codefleet.types import HiddenChecks, Task
 
 

@@ -31,21 +31,32 @@ import time
 
 import yaml
 
-from codefleet.config import to_dict
+from codefleet.agent.clients.local_engine import TOOL_GRAMMARS
+from codefleet.config import ConfigError, load_config, to_dict
 from codefleet.fleet.ray_init import init_ray
-from codefleet.fleet.run_dir import Metrics, RunDir, RunError, atomic_write, log
-from codefleet.fleet.train_config import TrainRunConfig, episode_config, policy_usage
-from codefleet.fleet.train_rl import reinforce
+from codefleet.fleet.trainer_group import TrainerGroup
+from codefleet.model import checkpoint
+from codefleet.model.chat import PROMPTS
+from codefleet.model.config import ModelConfig
+from codefleet.model.tokenizer import default_tokenizer
+from codefleet.model.transformer import Transformer
+from codefleet.recipe.augment import fresh_names
+from codefleet.recipe.config import TrainRunConfig, episode_config, policy_usage
+from codefleet.recipe.curriculum import MODES as SAMPLING_MODES
+from codefleet.recipe.demos import expert_demos
+from codefleet.recipe.evaluate import EvalConfig, compare, evaluate
+from codefleet.recipe.run_dir import Metrics, RunDir, RunError, atomic_write, log
+from codefleet.recipe.train_rl import reinforce
+from codefleet.rl.advantages import ESTIMATORS
+from codefleet.rl.trainer import TrainConfig
+from codefleet.store.parquet import RolloutWriter, rollout_record
+from codefleet.tasks.families import FAMILIES
+from codefleet.tasks.generate import generate_tasks
+from codefleet.tasks.spec import load_tasks
 
 
 def check_config(config: TrainRunConfig) -> None:
     """Refuse a configuration that would fail later (after minutes of SFT), with the field to change."""
-    from codefleet.agent.clients.local_engine import TOOL_GRAMMARS
-    from codefleet.agent.prompts import PROMPTS
-    from codefleet.model.config import ModelConfig
-    from codefleet.rl.advantages import ESTIMATORS
-    from codefleet.rl.curriculum import MODES as SAMPLING_MODES
-    from codefleet.tasks.families import FAMILIES
 
     t, r, cl = config.tasks, config.rl, config.cluster
     problems = [
@@ -94,8 +105,6 @@ def check_config(config: TrainRunConfig) -> None:
 
 def make_tasks(run: RunDir, config: TrainRunConfig):
     """The demonstrated training tasks, the tasks RL attempts and the held-out tasks."""
-    from codefleet.tasks.generate import generate_tasks
-    from codefleet.tasks.spec import load_tasks
 
     t = config.tasks
     fresh = t.n_train if t.rl_tasks == "fresh" and not t.train_dir else 0  # no more of your own tasks to draw
@@ -132,9 +141,6 @@ STRUCTURE = "`\"'{}[](),:"  # model.copy_words_only: tokens holding these are ne
 def init_model(run: RunDir, config: TrainRunConfig, tokenizer) -> str:
     import torch
 
-    from codefleet.model import checkpoint
-    from codefleet.model.config import ModelConfig
-    from codefleet.model.transformer import Transformer
 
     path = run.path("checkpoints", "init")
     if os.path.isfile(os.path.join(path, checkpoint.CONFIG_FILE)):
@@ -152,7 +158,6 @@ def init_model(run: RunDir, config: TrainRunConfig, tokenizer) -> str:
 
 
 def demonstrations(run: RunDir, config: TrainRunConfig, tasks, tokenizer):
-    from codefleet.rl.demos import expert_demos
 
     path = run.path("demos.pkl")
     if os.path.isfile(path):
@@ -176,9 +181,6 @@ def demonstrations(run: RunDir, config: TrainRunConfig, tasks, tokenizer):
 
 
 def sft(run: RunDir, config: TrainRunConfig, demos, init: str, metrics: Metrics, tokenizer) -> str:
-    from codefleet.fleet.trainer_group import TrainerGroup
-    from codefleet.model import checkpoint
-    from codefleet.rl.trainer import TrainConfig
 
     path = run.path("checkpoints", "sft")
     if os.path.isfile(run.path("sft.done")):
@@ -219,7 +221,6 @@ def sft_batch(demos, picked: list[int], c, rng: random.Random, tokenizer, max_se
     task and the expert's first answer: ~150 tokens that teach copying names from the task, the skill
     every later turn builds on, at a fifth of a whole demonstration's cost). With `c.habits == "epoch"`
     and demonstrations recorded with all their habits, each one shows a habit drawn now (rl.demos)."""
-    from codefleet.rl.augment import fresh_names
 
     def conversation(j: int) -> list[dict]:
         return demos.conversation(j, rng if c.habits == "epoch" else None, c.explore_fraction, c.chain_fraction)
@@ -250,8 +251,6 @@ def evaluate_checkpoints(run: RunDir, config: TrainRunConfig, eval_tasks, checkp
     """Each checkpoint's report in eval/LABEL.json, its episodes in the rollout store eval/LABEL-rollouts."""
     import shutil
 
-    from codefleet.analysis.store import RolloutWriter, rollout_record
-    from codefleet.fleet.evaluate import EvalConfig, evaluate
 
     e = config.eval
     results = {}
@@ -312,7 +311,6 @@ def _nothing_to_resume(out: str) -> RunError:
 
 def resumed_config(out: str, overrides: list[str] | None = None, address: str | None = None) -> TrainRunConfig:
     """The configuration saved in the run `out`, with the `key=value` changes a resumed run may take."""
-    from codefleet.config import ConfigError, load_config
 
     saved = os.path.join(out, "config.yaml")
     if not os.path.isfile(saved):
@@ -362,8 +360,6 @@ def train(config: TrainRunConfig, out: str, resume: bool = False, progress: bool
 def _train(run: RunDir, config: TrainRunConfig, progress: bool) -> dict:
     import ray
 
-    from codefleet.fleet.evaluate import compare
-    from codefleet.model.tokenizer import default_tokenizer
 
     saved = run.path("config.yaml")
     t = config.tasks  # your task directories, absolute: a resume may start elsewhere

@@ -88,7 +88,7 @@ def test_train_survives_sigkill_and_resumes_without_losing_or_repeating_rollouts
         rows = [json.loads(line) for line in f]
     assert {r["stage"] for r in rows} == {"sft", "rl"}
     assert os.path.isfile(os.path.join(run, "metrics.png")) and glob.glob(os.path.join(run, "tb", "events.*"))
-    from codefleet.analysis.store import read_rollouts
+    from codefleet.store.parquet import read_rollouts
 
     table = read_rollouts(os.path.join(run, "rollouts"))
     assert table.num_rows >= 10
@@ -167,8 +167,8 @@ def test_train_refuses_an_existing_run_and_a_missing_one(tmp_path):
 
 def test_a_resumed_run_takes_changes_to_where_it_runs_how_long_rl_goes_and_its_evaluation_only(tmp_path):
     from codefleet.config import to_dict
-    from codefleet.fleet.train import RunError, resumed_config
-    from codefleet.fleet.train_config import TrainRunConfig
+    from codefleet.recipe.train import RunError, resumed_config
+    from codefleet.recipe.config import TrainRunConfig
 
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(to_dict(TrainRunConfig(name="saved"))))
     config = resumed_config(str(tmp_path), ["rl.steps=32", "eval.attempts=2", "cluster.num_cpus=8"], "ray://head:1")
@@ -188,9 +188,9 @@ def test_a_resumed_run_takes_changes_to_where_it_runs_how_long_rl_goes_and_its_e
 
 def test_rl_only_tasks_come_from_every_training_domain_and_never_from_held_out_templates(tmp_path):
     from codefleet.config import from_dict
-    from codefleet.fleet.run_dir import RunDir
-    from codefleet.fleet.train import make_tasks
-    from codefleet.fleet.train_config import TrainRunConfig
+    from codefleet.recipe.run_dir import RunDir
+    from codefleet.recipe.train import make_tasks
+    from codefleet.recipe.config import TrainRunConfig
     from codefleet.tasks.families import MORE_TEMPLATES, templates
 
     config = from_dict(TrainRunConfig, {"tasks": {"n_train": 2, "n_rl_extra": 12, "n_eval": 1, "families": ["rename"],
@@ -210,9 +210,9 @@ def test_rl_only_tasks_come_from_every_training_domain_and_never_from_held_out_t
 
 def test_fresh_rl_tasks_are_new_instances_of_the_demonstrated_templates(tmp_path):
     from codefleet.config import from_dict
-    from codefleet.fleet.run_dir import RunDir
-    from codefleet.fleet.train import RunError, check_config, make_tasks
-    from codefleet.fleet.train_config import TrainRunConfig
+    from codefleet.recipe.run_dir import RunDir
+    from codefleet.recipe.train import RunError, check_config, make_tasks
+    from codefleet.recipe.config import TrainRunConfig
     from codefleet.tasks.families import MORE_TEMPLATES, templates
 
     config = from_dict(TrainRunConfig, {"tasks": {"n_train": 10, "n_eval": 2, "rl_tasks": "fresh"}})
@@ -251,9 +251,9 @@ def test_a_checkpoint_says_how_it_is_prompted_wherever_it_is_copied(tmp_path):
 
 def test_a_run_trains_and_evaluates_on_task_directories_of_your_own(tmp_path):
     from codefleet.config import from_dict
-    from codefleet.fleet.run_dir import RunDir
-    from codefleet.fleet.train import RunError, check_config, make_tasks
-    from codefleet.fleet.train_config import TrainRunConfig
+    from codefleet.recipe.run_dir import RunDir
+    from codefleet.recipe.train import RunError, check_config, make_tasks
+    from codefleet.recipe.config import TrainRunConfig
     from codefleet.tasks.generate import generate_tasks
 
     mine = generate_tasks(str(tmp_path / "mine"), n=3, seed=7, families=["bugfix", "rename"], split="train")
@@ -277,8 +277,8 @@ def test_a_run_trains_and_evaluates_on_task_directories_of_your_own(tmp_path):
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "*.yaml"))))
 def test_the_shipped_configs_load_and_pass_the_checks(path):
     from codefleet.config import load_config
-    from codefleet.fleet.train import check_config
-    from codefleet.fleet.train_config import TrainRunConfig
+    from codefleet.recipe.train import check_config
+    from codefleet.recipe.config import TrainRunConfig
 
     check_config(load_config(TrainRunConfig, path))
 
@@ -286,8 +286,8 @@ def test_the_shipped_configs_load_and_pass_the_checks(path):
 def _committed_run(tmp_path, step=2):
     """A run directory as `codefleet train` leaves it after RL step `step` (a stand-in checkpoint directory)."""
     from codefleet.config import to_dict
-    from codefleet.fleet.run_dir import RunDir
-    from codefleet.fleet.train_config import TrainRunConfig
+    from codefleet.recipe.run_dir import RunDir
+    from codefleet.recipe.config import TrainRunConfig
 
     run = RunDir(str(tmp_path / "run"))
     os.makedirs(run.rl_checkpoint(step))
@@ -300,7 +300,7 @@ def _committed_run(tmp_path, step=2):
 
 
 def test_a_damaged_checkpoint_on_resume_is_one_sentence_that_says_what_to_do(tmp_path):
-    from codefleet.fleet.run_dir import RunError
+    from codefleet.recipe.run_dir import RunError
 
     run = _committed_run(tmp_path)
     assert run.latest()[1:] == (2, {"consumed_ids": ["0/0"], "lags": [0], "next_group_id": 3, "next_batch": 2})
@@ -336,7 +336,7 @@ def test_a_damaged_checkpoint_on_resume_is_one_sentence_that_says_what_to_do(tmp
 
 def test_a_damaged_accepted_group_is_reported_and_the_others_are_queued_again(tmp_path, capsys):
     from codefleet.fleet.staleness import Group, Rollout, Ticket
-    from codefleet.fleet.train_rl import resume_state
+    from codefleet.recipe.train_rl import resume_state
 
     run = _committed_run(tmp_path)
     for gid in (0, 1, 2):
@@ -352,7 +352,7 @@ def test_a_damaged_accepted_group_is_reported_and_the_others_are_queued_again(tm
 
 
 def test_two_processes_cannot_work_in_one_run_at_once(tmp_path):
-    from codefleet.fleet.run_dir import RunDir, RunError
+    from codefleet.recipe.run_dir import RunDir, RunError
 
     run = _committed_run(tmp_path)
     run.lock()
@@ -396,7 +396,7 @@ def test_tasks_whose_set_up_fails_are_named_and_left_out_and_the_run_finishes(tm
     assert "Unable to locate package libfoo" in out.stderr
     assert out.stderr.count("leaving task broken-rl out of RL") == 1, out.stderr[-3000:]
     assert "broken_groups=1" in out.stderr and "abandoned_groups=0" in out.stderr
-    from codefleet.analysis.store import read_rollouts
+    from codefleet.store.parquet import read_rollouts
 
     attempted = set(read_rollouts(os.path.join(run, "rollouts"), columns=["task_id"]).column("task_id").to_pylist())
     assert attempted and not attempted & {"broken-demo", "broken-rl"}

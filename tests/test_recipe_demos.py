@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from codefleet.rl.demos import expert_demos, steady_timings
+from codefleet.recipe.demos import expert_demos, steady_timings
 
 
 def test_steady_timings_rewrites_the_durations_pytest_prints_in_tool_results_only():
@@ -56,8 +56,8 @@ def test_all_habits_records_each_habit_that_makes_another_episode_and_sft_draws_
     import random
 
     from codefleet.agent.episode import EpisodeConfig
-    from codefleet.fleet.train import sft_batch
-    from codefleet.fleet.train_config import SFTSection
+    from codefleet.recipe.train import sft_batch
+    from codefleet.recipe.config import SFTSection
     from codefleet.model.tokenizer import default_tokenizer
     from codefleet.tasks.generate import generate_tasks
 

@@ -3,7 +3,7 @@ clock, not the policy, ended the attempts."""
 
 from __future__ import annotations
 
-from codefleet.fleet.evaluate import compare, comparison_line, difference_interval, summarize, wilson_interval
+from codefleet.recipe.evaluate import compare, comparison_line, difference_interval, summarize, wilson_interval
 from codefleet.types import CheckResult, Trajectory
 
 
@@ -66,7 +66,7 @@ def test_a_model_behind_an_openai_endpoint_is_evaluated_like_a_checkpoint(tmp_pa
 
     from codefleet.agent.clients.scripted import ScriptedExpert
     from codefleet.cli import main
-    from codefleet.fleet.evaluate import EvalConfig, evaluate_endpoint
+    from codefleet.recipe.evaluate import EvalConfig, evaluate_endpoint
     from codefleet.tasks.generate import generate_tasks
 
     tasks = generate_tasks(str(tmp_path / "tasks"), n=2, seed=3, families=["bugfix", "rename"], split="test")

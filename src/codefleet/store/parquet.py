@@ -39,7 +39,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from codefleet.analysis.schema import COLUMNS, REQUIRED_COLUMNS, SCHEMA, SCHEMA_VERSION, is_current, upgrade_table
+from codefleet.store.schema import COLUMNS, REQUIRED_COLUMNS, SCHEMA, SCHEMA_VERSION, is_current, upgrade_table
 from codefleet.types import Trajectory
 
 __all__ = ["SCHEMA", "SCHEMA_VERSION", "RolloutWriter", "StoreScan", "find_store", "read_rollouts",

@@ -35,7 +35,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
+from codefleet.agent.attempts import run_task_attempts
+from codefleet.agent.clients import OpenAIConfig, OpenAIPolicy
+from codefleet.agent.clients.local_engine import LocalEnginePolicy, grammar_options
 from codefleet.agent.reward import tool_errors
+from codefleet.model.engine import load_engine
+from codefleet.tasks.checks import TaskSetupError
 from codefleet.types import Task, Trajectory
 
 
@@ -137,8 +142,6 @@ def evaluate(checkpoint: str, tasks: list[Task], config: EvalConfig | None = Non
     """Run every task `attempts` times with the checkpoint; the report and the trajectories by task id."""
     import torch
 
-    from codefleet.agent.clients.local_engine import LocalEnginePolicy, grammar_options
-    from codefleet.model.engine import load_engine
 
     config = config or EvalConfig()
     if not tasks:
@@ -159,7 +162,6 @@ def evaluate_endpoint(base_url: str, tasks: list[Task], config: EvalConfig | Non
                       on_task=None) -> tuple[EvalReport, dict[str, list[Trajectory]]]:
     """The same evaluation of a model behind an OpenAI-compatible endpoint (vLLM, SGLang, `codefleet serve`,
     ...): each turn is one chat request, so `exact_tokens` does not apply."""
-    from codefleet.agent.clients import OpenAIConfig, OpenAIPolicy
 
     config = config or EvalConfig()
     if config.exact_tokens:
@@ -177,8 +179,6 @@ def evaluate_policy(policy, label: str, tasks: list[Task], config: EvalConfig, s
                     episode_config=None, on_task=None,
                     started: float | None = None) -> tuple[EvalReport, dict[str, list[Trajectory]]]:
     """`jobs` tasks at once, `attempts` forked attempts each, with `policy`; the report is labelled `label`."""
-    from codefleet.agent.attempts import run_task_attempts
-    from codefleet.tasks.checks import TaskSetupError
 
     started = time.perf_counter() if started is None else started
 

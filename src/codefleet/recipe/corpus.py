@@ -24,14 +24,33 @@ tokenizer.py), so edits to the code do not change the shipped vocabulary.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import os
 import re
+import sys
 import tempfile
+import time
 from dataclasses import dataclass
 
+import tokenizers
+
 import codefleet
+from codefleet.agent.clients.scripted import ScriptedExpert
+from codefleet.agent.policy import assistant_message
+from codefleet.agent.prompts import build_messages
+from codefleet.agent.tools import Toolbox, tool_schemas
+from codefleet.model.chat import render
+from codefleet.model.tokenizer import (
+    ASSETS_DIR,
+    DEFAULT_MIN_FREQUENCY,
+    DEFAULT_VOCAB_SIZE,
+    TOKENIZER_FILE,
+    Tokenizer,
+    write,
+)
+from codefleet.tasks import generate_tasks
 from codefleet.types import ExecResult, FileEntry, SearchMatch
 
 
@@ -48,7 +67,6 @@ class CorpusConfig:
 
 def build_corpus(config: CorpusConfig | None = None) -> list[str]:
     """The corpus documents, in a fixed order."""
-    from codefleet.tasks import generate_tasks
 
     config = config or CorpusConfig()
     with tempfile.TemporaryDirectory(prefix="codefleet-corpus-") as tmp:
@@ -159,11 +177,6 @@ class MemoryRepo:
 
 def transcript(task, files: dict[str, str]) -> str:
     """The scripted expert solving `task`, rendered in the chat template."""
-    from codefleet.agent.clients.scripted import ScriptedExpert
-    from codefleet.agent.policy import assistant_message
-    from codefleet.agent.prompts import build_messages
-    from codefleet.agent.tools import Toolbox, tool_schemas
-    from codefleet.model.chat import render
 
     toolbox = Toolbox(MemoryRepo(files, task.test_command))  # type: ignore[arg-type]
     expert = ScriptedExpert(task)
@@ -178,3 +191,42 @@ def transcript(task, files: dict[str, str]) -> str:
         if not output.tool_calls or any(c.name == "submit" for c in output.tool_calls):
             break
     return render(messages, tools, add_generation_prompt=False)
+
+
+# -- the default tokenizer, trained on this corpus ------------------------------------------
+
+
+def build_default(vocab_size: int = DEFAULT_VOCAB_SIZE, min_frequency: int = DEFAULT_MIN_FREQUENCY,
+                  ) -> tuple[Tokenizer, dict]:
+    """Train on the default corpus; returns the tokenizer and the recipe (what meta.json records)."""
+
+    config = CorpusConfig()
+    texts = build_corpus(config)
+    started = time.perf_counter()
+    tok = Tokenizer.train(texts, vocab_size, min_frequency)
+    meta = {"vocab_size": tok.vocab_size, "min_frequency": min_frequency, "corpus": config.to_dict(),
+            "corpus_fingerprint": fingerprint(texts), "corpus_documents": len(texts),
+            "corpus_bytes": sum(len(t.encode()) for t in texts), "tokenizers_version": tokenizers.__version__,
+            "train_s": round(time.perf_counter() - started, 2),
+            "rebuild": "python -m codefleet.recipe.corpus build"}
+    return tok, meta
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m codefleet.recipe.corpus",
+                                     description="Build the default tokenizer from codefleet's own corpus.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    build = sub.add_parser("build", help="train on the default corpus and write tokenizer.json + meta")
+    build.add_argument("--out", default=ASSETS_DIR, help="output directory (default: the package assets)")
+    build.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
+    args = parser.parse_args(argv)
+    tok, meta = build_default(args.vocab_size)
+    write(args.out, tok, meta)
+    size = os.path.getsize(os.path.join(args.out, TOKENIZER_FILE))
+    print(f"wrote {args.out}/{TOKENIZER_FILE} ({size / 1024:.0f} KiB): vocab {tok.vocab_size}, corpus "
+          f"{meta['corpus_documents']} documents / {meta['corpus_bytes'] / 1e6:.2f} MB, trained in {meta['train_s']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -42,8 +42,12 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from codefleet.agent.clients.scripted import ScriptedExpert
+from codefleet.agent.episode import EpisodeConfig, run_episode
+from codefleet.agent.tools import tool_schemas
+from codefleet.model import chat
+from codefleet.tasks.checks import TaskSetupError
 from codefleet.types import Task
-
 
 _DURATION = re.compile(r"\b((?:passed|failed|errors?|skipped|warnings?|deselected|xfailed|xpassed|no tests ran)"
                        r" in )\d+(?:\.\d+)?s\b")
@@ -75,8 +79,6 @@ class Demos:
 
     def encode(self, tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
         """A conversation as SFT trains on it: ids and the assistant mask, with the tool schemas if "full"."""
-        from codefleet.agent.tools import tool_schemas
-        from codefleet.model import chat
 
         return chat.encode_chat_with_mask(tokenizer, messages, tool_schemas() if self.prompt == "full" else None)
 
@@ -96,9 +98,6 @@ def expert_demos(tasks: list[Task], tokenizer, max_seq_len: int, sandbox_config=
     """One solved demonstration per task, its habit drawn from `seed` and the task's id; with `all_habits`,
     also the task's other habits' episodes (`Demos.variants`). A task is kept only if every one is solved
     and fits the context; a task whose set-up fails is recorded in `Demos.broken`, not raised."""
-    from codefleet.agent.clients.scripted import ScriptedExpert
-    from codefleet.agent.episode import EpisodeConfig, run_episode
-    from codefleet.tasks.checks import TaskSetupError
 
     habits = [(e, c) for e in (True, False) for c in (False, True)]
 

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from codefleet.agent.episode import EpisodeConfig
 from codefleet.agent.reward import RewardConfig
+from codefleet.agent.tools import ToolConfig
 from codefleet.rl.losses import LossConfig
 from codefleet.sandbox.base import SandboxConfig
+from codefleet.types import Budgets
 
 
 @dataclass
@@ -185,9 +188,6 @@ def policy_usage(config: TrainRunConfig) -> dict[str, str]:
 
 def episode_config(config: TrainRunConfig):
     """The agent harness's settings for RL's rollouts, the demonstrations and the evaluations."""
-    from codefleet.agent.episode import EpisodeConfig
-    from codefleet.agent.tools import ToolConfig
-    from codefleet.types import Budgets
 
     return EpisodeConfig(budgets=Budgets(max_turns=config.rl.max_turns, max_tool_calls=4 * config.rl.max_turns,
                                          wall_clock_s=config.rl.rollout_timeout_s / 2),

@@ -1,4 +1,4 @@
-"""The RL stage of `codefleet train` (fleet/train.py): the trainer the controller drives, the task stream,
+"""The RL stage of `codefleet train` (recipe/train.py): the trainer the controller drives, the task stream,
 and the wiring of engines, rollout workers, sandboxes and trainer workers for one run."""
 
 from __future__ import annotations
@@ -8,9 +8,22 @@ import os
 import sys
 import time
 
-from codefleet.fleet.run_dir import Metrics, RunDir, RunError, log
+from codefleet.agent.reward import solved
+from codefleet.fleet.controller import Controller, ControllerConfig
+from codefleet.fleet.inference import broadcast_weights, start_engines
+from codefleet.fleet.rollouts import AgentGroupRunner, RolloutSpec, start_workers
+from codefleet.fleet.sandbox_fleet import SandboxFleet
 from codefleet.fleet.staleness import Group
-from codefleet.fleet.train_config import TrainRunConfig, episode_config, policy_usage
+from codefleet.fleet.trainer_group import TrainerGroup, TrainerWorkerError
+from codefleet.model import checkpoint
+from codefleet.recipe.config import TrainRunConfig, episode_config, policy_usage
+from codefleet.recipe.curriculum import TaskSampler
+from codefleet.recipe.run_dir import Metrics, RunDir, RunError, log
+from codefleet.rl.advantages import compute_advantages, weigh_negatives
+from codefleet.rl.batch import Sample, mask_turns
+from codefleet.rl.rewards import speed_bonus
+from codefleet.rl.trainer import TRAINER_FILE, TrainConfig
+from codefleet.store.parquet import RolloutWriter, rollout_record
 
 
 def _rl_start(src: str, dst: str, keep_optimizer: bool) -> str:
@@ -21,8 +34,6 @@ def _rl_start(src: str, dst: str, keep_optimizer: bool) -> str:
     success (docs/experiments/). The SFT moments scale RL's first updates by what SFT's gradients were."""
     import torch
 
-    from codefleet.model import checkpoint
-    from codefleet.rl.trainer import TRAINER_FILE
 
     if not os.path.isfile(os.path.join(dst, checkpoint.CONFIG_FILE)):  # the config is written last
         os.makedirs(dst, exist_ok=True)
@@ -52,7 +63,6 @@ def training_samples(groups: list[Group], advantages: list[list[float]],
     advantages, but it has no sequence: training on it would fail the whole step), and how many turns were
     left out. With `skip_error_turns` an attempt with a positive advantage is not trained on its turns whose
     tool calls failed (rl.skip_error_turns)."""
-    from codefleet.rl.batch import Sample, mask_turns
 
     samples, empty, skipped = [], 0, 0
     for g, adv_G in zip(groups, advantages):
@@ -74,8 +84,6 @@ def group_speed_bonus(groups: list[Group], rl):
     """rl.rewards.speed_bonus of these groups' attempts, by their turns and whether the reward counts them solved."""
     import torch
 
-    from codefleet.agent.reward import solved
-    from codefleet.rl.rewards import speed_bonus
 
     trajectories = [[r.payload["trajectory"] for r in g.rollouts] for g in groups]
     turns_NG = torch.tensor([[t.n_turns for t in ts] for ts in trajectories])
@@ -107,8 +115,6 @@ class RLTrainer:
     def train(self, batch) -> dict[str, float]:
         import torch
 
-        from codefleet.fleet.inference import broadcast_weights
-        from codefleet.rl.advantages import compute_advantages, weigh_negatives
 
         rewards_NG = torch.tensor([[r.reward for r in g.rollouts] for g in batch.groups])
         if self.config.rl.speed_bonus:
@@ -153,8 +159,6 @@ class RLTrainer:
         from the last commit if a worker dies."""
         from ray.exceptions import RayActorError
 
-        from codefleet.fleet.trainer_group import TrainerWorkerError
-        from codefleet.model import checkpoint
 
         for restarts in range(self.MAX_TRAINER_RESTARTS + 1):
             try:
@@ -208,7 +212,6 @@ def _observe(sampler, group: Group) -> None:
 def task_sampler(run: RunDir, config: TrainRunConfig, tasks, skip: int):
     """The RL task stream (`rl.task_sampling`, rl.curriculum); on resume, the curriculum first re-reads how
     the accepted groups did."""
-    from codefleet.rl.curriculum import TaskSampler
 
     c = config.rl
     sampler = TaskSampler(tasks, seed=config.tasks.seed, mode=c.task_sampling, group_size=c.group_size,
@@ -223,13 +226,6 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
               progress: bool = True) -> str:
     from tqdm import tqdm
 
-    from codefleet.analysis.store import RolloutWriter, rollout_record
-    from codefleet.fleet.controller import Controller, ControllerConfig
-    from codefleet.fleet.inference import start_engines
-    from codefleet.fleet.rollouts import AgentGroupRunner, RolloutSpec, start_workers
-    from codefleet.fleet.sandbox_fleet import SandboxFleet
-    from codefleet.fleet.trainer_group import TrainerGroup
-    from codefleet.rl.trainer import TrainConfig
 
     c, cl = config.rl, config.cluster
     start = _rl_start(sft_ckpt, run.path("checkpoints", "rl-start"), c.keep_sft_optimizer)
