@@ -12,7 +12,7 @@ from openai_stub import OpenAIStub, call, fail, raw, reply
 from codefleet.agent import AgentLoop, PolicyError, PolicyOutput, build_messages
 from codefleet.agent.clients import LocalEngineUnavailableError, OpenAIConfig, OpenAIPolicy, build_policy
 from codefleet.agent.episode import solve
-from codefleet.types import Budgets
+from codefleet.types import Budgets, Failure
 
 
 def policy_for(stub: OpenAIStub, **options) -> OpenAIPolicy:
@@ -183,9 +183,26 @@ def test_persistent_failure_ends_the_episode_with_a_clear_error(sandbox):
     with OpenAIStub([fail(503, "overloaded")] * 3) as stub:
         trajectory = AgentLoop(policy_for(stub, max_retries=1), sandbox).run(build_messages("x"))
         url = stub.base_url
-    assert trajectory.stop_reason == "error" and trajectory.n_turns == 0
+    assert trajectory.stop_reason == "error" and trajectory.n_turns == 0 and trajectory.failure == Failure.POLICY
     error = trajectory.metadata["error"]
     assert url in error and "HTTP 503" in error and "overloaded" in error and len(stub.requests) == 2
+
+
+def test_a_policy_failure_says_its_kind_and_a_finished_episode_has_none(sandbox):
+    class EngineGone(RuntimeError):
+        failure = Failure.ENGINE_DIED
+
+    class Dies:
+        name = "dies"
+
+        def generate(self, messages, tools):
+            raise EngineGone("the engine actor died")
+
+    trajectory = AgentLoop(Dies(), sandbox).run(build_messages("x"))
+    assert trajectory.stop_reason == "error" and trajectory.failure == Failure.ENGINE_DIED
+    assert trajectory.metadata["error"] == "EngineGone: the engine actor died"
+    with OpenAIStub([reply("", call("submit", {"summary": "ok"}))]) as stub:
+        assert AgentLoop(policy_for(stub), sandbox).run(build_messages("x")).failure is None
 
 
 def test_unreachable_and_wrong_urls_name_what_to_check():

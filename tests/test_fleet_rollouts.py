@@ -45,11 +45,12 @@ def test_an_attempt_runs_the_harness_and_returns_exact_tokens(setup):
     assert all(isinstance(r, AttemptResult) and r.rollout is not None for r in results)
     assert sorted(r.rollout.rollout_id for r in results) == ["7/0", "7/1"]
     for r in results:
-        t, s = r.rollout.payload["trajectory"], r.rollout.payload["sample"]
+        t = r.rollout.trajectory
+        s = t.sequence
         assert t.task_id == task.id and t.checks is not None and t.checks.total >= 1
-        assert len(s["tokens"]) == len(s["loss_mask"]) == len(s["behave_logprobs"]) > 8
-        assert 1 <= sum(s["loss_mask"]) <= 8 * t.n_turns + t.n_turns  # sampled (+ an <|end|> per cut turn)
-        assert s["routed_experts"] is not None and len(s["routed_experts"]) == len(s["tokens"])
+        assert len(s.ids) == len(s.loss_mask) == len(s.logprobs) == len(s.versions) > 8
+        assert 1 <= sum(s.loss_mask) <= 8 * t.n_turns + t.n_turns  # sampled (+ an <|end|> per cut turn)
+        assert s.routed_experts is not None and len(s.routed_experts) == len(s.ids)
         assert r.rollout.policy_version == 0 and r.rollout.reward == t.reward
         assert t.messages[0]["role"] == "system"  # the spec's prompt style: "full"
 
@@ -57,8 +58,8 @@ def test_an_attempt_runs_the_harness_and_returns_exact_tokens(setup):
     broadcast_weights(engines, ray.put(weights), 3)
     assert ray.get(engines[0].info.remote())["version"] == 3
     results = ray.get(runner.start(Ticket(8, 3, 4, 1), task, [0]), timeout=240)
-    sample = results[0].rollout.payload["sample"]
-    assert {v for v, m in zip(sample["versions"], sample["loss_mask"]) if m} == {3}
+    sequence = results[0].rollout.trajectory.sequence
+    assert {v for v, m in zip(sequence.versions, sequence.loss_mask) if m} == {3}
     assert results[0].rollout.policy_version == 3
 
     ray.kill(engines[0], no_restart=True)  # an engine that dies is an infrastructure failure, not a reward of 0
@@ -73,7 +74,7 @@ def test_attempts_show_the_policy_the_prompt_style_it_was_trained_on(setup):
     engines = start_engines(ckpt, 1, num_cpus=0, max_batch=2)
     workers = start_workers(_spec(ckpt, state_dir, prompt="bare"), engines, 1, slots_per_worker=1, num_cpus=0)
     (result,) = ray.get(AgentGroupRunner(workers).start(Ticket(3, 0, 1, 1), task, [0]), timeout=240)
-    trajectory = result.rollout.payload["trajectory"]
+    trajectory = result.rollout.trajectory
     assert trajectory.messages[0]["role"] == "user" and task.instruction in trajectory.messages[0]["content"]
     assert not any(m["role"] == "system" for m in trajectory.messages)
     for actor in (*workers, *engines):
@@ -205,7 +206,7 @@ def test_an_engine_that_never_comes_back_is_routed_around_and_the_broadcast_goes
     engines = [nowhere, up]
     workers = start_workers(_spec(ckpt, state_dir), engines, 1, slots_per_worker=1, num_cpus=0)
     (result,) = ray.get(AgentGroupRunner(workers).start(Ticket(0, 0, 1, 1), task, [0]), timeout=240)  # -> engine 0
-    assert result.rollout is not None and result.rollout.payload["trajectory"].n_turns >= 1
+    assert result.rollout is not None and result.rollout.trajectory.n_turns >= 1
 
     weights = ray.put({k: v + 0.01 for k, v in checkpoint.load(ckpt).state_dict().items()})
     serving, away = broadcast_weights(engines, weights, 1, timeout_s=2.0)

@@ -14,6 +14,7 @@ from codefleet.model.engine import Engine
 from codefleet.model.sampling import SamplingParams
 from codefleet.rl.logprobs import forward_logprobs
 from codefleet.rl.trainer import TrainConfig, Trainer
+from codefleet.types import TokenSequence, Trajectory
 from test_rl_trainer import _cfg, _examples, _model, _samples
 
 CONFIG = TrainConfig(lr=3e-3, micro_batch_tokens=40)
@@ -161,9 +162,9 @@ def test_an_attempt_with_no_tokens_is_scored_but_not_trained_on():
     from codefleet.recipe.train_rl import training_samples
 
     def rollout(i, tokens):
-        sample = {"tokens": tokens, "loss_mask": [0] + [1] * (len(tokens) - 1) if tokens else [],
-                  "behave_logprobs": [0.0] * len(tokens), "routed_experts": None}
-        return Rollout(f"0/{i}", 0, 0, float(i), payload={"sample": sample})
+        sequence = TokenSequence(tokens, [0] + [1] * (len(tokens) - 1) if tokens else [], [0.0] * len(tokens),
+                                 [-1] * len(tokens))
+        return Rollout(f"0/{i}", 0, 0, float(i), Trajectory("t", [], [], "submit", sequence=sequence))
 
     group = Group(Ticket(0, 0, 1, 3), [rollout(0, [5, 6, 7]), rollout(1, []), rollout(2, [5, 8])])
     samples, empty, skipped = training_samples([group], [[-1.0, 0.0, 1.0]])
@@ -183,8 +184,8 @@ def test_a_winner_is_not_trained_on_its_turns_whose_tool_calls_failed():
     turns = [Turn(0, ""), Turn(1, "", errors=["edit_file: no such file: a.py"]), Turn(2, "")]
 
     def rollout(i):
-        sample = {"tokens": list(range(9)), "loss_mask": mask, "behave_logprobs": [0.0] * 9, "routed_experts": None}
-        return Rollout(f"0/{i}", 0, 0, 0.0, payload={"sample": sample, "trajectory": Trajectory("t", [], turns, "submit")})
+        sequence = TokenSequence(list(range(9)), mask, [0.0] * 9, [-1] * 9)
+        return Rollout(f"0/{i}", 0, 0, 0.0, Trajectory("t", [], turns, "submit", sequence=sequence))
 
     group = Group(Ticket(0, 0, 1, 2), [rollout(0), rollout(1)])
     samples, _, skipped = training_samples([group], [[1.0, -1.0]], skip_error_turns=True)
@@ -226,10 +227,10 @@ def test_a_trainer_worker_that_dies_mid_run_is_replaced_and_the_step_redone(ray_
                             iter(()))
     trainer.controller = controller
     ticket = controller.admission.try_admit(0)
-    rollouts = [Rollout(f"0/{i}", 0, 0, float(i), payload={
-        "sample": {"tokens": s.tokens, "loss_mask": s.loss_mask, "behave_logprobs": s.behave_logprobs,
-                   "routed_experts": s.routed_experts},
-        "trajectory": Trajectory("t", [], [], "submit", reward=float(i))}) for i, s in enumerate(_samples(model, 2))]
+    rollouts = [Rollout(f"0/{i}", 0, 0, float(i), Trajectory(
+        "t", [], [], "submit", reward=float(i),
+        sequence=TokenSequence(s.tokens, s.loss_mask, s.behave_logprobs, [0] * len(s.tokens), s.routed_experts)))
+        for i, s in enumerate(_samples(model, 2))]
     controller.buffer.put(Group(ticket, rollouts))
     batch = controller.buffer.take_batch(1, 0)
     try:

@@ -101,7 +101,7 @@ def test_the_rl_stage_adds_the_speed_bonus_by_what_the_reward_counts_solved():
     def attempt(all_passed: bool, turns: int, stop: str = "submit") -> Rollout:
         checks = CheckResult(passed=int(all_passed), total=1, all_passed=all_passed)
         t = Trajectory("t", [], [Turn(i, "") for i in range(turns)], stop, checks=checks)
-        return Rollout("r", 0, 0, 0.0, payload={"trajectory": t})
+        return Rollout("r", 0, 0, 0.0, t)
 
     group = Group(SimpleNamespace(group_id=0), [attempt(True, 2), attempt(True, 4, "max_turns"), attempt(False, 1)])
     torch.testing.assert_close(group_speed_bonus([group], RLSection(speed_bonus=1.0)), torch.tensor([[0.5, -0.5, 0.0]]))

@@ -9,6 +9,7 @@ pickles them; the rollout store writes them as Parquet rows).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,36 @@ class Turn:
 
 
 @dataclass
+class TokenSequence:
+    """The exact tokens of one episode as the engine sampled them: what RL trains on (token-in, token-out).
+
+    All lists have one entry per token. `loss_mask` is 1 on the tokens the policy sampled (the prompt, tool
+    results and template tokens are 0); `logprobs` are the engine's sampling logprobs (0 where the mask is 0);
+    `versions` the policy version that sampled each token (-1 where none did); `routed_experts`, for an MoE
+    policy, each token's experts, layer-major, for routing replay (None when some token has no record).
+    """
+
+    ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    routed_experts: list[list[int]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+class Failure(str, Enum):
+    """Why an episode stopped with stop_reason "error": what failed, so that a caller decides on a kind, never
+    on an error message. An exception says its kind with a class attribute `failure` (default POLICY)."""
+
+    POLICY = "policy"  # the model endpoint could not produce a turn (down, bad response)
+    ENGINE_DIED = "engine_died"  # the engine actor serving the episode died
+    ENGINE_FAILED = "engine_failed"  # the engine is alive but failed the request
+    CANCELLED = "cancelled"  # the attempt was cancelled by its caller (e.g. the RL controller)
+
+
+@dataclass
 class CheckResult:
     """Outcome of the hidden checks after an episode."""
 
@@ -185,6 +216,8 @@ class Trajectory:
     messages: list[dict]
     turns: list[Turn]
     stop_reason: str  # "submit" | "no_tool_calls" | "max_turns" | "max_tool_calls" | "max_tokens" | "wall_clock" | "error" | "cancelled"
+    failure: Failure | None = None  # with stop_reason "error": what failed (the message is metadata["error"])
+    sequence: TokenSequence | None = None  # the exact tokens the policy sampled, when it gave them (RL)
     diff: str = ""
     checks: CheckResult | None = None
     reward: float = 0.0

@@ -13,7 +13,7 @@ call, in call order, each with its `tool_call_id`. The episode ends when
 - a budget runs out: turns, tool calls, tokens or wall clock
   ("max_turns", "max_tool_calls", "max_tokens", "wall_clock"),
 - the policy fails, e.g. the endpoint stays down after its retries ("error";
-  the message is in `trajectory.metadata["error"]`),
+  what failed is `trajectory.failure`, the message `trajectory.metadata["error"]`),
 - `cancel()` was called, e.g. on Ctrl-C ("cancelled").
 
 Anything malformed a model writes becomes an error observation (tools.py);
@@ -34,9 +34,9 @@ from dataclasses import replace
 
 from codefleet.agent.parallel import execute_calls
 from codefleet.agent.policy import OutOfTime, Policy, PolicyOutput, assistant_message
-from codefleet.agent.tools import ToolConfig, Toolbox, tool_schemas
+from codefleet.agent.tools import Toolbox, ToolConfig, tool_schemas
 from codefleet.sandbox.base import Sandbox
-from codefleet.types import Budgets, ToolCall, ToolResult, Trajectory, Turn
+from codefleet.types import Budgets, Failure, ToolCall, ToolResult, Trajectory, Turn
 
 Event = dict
 EventSink = Callable[[Event], None]
@@ -65,7 +65,7 @@ class AgentLoop:
         """Run the episode from `messages` (system prompt, task, ...); `messages` grows in place."""
         started = time.perf_counter()
         turns: list[Turn] = []
-        stop_reason, error = "", ""
+        stop_reason, error, failure = "", "", Failure.POLICY
         while not stop_reason:
             stop_reason = self._budget_stop(turns, time.perf_counter() - started)
             if stop_reason:
@@ -75,7 +75,7 @@ class AgentLoop:
             try:
                 output = self.policy.generate(messages, self.tools)
             except Exception as e:  # the endpoint, not the model's words: end the episode, say why
-                error = f"{type(e).__name__}: {e}"
+                error, failure = f"{type(e).__name__}: {e}", getattr(e, "failure", Failure.POLICY)
                 stop_reason = "wall_clock" if isinstance(e, OutOfTime) else "error"  # the budget, not the endpoint
                 self.on_event({"event": "model_error", "turn": len(turns), "error": error})
                 break
@@ -94,6 +94,7 @@ class AgentLoop:
                                 tool_s=sum(t.tool_s for t in turns))
         if error:
             trajectory.metadata["error"] = error
+            trajectory.failure = failure if stop_reason == "error" else None
         self.on_event({"event": "stop", "stop_reason": stop_reason, "turns": len(turns),
                        "wall_s": trajectory.wall_s, "error": error})
         return trajectory

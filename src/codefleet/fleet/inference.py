@@ -40,6 +40,7 @@ from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayTa
 
 from codefleet.model.checkpoint import CONFIG_FILE, read_metadata
 from codefleet.model.engine import load_engine
+from codefleet.types import Failure
 
 
 def _as_tensors(weights: dict) -> dict[str, torch.Tensor]:
@@ -92,10 +93,14 @@ def newest_checkpoint(latest_file: str) -> tuple[str, int] | None:
 class EngineDiedError(RuntimeError):
     """The engine actor serving this episode died (an infrastructure failure, not the agent's)."""
 
+    failure = Failure.ENGINE_DIED
+
 
 class EngineFailedError(RuntimeError):
     """The engine actor is alive but failed this request (an engine step raised: infrastructure, not the
     agent's doing)."""
+
+    failure = Failure.ENGINE_FAILED
 
 
 class _RefFuture:

@@ -6,9 +6,9 @@ node; repository, setup commands, git baseline), forks one child per
 attempt from it, and runs the product's own `solve()` + `score()` in the
 child with the local engine as policy (`LocalEnginePolicy` over a
 `RemoteEngine`, one engine per episode, so all its turns go to the same
-engine). The attempt returns a `staleness.Rollout` whose payload holds the
-scored Trajectory and the episode's exact token sequence
-(`EpisodeTokens`: ids, loss mask, engine logprobs, versions, routing).
+engine). The attempt returns a `staleness.Rollout` holding the scored
+Trajectory, which carries the episode's exact token sequence
+(`Trajectory.sequence`: ids, loss mask, engine logprobs, versions, routing).
 
 Infrastructure failures are not the agent's failures: an engine or sandbox
 that died, or checks that could not run, raise `InfraError` out of
@@ -47,7 +47,7 @@ from codefleet.model.checkpoint import load_config
 from codefleet.model.tokenizer import TOKENIZER_FILE, Tokenizer, default_tokenizer
 from codefleet.sandbox.base import SandboxConfig
 from codefleet.tasks.checks import TaskSetupError, prepare_sandbox
-from codefleet.types import Task
+from codefleet.types import Failure, Task
 
 
 class InfraError(RuntimeError):
@@ -203,12 +203,12 @@ class RolloutWorker:
                                budgets=config.budgets or task.budgets, tool_config=config.tools, task_id=task.id,
                                prompt=config.prompt)
             error = str(trajectory.metadata.get("error", ""))
-            if "EngineDiedError" in error:
+            if trajectory.failure == Failure.ENGINE_DIED:
                 self._note(index, engine_state(engine, timeout_s=10.0))
                 if index in self._gone:
                     raise InfraError(f"attempt {attempt} of group {ticket.group_id}: engine {index} is dead for "
                                      f"good; this worker sends no more episodes to it ({error})")
-            if "EngineDiedError" in error or "EngineFailedError" in error or CANCELLED in error:
+            if trajectory.failure in (Failure.ENGINE_DIED, Failure.ENGINE_FAILED, Failure.CANCELLED):
                 raise InfraError(f"attempt {attempt} of group {ticket.group_id}: {error}")
             if not sandbox.alive():
                 raise InfraError(f"attempt {attempt} of group {ticket.group_id}: the sandbox died")
@@ -224,10 +224,9 @@ class RolloutWorker:
             raise InfraError(f"attempt {attempt} of group {ticket.group_id}: the engine served policy version "
                              f"{min(versions)}, older than the group's {ticket.policy_version}")
         trajectory.metadata.update(attempt=attempt, group=ticket.group_id)
-        sample = {"tokens": tokens.ids, "loss_mask": tokens.mask, "behave_logprobs": tokens.logprobs,
-                  "routed_experts": tokens.routed_experts(), "versions": tokens.versions}
+        trajectory.sequence = tokens.sequence()
         rollout = Rollout(f"{ticket.group_id}/{attempt}", ticket.group_id, min(versions, default=version),
-                          trajectory.reward, payload={"trajectory": trajectory, "sample": sample})
+                          trajectory.reward, trajectory)
         return AttemptResult(rollout)
 
     def ping(self) -> str:
@@ -244,11 +243,14 @@ class _Cancellable:
     def generate(self, messages: list[dict], tools: list[dict]):
 
         if ray.get_runtime_context().is_canceled():
-            raise PolicyError(CANCELLED)
+            raise Cancelled("the attempt was cancelled by the controller")
         return self.policy.generate(messages, tools)
 
 
-CANCELLED = "the attempt was cancelled by the controller"
+class Cancelled(PolicyError):
+    """The controller cancelled the attempt (its group was abandoned); an infrastructure outcome."""
+
+    failure = Failure.CANCELLED
 
 
 class AgentGroupRunner:

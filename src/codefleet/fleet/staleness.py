@@ -45,7 +45,8 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+
+from codefleet.types import Trajectory
 
 
 @dataclass
@@ -67,7 +68,7 @@ class Rollout:
     group_id: int
     policy_version: int
     reward: float
-    payload: Any = None
+    trajectory: Trajectory | None = None  # the scored episode; the controller never looks inside
 
 
 @dataclass

@@ -46,7 +46,7 @@ def _rl_start(src: str, dst: str, keep_optimizer: bool) -> str:
 
 
 def rollout_stats(groups: list[Group]) -> dict[str, float]:
-    trajectories = [r.payload["trajectory"] for g in groups for r in g.rollouts]
+    trajectories = [r.trajectory for g in groups for r in g.rollouts]
     n = max(len(trajectories), 1)
     solved = [t for t in trajectories if t.checks and t.checks.all_passed]
     turns = sum(t.n_turns for t in trajectories)
@@ -67,16 +67,16 @@ def training_samples(groups: list[Group], advantages: list[list[float]],
     samples, empty, skipped = [], 0, 0
     for g, adv_G in zip(groups, advantages):
         for r, adv in zip(g.rollouts, adv_G):
-            s = r.payload["sample"]
-            if not s["tokens"]:
+            seq = r.trajectory.sequence
+            if seq is None or not seq.ids:
                 empty += 1
                 continue
-            mask = s["loss_mask"]
+            mask = seq.loss_mask
             if skip_error_turns and adv > 0:
-                failed = [bool(turn.errors) for turn in r.payload["trajectory"].turns]
+                failed = [bool(turn.errors) for turn in r.trajectory.turns]
                 if any(failed) and (kept := mask_turns(mask, failed)) is not None:
                     mask, skipped = kept, skipped + sum(failed)
-            samples.append(Sample(s["tokens"], mask, s["behave_logprobs"], adv, s["routed_experts"]))
+            samples.append(Sample(seq.ids, mask, seq.logprobs, adv, seq.routed_experts))
     return samples, empty, skipped
 
 
@@ -85,7 +85,7 @@ def group_speed_bonus(groups: list[Group], rl):
     import torch
 
 
-    trajectories = [[r.payload["trajectory"] for r in g.rollouts] for g in groups]
+    trajectories = [[r.trajectory for r in g.rollouts] for g in groups]
     turns_NG = torch.tensor([[t.n_turns for t in ts] for ts in trajectories])
     solved_NG = torch.tensor([[solved(t, rl.reward) for t in ts] for ts in trajectories])
     return speed_bonus(turns_NG, solved_NG, rl.speed_bonus)
@@ -205,7 +205,7 @@ def resume_state(run: RunDir, latest: tuple[str, int, dict] | None, batch_groups
 
 def _observe(sampler, group: Group) -> None:
     """Tell the task sampler which attempts of a finished group solved its task."""
-    trajectories = [r.payload["trajectory"] for r in group.rollouts]
+    trajectories = [r.trajectory for r in group.rollouts]
     sampler.observe(trajectories[0].task_id, [bool(t.checks and t.checks.all_passed) for t in trajectories])
 
 
@@ -259,7 +259,7 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
         _observe(tasks, g)
         if not dropped:
             run.save_group(g)  # durable before the trainer can see it
-        writer.append([rollout_record(r.payload["trajectory"], run=config.name, step=g.ticket.policy_version,
+        writer.append([rollout_record(r.trajectory, run=config.name, step=g.ticket.policy_version,
                                       group=g.group_id, attempt=int(r.rollout_id.split("/")[1]),
                                       extra={"dropped": dropped}) for r in g.rollouts])
 

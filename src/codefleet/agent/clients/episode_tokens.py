@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from codefleet.model import chat
+from codefleet.types import TokenSequence
 
 
 class SequenceBroken(RuntimeError):
@@ -99,6 +100,11 @@ class EpisodeTokens:
         if len(routing) > 1 and not routing[-1]:
             routing[-1] = routing[-2]
         return routing if routing and all(routing) else None
+
+    def sequence(self) -> TokenSequence:
+        """The episode's tokens as the value a Trajectory carries (`Trajectory.sequence`)."""
+        return TokenSequence(list(self.ids), list(self.mask), list(self.logprobs), list(self.versions),
+                             self.routed_experts())
 
 
 def flat(per_layer: list[list[int]]) -> list[int]:
