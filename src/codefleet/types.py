@@ -193,6 +193,23 @@ class Failure(str, Enum):
 
 
 @dataclass
+class PolicyOutput:
+    """One assistant turn as a policy produced it."""
+
+    text: str
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    model: str = ""
+    finish_reason: str = ""
+    # For RL (token-in, token-out); None where the backend cannot provide them.
+    token_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+    policy_versions: list[int] | None = None
+    routed_experts: list[list[int]] | None = None
+
+
+@dataclass
 class CheckResult:
     """Outcome of the hidden checks after an episode."""
 

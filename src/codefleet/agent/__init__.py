@@ -15,9 +15,11 @@ run`). docs/agent.md is the user's guide.
 """
 
 from codefleet.agent.loop import AgentLoop
-from codefleet.agent.policy import Policy, PolicyError, PolicyOutput, parse_tool_call
+from codefleet.agent.policy import PolicyError, parse_tool_call
 from codefleet.agent.prompts import build_messages
-from codefleet.agent.tools import TOOL_SPECS, ToolConfig, Toolbox, tool_schemas
+from codefleet.agent.tools import TOOL_SPECS, Toolbox, ToolConfig, tool_schemas
+from codefleet.contracts import Policy
+from codefleet.types import PolicyOutput
 
 __all__ = ["AgentLoop", "Policy", "PolicyError", "PolicyOutput", "TOOL_SPECS", "ToolConfig", "Toolbox",
            "build_messages", "parse_tool_call", "tool_schemas"]

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from codefleet.agent import workspace
 from codefleet.agent.episode import EpisodeConfig, score, solve
 from codefleet.agent.loop import AgentLoop, Event
-from codefleet.agent.policy import Policy
 from codefleet.agent.tools import ToolConfig
-from codefleet.sandbox.base import Sandbox, SandboxConfig
+from codefleet.contracts import Policy, Sandbox
+from codefleet.sandbox.base import SandboxConfig
 from codefleet.tasks.checks import prepare_sandbox
 from codefleet.types import Budgets, Task, Trajectory
 

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 
 from codefleet.agent.loop import AgentLoop, EventSink
 from codefleet.agent.planner import make_plan
-from codefleet.agent.policy import Policy
 from codefleet.agent.prompts import build_messages, check_prompt
 from codefleet.agent.reward import RewardConfig, compute_reward, efficiency
 from codefleet.agent.tools import ToolConfig
-from codefleet.sandbox.base import Sandbox, SandboxConfig
+from codefleet.contracts import Policy, Sandbox
+from codefleet.sandbox.base import SandboxConfig
 from codefleet.tasks.checks import prepare_sandbox, run_checks, workspace_diff
 from codefleet.types import Budgets, Task, Trajectory
 

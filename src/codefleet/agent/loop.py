@@ -33,10 +33,10 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from codefleet.agent.parallel import execute_calls
-from codefleet.agent.policy import OutOfTime, Policy, PolicyOutput, assistant_message
+from codefleet.agent.policy import OutOfTime, assistant_message
 from codefleet.agent.tools import Toolbox, ToolConfig, tool_schemas
-from codefleet.sandbox.base import Sandbox
-from codefleet.types import Budgets, Failure, ToolCall, ToolResult, Trajectory, Turn
+from codefleet.contracts import Policy, Sandbox
+from codefleet.types import Budgets, Failure, PolicyOutput, ToolCall, ToolResult, Trajectory, Turn
 
 Event = dict
 EventSink = Callable[[Event], None]

@@ -11,10 +11,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from codefleet.agent.policy import Policy
 from codefleet.agent.prompts import planner_messages
 from codefleet.agent.tools import Toolbox
-from codefleet.sandbox.base import Sandbox
+from codefleet.contracts import Policy, Sandbox
 from codefleet.types import ToolCall
 
 

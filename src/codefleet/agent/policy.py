@@ -1,4 +1,4 @@
-"""The Policy contract: what the agent loop asks of a model.
+"""What the agent loop asks of a model (the `codefleet.contracts.Policy` Protocol), and what every backend shares.
 
 A policy is given the conversation so far (OpenAI chat messages) and the tool
 schemas, and returns ONE assistant turn: text, zero or more tool calls, token
@@ -18,47 +18,18 @@ server such a call's arguments read "{}" (`assistant_message`).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
 
-from codefleet.types import ToolCall
+from codefleet.types import Failure, PolicyOutput, ToolCall
 
 
 class PolicyError(RuntimeError):
     """The model could not produce a turn (endpoint down, bad response); the message says what to check."""
 
+    failure = Failure.POLICY
+
 
 class OutOfTime(PolicyError):
     """The episode's wall clock ran out before or during the model call (the loop stops with "wall_clock")."""
-
-
-@dataclass
-class PolicyOutput:
-    """One assistant turn as a policy produced it."""
-
-    text: str
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    model: str = ""
-    finish_reason: str = ""
-    # For RL (token-in, token-out); None where the backend cannot provide them.
-    token_ids: list[int] | None = None
-    logprobs: list[float] | None = None
-    policy_versions: list[int] | None = None
-    routed_experts: list[list[int]] | None = None
-
-
-@runtime_checkable
-class Policy(Protocol):
-    """A model that writes assistant turns. Implementations must be safe to
-    call from several threads at once (parallel attempts share one policy)."""
-
-    name: str
-
-    def generate(self, messages: list[dict], tools: list[dict]) -> PolicyOutput:
-        """One assistant turn for `messages`, allowed to call `tools` (OpenAI function schemas)."""
-        ...
 
 
 def parse_tool_call(call_id: str, name: str, raw_arguments: str | dict | None) -> ToolCall:

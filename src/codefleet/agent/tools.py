@@ -27,7 +27,8 @@ import shlex
 import time
 from dataclasses import dataclass
 
-from codefleet.sandbox.base import Sandbox, SandboxError
+from codefleet.contracts import Sandbox
+from codefleet.sandbox.base import SandboxError
 from codefleet.sandbox.files import FileTooLargeError
 from codefleet.types import ToolCall, ToolResult
 

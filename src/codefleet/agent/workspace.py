@@ -27,7 +27,7 @@ import os
 import subprocess
 
 from codefleet.agent.tools import PRIVATE_DIR, read_exact
-from codefleet.sandbox.base import Sandbox
+from codefleet.contracts import Sandbox
 
 _DIFF_FILE = f"{PRIVATE_DIR}/git/codefleet.diff"
 _GIT = (f"export GIT_DIR=\"$PWD/{PRIVATE_DIR}/git\" GIT_WORK_TREE=\"$PWD\" "

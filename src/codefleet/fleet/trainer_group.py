@@ -54,13 +54,13 @@ import torch
 import torch.distributed as dist
 from ray.exceptions import RayActorError, RayError
 
+from codefleet.contracts import TRAINERS
 from codefleet.model.config import ModelConfig
 from codefleet.model.transformer import Transformer
 from codefleet.rl.batch import Sample
 from codefleet.rl.trainer import (
     Example,
     TrainConfig,
-    Trainer,
     check_examples,
     check_samples,
     has_signal,
@@ -138,10 +138,10 @@ class TrainerWorker:
         torch.set_num_threads(threads)
         self.rank, self.world_size, self.config = rank, world_size, config
         if checkpoint is not None:
-            self.trainer = Trainer.load(checkpoint, config)
+            self.trainer = TRAINERS.get(config.backend).load(checkpoint, config)
         else:
             torch.manual_seed(config.seed)
-            self.trainer = Trainer(Transformer(model_config), config)
+            self.trainer = TRAINERS.get(config.backend)(Transformer(model_config), config)
 
     def rendezvous(self) -> str:
         """A tcp:// address on this node with a free port, for the others to join."""
@@ -160,11 +160,11 @@ class TrainerWorker:
         return self.trainer.version
 
     def sft_step(self, examples: list[Example], total_tokens: int) -> dict[str, float]:
-        metrics = self.trainer.forward_backward_sft(examples, total_tokens)
+        metrics = self.trainer.forward_backward(examples, "sft", total_tokens)
         return {**metrics, **self._reduce_and_step()}
 
     def rl_step(self, samples: list[Sample], total_units: int) -> dict[str, float]:
-        metrics = self.trainer.forward_backward_rl(samples, total_units)
+        metrics = self.trainer.forward_backward(samples, "rl", total_units)
         return {**metrics, **self._reduce_and_step()}
 
     def skip_step(self) -> dict[str, float]:
@@ -183,7 +183,7 @@ class TrainerWorker:
         self.trainer.save(path)
 
     def load(self, path: str) -> int:
-        self.trainer = Trainer.load(path, self.config)
+        self.trainer = TRAINERS.get(self.config.backend).load(path, self.config)
         return self.trainer.version
 
 

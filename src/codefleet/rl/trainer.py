@@ -66,6 +66,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
+from codefleet.contracts import TRAINERS
 from codefleet.model import checkpoint
 from codefleet.model.transformer import Transformer
 from codefleet.rl.batch import Sample, collate, rl_loss
@@ -91,6 +92,7 @@ class TrainConfig:
     warmup_steps: int = 0  # linear warm-up of the learning rate over the first steps
     decay_steps: int = 0  # cosine decay to lr * min_lr_ratio at this step (0: constant after warm-up)
     min_lr_ratio: float = 0.1
+    backend: str = "dp"  # the Trainer implementation, by name (codefleet.contracts.TRAINERS): "dp" is this one
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step `step` (0-based). A pure function of the step, so a resumed
@@ -223,6 +225,14 @@ class Trainer:
         return self.params[0].device
 
     # ---- forward + backward ----------------------------------------------------------
+
+    def forward_backward(self, batch: list, loss: str, total_tokens: int | None = None) -> dict[str, float]:
+        """The contract's entry (codefleet.contracts.Trainer): `loss` "sft" takes Examples, "rl" Samples."""
+        if loss == "sft":
+            return self.forward_backward_sft(batch, total_tokens)
+        if loss == "rl":
+            return self.forward_backward_rl(batch, total_tokens)
+        raise ValueError(f"loss must be 'sft' or 'rl', got {loss!r}")
 
     def forward_backward_sft(self, examples: list[Example], total_tokens: int | None = None) -> dict[str, float]:
         """Cross-entropy on the assistant's tokens; gradients accumulate. `total_tokens`: trained targets of the
@@ -381,3 +391,6 @@ class Trainer:
                              weight_decay=trainer.config.weight_decay)
             torch.set_rng_state(state["rng"])
         return trainer
+
+
+TRAINERS.register("dp", Trainer)

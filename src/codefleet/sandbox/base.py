@@ -12,9 +12,6 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
-
-from codefleet.types import ExecResult, FileEntry, SandboxInfo, SearchMatch
 
 WORKSPACE = "/workspace"
 
@@ -94,33 +91,3 @@ def check_env_names(env: dict[str, str]) -> None:
             raise ValueError(f"SandboxConfig.env: {name!r} is not a variable name; use letters, digits and '_', "
                              "not starting with a digit")
 
-
-@runtime_checkable
-class Sandbox(Protocol):
-    """What every backend provides. Paths are relative to the workspace
-    (absolute paths under /workspace are accepted too)."""
-
-    id: str
-    info: SandboxInfo
-
-    def exec(self, command: str, timeout_s: float | None = None) -> ExecResult:
-        """Run `command` in the persistent shell (cwd/env persist)."""
-        ...
-
-    def run_oneoff(self, argv: list[str], timeout_s: float | None = None) -> ExecResult:
-        """Run argv in a fresh process over the same workspace, outside the shell."""
-        ...
-
-    def read_file(self, path: str, start_line: int | None = None, end_line: int | None = None) -> str: ...
-
-    def write_file(self, path: str, content: str | bytes) -> None: ...
-
-    def list_dir(self, path: str = ".", recursive: bool = False) -> list[FileEntry]: ...
-
-    def search(self, pattern: str, path: str = ".", max_matches: int = 200) -> list[SearchMatch]: ...
-
-    def fork(self, n: int) -> list["Sandbox"]: ...
-
-    def alive(self) -> bool: ...
-
-    def close(self) -> None: ...

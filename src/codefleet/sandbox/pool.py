@@ -14,7 +14,8 @@ import logging
 import threading
 from collections.abc import Callable
 
-from codefleet.sandbox.base import Sandbox, SandboxClosedError, SandboxConfig
+from codefleet.contracts import Sandbox
+from codefleet.sandbox.base import SandboxClosedError, SandboxConfig
 
 log = logging.getLogger(__name__)
 

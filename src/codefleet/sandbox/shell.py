@@ -43,9 +43,9 @@ with invalid UTF-8 replaced, so binary output never breaks anything.
 from __future__ import annotations
 
 import errno
-import re
 import fcntl
 import os
+import re
 import secrets
 import select
 import signal

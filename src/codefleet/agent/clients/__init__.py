@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from codefleet.agent.clients.local_engine import LocalEnginePolicy, LocalEngineUnavailableError
 from codefleet.agent.clients.openai_http import OpenAIConfig, OpenAIPolicy
-from codefleet.agent.policy import Policy
+from codefleet.contracts import Policy
 
 
 def build_policy(spec: str, model_name: str = "", **options: object) -> Policy:

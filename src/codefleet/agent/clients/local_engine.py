@@ -33,12 +33,12 @@ import itertools
 from dataclasses import replace
 
 from codefleet.agent.clients.episode_tokens import EpisodeTokens, SequenceBroken, flat
-from codefleet.agent.policy import PolicyError, PolicyOutput, parse_tool_call
+from codefleet.agent.policy import PolicyError, parse_tool_call
 from codefleet.agent.tools import tool_schemas
 from codefleet.model import chat
 from codefleet.model.engine import load_engine
 from codefleet.model.sampling import SamplingParams
-from codefleet.types import ToolCall
+from codefleet.types import PolicyOutput, ToolCall
 
 
 class LocalEngineUnavailableError(NotImplementedError):

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import openai
 
-from codefleet.agent.policy import OutOfTime, PolicyError, PolicyOutput, parse_tool_call
+from codefleet.agent.policy import OutOfTime, PolicyError, parse_tool_call
+from codefleet.types import PolicyOutput
 
 
 @dataclass

@@ -49,9 +49,9 @@ import os
 import re
 import shlex
 
-from codefleet.agent.policy import PolicyOutput, parse_tool_call
+from codefleet.agent.policy import parse_tool_call
 from codefleet.tasks.patch import FileDiff, PatchError, apply_file_diff, parse_unified_diff
-from codefleet.types import Task
+from codefleet.types import PolicyOutput, Task
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]{3,}")
 # `name` or `name(...)` in an instruction: a function or constant it talks about (not a path, not a value)

@@ -1,0 +1,42 @@
+"""The backends codefleet ships are found by name and keep their contracts (codefleet/contracts.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+import codefleet.sandbox  # noqa: F401  (registers the sandbox backends)
+from codefleet.agent.clients import OpenAIConfig, OpenAIPolicy
+from codefleet.agent.clients.scripted import ScriptedExpert
+from codefleet.contracts import SANDBOXES, TRAINERS, Policy, Registry, Sandbox, Trainer
+from codefleet.rl.trainer import TrainConfig
+from codefleet.sandbox import SandboxConfig, create_sandbox
+from codefleet.tasks import generate_tasks
+
+
+def test_an_unknown_name_is_one_sentence_naming_the_known_ones():
+    registry = Registry("widget backend")
+    registry.register("a", object)
+    with pytest.raises(ValueError, match=r"unknown widget backend 'b'; known: a"):
+        registry.get("b")
+    with pytest.raises(ValueError, match="registered twice"):
+        registry.register("a", int)
+    with pytest.raises(ValueError, match="unknown sandbox backend 'vm'.*choose one of local, namespace"):
+        create_sandbox(None, SandboxConfig(backend="vm"))
+
+
+def test_the_shipped_sandboxes_keep_the_sandbox_contract():
+    assert {"namespace", "local"} <= set(SANDBOXES.names())
+    with create_sandbox(None, SandboxConfig(backend="local")) as sb:
+        assert isinstance(sb, Sandbox)
+
+
+def test_the_shipped_policies_keep_the_policy_contract(tmp_path):
+    (task,) = generate_tasks(str(tmp_path), 1, seed=0)
+    assert isinstance(ScriptedExpert(task), Policy)
+    assert isinstance(OpenAIPolicy(OpenAIConfig(base_url="http://127.0.0.1:9/v1", model="m")), Policy)
+
+
+def test_the_trainer_is_found_by_the_name_its_config_gives():
+    cls = TRAINERS.get(TrainConfig().backend)
+    assert all(callable(getattr(cls, m, None)) for m in ("forward_backward", "optim_step", "save", "load"))
+    assert {m for m in dir(Trainer) if not m.startswith("_")} <= set(dir(cls))
