@@ -10,7 +10,7 @@ habit and compares the logprobs of their first `--tokens` tokens (the words
 that commit to a habit: "Let me look at..." or "Renaming ..."), normalised
 over the two, so it prints P(explore) per task and its mean per checkpoint:
 
-    python scripts/habit_probe.py --tasks RUN/tasks/eval RUN/checkpoints/sft RUN/checkpoints/rl-step-000016
+    python experiments/probes/habit_probe.py --tasks RUN/tasks/eval RUN/checkpoints/sft RUN/checkpoints/rl-step-000016
 
 Only tasks where the habits differ are scored (renames, and tasks whose
 instruction names every file the patch reads). The prompt is the bare one

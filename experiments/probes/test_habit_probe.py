@@ -1,4 +1,4 @@
-"""scripts/habit_probe.py: P(explore) of a checkpoint's opening on tasks with two habits."""
+"""experiments/probes/habit_probe.py: P(explore) of a checkpoint's opening on tasks with two habits."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 
 
 def _probe():
-    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "habit_probe.py")
+    path = os.path.join(os.path.dirname(__file__), "habit_probe.py")
     spec = importlib.util.spec_from_file_location("habit_probe", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
