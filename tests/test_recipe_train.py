@@ -19,6 +19,8 @@ import pytest
 import yaml
 from helpers import wait_for
 
+from codefleet.recipe.run_dir import RunDir
+
 TINY = ["tasks.n_train=4", "tasks.n_eval=2", "tasks.families=[bugfix, config]", "sft.epochs=1", "sft.batch_size=4",
         "rl.steps=5", "rl.group_size=2", "rl.batch_groups=1", "rl.rollout_slots=4", "rl.eta=1", "rl.max_tokens=24",
         "rl.max_turns=2", "eval.max_tokens=24", "eval.attempts=1", "cluster.num_cpus=4"]
@@ -146,6 +148,7 @@ def test_train_refuses_an_existing_run_and_a_missing_one(tmp_path):
     assert "sft.workers and sft.threads must be >= 1" in out.stderr and "tasks.n_rl_extra must be >= 0" in out.stderr
     assert not (tmp_path / "r3").exists()
     (tmp_path / "r4").mkdir()
+    RunDir(str(tmp_path / "r4")).write_format()
     (tmp_path / "r4" / "config.yaml").write_text("rl:\n  steps: many\n")  # a hand-edited run config
     out = subprocess.run(_cli("train", "--resume", str(tmp_path / "r4")), capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "rl.steps: expected int" in out.stderr and "Traceback" not in out.stderr
@@ -171,16 +174,18 @@ def test_a_resumed_run_takes_changes_to_where_it_runs_how_long_rl_goes_and_its_e
     from codefleet.recipe.config import TrainRunConfig
 
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(to_dict(TrainRunConfig(name="saved"))))
+    with pytest.raises(RunError, match="written by another codefleet version .no readable run.json.*start a new run"):
+        resumed_config(str(tmp_path))
+    RunDir(str(tmp_path)).write_format()
     config = resumed_config(str(tmp_path), ["rl.steps=32", "eval.attempts=2", "cluster.num_cpus=8"], "ray://head:1")
     assert (config.name, config.rl.steps, config.eval.attempts) == ("saved", 32, 2)
     assert (config.cluster.num_cpus, config.cluster.address) == (8.0, "ray://head:1")
     with pytest.raises(RunError, match="rl.lr cannot change when a run resumes"):
         resumed_config(str(tmp_path), ["rl.lr=1e-3"])
-    assert config.tasks.rl_tasks == "fresh"  # saved with the field
-    old = to_dict(TrainRunConfig(name="old"))
-    del old["tasks"]["rl_tasks"]  # a run from before tasks.rl_tasks: RL went on with its demonstrated tasks
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
-    assert resumed_config(str(tmp_path)).tasks.rl_tasks == "train"
+    (tmp_path / "run.json").write_text('{"format": 0}')
+    with pytest.raises(RunError, match=r"\(format 0, this one reads format 1\)"):
+        resumed_config(str(tmp_path))
+    RunDir(str(tmp_path)).write_format()
     out = subprocess.run(_cli("train", "--resume", str(tmp_path), "--out", str(tmp_path)), capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 2 and "drop --out" in out.stderr
@@ -295,6 +300,7 @@ def _committed_run(tmp_path, step=2):
         f.write("{}")
     run.commit_checkpoint(step, {"consumed_ids": ["0/0"], "lags": [0], "next_group_id": 3, "next_batch": step},
                           ["0/0"])
+    run.write_format()
     (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(to_dict(TrainRunConfig(name="x"))))
     return run
 

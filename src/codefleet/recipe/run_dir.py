@@ -1,6 +1,7 @@
 """What a training run leaves on disk, and how it is read back on `--resume`.
 
     RUN_DIR/
+      run.json                    the directory's format version (FORMAT); another version is refused
       config.yaml                 the resolved TrainRunConfig
       tasks/train, tasks/eval     generated task sets (eval = held-out templates)
       tasks/rl-fresh              new instances of the training templates RL attempts (tasks.rl_tasks=fresh)
@@ -33,6 +34,7 @@ process dies, even by SIGKILL) and a second one is refused.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import pickle
@@ -41,6 +43,12 @@ import tempfile
 
 from codefleet.fleet.staleness import Group
 from codefleet.model.checkpoint import CONFIG_FILE
+
+
+# The layout above, as a number: a run directory written in another layout is refused on --resume with one
+# sentence, never half-read. Raise it when the layout or the pickled groups change.
+FORMAT = 1
+FORMAT_FILE = "run.json"
 
 
 class RunError(RuntimeError):
@@ -74,10 +82,24 @@ class RunDir:
     def path(self, *parts: str) -> str:
         return os.path.join(self.root, *parts)
 
+    def write_format(self) -> None:
+        """Mark a new run directory with this version's layout."""
+        atomic_write(self.path(FORMAT_FILE), json.dumps({"format": FORMAT}).encode())
+
+    def check_format(self) -> None:
+        """RunError unless the run directory was written in this version's layout."""
+        try:
+            with open(self.path(FORMAT_FILE)) as f:
+                found = json.load(f).get("format")
+        except (OSError, ValueError, AttributeError):
+            found = None
+        if found != FORMAT:
+            written = f"format {found}" if found is not None else f"no readable {FORMAT_FILE}"
+            raise RunError(f"{self.root} was written by another codefleet version ({written}, this one reads format "
+                           f"{FORMAT}); it cannot be resumed: start a new run with --out")
+
     def lock(self) -> None:
         """Take the run's lock for as long as this process lives (or `unlock()`); RunError if another holds it."""
-        import fcntl
-
         fd = os.open(self.path(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -175,7 +175,7 @@ def demonstrations(run: RunDir, config: TrainRunConfig, tasks, tokenizer):
     log(f"{len(demos.examples)} expert demonstrations ({demos.tokens} tokens{habits}) in {took_s:.0f} s;"
          f" {len(demos.unsolved)} unsolved, {len(demos.too_long)} longer than the context, dropped"
          + (f"; {len(demos.no_patch)} tasks without a reference patch (RL only)" if demos.no_patch else ""))
-    for task_id, why in getattr(demos, "broken", {}).items():  # demonstrations pickled before the field have none
+    for task_id, why in demos.broken.items():
         log(f"task {task_id} is left out of the run, its set-up fails: {why}")
     return demos
 
@@ -315,6 +315,7 @@ def resumed_config(out: str, overrides: list[str] | None = None, address: str | 
     saved = os.path.join(out, "config.yaml")
     if not os.path.isfile(saved):
         raise _nothing_to_resume(out)
+    RunDir(out).check_format()
     for item in overrides or []:
         key = item.partition("=")[0].strip()
         if not any(key == p or key.startswith(p) for p in RESUMABLE):
@@ -325,9 +326,6 @@ def resumed_config(out: str, overrides: list[str] | None = None, address: str | 
     except ConfigError as e:
         raise RunError(f"{saved} cannot be read as this run's configuration with the changes given ({e}); fix "
                        f"that file or the change, or start a new run with --out") from None
-    with open(saved) as f:
-        if "rl_tasks" not in ((yaml.safe_load(f) or {}).get("tasks") or {}):
-            config.tasks.rl_tasks = "train"  # a run from before the field: RL attempted its demonstrated tasks
     if address:
         config.cluster.address = address
     return config
@@ -346,8 +344,11 @@ def train(config: TrainRunConfig, out: str, resume: bool = False, progress: bool
             os.makedirs(run.root, exist_ok=True)
         except OSError as e:
             raise RunError(f"cannot make the run directory {out} ({e.strerror or e}); choose another --out") from None
+        run.write_format()
     elif not os.path.isfile(saved):
         raise _nothing_to_resume(out)
+    else:
+        run.check_format()
     run.lock()  # one process per run: two would overwrite each other's groups and checkpoints
     try:
         if resume:
