@@ -8,6 +8,7 @@ import torch
 
 from codefleet.model import checkpoint
 from codefleet.model.config import ModelConfig
+from codefleet.model.copying import CopyConfig
 from codefleet.model.transformer import Transformer
 
 
@@ -38,6 +39,8 @@ def test_round_trip_is_bit_identical(tmp_path, tie):
 def test_config_json_round_trip_and_errors(tmp_path):
     cfg = ModelConfig.small()
     assert ModelConfig.from_json(cfg.to_json()) == cfg
+    copying = ModelConfig.tiny(copy=CopyConfig(prev_tokens=3, head=True, scope="prompt", match=True, blocked=[5, 9]))
+    assert ModelConfig.from_json(copying.to_json()) == copying
     assert ModelConfig.from_dict(json.loads(json.dumps(ModelConfig.tiny().to_dict()))) == ModelConfig.tiny()
     with pytest.raises(ValueError, match="unknown field"):
         ModelConfig.from_dict({"d_model": 8, "n_wings": 2})

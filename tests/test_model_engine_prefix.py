@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from codefleet.model.config import ModelConfig
+from codefleet.model.copying import CopyConfig
 from codefleet.model.engine import Engine
 from codefleet.model.prefix_cache import common_prefix as _common_prefix
 from codefleet.model.sampling import SamplingParams
@@ -19,11 +20,11 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0)
 @pytest.fixture(scope="module", params=["plain", "copy_head", "copy_prompt_match", "copy_blocked"])
 def model(request):
     torch.manual_seed(0)
-    variant = {"plain": {}, "copy_head": {"copy_head": True},
-               "copy_prompt_match": {"copy_head": True, "copy_scope": "prompt", "copy_match": True},
-               "copy_blocked": {"copy_head": True, "copy_scope": "prompt", "copy_match": True,
-                                "copy_blocked": list(range(16, 600))}}[request.param]
-    return Transformer(ModelConfig.tiny(**variant)).eval()
+    copy = {"plain": CopyConfig(), "copy_head": CopyConfig(head=True),
+            "copy_prompt_match": CopyConfig(head=True, scope="prompt", match=True),
+            "copy_blocked": CopyConfig(head=True, scope="prompt", match=True,
+                                       blocked=list(range(16, 600)))}[request.param]
+    return Transformer(ModelConfig.tiny(copy=copy)).eval()
 
 
 def pieces(n: int, length: int, seed: int) -> list[list[int]]:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from codefleet.model import kernels
 from codefleet.model.cache import SlotKVCache
 from codefleet.model.config import ModelConfig
+from codefleet.model.copying import CopyConfig
 from codefleet.model.moe import MoE
 from codefleet.model.transformer import Transformer
 
@@ -140,7 +141,7 @@ def test_a_native_decode_step_equals_the_python_one(monkeypatch, overrides):
     Python router), over slots that are not packed; a dense layer and a shared expert take their modules."""
     assert kernels.decode_layer() is not None, "the decode_layer kernel did not build"
     torch.manual_seed(0)
-    model = Transformer(ModelConfig.tiny(prev_tokens=0, **overrides)).eval()
+    model = Transformer(ModelConfig.tiny(copy=CopyConfig(prev_tokens=0), **overrides)).eval()
     if "balance" in overrides:
         for block in model.layers[model.config.first_dense_layers:]:
             block.ffn.router.expert_bias_E.normal_(0.0, 0.05)

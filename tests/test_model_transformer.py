@@ -8,13 +8,19 @@ import torch
 import torch.nn.functional as F
 
 from codefleet.model.config import ModelConfig
-from codefleet.model.transformer import Transformer, apply_rope, copy_ends, rope_cos_sin, token_logprobs
+from codefleet.model.copying import CopyConfig, copy_ends
+from codefleet.model.transformer import Transformer, apply_rope, rope_cos_sin, token_logprobs
 
 
-def _small(**overrides) -> ModelConfig:
+def _small(copy: CopyConfig | None = None, **overrides) -> ModelConfig:
     base = {"vocab_size": 97, "d_model": 32, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8, "n_experts": 4, "top_k": 2,
                 "d_expert": 16, "first_dense_layers": 1, "d_dense": 48, "n_shared_experts": 1, "d_shared": 16}
-    return ModelConfig(**{**base, **overrides})
+    return ModelConfig(**{**base, **overrides}, copy=copy or CopyConfig())
+
+
+def _copying(**copy) -> ModelConfig:
+    """`_small` with the copy head on and `copy`'s other fields."""
+    return _small(CopyConfig(head=True, **copy))
 
 
 class RefCache:
@@ -85,7 +91,7 @@ def test_cached_decode_equals_full_forward():
         steps = [model(tokens_BT[:, :6], cache=cache, return_routing=True)]
         for t in range(6, 10):
             steps.append(model(tokens_BT[:, t:t + 1], positions_BT=torch.full((3, 1), t), cache=cache,
-                               return_routing=True, prev_BK=tokens_BT[:, t - cfg.prev_tokens:t]))
+                               return_routing=True, prev_BK=tokens_BT[:, t - cfg.copy.prev_tokens:t]))
     logits_BTV = torch.cat([s.logits_BTV for s in steps], dim=1)
     torch.testing.assert_close(logits_BTV, full.logits_BTV, atol=1e-5, rtol=1e-5)
     routed = [torch.cat([s.routed_experts[i] for s in steps], dim=1) for i in range(cfg.n_moe_layers)]
@@ -172,7 +178,7 @@ def test_inference_head_equals_the_training_head_and_follows_weight_updates():
 
 def test_a_continuing_forward_needs_the_tokens_before_it():
     cfg = _small()
-    assert cfg.prev_tokens == 2
+    assert cfg.copy.prev_tokens == 2
     model = Transformer(cfg).eval()
     tokens_BT = torch.randint(0, 97, (2, 8))
     with torch.no_grad():
@@ -184,7 +190,7 @@ def test_a_continuing_forward_needs_the_tokens_before_it():
             model(tokens_BT[:, 5:6], positions_BT=torch.full((2, 1), 5), cache=cache, prev_BK=tokens_BT[:, 4:5])
 
 
-def test_previous_tokens_change_the_input_and_old_configs_have_none():
+def test_previous_tokens_change_the_input_and_a_config_must_name_every_field():
     cfg = _small()
     model = Transformer(cfg).eval()
     tokens_BT = torch.randint(0, 97, (1, 6))
@@ -195,14 +201,17 @@ def test_previous_tokens_change_the_input_and_old_configs_have_none():
     assert torch.equal(x[0, :2], y[0, :2]) and torch.equal(x[0, 5:], y[0, 5:])  # token 2 reaches positions 2-4
     assert not torch.equal(x[0, 3], y[0, 3]) and not torch.equal(x[0, 4], y[0, 4])
     saved = json.loads(cfg.to_json())
-    del saved["prev_tokens"]  # a config.json written before the field existed
-    assert ModelConfig.from_json(json.dumps(saved)).prev_tokens == 0
+    del saved["copy"]["prev_tokens"]  # a config.json from another version, or edited by hand
+    with pytest.raises(ValueError, match=r"missing field\(s\) \['copy.prev_tokens'\]"):
+        ModelConfig.from_json(json.dumps(saved))
+    saved["copy"].update(prev_tokens=2, wings=3)
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['copy.wings'\]"):
+        ModelConfig.from_json(json.dumps(saved))
 
 
 def test_copy_head_output_is_a_mixture_whose_copy_share_lies_on_the_context():
     torch.manual_seed(0)
-    cfg = _small(copy_head=True)
-    model = Transformer(cfg).eval()
+    model = Transformer(_copying()).eval()
     tokens_BT = torch.randint(0, 40, (2, 12))  # ids 40..96 never occur in the context
     with torch.no_grad():
         mixed_BTV = model(tokens_BT).logits_BTV
@@ -223,9 +232,6 @@ def test_copy_head_output_is_a_mixture_whose_copy_share_lies_on_the_context():
             seen = set(tokens_BT[b, : t + 1].tolist())
             outside = [v for v in range(97) if v not in seen]
             assert copied_BTV[b, t, outside].sum() < 1e-6
-    saved = json.loads(cfg.to_json())
-    del saved["copy_head"]  # a config.json written before the field existed
-    assert ModelConfig.from_json(json.dumps(saved)).copy_head is False
 
 
 def test_copy_ends_give_each_turn_the_prompt_it_was_generated_from():
@@ -236,7 +242,7 @@ def test_copy_ends_give_each_turn_the_prompt_it_was_generated_from():
 def test_copy_scope_prompt_points_only_before_the_current_turn():
     """Gate open: all of p is the copy share. In a turn (targets 6..11) only the prompt's tokens get any."""
     torch.manual_seed(0)
-    model = Transformer(_small(copy_head=True, copy_scope="prompt")).eval()
+    model = Transformer(_copying(scope="prompt")).eval()
     model.copy.gate.bias.data.fill_(40.0)
     tokens_BT = torch.tensor([[1, 2, 3, 4, 5, 6, 50, 51, 52, 53, 54, 55]])
     turn_mask_BT = torch.zeros(1, 12, dtype=torch.bool)
@@ -251,16 +257,15 @@ def test_copy_scope_prompt_points_only_before_the_current_turn():
     assert every_BTV[0, 10, 50:56].sum() > 0.01  # outside a turn a query sees its whole past
     with pytest.raises(ValueError, match="turn_mask_BT"):
         model(tokens_BT, targets_BT=tokens_BT)
-    assert ModelConfig.from_json(json.dumps({k: v for k, v in model.config.to_dict().items()
-                                             if k != "copy_scope"})).copy_scope == "all"
-    with pytest.raises(ValueError, match="copy_scope"):
-        _small(copy_scope="turn")
+    assert ModelConfig.from_json(model.config.to_json()).copy.scope == "prompt"
+    with pytest.raises(ValueError, match="scope must be 'all' or 'prompt'"):
+        CopyConfig(scope="turn")
 
 
 def test_copy_match_continues_a_copy_where_the_tokens_before_match():
     """Gate open, match weights large: after `7 8` the copy goes to what followed `7 8` in the context."""
     torch.manual_seed(0)
-    model = Transformer(_small(copy_head=True, copy_match=True)).eval()
+    model = Transformer(_copying(match=True)).eval()
     model.copy.gate.bias.data.fill_(40.0)
     model.copy.match_w.data.fill_(30.0)
     tokens_BT = torch.tensor([[5, 7, 8, 9, 6, 8, 11, 3, 7, 8], [1]  * 9 + [2]])
@@ -276,7 +281,7 @@ def test_copy_head_learns_to_copy_what_the_generator_alone_cannot_in_the_same_st
     """Repeat a random sequence: the copy head's gradient comes straight from the target."""
     def final_loss(copy_head: bool) -> float:
         torch.manual_seed(0)
-        model = Transformer(_small(copy_head=copy_head, n_layers=2, first_dense_layers=0))
+        model = Transformer(_small(CopyConfig(head=copy_head), n_layers=2, first_dense_layers=0))
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         for _ in range(120):
             first = torch.randint(0, 97, (16, 8))
@@ -296,7 +301,7 @@ def test_copy_head_learns_to_copy_what_the_generator_alone_cannot_in_the_same_st
                          ids=["plain", "copy_head", "copy_prompt_match", "copy_blocked"])
 def test_target_logprobs_equal_the_full_distributions_and_their_gradients(copy_head, scope, match, blocked):
     torch.manual_seed(0)
-    model = Transformer(_small(copy_head=copy_head, copy_scope=scope, copy_match=match, copy_blocked=blocked))
+    model = Transformer(_small(CopyConfig(head=copy_head, scope=scope, match=match, blocked=blocked)))
     tokens_BT = torch.randint(0, 40, (2, 10))
     targets_BT = torch.randint(0, 97, (2, 10))
     targets_BT[:, :5] = tokens_BT[:, :5]  # some targets occur in the context, some do not
@@ -315,12 +320,12 @@ def test_target_logprobs_equal_the_full_distributions_and_their_gradients(copy_h
 def test_blocked_tokens_are_never_copied_unless_nothing_else_is_in_the_context():
     torch.manual_seed(0)
     blocked = [5, 6]
-    model = Transformer(_small(copy_head=True, copy_match=True, copy_blocked=blocked))
+    model = Transformer(_copying(match=True, blocked=blocked))
     tokens_BT = torch.tensor([[5, 6, 7, 5, 8, 6, 9, 5]])
     h_BTD = torch.randn(1, tokens_BT.shape[1], model.config.d_model)
     attn_BTL, tokens_BL = model.copy._attention(h_BTD, h_BTD, tokens_BT)
     on_blocked_BT = (attn_BTL * torch.isin(tokens_BL, torch.tensor(blocked))[:, None, :]).sum(-1).detach()
     assert on_blocked_BT[0, 0] == pytest.approx(1.0) and on_blocked_BT[0, 1] == pytest.approx(1.0)  # only 5, 6 seen
     assert on_blocked_BT[0, 2:].abs().max() == 0  # 7 is in sight from position 2 on
-    with pytest.raises(ValueError, match="copy_blocked"):
-        _small(copy_head=True, copy_blocked=[10_000])
+    with pytest.raises(ValueError, match="copy.blocked holds ids outside the vocab"):
+        _copying(blocked=[10_000])

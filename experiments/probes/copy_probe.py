@@ -27,7 +27,7 @@ copies 0 of 20 up to step 3000 (CE 0.71 at 500 steps, 0.42 at 1500, 0.12 at
 3000), 2 of 20 at 3500 and 4 of 20 at 4000 (CE 0.07, 17.8 min). With the
 default now (2 previous tokens, quoted names; a variant of this script that
 decodes without the engine): 5 of 20 at 750 steps, 13 of 20 at 1000 (CE 0.07,
-~7 min). With the copy head (`--copy-head`, `ModelConfig.copy_head`): 16 of 20 at 100
+~7 min). With the copy head (`--copy-head`, `CopyConfig.head`): 16 of 20 at 100
 steps (43 s), 20 of 20 at every check from 200 to 400 (CE 0.002 at 400).
 With `--copy-scope prompt` (2026-12-04, `--steps 150 --batch 8 --short`):
 0, 11, 19 of 20 at steps 50, 100, 150; adding `--copy-match`: 1, 13, 17.
@@ -52,6 +52,7 @@ from codefleet.agent.prompts import build_messages
 from codefleet.agent.tools import tool_schemas
 from codefleet.model import chat
 from codefleet.model.config import ModelConfig
+from codefleet.model.copying import CopyConfig
 from codefleet.model.engine import Engine
 from codefleet.model.sampling import SamplingParams
 from codefleet.model.tokenizer import default_tokenizer
@@ -132,24 +133,23 @@ def main() -> None:
     ap.add_argument("--short", action="store_true", help="instruction only: no system prompt, no tool schemas")
     ap.add_argument("--induction", type=int, default=0, metavar="N",
                     help="first train up to N steps on copying repeated random tokens (induction heads)")
-    ap.add_argument("--prev-tokens", type=int, default=ModelConfig.prev_tokens, metavar="K",
-                    help="the model's previous-token embeddings (ModelConfig.prev_tokens; 0 = none, as in the "
+    ap.add_argument("--prev-tokens", type=int, default=CopyConfig.prev_tokens, metavar="K",
+                    help="the model's previous-token embeddings (CopyConfig.prev_tokens; 0 = none, as in the "
                          "runs before 2026-12-03)")
     ap.add_argument("--copy-head", action="store_true",
-                    help="the model's pointer-generator output (ModelConfig.copy_head)")
+                    help="the model's pointer-generator output (CopyConfig.head)")
     ap.add_argument("--copy-scope", choices=["all", "prompt"], default="all",
-                    help="what the copy head may point at (ModelConfig.copy_scope)")
+                    help="what the copy head may point at (CopyConfig.scope)")
     ap.add_argument("--copy-match", action="store_true",
-                    help="the copy head also scores where the context repeats the last tokens (ModelConfig.copy_match)")
+                    help="the copy head also scores where the context repeats the last tokens (CopyConfig.match)")
     ap.add_argument("--induction-mix", type=float, default=0.0, metavar="W",
                     help="add W x the induction loss to every probe step (keeps the heads from being overwritten)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     torch.manual_seed(0)
     tokenizer = default_tokenizer()
-    model = Transformer(ModelConfig.tiny(vocab_size=tokenizer.vocab_size, prev_tokens=args.prev_tokens,
-                                        copy_head=args.copy_head, copy_scope=args.copy_scope,
-                                        copy_match=args.copy_match))
+    copy = CopyConfig(prev_tokens=args.prev_tokens, head=args.copy_head, scope=args.copy_scope, match=args.copy_match)
+    model = Transformer(ModelConfig.tiny(vocab_size=tokenizer.vocab_size, copy=copy))
     if args.induction:
         started = time.perf_counter()
         steps = induction_warmup(model, args.induction, args.lr)

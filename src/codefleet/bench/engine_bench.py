@@ -182,7 +182,7 @@ def run(quick: bool = False, threads: int = 2, log=print, repeats: int | None = 
     results: dict = {"quick": quick, "threads": threads, "prompt_tokens": prompt_len, "new_tokens": new_tokens,
                      "batch": batch, "n_layers": config.n_layers, "d_model": config.d_model,
                      "n_experts": config.n_experts, "top_k": config.top_k, "vocab_size": config.vocab_size,
-                     "prev_tokens": config.prev_tokens,  # the peer has no previous-token embeddings (2 row gathers)
+                     "prev_tokens": config.copy.prev_tokens,  # the peer has no previous-token embeddings (2 row gathers)
                      "dtype": str(config.torch_dtype).removeprefix("torch."),
                      "native_kernel": kernels.moe_experts() is not None}
     # warm-up on prompts of its own (a timed prompt already parked in the prefix cache would skip its prefill)

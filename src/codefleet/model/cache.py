@@ -30,11 +30,11 @@ axis (`q[B, Hkv, G*T, D]`), so one SDPA call attends with `[B, Hkv, L, D]`
 keys directly. Head `h` uses kv head `h // G` (the `repeat_interleave`
 convention of HF's `repeat_kv`).
 
-A model with a copy head (`ModelConfig.copy_head`) also keeps, per slot and
+A model with a copy head (`CopyConfig.head`) also keeps, per slot and
 position, the copy head's key (`copy_dim` wide) and the token there:
 `copy_context` stores the new ones and returns each row's history; with
-`copy_ends` given to `begin` (`ModelConfig.copy_scope = "prompt"`: each
-request's prompt length), a row's queries see only the copy keys before it.
+`copy_ends` given to `begin` (`CopyConfig.scope = "prompt"`: each request's
+prompt length), a row's queries see only the copy keys before it.
 """
 
 from __future__ import annotations

@@ -26,48 +26,14 @@ The MoE fields (see `moe.py`):
 - `first_dense_layers`: that many leading layers use a dense SwiGLU of hidden
   `d_dense` instead of MoE (DeepSeek-style).
 
-`prev_tokens`: each token's input also sums learned embeddings of the
-`prev_tokens` tokens before it (one table per offset; a short convolution over
-token identities, like a token shift). Attention then finds "the position
-after the previous occurrence of this token" in one layer, the lookup that
-copies a name from the context, instead of first building a previous-token
-head. The tiny model learns to copy unseen names in a fraction of the steps
-(docs/model.md). 0 is the plain Llama/Qwen input; configs saved before the
-field existed load as 0.
+`copy`: how the model copies tokens from its context (`copying.CopyConfig`):
+`prev_tokens` previous-token embeddings in each token's input (2 by
+default) and the optional copy head, a pointer-generator output (off by
+default; `codefleet train` turns it on) with its `scope`, `match` and
+`blocked`. `CopyConfig(prev_tokens=0)` is the plain Llama/Qwen model.
 
-`copy_head`: the output is a pointer-generator mixture (See et al., 2017):
-`p = (1 - g) softmax(lm_head(h_t)) + g sum_{s <= t: x_s = w} a_ts`, where `a`
-is one extra attention of the last hidden state over the context's hidden
-states and `g` a learned gate. Predicting a token that occurs in the context
-then needs only the right attention, whose gradient comes straight from the
-target: a model trained from scratch copies names from its task far sooner
-(docs/model.md). The logits the model returns are `log p`, so sampling,
-logprobs and losses are unchanged. Off by default (the plain Llama/Qwen
-output); `codefleet train` turns it on (`model.copy_head`).
-
-`copy_scope`: which positions the copy head may point at. "all": every
-earlier position, the model's own output included. "prompt": only the tokens
-before the current assistant turn (the prompt the engine was given), so the
-pointer cannot follow its own output around a loop (`to X to X to X ...`,
-seen in the tiny policy's transcripts); names are copied from the task and
-tool results, where they come from. Training then needs the turns' mask
-(`Transformer.forward(turn_mask_BT=...)`), the engine passes each request's
-prompt length. Configs saved before the field existed load as "all".
-
-`copy_match`: the copy head's score of context position s also adds
-`w1 [x_{s-1} = x_t] + w2 [x_{s-1} = x_t and x_{s-2} = x_{t-1}]` (two
-learned scalars): a position whose preceding tokens are the ones just
-written is where a copy continues. A tiny model that learns this by
-attention alone continues a copied name with the wrong piece
-(`transitansit`, `fee_for` for `fee_for_balance`); exact matching makes
-the continuation a lookup, as prompt-lookup decoding does. Off by default.
-
-`copy_blocked`: token ids the copy head never points at (a query whose
-context holds nothing else sees it all), so they come from the LM head
-alone. `codefleet train` (`model.copy_words_only`) fills it with the tokens
-that hold quotes, backticks, brackets, commas or colons: a copy that runs on
-past a name's end (`app.py"}}` out of an earlier tool call) then stops
-where the name does. Empty by default.
+`from_dict`/`from_json` take exactly the fields `to_dict` writes (`copy` as
+a nested object): a field unknown or missing is one error naming them.
 """
 
 from __future__ import annotations
@@ -78,6 +44,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from codefleet.model.copying import CopyConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -108,11 +76,7 @@ class ModelConfig:
     first_dense_layers: int = 0
     d_dense: int = 512
     tie_embeddings: bool = False
-    prev_tokens: int = 2
-    copy_head: bool = False
-    copy_scope: str = "all"  # "all" | "prompt"
-    copy_match: bool = False
-    copy_blocked: list[int] = dataclasses.field(default_factory=list)
+    copy: CopyConfig = dataclasses.field(default_factory=CopyConfig)
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
@@ -124,6 +88,9 @@ class ModelConfig:
         if bad:  # checked first: the checks below divide by some of them
             raise ValueError(f"ModelConfig: sizes must be positive integers (n_shared_experts may be 0), got "
                              f"{', '.join(bad)}; fix config.json or the overrides")
+        if not isinstance(self.copy, CopyConfig):
+            raise TypeError(f"ModelConfig: copy must be a codefleet.model.copying.CopyConfig, got "
+                             f"{type(self.copy).__name__}")
         checks = [
             (self.router_score in ("softmax", "sigmoid"), "router_score must be 'softmax' or 'sigmoid'"),
             (self.balance in ("aux", "bias", "none"), "balance must be 'aux', 'bias' or 'none'"),
@@ -132,9 +99,7 @@ class ModelConfig:
             (1 <= self.top_k <= self.n_experts, "top_k must be between 1 and n_experts"),
             (self.head_dim % 2 == 0, "head_dim must be even (rotary embeddings rotate pairs)"),
             (0 <= self.first_dense_layers <= self.n_layers, "first_dense_layers must be in [0, n_layers]"),
-            (0 <= self.prev_tokens <= 8, "prev_tokens must be in [0, 8]"),
-            (self.copy_scope in ("all", "prompt"), "copy_scope must be 'all' or 'prompt'"),
-            (all(0 <= t < self.vocab_size for t in self.copy_blocked), "copy_blocked holds ids outside the vocab"),
+            (all(0 <= t < self.vocab_size for t in self.copy.blocked), "copy.blocked holds ids outside the vocab"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -178,12 +143,9 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"ModelConfig: unknown field(s) {unknown}; the checkpoint is from a newer codefleet "
-                             "or was edited by hand")
-        return cls(**{"prev_tokens": 0, **d})  # saved before the field existed: no previous-token embeddings
+        """The config `to_dict` wrote; a field unknown or missing (here or in `copy`) is a ValueError."""
+        fields = _exact_fields(cls, d, "")
+        return cls(**{**fields, "copy": CopyConfig(**_exact_fields(CopyConfig, fields["copy"], "copy."))})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -191,6 +153,21 @@ class ModelConfig:
     @classmethod
     def from_json(cls, text: str) -> ModelConfig:
         return cls.from_dict(json.loads(text))
+
+
+def _exact_fields(cls: type, d: object, prefix: str) -> dict[str, Any]:
+    """`d` if it is a dict with exactly the fields of dataclass `cls`, else one ValueError naming the difference."""
+    if not isinstance(d, dict):
+        raise ValueError(f"ModelConfig: {prefix.rstrip('.') or 'the config'} must be a JSON object of "
+                         f"{cls.__name__} fields, not {type(d).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown, missing = sorted(set(d) - names), sorted(names - set(d))
+    if unknown or missing:
+        problems = [f"unknown field(s) {[prefix + n for n in unknown]}"] if unknown else []
+        problems += [f"missing field(s) {[prefix + n for n in missing]}"] if missing else []
+        raise ValueError(f"ModelConfig: {' and '.join(problems)}; the config was written by another codefleet "
+                         "version or edited by hand (to_dict writes every field)")
+    return d
 
 
 def _positive_int(value: object) -> bool:

@@ -168,7 +168,7 @@ class Engine:
         self.cache = SlotKVCache(config.n_layers, max_batch + prefix_slots,
                                  getattr(config, "n_kv_heads", None) or n_heads, head_dim, self.max_seq_len,
                                  dtype=param.dtype, device=self.device,
-                                 copy_dim=head_dim if getattr(config, "copy_head", False) else 0)
+                                 copy_dim=head_dim if config.copy.head else 0)
         if hasattr(model, "_rope"):  # the rotary table for every position the cache holds (no per-step growth)
             model._rope(self.max_seq_len, self.device)
         self._waiting: deque[_Sequence] = deque()
@@ -390,15 +390,15 @@ class Engine:
         """The model over each sequence's tokens from `starts[b]` on (the model's previous-token inputs included)."""
         cfg = self.model.config
         prev_BK = None
-        if cfg.prev_tokens:
-            prev_BK = torch.tensor([s.before(i, cfg.prev_tokens, cfg.vocab_size) for s, i in zip(seqs, starts)],
+        if cfg.copy.prev_tokens:
+            prev_BK = torch.tensor([s.before(i, cfg.copy.prev_tokens, cfg.vocab_size) for s, i in zip(seqs, starts)],
                                    device=self.device)
         return self.model(tokens_BT, positions_BT=positions_BT, cache=self.cache,
                           return_routing=self.record_routing, logits_at_B=logits_at_B, prev_BK=prev_BK)
 
     def _copy_ends(self, seqs: list[_Sequence]) -> list[int] | None:
-        """With `copy_scope = "prompt"` the copy head points only into each request's prompt."""
-        return [len(s.prompt) for s in seqs] if getattr(self.model.config, "copy_scope", "all") == "prompt" else None
+        """With copy scope "prompt" the copy head points only into each request's prompt."""
+        return [len(s.prompt) for s in seqs] if self.model.config.copy.scope == "prompt" else None
 
     def _prefill(self, seqs: list[_Sequence]) -> None:
         """One forward pass over each prompt's tokens after its reused prefix (right-padded to the longest)."""

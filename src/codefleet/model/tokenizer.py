@@ -149,7 +149,7 @@ class Tokenizer:
         return self._bytes[token_id]
 
     def ids_containing(self, chars: str) -> list[int]:
-        """Ids of the tokens whose bytes hold any of the ASCII `chars` (e.g. the copy head's `copy_blocked`)."""
+        """Ids of the tokens whose bytes hold any of the ASCII `chars` (e.g. the copy head's `CopyConfig.blocked`)."""
         wanted = set(chars.encode("ascii"))
         return [i for i, b in enumerate(self._bytes) if wanted.intersection(b)]
 

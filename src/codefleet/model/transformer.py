@@ -28,20 +28,11 @@
   `n_kv_heads` heads there.
 - Feed-forward: the first `first_dense_layers` layers are a dense SwiGLU, the
   rest are `moe.MoE`.
-- Previous tokens (`config.prev_tokens` = K > 0): the input at t is
-  `embed(x_t) + sum_i embed_prev[i-1](x_{t-i})` for i = 1..K, with a row of its
-  own (index `vocab_size`) where t - i is before the sequence's start. A
-  forward that continues a sequence (the engine's cache) passes the K tokens
-  before its first one as `prev_BK`; without it the rows start their sequences.
-- Copy head (`config.copy_head`, `CopyHead`): the logits become the log of a
-  pointer-generator mixture, the LM head's distribution and an attention over
-  the context's tokens; with a cache, `cache.copy_context` keeps each
-  position's copy key and token. With `config.copy_scope = "prompt"` a
-  position whose target the model writes in a turn points only at the tokens
-  before that turn: training passes `turn_mask_BT` (`copy_ends` turns it into
-  each query's limit), the engine each request's prompt length. With
-  `config.copy_match` its scores add learned bonuses where the context
-  repeats the last one or two tokens (a copy continues by lookup).
+- Copying from the context (`config.copy`, `copying.py`): previous-token
+  embeddings in the input (`prev_tokens`; a forward that continues a sequence
+  passes the tokens before its first one as `prev_BK`) and the optional copy
+  head, whose logits are the log of a pointer-generator mixture (with scope
+  "prompt", training passes the turns' mask `turn_mask_BT`).
 
 `forward` returns `ModelOutput(logits_BTV, routed_experts, aux_loss, z_loss)`:
 `routed_experts` is one `[B, T, top_k]` int64 tensor per MoE layer when
@@ -64,6 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from codefleet.model.config import ModelConfig
+from codefleet.model.copying import CopyHead, PrevTokenEmbeddings
 from codefleet.model.decode import decode_blocks
 from codefleet.model.moe import MoE, SwiGLU
 from codefleet.model.weights import fused_weight, inference_linear
@@ -167,97 +159,6 @@ class Block(nn.Module):
         self.ffn = MoE(config) if self.is_moe else SwiGLU(config.d_model, config.d_dense)
 
 
-class CopyHead(nn.Module):
-    """Pointer-generator output (`config.copy_head`): mixes the LM head's distribution with one attention of
-    the last hidden state over the context's hidden states, whose weight on position s goes to token x_s.
-    Returns the mixture's log-probabilities, which every consumer can treat as logits."""
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.scale = config.head_dim ** -0.5
-        self.wq = nn.Linear(config.d_model, config.head_dim, bias=False)
-        self.wk = nn.Linear(config.d_model, config.head_dim, bias=False)
-        self.gate = nn.Linear(config.d_model, 1)
-        # config.copy_match: score bonus where the 1 (2) tokens before a context position equal the query's last
-        self.match_w = nn.Parameter(torch.empty(2)) if config.copy_match else None  # 2.0 (reset_parameters)
-        # config.copy_blocked: tokens it never points at (unless a query's context holds nothing else)
-        copyable_V = None
-        if config.copy_blocked:
-            copyable_V = torch.ones(config.vocab_size, dtype=torch.bool)
-            copyable_V[config.copy_blocked] = False
-        self.register_buffer("copyable_V", copyable_V, persistent=False)
-
-    def forward(self, logits_BTV: torch.Tensor, hq_BTD: torch.Tensor, hk_BSD: torch.Tensor, tokens_BS: torch.Tensor,
-                cache=None, at_B: torch.Tensor | None = None, end_BT: torch.Tensor | None = None) -> torch.Tensor:
-        """`hq_BTD`: the hidden states that predict (those of `logits_BTV`); `hk_BSD`, `tokens_BS`: every new
-        position's hidden state and token. Without a cache the context is `tokens_BS` (causal; `at_B`: the one
-        query position of each row; `end_BT`: each query points only before that position, `copy_ends`); with
-        one, `cache.copy_context` stores the new keys and tokens and returns each row's visible history."""
-        attn_BTL, tokens_BL = self._attention(hq_BTD, hk_BSD, tokens_BS, cache, at_B, end_BT)
-        B, T, V = logits_BTV.shape
-        p_copy_BTV = attn_BTL.new_zeros(B, T, V).scatter_add_(
-            2, tokens_BL[:, None, :].expand(B, T, tokens_BL.shape[1]), attn_BTL)
-        gate_BT1 = self.gate(hq_BTD).float()
-        return _mix(gate_BT1, torch.log_softmax(logits_BTV.float(), dim=-1), p_copy_BTV).to(logits_BTV.dtype)
-
-    def target_logprobs(self, logits_BTV: torch.Tensor, h_BTD: torch.Tensor, tokens_BT: torch.Tensor,
-                        targets_BT: torch.Tensor, end_BT: torch.Tensor | None = None) -> torch.Tensor:
-        """log p(targets) under the mixture, `[B, T]` (fp32), without a `[B, T, V]` copy distribution: the
-        copy share of a target is the attention on the positions that hold it (training: no cache)."""
-        attn_BTS, _ = self._attention(h_BTD, h_BTD, tokens_BT, end_BT=end_BT)
-        p_copy_BT = (attn_BTS * (tokens_BT[:, None, :] == targets_BT[:, :, None])).sum(-1)
-        generator_BT = torch.log_softmax(logits_BTV.float(), dim=-1).gather(-1, targets_BT[..., None])[..., 0]
-        return _mix(self.gate(h_BTD).float()[..., 0], generator_BT, p_copy_BT)
-
-    def _attention(self, hq_BTD, hk_BSD, tokens_BS, cache=None, at_B=None, end_BT=None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The copy attention `[B, T, L]` (fp32) and the token at each of its `L` positions, `[B, L]`."""
-        q_BTD, k_BSD = self.wq(hq_BTD), self.wk(hk_BSD)
-        if cache is not None:
-            k_BLD, tokens_BL, visible_BTL, query_pos_BT = cache.copy_context(k_BSD, tokens_BS, at_B)
-        else:
-            B, S = tokens_BS.shape
-            positions_S = torch.arange(S, device=tokens_BS.device)
-            query_pos_BT = positions_S.expand(B, S) if at_B is None else at_B[:, None]
-            k_BLD, tokens_BL = k_BSD, tokens_BS
-            visible_BTL = positions_S <= query_pos_BT[..., None]  # [B, T, S]
-            if end_BT is not None:
-                visible_BTL = visible_BTL & (positions_S < end_BT[..., None])
-        if self.copyable_V is not None:
-            only_BTL = visible_BTL & self.copyable_V[tokens_BL][:, None, :]
-            visible_BTL = torch.where(only_BTL.any(-1, keepdim=True), only_BTL, visible_BTL)
-        scores_BTL = torch.matmul(q_BTD, k_BLD.transpose(1, 2)).float() * self.scale
-        if self.match_w is not None:
-            scores_BTL = scores_BTL + self._match_bonus(tokens_BL, query_pos_BT)
-        return torch.softmax(scores_BTL.masked_fill(~visible_BTL, float("-inf")), dim=-1), tokens_BL
-
-    def _match_bonus(self, tokens_BL: torch.Tensor, query_pos_BT: torch.Tensor) -> torch.Tensor:
-        """`[B, T, L]`: w1 where the token before position l is the query's token, + w2 where the one before
-        that is the query's previous token too (config.copy_match)."""
-        L = tokens_BL.shape[1]
-        before1_BL, before2_BL = (F.pad(tokens_BL, (k, 0), value=-1)[:, :L] for k in (1, 2))
-        one_BTL = before1_BL[:, None, :] == tokens_BL.gather(1, query_pos_BT)[..., None]
-        two_BTL = one_BTL & (before2_BL[:, None, :] == before1_BL.gather(1, query_pos_BT)[..., None])
-        return self.match_w[0] * one_BTL + self.match_w[1] * two_BTL
-
-
-def copy_ends(turn_mask_BT: torch.Tensor) -> torch.Tensor:
-    """Where each query's copy context ends (exclusive), `[B, T]`, for `copy_scope = "prompt"`.
-
-    `turn_mask_BT` is True where position t's target is a token the model wrote (the loss mask). A run of such
-    positions t0..t1 is one turn, generated from the prompt `tokens[:t0 + 1]`: its queries see positions
-    `<= t0`. Any other query sees its whole past (`<= t`)."""
-    mask = turn_mask_BT.bool()
-    t_BT = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
-    continues = mask & F.pad(mask[:, :-1], (1, 0))  # inside a turn, not its first position
-    return torch.where(continues, 0, t_BT).cummax(dim=1).values + 1
-
-
-def _mix(gate: torch.Tensor, generator_logp: torch.Tensor, p_copy: torch.Tensor) -> torch.Tensor:
-    """log((1 - g) p_generator + g p_copy) with g = sigmoid(gate); a copy share of 0 stays finite."""
-    return torch.logaddexp(F.logsigmoid(-gate) + generator_logp, F.logsigmoid(gate) + p_copy.clamp_min(1e-30).log())
-
-
 @dataclass
 class ModelOutput:
     logits_BTV: torch.Tensor | None  # None when the forward was given targets_BT
@@ -272,13 +173,15 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        # one table per offset; the extra row stands for "before the sequence's start"
-        self.embed_prev = nn.ModuleList(nn.Embedding(config.vocab_size + 1, config.d_model)
-                                        for _ in range(config.prev_tokens))
+        self.embed_prev = None
+        if config.copy.prev_tokens:
+            self.embed_prev = PrevTokenEmbeddings(config.copy.prev_tokens, config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self.copy = CopyHead(config) if config.copy_head else None
+        self.copy = None
+        if config.copy.head:
+            self.copy = CopyHead(config.copy, config.d_model, config.head_dim, config.vocab_size)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.reset_parameters()
@@ -310,7 +213,7 @@ class Transformer(nn.Module):
         `targets_BT`: return `target_logprobs_BT`, log p of each target (what training needs), instead of
         `logits_BTV`; with a copy head this skips the `[B, T, V]` copy distribution (no cache).
         `turn_mask_BT`: True where the target is a token the model wrote in a turn (the loss mask); a forward
-        without a cache needs it when `config.copy_scope` is "prompt" (the copy head of those positions sees
+        without a cache needs it when the copy head's scope is "prompt" (the copy head of those positions sees
         only the tokens before their turn, as the engine's did)."""
         cfg = self.config
         B, T = tokens_BT.shape
@@ -319,9 +222,10 @@ class Transformer(nn.Module):
         if routing_replay is not None and len(routing_replay) != cfg.n_moe_layers:
             raise ValueError(f"routing_replay has {len(routing_replay)} entries; this model has "
                              f"{cfg.n_moe_layers} MoE layers (one [B, T, top_k] tensor each)")
-        if prev_BK is None and cache is not None and cfg.prev_tokens and bool((positions_BT[:, 0] > 0).any()):
+        if (prev_BK is None and cache is not None and cfg.copy.prev_tokens
+                and bool((positions_BT[:, 0] > 0).any())):
             raise ValueError("this forward continues cached sequences, so it needs prev_BK: the model's input "
-                             f"includes each token's {cfg.prev_tokens} predecessors (config.prev_tokens)")
+                             f"includes each token's {cfg.copy.prev_tokens} predecessors (config.copy.prev_tokens)")
         x_BTD = self.embed_input(tokens_BT, prev_BK)
         routed: list[torch.Tensor] | None = [] if return_routing else None
         x_native_BTD = decode_blocks(self, x_BTD, cache, routing_replay, routed)
@@ -330,14 +234,6 @@ class Transformer(nn.Module):
             x_BTD, aux, z = x_native_BTD, no_loss, no_loss
         else:
             x_BTD, aux, z = self._blocks(x_BTD, positions_BT, cache, routing_replay, routed)
-        copy_end_BT = None
-        if self.copy is not None and cfg.copy_scope == "prompt" and cache is None:
-            if turn_mask_BT is None:
-                raise ValueError("this model's copy head points only before the current turn (copy_scope='prompt'): "
-                                 "give turn_mask_BT, True where the target is a token the model wrote")
-            copy_end_BT = copy_ends(turn_mask_BT)
-            if logits_at_B is not None:
-                copy_end_BT = copy_end_BT[torch.arange(B, device=x_BTD.device), logits_at_B][:, None]
         if self.copy is not None:  # the copy head's keys: every position's final hidden state
             h_all_BTD = self.norm(x_BTD)
             h_BTD = h_all_BTD
@@ -356,12 +252,12 @@ class Transformer(nn.Module):
                 raise ValueError("targets_BT is for a full forward over whole sequences (training), not with "
                                  "a cache or logits_at_B")
             if self.copy is not None:
-                logp_BT = self.copy.target_logprobs(logits_BTV, h_BTD, tokens_BT, targets_BT, copy_end_BT)
+                logp_BT = self.copy.target_logprobs(logits_BTV, h_BTD, tokens_BT, targets_BT, turn_mask_BT)
             else:
                 logp_BT = token_logprobs(logits_BTV, targets_BT)
             return ModelOutput(None, routed, aux, z, logp_BT)
         if self.copy is not None:
-            logits_BTV = self.copy(logits_BTV, h_BTD, h_all_BTD, tokens_BT, cache, logits_at_B, copy_end_BT)
+            logits_BTV = self.copy(logits_BTV, h_BTD, h_all_BTD, tokens_BT, cache, logits_at_B, turn_mask_BT)
         return ModelOutput(logits_BTV, routed, aux, z)
 
     def _blocks(self, x_BTD: torch.Tensor, positions_BT: torch.Tensor, cache, routing_replay, routed: list | None
@@ -395,19 +291,9 @@ class Transformer(nn.Module):
     def embed_input(self, tokens_BT: torch.Tensor, prev_BK: torch.Tensor | None = None) -> torch.Tensor:
         """The first layer's input: each token's embedding plus those of the `prev_tokens` tokens before it."""
         x_BTD = self.embed(tokens_BT)
-        K = self.config.prev_tokens
-        if not K:
+        if self.embed_prev is None:
             return x_BTD
-        B, T = tokens_BT.shape
-        if prev_BK is None:
-            prev_BK = tokens_BT.new_full((B, K), self.config.vocab_size)
-        elif prev_BK.shape != (B, K):
-            raise ValueError(f"prev_BK has shape {tuple(prev_BK.shape)}; this model needs the {K} tokens before "
-                             f"each of the {B} rows, [{B}, {K}]")
-        ids = torch.cat([prev_BK.to(tokens_BT.device), tokens_BT], dim=1)  # [B, K + T]
-        for i, table in enumerate(self.embed_prev, 1):
-            x_BTD = x_BTD + table(ids[:, K - i: K - i + T])
-        return x_BTD
+        return self.embed_prev(x_BTD, tokens_BT, prev_BK)
 
     def _rope(self, n_positions: int, device) -> torch.Tensor:
         """The rotary table [P, 2, 1, head_dim] (cos, signed sin) for P >= n_positions positions, computed once

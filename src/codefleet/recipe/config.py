@@ -51,14 +51,14 @@ class ModelSection:
     # "bare": the policy sees the task alone and learns the tools from the demonstrations (it is trained on this
     # harness from scratch); "full": system prompt and tool schemas, what the product sends any model (agent.prompts)
     prompt: str = "bare"
-    # the pointer-generator output (ModelConfig.copy_head): names from the task are copied, not memorised
+    # the pointer-generator output (CopyConfig.head): names from the task are copied, not memorised
     copy_head: bool = True
     # "prompt": the copy head points only at the tokens before the current turn (no loops over its own output)
     copy_scope: str = "prompt"
     # the copy head also scores where the tokens before a context position match the last ones written
     copy_match: bool = True
     # the copy head never points at tokens holding quotes, backticks, brackets, commas or colons
-    # (ModelConfig.copy_blocked): a copied name ends where the LM head says, not where the context did
+    # (CopyConfig.blocked): a copied name ends where the LM head says, not where the context did
     copy_words_only: bool = False
     # "auto": the engine samples only tool calls that parse and fit the tools' schemas (model.grammar), in RL's
     # rollouts and in the evaluations; "required": and every turn calls a tool (a turn without one ends the

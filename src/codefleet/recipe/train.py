@@ -38,6 +38,7 @@ from codefleet.fleet.trainer_group import TrainerGroup
 from codefleet.model import checkpoint
 from codefleet.model.chat import PROMPTS
 from codefleet.model.config import ModelConfig
+from codefleet.model.copying import CopyConfig
 from codefleet.model.tokenizer import default_tokenizer
 from codefleet.model.transformer import Transformer
 from codefleet.recipe.augment import fresh_names
@@ -150,9 +151,9 @@ def init_model(run: RunDir, config: TrainRunConfig, tokenizer) -> str:
         raise RunError(f"model.size={config.model.size!r} is not a preset; use tiny, small or medium")
     torch.manual_seed(config.model.seed)
     blocked = tokenizer.ids_containing(STRUCTURE) if config.model.copy_words_only else []
-    model = Transformer(preset(vocab_size=tokenizer.vocab_size, max_seq_len=config.model.max_seq_len,
-                               copy_head=config.model.copy_head, copy_scope=config.model.copy_scope,
-                               copy_match=config.model.copy_match, copy_blocked=blocked))
+    copy = CopyConfig(head=config.model.copy_head, scope=config.model.copy_scope, match=config.model.copy_match,
+                      blocked=blocked)
+    model = Transformer(preset(vocab_size=tokenizer.vocab_size, max_seq_len=config.model.max_seq_len, copy=copy))
     checkpoint.save(model, path, metadata=policy_usage(config))
     return path
 
