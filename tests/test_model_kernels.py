@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from codefleet.model import kernels
+from codefleet.model import fast, kernels
 from codefleet.model.cache import SlotKVCache
 from codefleet.model.config import ModelConfig
 from codefleet.model.copying import CopyConfig
@@ -89,9 +89,9 @@ def test_the_moe_layer_gives_the_same_output_with_and_without_the_kernel(monkeyp
     for n in (1, 3, 32, 1000):  # decode sizes and a prefill
         x = torch.randn(n, 192)
         with torch.inference_mode():
-            fused = moe(x).y_ND
-            monkeypatch.setattr(MoE, "kernel_slots", 0)
-            plain = moe(x).y_ND
+            fused = fast.moe(moe, x).y_ND
+            monkeypatch.setattr(fast, "KERNEL_SLOTS", 0)
+            plain = fast.moe(moe, x).y_ND
             monkeypatch.undo()
         torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
 
@@ -137,7 +137,7 @@ def _decode_steps(model, slots, prompts, steps):
 @pytest.mark.parametrize("overrides", [{}, {"first_dense_layers": 1, "n_shared_experts": 1},
                                        {"router_score": "sigmoid", "router_renorm": False, "balance": "bias"}])
 def test_a_native_decode_step_equals_the_python_one(monkeypatch, overrides):
-    """The decode step's blocks in native calls (model/decode.py) against the Python path (cache.attend, the
+    """The decode step's blocks in native calls (`fast.blocks`) against the Python path (cache.attend, the
     Python router), over slots that are not packed; a dense layer and a shared expert take their modules."""
     assert kernels.decode_layer() is not None, "the decode_layer kernel did not build"
     torch.manual_seed(0)
@@ -166,7 +166,7 @@ def test_decode_attention_refuses_a_position_outside_the_cache():
     attn = model.layers[0].attn
     w_qkv = torch.cat([attn.wq.weight, attn.wk.weight, attn.wv.weight]).detach()
     args = (torch.randn(1, cfg.d_model), model.layers[0].attn_norm.weight.detach(), w_qkv, attn.wo.weight.detach(),
-            model.layers[0].ffn_norm.weight.detach(), model._rope(8, "cpu"), cache.k, cache.v, 0)
+            model.layers[0].ffn_norm.weight.detach(), model.rotary_table(8, "cpu"), cache.k, cache.v, 0)
     with pytest.raises(RuntimeError, match="outside the cache"):
         attention(*args, torch.tensor([0]), torch.tensor([8]), cfg.n_heads, cfg.norm_eps)
     with pytest.raises(RuntimeError, match="fp32"):

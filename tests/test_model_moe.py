@@ -1,4 +1,5 @@
-"""The MoE layer against a naive per-token loop, routing replay, losses by hand, balancing, sharding.
+"""The MoE layer against a naive per-token loop, routing replay, losses by hand, balancing, sharding; its
+inference dispatch (`fast.moe`) against the same loop.
 
 Every test runs twice: with the native training kernel (`kernels.moe_train`, what CPU training uses when it is
 built) and with the PyTorch grouped path it replaces (GPUs, machines without a compiler)."""
@@ -9,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from codefleet.model import kernels
+from codefleet.model import fast, kernels
 from codefleet.model.config import ModelConfig
 from codefleet.model.moe import MoE, _gmm_padded
 
@@ -187,18 +188,17 @@ def test_expert_shards_sum_to_the_full_layer():
     (24, {"pad_waste_small": 0.5}),  # the padding would be too wasteful: the grouped path
     (600, {"d_expert": 6}),  # past small_slots * pad_waste_small: the grouped path
 ])
-def test_inference_dispatch_matches_the_naive_loop(n_tokens, overrides):
-    dispatch = {k: overrides.pop(k) for k in ("pad_waste_small",) if k in overrides}
+def test_inference_dispatch_matches_the_naive_loop(n_tokens, overrides, monkeypatch):
+    if "pad_waste_small" in overrides:
+        monkeypatch.setattr(fast, "PAD_WASTE_SMALL", overrides.pop("pad_waste_small"))
     moe = _moe(**overrides)
-    for k, v in dispatch.items():
-        setattr(moe, k, v)
     x_ND = torch.randn(n_tokens, 16)
     with torch.inference_mode():
-        out = moe(x_ND)
+        out = fast.moe(moe, x_ND)
     assert out.aux_loss is None and out.z_loss is None  # no router losses at inference
     with torch.no_grad():
         ref_ND = _naive(moe, x_ND)
-        replayed = moe(x_ND, out.experts_NK)
+        replayed = fast.moe(moe, x_ND, out.experts_NK)
         assert replayed.aux_loss is not None  # no_grad alone still reports the losses
     torch.testing.assert_close(out.y_ND, ref_ND, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(replayed.y_ND, out.y_ND, atol=0, rtol=0)
@@ -212,6 +212,6 @@ def test_inference_dispatch_of_expert_shards_sums_to_the_full_layer(n_tokens):
     total = torch.zeros(n_tokens, 16)
     with torch.inference_mode():
         for shard in _shards(full):
-            total += shard(x_ND).y_ND
-        torch.testing.assert_close(total, full(x_ND).y_ND, atol=1e-5, rtol=1e-5)
+            total += fast.moe(shard, x_ND).y_ND
+        torch.testing.assert_close(total, fast.moe(full, x_ND).y_ND, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(total, _naive(full, x_ND).detach(), atol=1e-5, rtol=1e-5)

@@ -7,9 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from codefleet.model import fast
 from codefleet.model.config import ModelConfig
 from codefleet.model.copying import CopyConfig, copy_ends
-from codefleet.model.transformer import Transformer, apply_rope, rope_cos_sin, token_logprobs
+from codefleet.model.rope import apply_rope, rope_cos_sin
+from codefleet.model.transformer import RMSNorm, Transformer, token_logprobs
 
 
 def _small(copy: CopyConfig | None = None, **overrides) -> ModelConfig:
@@ -57,7 +59,8 @@ def test_rope_keeps_norms_and_depends_only_on_relative_position():
 def test_gqa_attention_equals_repeated_heads_by_hand():
     cfg = _small()
     torch.manual_seed(0)
-    attn = Transformer(cfg).layers[0].attn
+    model = Transformer(cfg)
+    attn = model.layers[0].attn
     B, T = 2, 5
     x_BTD = torch.randn(B, T, cfg.d_model)
     cos, sin = rope_cos_sin(torch.arange(T).expand(B, T), cfg.head_dim, cfg.rope_theta)
@@ -66,7 +69,40 @@ def test_gqa_attention_equals_repeated_heads_by_hand():
     v = attn.wv(x_BTD).view(B, T, 2, 8).transpose(1, 2).repeat_interleave(2, dim=1)
     scores = (q @ k.transpose(-1, -2)) / math.sqrt(8) + torch.full((T, T), float("-inf")).triu(1)
     want = attn.wo((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, 32))
-    torch.testing.assert_close(attn(x_BTD, cos, sin), want, atol=1e-5, rtol=1e-5)
+    table_BT21D = model.rotary_table(T, "cpu")[torch.arange(T).expand(B, T)]  # what the model passes: cos, signed sin
+    torch.testing.assert_close(attn(x_BTD, table_BT21D[:, :, 0], table_BT21D[:, :, 1]), want, atol=1e-5, rtol=1e-5)
+
+
+def test_rms_norm_is_its_expression_bit_for_bit_in_fp32_forward_and_backward():
+    torch.manual_seed(0)
+    norm = RMSNorm(32, 1e-6)
+    norm.weight.data.normal_(1.0, 0.1)
+    x_BTD = torch.randn(3, 7, 32, requires_grad=True)
+    dy_BTD = torch.randn(3, 7, 32)
+    fused = norm(x_BTD)
+    x32 = x_BTD.float()
+    want = (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + 1e-6)) * norm.weight
+    assert torch.equal(fused, want)
+    got, expected = (torch.autograd.grad(y, (x_BTD, norm.weight), dy_BTD) for y in (fused, want))
+    assert all(torch.equal(g, w) for g, w in zip(got, expected))
+
+
+def test_the_fast_paths_fused_projections_equal_the_math():
+    """fast.attention (one q/k/v GEMM, RoPE on q and k together) and fast.swiglu (one gate/up GEMM), fp32: the
+    same dot products, to float rounding (MKL's blocking and SiLU's vector path may differ by shape)."""
+    torch.manual_seed(0)
+    model = Transformer(_small()).eval()  # layer 0 dense, layers 1-2 MoE with a shared expert
+    for B, T in [(1, 1), (5, 1), (2, 9)]:
+        x_BTD = torch.randn(B, T, 32)
+        table_BT21D = model.rotary_table(T, "cpu")[torch.arange(T).expand(B, T)]
+        cos, sin = table_BT21D[:, :, 0], table_BT21D[:, :, 1]
+        with torch.no_grad():
+            for block in model.layers:
+                torch.testing.assert_close(fast.attention(block.attn, x_BTD, cos, sin), block.attn(x_BTD, cos, sin),
+                                           atol=1e-6, rtol=1e-5)
+            x_ND = x_BTD.reshape(B * T, 32)
+            for ffn in (model.layers[0].ffn, model.layers[1].ffn.shared):
+                torch.testing.assert_close(fast.swiglu(ffn, x_ND), ffn(x_ND), atol=1e-6, rtol=1e-5)
 
 
 def test_causal_and_positions_default():

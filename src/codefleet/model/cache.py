@@ -90,7 +90,7 @@ class SlotKVCache:
     def decode_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`(slots_B, positions_B)` of the forward pass in progress when it is a decode step (one new token per
         row, written at `positions_B[b]` of slot `slots_B[b]`), else None. The native decode step
-        (`model/decode.py`) writes and attends with these instead of `attend`."""
+        (`fast.blocks`) writes and attends with these instead of `attend`."""
         step = self._step
         return None if step is None or step.t_new != 1 else (step.slots_B, step.positions_B)
 

@@ -169,8 +169,7 @@ class Engine:
                                  getattr(config, "n_kv_heads", None) or n_heads, head_dim, self.max_seq_len,
                                  dtype=param.dtype, device=self.device,
                                  copy_dim=head_dim if config.copy.head else 0)
-        if hasattr(model, "_rope"):  # the rotary table for every position the cache holds (no per-step growth)
-            model._rope(self.max_seq_len, self.device)
+        model.rotary_table(self.max_seq_len, self.device)  # every position the cache holds: no per-step growth
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []  # index i holds slot i
         self._ids = itertools.count()

@@ -43,17 +43,11 @@ on data still in cache; `codefleet bench moe` at 64 experts top-8 went from
 0.75-0.77x to 0.89-1.03x (median 0.98x) a dense SwiGLU of equal active parameters
 (docs/benchmarks.md). Without them (GPUs, no compiler) `_ExpertsFn` runs.
 
-Inference (gradients off: the engine, reference logprobs) skips the autograd
-function and picks the dispatch by slot count, on CPU (`MoE.experts_inference`):
-up to `kernel_slots` slots (decode, prefills of up to 4096 slots) the native kernel when it is built
-(`kernels.moe_experts`, csrc/moe_experts.cpp: each expert's weights read once,
-only its real rows computed, SwiGLU in the epilogue; ~2.6-2.9x the padded
-`bmm` below with the weights cold in cache). Without it:
-up to `gather_slots` slots gather each slot's expert weights (decoding one
-sequence reads 2 experts, not 16); then a padded `bmm` over the experts while
-the padding is small (decode batches: ~2x faster than `_grouped_mm`, which
-runs one small GEMM per expert); larger counts take the grouped path. Under
-`torch.inference_mode()` the router losses are not computed (None).
+With gradients off (the engine, reference logprobs) the layer runs through
+`fast.moe` instead (model/fast.py): the router in one native call where it
+can, the experts by the cheapest dispatch for the slot count (a native
+kernel, gathered weights, a padded `bmm`, or `MoE.experts` below), the
+shared expert's gate and up as one GEMM.
 
 Expert parallelism seam: `MoE(config, expert_range=(e0, e1))` holds only the
 weights of experts e0..e1-1 ([E_local, D, G] and [E_local, F, D]) and computes
@@ -73,12 +67,10 @@ from torch import nn
 
 from codefleet.model import kernels
 from codefleet.model.config import ModelConfig
-from codefleet.model.weights import derived_weight, fused_weight
 
 
 class SwiGLU(nn.Module):
-    """Dense feed-forward `down(silu(gate(x)) * up(x))`, used for dense layers and shared experts.
-    With gradients off gate and up run as one GEMM (`fused_weight`)."""
+    """Dense feed-forward `down(silu(gate(x)) * up(x))`, used for dense layers and shared experts."""
 
     def __init__(self, d_model: int, d_hidden: int):
         super().__init__()
@@ -87,10 +79,7 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(d_hidden, d_model, bias=False)
 
     def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled():
-            return self.down(F.silu(self.gate(x_ND)) * self.up(x_ND))
-        gate, up = F.linear(x_ND, fused_weight(self, (self.gate.weight, self.up.weight))).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(F.silu(self.gate(x_ND)) * self.up(x_ND))
 
 
 @dataclass
@@ -114,15 +103,7 @@ class Router(nn.Module):
     def forward(self, x_ND: torch.Tensor, replay_NK: torch.Tensor | None = None, losses: bool = True) -> Routing:
         """Choose the experts of every token; `losses=False` skips the aux/z losses (left None)."""
         cfg = self.config
-        count = self.training and cfg.balance == "bias"
-        native = not (losses or count or torch.is_grad_enabled()) and replay_NK is None
-        if native and _native_route(x_ND, self.weight_ED):
-            # the same choice in one native call (csrc/decode_layer.cpp): the scores through ATen as below, then
-            # top-k and the renormalised weights in a loop (bit-identical weights; experts equal but at exact ties)
-            experts_NK, weights_NK = kernels.decode_layer()[1](
-                x_ND.contiguous(), self.weight_ED, self.expert_bias_E if cfg.balance == "bias" else None,
-                cfg.router_score == "sigmoid", cfg.router_renorm, cfg.top_k)
-            return Routing(experts_NK, weights_NK)
+        count = self.counts_load()
         logits_NE = F.linear(x_ND, self.weight_ED)
         if logits_NE.dtype != torch.float32:
             logits_NE = logits_NE.float()
@@ -159,6 +140,10 @@ class Router(nn.Module):
                 routing.z_loss = cfg.z_loss_coef * torch.logsumexp(logits_NE, -1).square().mean()
         return routing
 
+    def counts_load(self) -> bool:
+        """Whether a forward now counts the experts' load for `update_bias` (training with balance="bias")."""
+        return self.training and self.config.balance == "bias"
+
     @torch.no_grad()
     def update_bias(self) -> None:
         """Move each expert's selection bias toward a uniform load (DeepSeek-V3), then reset the count."""
@@ -166,12 +151,6 @@ class Router(nn.Module):
             return
         self.expert_bias_E += self.config.bias_update_rate * torch.sign(self.load_E.mean() - self.load_E)
         self.load_E.zero_()
-
-
-def _native_route(x_ND: torch.Tensor, weight_ED: torch.Tensor) -> bool:
-    """The router's native kernel runs here: fp32 on CPU, built (kernels.decode_layer)."""
-    return (x_ND.device.type == "cpu" and x_ND.dtype == torch.float32 and weight_ED.dtype == torch.float32
-            and kernels.decode_layer() is not None)
 
 
 # ---- grouped matrix products -------------------------------------------------
@@ -226,12 +205,6 @@ def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
 
 
 # ---- the experts ---------------------------------------------------------------
-
-def _swiglu(h_XG: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of the fused [..., 2F] gate/up pre-activations."""
-    gate, up = h_XG.chunk(2, dim=-1)
-    return F.silu(gate).mul_(up)
-
 
 def _tiles(counts_E: list[int], tile_slots: int) -> list[tuple[int, int, int, int]]:
     """Split experts (in order) into ranges of about `tile_slots` slots: (e0, e1, s0, s1)."""
@@ -348,13 +321,6 @@ class MoE(nn.Module):
     """Router + E stacked SwiGLU experts (+ optional shared experts). See the module docstring."""
 
     tile_slots: int = 2048  # CPU tiles (PyTorch path) and saved chunks (native kernel) in token-slots of whole experts
-    # inference dispatch on CPU (see `experts_inference`), measured at the tiny config's shapes
-    gather_slots: int = 4  # up to this many slots: gather each slot's expert weights
-    pad_waste: float = 1.5  # else padded bmm while its rows (experts x busiest count) are <= pad_waste x slots
-    pad_waste_small: float = 4.0  # ... or <= pad_waste_small x slots for up to `small_slots` slots
-    small_slots: int = 256
-    kernel_slots: int = 4096  # up to this many slots the native kernel when built (model/kernels.py): faster
-    # than the PyTorch paths from 32 to 4096 slots here (1.7x at 64, 1.1x at 4096; the weights cold in cache)
 
     def __init__(self, config: ModelConfig, expert_range: tuple[int, int] | None = None):
         super().__init__()
@@ -372,13 +338,9 @@ class MoE(nn.Module):
             self.shared = SwiGLU(D, config.n_shared_experts * config.d_shared)
 
     def forward(self, x_ND: torch.Tensor, replay_NK: torch.Tensor | None = None) -> MoEOutput:
-        """Under `torch.inference_mode()` the router losses are not computed (`aux_loss`/`z_loss` are None);
-        with gradients off the experts take the inference dispatch."""
-        r = self.router(x_ND, replay_NK, losses=not torch.is_inference_mode_enabled())
-        if torch.is_grad_enabled():
-            y_ND = self.experts(x_ND, r.experts_NK, r.weights_NK)
-        else:
-            y_ND = self.experts_inference(x_ND, r.experts_NK, r.weights_NK)
+        """The router's choice and losses, then the chosen experts' weighted sum (+ the shared experts)."""
+        r = self.router(x_ND, replay_NK)
+        y_ND = self.experts(x_ND, r.experts_NK, r.weights_NK)
         if self.shared is not None:
             y_ND = y_ND + self.shared(x_ND)
         return MoEOutput(y_ND, r.experts_NK, r.aux_loss, r.z_loss)
@@ -405,61 +367,6 @@ class MoE(nn.Module):
         else:
             tiles = [(0, e1 - e0, 0, order_S.numel())]
         return _ExpertsFn.apply(x_ND.contiguous(), w_S, self.w_gate_up_EDG, self.w_down_EFD, tok_S, local_E, tiles)
-
-    def experts_inference(self, x_ND: torch.Tensor, experts_NK: torch.Tensor, weights_NK: torch.Tensor
-                          ) -> torch.Tensor:
-        """`experts` without autograd, by the cheapest dispatch for the number of slots S (on CPU):
-
-        - S <= `kernel_slots` and the native kernel built: `kernels.moe_experts`, one call.
-        - S <= `gather_slots` (decoding one or two sequences): gather each slot's expert weights and run one
-          batched matrix-vector product per slot; reads S experts' weights, not all of them.
-        - a padded `bmm` over this shard's experts, [E, busiest expert's count, D], while the padding stays
-          small: at decode sizes it is ~2x faster than `_grouped_mm`, which runs one small GEMM per expert.
-        - otherwise (prefill, training-sized batches, other devices) `experts` (the native training kernel or
-          the grouped path).
-
-        Slots are not sorted: a slot's row in the padded batch is its rank among the slots of its expert.
-        """
-        e0, e1 = self.expert_range
-        if x_ND.device.type == "cpu" and x_ND.dtype == torch.float32 and experts_NK.numel() <= self.kernel_slots:
-            fused = kernels.moe_experts()
-            if fused is not None:  # sorting by expert, the experts and the weighted sum in one call
-                gate_up, down = derived_weight(self, "kernel", (self.w_gate_up_EDG, self.w_down_EFD),
-                                               kernels.pack_experts)
-                return fused(x_ND.contiguous(), experts_NK.contiguous(), weights_NK.contiguous(), gate_up, down, e0)
-        n_local = e1 - e0
-        K = experts_NK.shape[1]
-        expert_S = experts_NK.reshape(-1) - e0  # local numbering
-        w_S = weights_NK.reshape(-1)
-        slot_S = torch.arange(expert_S.numel(), device=x_ND.device)
-        if (e0, e1) != (0, self.config.n_experts):  # only the slots routed to this shard
-            mine_S = ((expert_S >= 0) & (expert_S < n_local)).nonzero()[:, 0]
-            slot_S, expert_S, w_S = mine_S, expert_S[mine_S], w_S[mine_S]
-        S = expert_S.numel()
-        if x_ND.device.type != "cpu" or S > self.small_slots * self.pad_waste_small:
-            return self.experts(x_ND, experts_NK, weights_NK)
-        xs_SD = x_ND.index_select(0, slot_S // K)
-        if S <= self.gather_slots:
-            h_S1G = torch.bmm(xs_SD[:, None], self.w_gate_up_EDG[expert_S])
-            ys_SD = torch.bmm(_swiglu(h_S1G), self.w_down_EFD[expert_S])[:, 0]
-        else:
-            # running count of each expert over the slots: its last row is the load, and a slot's own entry
-            # is 1 + its rank among its expert's slots (one compare and one cumsum; F.one_hot validates its
-            # input with two reductions, bincount is one more pass)
-            seen_SE = (expert_S[:, None] == torch.arange(n_local, device=x_ND.device)).cumsum(0)
-            cap = int(seen_SE[-1].max())
-            waste = self.pad_waste_small if S <= self.small_slots else self.pad_waste
-            if n_local * cap > waste * S:
-                return self.experts(x_ND, experts_NK, weights_NK)
-            rank_S = seen_SE.gather(1, expert_S[:, None])[:, 0] - 1
-            xs_ECD = x_ND.new_zeros(n_local, cap, x_ND.shape[1])
-            xs_ECD[expert_S, rank_S] = xs_SD
-            ys_ECD = torch.bmm(_swiglu(torch.bmm(xs_ECD, self.w_gate_up_EDG)), self.w_down_EFD)
-            ys_SD = ys_ECD[expert_S, rank_S]
-        if K == 2 and S == 2 * x_ND.shape[0]:  # every slot is here, in token order: y = w0 * y0 + w1 * y1
-            # the same sums as the index_add below (0 + a + b == a + b), without the zeros and the scatter
-            return (ys_SD * w_S[:, None]).view(-1, 2, x_ND.shape[1]).sum(1)
-        return torch.zeros_like(x_ND).index_add_(0, slot_S // K, ys_SD * w_S[:, None])
 
     def update_bias(self) -> None:
         self.router.update_bias()

@@ -1,25 +1,13 @@
-"""The decoder-only mixture-of-experts transformer.
+"""The decoder-only mixture-of-experts transformer: the model's math.
 
     tokens_BT -> embed (+ previous tokens' embeddings)
               -> n_layers x [x + attn(norm(x)); x + ffn(norm(x))] -> norm -> lm_head -> logits_BTV
                                                                        (-> copy head: log of a mixture)
 
-- RMSNorm (pre-norm), rotary position embeddings on explicit `positions_BT`
-  (the engine passes each row's own positions; training uses 0..T-1),
-  rotate-half convention as in Llama/Qwen. cos and sin come from a table
-  computed once per model (`rope_table`, indexed by position; no per-step
-  trigonometry), with the rotate-half sign folded into sin.
-- With gradients off (engine, reference logprobs) the q/k/v projections run as
-  one GEMM over an inference-only concatenation of `wq`/`wk`/`wv` (rebuilt
-  when a weight changes; the parameters and the checkpoint format are those of
-  training). Both are bit-identical to the unfused computation in fp32. The
-  LM head, a decode step's largest GEMM, runs on a oneDNN-prepacked copy of
-  its weight (`weights.inference_linear`; equal to float rounding, ~1e-6). It comes
-  after the last router, so the engine routes exactly as the trainer does.
-- A decode step over the engine's slot cache (one new token per row, under
-  `inference_mode`, fp32 on CPU) runs each block as native calls when the
-  kernels are built (`decode.decode_blocks`, csrc/decode_layer.cpp): the same
-  math to float rounding, without ~60 small ATen calls per layer.
+- RMSNorm (pre-norm), rotary position embeddings (`rope.py`) on explicit
+  `positions_BT` (the engine passes each row's own positions; training uses
+  0..T-1). cos and sin come from a table computed once per model
+  (`rotary_table`, indexed by position).
 - Grouped-query attention: `n_heads` query heads share `n_kv_heads` key/value
   heads. Without a cache it is causal `scaled_dot_product_attention` over the
   given tokens (training, scoring). With a cache, `cache.attend(layer, q_BHTD,
@@ -33,6 +21,12 @@
   passes the tokens before its first one as `prev_BK`) and the optional copy
   head, whose logits are the log of a pointer-generator mixture (with scope
   "prompt", training passes the turns' mask `turn_mask_BT`).
+
+Fast paths: with gradients off (the engine, reference logprobs) the blocks
+and the LM head run through `fast.blocks` and `fast.lm_head` (model/fast.py:
+fused projections, a prepacked LM head, native kernels), the two calls marked
+in `forward`. They compute this math, bit-identical or equal to float
+rounding as fast.py says of each; training always runs the code here.
 
 `forward` returns `ModelOutput(logits_BTV, routed_experts, aux_loss, z_loss)`:
 `routed_experts` is one `[B, T, top_k]` int64 tensor per MoE layer when
@@ -48,20 +42,23 @@ coefficients and summed over MoE layers, so a trainer adds them to its loss
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from codefleet.model import fast
 from codefleet.model.config import ModelConfig
 from codefleet.model.copying import CopyHead, PrevTokenEmbeddings
-from codefleet.model.decode import decode_blocks
-from codefleet.model.moe import MoE, SwiGLU
-from codefleet.model.weights import fused_weight, inference_linear
+from codefleet.model.moe import MoE, MoEOutput, SwiGLU
+from codefleet.model.rope import apply_rope_signed, rope_table
 
 
 class RMSNorm(nn.Module):
+    """`x / sqrt(mean(x^2) + eps) * weight`, the mean in fp32."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
@@ -69,43 +66,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # one fused kernel, bit-identical to the expression below in fp32 (tests/test_model_transformer.py)
+            # torch's op for the same expression, bit-identical to it in fp32 (tests/test_model_transformer.py)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
-
-
-def rope_cos_sin(positions_BT: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [B, 1, T, head_dim] for rotate-half rotary embeddings at the given positions."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions_BT.device, dtype=torch.float32) / head_dim)
-    angles_BTd = positions_BT.float()[..., None] * inv_freq
-    angles_BTD = torch.cat([angles_BTd, angles_BTd], dim=-1)
-    return angles_BTD.cos()[:, None], angles_BTD.sin()[:, None]
-
-
-def rope_table(n_positions: int, head_dim: int, theta: float, device) -> torch.Tensor:
-    """[n_positions, 2, head_dim] fp32: cos and the rotate-half-signed sin (`-sin` on the first half) of
-    positions 0..n-1, the same angles as `rope_cos_sin`. With the sign folded in,
-    `x * cos + roll(x, half) * sin_signed` equals `x * cos + cat(-x2, x1) * sin` exactly."""
-    cos, sin = rope_cos_sin(torch.arange(n_positions, device=device)[None], head_dim, theta)
-    sin = sin[0, 0].clone()
-    sin[:, : head_dim // 2].neg_()
-    return torch.stack([cos[0, 0], sin], dim=1)
-
-
-def apply_rope(x_BHTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x_BHTD.shape[-1] // 2
-    x1, x2 = x_BHTD[..., :half], x_BHTD[..., half:]
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x_BHTD.float() * cos + rotated.float() * sin).to(x_BHTD.dtype)
-
-
-def _apply_rope_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """`apply_rope` with the table's signed sin: x * cos + [x2, x1] * [-sin, sin] (fewer ops per call)."""
-    rotated = x.roll(x.shape[-1] // 2, dims=-1)
-    if x.dtype == torch.float32:
-        return x * cos + rotated * sin_signed
-    return (x.float() * cos + rotated.float() * sin_signed).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -120,32 +84,24 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.n_heads * self.head_dim, D, bias=False)
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
-        """`cos`/`sin` as `rope_cos_sin` returns them ([B, 1, T, head_dim])."""
-        half = sin.shape[-1] // 2
-        sin_signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-        return self.forward_rope(x_BTD, cos.transpose(1, 2), sin_signed.transpose(1, 2), cache)
-
-    def forward_rope(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
         """`cos`/`sin`: [B or 1, T, 1, head_dim] rows of the model's rotary table (`sin` signed: `rope_table`)."""
         B, T, _ = x_BTD.shape
         H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
-        if torch.is_grad_enabled():  # training: separate projections, autograd sees the parameters
-            cos_, sin_ = cos.transpose(1, 2), sin.transpose(1, 2)
-            q_BHTD = _apply_rope_signed(self.wq(x_BTD).view(B, T, H, Dh).transpose(1, 2), cos_, sin_)
-            k_BHTD = _apply_rope_signed(self.wk(x_BTD).view(B, T, Hkv, Dh).transpose(1, 2), cos_, sin_)
-            v_BHTD = self.wv(x_BTD).view(B, T, Hkv, Dh).transpose(1, 2)
-        else:  # one fused projection; RoPE on the query and key heads together, before the (free) transposes
-            w_qkv = fused_weight(self, (self.wq.weight, self.wk.weight, self.wv.weight))
-            qkv_BTHD = F.linear(x_BTD, w_qkv).view(B, T, H + 2 * Hkv, Dh)
-            qk_BTHD = _apply_rope_signed(qkv_BTHD[:, :, : H + Hkv], cos, sin)
-            q_BHTD = qk_BTHD[:, :, :H].transpose(1, 2)
-            k_BHTD = qk_BTHD[:, :, H:].transpose(1, 2)
-            v_BHTD = qkv_BTHD[:, :, H + Hkv:].transpose(1, 2)
+        cos_, sin_ = cos.transpose(1, 2), sin.transpose(1, 2)
+        q_BHTD = apply_rope_signed(self.wq(x_BTD).view(B, T, H, Dh).transpose(1, 2), cos_, sin_)
+        k_BHTD = apply_rope_signed(self.wk(x_BTD).view(B, T, Hkv, Dh).transpose(1, 2), cos_, sin_)
+        v_BHTD = self.wv(x_BTD).view(B, T, Hkv, Dh).transpose(1, 2)
+        return self.attend(q_BHTD, k_BHTD, v_BHTD, cache)
+
+    def attend(self, q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, cache=None) -> torch.Tensor:
+        """Each query over the keys up to its own position (these tokens', or with a cache each row's history
+        too), then the output projection: `[B, T, D]`."""
+        B, H, T, Dh = q_BHTD.shape
         if cache is not None:
             out_BHTD = cache.attend(self.layer, q_BHTD, k_BHTD, v_BHTD)
         else:
             out_BHTD = F.scaled_dot_product_attention(q_BHTD, k_BHTD, v_BHTD, is_causal=True,
-                                                      enable_gqa=H != Hkv)
+                                                      enable_gqa=H != self.n_kv_heads)
         return self.wo(out_BHTD.transpose(1, 2).reshape(B, T, H * Dh))
 
 
@@ -157,6 +113,18 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(config.d_model, config.norm_eps)
         self.is_moe = layer >= config.first_dense_layers
         self.ffn = MoE(config) if self.is_moe else SwiGLU(config.d_model, config.d_dense)
+
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None,
+                replay_NK: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEOutput | None]:
+        """`x + attn(norm(x))`, then `+ ffn(norm(.))`; and the MoE layer's output (routing, losses), None for a
+        dense layer."""
+        B, T, D = x_BTD.shape
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos, sin, cache)
+        h_ND = self.ffn_norm(x_BTD).reshape(B * T, D)
+        if not self.is_moe:
+            return x_BTD + self.ffn(h_ND).view(B, T, D), None
+        out = self.ffn(h_ND, replay_NK)
+        return x_BTD + out.y_ND.view(B, T, D), out
 
 
 @dataclass
@@ -228,64 +196,55 @@ class Transformer(nn.Module):
                              f"includes each token's {cfg.copy.prev_tokens} predecessors (config.copy.prev_tokens)")
         x_BTD = self.embed_input(tokens_BT, prev_BK)
         routed: list[torch.Tensor] | None = [] if return_routing else None
-        x_native_BTD = decode_blocks(self, x_BTD, cache, routing_replay, routed)
-        if x_native_BTD is not None:  # a decode step, each block in native calls (model/decode.py)
-            no_loss = x_BTD.new_zeros((), dtype=torch.float32)  # it runs under inference_mode only
-            x_BTD, aux, z = x_native_BTD, no_loss, no_loss
+        fast_paths = not torch.is_grad_enabled()  # the engine, reference logprobs: model/fast.py
+        if fast_paths:
+            x_BTD, aux, z = fast.blocks(self, x_BTD, positions_BT, cache, routing_replay, routed)
         else:
-            x_BTD, aux, z = self._blocks(x_BTD, positions_BT, cache, routing_replay, routed)
-        if self.copy is not None:  # the copy head's keys: every position's final hidden state
+            x_BTD, aux, z = self.blocks(x_BTD, positions_BT, cache, routing_replay, routed)
+        if self.copy is None:
+            h_BTD = self.norm(x_BTD if logits_at_B is None else _at(x_BTD, logits_at_B))
+        else:  # the copy head's keys: every position's final hidden state
             h_all_BTD = self.norm(x_BTD)
-            h_BTD = h_all_BTD
-            if logits_at_B is not None:
-                h_BTD = h_all_BTD[torch.arange(B, device=x_BTD.device), logits_at_B][:, None]
-        else:
-            if logits_at_B is not None:
-                x_BTD = x_BTD[torch.arange(B, device=x_BTD.device), logits_at_B][:, None]
-            h_BTD = self.norm(x_BTD)
-        if torch.is_grad_enabled():
-            logits_BTV = self.lm_head(h_BTD)
-        else:  # the engine, reference logprobs: the LM head is the largest GEMM of a decode step
-            logits_BTV = inference_linear(self.lm_head, h_BTD, (self.lm_head.weight,))
+            h_BTD = h_all_BTD if logits_at_B is None else _at(h_all_BTD, logits_at_B)
+        logits_BTV = fast.lm_head(self.lm_head, h_BTD) if fast_paths else self.lm_head(h_BTD)
         if targets_BT is not None:
             if cache is not None or logits_at_B is not None:
                 raise ValueError("targets_BT is for a full forward over whole sequences (training), not with "
                                  "a cache or logits_at_B")
-            if self.copy is not None:
-                logp_BT = self.copy.target_logprobs(logits_BTV, h_BTD, tokens_BT, targets_BT, turn_mask_BT)
-            else:
+            if self.copy is None:
                 logp_BT = token_logprobs(logits_BTV, targets_BT)
+            else:
+                logp_BT = self.copy.target_logprobs(logits_BTV, h_BTD, tokens_BT, targets_BT, turn_mask_BT)
             return ModelOutput(None, routed, aux, z, logp_BT)
         if self.copy is not None:
             logits_BTV = self.copy(logits_BTV, h_BTD, h_all_BTD, tokens_BT, cache, logits_at_B, turn_mask_BT)
         return ModelOutput(logits_BTV, routed, aux, z)
 
-    def _blocks(self, x_BTD: torch.Tensor, positions_BT: torch.Tensor, cache, routing_replay, routed: list | None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def blocks(self, x_BTD: torch.Tensor, positions_BT: torch.Tensor, cache=None,
+               routing_replay: list[torch.Tensor] | None = None, routed: list | None = None,
+               run_block: Callable = Block.__call__) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every block over `x_BTD`; the residual stream after them and the summed aux and z losses (0 under
-        inference_mode). Appends each MoE layer's experts `[B, T, top_k]` to `routed` if given."""
+        inference_mode). Appends each MoE layer's experts `[B, T, top_k]` to `routed` if given.
+        `run_block(block, x_BTD, cos, sin, cache, replay_NK)` runs one block (`fast.block` with gradients off)."""
         cfg = self.config
         B, T, _ = x_BTD.shape
         n = int(positions_BT.max()) + 1 if positions_BT.device.type == "cpu" else cfg.max_seq_len
-        cs_BT2_1D = self._rope(n, x_BTD.device)[positions_BT]
+        cs_BT2_1D = self.rotary_table(n, x_BTD.device)[positions_BT]
         cos, sin = cs_BT2_1D[:, :, 0], cs_BT2_1D[:, :, 1]  # [B, T, 1, head_dim]
         aux = z = x_BTD.new_zeros((), dtype=torch.float32)
         moe_i = 0
         for block in self.layers:
-            x_BTD = x_BTD + block.attn.forward_rope(block.attn_norm(x_BTD), cos, sin, cache)
-            h_ND = block.ffn_norm(x_BTD).reshape(B * T, cfg.d_model)
-            if block.is_moe:
-                replay_NK = None if routing_replay is None else routing_replay[moe_i].reshape(B * T, cfg.top_k)
-                out = block.ffn(h_ND, replay_NK)
-                ffn_ND = out.y_ND
-                if out.aux_loss is not None:  # None under inference_mode
-                    aux, z = aux + out.aux_loss, z + out.z_loss
-                if routed is not None:
-                    routed.append(out.experts_NK.view(B, T, cfg.top_k))
-                moe_i += 1
-            else:
-                ffn_ND = block.ffn(h_ND)
-            x_BTD = x_BTD + ffn_ND.view(B, T, cfg.d_model)
+            replay_NK = None
+            if block.is_moe and routing_replay is not None:
+                replay_NK = routing_replay[moe_i].reshape(B * T, cfg.top_k)
+            x_BTD, out = run_block(block, x_BTD, cos, sin, cache, replay_NK)
+            if out is None:
+                continue
+            if out.aux_loss is not None:  # None under inference_mode
+                aux, z = aux + out.aux_loss, z + out.z_loss
+            if routed is not None:
+                routed.append(out.experts_NK.view(B, T, cfg.top_k))
+            moe_i += 1
         return x_BTD, aux, z
 
     def embed_input(self, tokens_BT: torch.Tensor, prev_BK: torch.Tensor | None = None) -> torch.Tensor:
@@ -295,7 +254,7 @@ class Transformer(nn.Module):
             return x_BTD
         return self.embed_prev(x_BTD, tokens_BT, prev_BK)
 
-    def _rope(self, n_positions: int, device) -> torch.Tensor:
+    def rotary_table(self, n_positions: int, device) -> torch.Tensor:
         """The rotary table [P, 2, 1, head_dim] (cos, signed sin) for P >= n_positions positions, computed once
         (a plain attribute, not a buffer: not in the checkpoint, never cast to a low-precision dtype)."""
         tab = getattr(self, "_rope_tab", None)
@@ -321,6 +280,11 @@ class Transformer(nn.Module):
             per_expert = 3 * cfg.d_model * cfg.d_expert
             total -= cfg.n_moe_layers * (cfg.n_experts - cfg.top_k) * per_expert
         return total
+
+
+def _at(x_BTD: torch.Tensor, at_B: torch.Tensor) -> torch.Tensor:
+    """Row b's vector at position `at_B[b]`, `[B, 1, D]`."""
+    return x_BTD[torch.arange(x_BTD.shape[0], device=x_BTD.device), at_B][:, None]
 
 
 def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
