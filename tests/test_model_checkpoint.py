@@ -92,3 +92,16 @@ def test_config_sizes_must_be_positive():
     with pytest.raises(ValueError, match="n_shared_experts=-1"):
         _config(n_shared_experts=-1)
     assert _config(n_shared_experts=0).n_shared_experts == 0
+
+
+def test_the_tensor_hash_names_the_weights_and_nothing_else(tmp_path):
+    torch.manual_seed(0)
+    model = Transformer(_config())
+    checkpoint.save(model, str(tmp_path / "a"), metadata={"policy_version": 1})
+    checkpoint.save(model, str(tmp_path / "b"), metadata={"policy_version": 2, "usage": {"prompt": "bare"}})
+    first = checkpoint.tensor_hash(str(tmp_path / "a"))
+    assert len(first) == 16 and first == checkpoint.tensor_hash(str(tmp_path / "b"))
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[0] += 1e-6
+    checkpoint.save(model, str(tmp_path / "c"))
+    assert checkpoint.tensor_hash(str(tmp_path / "c")) != first

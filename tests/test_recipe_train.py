@@ -85,7 +85,7 @@ def test_train_survives_sigkill_and_resumes_without_losing_or_repeating_rollouts
     results = json.loads((tmp_path / "run" / "results.json").read_text())["results"]
     assert set(results) == {"sft", "rl"} and all(r["tasks"] == 2 for r in results.values())
     comparison = json.loads((tmp_path / "run" / "results.json").read_text())["rl_vs_sft"]
-    assert comparison["episodes"] == [2, 2] and isinstance(comparison["target_met"], bool)
+    assert comparison["episodes"] == [2, 2] and "target_met" not in comparison
     with open(os.path.join(run, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     assert {r["stage"] for r in rows} == {"sft", "rl"}
@@ -111,7 +111,8 @@ def test_train_survives_sigkill_and_resumes_without_losing_or_repeating_rollouts
     more = subprocess.run(_cli("train", "--resume", run, "--no-progress", "rl.steps=6"), env=env, capture_output=True,
                           text=True, timeout=900)
     assert more.returncode == 0, more.stderr[-3000:]
-    assert "rl vs sft: success" in more.stdout and "95% interval" in more.stdout  # the table's verdict line
+    assert "rl against sft: success" in more.stdout and "95% interval" in more.stdout  # what RL changed
+    assert "sft checkpoint tensor hash " in more.stdout and "wall clock per phase: set-up" in more.stdout
     assert sorted(_trained(run)) == [1, 2, 3, 4, 5, 6] and _trained(run)[5] == trained[5]
     results = json.loads((tmp_path / "run" / "results.json").read_text())["results"]
     assert results["rl"]["checkpoint"].endswith("rl-step-000006") and os.path.getmtime(sft_eval) == sft_eval_mtime

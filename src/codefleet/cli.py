@@ -43,7 +43,6 @@ COMMANDS = {
 
 
 def _sandbox_run(args: argparse.Namespace) -> int:
-
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         print("codefleet sandbox run: give the command after `--`, e.g. "

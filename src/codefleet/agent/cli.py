@@ -159,7 +159,6 @@ def _attempt_summary(a: Attempt) -> dict:
 
 def run_command(args: argparse.Namespace, stdin: TextIO | None = None, out: TextIO | None = None,
                 err: TextIO | None = None) -> int:
-
     stdin = sys.stdin if stdin is None else stdin
     out, err = out or sys.stdout, err or sys.stderr
     if args.attempts < 1:

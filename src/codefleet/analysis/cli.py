@@ -49,7 +49,6 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-
     judge = JudgeConfig(backend=args.judge, model=args.judge_model, rubric_path=args.rubric,
                         timeout_s=args.judge_timeout_s, max_retries=args.judge_retries,
                         rate_limit_per_s=args.judge_rate,

@@ -192,7 +192,6 @@ class JudgeBatch:
         return complete
 
     def _local(self):
-
         policy = LocalEnginePolicy(self.config.backend.removeprefix("local:"), max_tokens=self.config.max_tokens,
                                    temperature=0.0)
         return lambda messages: policy.generate(messages, []).text

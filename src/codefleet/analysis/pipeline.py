@@ -44,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from codefleet.analysis import rules
 from codefleet.analysis.aggregate import summarise, write_summary
@@ -160,7 +161,6 @@ def ray_data_settings(config: AnalyzeConfig):
 def unreadable_bodies(scan: StoreScan) -> list[str]:
     """Read every file of `scan` through, one record batch at a time (bounded memory); drop the files
     that fail from `scan.files` and return one message per dropped file."""
-    import pyarrow.parquet as pq
 
     messages, good = [], []
     for store_file in scan.files:

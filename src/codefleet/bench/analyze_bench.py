@@ -29,11 +29,15 @@ Full run: 100,000 rollouts. `--quick`: 2,000 (ends within 45 s).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 import threading
 import time
+
+import pyarrow.parquet as pq
+import ray
 
 from codefleet.analysis.pipeline import AnalyzeConfig, analyze
 from codefleet.analysis.synthetic import synthetic_records
@@ -95,17 +99,12 @@ class MemorySampler:
 
 
 def run(quick: bool, log: Log) -> dict:
-    import pyarrow.parquet as pq
-    import ray
-
-
     n = QUICK_ROWS if quick else FULL_ROWS
     root = tempfile.mkdtemp(prefix="codefleet-analyze-bench-")
     try:
         started = time.perf_counter()
         writer = RolloutWriter(os.path.join(root, "rollouts"))
         expected: dict[tuple[int, int, int], str] = {}
-        import json
 
         for records in synthetic_records(n, run="bench", seed=0, rows_per_step=max(1, n // 20)):
             writer.append(records)

@@ -51,7 +51,6 @@ def _as_tensors(weights: dict) -> dict[str, torch.Tensor]:
 class EngineActor:
     def __init__(self, checkpoint: str, max_batch: int = 32, max_seq_len: int | None = None, threads: int = 1,
                  version: int = 0, restart_from: str | None = None):
-
         torch.set_num_threads(threads)
         if restart_from and ray.get_runtime_context().was_current_actor_reconstructed:
             checkpoint, version = newest_checkpoint(restart_from) or (checkpoint, version)

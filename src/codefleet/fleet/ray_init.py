@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import os
 
+import ray
+
 
 def init_ray(num_cpus: float = 2, resources: dict[str, float] | None = None, address: str = "",
              object_store_mb: int | None = None) -> bool:
-    import ray
-
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")

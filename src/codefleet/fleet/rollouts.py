@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 
 import ray
+import torch
 
 from codefleet.agent.clients.local_engine import LocalEnginePolicy, grammar_options
 from codefleet.agent.episode import EpisodeConfig, score, solve
@@ -90,9 +91,6 @@ class _Prepared:
 @ray.remote(max_restarts=-1, max_task_retries=0)
 class RolloutWorker:
     def __init__(self, spec: RolloutSpec, engines: list):
-        import torch
-
-
         torch.set_num_threads(1)
         self.spec, self.engines = spec, engines
         has_tok = os.path.isfile(os.path.join(spec.checkpoint, TOKENIZER_FILE))
@@ -183,7 +181,6 @@ class RolloutWorker:
             self._away[index] = time.monotonic() + AWAY_S
 
     def run_attempt(self, task: Task, ticket: Ticket, attempt: int, version: int):
-
         spec = self.spec
         index, engine = self._engine(ticket, attempt)
         try:
@@ -241,7 +238,6 @@ class _Cancellable:
         self.policy, self.name = policy, policy.name
 
     def generate(self, messages: list[dict], tools: list[dict]):
-
         if ray.get_runtime_context().is_canceled():
             raise Cancelled("the attempt was cancelled by the controller")
         return self.policy.generate(messages, tools)

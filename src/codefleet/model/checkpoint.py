@@ -15,6 +15,7 @@ trained.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -133,3 +134,15 @@ def read_metadata(path: str) -> dict:
         return {}
     with open(meta_file) as f:
         return json.load(f)
+
+
+def tensor_hash(path: str) -> str:
+    """A short fingerprint of the checkpoint's weights: sha256 over every tensor's name, dtype, shape and
+    bytes, in name order. Two checkpoints with the same hash hold the same weights, whatever their metadata."""
+    digest = hashlib.sha256()
+    with safe_open(os.path.join(path, WEIGHTS_FILE), "pt") as f:
+        for name in sorted(f.keys()):
+            tensor = f.get_tensor(name).contiguous()
+            digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+            digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]

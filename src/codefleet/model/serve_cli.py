@@ -14,6 +14,8 @@ import argparse
 import os
 import sys
 
+import torch
+
 from codefleet.model import checkpoint
 from codefleet.model.engine import load_engine
 from codefleet.model.server import run_server
@@ -52,7 +54,6 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value < least:
             print(f"codefleet serve: {flag} must be at least {least}, got {value}", file=sys.stderr)
             return 2
-    import torch
 
 
     if args.threads:

@@ -260,7 +260,6 @@ class ChatServer:
 
     def __init__(self, engine: Engine, tokenizer, model_name: str = "codefleet", default_max_tokens: int = 1024,
                  prompt: str = "full", tool_grammar: bool = False):
-
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.default_max_tokens, self.prompt = default_max_tokens, check_prompt(prompt)
         self.tool_grammar = tool_grammar  # constrain every request's tool calls (model.grammar), not only strict ones

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import traceback
 
 from codefleet.agent.episode import EpisodeConfig
 from codefleet.agent.policy import PolicyError
@@ -68,7 +69,6 @@ def register(subparsers) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-
     if not (args.out or args.resume):
         print("codefleet train: give --out RUN_DIR (a new run) or --resume RUN_DIR", file=sys.stderr)
         return 2
@@ -93,7 +93,6 @@ def _train(args: argparse.Namespace) -> int:
         print(f"codefleet train: {e}", file=sys.stderr)
         return 2
     except ControllerError as e:  # the RL loop stopped, saying why; the traceback is for a bug report
-        import traceback
 
         path = os.path.join(run_dir, "error.txt")
         with open(path, "w") as f:
@@ -104,6 +103,8 @@ def _train(args: argparse.Namespace) -> int:
     print(results_table(summary["results"]))
     print(comparison_line(summary["rl_vs_sft"]))
     print(json.dumps(summary["results"], sort_keys=True))
+    print(f"sft checkpoint tensor hash {summary['sft_tensor_hash']}")
+    print("wall clock per phase: " + ", ".join(f"{phase} {s:.0f} s" for phase, s in summary["phases_s"].items()))
     if best := (summary["results"].get("rl") or summary["results"].get("sft") or {}).get("checkpoint"):
         print(f"\nrun the policy on a repository: codefleet agent run --repo DIR --task TEXT --model local:{best}\n"
               f"or serve it: codefleet serve --checkpoint {best} --port 8000", file=sys.stderr)
@@ -111,7 +112,6 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-
     if args.model and not args.model.startswith(("http://", "https://")):
         print(f"codefleet eval: --model {args.model!r} is not a URL; give an OpenAI-compatible base URL such as "
               "http://localhost:8000/v1, or a checkpoint directory with --checkpoint", file=sys.stderr)

@@ -82,7 +82,7 @@ class SFTSection:
     explore_fraction: float = 0.5
     chain_fraction: float = 0.5
     # "task": one habit per task, drawn once, which the policy learns by heart (P(explore) 0.00-0.99 per held-out
-    # task, scripts/habit_probe.py); "epoch": the expert records every habit of each task and SFT draws one anew
+    # task, experiments/probes/habit_probe.py); "epoch": the expert records every habit of each task and SFT draws one anew
     # each time it shows the task, so the habit is a coin (0.53-0.78) RL can weigh: RL on fresh tasks then moved the
     # held-out renames to acting at once and chaining their tests (docs/experiments/, "Fresh tasks for RL")
     habits: str = "epoch"

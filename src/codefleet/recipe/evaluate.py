@@ -35,6 +35,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 from codefleet.agent.attempts import run_task_attempts
 from codefleet.agent.clients import OpenAIConfig, OpenAIPolicy
 from codefleet.agent.clients.local_engine import LocalEnginePolicy, grammar_options
@@ -140,9 +142,6 @@ def summarize(checkpoint: str, results: dict[str, list[Trajectory]], attempts: i
 def evaluate(checkpoint: str, tasks: list[Task], config: EvalConfig | None = None, sandbox_config=None,
              episode_config=None, on_task=None) -> tuple[EvalReport, dict[str, list[Trajectory]]]:
     """Run every task `attempts` times with the checkpoint; the report and the trajectories by task id."""
-    import torch
-
-
     config = config or EvalConfig()
     if not tasks:
         raise ValueError("no tasks to evaluate: give a directory made by `codefleet tasks generate`")
@@ -227,18 +226,10 @@ def mean_ratio_interval(new: list[float], base: list[float], resamples: int = 20
     return changes[int(0.025 * resamples)], changes[int(0.975 * resamples) - 1]
 
 
-TARGET_POINTS, TARGET_TURNS = 0.10, -0.20  # issue 5: +10 points of success, or -20% turns per solved task
-# "at equal success": the change's interval holds 0 (or lies above it) *and* the new rate keeps at least this share
-# of the base's. The interval alone is wide at 160 episodes: 22 -> 13 solves (-5.6 points) would pass as "equal".
-EQUAL_SUCCESS_SHARE = 0.9
-
-
 def compare(base: dict, new: dict) -> dict:
     """How `new` did against `base` (two evaluation summaries of the same tasks and settings, with `solved_turns`):
-    the change in success with its 95% interval, the change in turns per solved task with its bootstrap 95%
-    interval, and whether that meets the target (+10 points, or -20% turns at equal success, i.e. a success
-    change whose interval holds 0 or lies above it, and a success rate at least EQUAL_SUCCESS_SHARE of the
-    base's)."""
+    the change in success with its 95% interval, and the change in turns per solved task with its bootstrap 95%
+    interval (None when either solved nothing)."""
     n_base, n_new = base["tasks"] * base["attempts"], new["tasks"] * new["attempts"]
     k_base, k_new = round(base["success_rate"] * n_base), round(new["success_rate"] * n_new)
     points = k_new / n_new - k_base / n_base
@@ -249,24 +240,30 @@ def compare(base: dict, new: dict) -> dict:
     if turns_base and turns_new:
         out["turns_change"] = round(statistics.fmean(turns_new) / statistics.fmean(turns_base) - 1, 4)
         out["turns_change_ci"] = [round(x, 4) for x in mean_ratio_interval(turns_new, turns_base)]
-    equal = points_ci[1] >= 0 and k_new / n_new >= EQUAL_SUCCESS_SHARE * k_base / n_base
-    faster = out["turns_change"] is not None and out["turns_change"] <= TARGET_TURNS and equal
-    out["target_met"] = points >= TARGET_POINTS or faster
     return out
 
 
+def _direction(interval: list[float], up: str, down: str) -> str | None:
+    """`up` or `down` when the 95% interval lies clear of zero on that side, else None."""
+    lo, hi = interval
+    return up if lo > 0 else down if hi < 0 else None
+
+
 def comparison_line(c: dict, base: str = "sft", new: str = "rl") -> str:
-    """`compare()` in two sentences, intervals included."""
+    """What `new` changed against `base` (`compare()`), with intervals, and which changes are clear of noise."""
     lo, hi = c["success_points_ci"]
-    text = (f"{new} vs {base}: success {100 * c['success_points']:+.1f} points (95% interval {100 * lo:+.1f} to "
+    text = (f"{new} against {base}: success {100 * c['success_points']:+.1f} points (95% interval {100 * lo:+.1f} to "
             f"{100 * hi:+.1f}; {c['solved'][1]} vs {c['solved'][0]} solved of {c['episodes'][1]} and "
             f"{c['episodes'][0]} episodes)")
+    clear = [_direction(c["success_points_ci"], "success rose", "success fell")]
     if c["turns_change"] is not None:
         tlo, thi = c["turns_change_ci"]
-        text += f", turns per solved task {c['turns_change']:+.0%} ({tlo:+.0%} to {thi:+.0%})"
-    verdict = "met" if c["target_met"] else "not met"
-    return (text + f". Target (+{100 * TARGET_POINTS:.0f} points, or {TARGET_TURNS:.0%} turns per solved task at equal "
-            f"success): {verdict}, by the point estimates.")
+        text += f", turns per solved task {c['turns_change']:+.0%} (95% interval {tlo:+.0%} to {thi:+.0%})"
+        clear.append(_direction(c["turns_change_ci"], "solved tasks took more turns", "solved tasks took fewer turns"))
+    clear = [x for x in clear if x]
+    if not clear:
+        return text + ". Both intervals hold zero: at this many episodes neither change is distinguishable from noise."
+    return text + f". Clear of noise: {' and '.join(clear)}."
 
 
 def report_json(report: EvalReport) -> str:

@@ -38,12 +38,12 @@ import fcntl
 import json
 import os
 import pickle
+import shutil
 import sys
 import tempfile
 
 from codefleet.fleet.staleness import Group
 from codefleet.model.checkpoint import CONFIG_FILE
-
 
 # The layout above, as a number: a run directory written in another layout is refused on --resume with one
 # sentence, never half-read. Raise it when the layout or the pickled groups change.
@@ -171,7 +171,6 @@ class RunDir:
                            f"{e}); restore that checkpoint from a backup, or {fix}") from None
 
     def _complete(self, name: str) -> tuple[str, int, dict]:
-
         if not name.startswith("rl-step-") or "/" in name:
             raise ValueError("not the name of an RL checkpoint (rl-step-NNNNNN)")
         step, base = int(name.removeprefix("rl-step-")), self.path("checkpoints", name)
@@ -193,7 +192,6 @@ class RunDir:
 
     def prune(self, keep_step: int) -> None:
         """Remove RL checkpoints older than `keep_step` (LATEST already names a newer one)."""
-        import shutil
 
         folder = self.path("checkpoints")
         for name in os.listdir(folder):

@@ -27,8 +27,11 @@ import json
 import os
 import pickle
 import random
+import shutil
 import time
 
+import ray
+import torch
 import yaml
 
 from codefleet.agent.clients.local_engine import TOOL_GRAMMARS
@@ -140,9 +143,6 @@ STRUCTURE = "`\"'{}[](),:"  # model.copy_words_only: tokens holding these are ne
 
 
 def init_model(run: RunDir, config: TrainRunConfig, tokenizer) -> str:
-    import torch
-
-
     path = run.path("checkpoints", "init")
     if os.path.isfile(os.path.join(path, checkpoint.CONFIG_FILE)):
         return path
@@ -159,7 +159,6 @@ def init_model(run: RunDir, config: TrainRunConfig, tokenizer) -> str:
 
 
 def demonstrations(run: RunDir, config: TrainRunConfig, tasks, tokenizer):
-
     path = run.path("demos.pkl")
     if os.path.isfile(path):
         with open(path, "rb") as f:
@@ -182,7 +181,6 @@ def demonstrations(run: RunDir, config: TrainRunConfig, tasks, tokenizer):
 
 
 def sft(run: RunDir, config: TrainRunConfig, demos, init: str, metrics: Metrics, tokenizer) -> str:
-
     path = run.path("checkpoints", "sft")
     if os.path.isfile(run.path("sft.done")):
         return path
@@ -250,9 +248,6 @@ def sft_batch(demos, picked: list[int], c, rng: random.Random, tokenizer, max_se
 
 def evaluate_checkpoints(run: RunDir, config: TrainRunConfig, eval_tasks, checkpoints: dict[str, str]) -> dict:
     """Each checkpoint's report in eval/LABEL.json, its episodes in the rollout store eval/LABEL-rollouts."""
-    import shutil
-
-
     e = config.eval
     results = {}
     for label, path in checkpoints.items():
@@ -359,37 +354,58 @@ def train(config: TrainRunConfig, out: str, resume: bool = False, progress: bool
         run.unlock()
 
 
+class _Phases:
+    """Wall-clock seconds per phase of a run, in the order the phases first ran (a phase may run in parts)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def done(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = round(self.seconds.get(phase, 0.0) + now - self._last, 1)
+        self._last = now
+
+
 def _train(run: RunDir, config: TrainRunConfig, progress: bool) -> dict:
-    import ray
-
-
     saved = run.path("config.yaml")
     t = config.tasks  # your task directories, absolute: a resume may start elsewhere
     t.train_dir, t.eval_dir = (os.path.abspath(d) if d else "" for d in (t.train_dir, t.eval_dir))
     atomic_write(saved, yaml.safe_dump(to_dict(config), sort_keys=False).encode())  # with a resume's changes
     started = time.perf_counter()
+    phases = _Phases()
     tokenizer = default_tokenizer()
     train_tasks, rl_tasks, eval_tasks = make_tasks(run, config)
     init = init_model(run, config, tokenizer)
+    phases.done("set-up")
     demos = demonstrations(run, config, train_tasks, tokenizer)
+    phases.done("demonstrations")
     metrics = Metrics(run)
     cl = config.cluster
     own_ray = init_ray(cl.num_cpus, {"sandbox": cl.sandbox_slots}, cl.address)
+    phases.done("set-up")
     try:
         sft_ckpt = sft(run, config, demos, init, metrics, tokenizer)
-        broken = getattr(demos, "broken", {})
-        rl_tasks = [t for t in rl_tasks if t.id not in broken]
+        phases.done("sft")
+        sft_hash = checkpoint.tensor_hash(sft_ckpt)
+        log(f"sft checkpoint {sft_ckpt}: tensor hash {sft_hash}")
+        rl_tasks = [t for t in rl_tasks if t.id not in demos.broken]
         if not rl_tasks:
-            raise RunError(f"the set-up of every training task fails (e.g. {next(iter(broken.values()))}); "
+            raise RunError(f"the set-up of every training task fails (e.g. {next(iter(demos.broken.values()))}); "
                            "fix the tasks' setup commands and start a new run")
         rl_ckpt = reinforce(run, config, rl_tasks, sft_ckpt, metrics, progress)
+        phases.done("rl")
     finally:
         metrics.plot()
         metrics.close()
         if own_ray:
             ray.shutdown()
-    results = evaluate_checkpoints(run, config, eval_tasks, {"sft": sft_ckpt, "rl": rl_ckpt})
+    results = {}
+    for label, path in (("sft", sft_ckpt), ("rl", rl_ckpt)):
+        results.update(evaluate_checkpoints(run, config, eval_tasks, {label: path}))
+        phases.done(f"evaluation of {label}")
     summary = {"results": results, "wall_s": round(time.perf_counter() - started, 1), "run_dir": run.root,
-               "rl_vs_sft": compare(results["sft"], results["rl"])}
+               "rl_vs_sft": compare(results["sft"], results["rl"]), "phases_s": phases.seconds,
+               "sft_tensor_hash": sft_hash}
     atomic_write(run.path("results.json"), json.dumps(summary, indent=2, sort_keys=True).encode())
     return summary

@@ -8,6 +8,11 @@ import os
 import sys
 import time
 
+import ray
+import torch
+from ray.exceptions import RayActorError
+from tqdm import tqdm
+
 from codefleet.agent.reward import solved
 from codefleet.fleet.controller import Controller, ControllerConfig
 from codefleet.fleet.inference import broadcast_weights, start_engines
@@ -32,9 +37,6 @@ def _rl_start(src: str, dst: str, keep_optimizer: bool) -> str:
     A fresh AdamW's first steps move every weight that has a gradient by about the learning rate, whatever
     the gradient's size (m / sqrt(v) is ±1 after one step); on the tiny default that alone cost held-out
     success (docs/experiments/). The SFT moments scale RL's first updates by what SFT's gradients were."""
-    import torch
-
-
     if not os.path.isfile(os.path.join(dst, checkpoint.CONFIG_FILE)):  # the config is written last
         os.makedirs(dst, exist_ok=True)
         state_file = os.path.join(src, TRAINER_FILE)
@@ -82,9 +84,6 @@ def training_samples(groups: list[Group], advantages: list[list[float]],
 
 def group_speed_bonus(groups: list[Group], rl):
     """rl.rewards.speed_bonus of these groups' attempts, by their turns and whether the reward counts them solved."""
-    import torch
-
-
     trajectories = [[r.trajectory for r in g.rollouts] for g in groups]
     turns_NG = torch.tensor([[t.n_turns for t in ts] for ts in trajectories])
     solved_NG = torch.tensor([[solved(t, rl.reward) for t in ts] for ts in trajectories])
@@ -113,9 +112,6 @@ class RLTrainer:
         self.tokens = 0
 
     def train(self, batch) -> dict[str, float]:
-        import torch
-
-
         rewards_NG = torch.tensor([[r.reward for r in g.rollouts] for g in batch.groups])
         if self.config.rl.speed_bonus:
             rewards_NG = rewards_NG + group_speed_bonus(batch.groups, self.config.rl)
@@ -157,9 +153,6 @@ class RLTrainer:
     def _step(self, samples, step: int) -> dict:
         """One RL step from version `step`, saved as rl_checkpoint(step + 1); redone on a new trainer group
         from the last commit if a worker dies."""
-        from ray.exceptions import RayActorError
-
-
         for restarts in range(self.MAX_TRAINER_RESTARTS + 1):
             try:
                 m = dict(self.group.rl_step(samples))
@@ -224,9 +217,6 @@ def task_sampler(run: RunDir, config: TrainRunConfig, tasks, skip: int):
 
 def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, metrics: Metrics,
               progress: bool = True) -> str:
-    from tqdm import tqdm
-
-
     c, cl = config.rl, config.cluster
     start = _rl_start(sft_ckpt, run.path("checkpoints", "rl-start"), c.keep_sft_optimizer)
     latest = run.latest()
@@ -295,7 +285,6 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
 
 def _log_prefix_cache(engines) -> None:
     """How much prefill the engines' prefix cache saved over the run (the turns of an episode share it)."""
-    import ray
 
     for i, engine in enumerate(engines):
         try:

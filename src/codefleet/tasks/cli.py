@@ -27,7 +27,6 @@ from codefleet.tasks.swebench import DEFAULT_CHECK_COMMAND, load_swebench
 
 
 def _generate(args: argparse.Namespace) -> int:
-
     families = [f.strip() for f in args.families.split(",") if f.strip()] if args.families else None
     difficulty = None if args.difficulty == "mixed" else int(args.difficulty)
     if args.n < 1:
@@ -53,7 +52,6 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-
     if args.runs < 1:
         print(f"codefleet tasks check: --runs must be at least 1, got {args.runs}", file=sys.stderr)
         return 2
@@ -86,7 +84,6 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _import_swebench(args: argparse.Namespace) -> int:
-
     try:
         tasks, errors = load_swebench(args.jsonl, args.repos, args.out, setup_commands=list(args.setup or []),
                                       check_command=args.check_command or DEFAULT_CHECK_COMMAND)

@@ -52,7 +52,6 @@ class LocalEnginePolicy:
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  max_batch: int = 16, max_seq_len: int | None = None, name: str = "", tool_grammar: bool = False,
                  tool_choice: str = "auto"):
-
         if engine is None:
             if not checkpoint:
                 raise LocalEngineUnavailableError(
@@ -144,5 +143,4 @@ def grammar_options(tool_grammar: str) -> dict:
 
 
 def _harness_tools() -> list[dict]:
-
     return tool_schemas()

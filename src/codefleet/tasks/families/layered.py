@@ -9,6 +9,7 @@ once pays off) to find which one contradicts its docstring.
 
 from __future__ import annotations
 
+import importlib
 import random
 from dataclasses import dataclass
 
@@ -199,8 +200,6 @@ def package_modules(shape: Layered, package: str) -> dict[str, str]:
 
 
 def top_outcomes(files: dict[str, str], module: str, func: str, cases: list[tuple]) -> list[tuple[str, object]]:
-    import importlib
-
     with importable(files):
         fn = getattr(importlib.import_module(module), func)
         return [outcome(fn, args) for args in cases]
