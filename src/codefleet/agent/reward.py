@@ -39,11 +39,11 @@ COSTS_ON = ("all", "solved")
 @dataclass
 class RewardConfig:
     mode: str = "all_pass"  # "all_pass" | "fraction"
-    cost_per_turn: float = 0.0
+    cost_per_turn: float = 0.0  # per turn the episode took
     cost_per_s: float = 0.0  # per second of episode wall clock
     cost_per_token: float = 0.0  # per prompt + completion token
     cost_per_tool_error: float = 0.0  # per tool call that came back as an error (Turn.errors)
-    costs_on: str = "all"  # "all" | "solved": the costs scaled by the correctness (see the module docstring)
+    costs_on: str = "all"  # "all" | "solved": with "solved", costs scale with correctness (a failure scores 0)
     require_submit: bool = False  # an episode that never submitted scores as unsolved
 
     def __post_init__(self) -> None:

@@ -66,7 +66,7 @@ KL_ESTIMATORS = ("k3", "k2")
 
 @dataclass
 class LossConfig:
-    eps_low: float = 0.2
+    eps_low: float = 0.2  # PPO clip: the ratio is clipped to [1 - eps_low, 1 + eps_high]
     eps_high: float = 0.28  # > eps_low: clip-higher (DAPO)
     reduction: str = "token_mean"  # "token_mean" | "seq_mean"
     ratio_level: str = "token"  # "token" (PPO) | "sequence" (GSPO)

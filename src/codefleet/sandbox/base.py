@@ -48,15 +48,15 @@ class SandboxConfig:
     backend: str = "auto"  # "auto" | "namespace" | "local"
     timeout_s: float = 60.0  # default wall-clock limit per command
     output_limit_bytes: int = 64 * 1024  # head + tail kept from each command
-    memory_mb: int = 2048
-    max_processes: int = 256
+    memory_mb: int = 2048  # memory of all its processes together (without cgroups: address space per process)
+    max_processes: int = 256  # processes and threads at once
     cpu_cores: float = 1.0  # CPU bandwidth (cgroup quota)
     cpu_time_s: int = 3600  # CPU seconds per process (RLIMIT_CPU)
     workspace_mb: int = 2048  # room for changes to the workspace
     tmp_mb: int = 512  # size of the private /tmp (and of /var/tmp and /dev/shm); counts against memory_mb
     max_file_mb: int = 1024  # largest single file a command may write
     ro_binds: list[str] = field(default_factory=list)  # extra host paths, read-only
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # environment variables exported in its shell
     state_dir: str | None = None  # where mounts and layers live; see state.py
 
     def __post_init__(self) -> None:
