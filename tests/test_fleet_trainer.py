@@ -167,34 +167,9 @@ def test_an_attempt_with_no_tokens_is_scored_but_not_trained_on():
         return Rollout(f"0/{i}", 0, 0, float(i), Trajectory("t", [], [], "submit", sequence=sequence))
 
     group = Group(Ticket(0, 0, 1, 3), [rollout(0, [5, 6, 7]), rollout(1, []), rollout(2, [5, 8])])
-    samples, empty, skipped = training_samples([group], [[-1.0, 0.0, 1.0]])
-    assert empty == 1 and skipped == 0
+    samples, empty = training_samples([group], [[-1.0, 0.0, 1.0]])
+    assert empty == 1
     assert [s.tokens for s in samples] == [[5, 6, 7], [5, 8]] and [s.advantage for s in samples] == [-1.0, 1.0]
-
-
-def test_a_winner_is_not_trained_on_its_turns_whose_tool_calls_failed():
-    """rl.skip_error_turns: an attempt with a positive advantage keeps its other turns; one with a negative
-    advantage, and every attempt without the option, keeps them all."""
-    from codefleet.fleet.staleness import Group, Rollout, Ticket
-    from codefleet.recipe.train_rl import training_samples
-    from codefleet.types import Trajectory, Turn
-
-    # prompt, turn 0 (2 tokens), a tool result, turn 1 whose call failed (2 tokens), a tool result, turn 2
-    mask = [0, 1, 1, 0, 1, 1, 0, 0, 1]
-    turns = [Turn(0, ""), Turn(1, "", errors=["edit_file: no such file: a.py"]), Turn(2, "")]
-
-    def rollout(i):
-        sequence = TokenSequence(list(range(9)), mask, [0.0] * 9, [-1] * 9)
-        return Rollout(f"0/{i}", 0, 0, 0.0, Trajectory("t", [], turns, "submit", sequence=sequence))
-
-    group = Group(Ticket(0, 0, 1, 2), [rollout(0), rollout(1)])
-    samples, _, skipped = training_samples([group], [[1.0, -1.0]], skip_error_turns=True)
-    assert skipped == 1
-    assert samples[0].loss_mask == [0, 1, 1, 0, 0, 0, 0, 0, 1] and samples[1].loss_mask == mask
-    assert [s.loss_mask for s in training_samples([group], [[1.0, -1.0]])[0]] == [mask, mask]
-    # a mask that does not hold one run of 1s per turn is left whole rather than guessed at
-    turns.pop()
-    assert training_samples([group], [[1.0, -1.0]], skip_error_turns=True)[0][0].loss_mask == mask
 
 
 def test_a_trainer_worker_that_dies_mid_run_is_replaced_and_the_step_redone(ray_session, tmp_path):

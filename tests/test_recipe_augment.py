@@ -67,7 +67,7 @@ def test_sft_batches_show_demonstrations_and_first_turns_with_new_names():
         {"id": "c1", "type": "function", "function": {"name": "submit", "arguments": "{}"}}]}]
     demos = Demos(prompt="bare", conversations=[conversation])
     demos.examples = [demos.encode(tokenizer, conversation)]
-    batch = sft_batch(demos, [0], SFTSection(first_turns=3), random.Random(0), tokenizer, 4096)
+    batch = sft_batch(demos, [0], SFTSection(fresh_names=True, first_turns=3), random.Random(0), tokenizer, 4096)
     assert len(batch) == 4
     texts = [tokenizer.decode(ids) for ids, _ in batch]
     assert not any(re.search(r"\bpassed_count\b", t) for t in texts) and len(set(texts)) == 4  # new every time

@@ -19,6 +19,7 @@ import pytest
 import yaml
 from helpers import wait_for
 
+from codefleet.recipe.config import RECIPES_DIR, load_train_config
 from codefleet.recipe.run_dir import RunDir
 
 TINY = ["tasks.n_train=4", "tasks.n_eval=2", "tasks.families=[bugfix, config]", "sft.epochs=1", "sft.batch_size=4",
@@ -144,9 +145,10 @@ def test_train_refuses_an_existing_run_and_a_missing_one(tmp_path):
                          timeout=60)
     assert out.returncode == 2 and "stepz" in out.stderr
     out = subprocess.run(_cli("train", "--out", str(tmp_path / "r3"), "rl.group_size=1", "rl.rollout_slots=0",
-                              "sft.threads=0", "tasks.n_rl_extra=-1"), capture_output=True, text=True, timeout=60)
+                              "sft.threads=0", "cluster.engine_backend=vllm2"), capture_output=True, text=True,
+                         timeout=60)
     assert out.returncode == 2 and "rl.group_size must be >= 2" in out.stderr and "rl.rollout_slots" in out.stderr
-    assert "sft.workers and sft.threads must be >= 1" in out.stderr and "tasks.n_rl_extra must be >= 0" in out.stderr
+    assert "sft.workers and sft.threads must be >= 1" in out.stderr and "cluster.engine_backend must be one of codefleet" in out.stderr
     assert not (tmp_path / "r3").exists()
     (tmp_path / "r4").mkdir()
     RunDir(str(tmp_path / "r4")).write_format()
@@ -190,28 +192,6 @@ def test_a_resumed_run_takes_changes_to_where_it_runs_how_long_rl_goes_and_its_e
     out = subprocess.run(_cli("train", "--resume", str(tmp_path), "--out", str(tmp_path)), capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 2 and "drop --out" in out.stderr
-
-
-def test_rl_only_tasks_come_from_every_training_domain_and_never_from_held_out_templates(tmp_path):
-    from codefleet.config import from_dict
-    from codefleet.recipe.run_dir import RunDir
-    from codefleet.recipe.train import make_tasks
-    from codefleet.recipe.config import TrainRunConfig
-    from codefleet.tasks.families import MORE_TEMPLATES, templates
-
-    config = from_dict(TrainRunConfig, {"tasks": {"n_train": 2, "n_rl_extra": 12, "n_eval": 1, "families": ["rename"],
-                                                  "rl_tasks": "train"}})
-    run = RunDir(str(tmp_path / "run"))
-    train, rl, held_out = make_tasks(run, config)
-    extra = rl[len(train):]
-    assert rl[:len(train)] == train and len(extra) == 12 and len(held_out) == 1
-    assert not {t.id for t in train} & {t.id for t in extra}
-    assert {t.metadata["template"] for t in extra} <= set(templates("rename", "train"))
-    assert {t.metadata["template"] for t in extra} & MORE_TEMPLATES  # code the demonstrations never show
-    assert not {t.metadata["template"] for t in train} & MORE_TEMPLATES  # tasks.more_domains is off
-    assert [t.id for t in make_tasks(run, config)[1]] == [t.id for t in rl]  # read back, not drawn again
-    config.tasks.n_rl_extra = 0
-    assert [t.id for t in make_tasks(RunDir(str(tmp_path / "other")), config)[1]] == [t.id for t in train]
 
 
 def test_fresh_rl_tasks_are_new_instances_of_the_demonstrated_templates(tmp_path):
@@ -280,13 +260,28 @@ def test_a_run_trains_and_evaluates_on_task_directories_of_your_own(tmp_path):
         check_config(config)
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "*.yaml"))))
-def test_the_shipped_configs_load_and_pass_the_checks(path):
-    from codefleet.config import load_config
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "*.yaml"))
+                                         + glob.glob(os.path.join(RECIPES_DIR, "*.yaml"))))
+def test_the_shipped_configs_and_recipes_load_and_pass_the_checks(path):
     from codefleet.recipe.train import check_config
+
+    check_config(load_train_config(path))
+
+
+def test_a_run_layers_defaults_recipe_config_file_and_overrides_and_says_what_it_cannot_read(tmp_path):
+    from codefleet.config import ConfigError
     from codefleet.recipe.config import TrainRunConfig
 
-    check_config(load_config(TrainRunConfig, path))
+    bare, demo = load_train_config(None, ["recipe="]), load_train_config()
+    assert bare.rl.speed_bonus == TrainRunConfig().rl.speed_bonus == 0.0  # the platform's defaults alone
+    assert (demo.recipe, demo.rl.speed_bonus, demo.sft.fresh_names) == ("demo", 1.0, True)  # the demo's tricks
+    path = tmp_path / "mine.yaml"
+    path.write_text("rl:\n  speed_bonus: 0.5\n  steps: 3\n")
+    mine = load_train_config(str(path), ["rl.steps=4"])
+    assert (mine.rl.speed_bonus, mine.rl.steps, mine.sft.fresh_names) == (0.5, 4, True)
+    assert load_train_config(None, [f"recipe={path}"]).rl.steps == 3  # a recipe by path
+    with pytest.raises(ConfigError, match="recipe 'nope' is neither a recipe .demo. nor a YAML file"):
+        load_train_config(None, ["recipe=nope"])
 
 
 def _committed_run(tmp_path, step=2):

@@ -194,8 +194,7 @@ def test_the_learning_rate_schedule_warms_up_then_decays_by_step():
     assert TrainConfig(lr=0.5).lr_at(1000) == 0.5
 
 
-@pytest.mark.parametrize("keep", [True, False])
-def test_rl_starts_at_version_0_with_or_without_the_sft_optimizer(tmp_path, keep):
+def test_rl_starts_at_version_0_with_the_sft_optimizer(tmp_path):
     from codefleet.recipe.train_rl import _rl_start
 
     sft = Trainer(_model(), TrainConfig(lr=3e-3))
@@ -203,12 +202,10 @@ def test_rl_starts_at_version_0_with_or_without_the_sft_optimizer(tmp_path, keep
         sft.forward_backward_sft(_examples(4))
         sft.optim_step()
     sft.save(str(tmp_path / "sft"))
-    start = Trainer.load(_rl_start(str(tmp_path / "sft"), str(tmp_path / "rl-start"), keep), TrainConfig(lr=1e-4))
+    start = Trainer.load(_rl_start(str(tmp_path / "sft"), str(tmp_path / "rl-start")), TrainConfig(lr=1e-4))
     assert start.version == 0
     for (k, va), vb in zip(sft.weights().items(), start.weights().values()):
         assert torch.equal(va, vb), k
     moments = [s for s in start.optimizer.state_dict()["state"].values()]
-    if keep:  # SFT's AdamW moments, so RL's first update is not a ±lr step for every weight
-        assert moments and all(float(s["step"]) == 2 for s in moments)
-    else:
-        assert not moments
+    # SFT's AdamW moments, so RL's first update is not a ±lr step for every weight
+    assert moments and all(float(s["step"]) == 2 for s in moments)

@@ -107,8 +107,8 @@ def from_dict(cls: type[T], data: dict, where: str = "", base: T | None = None) 
     return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
 
 
-def load_config(cls: type[T], path: str | None = None, overrides: list[str] | None = None) -> T:
-    """`cls` from the YAML file at `path` (optional), then `key.sub=value` overrides."""
+def read_config(path: str | None = None, overrides: list[str] | None = None) -> dict:
+    """The mapping the YAML file at `path` (optional) holds, with the `key.sub=value` overrides applied."""
     data: dict = {}
     if path:
         try:
@@ -130,7 +130,13 @@ def load_config(cls: type[T], path: str | None = None, overrides: list[str] | No
             raise ConfigError(f"override {item!r}: {raw!r} is not a YAML value; quote it, e.g. "
                               f"{key.strip()}='\"{raw}\"'") from None
         _set_path(data, key.strip(), value)
-    return from_dict(cls, data)
+    return data
+
+
+def load_config(cls: type[T], path: str | None = None, overrides: list[str] | None = None, base: T | None = None) -> T:
+    """`cls` from the YAML file at `path` (optional), then `key.sub=value` overrides; fields neither sets keep
+    their value in `base` (default: the field defaults)."""
+    return from_dict(cls, read_config(path, overrides), base=base)
 
 
 def to_dict(cfg: Any) -> dict:

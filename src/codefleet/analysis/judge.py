@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import resources
 
+import openai
 import pyarrow as pa
 
 from codefleet.agent.clients.local_engine import LocalEnginePolicy
@@ -169,8 +170,6 @@ class JudgeBatch:
             self.init_error = f"judge {config.backend} unavailable: {_error(e)}"
 
     def _openai(self):
-        import openai
-
         client = openai.OpenAI(base_url=self.config.backend, api_key=os.environ.get(self.config.api_key_env) or "none",
                                timeout=self.config.timeout_s, max_retries=self.config.max_retries)
         if not (model := self.config.model):

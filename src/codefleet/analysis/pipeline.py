@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import ray.data
 
 from codefleet.analysis import rules
 from codefleet.analysis.aggregate import summarise, write_summary
@@ -109,8 +110,6 @@ def _upgrade(batch: pa.Table) -> pa.Table:
 
 def read_store(scan: StoreScan, columns: list[str], config: AnalyzeConfig):
     """One Ray Dataset of every readable file in `scan`, as the current schema projected to `columns`."""
-    import ray.data
-
     current = [f.path for f in scan.files if f.current]
     by_schema: dict[tuple[str, ...], list[str]] = {}
     for f in scan.files:
@@ -134,10 +133,8 @@ _SETTINGS = ("enable_progress_bars", "print_on_execution_start", "default_hash_s
 
 @contextlib.contextmanager
 def ray_data_settings(config: AnalyzeConfig):
-    """Ray Data settings for the analysis, restored afterwards (DataContext is process-global)."""
-    from ray.data import DataContext
-
-    ctx = DataContext.get_current()
+    """Ray Data settings for the analysis, restored afterwards (ray.data.DataContext is process-global)."""
+    ctx = ray.data.DataContext.get_current()
     saved = {name: getattr(ctx, name) for name in _SETTINGS}
     saved_limits = ctx.execution_options.resource_limits
     ctx.enable_progress_bars = config.progress
@@ -246,8 +243,6 @@ def output_lock(out_dir: str, log: Callable[[str], None]):
 def _analyze_scan(scan: StoreScan, store: str, out_dir: str, config: AnalyzeConfig, log: Callable[[str], None],
                   problems: list[str], timings: dict[str, float], started: float) -> AnalysisResult:
     """analyze() from the scan on (holding OUT's lock): judgments, then aggregates, report and summary."""
-    import ray.data
-
 
     judgments_path = os.path.join(out_dir, "judgments.parquet")
     if os.path.isdir(judgments_path):

@@ -17,6 +17,8 @@ import io
 import os
 import tempfile
 
+from matplotlib.figure import Figure
+
 from codefleet.analysis.rules import CATEGORIES
 
 _STYLE = """body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1200px}
@@ -26,31 +28,25 @@ td,th{border:1px solid #ddd;padding:4px 6px;vertical-align:top;text-align:left}t
 .kpi{display:inline-block;margin-right:24px}.kpi b{font-size:20px;display:block}.muted{color:#777}"""
 
 
-def _png(fig) -> str:
-    import matplotlib.pyplot as plt
-
+def _png(fig: Figure) -> str:
     buffer = io.BytesIO()
     fig.tight_layout()
     fig.savefig(buffer, format="png", dpi=80)
-    plt.close(fig)
     return f'<img alt="" src="data:image/png;base64,{base64.b64encode(buffer.getvalue()).decode()}">'
 
 
 def _plots(summary: dict) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     images = []
     steps = [s for s in summary["per_step"] if s["step"] is not None]  # rows without a step: in the totals only
-    fig, ax = plt.subplots(figsize=(5, 3.2))
+    fig = Figure(figsize=(5, 3.2))
+    ax = fig.subplots()
     ax.plot([s["step"] for s in steps], [s["success_rate"] for s in steps], marker="o", ms=3)
     ax.set(title="success rate over steps", xlabel="step", ylabel="solved fraction", ylim=(0, 1))
     images.append(_png(fig))
 
     families = summary["per_family"]
-    fig, ax = plt.subplots(figsize=(5, 3.2))
+    fig = Figure(figsize=(5, 3.2))
+    ax = fig.subplots()
     names = list(families)
     bottom = [0.0] * len(names)
     for category in CATEGORIES:
@@ -65,7 +61,8 @@ def _plots(summary: dict) -> list[str]:
 
     for column, label in (("turns", "turns"), ("wall_s", "wall clock (s)"), ("tokens", "tokens")):
         h = summary["histograms"][column]
-        fig, ax = plt.subplots(figsize=(5, 3.2))
+        fig = Figure(figsize=(5, 3.2))
+        ax = fig.subplots()
         first = next((i for i, c in enumerate(h["counts"]) if c), 0)  # leading empty bins would stretch the axis
         edges, counts = h["edges"][first:], h["counts"][first:]
         lefts = [e if e > 0 else (edges[1] / 2 if len(edges) > 1 else 0.5) for e in edges[:-1]]
@@ -75,13 +72,15 @@ def _plots(summary: dict) -> list[str]:
         ax.set(title=f"{label} per rollout", xlabel=label, ylabel="rollouts")
         images.append(_png(fig))
 
-    fig, ax = plt.subplots(figsize=(5, 3.2))
+    fig = Figure(figsize=(5, 3.2))
+    ax = fig.subplots()
     mix = summary["tool_mix"]
     ax.barh(list(mix)[::-1], list(mix.values())[::-1])
     ax.set(title="tool-use mix", xlabel="calls")
     images.append(_png(fig))
 
-    fig, ax = plt.subplots(figsize=(5, 3.2))
+    fig = Figure(figsize=(5, 3.2))
+    ax = fig.subplots()
     parallel = summary["parallel_calls_per_turn"]
     ax.bar([int(k) for k in parallel], list(parallel.values()))
     ax.set(title="parallel tool calls per turn", xlabel="tool calls in the turn", ylabel="turns")

@@ -53,7 +53,7 @@ class MemorySampler:
     """Peak summed RSS and PSS of this process and all its descendants, sampled in a thread."""
 
     def __init__(self, interval_s: float = 0.25):
-        import psutil
+        import psutil  # optional: the `bench` extra (pyproject.toml)
 
         self.psutil = psutil
         self.interval_s = interval_s

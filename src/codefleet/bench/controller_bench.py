@@ -40,10 +40,9 @@ from dataclasses import asdict, dataclass
 
 import ray
 
-from codefleet.fleet.ray_init import init_ray
-
 from codefleet.bench.report import Log, report
 from codefleet.fleet.controller import AttemptResult, Controller, ControllerConfig
+from codefleet.fleet.ray_init import init_ray
 from codefleet.fleet.staleness import Batch, Rollout, Ticket
 
 

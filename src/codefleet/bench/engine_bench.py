@@ -58,7 +58,7 @@ from codefleet.model.transformer import Transformer
 def hf_peer(config: ModelConfig):
     """A random-weight Qwen3MoeForCausalLM with the tiny config's shapes (None when transformers is missing)."""
     try:
-        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # optional: the `bench` extra (pyproject.toml)
     except ImportError:
         return None
     head_dim = getattr(config, "head_dim", None) or config.d_model // config.n_heads

@@ -60,7 +60,7 @@ def _ours(E: int, k: int, F: int) -> MoE:
 
 def _hf_blocks(ours: MoE, x_ND: torch.Tensor) -> tuple[dict, str | None]:
     try:
-        from transformers import Qwen3MoeConfig
+        from transformers import Qwen3MoeConfig  # optional: the `bench` extra (pyproject.toml)
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
     except ImportError as e:
         return {}, f"transformers not importable ({e}); install the bench extra: pip install 'codefleet[bench]'"

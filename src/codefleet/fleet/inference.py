@@ -38,8 +38,9 @@ import ray
 import torch
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayTaskError
 
+from codefleet.contracts import ENGINES
+from codefleet.model import engine as _engine  # noqa: F401  (registers the codefleet engine)
 from codefleet.model.checkpoint import CONFIG_FILE, read_metadata
-from codefleet.model.engine import load_engine
 from codefleet.types import Failure
 
 
@@ -50,11 +51,11 @@ def _as_tensors(weights: dict) -> dict[str, torch.Tensor]:
 @ray.remote(max_restarts=-1, max_task_retries=0)
 class EngineActor:
     def __init__(self, checkpoint: str, max_batch: int = 32, max_seq_len: int | None = None, threads: int = 1,
-                 version: int = 0, restart_from: str | None = None):
+                 version: int = 0, restart_from: str | None = None, backend: str = "codefleet"):
         torch.set_num_threads(threads)
         if restart_from and ray.get_runtime_context().was_current_actor_reconstructed:
             checkpoint, version = newest_checkpoint(restart_from) or (checkpoint, version)
-        self.engine = load_engine(checkpoint, max_batch=max_batch, max_seq_len=max_seq_len)
+        self.engine = ENGINES.get(backend)(checkpoint, max_batch=max_batch, max_seq_len=max_seq_len)
         self.engine.version = version
 
     async def generate(self, prompt: list[int], params):
@@ -127,12 +128,14 @@ class RemoteEngine:
 
 def start_engines(checkpoint: str, n: int = 1, *, num_cpus: float = 1.0, resources: dict | None = None,
                   threads: int = 1, max_batch: int = 32, max_seq_len: int | None = None, version: int = 0,
-                  restart_from: str | None = None) -> list:
+                  restart_from: str | None = None, backend: str = "codefleet") -> list:
     """`n` engine actors over `checkpoint`, placed by logical resources; waits until they are up. A restarted
-    engine loads the checkpoint `restart_from` names, if any (see the module docstring)."""
+    engine loads the checkpoint `restart_from` names, if any (see the module docstring). `backend` names the
+    engine (codefleet.contracts.ENGINES)."""
+    ENGINES.get(backend)  # an unknown name fails here, in one sentence, not in every actor
     actors = [EngineActor.options(num_cpus=num_cpus, resources=resources or {}, max_concurrency=1000).remote(
         checkpoint, max_batch=max_batch, max_seq_len=max_seq_len, threads=threads, version=version,
-        restart_from=restart_from) for _ in range(n)]
+        restart_from=restart_from, backend=backend) for _ in range(n)]
     ray.get([a.info.remote() for a in actors])
     return actors
 

@@ -43,7 +43,7 @@ class CopyConfig:
     is the plain Llama/Qwen model.
 
     `head`: the pointer-generator output (`CopyHead`). Off by default (the
-    plain output); `codefleet train` turns it on (`model.copy_head`). The
+    plain output); `codefleet train` turns it on (`model.copy.head`). The
     fields below shape it and do nothing without it:
 
     - `scope`: which positions it may point at. "all": every earlier position,
@@ -60,17 +60,17 @@ class CopyConfig:
       (a tiny model that learns it by attention alone continues `fee_for` with
       the wrong piece).
     - `blocked`: token ids it never points at (a query whose context holds
-      nothing else sees them all), so they come from the LM head alone.
-      `codefleet train` (`model.copy_words_only`) fills it with the tokens that
-      hold quotes, backticks, brackets, commas or colons: a copy that runs on
-      past a name's end (`app.py"}}`) stops where the name does.
+      nothing else sees them all), so they come from the LM head alone: e.g.
+      the tokens that hold quotes, backticks, brackets, commas or colons
+      (`Tokenizer.ids_containing`), so that a copy that runs on past a name's
+      end (`app.py"}}`) stops where the name does.
     """
 
-    prev_tokens: int = 2
-    head: bool = False
-    scope: str = "all"  # "all" | "prompt"
-    match: bool = False
-    blocked: list[int] = dataclasses.field(default_factory=list)
+    prev_tokens: int = 2  # previous tokens whose embeddings join each token's input (0-8; 0 = plain input)
+    head: bool = False  # the pointer-generator output: the model may copy a token from its context
+    scope: str = "all"  # where the copy head may point: "all" earlier positions, or "prompt" (before this turn)
+    match: bool = False  # the copy head also scores positions whose preceding tokens match the last ones written
+    blocked: list[int] = dataclasses.field(default_factory=list)  # token ids the copy head never points at
 
     def __post_init__(self) -> None:
         if not (isinstance(self.prev_tokens, int) and 0 <= self.prev_tokens <= 8):

@@ -10,10 +10,10 @@ import traceback
 
 from codefleet.agent.episode import EpisodeConfig
 from codefleet.agent.policy import PolicyError
-from codefleet.config import ConfigError, load_config
+from codefleet.config import ConfigError
 from codefleet.fleet.controller_api import ControllerError
 from codefleet.model import checkpoint
-from codefleet.recipe.config import TrainRunConfig
+from codefleet.recipe.config import load_train_config
 from codefleet.recipe.evaluate import EvalConfig, comparison_line, evaluate, evaluate_endpoint, report_json
 from codefleet.recipe.train import RunError, results_table, resumed_config, train
 from codefleet.store.parquet import RolloutWriter, rollout_record
@@ -80,7 +80,7 @@ def _train(args: argparse.Namespace) -> int:
         if args.resume:
             config = resumed_config(args.resume, args.overrides, args.address)
         else:
-            config = load_config(TrainRunConfig, args.config, args.overrides)
+            config = load_train_config(args.config, args.overrides)
             if args.address:
                 config.cluster.address = args.address
     except (ConfigError, ValueError, RunError) as e:

@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import glob
 import inspect
 import io
 import json
+import os
 import textwrap
 import tokenize
 import typing
 
-from codefleet.recipe.config import TrainRunConfig
+from codefleet.recipe.config import RECIPES_DIR, TrainRunConfig
 
 HEADER = """# Configuration of `codefleet train`
 
@@ -141,6 +143,12 @@ def render(config: typing.Any | None = None) -> str:
     lines = [HEADER, "## Top level", ""] + _table(rows)
     for name, section, comment in sections:
         lines += _section(name, section, comment, "##")
+    lines += ["## Recipes", "", "The recipe files shipped in `codefleet/recipe/configs/`, which `recipe: NAME` layers over the "
+              "defaults above:", ""]
+    for path in sorted(glob.glob(os.path.join(RECIPES_DIR, "*.yaml"))):
+        with open(path) as f:
+            text = f.read().rstrip("\n")
+        lines += [f"### `{os.path.basename(path).removesuffix('.yaml')}`", "", "```yaml", text, "```", ""]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

@@ -42,6 +42,9 @@ import shutil
 import sys
 import tempfile
 
+from matplotlib.figure import Figure
+from torch.utils.tensorboard import SummaryWriter
+
 from codefleet.fleet.staleness import Group
 from codefleet.model.checkpoint import CONFIG_FILE
 
@@ -212,8 +215,6 @@ class Metrics:
     """One line per step in metrics.jsonl, the same scalars in TensorBoard, and a plot."""
 
     def __init__(self, run: RunDir):
-        from torch.utils.tensorboard import SummaryWriter
-
         self.run = run
         self.writer = SummaryWriter(run.path("tb"))
 
@@ -234,13 +235,9 @@ class Metrics:
 
     def plot(self) -> str:
         """metrics.png: RL reward, success and turns over steps (and the SFT loss)."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
         rl, sft = self.rows("rl"), self.rows("sft")
-        fig, axes = plt.subplots(1, 4, figsize=(16, 3.2))
+        fig = Figure(figsize=(16, 3.2))
+        axes = fig.subplots(1, 4)
         for ax, key, rows, title in ((axes[0], "loss", sft, "SFT loss"), (axes[1], "reward_mean", rl, "RL reward"),
                                      (axes[2], "success_rate", rl, "RL success rate"),
                                      (axes[3], "turns_mean", rl, "RL turns / rollout")):
@@ -252,7 +249,6 @@ class Metrics:
         fig.tight_layout()
         out = self.run.path("metrics.png")
         fig.savefig(out, dpi=80)
-        plt.close(fig)
         return out
 
     def close(self) -> None:

@@ -36,12 +36,12 @@ import yaml
 
 from codefleet.agent.clients.local_engine import TOOL_GRAMMARS
 from codefleet.config import ConfigError, load_config, to_dict
+from codefleet.contracts import ENGINES
 from codefleet.fleet.ray_init import init_ray
 from codefleet.fleet.trainer_group import TrainerGroup
-from codefleet.model import checkpoint
+from codefleet.model import checkpoint, kernels
 from codefleet.model.chat import PROMPTS
 from codefleet.model.config import ModelConfig
-from codefleet.model.copying import CopyConfig
 from codefleet.model.tokenizer import default_tokenizer
 from codefleet.model.transformer import Transformer
 from codefleet.recipe.augment import fresh_names
@@ -65,7 +65,6 @@ def check_config(config: TrainRunConfig) -> None:
     t, r, cl = config.tasks, config.rl, config.cluster
     problems = [
         (t.n_train >= 1 and t.n_eval >= 1, "tasks.n_train and tasks.n_eval must be >= 1"),
-        (t.n_rl_extra >= 0, "tasks.n_rl_extra must be >= 0"),
         (t.rl_tasks in ("train", "fresh"), f"tasks.rl_tasks must be train or fresh, got {t.rl_tasks!r}"),
         (not set(t.families) - set(FAMILIES), f"tasks.families must be among {', '.join(sorted(FAMILIES))}"),
         (config.model.size in ("tiny", "small", "medium") and hasattr(ModelConfig, config.model.size),
@@ -76,14 +75,13 @@ def check_config(config: TrainRunConfig) -> None:
         (r.speed_bonus >= 0, "rl.speed_bonus must be >= 0 (0 turns it off)"),
         (r.rollout_slots >= r.group_size, "rl.rollout_slots must hold at least one group (>= rl.group_size)"),
         (r.steps >= 0 and r.eta >= 0 and r.batch_groups >= 1, "rl.steps, rl.eta >= 0 and rl.batch_groups >= 1"),
+        (cl.engine_backend in ENGINES, f"cluster.engine_backend must be one of {', '.join(ENGINES.names())}"),
         (cl.trainer_workers >= 1 and cl.engines >= 1 and cl.rollout_workers >= 1,
          "cluster.trainer_workers, cluster.engines and cluster.rollout_workers must be >= 1"),
         (config.sft.epochs >= 1 and config.sft.batch_size >= 1, "sft.epochs and sft.batch_size must be >= 1"),
         (config.sft.workers >= 1 and config.sft.threads >= 1, "sft.workers and sft.threads must be >= 1"),
         (0 <= config.sft.explore_fraction <= 1 and 0 <= config.sft.chain_fraction <= 1,
          "sft.explore_fraction and sft.chain_fraction must be in [0, 1]"),
-        (config.sft.habits in ("epoch", "task"), f"sft.habits must be epoch or task, got {config.sft.habits!r}"),
-        (config.model.copy_scope in ("all", "prompt"), "model.copy_scope must be 'all' or 'prompt'"),
         (config.model.prompt in PROMPTS, f"model.prompt must be one of {', '.join(PROMPTS)}"),
         (config.model.tool_grammar in TOOL_GRAMMARS, "model.tool_grammar must be off, auto or required"),
         (r.task_sampling in SAMPLING_MODES, f"rl.task_sampling must be one of {', '.join(SAMPLING_MODES)}"),
@@ -113,10 +111,8 @@ def make_tasks(run: RunDir, config: TrainRunConfig):
     t = config.tasks
     fresh = t.n_train if t.rl_tasks == "fresh" and not t.train_dir else 0  # no more of your own tasks to draw
     sets = {}
-    for name, n, split, seed, more in (("train", t.n_train, "train", t.seed, t.more_domains),
-                                       ("rl-fresh", fresh, "train", t.seed + 1, t.more_domains),
-                                       ("rl-extra", t.n_rl_extra, "train", t.seed + 1, True),
-                                       ("eval", t.n_eval, "test", t.seed, t.more_domains)):
+    for name, n, split, seed in (("train", t.n_train, "train", t.seed), ("rl-fresh", fresh, "train", t.seed + 1),
+                                 ("eval", t.n_eval, "test", t.seed)):
         folder = run.path("tasks", name)
         if given := {"train": t.train_dir, "eval": t.eval_dir}.get(name):
             try:
@@ -133,13 +129,10 @@ def make_tasks(run: RunDir, config: TrainRunConfig):
         else:  # new instances for RL are never a demonstrated task drawn again
             demonstrated = frozenset(task.instruction for task in sets["train"]) if name == "rl-fresh" else frozenset()
             sets[name] = generate_tasks(folder, n=n, seed=seed, families=t.families, difficulty=t.difficulty,
-                                        split=split, more_domains=more, exclude=demonstrated)
-    rl = sets["rl-fresh"] if fresh else sets["train"]
-    ids = {task.id for task in rl}
-    return sets["train"], rl + [task for task in sets["rl-extra"] if task.id not in ids], sets["eval"]
+                                        split=split, more_domains=False, exclude=demonstrated)
+    return sets["train"], sets["rl-fresh"] if fresh else sets["train"], sets["eval"]
 
 
-STRUCTURE = "`\"'{}[](),:"  # model.copy_words_only: tokens holding these are never copied
 
 
 def init_model(run: RunDir, config: TrainRunConfig, tokenizer) -> str:
@@ -150,10 +143,8 @@ def init_model(run: RunDir, config: TrainRunConfig, tokenizer) -> str:
     if preset is None:
         raise RunError(f"model.size={config.model.size!r} is not a preset; use tiny, small or medium")
     torch.manual_seed(config.model.seed)
-    blocked = tokenizer.ids_containing(STRUCTURE) if config.model.copy_words_only else []
-    copy = CopyConfig(head=config.model.copy_head, scope=config.model.copy_scope, match=config.model.copy_match,
-                      blocked=blocked)
-    model = Transformer(preset(vocab_size=tokenizer.vocab_size, max_seq_len=config.model.max_seq_len, copy=copy))
+    model = Transformer(preset(vocab_size=tokenizer.vocab_size, max_seq_len=config.model.max_seq_len,
+                               copy=config.model.copy))
     checkpoint.save(model, path, metadata=policy_usage(config))
     return path
 
@@ -167,7 +158,7 @@ def demonstrations(run: RunDir, config: TrainRunConfig, tasks, tokenizer):
     expert = dataclasses.replace(episode_config(config), budgets=None)  # the task's own budgets, not RL's
     demos = expert_demos(tasks, tokenizer, config.model.max_seq_len, config.sandbox, expert,
                          explore_fraction=config.sft.explore_fraction, chain_fraction=config.sft.chain_fraction,
-                         seed=config.tasks.seed, all_habits=config.sft.habits == "epoch")
+                         seed=config.tasks.seed, all_habits=True)
     atomic_write(path, pickle.dumps(demos))
     took_s = time.perf_counter() - started
     habits = (f", {sum(len({id(c) for c in v.values()}) for v in demos.variants)} episodes of their habits"
@@ -218,16 +209,14 @@ def sft_batch(demos, picked: list[int], c, rng: random.Random, tokenizer, max_se
     """One SFT step's examples: demonstrations `picked`, with fresh names when `c.fresh_names`
     (rl.augment), and `c.first_turns` first turns of random demonstrations, each with fresh names (the
     task and the expert's first answer: ~150 tokens that teach copying names from the task, the skill
-    every later turn builds on, at a fifth of a whole demonstration's cost). With `c.habits == "epoch"`
-    and demonstrations recorded with all their habits, each one shows a habit drawn now (rl.demos)."""
+    every later turn builds on, at a fifth of a whole demonstration's cost). Demonstrations recorded with
+    all their habits show a habit drawn now, each time (recipe.demos)."""
 
     def conversation(j: int) -> list[dict]:
-        return demos.conversation(j, rng if c.habits == "epoch" else None, c.explore_fraction, c.chain_fraction)
+        return demos.conversation(j, rng, c.explore_fraction, c.chain_fraction)
 
-    if len(getattr(demos, "conversations", ())) != len(demos.examples):  # runs older than conversations
-        return [demos.examples[j] for j in picked]
     if not c.fresh_names:
-        if c.habits != "epoch" or not getattr(demos, "variants", None):
+        if not demos.variants:
             return [demos.examples[j] for j in picked]
         return [demos.encode(tokenizer, conversation(j)) for j in picked]
 
@@ -354,6 +343,18 @@ def train(config: TrainRunConfig, out: str, resume: bool = False, progress: bool
         run.unlock()
 
 
+def _log_kernels() -> None:
+    """Say which native CPU kernels this machine has: without them SFT, RL and the engine run their PyTorch
+    paths, the same results but slower (the first thing to check when a run is slower than docs/benchmarks.md)."""
+    native = {"training": kernels.moe_train(), "decode": kernels.decode_layer(), "experts": kernels.moe_experts()}
+    missing = [name for name, op in native.items() if op is None]
+    if missing:
+        log(f"native CPU kernels missing ({', '.join(missing)}): their PyTorch paths run instead, slower; "
+            "`python -m codefleet.model.kernels` says why")
+    else:
+        log(f"native CPU kernels: {', '.join(native)}; torch threads per process: {torch.get_num_threads()}")
+
+
 class _Phases:
     """Wall-clock seconds per phase of a run, in the order the phases first ran (a phase may run in parts)."""
 
@@ -374,6 +375,7 @@ def _train(run: RunDir, config: TrainRunConfig, progress: bool) -> dict:
     atomic_write(saved, yaml.safe_dump(to_dict(config), sort_keys=False).encode())  # with a resume's changes
     started = time.perf_counter()
     phases = _Phases()
+    _log_kernels()
     tokenizer = default_tokenizer()
     train_tasks, rl_tasks, eval_tasks = make_tasks(run, config)
     init = init_model(run, config, tokenizer)

@@ -25,14 +25,14 @@ from codefleet.recipe.config import TrainRunConfig, episode_config, policy_usage
 from codefleet.recipe.curriculum import TaskSampler
 from codefleet.recipe.run_dir import Metrics, RunDir, RunError, log
 from codefleet.rl.advantages import compute_advantages, weigh_negatives
-from codefleet.rl.batch import Sample, mask_turns
+from codefleet.rl.batch import Sample
 from codefleet.rl.rewards import speed_bonus
 from codefleet.rl.trainer import TRAINER_FILE, TrainConfig
 from codefleet.store.parquet import RolloutWriter, rollout_record
 
 
-def _rl_start(src: str, dst: str, keep_optimizer: bool) -> str:
-    """Where RL starts: `src`'s weights as policy version 0, with `src`'s AdamW state when `keep_optimizer`.
+def _rl_start(src: str, dst: str) -> str:
+    """Where RL starts: `src`'s weights as policy version 0, with `src`'s AdamW state.
 
     A fresh AdamW's first steps move every weight that has a gradient by about the learning rate, whatever
     the gradient's size (m / sqrt(v) is ±1 after one step); on the tiny default that alone cost held-out
@@ -40,7 +40,7 @@ def _rl_start(src: str, dst: str, keep_optimizer: bool) -> str:
     if not os.path.isfile(os.path.join(dst, checkpoint.CONFIG_FILE)):  # the config is written last
         os.makedirs(dst, exist_ok=True)
         state_file = os.path.join(src, TRAINER_FILE)
-        if keep_optimizer and os.path.isfile(state_file):
+        if os.path.isfile(state_file):
             state = torch.load(state_file, weights_only=True)
             torch.save({**state, "version": 0}, os.path.join(dst, TRAINER_FILE))
         checkpoint.save(checkpoint.load(src), dst, metadata=checkpoint.usage(src))
@@ -58,28 +58,19 @@ def rollout_stats(groups: list[Group]) -> dict[str, float]:
             "rollouts": len(trajectories)}
 
 
-def training_samples(groups: list[Group], advantages: list[list[float]],
-                     skip_error_turns: bool = False) -> tuple[list, int, int]:
-    """The RL samples of these groups with their advantages, how many attempts had no token to train on
+def training_samples(groups: list[Group], advantages: list[list[float]]) -> tuple[list, int]:
+    """The RL samples of these groups with their advantages, and how many attempts had no token to train on
     (an attempt that ended before the policy's first turn is scored, so its reward is in the group's
-    advantages, but it has no sequence: training on it would fail the whole step), and how many turns were
-    left out. With `skip_error_turns` an attempt with a positive advantage is not trained on its turns whose
-    tool calls failed (rl.skip_error_turns)."""
-
-    samples, empty, skipped = [], 0, 0
+    advantages, but it has no sequence: training on it would fail the whole step)."""
+    samples, empty = [], 0
     for g, adv_G in zip(groups, advantages):
         for r, adv in zip(g.rollouts, adv_G):
             seq = r.trajectory.sequence
             if seq is None or not seq.ids:
                 empty += 1
                 continue
-            mask = seq.loss_mask
-            if skip_error_turns and adv > 0:
-                failed = [bool(turn.errors) for turn in r.trajectory.turns]
-                if any(failed) and (kept := mask_turns(mask, failed)) is not None:
-                    mask, skipped = kept, skipped + sum(failed)
-            samples.append(Sample(seq.ids, mask, seq.logprobs, adv, seq.routed_experts))
-    return samples, empty, skipped
+            samples.append(Sample(seq.ids, seq.loss_mask, seq.logprobs, adv, seq.routed_experts))
+    return samples, empty
 
 
 def group_speed_bonus(groups: list[Group], rl):
@@ -117,10 +108,10 @@ class RLTrainer:
             rewards_NG = rewards_NG + group_speed_bonus(batch.groups, self.config.rl)
         adv_NG = weigh_negatives(compute_advantages(rewards_NG, self.config.rl.estimator),
                                  self.config.rl.negative_weight)
-        samples, empty, skipped = training_samples(batch.groups, adv_NG.tolist(), self.config.rl.skip_error_turns)
+        samples, empty = training_samples(batch.groups, adv_NG.tolist())
         step_started = time.perf_counter()
         m = self._step(samples, batch.trainer_version)
-        m.update(empty_samples=empty, skipped_error_turns=skipped)
+        m.update(empty_samples=empty)
         version = self.group.version
         state = self.controller.buffer_state()
         kept = {k: state[k] for k in ("consumed_ids", "lags", "next_group_id", "next_batch")}
@@ -218,7 +209,7 @@ def task_sampler(run: RunDir, config: TrainRunConfig, tasks, skip: int):
 def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, metrics: Metrics,
               progress: bool = True) -> str:
     c, cl = config.rl, config.cluster
-    start = _rl_start(sft_ckpt, run.path("checkpoints", "rl-start"), c.keep_sft_optimizer)
+    start = _rl_start(sft_ckpt, run.path("checkpoints", "rl-start"))
     latest = run.latest()
     serving = latest[0] if latest else start
     version, buffer_state = resume_state(run, latest, c.batch_groups)
@@ -232,7 +223,7 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
     group = new_group(serving)
     engines = start_engines(serving, cl.engines, num_cpus=1.0, resources=cl.engine_resources,
                             threads=cl.engine_threads, max_batch=max(c.rollout_slots, 1), version=version,
-                            restart_from=run.path("checkpoints", "LATEST"))
+                            restart_from=run.path("checkpoints", "LATEST"), backend=cl.engine_backend)
     fleet = SandboxFleet.start()  # held for the run: a host whose last handle goes away is collected
     spec = RolloutSpec(checkpoint=serving, sandbox=config.sandbox, episode=episode_config(config),
                        max_tokens=c.max_tokens, temperature=c.temperature, max_seq_len=config.model.max_seq_len,

@@ -43,32 +43,6 @@ class RLBatch:
     routing_replay: list[torch.Tensor] | None  # one [B, T, top_k] per MoE layer, when every sample has routing
 
 
-def turn_spans(loss_mask: list[int]) -> list[tuple[int, int]]:
-    """[start, end) of each run of 1s in `loss_mask`: the policy's turns, in order (the tokens between two turns,
-    tool results and the next turn's header, are 0)."""
-    spans, start = [], None
-    for i, m in enumerate(list(loss_mask) + [0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            spans.append((start, i))
-            start = None
-    return spans
-
-
-def mask_turns(loss_mask: list[int], drop: list[bool]) -> list[int] | None:
-    """`loss_mask` with the tokens of turn k set to 0 where `drop[k]`; None when the mask does not hold exactly
-    one run of 1s per turn (then which tokens belong to which turn is not known)."""
-    spans = turn_spans(loss_mask)
-    if len(spans) != len(drop):
-        return None
-    out = list(loss_mask)
-    for (start, end), gone in zip(spans, drop):
-        if gone:
-            out[start:end] = [0] * (end - start)
-    return out
-
-
 def collate(samples: list[Sample], n_moe_layers: int | None = None, top_k: int | None = None) -> RLBatch:
     """Right-pad samples into a batch; routing is kept only when every sample has it and the MoE shape is given."""
     if not samples:

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 
 from codefleet.contracts import Sandbox
+from codefleet.sandbox.backends import create_sandbox
 from codefleet.sandbox.base import SandboxClosedError, SandboxConfig
 
 log = logging.getLogger(__name__)
@@ -24,7 +25,7 @@ class SandboxPool:
     def __init__(self, repo: str | None = None, config: SandboxConfig | None = None, size: int = 4,
                  factory: Callable[[str | None, SandboxConfig], Sandbox] | None = None):
         if factory is None:
-            from codefleet.sandbox import create_sandbox as factory
+            factory = create_sandbox
         self.repo = repo
         self.config = config or SandboxConfig()
         self.size = size

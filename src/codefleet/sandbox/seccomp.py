@@ -55,7 +55,7 @@ _MAX_SOCKET_FAMILY = 64  # above every family Linux has (46 in 6.x); larger numb
 def filter_bytes() -> bytes | None:
     """The compiled BPF program, or None where libseccomp is not available."""
     try:
-        import pyseccomp as sc
+        import pyseccomp as sc  # needs the system's libseccomp, which a host may lack (then: no filter, said)
     except (ImportError, OSError) as e:
         log.warning("codefleet: seccomp filter off (%s); install libseccomp2 and pyseccomp", e)
         return None
