@@ -120,16 +120,27 @@ def test_train_survives_sigkill_and_resumes_without_losing_or_repeating_rollouts
     assert "steps: 6" in (tmp_path / "run" / "config.yaml").read_text()
 
     from codefleet.model import checkpoint
+    from codefleet.store.parquet import read_rollouts
 
-    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"]
-    for name in ("init", "sft", "rl-step-000006"):  # each checkpoint says how its policy is prompted
-        assert checkpoint.usage(os.path.join(run, "checkpoints", name)) == {
-            "prompt": saved["prompt"], "tool_grammar": saved["tool_grammar"]}
-    ev = subprocess.run(_cli("eval", "--checkpoint", os.path.join(run, "checkpoints", "sft"), "--tasks",
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    for name in ("init", "sft", "rl-start", "rl-step-000006"):  # each checkpoint says how its policy is used
+        path = os.path.join(run, "checkpoints", name)
+        assert checkpoint.usage(path) == {"prompt": saved["model"]["prompt"], "run": saved["name"],
+                                          "tool_grammar": saved["model"]["tool_grammar"]}
+        assert os.path.isfile(os.path.join(path, "tokenizer.json")), name  # and carries its tokenizer
+    # a checkpoint copied out of its run, the run's files gone, is evaluated the same way
+    elsewhere = str(tmp_path / "elsewhere" / "policy")
+    shutil.copytree(os.path.join(run, "checkpoints", "sft"), elsewhere)
+    os.rename(os.path.join(run, "config.yaml"), os.path.join(run, "config.away"))
+    ev = subprocess.run(_cli("eval", "--checkpoint", elsewhere, "--tasks",
                              os.path.join(run, "tasks", "eval"), "--max-tokens", "16", "--max-turns", "2",
-                             "--wall-clock", "60", "--json"),
+                             "--wall-clock", "60", "--json", "--out", str(tmp_path / "ev")),
                         env=env, capture_output=True, text=True, timeout=300)
+    os.rename(os.path.join(run, "config.away"), os.path.join(run, "config.yaml"))
     assert ev.returncode == 0, ev.stderr[-2000:]
+    shown = [json.loads(t) for t in read_rollouts(str(tmp_path / "ev")).column("transcript").to_pylist()]
+    assert saved["model"]["prompt"] == "bare" and shown  # shown in the run's prompt style: no system prompt
+    assert all(m["role"] != "system" for messages in shown for m in messages)
     summary = json.loads(ev.stdout.strip().splitlines()[-1])
     assert summary["tasks"] == 2 and 0.0 <= summary["success_rate"] <= 1.0 and summary["turns"] >= 1
 
@@ -225,7 +236,7 @@ def test_a_checkpoint_says_how_it_is_prompted_wherever_it_is_copied(tmp_path):
     (tmp_path / "run" / "config.yaml").write_text("model:\n  prompt: full\n")  # never read: the checkpoint says
     checkpoint.write_usage(str(made), prompt="bare", tool_grammar="auto")
     shutil.copytree(made, tmp_path / "elsewhere")
-    assert checkpoint.usage(str(tmp_path / "elsewhere")) == {"prompt": "bare", "tool_grammar": "auto"}
+    assert checkpoint.usage(str(tmp_path / "elsewhere")) == {"prompt": "bare", "tool_grammar": "auto", "run": ""}
     (tmp_path / "unsaid").mkdir()
     assert checkpoint.usage(str(tmp_path / "unsaid")) == checkpoint.USAGE_DEFAULTS
     with pytest.raises(ValueError, match="unknown usage setting"):

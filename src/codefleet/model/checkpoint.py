@@ -8,9 +8,9 @@ Tied embeddings: safetensors refuses tensors that share memory, so the tied
 `lm_head.weight` is not written; `load` rebuilds the tie from the config.
 Buffers that decide routing (the per-expert selection bias) are saved too.
 Extra metadata (JSON-serialisable) goes to `metadata.json`, and with it how
-the policy is meant to be used (`usage`: its prompt style and tool grammar),
-so that a checkpoint copied anywhere is served and run the way it was
-trained.
+the policy is meant to be used (`usage`: its prompt style, tool grammar and
+run); `describe` also puts the tokenizer beside the weights, so that a
+checkpoint copied anywhere is served and run the way it was trained.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from codefleet.model.config import ModelConfig
+from codefleet.model.tokenizer import Tokenizer
 from codefleet.model.transformer import Transformer
 
 WEIGHTS_FILE, CONFIG_FILE, METADATA_FILE = "model.safetensors", "config.json", "metadata.json"
@@ -105,8 +106,9 @@ def check(path: str) -> ModelConfig:
 
 
 # How a policy checkpoint is meant to be used, and what a checkpoint that does not say is taken to mean:
-# the prompt style it was trained on (agent.prompts.PROMPTS) and the grammar its tool calls were sampled under.
-USAGE_DEFAULTS = {"prompt": "full", "tool_grammar": "off"}
+# the prompt style it was trained on (chat.PROMPTS), the grammar its tool calls were sampled under, and the
+# training run it comes from (its name; "" for a checkpoint made elsewhere).
+USAGE_DEFAULTS = {"prompt": "full", "tool_grammar": "off", "run": ""}
 
 
 def usage(path: str) -> dict[str, str]:
@@ -126,6 +128,14 @@ def write_usage(path: str, **settings: str) -> None:
     with open(tmp, "w") as f:
         json.dump(meta, f, indent=2, sort_keys=True)
     os.replace(tmp, os.path.join(path, METADATA_FILE))
+
+
+def describe(path: str, tokenizer: Tokenizer, **settings: str) -> None:
+    """Make the checkpoint in `path` self-describing: its tokenizer beside the weights (tokenizer.json) and how
+    its policy is used (`settings`, keys of USAGE_DEFAULTS) in metadata.json, next to its policy version. A copy
+    anywhere then loads, prompts and serves the same, with nothing read from the run that made it."""
+    tokenizer.save(path)
+    write_usage(path, **settings)
 
 
 def read_metadata(path: str) -> dict:

@@ -182,7 +182,7 @@ def load_train_config(path: str | None = None, overrides: list[str] | None = Non
 
 def policy_usage(config: TrainRunConfig) -> dict[str, str]:
     """How this run's policy checkpoints are meant to be used, written into each of them (checkpoint.usage)."""
-    return {"prompt": config.model.prompt, "tool_grammar": config.model.tool_grammar}
+    return {"prompt": config.model.prompt, "tool_grammar": config.model.tool_grammar, "run": config.name}
 
 
 def episode_config(config: TrainRunConfig) -> EpisodeConfig:

@@ -145,7 +145,8 @@ def init_model(run: RunDir, config: TrainRunConfig, tokenizer) -> str:
     torch.manual_seed(config.model.seed)
     model = Transformer(preset(vocab_size=tokenizer.vocab_size, max_seq_len=config.model.max_seq_len,
                                copy=config.model.copy))
-    checkpoint.save(model, path, metadata=policy_usage(config))
+    checkpoint.describe(path, tokenizer, **policy_usage(config))
+    checkpoint.save(model, path)  # config.json last: the stage is done when it exists
     return path
 
 
@@ -198,7 +199,7 @@ def sft(run: RunDir, config: TrainRunConfig, demos, init: str, metrics: Metrics,
                 log(f"sft epoch {epoch + 1}/{c.epochs} step {step}: loss {m.get('loss', m.get('ce', 0)):.3f} "
                      f"({time.perf_counter() - started:.0f} s)")
         group.save(path)
-        checkpoint.write_usage(path, **policy_usage(config))
+        checkpoint.describe(path, tokenizer, **policy_usage(config))
     finally:
         group.shutdown()
     atomic_write(run.path("sft.done"), b"")

@@ -21,6 +21,7 @@ from codefleet.fleet.sandbox_fleet import SandboxFleet
 from codefleet.fleet.staleness import Group
 from codefleet.fleet.trainer_group import TrainerGroup, TrainerWorkerError
 from codefleet.model import checkpoint
+from codefleet.model.tokenizer import Tokenizer, default_tokenizer
 from codefleet.recipe.config import TrainRunConfig, episode_config, policy_usage
 from codefleet.recipe.curriculum import TaskSampler
 from codefleet.recipe.run_dir import Metrics, RunDir, RunError, log
@@ -43,7 +44,8 @@ def _rl_start(src: str, dst: str) -> str:
         if os.path.isfile(state_file):
             state = torch.load(state_file, weights_only=True)
             torch.save({**state, "version": 0}, os.path.join(dst, TRAINER_FILE))
-        checkpoint.save(checkpoint.load(src), dst, metadata=checkpoint.usage(src))
+        checkpoint.describe(dst, Tokenizer.load(src), **checkpoint.usage(src))
+        checkpoint.save(checkpoint.load(src), dst)
     return dst
 
 
@@ -95,6 +97,7 @@ class RLTrainer:
                  sampler=None, new_group=None, start: str | None = None):
         self.group, self.engines, self.run, self.metrics = group, engines, run, metrics
         self.new_group, self.start = new_group, start
+        self.tokenizer = default_tokenizer()  # written into every checkpoint beside the weights
         self.config, self.progress = config, progress
         self.controller = None  # set once the controller exists (its buffer state goes into checkpoints)
         self.sampler = sampler  # the task sampler (rl.curriculum): its per-family success estimates go into the metrics
@@ -149,7 +152,7 @@ class RLTrainer:
                 m = dict(self.group.rl_step(samples))
                 saved = self.run.rl_checkpoint(self.group.version)
                 self.group.save(saved)
-                checkpoint.write_usage(saved, **policy_usage(self.config))  # before LATEST names it
+                checkpoint.describe(saved, self.tokenizer, **policy_usage(self.config))  # before LATEST names it
                 return m
             except TrainerWorkerError as e:
                 died = isinstance(e.__cause__, RayActorError)  # a worker that raised (a full disk) would again
