@@ -139,6 +139,23 @@ def test_tool_choice_required_and_none(tok):
         ToolCallGrammar.build(tok, [])
 
 
+def test_calls_only_opens_the_turn_with_a_call_and_max_calls_ends_it(tok):
+    call_open, end, eos = (tok.special_id(t) for t in (chat.CALL_OPEN, chat.END, chat.EOS))
+    only = ToolCallGrammar.build(tok, tool_schemas(), "required", calls_only=True).start()
+    assert only.allowed_mask().nonzero().flatten().tolist() == [call_open]  # no text, no end: a call opens the turn
+    assert _feed(only, tok, "", chat.CALL_OPEN) and _feed(only, tok, '{"name": "list_dir", "arguments": {}}',
+                                                          chat.CALL_CLOSE)
+    assert set(only.allowed_mask().nonzero().flatten().tolist()) == {call_open, end, eos}  # another call or the end
+    one = ToolCallGrammar.build(tok, tool_schemas(), "required", calls_only=True, max_calls=1).start()
+    assert _feed(one, tok, "", chat.CALL_OPEN) and _feed(one, tok, '{"name": "submit", "arguments": {}}',
+                                                         chat.CALL_CLOSE)
+    assert set(one.allowed_mask().nonzero().flatten().tolist()) == {end, eos}
+    none = ToolCallGrammar.build(tok, [], "none").start()  # "none" needs no tools
+    assert _feed(none, tok, "Plain text.") and not none.allows(call_open) and none.allows(end)
+    with pytest.raises(ValueError, match="calls_only"):
+        ToolCallGrammar.build(tok, tool_schemas(), "none", calls_only=True)
+
+
 def test_the_full_mask_is_exactly_the_tokens_it_allows(tok, grammar):
     prefixes = ["", '{"na', '{"name": "run", "arguments": {"command": "py', '{"name": "run", "arguments": {"timeout": 1',
                 '{"name": "read_file", "arguments": {"path": "a", ']

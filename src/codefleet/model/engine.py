@@ -38,7 +38,8 @@ model at temperature 1 (`log_softmax` of the raw logits — exactly what the
 trainer's `token_logprobs` computes on a full forward over prompt +
 completion; temperature/top-k/top-p only choose the token), the policy
 version of the weights that sampled it, and the experts each MoE layer routed
-it to.
+it to; with `SamplingParams.top_logprobs`, the likeliest tokens at that step
+and their logprobs (the same distribution).
 
 Constrained tool calls: a request whose `SamplingParams.tools` is set samples
 only turns whose tool calls parse and fit those schemas (`grammar.py`: a token
@@ -97,6 +98,8 @@ class Result:
     total_s: float = 0.0
     cached_tokens: int = 0  # prompt tokens whose keys/values the prefix cache supplied
     refused: int = 0  # tokens whose first draw the tool-call grammar refused (SamplingParams.tools)
+    # per generated token, the SamplingParams.top_logprobs likeliest tokens as (id, logprob), likeliest first
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 @dataclass
@@ -106,7 +109,7 @@ class _Sequence:
     params: SamplingParams
     max_tokens: int
     future: Future
-    on_token: Callable[[int, float], None] | None
+    on_token: Callable[[int, float, list[tuple[int, float]]], None] | None
     generator: torch.Generator | None
     submitted: float
     slot: int = -1
@@ -124,6 +127,7 @@ class _Sequence:
     weight_loads: int = -1  # the engine's `weight_loads` at admission: the weights its keys/values come from
     matcher: TurnMatcher | None = None  # where it stands in the tool-call grammar (SamplingParams.tools)
     refused: int = 0
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     @property
     def length(self) -> int:
@@ -195,15 +199,15 @@ class Engine:
     # -- requests ------------------------------------------------------------------------
 
     def submit(self, prompt: list[int], params: SamplingParams | None = None,
-               on_token: Callable[[int, float], None] | None = None) -> Future:
-        """Queue one request; the background thread generates it. `on_token(id, logprob)` streams tokens
-        (called from the engine's thread)."""
+               on_token: Callable[[int, float, list[tuple[int, float]]], None] | None = None) -> Future:
+        """Queue one request; the background thread generates it. `on_token(id, logprob, top)` streams tokens
+        (called from the engine's thread; `top`: the token's Result.top_logprobs entry, [] unless asked for)."""
         future = self.add(prompt, params, on_token)
         self._ensure_thread()
         return future
 
     def add(self, prompt: list[int], params: SamplingParams | None = None,
-            on_token: Callable[[int, float], None] | None = None) -> Future:
+            on_token: Callable[[int, float, list[tuple[int, float]]], None] | None = None) -> Future:
         """Queue one request without starting the background thread (drive it with `step()`)."""
         seq = self._make_sequence(prompt, params or SamplingParams(), on_token)
         self._enqueue([seq])
@@ -247,7 +251,7 @@ class Engine:
         max_tokens = min(params.max_tokens, self.max_seq_len - len(prompt))
         seq = _Sequence(next(self._ids), prompt, params, max_tokens, Future(), on_token, generator,
                         time.perf_counter())
-        if params.tools:
+        if params.tools or params.tool_choice == "none":  # "none" needs no tools: it forbids every call
             seq.matcher = self._grammar(params).start()
         return seq
 
@@ -255,11 +259,13 @@ class Engine:
         if self.tokenizer is None:
             raise ValueError("constrained tool calls (SamplingParams.tools) need the engine's tokenizer; "
                              "create the Engine with tokenizer=")
-        key = json.dumps([params.tools, params.tool_choice], sort_keys=True, default=str)
+        key = json.dumps([params.tools, params.tool_choice, params.calls_only, params.max_calls], sort_keys=True,
+                         default=str)
         with self._queue_lock:
             grammar = self._grammars.pop(key, None)
         if grammar is None:
-            grammar = ToolCallGrammar.build(self.tokenizer, params.tools, params.tool_choice)
+            grammar = ToolCallGrammar.build(self.tokenizer, params.tools or [], params.tool_choice, params.calls_only,
+                                            params.max_calls)
         with self._queue_lock:
             self._grammars[key] = grammar
             while len(self._grammars) > GRAMMARS_KEPT:
@@ -467,6 +473,7 @@ class Engine:
         tokens_B, logprobs_B = sample_next(logits_BV, [s.params for s in seqs], [s.generator for s in seqs],
                                            self._default_generator)
         tokens, logprobs = tokens_B.tolist(), logprobs_B.tolist()
+        tops = self._top_logprobs(seqs, logits_BV)
         for i, s in enumerate(seqs):
             if s.matcher is None:
                 continue
@@ -476,16 +483,34 @@ class Engine:
                 tokens[i] = tok
                 logprobs[i] = torch.log_softmax(logits_BV[i].float(), dim=-1)[tok].item()  # the model's own
             s.matcher.advance(tok)
-        for s, tok, lp in zip(seqs, tokens, logprobs):
+        for s, tok, lp, top in zip(seqs, tokens, logprobs, tops):
             s.tokens.append(tok)
             s.logprobs.append(lp)
             s.versions.append(self.version)
+            if s.params.top_logprobs:
+                s.top_logprobs.append(top)
             if s.on_token is not None:
                 try:
-                    s.on_token(tok, lp)
+                    s.on_token(tok, lp, top)
                 except Exception:  # a broken stream must not stop the batch
                     log.exception("on_token callback failed")
             self._check_finished(s)
+
+    @staticmethod
+    def _top_logprobs(seqs: list[_Sequence], logits_BV: torch.Tensor) -> list[list[tuple[int, float]]]:
+        """Each row's `params.top_logprobs` likeliest tokens as (id, logprob) under the model (temperature 1,
+        before any grammar, like the sampled token's logprob); [] for rows that asked for none."""
+        rows = [i for i, s in enumerate(seqs) if s.params.top_logprobs]
+        tops: list[list[tuple[int, float]]] = [[] for _ in seqs]
+        if not rows:
+            return tops
+        k = min(max(seqs[i].params.top_logprobs for i in rows), logits_BV.shape[-1])
+        picked_RV = logits_BV[torch.tensor(rows, device=logits_BV.device)].float()
+        values_RK, ids_RK = torch.log_softmax(picked_RV, dim=-1).topk(k, dim=-1)
+        for r, i in enumerate(rows):
+            n = seqs[i].params.top_logprobs
+            tops[i] = list(zip(ids_RK[r, :n].tolist(), values_RK[r, :n].tolist()))
+        return tops
 
     def _resampler(self, s: _Sequence) -> Callable[[torch.Tensor], int]:
         def draw(logits_V: torch.Tensor) -> int:
@@ -523,7 +548,7 @@ class Engine:
         now = time.perf_counter()
         result = Result(s.prompt, s.tokens, s.logprobs, s.versions, s.routing, s.prompt_routing, s.finish_reason,
                         text, s.stop, prefill_s=s.prefilled - s.submitted, total_s=now - s.submitted,
-                        cached_tokens=s.reused, refused=s.refused)
+                        cached_tokens=s.reused, refused=s.refused, top_logprobs=s.top_logprobs)
         _settle(s.future, result=result)
 
     def _release(self, indices: list[int], park: bool = False) -> None:

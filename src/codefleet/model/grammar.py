@@ -17,7 +17,16 @@ NAME is one of the request's tools; ARGS(NAME) is a JSON object that follows the
 every required one before the `}`, values of their declared `type` (string, with `enum` if given;
 integer; number; boolean; object; array) and any JSON value where the schema says nothing. Text
 never holds the bytes "<|" (the parser would read them as a marker; the template writes "<\\u007c"
-inside calls). `tool_choice="required"` allows END only after a call, `"none"` allows no call.
+inside calls). `tool_choice="required"` allows END only after a call, `"none"` allows no call (and
+needs no tools). `calls_only` drops the text: the turn opens with a call at once and holds calls alone,
+
+    turn := (CALL_OPEN ws call ws CALL_CLOSE)+ (END | EOS)        (at most `max_calls` calls, 0: any)
+
+which is how the server keeps OpenAI's promise for `tool_choice="required"` (one call or more) and
+a named function (`max_calls=1`, one call of the one tool offered) with any model, a random one
+included; the agent harness's "required" keeps the text, where its policy thinks before it calls.
+A call ends in bounded tokens only if its schema bounds it (a closed object, enums, booleans);
+a free string or number may still run to the token limit.
 
 How. `TurnMatcher` follows one sequence's sampled bytes with a small pushdown recognizer (a stack
 of frames). After the model samples a token, the engine asks `allows(token)`; a token the grammar
@@ -126,8 +135,8 @@ class TurnMatcher:
         if self.done:
             return False
         data = g.token_bytes[token]
-        if not self.in_call:  # text: no "<|" (the common case, without a copy)
-            return not ((self.after_lt and data[:1] == b"|") or b"<|" in data)
+        if not self.in_call:  # text: no "<|" (the common case, without a copy); none at all with calls_only
+            return not (g.calls_only or (self.after_lt and data[:1] == b"|") or b"<|" in data)
         return self.copy()._feed(data)
 
     def advance(self, token: int) -> None:
@@ -167,7 +176,8 @@ class TurnMatcher:
     def _state(self) -> tuple:
         """Everything the tokens allowed next depend on (schema nodes by identity: a grammar's are fixed)."""
         frames = tuple(tuple(id(x) if isinstance(x, tuple) else x for x in frame) for frame in self.stack)
-        return (self.in_call, self.after_lt, self.calls > 0, self.done, self.ws_run, frames)
+        full = bool(self.grammar.max_calls) and self.calls >= self.grammar.max_calls
+        return (self.in_call, self.after_lt, self.calls > 0, full, self.done, self.ws_run, frames)
 
     def _compute_mask(self) -> torch.Tensor:
         g = self.grammar
@@ -191,17 +201,17 @@ class TurnMatcher:
         if self.done:
             return False
         if token == g.call_open:
-            return not self.in_call and g.tool_choice != "none"
+            return not self.in_call and g.tool_choice != "none" and not (g.max_calls and self.calls >= g.max_calls)
         if token == g.call_close:
             return self.in_call and not self.stack
         if token in g.stops:
-            return not self.in_call and (g.tool_choice != "required" or self.calls > 0)
+            return not self.in_call and (self.calls > 0 or (g.tool_choice != "required" and not g.calls_only))
         return False  # role and other template tokens never belong in a turn
 
     def _feed(self, data: bytes) -> bool:
         for byte in data:
             if not self.in_call:
-                if self.after_lt and byte == 0x7C:  # "<|" in text would read as a template marker
+                if self.grammar.calls_only or (self.after_lt and byte == 0x7C):  # no text; "<|" reads as a marker
                     return False
                 self.after_lt = byte == 0x3C
             elif byte in _WS and (not self.stack or self.stack[-1][0] in ("value", "object", "array")):
@@ -451,7 +461,7 @@ def _number(frame: list, byte: int) -> bool | None:
 class ToolCallGrammar:
     """The turn grammar for one request's tools and tool choice, compiled against a tokenizer."""
 
-    call: tuple
+    call: tuple | None  # None with tool_choice "none": no call to write
     tool_choice: str
     token_bytes: list[bytes]
     special: frozenset[int]
@@ -460,12 +470,17 @@ class ToolCallGrammar:
     stops: frozenset[int]
     by_first_byte: dict[int, list[int]]
     vocab_size: int
+    calls_only: bool = False  # the turn is tool calls alone, opening with one (module docstring)
+    max_calls: int = 0  # most calls in the turn; 0: no limit
     masks: dict = field(default_factory=dict, compare=False)  # allowed_mask by state (TurnMatcher._state)
 
     @classmethod
-    def build(cls, tokenizer, tools: list[dict], tool_choice: str = "auto") -> ToolCallGrammar:
+    def build(cls, tokenizer, tools: list[dict], tool_choice: str = "auto", calls_only: bool = False,
+              max_calls: int = 0) -> ToolCallGrammar:
         if tool_choice not in TOOL_CHOICES:
             raise ValueError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}, got {tool_choice!r}")
+        if calls_only and tool_choice == "none":
+            raise ValueError("calls_only asks for tool calls, which tool_choice \"none\" forbids; use one or the other")
         vocab = len(tokenizer)
         token_bytes = [tokenizer.token_bytes(i) for i in range(vocab)]
         special = frozenset(tokenizer.special.values())
@@ -474,8 +489,9 @@ class ToolCallGrammar:
             if token not in special and data:
                 by_first.setdefault(data[0], []).append(token)
         stops = frozenset(tokenizer.special_id(s) for s in STOP)
-        return cls(call_node(tools), tool_choice, token_bytes, special, tokenizer.special_id(CALL_OPEN),
-                   tokenizer.special_id(CALL_CLOSE), stops, by_first, vocab)
+        call = None if tool_choice == "none" else call_node(tools)
+        return cls(call, tool_choice, token_bytes, special, tokenizer.special_id(CALL_OPEN),
+                   tokenizer.special_id(CALL_CLOSE), stops, by_first, vocab, calls_only, max_calls)
 
     def start(self) -> TurnMatcher:
         return TurnMatcher(self)

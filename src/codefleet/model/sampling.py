@@ -37,9 +37,13 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # end when the decoded text contains one (the text is cut before it)
     seed: int | None = None
     # constrained tool calls (model.grammar): every call sampled parses and fits one of these OpenAI tool
-    # schemas; tool_choice "required" also needs a call before the turn ends, "none" allows none
+    # schemas; tool_choice "required" also needs a call before the turn ends, "none" allows none (with or
+    # without tools); calls_only: the turn opens with a call and holds calls alone, at most max_calls (0: any)
     tools: list[dict] | None = None
     tool_choice: str = "auto"
+    calls_only: bool = False
+    max_calls: int = 0
+    top_logprobs: int = 0  # also report this many of the likeliest tokens (and their logprobs) at each step
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field and its allowed range."""
@@ -55,6 +59,12 @@ class SamplingParams:
             raise ValueError(f"seed must be a signed 64-bit integer, got {self.seed!r}")
         if self.tool_choice not in TOOL_CHOICES:
             raise ValueError(f"tool_choice must be auto, required or none, got {self.tool_choice!r}")
+        if (self.calls_only or self.max_calls) and not self.tools:
+            raise ValueError("calls_only and max_calls constrain tool calls; give the tools they may call")
+        if not isinstance(self.max_calls, int) or self.max_calls < 0:
+            raise ValueError(f"max_calls must be a non-negative integer (0: no limit), got {self.max_calls!r}")
+        if not isinstance(self.top_logprobs, int) or self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be a non-negative integer, got {self.top_logprobs!r}")
 
 
 def sample_next(logits_BV: torch.Tensor, params: list[SamplingParams],

@@ -94,6 +94,8 @@ class Tokenizer:
                 self._bytes.append(token.encode())
             else:
                 self._bytes.append(bytes(byte_of[c] for c in token))
+        # the longest token: a text of n characters (n bytes or more) is at least n / max_token_bytes tokens
+        self.max_token_bytes: int = max(len(b) for b in self._bytes)
 
     # -- training and files --------------------------------------------------------------
 
