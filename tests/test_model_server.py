@@ -5,8 +5,11 @@ finish reasons, usage, streaming, errors, batching, and the tool-call path throu
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -40,7 +43,7 @@ def checkpoint_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(checkpoint_dir):
-    engine = load_engine(checkpoint_dir, max_batch=8, max_seq_len=1024)
+    engine = load_engine(checkpoint_dir, max_batch=8, max_seq_len=2048)
     with ServerThread(engine, engine.tokenizer, model_name=NAME) as s:
         yield s
     engine.close()
@@ -120,8 +123,11 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
         ({"model": NAME, "messages": USER, "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
         ({"model": NAME, "messages": USER, "stop": 5}, 400, "stop", "invalid_type"),
         ({"model": NAME, "messages": USER, "seed": 2**64}, 400, "seed", "invalid_value"),
-        ({"model": NAME, "messages": USER, "logprobs": True, "top_logprobs": 3}, 400, "top_logprobs",
+        ({"model": NAME, "messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
          "invalid_value"),
+        ({"model": NAME, "messages": USER, "top_logprobs": 3}, 400, "top_logprobs", "invalid_value"),
+        ({"model": NAME, "messages": USER, "logprobs": True, "top_logprobs": "3"}, 400, "top_logprobs",
+         "invalid_type"),
         ({"model": NAME, "messages": USER, "tool_choice": "required"}, 400, "tool_choice", "invalid_value"),
         ({"model": "gpt-9", "messages": USER}, 404, "model", "model_not_found"),
         ({"model": NAME, "messages": [{"role": "user", "content": "word " * 5000}]}, 400, "messages",
@@ -170,8 +176,6 @@ def test_a_stream_with_logprobs_carries_the_responses_logprobs(client):
 
 def _disconnect_midway(server, body: dict) -> int:
     """Send `body` over a raw socket, hang up once the engine runs it; the engine steps it took afterwards."""
-    import socket
-
     engine = server.server.engine
     data = json.dumps(body).encode()
     with socket.create_connection((server.host, server.port)) as s:
@@ -251,8 +255,6 @@ def test_the_response_builder_turns_parsed_tool_calls_into_openai_tool_calls(ser
 
 
 def test_the_serve_command_runs_a_server_process(checkpoint_dir, tmp_path):
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -323,3 +325,163 @@ def test_the_serve_command_serves_a_checkpoint_in_the_prompt_style_it_says(check
         proc.terminate()
         proc.wait(timeout=10)
     assert "codefleet serve: rl on" in banner and "bare prompt" in banner, banner
+
+
+# -- OpenAI's promises, as a new user of the official client tries them ---------------------------------------
+
+# Schemas that bound a call (a closed object, an enum): a random model's call ends within a few dozen tokens,
+# where a free string could run to max_tokens.
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather where the user is.",
+    "parameters": {"type": "object", "properties": {"unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}
+
+
+def test_tool_choice_required_or_a_named_function_makes_even_a_random_model_call(client):
+    ask = {"model": NAME, "messages": USER, "tools": [WEATHER, CLOCK], "max_tokens": 160}
+    for seed in range(3):
+        required = client.chat.completions.create(**ask, seed=seed, tool_choice="required").choices[0]
+        assert required.message.tool_calls and required.message.content is None, required  # calls, no text
+        assert {c.function.name for c in required.message.tool_calls} <= {"get_weather", "get_time"}
+        named = client.chat.completions.create(**ask, seed=seed, tool_choice={"type": "function",
+                                                                              "function": {"name": "get_weather"}})
+        choice = named.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+        [call] = choice.message.tool_calls  # one call, of that function
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments) in ({"unit": "celsius"}, {"unit": "fahrenheit"})
+    greedy = client.chat.completions.create(**ask, temperature=0, tool_choice={"type": "function",
+                                                                               "function": {"name": "get_time"}})
+    [call] = greedy.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_time", {})
+    chunks = list(client.chat.completions.create(**ask, seed=5, tool_choice="required", stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    streamed = [tc for d in deltas for tc in d.tool_calls or []]
+    assert streamed and all(tc.function.name in ("get_weather", "get_time") for tc in streamed)
+    assert not "".join(d.content or "" for d in deltas)
+
+
+@pytest.fixture(scope="module")
+def eager_caller(checkpoint_dir):
+    """A client of the tiny model made to want a tool call at every step: the call marker's logit dwarfs the rest."""
+    engine = load_engine(checkpoint_dir, max_batch=2, max_seq_len=512)
+    model = engine.model
+    assert not model.config.tie_embeddings
+    with torch.no_grad():
+        model.embed.weight[:, 0] = 1e3  # every hidden state points along dimension 0 ...
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[engine.tokenizer.call_open_id, 0] = 10.0  # ... where only the call marker scores
+    with ServerThread(engine, engine.tokenizer, model_name=NAME) as s:
+        yield openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=60)
+    engine.close()
+
+
+def test_tool_choice_none_keeps_a_model_that_wants_to_call_from_opening_a_call(eager_caller):
+    ask = {"model": NAME, "messages": USER, "max_tokens": 8, "temperature": 0, "logprobs": True}
+    wants = eager_caller.chat.completions.create(**ask, tools=[WEATHER, CLOCK]).choices[0]  # "auto", unconstrained
+    assert wants.logprobs.content[0].token == chat.CALL_OPEN
+    for tools in ([WEATHER, CLOCK], None):
+        kept = eager_caller.chat.completions.create(**ask, tool_choice="none", **({"tools": tools} if tools else {}))
+        message = kept.choices[0].message
+        assert not message.tool_calls and "<|" not in message.content
+        assert chat.CALL_OPEN not in [t.token for t in kept.choices[0].logprobs.content]
+
+
+def test_logprobs_with_top_logprobs_return_the_likeliest_tokens_in_openais_shape(client):
+    ask = {"model": NAME, "messages": USER, "max_tokens": 6, "temperature": 0, "logprobs": True}
+    whole = client.chat.completions.create(**ask, top_logprobs=5)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens
+    for t in content:
+        top = t.top_logprobs
+        assert len(top) == 5 and [a.logprob for a in top] == sorted((a.logprob for a in top), reverse=True)
+        assert top[0].token == t.token and top[0].logprob == pytest.approx(t.logprob, abs=1e-5)  # greedy: the likeliest
+        assert sum(math.exp(a.logprob) for a in top) <= 1 + 1e-5
+        assert all(bytes(a.bytes).decode("utf-8", errors="replace") == a.token for a in top)
+    chunks = list(client.chat.completions.create(**ask, top_logprobs=5, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [[a.token for a in t.top_logprobs] for t in streamed] == [[a.token for a in t.top_logprobs] for t in content]
+    assert all(t.top_logprobs == [] for t in client.chat.completions.create(**ask, top_logprobs=0)
+               .choices[0].logprobs.content)
+    assert len(client.chat.completions.create(**ask, top_logprobs=20).choices[0].logprobs.content[0].top_logprobs) == 20
+    for bad in ({"logprobs": True, "top_logprobs": 21}, {"top_logprobs": 2}, {"logprobs": False, "top_logprobs": 0}):
+        with pytest.raises(openai.BadRequestError, match="top_logprobs") as e:
+            client.chat.completions.create(model=NAME, messages=USER, max_tokens=2, **bad)
+        assert (e.value.param, e.value.type) == ("top_logprobs", "invalid_request_error")
+
+
+def test_a_prompt_of_megabytes_is_refused_at_once_and_does_not_stall_other_clients(server, client):
+    """Its characters alone prove it longer than the context, so it is refused before it is tokenized, and the
+    body is parsed off the event loop: until 2026-12-06 a 16 MB request held every other request for 10-14 s."""
+    huge = json.dumps({"model": NAME, "messages": [{"role": "user", "content": "word " * 3_300_000}]}).encode()
+    assert len(huge) > 16_000_000
+
+    def send_huge() -> list[tuple[int, dict, float]]:
+        answers = []
+        for _ in range(3):
+            start = time.monotonic()
+            status, body = post(server, huge)
+            answers.append((status, body, time.monotonic() - start))
+        return answers
+
+    waits_s: list[float] = []
+    with ThreadPoolExecutor(1) as pool:
+        huge_answers = pool.submit(send_huge)
+        while not huge_answers.done() or not waits_s:
+            start = time.monotonic()
+            assert client.chat.completions.create(model=NAME, messages=USER, max_tokens=1).usage.completion_tokens == 1
+            waits_s.append(time.monotonic() - start)
+    for status, body, took_s in huge_answers.result():
+        assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+        assert "context is 2048 tokens" in body["error"]["message"] and took_s < 5
+    assert max(waits_s) < 2, waits_s
+
+
+def test_max_tokens_over_the_room_the_prompt_leaves_is_refused_as_openai_does(checkpoint_dir):
+    engine = load_engine(checkpoint_dir, max_batch=2, max_seq_len=64)
+    try:
+        with ServerThread(engine, engine.tokenizer, model_name=NAME) as small:
+            client = openai.OpenAI(base_url=small.base_url, api_key="unused", max_retries=0, timeout=60)
+            room = 64 - len(chat.encode_chat(engine.tokenizer, USER, []))
+            assert room > 8
+            fits = client.chat.completions.create(model=NAME, messages=USER, max_tokens=room, temperature=0)
+            assert 1 <= fits.usage.completion_tokens <= room
+            for field in ("max_tokens", "max_completion_tokens"):
+                with pytest.raises(openai.BadRequestError, match=f"leave {room} of this model's context of 64") as e:
+                    client.chat.completions.create(model=NAME, messages=USER, **{field: room + 1})
+                assert (e.value.param, e.value.code) == (field, "context_length_exceeded")
+            with pytest.raises(openai.BadRequestError, match="context"):  # a stream is refused before it starts
+                client.chat.completions.create(model=NAME, messages=USER, max_tokens=room + 1, stream=True)
+            unsent = client.chat.completions.create(model=NAME, messages=USER)  # not sent: the room left
+            assert 1 <= unsent.usage.completion_tokens <= room
+            with pytest.raises(openai.BadRequestError, match="context") as e:  # the prompt alone is too long
+                client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "word " * 80}],
+                                               max_tokens=1)
+            assert (e.value.param, e.value.code) == ("messages", "context_length_exceeded")
+    finally:
+        engine.close()
+
+
+def test_serve_on_port_0_prints_the_real_port_and_a_port_in_use_is_one_line_and_exit_2(checkpoint_dir):
+    command = [sys.executable, "-m", "codefleet.model.serve_cli", "--checkpoint", checkpoint_dir, "--max-seq-len",
+               "256", "--threads", "1"]
+    proc = subprocess.Popen([*command, "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        banner = proc.stdout.readline()
+        found = re.search(r"on http://127\.0\.0\.1:(\d+)/v1", banner)
+        assert found and int(found[1]) != 0, banner
+        port = int(found[1])
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=30)
+        assert [m.id for m in client.models.list()] == [NAME]  # the line came once it listened, on that port
+        taken = subprocess.run([*command, "--port", str(port)], check=False, capture_output=True, text=True,
+                               timeout=120)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert taken.returncode == 2 and "codefleet serve:" not in taken.stdout, taken.stdout  # no line saying it serves
+    errors = [line for line in taken.stderr.splitlines() if "codefleet serve:" in line]
+    assert len(errors) == 1 and f"cannot listen on 127.0.0.1:{port}" in errors[0] and "in use" in errors[0], taken.stderr
+    assert "Traceback" not in taken.stderr

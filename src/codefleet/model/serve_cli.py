@@ -28,7 +28,8 @@ def register(subparsers) -> None:
         "serve POST /v1/chat/completions and GET /v1/models on HOST:PORT until interrupted.")
     serve.add_argument("--checkpoint", required=True, help="checkpoint directory (model.safetensors + config.json)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, required=True, help="port to listen on")
+    serve.add_argument("--port", type=int, required=True, help="port to listen on (0: a free one; the line "
+                       "`codefleet serve: NAME on http://HOST:PORT/v1` says which, once it listens)")
     serve.add_argument("--model-name", default="", help="the model id clients ask for (default: the checkpoint "
                        "directory's name)")
     serve.add_argument("--max-batch", type=int, default=32, help="sequences decoded together (default 32)")
@@ -54,8 +55,9 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value < least:
             print(f"codefleet serve: {flag} must be at least {least}, got {value}", file=sys.stderr)
             return 2
-
-
+    if not 0 <= args.port <= 65535:
+        print(f"codefleet serve: --port must be from 0 (a free one) to 65535, got {args.port}", file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -68,8 +70,9 @@ def run(args: argparse.Namespace) -> int:
         usage = checkpoint.usage(args.checkpoint)
         run_server(engine, engine.tokenizer, args.host, args.port, name, args.prompt or usage["prompt"],
                    tool_grammar=args.tool_grammar or usage["tool_grammar"] != "off")
-    except OSError as e:
-        print(f"codefleet serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+    except OSError as e:  # before the line saying where it serves (model.server.run_server)
+        print(f"codefleet serve: cannot listen on {args.host}:{args.port} ({e.strerror or e}); choose another "
+              "--port, or --port 0 for a free one", file=sys.stderr)
         return 2
     finally:
         engine.close()

@@ -11,11 +11,22 @@ is submitted to the engine (whose background thread batches all requests in
 flight into the same decode steps) and awaited without blocking the event
 loop. `tool_choice` "required" or a named function, a tool marked `"strict":
 true`, or a server started with `tool_grammar` constrain decoding so that
-every tool call parses and fits its schema (`grammar.py`); "none" offers no
-tools. The completion is parsed with `chat.parse_tool_calls`: tool calls come
-back as OpenAI `tool_calls` with ids unique to the response and
-`finish_reason: "tool_calls"`; otherwise "stop" (the turn ended) or
-"length" (max_tokens or the context ran out).
+every tool call parses and fits its schema (`grammar.py`). "required" and a
+named function also make the turn tool calls alone: its first token opens a
+call (of the named function, and only one), so any model, a random one too,
+answers with a call rather than text until `max_tokens`. "none" offers no
+tools and the turn may not open a call. The completion is parsed with
+`chat.parse_tool_calls`: tool calls come back as OpenAI `tool_calls` with ids
+unique to the response and `finish_reason: "tool_calls"`; otherwise "stop"
+(the turn ended) or "length" (max_tokens ran out). `logprobs` with
+`top_logprobs` (0 to 20) also returns the likeliest tokens at each step.
+
+The body is parsed and the prompt tokenized in a worker thread, so a long
+prompt does not stall the other clients, and a prompt whose characters alone
+prove it longer than the context (a token holds at most the tokenizer's
+longest token's bytes) is refused before it is tokenized. As OpenAI does, a
+prompt over the context, or a `max_tokens` over the room the prompt leaves in
+it, is a 400 (`context_length_exceeded`), not a completion cut short.
 
 Streaming sends the content as it is generated; once the model opens a tool
 call the rest of the turn is held back and its calls are sent, parsed, at
@@ -36,8 +47,8 @@ parsed and returned), so a client that sends the full prompt, such as
 
 A field sent as `null` counts as not sent (OpenAI clients do that), and a
 `developer` message is a `system` message. Bad requests (invalid JSON,
-missing or malformed fields, an unknown model, a prompt longer than the
-context) get a 4xx with the OpenAI error body
+missing or malformed fields, an unknown model, a prompt or `max_tokens` over
+the context) get a 4xx with the OpenAI error body
 `{"error": {"message", "type", "param", "code"}}`; nothing a client sends can
 stop the server.
 """
@@ -49,6 +60,7 @@ import codecs
 import contextlib
 import json
 import logging
+import signal
 import threading
 import time
 import uuid
@@ -63,6 +75,7 @@ from codefleet.model.grammar import call_node
 from codefleet.model.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
 
 class RequestError(Exception):
@@ -121,12 +134,13 @@ def parse_request(body: object, engine: Engine, tokenizer, model_name: str, defa
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise RequestError("\"tools\" must be an array of {\"type\": \"function\", \"function\": {...}} objects",
                            param="tools", code="invalid_type")
-    tools, constrain, choice = _tool_choice(body.get("tool_choice"), tools, tool_grammar)
+    tools, grammar = _tool_choice(body.get("tool_choice"), tools, tool_grammar)
     n = body.get("n")
     if n is not None and (isinstance(n, bool) or n != 1):
         raise RequestError("only n=1 is supported; send several requests for several completions", param="n",
                            code="invalid_value")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    limit_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = body.get(limit_field)
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -138,13 +152,9 @@ def parse_request(body: object, engine: Engine, tokenizer, model_name: str, defa
         top_p=float(_field(body, "top_p", body.get("top_p"), (int, float), 1.0)),
         top_k=_field(body, "top_k", body.get("top_k"), int, 0),
         seed=_field(body, "seed", body.get("seed"), int, None),
-        stop=[s for s in (stop or []) if s], stop_token_ids=chat.stop_ids(tokenizer),
-        tools=tools if constrain else None, tool_choice=choice)
-    top_logprobs = body.get("top_logprobs")
-    if top_logprobs is not None and (isinstance(top_logprobs, bool) or top_logprobs != 0):
-        raise RequestError("top_logprobs is not supported: this server returns only the sampled tokens' logprobs "
-                           "(\"logprobs\": true); leave top_logprobs out or set it to 0", param="top_logprobs",
-                           code="invalid_value")
+        stop=[s for s in (stop or []) if s], stop_token_ids=chat.stop_ids(tokenizer), **grammar)
+    logprobs = bool(body.get("logprobs"))
+    params.top_logprobs = _top_logprobs(body.get("top_logprobs"), logprobs)
     if params.temperature > 2:
         raise RequestError(f"temperature must be between 0 and 2, got {params.temperature}", param="temperature",
                            code="invalid_value")
@@ -163,6 +173,11 @@ def parse_request(body: object, engine: Engine, tokenizer, model_name: str, defa
             raise RequestError("this model was trained without system prompts and sees none; send the task as a "
                                "user message", param="messages", code="invalid_value")
     try:
+        least = _least_tokens(chat.pieces(shown, shown_tools), tokenizer)
+        if least >= engine.max_seq_len:  # refused before tokenizing: its characters alone prove it too long
+            raise RequestError(f"the messages are at least {least} tokens but this model's context is "
+                               f"{engine.max_seq_len} tokens; shorten the messages", param="messages",
+                               code="context_length_exceeded")
         ids = chat.encode_chat(tokenizer, shown, shown_tools)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise RequestError(f"the messages could not be rendered: {e}", param="messages", code="invalid_value") from None
@@ -170,21 +185,50 @@ def parse_request(body: object, engine: Engine, tokenizer, model_name: str, defa
     if room < 1:
         raise RequestError(f"the prompt has {len(ids)} tokens but this model's context is {engine.max_seq_len} "
                            "tokens; shorten the messages", param="messages", code="context_length_exceeded")
+    if max_tokens is not None and params.max_tokens > room:  # OpenAI refuses it too; unsent, it is the room left
+        raise RequestError(f"{limit_field} is {params.max_tokens} but the prompt's {len(ids)} tokens leave {room} "
+                           f"of this model's context of {engine.max_seq_len}; lower {limit_field} or shorten the "
+                           "messages", param=limit_field, code="context_length_exceeded")
     params.max_tokens = min(params.max_tokens, room)
     return ChatRequest(ids, params, tools, bool(stream), bool(isinstance(stream_options, dict)
-                                                           and stream_options.get("include_usage")),
-                       bool(body.get("logprobs")))
+                                                           and stream_options.get("include_usage")), logprobs)
 
 
-def _tool_choice(tool_choice: object, tools: list[dict], tool_grammar: bool) -> tuple[list[dict], bool, str]:
-    """(the tools offered, whether decoding is constrained to them, the grammar's tool choice) for OpenAI's
-    `tool_choice`. "required" and a named function are honoured by constraining decoding (model.grammar); so
-    is "auto" for tools marked `"strict": true`, or for every request on a server started with tool_grammar."""
+def _least_tokens(pieces: list[chat.Piece], tokenizer) -> int:
+    """The fewest tokens the chat template's `pieces` can encode to, without encoding them: a special piece is
+    one token, a text piece at least its characters over the longest token's bytes."""
+    longest = tokenizer.max_token_bytes
+    return sum(1 if p.special else -(-len(p.text) // longest) for p in pieces)
+
+
+def _top_logprobs(value: object, logprobs: bool) -> int:
+    """OpenAI's `top_logprobs`: an integer from 0 to 20, sent only with `"logprobs": true`."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"\"top_logprobs\" must be an integer from 0 to {MAX_TOP_LOGPROBS}, got "
+                           f"{json.dumps(value)[:40]}", param="top_logprobs", code="invalid_type")
+    if not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise RequestError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {value}",
+                           param="top_logprobs", code="invalid_value")
+    if not logprobs:
+        raise RequestError("top_logprobs needs \"logprobs\": true; send both, or leave top_logprobs out",
+                           param="top_logprobs", code="invalid_value")
+    return value
+
+
+def _tool_choice(tool_choice: object, tools: list[dict], tool_grammar: bool) -> tuple[list[dict], dict]:
+    """(the tools offered, the SamplingParams fields that constrain decoding: model.grammar) for OpenAI's
+    `tool_choice`. "none" hides the tools and the turn may not open a call; "required" makes the turn tool
+    calls alone, opening with one, and a named function makes it one call of that function; "auto"
+    constrains the calls to tools marked `"strict": true`, or to any tool on a server started with
+    tool_grammar."""
     def name_of(tool: dict) -> object:
         return (tool.get("function") or {}).get("name") if isinstance(tool.get("function"), dict) else tool.get("name")
 
     if tool_choice == "none":
-        return [], False, "auto"
+        return [], {"tool_choice": "none"}
+    max_calls = 0
     if isinstance(tool_choice, dict):  # {"type": "function", "function": {"name": ...}}
         name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice.get("function"), dict) \
             else None
@@ -192,7 +236,7 @@ def _tool_choice(tool_choice: object, tools: list[dict], tool_grammar: bool) -> 
         if not tools:
             raise RequestError(f"tool_choice names the function {name!r}, which is not in \"tools\"",
                                param="tool_choice", code="invalid_value")
-        tool_choice = "required"
+        tool_choice, max_calls = "required", 1  # OpenAI: call exactly this function
     elif tool_choice not in (None, "auto", "required"):
         raise RequestError("tool_choice must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
                            "\"function\": {\"name\": ...}}", param="tool_choice", code="invalid_value")
@@ -200,17 +244,17 @@ def _tool_choice(tool_choice: object, tools: list[dict], tool_grammar: bool) -> 
         if not tools:
             raise RequestError("tool_choice requires a tool call but \"tools\" is empty", param="tool_choice",
                                code="invalid_value")
-        constrain = True
+        grammar = {"tools": tools, "tool_choice": "required", "calls_only": True, "max_calls": max_calls}
+    elif tools and (tool_grammar or any(isinstance(t.get("function"), dict) and t["function"].get("strict") is True
+                                        for t in tools)):
+        grammar = {"tools": tools, "tool_choice": "auto"}
     else:
-        constrain = bool(tools) and (tool_grammar or any(
-            isinstance(t.get("function"), dict) and t["function"].get("strict") is True for t in tools))
-    if constrain:
-        try:
-            call_node(tools)
-        except ValueError as e:
-            raise RequestError(f"the tools cannot constrain decoding: {e}", param="tools", code="invalid_value") \
-                from None
-    return tools, constrain, tool_choice or "auto"
+        return tools, {}
+    try:
+        call_node(tools)
+    except ValueError as e:
+        raise RequestError(f"the tools cannot constrain decoding: {e}", param="tools", code="invalid_value") from None
+    return tools, grammar
 
 
 def _field(body: dict, name: str, value: object, types, default):
@@ -247,12 +291,18 @@ def build_completion(result: Result, request: ChatRequest, tokenizer, model_name
 
 
 def _logprobs_content(result: Result, tokenizer) -> list[dict]:
-    return [_token_logprob(tokenizer, tok, lp) for tok, lp in zip(result.token_ids, result.logprobs)]
+    tops = result.top_logprobs or [[]] * len(result.token_ids)
+    return [_token_logprob(tokenizer, tok, lp, top) for tok, lp, top in zip(result.token_ids, result.logprobs, tops)]
 
 
-def _token_logprob(tokenizer, token: int, logprob: float) -> dict:
+def _token_logprob(tokenizer, token: int, logprob: float, top: list[tuple[int, float]] = ()) -> dict:
+    """OpenAI's entry for one sampled token, with the likeliest tokens at its step (`top`: (id, logprob))."""
+    return {**_token(tokenizer, token, logprob), "top_logprobs": [_token(tokenizer, t, lp) for t, lp in top]}
+
+
+def _token(tokenizer, token: int, logprob: float) -> dict:
     raw = tokenizer.token_bytes(token)
-    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw), "top_logprobs": []}
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
 
 
 class ChatServer:
@@ -308,13 +358,9 @@ class ChatServer:
         return web.json_response(self._model_card())
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        try:
-            body = await request.json(loads=json.loads)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RequestError(f"the request body is not valid JSON ({e}); send a JSON object with \"model\" and "
-                               "\"messages\"", code="invalid_json") from None
-        req = parse_request(body, self.engine, self.tokenizer, self.model_name, self.default_max_tokens,
-                            self.prompt, self.tool_grammar)
+        raw = await request.read()
+        # JSON and tokenizing in a worker thread: a long prompt must not stall the other clients' requests
+        req = await asyncio.get_running_loop().run_in_executor(None, self._parse, raw)
         completion_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         if req.stream:
@@ -324,12 +370,21 @@ class ChatServer:
         return web.json_response(build_completion(result, req, self.tokenizer, self.model_name, completion_id,
                                                   created))
 
+    def _parse(self, raw: bytes) -> ChatRequest:
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RequestError(f"the request body is not valid JSON ({e}); send a JSON object with \"model\" and "
+                               "\"messages\"", code="invalid_json") from None
+        return parse_request(body, self.engine, self.tokenizer, self.model_name, self.default_max_tokens,
+                             self.prompt, self.tool_grammar)
+
     async def _stream(self, request: web.Request, req: ChatRequest, completion_id: str, created: int
                       ) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         tokens: asyncio.Queue = asyncio.Queue()
         future = self.engine.submit(req.prompt, req.params,
-                                    on_token=lambda tok, lp: loop.call_soon_threadsafe(tokens.put_nowait, (tok, lp)))
+                                    on_token=lambda *token: loop.call_soon_threadsafe(tokens.put_nowait, token))
         done = asyncio.wrap_future(future)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         unsent: list[dict] = []  # logprobs of the tokens since the last chunk (with req.logprobs)
@@ -361,11 +416,11 @@ class ChatServer:
                     getter.cancel()
                     if tokens.empty():
                         break
-                    tok, lp = tokens.get_nowait()
+                    tok, lp, top = tokens.get_nowait()
                 else:
-                    tok, lp = getter.result()
+                    tok, lp, top = getter.result()
                 if req.logprobs:
-                    unsent.append(_token_logprob(self.tokenizer, tok, lp))
+                    unsent.append(_token_logprob(self.tokenizer, tok, lp, top))
                 if held or tok in stop_ids:
                     continue
                 if tok == self.tokenizer.call_open_id and req.tools:
@@ -450,17 +505,12 @@ class ServerThread:
         self._loop.run_until_complete(self._serve())
 
     async def _serve(self) -> None:
-        runner = web.AppRunner(self.server.app, access_log=None, handler_cancellation=True)
         try:
-            await runner.setup()
-            site = web.TCPSite(runner, self.host, self.port)
-            await site.start()
-            self.port = site._server.sockets[0].getsockname()[1]  # the real port when 0 was asked
+            runner, self.port = await _listen(self.server.app, self.host, self.port)
             self._stop = asyncio.Event()
         except Exception as e:  # reported to start()'s caller
             self._error = e
             self._started.set()
-            await runner.cleanup()
             return
         self._started.set()
         await self._stop.wait()
@@ -478,13 +528,38 @@ class ServerThread:
         self.stop()
 
 
+async def _listen(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve `app` on host:port: its runner and the port it really listens on (the system's choice for 0).
+    Raises OSError (the port is in use, the host is not this machine's) before serving anything."""
+    # handler_cancellation: a client that disconnects cancels its handler, which cancels its engine request
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner, runner.addresses[0][1]
+
+
 def run_server(engine: Engine, tokenizer, host: str, port: int, model_name: str, prompt: str = "full",
                tool_grammar: bool = False) -> None:
-    """Serve until interrupted (the `codefleet serve` command)."""
+    """Serve until interrupted (the `codefleet serve` command). The line saying where it serves is printed
+    once it listens, with the real port; a port it cannot listen on raises OSError before that line."""
     server = ChatServer(engine, tokenizer, model_name, prompt=prompt, tool_grammar=tool_grammar)
     shown = "; bare prompt: system messages and tool schemas are not rendered" if prompt == "bare" else ""
     shown += "; tool calls constrained to their schemas" if tool_grammar else ""
-    print(f"codefleet serve: {model_name} on http://{host}:{port}/v1 (max batch {engine.max_batch}, context "
-          f"{engine.max_seq_len} tokens{shown})", flush=True)
-    # handler_cancellation: a client that disconnects cancels its handler, which cancels its engine request
-    web.run_app(server.app, host=host, port=port, print=None, access_log=None, handler_cancellation=True)
+
+    async def serve() -> None:
+        runner, real_port = await _listen(server.app, host, port)
+        try:
+            print(f"codefleet serve: {model_name} on http://{host}:{real_port}/v1 (max batch {engine.max_batch}, "
+                  f"context {engine.max_seq_len} tokens{shown})", flush=True)
+            stop = asyncio.Event()
+            for sig in (signal.SIGINT, signal.SIGTERM):  # end cleanly: in-flight requests finish or are cancelled
+                asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(serve())
