@@ -21,7 +21,7 @@ from codefleet.fleet.sandbox_fleet import SandboxFleet
 from codefleet.fleet.staleness import Group
 from codefleet.fleet.trainer_group import TrainerGroup, TrainerWorkerError
 from codefleet.model import checkpoint
-from codefleet.model.tokenizer import Tokenizer, default_tokenizer
+from codefleet.model.tokenizer import TOKENIZER_FILE, Tokenizer, default_tokenizer
 from codefleet.recipe.config import TrainRunConfig, episode_config, policy_usage
 from codefleet.recipe.curriculum import TaskSampler
 from codefleet.recipe.run_dir import Metrics, RunDir, RunError, log
@@ -44,7 +44,8 @@ def _rl_start(src: str, dst: str) -> str:
         if os.path.isfile(state_file):
             state = torch.load(state_file, weights_only=True)
             torch.save({**state, "version": 0}, os.path.join(dst, TRAINER_FILE))
-        checkpoint.describe(dst, Tokenizer.load(src), **checkpoint.usage(src))
+        has_own = os.path.isfile(os.path.join(src, TOKENIZER_FILE))
+        checkpoint.describe(dst, Tokenizer.load(src) if has_own else default_tokenizer(), **checkpoint.usage(src))
         checkpoint.save(checkpoint.load(src), dst)
     return dst
 
