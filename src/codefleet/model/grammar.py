@@ -1,11 +1,10 @@
 """Constrained decoding of tool calls: the engine samples only turns whose tool calls parse and fit
 their tools' schemas (OpenAI's strict function calling; vLLM and SGLang call it structured output).
 
-A small policy trained for minutes writes many calls wrong: of the ~3,800 calls a 600-step SFT
-checkpoint made on 640 held-out episodes, 1,417 did not parse (808 a closing marker without its
-opening one, 189 unclosed, ~200 not valid JSON) and ~400 named arguments their tool does not take
-or left out a required one (2026-12-05). Each costs a turn. With a grammar the engine never
-samples a token that would break the call being written.
+A small policy trained for minutes writes many calls wrong: a closing marker without its opening
+one, a call left unclosed, JSON that does not parse, arguments its tool does not take (measured in
+docs/experiments/). Each costs a turn. With a grammar the engine never samples a token that would
+break the call being written.
 
 The grammar of one assistant turn, over the chat template's tokens (`chat.py`):
 

@@ -6,7 +6,7 @@ tools, same tool outputs), and only solved episodes are kept. The
 conversation is encoded with the chat template into `(ids, mask)`, mask 1
 on the assistant's tokens (`Demos.encode`, `chat.encode_chat_with_mask`),
 which is what `rl.sft` trains on; the conversations are kept too, so SFT can
-show them with fresh names (`rl.augment`). Demonstrations longer than the
+show them with fresh names (`recipe.augment`). Demonstrations longer than the
 model's context are dropped and counted, never truncated (a cut
 demonstration teaches a turn without its ending).
 
@@ -20,8 +20,7 @@ reward costs turns, then learns which habit is faster.
 That needs the policy to *have* a choice on a task. With one habit per task,
 the SFT policy learns each training task's habit by heart, so RL's attempts at
 a task all take the same path and no group has a fast and a slow solved
-attempt to compare (29 of 33 groups in a default run all explored or all acted
-at once; not one group's solved attempts differed in turns, 2026-12-05). With
+attempt to compare (docs/experiments/, "Habits RL can choose between"). With
 `all_habits`, the expert also records every other habit that makes a different
 episode of the task (`Demos.variants`), and SFT draws the habit anew each time
 it shows the task (`Demos.conversation`): the policy's habit becomes a coin it

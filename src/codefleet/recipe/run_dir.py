@@ -5,7 +5,6 @@
       config.yaml                 the resolved TrainRunConfig
       tasks/train, tasks/eval     generated task sets (eval = held-out templates)
       tasks/rl-fresh              new instances of the training templates RL attempts (tasks.rl_tasks=fresh)
-      tasks/rl-extra              tasks only RL attempts (tasks.n_rl_extra)
       checkpoints/init, sft       initial and SFT weights (checkpoint.save format)
       checkpoints/rl-step-NNNNNN  trainer checkpoints (weights + optimizer + version)
       checkpoints/rl-step-NNNNNN.controller.json   consumed rollout ids, lags, next group id

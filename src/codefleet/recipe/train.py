@@ -5,7 +5,7 @@ Stages (each skipped on `--resume` when its output exists, see run_dir.py):
 1. tasks: `n_train` tasks from the training templates and `n_eval` from the
    held-out templates of the bundled families (`tasks.generate`).
 2. demonstrations: the scripted expert solves the training tasks through the
-   real harness in real sandboxes (`rl.demos`).
+   real harness in real sandboxes (`recipe.demos`).
 3. SFT: a freshly initialised MoE policy learns the demonstrations
    (`TrainerGroup.sft_step`, data-parallel over `sft.workers`).
 4. RL: the controller (`fleet.controller`) admits groups of `group_size`
@@ -208,7 +208,7 @@ def sft(run: RunDir, config: TrainRunConfig, demos, init: str, metrics: Metrics,
 
 def sft_batch(demos, picked: list[int], c, rng: random.Random, tokenizer, max_seq_len: int) -> list:
     """One SFT step's examples: demonstrations `picked`, with fresh names when `c.fresh_names`
-    (rl.augment), and `c.first_turns` first turns of random demonstrations, each with fresh names (the
+    (recipe.augment), and `c.first_turns` first turns of random demonstrations, each with fresh names (the
     task and the expert's first answer: ~150 tokens that teach copying names from the task, the skill
     every later turn builds on, at a fifth of a whole demonstration's cost). Demonstrations recorded with
     all their habits show a habit drawn now, each time (recipe.demos)."""

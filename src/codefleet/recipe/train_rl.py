@@ -101,7 +101,7 @@ class RLTrainer:
         self.tokenizer = default_tokenizer()  # written into every checkpoint beside the weights
         self.config, self.progress = config, progress
         self.controller = None  # set once the controller exists (its buffer state goes into checkpoints)
-        self.sampler = sampler  # the task sampler (rl.curriculum): its per-family success estimates go into the metrics
+        self.sampler = sampler  # the task sampler (recipe.curriculum): its per-family success estimates go into the metrics
         self.away: dict = {}  # engines that did not take weights in time -> a call that returns once they are back
         self.started = time.perf_counter()
         self.tokens = 0
@@ -198,7 +198,7 @@ def _observe(sampler, group: Group) -> None:
 
 
 def task_sampler(run: RunDir, config: TrainRunConfig, tasks, skip: int):
-    """The RL task stream (`rl.task_sampling`, rl.curriculum); on resume, the curriculum first re-reads how
+    """The RL task stream (`rl.task_sampling`, recipe.curriculum); on resume, the curriculum first re-reads how
     the accepted groups did."""
 
     c = config.rl

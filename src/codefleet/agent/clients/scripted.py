@@ -25,7 +25,7 @@ reads, or both names of a rename); it explores anyway when the files are not
 named, since acting on a path the task never showed teaches a policy to
 guess paths. With `chain_tests=True` a rename runs the visible tests in the
 same command (`... && python3 -m pytest -q tests`), one turn instead of two.
-Demonstrations mix these habits (`rl.demos`) so that RL, whose reward costs
+Demonstrations mix these habits (`recipe.demos`) so that RL, whose reward costs
 turns, can learn which is faster.
 
 Names and paths in its text are in backticks and quoted in shell commands,
