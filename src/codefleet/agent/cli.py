@@ -66,11 +66,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--backend", choices=["auto", "namespace", "local"], default=None, help="sandbox backend")
     run.add_argument("--prompt", choices=["full", "bare"], default=None,
                      help="'full' sends the system prompt and tool schemas; 'bare' the task alone, for a policy "
-                     "trained without them (default: full, or for --model local:RUN/checkpoints/NAME the "
-                     "training run's model.prompt)")
+                     "trained without them (default: full, or for --model local:DIR the style the checkpoint's "
+                     "metadata.json says it was trained on)")
     run.add_argument("--tool-grammar", choices=["off", "auto", "required"], default=None,
                      help="for --model local:...: the engine samples only tool calls that parse and fit their schemas "
-                     "('required': and every turn calls a tool; default: the training run's model.tool_grammar, else "
+                     "('required': and every turn calls a tool; default: what the checkpoint's metadata.json says, else "
                      "off). A server constrains its own decoding (codefleet serve --tool-grammar)")
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a SandboxConfig field")
     run.set_defaults(func=run_command)

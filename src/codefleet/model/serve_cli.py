@@ -3,9 +3,9 @@
     codefleet serve --checkpoint runs/ckpt --port 8000
     codefleet agent run --model http://127.0.0.1:8000/v1 ...   # any OpenAI client works too
 
-A checkpoint of a `codefleet train` run (RUN/checkpoints/NAME) is served in the
-prompt style it was trained on (`model.prompt`; `--prompt` overrides it), so
-`codefleet agent run` on it sees the policy its run evaluated.
+A checkpoint is served in the prompt style its metadata.json says it was
+trained on (`checkpoint.usage`; `--prompt` overrides it), so `codefleet agent
+run` on it sees the policy its run evaluated, wherever the checkpoint lives.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ def register(subparsers) -> None:
     serve.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     serve.add_argument("--prompt", choices=("full", "bare"), default=None,
                        help="how requests are rendered: 'bare' leaves out system messages and tool schemas, for a "
-                       "policy trained without them (default: the checkpoint's training run's model.prompt, else full)")
+                       "policy trained without them (default: the style the checkpoint's metadata.json says, else full)")
     serve.add_argument("--tool-grammar", action="store_true", default=None,
                        help="constrain every request's tool calls to parse and fit their tools' schemas (default: "
-                       "on for a checkpoint whose run trained so, model.tool_grammar; otherwise only tool_choice "
+                       "on for a checkpoint whose metadata.json says it was trained so; otherwise only tool_choice "
                        "\"required\", a named function or tools marked strict are)")
     serve.set_defaults(func=run)
 

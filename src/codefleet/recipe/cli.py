@@ -13,6 +13,7 @@ from codefleet.agent.policy import PolicyError
 from codefleet.config import ConfigError
 from codefleet.fleet.controller_api import ControllerError
 from codefleet.model import checkpoint
+from codefleet.model.chat import PROMPTS
 from codefleet.recipe.config import load_train_config
 from codefleet.recipe.evaluate import EvalConfig, comparison_line, evaluate, evaluate_endpoint, report_json
 from codefleet.recipe.train import RunError, results_table, resumed_config, train
@@ -57,12 +58,11 @@ def register(subparsers) -> None:
                          "the conversation rendered again, as a server would)")
     ev.add_argument("--tool-grammar", nargs="?", const="auto", default=None, choices=("off", "auto", "required"),
                     help="the engine samples only tool calls that parse and fit their schemas (constrained decoding); "
-                    "'required': and every turn calls a tool (default: the checkpoint's run's model.tool_grammar)")
-    ev.add_argument("--prompt", choices=("full", "bare"), default=None,  # agent.prompts.PROMPTS, not imported here:
-                    # the CLI starts without loading the agent package
-                    help="what the policy is shown (agent.prompts); default: the model.prompt of the run the "
-                         "checkpoint belongs to (RUN/checkpoints/NAME), else full (with --model: full; codefleet "
-                         "serve renders it in its checkpoint's style)")
+                    "'required': and every turn calls a tool (default: what the checkpoint's metadata.json says, else off)")
+    ev.add_argument("--prompt", choices=PROMPTS, default=None,
+                    help="what the policy is shown: 'full' the system prompt and tool schemas, 'bare' the task alone "
+                         "(default: the style the checkpoint's metadata.json says it was trained on, else full; with "
+                         "--model: full, and codefleet serve renders it in its checkpoint's style)")
     ev.add_argument("--out", default=None, help="also write the trajectories to a rollout store in this directory")
     ev.add_argument("--json", action="store_true", help="print only the JSON summary")
     ev.set_defaults(func=_eval)
