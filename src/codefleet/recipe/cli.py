@@ -25,9 +25,10 @@ from codefleet.types import Budgets
 def register(subparsers) -> None:
     train = subparsers.add_parser(
         "train", help="tasks -> expert demos -> SFT -> asynchronous RL on Ray -> held-out evaluation",
-        description="With no config, the tiny embedded default end to end (see docs/training.md). Settings come "
-        "from --config FILE and KEY=VALUE overrides (e.g. rl.steps=20 cluster.num_cpus=8).")
-    train.add_argument("--config", default=None, help="YAML file with TrainRunConfig sections")
+        description="With no config, the tiny embedded default end to end (docs/training.md). Settings are the "
+        "defaults, then the recipe the field `recipe` names (default: demo), then --config FILE, then KEY=VALUE "
+        "overrides (e.g. rl.steps=20 cluster.num_cpus=8); every field: docs/configuration.md.")
+    train.add_argument("--config", default=None, help="YAML file with TrainRunConfig fields (docs/configuration.md)")
     train.add_argument("--out", default=None, help="run directory (required unless --resume RUN_DIR)")
     train.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue the run in RUN_DIR after a crash")
     train.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local Ray)")
