@@ -176,7 +176,7 @@ def load_train_config(path: str | None = None, overrides: list[str] | None = Non
         recipe_data = read_config(recipe_path(recipe))
         if "recipe" in recipe_data:
             raise ConfigError(f"recipe {recipe!r} names another recipe; a recipe file holds settings only")
-        base = from_dict(TrainRunConfig, recipe_data, where="", base=base)
+        base = from_dict(TrainRunConfig, recipe_data, base=base)
     return from_dict(TrainRunConfig, data, base=base)
 
 

@@ -179,7 +179,7 @@ def sft(run: RunDir, config: TrainRunConfig, demos, init: str, metrics: Metrics,
     if not demos.examples:
         raise RunError("no expert demonstration solved its task; check `codefleet tasks check` on the task set"
                        + (f" ({len(demos.no_patch)} of its tasks have no reference patch for the expert to replay)"
-                          if getattr(demos, "no_patch", None) else ""))
+                          if demos.no_patch else ""))
     c, cl = config.sft, config.cluster
     total_steps = c.epochs * -(-len(demos.examples) // c.batch_size)
     schedule = TrainConfig(lr=c.lr, seed=config.model.seed, warmup_steps=c.warmup_steps, decay_steps=total_steps)
