@@ -4,6 +4,12 @@
     model = checkpoint.load("ckpt/")          # same class, same bits
     checkpoint.read_metadata("ckpt/")         # {"policy_version": 3}
 
+A Hugging Face model directory (Qwen3, Qwen3-MoE, Llama) is a checkpoint
+too: `load`, `check` and `load_config` read it through `hf.py`, and `save`
+writes a model whose `config.architecture` is a Hugging Face class as one
+(sharded safetensors + its config.json), so training from such a model
+writes checkpoints that transformers and vLLM load as they are.
+
 Tied embeddings: safetensors refuses tensors that share memory, so the tied
 `lm_head.weight` is not written; `load` rebuilds the tie from the config.
 Buffers that decide routing (the per-expert selection bias) are saved too.
@@ -23,6 +29,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from codefleet.model import hf
 from codefleet.model.config import ModelConfig
 from codefleet.model.tokenizer import Tokenizer
 from codefleet.model.transformer import Transformer
@@ -38,17 +45,27 @@ def save(model: Transformer, path: str, config: ModelConfig | None = None, metad
     """Write the weights, the config (default: `model.config`) and optional metadata into directory `path`."""
     config = config or model.config
     os.makedirs(path, exist_ok=True)
+    if config.architecture != "codefleet":
+        hf.save(model, path, config)
+        _write_metadata(path, metadata)
+        return
     skip = _tied_keys(model.config)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k not in skip}
     save_file(state, os.path.join(path, WEIGHTS_FILE), metadata={"format": "pt", "codefleet": "1"})
     with open(os.path.join(path, CONFIG_FILE), "w") as f:
         f.write(config.to_json())
+    _write_metadata(path, metadata)
+
+
+def _write_metadata(path: str, metadata: dict | None) -> None:
     if metadata is not None:
         with open(os.path.join(path, METADATA_FILE), "w") as f:
             json.dump(metadata, f, indent=2, sort_keys=True)
 
 
 def load_config(path: str) -> ModelConfig:
+    if hf.is_hf_dir(path):
+        return hf.model_config(hf.read_config(path), path)
     config_file = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(config_file):
         raise FileNotFoundError(f"{config_file} not found: {path!r} is not a checkpoint directory written by "
@@ -67,6 +84,8 @@ def load_config(path: str) -> ModelConfig:
 def load(path: str, device: str | torch.device = "cpu") -> Transformer:
     """The model saved in `path`, in the config's dtype, on `device`. A truncated or corrupt weights file, or
     weights whose shapes do not match config.json, raise ValueError naming the file (`check`)."""
+    if hf.is_hf_dir(path):
+        return hf.load_model(path, device)
     config = check(path)
     model = Transformer(config)
     state = load_file(os.path.join(path, WEIGHTS_FILE), device=str(device))
@@ -82,6 +101,8 @@ def check(path: str) -> ModelConfig:
     """`path`'s config, once its weights file's header is known to be whole and to match it, without
     reading the weights (what a command checks before it starts minutes of work). Raises
     FileNotFoundError or ValueError naming the file, as `load` would."""
+    if hf.is_hf_dir(path):
+        return hf.check(path)
     config = load_config(path)
     weights_file = os.path.join(path, WEIGHTS_FILE)
     if not os.path.isfile(weights_file):
@@ -150,9 +171,16 @@ def tensor_hash(path: str) -> str:
     """A short fingerprint of the checkpoint's weights: sha256 over every tensor's name, dtype, shape and
     bytes, in name order. Two checkpoints with the same hash hold the same weights, whatever their metadata."""
     digest = hashlib.sha256()
+    if hf.is_hf_dir(path):  # sharded: the same digest over the tensors of every shard
+        named = ((name, lambda info=info: hf.read_tensor(info)) for name, info in sorted(hf.tensor_index(path).items()))
+        return _digest(digest, named)
     with safe_open(os.path.join(path, WEIGHTS_FILE), "pt") as f:
-        for name in sorted(f.keys()):
-            tensor = f.get_tensor(name).contiguous()
-            digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-            digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
+        return _digest(digest, ((name, lambda name=name: f.get_tensor(name)) for name in sorted(f.keys())))
+
+
+def _digest(digest, named) -> str:
+    for name, read in named:
+        tensor = read().contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]

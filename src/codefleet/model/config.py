@@ -24,7 +24,21 @@ The MoE fields (see `moe.py`):
   `Transformer.update_router_bias()`), or "none". `z_loss_coef` scales the
   router z-loss in every mode.
 - `first_dense_layers`: that many leading layers use a dense SwiGLU of hidden
-  `d_dense` instead of MoE (DeepSeek-style).
+  `d_dense` instead of MoE (DeepSeek-style); `dense_layers` lists more dense
+  layers anywhere (Qwen3-MoE's `mlp_only_layers`). A dense model (Qwen3,
+  Llama) has `first_dense_layers == n_layers`: its MoE fields are unused.
+
+Attention and positions: `qk_norm` adds an RMSNorm over each query and key
+head before RoPE (Qwen3); `rope_scaling` is None or Llama 3's frequency
+scaling `{"rope_type": "llama3", "factor", "low_freq_factor",
+"high_freq_factor", "original_max_position_embeddings"}` (`rope.py`).
+
+`architecture` names the layout the checkpoint is written in: "codefleet"
+(codefleet's own), or the Hugging Face class it was loaded from
+("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM"), in which
+case `checkpoint.save` writes a Hugging Face directory (`hf.py`) and
+`hf_extra` holds the keys of its config.json that codefleet does not use
+(token ids, `model_type`, ...), written back unchanged.
 
 `copy`: how the model copies tokens from its context (`copying.CopyConfig`):
 `prev_tokens` previous-token embeddings in each token's input (2 by
@@ -33,7 +47,8 @@ default; `codefleet train` turns it on) with its `scope`, `match` and
 `blocked`. `CopyConfig(prev_tokens=0)` is the plain Llama/Qwen model.
 
 `from_dict`/`from_json` take exactly the fields `to_dict` writes (`copy` as
-a nested object): a field unknown or missing is one error naming them.
+a nested object): a field unknown or missing is one error naming them (a
+checkpoint written before `OPTIONAL_FIELDS` existed gets their defaults).
 """
 
 from __future__ import annotations
@@ -75,7 +90,12 @@ class ModelConfig:
     bias_update_rate: float = 0.001
     first_dense_layers: int = 0
     d_dense: int = 512
+    dense_layers: list[int] = dataclasses.field(default_factory=list)
+    qk_norm: bool = False
+    rope_scaling: dict | None = None
     tie_embeddings: bool = False
+    architecture: str = "codefleet"
+    hf_extra: dict = dataclasses.field(default_factory=dict)
     copy: CopyConfig = dataclasses.field(default_factory=CopyConfig)
     dtype: str = "float32"
 
@@ -99,6 +119,11 @@ class ModelConfig:
             (1 <= self.top_k <= self.n_experts, "top_k must be between 1 and n_experts"),
             (self.head_dim % 2 == 0, "head_dim must be even (rotary embeddings rotate pairs)"),
             (0 <= self.first_dense_layers <= self.n_layers, "first_dense_layers must be in [0, n_layers]"),
+            (all(isinstance(i, int) and 0 <= i < self.n_layers for i in self.dense_layers),
+             "dense_layers must list layer indices in [0, n_layers)"),
+            (self.rope_scaling is None or (isinstance(self.rope_scaling, dict)
+                                           and self.rope_scaling.get("rope_type") == "llama3"),
+             "rope_scaling must be None or {'rope_type': 'llama3', ...}"),
             (all(0 <= t < self.vocab_size for t in self.copy.blocked), "copy.blocked holds ids outside the vocab"),
         ]
         for ok, msg in checks:
@@ -109,9 +134,13 @@ class ModelConfig:
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
 
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer `layer`'s feed-forward is the MoE (else a dense SwiGLU of hidden `d_dense`)."""
+        return layer >= self.first_dense_layers and layer not in self.dense_layers
+
     @property
     def n_moe_layers(self) -> int:
-        return self.n_layers - self.first_dense_layers
+        return sum(self.is_moe(i) for i in range(self.n_layers))
 
     # presets -------------------------------------------------------------
 
@@ -144,6 +173,8 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """The config `to_dict` wrote; a field unknown or missing (here or in `copy`) is a ValueError."""
+        if isinstance(d, dict):
+            d = {**{k: v for k, v in _optional_defaults().items() if k not in d}, **d}
         fields = _exact_fields(cls, d, "")
         return cls(**{**fields, "copy": CopyConfig(**_exact_fields(CopyConfig, fields["copy"], "copy."))})
 
@@ -153,6 +184,15 @@ class ModelConfig:
     @classmethod
     def from_json(cls, text: str) -> ModelConfig:
         return cls.from_dict(json.loads(text))
+
+
+# fields added after checkpoints were first written: a config without them gets these defaults
+OPTIONAL_FIELDS = ("dense_layers", "qk_norm", "rope_scaling", "architecture", "hf_extra")
+
+
+def _optional_defaults() -> dict[str, Any]:
+    defaults = ModelConfig()
+    return {name: getattr(defaults, name) for name in OPTIONAL_FIELDS}
 
 
 def _exact_fields(cls: type, d: object, prefix: str) -> dict[str, Any]:

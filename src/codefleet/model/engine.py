@@ -166,7 +166,7 @@ class Engine:
         self.max_batch = max_batch
         self.prefill_tokens = prefill_tokens
         prefix_slots = max_batch if prefix_slots is None else int(prefix_slots)
-        self.record_routing = record_routing
+        self.record_routing = record_routing and model.config.n_moe_layers > 0  # a dense model routes nothing
         self.version = version
         param = next(model.parameters())
         self.device = param.device

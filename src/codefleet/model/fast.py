@@ -105,7 +105,10 @@ def attention(attn: nn.Module, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torc
     H, Hkv, Dh = attn.n_heads, attn.n_kv_heads, attn.head_dim
     w_qkv = fused_weight(attn, (attn.wq.weight, attn.wk.weight, attn.wv.weight))
     qkv_BTHD = F.linear(x_BTD, w_qkv).view(B, T, H + 2 * Hkv, Dh)
-    qk_BTHD = apply_rope_signed(qkv_BTHD[:, :, : H + Hkv], cos, sin)
+    qk_BTHD = qkv_BTHD[:, :, : H + Hkv]
+    if attn.q_norm is not None:
+        qk_BTHD = torch.cat([attn.q_norm(qk_BTHD[:, :, :H]), attn.k_norm(qk_BTHD[:, :, H:])], dim=2)
+    qk_BTHD = apply_rope_signed(qk_BTHD, cos, sin)
     q_BHTD = qk_BTHD[:, :, :H].transpose(1, 2)
     k_BHTD = qk_BTHD[:, :, H:].transpose(1, 2)
     v_BHTD = qkv_BTHD[:, :, H + Hkv:].transpose(1, 2)
@@ -223,6 +226,8 @@ def _native_decode(model, x_BTD: torch.Tensor, cache, routing_replay: list[torch
     if rows is None or not torch.is_inference_mode_enabled():
         return None
     if x_BTD.device.type != "cpu" or x_BTD.dtype != torch.float32 or cache.k.dtype != torch.float32:
+        return None
+    if model.config.qk_norm:  # the kernel has no q/k norm (Qwen3): the Python path runs it
         return None
     ops = kernels.decode_layer()
     if ops is None:

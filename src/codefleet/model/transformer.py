@@ -14,8 +14,10 @@
   k_BHTD, v_BHTD)` stores the new keys/values and attends over each row's
   history (the engine's `cache.py` owns masking and storage); k/v carry
   `n_kv_heads` heads there.
-- Feed-forward: the first `first_dense_layers` layers are a dense SwiGLU, the
-  rest are `moe.MoE`.
+- Feed-forward: the layers `config.is_moe` says are `moe.MoE`, the others
+  (the first `first_dense_layers` and `dense_layers`) a dense SwiGLU.
+- Qwen3's q/k norm (`qk_norm`): an RMSNorm over each query and key head
+  (weights of size head_dim) before RoPE.
 - Copying from the context (`config.copy`, `copying.py`): previous-token
   embeddings in the input (`prev_tokens`; a forward that continues a sequence
   passes the tokens before its first one as `prev_BK`) and the optional copy
@@ -82,14 +84,21 @@ class Attention(nn.Module):
         self.wk = nn.Linear(D, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(D, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, D, bias=False)
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.norm_eps)
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
         """`cos`/`sin`: [B or 1, T, 1, head_dim] rows of the model's rotary table (`sin` signed: `rope_table`)."""
         B, T, _ = x_BTD.shape
         H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
         cos_, sin_ = cos.transpose(1, 2), sin.transpose(1, 2)
-        q_BHTD = apply_rope_signed(self.wq(x_BTD).view(B, T, H, Dh).transpose(1, 2), cos_, sin_)
-        k_BHTD = apply_rope_signed(self.wk(x_BTD).view(B, T, Hkv, Dh).transpose(1, 2), cos_, sin_)
+        q_BTHD, k_BTHD = self.wq(x_BTD).view(B, T, H, Dh), self.wk(x_BTD).view(B, T, Hkv, Dh)
+        if self.q_norm is not None:
+            q_BTHD, k_BTHD = self.q_norm(q_BTHD), self.k_norm(k_BTHD)
+        q_BHTD = apply_rope_signed(q_BTHD.transpose(1, 2), cos_, sin_)
+        k_BHTD = apply_rope_signed(k_BTHD.transpose(1, 2), cos_, sin_)
         v_BHTD = self.wv(x_BTD).view(B, T, Hkv, Dh).transpose(1, 2)
         return self.attend(q_BHTD, k_BHTD, v_BHTD, cache)
 
@@ -111,7 +120,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
         self.attn = Attention(config, layer)
         self.ffn_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.is_moe = layer >= config.first_dense_layers
+        self.is_moe = config.is_moe(layer)
         self.ffn = MoE(config) if self.is_moe else SwiGLU(config.d_model, config.d_dense)
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None,
@@ -261,7 +270,8 @@ class Transformer(nn.Module):
         if tab is None or tab.shape[0] < n_positions or tab.device != torch.device(device):
             n = max(n_positions, self.config.max_seq_len, 0 if tab is None else tab.shape[0])
             with torch.inference_mode(False), torch.no_grad():
-                tab = rope_table(n, self.config.head_dim, self.config.rope_theta, device)[:, :, None]
+                tab = rope_table(n, self.config.head_dim, self.config.rope_theta, device,
+                                 self.config.rope_scaling)[:, :, None]
             self._rope_tab = tab
         return tab
 
