@@ -99,7 +99,12 @@ def test_the_routing_equals_transformers_for_every_token(pair):
 @pytest.mark.parametrize("native", [True, False], ids=["kernels", "no_kernels"])
 def test_the_engines_incremental_decode_equals_transformers(pair, native, monkeypatch):
     kind, path, reference, model = pair
-    if not native:
+    calls = []
+    if native:
+        assert kernels.decode_layer() is not None, "the decode_layer kernel did not build"
+        real = kernels.decode_layer
+        monkeypatch.setattr(kernels, "decode_layer", lambda: calls.append(1) or real())
+    else:
         for name in ("decode_layer", "moe_experts", "moe_train"):
             monkeypatch.setattr(kernels, name, lambda: None)
     g = torch.Generator().manual_seed(7)
@@ -111,6 +116,7 @@ def test_the_engines_incremental_decode_equals_transformers(pair, native, monkey
         with torch.no_grad():
             ref = token_logprobs(reference(ids).logits[:, :-1], ids[:, 1:])[0, len(prompt) - 1:]
         assert (ref - torch.tensor(result.logprobs)).abs().max() <= 1e-4
+    assert bool(calls) == native  # the decode steps ran the native kernel (q/k norm included) when asked
 
 
 def test_routing_replay_reproduces_the_engines_logprobs_on_qwen3_moe(pair):

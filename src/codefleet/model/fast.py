@@ -33,7 +33,7 @@ relative), which the parity tests bound (tests/test_model_*.py).
 - `blocks`: a decode step over the engine's slot cache (one new token per
   row, `inference_mode`, fp32 on CPU, the kernel built) runs each block's
   attention half as one native call (`decode_attention`: norm, fused q/k/v,
-  RoPE, the cache writes, the attention, the output projection, the residual,
+  q/k norm (Qwen3), RoPE, the cache writes, the attention, the output projection, the residual,
   the feed-forward's norm) instead of ~60 small ATen calls. To float
   rounding. Otherwise `Transformer.blocks` with `block` below.
 
@@ -227,8 +227,6 @@ def _native_decode(model, x_BTD: torch.Tensor, cache, routing_replay: list[torch
         return None
     if x_BTD.device.type != "cpu" or x_BTD.dtype != torch.float32 or cache.k.dtype != torch.float32:
         return None
-    if model.config.qk_norm:  # the kernel has no q/k norm (Qwen3): the Python path runs it
-        return None
     ops = kernels.decode_layer()
     if ops is None:
         return None
@@ -244,7 +242,7 @@ def _native_decode(model, x_BTD: torch.Tensor, cache, routing_replay: list[torch
         w_qkv = fused_weight(attn, (attn.wq.weight, attn.wk.weight, attn.wv.weight))
         x_BD, h_BD = decode_attention(x_BD, blk.attn_norm.weight, w_qkv, attn.wo.weight, blk.ffn_norm.weight, rope,
                                       cache.k, cache.v, attn.layer, slots_B, positions_B, attn.n_heads,
-                                      cfg.norm_eps)
+                                      cfg.norm_eps, *_qk_norms(attn))
         if blk.is_moe:
             out = moe(blk.ffn, h_BD, None if routing_replay is None else routing_replay[moe_i].reshape(B, cfg.top_k))
             ffn_BD = out.y_ND
@@ -255,6 +253,12 @@ def _native_decode(model, x_BTD: torch.Tensor, cache, routing_replay: list[torch
             ffn_BD = swiglu(blk.ffn, h_BD)
         x_BD = x_BD + ffn_BD
     return x_BD.view(B, 1, cfg.d_model)
+
+
+def _qk_norms(attn: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    if attn.q_norm is None:
+        return None, None
+    return attn.q_norm.weight, attn.k_norm.weight
 
 
 # ---- inference-only forms of weights -------------------------------------------------------------------------

@@ -131,7 +131,8 @@ def moe_experts():
 def decode_layer():
     """`(decode_attention, moe_route)` (csrc/decode_layer.cpp), or None:
     `decode_attention(x_BD, attn_norm, w_qkv, wo, ffn_norm, rope_table, k_cache, v_cache, layer, slots_B,
-    positions_B, n_heads, eps) -> (x_BD, h_BD)`, a block's attention half for one new token per row, and
+    positions_B, n_heads, eps, q_norm=None, k_norm=None) -> (x_BD, h_BD)`, a block's attention half for one new
+    token per row (with Qwen3's q/k norm when given), and
     `moe_route(h_ND, w_ED, bias_E, sigmoid, renorm, top_k) -> (experts_NK, weights_NK)`, the router without
     losses."""
     if not _load("decode_layer"):

@@ -11,10 +11,11 @@
 //
 // decode_attention(x [B, D], attn_norm [D], w_qkv [(H + 2 Hkv) Dh, D], wo [D, H Dh], ffn_norm [D],
 //                  rope [P, 2, 1, Dh], k_cache, v_cache [layers, slots, Hkv, max_len, Dh], layer,
-//                  slots [B], positions [B], n_heads, eps) -> (x2, h)
+//                  slots [B], positions [B], n_heads, eps, q_norm [Dh] or None, k_norm [Dh] or None) -> (x2, h)
 //
 // is one transformer block's attention half for one new token per row b at position positions[b] of cache
-// slot slots[b]: h0 = rms_norm(x) * attn_norm; q, k, v = h0 @ w_qkv^T; RoPE on q and k from the table
+// slot slots[b]: h0 = rms_norm(x) * attn_norm; q, k, v = h0 @ w_qkv^T; with q_norm and k_norm (Qwen3's q/k
+// norm) each query head rms_norm(q) * q_norm and each key head rms_norm(k) * k_norm; RoPE on q and k from the table
 // (`rope_table`: cos, and sin with the rotate-half sign folded in); k and v written to the cache; each
 // query head attends over positions 0..positions[b] of its kv head (head h uses kv head h / (H / Hkv));
 // x2 = x + attention @ wo^T; h = rms_norm(x2) * ffn_norm (the feed-forward's input).
@@ -81,7 +82,9 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& x, const a
                                                     const at::Tensor& ffn_norm, const at::Tensor& rope_tab,
                                                     const at::Tensor& k_cache, const at::Tensor& v_cache,
                                                     int64_t layer, const at::Tensor& slots,
-                                                    const at::Tensor& positions, int64_t n_heads, double eps) {
+                                                    const at::Tensor& positions, int64_t n_heads, double eps,
+                                                    const std::optional<at::Tensor>& q_norm,
+                                                    const std::optional<at::Tensor>& k_norm) {
   check_f32(x, "x");
   check_f32(attn_norm, "attn_norm");
   check_f32(w_qkv, "w_qkv");
@@ -106,6 +109,13 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& x, const a
               "decode_attention: shapes do not agree");
   TORCH_CHECK(0 <= layer && layer < n_layers, "decode_attention: layer ", layer, " outside the cache's ",
               n_layers);
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "decode_attention: q_norm and k_norm come together");
+  if (q_norm) {
+    check_f32(*q_norm, "q_norm");
+    check_f32(*k_norm, "k_norm");
+    TORCH_CHECK(q_norm->numel() == Dh && k_norm->numel() == Dh,
+                "decode_attention: q_norm and k_norm hold head_dim weights");
+  }
   const int64_t* slot_p = slots.data_ptr<int64_t>();
   const int64_t* pos_p = positions.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
@@ -135,6 +145,12 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& x, const a
     const float* cos = tab + pos * 2 * Dh;
     const float* sin = cos + Dh;
     float* row = qkv_p + b * width;
+    if (q_norm) {  // each head over its own Dh values, in place (rms_norm reads a head before it writes it)
+      for (int64_t head = 0; head < H; ++head)
+        rms_norm(row + head * Dh, q_norm->data_ptr<float>(), row + head * Dh, 1, Dh, eps_f);
+      for (int64_t head = H; head < H + Hkv; ++head)
+        rms_norm(row + head * Dh, k_norm->data_ptr<float>(), row + head * Dh, 1, Dh, eps_f);
+    }
     for (int64_t head = 0; head < H + Hkv; ++head) rope(row + head * Dh, cos, sin, Dh);
     std::copy(row, row + H * Dh, q_p + b * H * Dh);
     for (int64_t kv = 0; kv < Hkv; ++kv) {
@@ -220,7 +236,8 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& h, const at::Tens
 TORCH_LIBRARY_FRAGMENT(codefleet, m) {
   m.def(
       "decode_attention(Tensor x, Tensor attn_norm, Tensor w_qkv, Tensor wo, Tensor ffn_norm, Tensor rope, "
-      "Tensor(a!) k_cache, Tensor(b!) v_cache, int layer, Tensor slots, Tensor positions, int n_heads, float eps) "
+      "Tensor(a!) k_cache, Tensor(b!) v_cache, int layer, Tensor slots, Tensor positions, int n_heads, float eps, "
+      "Tensor? q_norm=None, Tensor? k_norm=None) "
       "-> (Tensor, Tensor)");
   m.def("moe_route(Tensor h, Tensor w, Tensor? bias, bool sigmoid, bool renorm, int top_k) -> (Tensor, Tensor)");
 }
