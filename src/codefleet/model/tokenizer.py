@@ -21,6 +21,16 @@ Design:
   `decode_bytes`), so decoding is exact, works on any id sequence (a stream
   cut mid-character decodes with U+FFFD in `decode`, exactly in
   `decode_bytes`), and needs no HF decoder quirks.
+- A Hugging Face checkpoint brings its own tokenizer: `Tokenizer.load(dir)`
+  on a directory with a `tokenizer_config.json` gives an `HFTokenizer`
+  (any byte-level BPE `tokenizer.json`: Qwen, Llama 3, ...). Its added
+  tokens are its special tokens, the same rules hold (plain text never
+  yields one, `allow_special=True` matches them all), and it keeps the
+  directory's tokenizer_config.json, chat_template.jinja and
+  generation_config.json, which `save` writes back, so the chat template
+  (`codefleet.model.chat_format`) travels with it. `fit(vocab_size)` sizes
+  it to a model whose embedding is larger (ids past its own decode to
+  nothing) and refuses one that is smaller.
 - Training is deterministic: the same texts in the same order give the same
   `tokenizer.json`, in any process (tests check it across hash seeds). The
   default tokenizer was trained once on codefleet's own corpus
@@ -45,6 +55,10 @@ from codefleet.model import chat
 DEFAULT_VOCAB_SIZE = 4096
 DEFAULT_MIN_FREQUENCY = 2
 TOKENIZER_FILE = "tokenizer.json"
+# what a Hugging Face checkpoint keeps beside tokenizer.json for its tokenizer and chat template
+HF_TOKENIZER_CONFIG, HF_CHAT_TEMPLATE, HF_GENERATION_CONFIG = (
+    "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+HF_FILES = (HF_TOKENIZER_CONFIG, HF_CHAT_TEMPLATE, HF_GENERATION_CONFIG, "special_tokens_map.json")
 META_FILE = "tokenizer.meta.json"
 ASSETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 
@@ -128,8 +142,11 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str) -> Tokenizer:
-        """From a directory holding tokenizer.json, or the file itself."""
+        """From a directory holding tokenizer.json, or the file itself. A directory that also holds a
+        tokenizer_config.json is a Hugging Face checkpoint's: its tokenizer is an HFTokenizer."""
         if os.path.isdir(path):
+            if cls is Tokenizer and os.path.isfile(os.path.join(path, HF_TOKENIZER_CONFIG)):
+                return HFTokenizer.load(path)
             path = os.path.join(path, TOKENIZER_FILE)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no tokenizer at {path}; save one with Tokenizer.save(dir) or use "
@@ -141,6 +158,11 @@ class Tokenizer:
     def encode(self, text: str, allow_special: bool = False) -> list[int]:
         """Token ids of `text`. Special-token strings in it are plain text unless `allow_special`."""
         return (self.hf if allow_special else self._plain).encode(text, add_special_tokens=False).ids
+
+    def encode_with_offsets(self, text: str, allow_special: bool = False) -> tuple[list[int], list[tuple[int, int]]]:
+        """`encode`, and each token's (start, end) character offsets in `text`."""
+        encoding = (self.hf if allow_special else self._plain).encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
 
     def encode_batch(self, texts: list[str], allow_special: bool = False) -> list[list[int]]:
         batch = (self.hf if allow_special else self._plain).encode_batch(texts, add_special_tokens=False)
@@ -178,6 +200,90 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size})"
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face checkpoint's own byte-level BPE tokenizer, with its tokenizer files (module docstring).
+
+    `special` maps every added token (special or not in tokenizer.json: Qwen's `<tool_call>` is not) to its
+    id; `files` holds the text of the checkpoint's other tokenizer files by name."""
+
+    chat_format = None  # its chat_format.TemplateFormat, once built (chat_format.of)
+
+    def __init__(self, hf: tokenizers.Tokenizer, files: dict[str, str] | None = None, source: str = ""):
+        self.source = source or "tokenizer.json"
+        data = json.loads(hf.to_str())
+        if (data.get("decoder") or {}).get("type") != "ByteLevel":
+            raise ValueError(f"{self.source} is not a byte-level BPE tokenizer (its decoder is "
+                             f"{(data.get('decoder') or {}).get('type')!r}); codefleet runs byte-level ones "
+                             "(Qwen, Llama 3 and the like)")
+        self.hf = hf
+        for token in data.get("added_tokens") or []:  # plain text matches none of them, special or not
+            token["special"] = True
+        self._plain = tokenizers.Tokenizer.from_str(json.dumps(data))
+        self._plain.encode_special_tokens = True
+        self.files = dict(files or {})
+        added = hf.get_added_tokens_decoder()
+        self.special = {token.content: i for i, token in sorted(added.items())}
+        self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
+        self.own_vocab_size = self.vocab_size  # ids from here on (fit) stand for no text
+        byte_of = _byte_decoder()
+        self._bytes = []
+        for i in range(self.vocab_size):
+            token = hf.id_to_token(i)
+            if i in added:
+                self._bytes.append(added[i].content.encode())
+            elif token is None:  # a hole in the vocabulary
+                self._bytes.append(b"")
+            else:
+                self._bytes.append(bytes(byte_of[c] for c in token if c in byte_of))
+        self.max_token_bytes = max(len(b) for b in self._bytes)
+
+    @classmethod
+    def load(cls, path: str) -> HFTokenizer:
+        """From a Hugging Face checkpoint directory (tokenizer.json and its other tokenizer files)."""
+        file = os.path.join(path, TOKENIZER_FILE)
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"no tokenizer at {file}; a Hugging Face checkpoint needs its tokenizer.json")
+        files = {}
+        for name in HF_FILES:
+            if os.path.isfile(os.path.join(path, name)):
+                with open(os.path.join(path, name), encoding="utf-8") as f:
+                    files[name] = f.read()
+        return cls(tokenizers.Tokenizer.from_file(file), files, source=file)
+
+    def save(self, directory: str) -> str:
+        """Write tokenizer.json and the other tokenizer files (chat template included); returns tokenizer.json's
+        path."""
+        path = super().save(directory)
+        for name, text in self.files.items():
+            with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
+                f.write(text)
+        return path
+
+    def config(self, name: str) -> dict:
+        """One of the JSON files kept (`HF_TOKENIZER_CONFIG`, `HF_GENERATION_CONFIG`), {} if absent."""
+        text = self.files.get(name)
+        if text is None:
+            return {}
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} beside {self.source} is not valid JSON ({e}); fix or remove it") from None
+        return value if isinstance(value, dict) else {}
+
+    def fit(self, vocab_size: int) -> HFTokenizer:
+        """Size the tokenizer to a model's embedding of `vocab_size` rows: refused if the tokenizer has more
+        tokens (the model could not read them); the ids past the tokenizer's own stand for no text."""
+        if self.own_vocab_size > vocab_size:
+            raise ValueError(f"{self.source} has {self.own_vocab_size} tokens but the model's embedding has "
+                             f"{vocab_size} rows; use the tokenizer the model was trained with")
+        self._bytes = self._bytes[: self.own_vocab_size] + [b""] * (vocab_size - self.own_vocab_size)
+        self.vocab_size = vocab_size
+        return self
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({self.source!r}, vocab_size={self.vocab_size})"
 
 
 # -- the default tokenizer -----------------------------------------------------------------
