@@ -151,11 +151,17 @@ def write_usage(path: str, **settings: str) -> None:
     os.replace(tmp, os.path.join(path, METADATA_FILE))
 
 
-def describe(path: str, tokenizer: Tokenizer, **settings: str) -> None:
+def describe(path: str, tokenizer: Tokenizer, text_from: str = "", **settings: str) -> None:
     """Make the checkpoint in `path` self-describing: its tokenizer beside the weights (tokenizer.json) and how
     its policy is used (`settings`, keys of USAGE_DEFAULTS) in metadata.json, next to its policy version. A copy
-    anywhere then loads, prompts and serves the same, with nothing read from the run that made it."""
-    tokenizer.save(path)
+    anywhere then loads, prompts and serves the same, with nothing read from the run that made it.
+    `text_from`: a Hugging Face directory the model comes from; its tokenizer, chat template and generation
+    config files are copied instead (`hf.copy_text_files`), so the checkpoint is a whole HF directory."""
+    os.makedirs(path, exist_ok=True)
+    if text_from and hf.is_hf_dir(text_from):
+        hf.copy_text_files(text_from, path)
+    else:
+        tokenizer.save(path)
     write_usage(path, **settings)
 
 

@@ -49,7 +49,11 @@ class TasksSection:
 
 @dataclass
 class ModelSection:
-    size: str = "tiny"  # the ModelConfig preset: "tiny" | "small" | "medium"
+    size: str = "tiny"  # the ModelConfig preset of a fresh model: "tiny" | "small" | "medium"
+    # start from this checkpoint instead of a fresh `size` model: a Hugging Face model directory (Qwen3,
+    # Qwen3-MoE, Llama; docs/models.md) or a codefleet checkpoint. Its tokenizer and chat template are used, and
+    # `size`, `seed`'s initialisation and `copy` are ignored
+    init: str = ""
     max_seq_len: int = 4096  # context per episode, prompt and every turn
     seed: int = 0  # initialisation and SFT's data order
     # "bare": the policy sees the task alone and learns the tools from the demonstrations (a policy trained on

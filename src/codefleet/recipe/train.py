@@ -97,6 +97,11 @@ def check_config(config: TrainRunConfig) -> None:
         (not t.train_dir or os.path.isdir(t.train_dir), f"tasks.train_dir {t.train_dir!r} is not a directory"),
         (not t.eval_dir or os.path.isdir(t.eval_dir), f"tasks.eval_dir {t.eval_dir!r} is not a directory"),
     ]
+    if config.model.init:  # its files checked now, not after the demonstrations
+        try:
+            checkpoint.check(config.model.init)
+        except (OSError, ValueError) as e:
+            problems.append((False, f"model.init: {e}"))
     bad = [message for ok, message in problems if not ok]
     if bad:
         raise RunError("invalid configuration: " + "; ".join(bad))
@@ -136,6 +141,9 @@ def make_tasks(run: RunDir, config: TrainRunConfig):
 
 
 def init_model(run: RunDir, config: TrainRunConfig, tokenizer) -> str:
+    """The checkpoint SFT starts from: `model.init` as it is, or a fresh `model.size` model written once."""
+    if config.model.init:
+        return config.model.init
     path = run.path("checkpoints", "init")
     if os.path.isfile(os.path.join(path, checkpoint.CONFIG_FILE)):
         return path
@@ -199,7 +207,7 @@ def sft(run: RunDir, config: TrainRunConfig, demos, init: str, metrics: Metrics,
                 log(f"sft epoch {epoch + 1}/{c.epochs} step {step}: loss {m.get('loss', m.get('ce', 0)):.3f} "
                      f"({time.perf_counter() - started:.0f} s)")
         group.save(path)
-        checkpoint.describe(path, tokenizer, **policy_usage(config))
+        checkpoint.describe(path, tokenizer, text_from=config.model.init, **policy_usage(config))
     finally:
         group.shutdown()
     atomic_write(run.path("sft.done"), b"")
@@ -373,6 +381,7 @@ def _train(run: RunDir, config: TrainRunConfig, progress: bool) -> dict:
     saved = run.path("config.yaml")
     t = config.tasks  # your task directories, absolute: a resume may start elsewhere
     t.train_dir, t.eval_dir = (os.path.abspath(d) if d else "" for d in (t.train_dir, t.eval_dir))
+    config.model.init = os.path.abspath(config.model.init) if config.model.init else ""
     atomic_write(saved, yaml.safe_dump(to_dict(config), sort_keys=False).encode())  # with a resume's changes
     started = time.perf_counter()
     phases = _Phases()

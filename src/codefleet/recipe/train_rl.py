@@ -45,7 +45,8 @@ def _rl_start(src: str, dst: str) -> str:
             state = torch.load(state_file, weights_only=True)
             torch.save({**state, "version": 0}, os.path.join(dst, TRAINER_FILE))
         has_own = os.path.isfile(os.path.join(src, TOKENIZER_FILE))
-        checkpoint.describe(dst, Tokenizer.load(src) if has_own else default_tokenizer(), **checkpoint.usage(src))
+        checkpoint.describe(dst, Tokenizer.load(src) if has_own else default_tokenizer(), text_from=src,
+                            **checkpoint.usage(src))
         checkpoint.save(checkpoint.load(src), dst)
     return dst
 
@@ -153,7 +154,8 @@ class RLTrainer:
                 m = dict(self.group.rl_step(samples))
                 saved = self.run.rl_checkpoint(self.group.version)
                 self.group.save(saved)
-                checkpoint.describe(saved, self.tokenizer, **policy_usage(self.config))  # before LATEST names it
+                # before LATEST names it
+                checkpoint.describe(saved, self.tokenizer, text_from=self.start, **policy_usage(self.config))
                 return m
             except TrainerWorkerError as e:
                 died = isinstance(e.__cause__, RayActorError)  # a worker that raised (a full disk) would again
