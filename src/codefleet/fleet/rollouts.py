@@ -29,7 +29,6 @@ group's retries move on by one worker per infrastructure failure.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,8 +43,8 @@ from codefleet.fleet.controller import AttemptResult
 from codefleet.fleet.inference import RemoteEngine, engine_state
 from codefleet.fleet.sandbox_fleet import SandboxFleet
 from codefleet.fleet.staleness import Rollout, Ticket
+from codefleet.model import chat_format
 from codefleet.model.checkpoint import load_config
-from codefleet.model.tokenizer import TOKENIZER_FILE, Tokenizer, default_tokenizer
 from codefleet.sandbox.base import SandboxConfig
 from codefleet.tasks.checks import TaskSetupError, prepare_sandbox
 from codefleet.types import Failure, Task
@@ -93,8 +92,7 @@ class RolloutWorker:
     def __init__(self, spec: RolloutSpec, engines: list):
         torch.set_num_threads(1)
         self.spec, self.engines = spec, engines
-        has_tok = os.path.isfile(os.path.join(spec.checkpoint, TOKENIZER_FILE))
-        self.tokenizer = Tokenizer.load(spec.checkpoint) if has_tok else default_tokenizer()
+        self.tokenizer, _ = chat_format.for_checkpoint(spec.checkpoint)  # and its chat template
         self.max_seq_len = spec.max_seq_len or load_config(spec.checkpoint).max_seq_len
         self._groups: dict[int, _Prepared] = {}
         self._lock = threading.Lock()

@@ -59,7 +59,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -70,12 +69,11 @@ from dataclasses import dataclass, field
 import torch
 
 from codefleet.contracts import ENGINES
-from codefleet.model import checkpoint
+from codefleet.model import chat_format, checkpoint
 from codefleet.model.cache import SlotKVCache
 from codefleet.model.grammar import ToolCallGrammar, TurnMatcher, constrained_sample
 from codefleet.model.prefix_cache import Parked, PrefixCache
 from codefleet.model.sampling import SamplingParams, sample_next
-from codefleet.model.tokenizer import TOKENIZER_FILE, Tokenizer, default_tokenizer
 
 log = logging.getLogger(__name__)
 GRAMMARS_KEPT = 16  # compiled tool-call grammars the engine keeps (one per distinct tool list)
@@ -625,16 +623,12 @@ def _settle(future: Future, result: Result | None = None, error: BaseException |
 
 
 def load_engine(checkpoint_dir: str, max_batch: int = 32, max_seq_len: int | None = None, **engine_options) -> Engine:
-    """An engine over a saved checkpoint; the tokenizer is the checkpoint's `tokenizer.json` if it has one,
-    else the default tokenizer."""
+    """An engine over a saved checkpoint; the tokenizer and chat format are the checkpoint's own
+    (`chat_format.for_checkpoint`: a Hugging Face directory's tokenizer.json and chat template, a codefleet
+    checkpoint's tokenizer.json, else the default tokenizer)."""
     model = checkpoint.load(checkpoint_dir)
-    if os.path.isfile(os.path.join(checkpoint_dir, TOKENIZER_FILE)):
-        tokenizer = Tokenizer.load(checkpoint_dir)
-    else:
-        tokenizer = default_tokenizer()
-    if tokenizer.vocab_size != model.config.vocab_size:  # larger: prompts fail; smaller: samples cannot decode
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary is "
-                         f"{model.config.vocab_size}; save the checkpoint with the tokenizer it was trained with")
+    tokenizer, _ = chat_format.for_checkpoint(checkpoint_dir)
+    chat_format.check_vocab(tokenizer, model.config.vocab_size)
     return Engine(model, tokenizer, max_batch=max_batch, max_seq_len=max_seq_len, **engine_options)
 
 

@@ -6,20 +6,24 @@ one, a call left unclosed, JSON that does not parse, arguments its tool does not
 docs/experiments/). Each costs a turn. With a grammar the engine never samples a token that would
 break the call being written.
 
-The grammar of one assistant turn, over the chat template's tokens (`chat.py`):
+The grammar of one assistant turn, over the tokens of the checkpoint's chat format
+(`chat_format.of(tokenizer)`: codefleet's `<|tool_call|>...<|/tool_call|>`, or a Hugging Face
+checkpoint's, e.g. Hermes's `<tool_call>...</tool_call>`; its call markers must be single tokens):
 
-    turn := text (CALL_OPEN ws call ws CALL_CLOSE text)* (END | EOS)
+    turn := text (CALL_OPEN ws call ws CALL_CLOSE text)* STOP
     call := {"name": NAME, "arguments": ARGS(NAME)}        ("name" first: the arguments depend on it)
 
 NAME is one of the request's tools; ARGS(NAME) is a JSON object that follows the tool's
 `parameters` schema: only its properties when `additionalProperties` is false, each at most once,
 every required one before the `}`, values of their declared `type` (string, with `enum` if given;
 integer; number; boolean; object; array) and any JSON value where the schema says nothing. Text
-never holds the bytes "<|" (the parser would read them as a marker; the template writes "<\\u007c"
-inside calls). `tool_choice="required"` allows END only after a call, `"none"` allows no call (and
+never spells a marker in bytes the parser would read as one (`ToolCallFormat.text_guard`: "<|" for
+codefleet, whose template writes "<\\u007c" inside calls; the call markers for Hermes), nor does a
+string inside a call (`string_guard`). Special tokens other than the markers and stops are refused,
+except the added tokens a checkpoint marks as text (`<think>`). `tool_choice="required"` allows END only after a call, `"none"` allows no call (and
 needs no tools). `calls_only` drops the text: the turn opens with a call at once and holds calls alone,
 
-    turn := (CALL_OPEN ws call ws CALL_CLOSE)+ (END | EOS)        (at most `max_calls` calls, 0: any)
+    turn := (CALL_OPEN ws call ws CALL_CLOSE)+ STOP        (at most `max_calls` calls, 0: any)
 
 which is how the server keeps OpenAI's promise for `tool_choice="required"` (one call or more) and
 a named function (`max_calls=1`, one call of the one tool offered) with any model, a random one
@@ -43,7 +47,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from codefleet.model.chat import CALL_CLOSE, CALL_OPEN, STOP
+from codefleet.model import chat_format
 from codefleet.model.sampling import TOOL_CHOICES
 
 MAX_REJECTIONS = 4  # single resamples before the full mask
@@ -109,21 +113,21 @@ class TurnMatcher:
     """Where one sequence stands in the turn grammar. `advance` moves it on by a sampled token;
     `allows` asks without moving (it works on a copy)."""
 
-    __slots__ = ("grammar", "in_call", "stack", "calls", "after_lt", "done", "ws_run")
+    __slots__ = ("grammar", "in_call", "stack", "calls", "tail", "done", "ws_run")
 
     def __init__(self, grammar: ToolCallGrammar):
         self.grammar = grammar
         self.in_call = False
         self.stack: list[list] = []  # frames of the call being written; empty and in_call: the call is complete
         self.calls = 0
-        self.after_lt = False  # the last text byte was "<"
+        self.tail = b""  # the text's end that could begin a guarded string (ToolCallFormat.text_guard)
         self.done = False
         self.ws_run = 0  # whitespace bytes in a row between a call's JSON tokens
 
     def copy(self) -> TurnMatcher:
         other = TurnMatcher.__new__(TurnMatcher)
         other.grammar, other.in_call, other.calls = self.grammar, self.in_call, self.calls
-        other.after_lt, other.done, other.ws_run = self.after_lt, self.done, self.ws_run
+        other.tail, other.done, other.ws_run = self.tail, self.done, self.ws_run
         other.stack = [list(frame) for frame in self.stack]
         return other
 
@@ -134,8 +138,11 @@ class TurnMatcher:
         if self.done:
             return False
         data = g.token_bytes[token]
-        if not self.in_call:  # text: no "<|" (the common case, without a copy); none at all with calls_only
-            return not (g.calls_only or (self.after_lt and data[:1] == b"|") or b"<|" in data)
+        if not self.in_call:  # text (the common case: no byte that may begin a guarded string; no copy)
+            if g.calls_only:
+                return False
+            if not self.tail and g.guard_bytes.isdisjoint(data):
+                return True
         return self.copy()._feed(data)
 
     def advance(self, token: int) -> None:
@@ -150,7 +157,7 @@ class TurnMatcher:
                 self.in_call, self.calls = False, self.calls + 1
             else:
                 self.done = True
-            self.after_lt = False
+            self.tail = b""
         elif self.done or not self._feed(g.token_bytes[token]):
             self.done = True
 
@@ -176,7 +183,7 @@ class TurnMatcher:
         """Everything the tokens allowed next depend on (schema nodes by identity: a grammar's are fixed)."""
         frames = tuple(tuple(id(x) if isinstance(x, tuple) else x for x in frame) for frame in self.stack)
         full = bool(self.grammar.max_calls) and self.calls >= self.grammar.max_calls
-        return (self.in_call, self.after_lt, self.calls > 0, full, self.done, self.ws_run, frames)
+        return (self.in_call, self.tail, self.calls > 0, full, self.done, self.ws_run, frames)
 
     def _compute_mask(self) -> torch.Tensor:
         g = self.grammar
@@ -210,9 +217,13 @@ class TurnMatcher:
     def _feed(self, data: bytes) -> bool:
         for byte in data:
             if not self.in_call:
-                if self.grammar.calls_only or (self.after_lt and byte == 0x7C):  # no text; "<|" reads as a marker
+                if self.grammar.calls_only:
                     return False
-                self.after_lt = byte == 0x3C
+                if self.tail or byte in self.grammar.guard_bytes:
+                    tail = _guarded(self.tail, byte, self.grammar.text_guard)
+                    if tail is None:  # the text would spell a marker
+                        return False
+                    self.tail = tail
             elif byte in _WS and (not self.stack or self.stack[-1][0] in ("value", "object", "array")):
                 self.ws_run += 1  # between tokens (the frames take it; a complete call takes it before its marker)
                 if self.ws_run > MAX_WS_RUN:
@@ -267,7 +278,7 @@ class TurnMatcher:
             kind = node[0]
         stack = self.stack
         if byte == 0x22 and kind in ("string", "any"):  # "
-            stack[-1] = ["string", node[1] if kind == "string" else None, b"", 0, False, False]
+            stack[-1] = ["string", node[1] if kind == "string" else None, b"", 0, b"", False]
         elif (byte == 0x2D or byte in _DIGITS) and kind in ("integer", "number", "any"):
             stack[-1] = ["number", kind == "integer", 0]
             return _number(stack[-1], byte) is True
@@ -285,7 +296,7 @@ class TurnMatcher:
         return True
 
     def _string(self, frame: list, byte: int) -> bool:
-        # frame: ["string", enum bytes or None, bytes so far (enum or key only), escape state, after "<", is a key]
+        # frame: ["string", enum bytes or None, bytes so far (enum or key only), escape state, guard tail, is a key]
         escape = frame[3]
         if escape == 1:
             if byte == 0x75:  # \u
@@ -306,9 +317,13 @@ class TurnMatcher:
                 return False
             self._finish(frame[2] if keep else None)
             return True
-        if byte < 0x20 or (frame[4] and byte == 0x7C):  # raw control characters; "<|"
+        if byte < 0x20:  # raw control characters
             return False
-        frame[4] = byte == 0x3C
+        if frame[4] or byte in self.grammar.guard_bytes:
+            tail = _guarded(frame[4], byte, self.grammar.string_guard)
+            if tail is None:  # would spell a marker
+                return False
+            frame[4] = tail
         if byte == 0x5C:  # a backslash (a key keeps its escapes as written)
             if enum is not None:
                 return False
@@ -334,7 +349,7 @@ class TurnMatcher:
             if enum == ():
                 return False
             frame[3] = "key"
-            self.stack.append(["string", enum, b"", 0, False, True])
+            self.stack.append(["string", enum, b"", 0, b"", True])
             return True
         if byte == 0x7D and (phase == "next" or (phase == "open" and not seen)):  # }
             if not required <= seen:
@@ -388,6 +403,18 @@ class TurnMatcher:
                 parent[3] = "next"
         elif parent[0] == "array":
             parent[2] = "next"
+
+
+def _guarded(tail: bytes, byte: int, guards: tuple[bytes, ...]) -> bytes | None:
+    """Text ending in `tail` (a start of some guarded string) followed by `byte`: None if it now ends with a
+    guarded string, else its longest end that still starts one."""
+    text = tail + bytes((byte,))
+    if any(text.endswith(g) for g in guards):
+        return None
+    for start in range(len(text)):
+        if any(g.startswith(text[start:]) for g in guards):
+            return text[start:]
+    return b""
 
 
 def _keys_left(node: tuple, seen: frozenset) -> tuple[bytes, ...] | None:
@@ -471,26 +498,43 @@ class ToolCallGrammar:
     vocab_size: int
     calls_only: bool = False  # the turn is tool calls alone, opening with one (module docstring)
     max_calls: int = 0  # most calls in the turn; 0: no limit
+    text_guard: tuple[bytes, ...] = (b"<|",)  # text never spells these (ToolCallFormat.text_guard)
+    string_guard: tuple[bytes, ...] = (b"<|",)  # nor does a string inside a call
+    guard_bytes: frozenset[int] = frozenset(b"<")  # the first bytes of the guarded strings
     masks: dict = field(default_factory=dict, compare=False)  # allowed_mask by state (TurnMatcher._state)
 
     @classmethod
     def build(cls, tokenizer, tools: list[dict], tool_choice: str = "auto", calls_only: bool = False,
-              max_calls: int = 0) -> ToolCallGrammar:
+              max_calls: int = 0, fmt=None) -> ToolCallGrammar:
+        """The grammar over `tokenizer`'s chat format (`fmt`, default `chat_format.of(tokenizer)`)."""
         if tool_choice not in TOOL_CHOICES:
             raise ValueError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}, got {tool_choice!r}")
         if calls_only and tool_choice == "none":
             raise ValueError("calls_only asks for tool calls, which tool_choice \"none\" forbids; use one or the other")
+        fmt = fmt or chat_format.of(tokenizer)
+        calls = fmt.tool_calls
+        markers = []
+        for marker in (calls.call_open, calls.call_close):
+            if marker not in tokenizer.special:
+                raise ValueError(f"constrained tool calls need the call marker {marker!r} to be one token of the "
+                                 "checkpoint's tokenizer; it is not, so serve and run it without a tool grammar")
+            markers.append(tokenizer.special_id(marker))
         vocab = len(tokenizer)
         token_bytes = [tokenizer.token_bytes(i) for i in range(vocab)]
-        special = frozenset(tokenizer.special.values())
+        text_tokens = getattr(tokenizer, "text_tokens", set()) - {calls.call_open, calls.call_close}
+        # template tokens, and ids that stand for no text, never belong in a turn's text
+        special = frozenset(i for t, i in tokenizer.special.items() if t not in text_tokens)
+        special |= frozenset(i for i, data in enumerate(token_bytes) if not data)
         by_first: dict[int, list[int]] = {}
         for token, data in enumerate(token_bytes):
             if token not in special and data:
                 by_first.setdefault(data[0], []).append(token)
-        stops = frozenset(tokenizer.special_id(s) for s in STOP)
+        stops = frozenset(fmt.stop_ids(tokenizer))
         call = None if tool_choice == "none" else call_node(tools)
-        return cls(call, tool_choice, token_bytes, special, tokenizer.special_id(CALL_OPEN),
-                   tokenizer.special_id(CALL_CLOSE), stops, by_first, vocab, calls_only, max_calls)
+        guards = (*calls.text_guard, *calls.string_guard)
+        return cls(call, tool_choice, token_bytes, special, markers[0], markers[1], stops, by_first, vocab,
+                   calls_only, max_calls, tuple(g.encode() for g in calls.text_guard),
+                   tuple(g.encode() for g in calls.string_guard), frozenset(g.encode()[0] for g in guards))
 
     def start(self) -> TurnMatcher:
         return TurnMatcher(self)

@@ -6,8 +6,9 @@
     GET  /v1/models             the one model served
     GET  /health                200 when up
 
-Each request renders its messages with the chat template (`chat.encode_chat`),
-is submitted to the engine (whose background thread batches all requests in
+Each request renders its messages with the checkpoint's chat format
+(`chat_format.of(tokenizer)`: codefleet's template, or a Hugging Face
+checkpoint's own chat template and tool-call format), is submitted to the engine (whose background thread batches all requests in
 flight into the same decode steps) and awaited without blocking the event
 loop. `tool_choice` "required" or a named function, a tool marked `"strict":
 true`, or a server started with `tool_grammar` constrain decoding so that
@@ -16,7 +17,7 @@ named function also make the turn tool calls alone: its first token opens a
 call (of the named function, and only one), so any model, a random one too,
 answers with a call rather than text until `max_tokens`. "none" offers no
 tools and the turn may not open a call. The completion is parsed with
-`chat.parse_tool_calls`: tool calls come back as OpenAI `tool_calls` with ids
+the format's tool-call parser (`tool_parsers`): tool calls come back as OpenAI `tool_calls` with ids
 unique to the response and `finish_reason: "tool_calls"`; otherwise "stop"
 (the turn ended) or "length" (max_tokens ran out). `logprobs` with
 `top_logprobs` (0 to 20) also returns the likeliest tokens at each step.
@@ -68,7 +69,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from codefleet.model import chat
+from codefleet.model import chat_format
 from codefleet.model.chat import check_prompt
 from codefleet.model.engine import Engine, Result
 from codefleet.model.grammar import call_node
@@ -121,10 +122,11 @@ def parse_request(body: object, engine: Engine, tokenizer, model_name: str, defa
     # OpenAI's "developer" role is the system prompt of newer models
     messages = [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
                 for m in messages]
+    fmt = chat_format.of(tokenizer)
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in chat.ROLE_TOKENS:
+        if not isinstance(m, dict) or m.get("role") not in fmt.roles:
             raise RequestError(f"messages[{i}] must be an object whose \"role\" is one of "
-                               f"{', '.join(chat.ROLE_TOKENS)} or developer", param=f"messages[{i}]",
+                               f"{', '.join(fmt.roles)} or developer", param=f"messages[{i}]",
                                code="invalid_value")
         content = m.get("content")
         if content is not None and not isinstance(content, str | list):
@@ -152,7 +154,7 @@ def parse_request(body: object, engine: Engine, tokenizer, model_name: str, defa
         top_p=float(_field(body, "top_p", body.get("top_p"), (int, float), 1.0)),
         top_k=_field(body, "top_k", body.get("top_k"), int, 0),
         seed=_field(body, "seed", body.get("seed"), int, None),
-        stop=[s for s in (stop or []) if s], stop_token_ids=chat.stop_ids(tokenizer), **grammar)
+        stop=[s for s in (stop or []) if s], stop_token_ids=fmt.stop_ids(tokenizer), **grammar)
     logprobs = bool(body.get("logprobs"))
     params.top_logprobs = _top_logprobs(body.get("top_logprobs"), logprobs)
     if params.temperature > 2:
@@ -173,12 +175,12 @@ def parse_request(body: object, engine: Engine, tokenizer, model_name: str, defa
             raise RequestError("this model was trained without system prompts and sees none; send the task as a "
                                "user message", param="messages", code="invalid_value")
     try:
-        least = _least_tokens(chat.pieces(shown, shown_tools), tokenizer)
+        least = fmt.least_tokens(tokenizer, shown, shown_tools)
         if least >= engine.max_seq_len:  # refused before tokenizing: its characters alone prove it too long
             raise RequestError(f"the messages are at least {least} tokens but this model's context is "
                                f"{engine.max_seq_len} tokens; shorten the messages", param="messages",
                                code="context_length_exceeded")
-        ids = chat.encode_chat(tokenizer, shown, shown_tools)
+        ids = fmt.encode_chat(tokenizer, shown, shown_tools)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise RequestError(f"the messages could not be rendered: {e}", param="messages", code="invalid_value") from None
     room = engine.max_seq_len - len(ids)
@@ -192,13 +194,6 @@ def parse_request(body: object, engine: Engine, tokenizer, model_name: str, defa
     params.max_tokens = min(params.max_tokens, room)
     return ChatRequest(ids, params, tools, bool(stream), bool(isinstance(stream_options, dict)
                                                            and stream_options.get("include_usage")), logprobs)
-
-
-def _least_tokens(pieces: list[chat.Piece], tokenizer) -> int:
-    """The fewest tokens the chat template's `pieces` can encode to, without encoding them: a special piece is
-    one token, a text piece at least its characters over the longest token's bytes."""
-    longest = tokenizer.max_token_bytes
-    return sum(1 if p.special else -(-len(p.text) // longest) for p in pieces)
 
 
 def _top_logprobs(value: object, logprobs: bool) -> int:
@@ -270,8 +265,8 @@ def build_completion(result: Result, request: ChatRequest, tokenizer, model_name
                      created: int) -> dict:
     """The chat.completion body for a finished engine result (tool calls parsed from its text)."""
     if request.tools:
-        parsed = chat.parse_tool_calls(result.text, id_prefix=f"call_{completion_id[-8:]}_")
-        content, calls = parsed.content, chat.openai_tool_calls(parsed.tool_calls)
+        parsed = chat_format.of(tokenizer).parse_tool_calls(result.text, id_prefix=f"call_{completion_id[-8:]}_")
+        content, calls = parsed.content, chat_format.openai_tool_calls(parsed.tool_calls)
     else:  # no tools offered: the turn is all content
         content, calls = result.text, []
     finish = result.finish_reason
@@ -402,6 +397,7 @@ class ChatServer:
             return f"data: {json.dumps(body)}\n\n".encode()
 
         stop_ids = set(req.params.stop_token_ids)
+        call_open = self.tokenizer.special.get(chat_format.of(self.tokenizer).tool_calls.call_open)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         held = False  # a tool call opened: hold the rest back until the turn is parsed
         sent = ""  # the content streamed so far
@@ -423,7 +419,7 @@ class ChatServer:
                     unsent.append(_token_logprob(self.tokenizer, tok, lp, top))
                 if held or tok in stop_ids:
                     continue
-                if tok == self.tokenizer.call_open_id and req.tools:
+                if tok == call_open and req.tools:
                     held = True
                     continue
                 piece = decoder.decode(self.tokenizer.token_bytes(tok))

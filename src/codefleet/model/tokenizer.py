@@ -225,6 +225,7 @@ class HFTokenizer(Tokenizer):
         self.files = dict(files or {})
         added = hf.get_added_tokens_decoder()
         self.special = {token.content: i for i, token in sorted(added.items())}
+        self.text_tokens = {token.content for token in added.values() if not token.special}  # <think>, ...
         self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
         self.own_vocab_size = self.vocab_size  # ids from here on (fit) stand for no text
         byte_of = _byte_decoder()

@@ -35,6 +35,8 @@ class ToolCallFormat:
     call_open: str
     call_close: str
     stops: tuple[str, ...] = ()
+    text_guard: tuple[str, ...] = ()  # strings the turn's text may not spell (the parser would read a marker)
+    string_guard: tuple[str, ...] = ()  # strings a JSON string inside a call may not spell
 
     def example(self) -> str:
         return f'write {self.call_open}{{"name": "read_file", "arguments": {{"path": "src/app.py"}}}}{self.call_close}'
@@ -45,12 +47,15 @@ class ToolCallFormat:
         return _parse(self, text, id_prefix)
 
     def with_stops(self, stops: tuple[str, ...]) -> ToolCallFormat:
-        return ToolCallFormat(self.name, self.call_open, self.call_close, tuple(stops))
+        return ToolCallFormat(self.name, self.call_open, self.call_close, tuple(stops), self.text_guard,
+                              self.string_guard)
 
 
 PARSERS: dict[str, ToolCallFormat] = {
-    "codefleet": ToolCallFormat("codefleet", chat.CALL_OPEN, chat.CALL_CLOSE, tuple(chat.STOP)),
-    "hermes": ToolCallFormat("hermes", "<tool_call>", "</tool_call>"),
+    # every codefleet marker starts with "<|"; its template writes "<\u007c" inside calls
+    "codefleet": ToolCallFormat("codefleet", chat.CALL_OPEN, chat.CALL_CLOSE, tuple(chat.STOP), ("<|",), ("<|",)),
+    "hermes": ToolCallFormat("hermes", "<tool_call>", "</tool_call>", (), ("<tool_call>", "</tool_call>"),
+                             ("</tool_call>",)),
 }
 
 

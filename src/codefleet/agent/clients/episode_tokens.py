@@ -7,17 +7,17 @@ never produced (and with logprobs that belong to other tokens). So the
 sequence grows like this:
 
     turn 0 prompt   = encode_chat(messages_0)                 (mask 0)
-    turn 0 output   = the sampled ids, `<|end|>` included       (mask 1, logprobs, versions)
-    turn 1 prompt   = everything above + encode(new pieces)     (tool results, corrections, the
-                                                                 next `<|assistant|>`; mask 0)
+    turn 0 output   = the sampled ids, the end token included   (mask 1, logprobs, versions)
+    turn 1 prompt   = everything above + continuation           (tool results, corrections, the
+                                                                 next generation prompt; mask 0)
     ...
 
-"new pieces" are the chat template's pieces of the messages appended since
-the last assistant message (`chat.pieces` of the whole conversation minus
-those of the prefix that ends with that assistant message); the assistant
-message itself is *not* re-rendered, its sampled ids stand for it. The
-engine is given exactly this sequence as each turn's prompt, so the
-trajectory's tokens are the tokens the model saw.
+The continuation is what the checkpoint's chat format (`chat_format.of(tokenizer)`) renders for the
+messages appended since the last assistant message (`ChatFormat.continuation`: codefleet's template
+pieces, or a Hugging Face template's text after the turn's end token); the assistant message itself
+is *not* re-rendered, its sampled ids stand for it. The engine is given exactly this sequence as each
+turn's prompt, so the trajectory's tokens are the tokens the model saw, also where the template would
+render an earlier turn differently (e.g. without its reasoning; `chat_format`'s docstring).
 
 Routing for replay (R3): a generated token keeps the experts it was routed
 to when the engine processed it; a prompt token keeps the routing of the
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from codefleet.model import chat
+from codefleet.model import chat_format
 from codefleet.types import TokenSequence
 
 
@@ -51,21 +51,18 @@ class EpisodeTokens:
     def prompt(self, tokenizer, messages: list[dict], tools: list[dict]) -> list[int]:
         """The ids to send for the next turn: the exact sequence so far plus the new messages' pieces."""
 
+        fmt = chat_format.of(tokenizer)
         if not self.ids:
-            return chat.encode_chat(tokenizer, messages, tools)
+            return fmt.encode_chat(tokenizer, messages, tools)
         if len(messages) <= self.n_messages or messages[self.n_messages - 1].get("role") != "assistant":
             raise SequenceBroken(f"the conversation has {len(messages)} messages, expected more than "
                                  f"{self.n_messages} ending the last turn with the assistant's message")
-        done = len(chat.pieces(messages[: self.n_messages], tools, add_generation_prompt=False))
-        new: list[int] = []
-        for piece in chat.pieces(messages, tools, add_generation_prompt=True)[done:]:
-            new += [tokenizer.special_id(piece.text)] if piece.special else tokenizer.encode(piece.text)
-        return self.ids + new
+        return self.ids + fmt.continuation(tokenizer, messages, self.n_messages, tools)
 
     def add_turn(self, prompt: list[int], result, n_messages: int, end_id: int) -> None:
         """Record a finished turn: `prompt` as sent, the engine's Result, the conversation length after
-        the assistant's message is appended. A turn cut by max_tokens gets the template's `<|end|>`
-        appended (mask 0: the policy did not sample it)."""
+        the assistant's message is appended. A turn cut by max_tokens gets the template's end token
+        (`end_id`) appended (mask 0: the policy did not sample it)."""
         n_old = len(self.ids)
         if prompt[:n_old] != self.ids:
             raise SequenceBroken("the prompt does not extend the episode's token sequence")

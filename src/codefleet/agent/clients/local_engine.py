@@ -3,13 +3,14 @@
     policy = LocalEnginePolicy("runs/ckpt")            # or build_policy("local:runs/ckpt")
     policy = LocalEnginePolicy(engine=engine)           # share a running engine (RL workers)
 
-Token-in, token-out: the messages are rendered with the chat template
-(`chat.encode_chat`), the engine generates, and the turn comes back with the
-exact sampled token ids (the closing `<|end|>` included), the model's logprob
+Token-in, token-out: the messages are rendered with the checkpoint's chat
+format (`chat_format.of(tokenizer)`: codefleet's template, or a Hugging Face
+checkpoint's own), the engine generates, and the turn comes back with the
+exact sampled token ids (the turn's end token included), the model's logprob
 of each, the policy version that sampled each and the routed experts of each
 (`routed_experts[i]` is token i's experts, layer-major: the `top_k` experts of
 MoE layer 0, then layer 1, ...). The text is parsed with
-`chat.parse_tool_calls`; a malformed tool-call block becomes a ToolCall with
+the format's tool-call parser (`tool_parsers`); a malformed tool-call block becomes a ToolCall with
 its `error` set, so the loop tells the model what was wrong instead of ending
 the episode.
 
@@ -35,7 +36,7 @@ from dataclasses import replace
 from codefleet.agent.clients.episode_tokens import EpisodeTokens, SequenceBroken, flat
 from codefleet.agent.policy import PolicyError, parse_tool_call
 from codefleet.agent.tools import tool_schemas
-from codefleet.model import chat
+from codefleet.model import chat_format
 from codefleet.model.engine import load_engine
 from codefleet.model.sampling import SamplingParams
 from codefleet.types import PolicyOutput, ToolCall
@@ -64,9 +65,9 @@ class LocalEnginePolicy:
         if self.tokenizer is None:
             raise ValueError("the engine has no tokenizer; pass tokenizer= (codefleet.model.tokenizer)")
         self.name = name or (f"local:{checkpoint}" if checkpoint else "local")
-        self._chat = chat
+        self._chat = chat_format.of(self.tokenizer)
         self.params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                     stop_token_ids=chat.stop_ids(self.tokenizer), tool_choice=tool_choice)
+                                     stop_token_ids=self._chat.stop_ids(self.tokenizer), tool_choice=tool_choice)
         self.tool_grammar = tool_grammar
         self.params.validate()
         self._seeds = itertools.count(seed) if seed is not None else None
@@ -86,7 +87,6 @@ class LocalEnginePolicy:
     def turn(self, prompt: list[int], tools: list[dict] | None = None):
         """Generate one assistant turn for the token ids `prompt` (`tools`: what its calls may call, for the
         tool grammar): the engine's Result and the PolicyOutput."""
-        chat = self._chat
         room = self.engine.max_seq_len - len(prompt)
         if room < 1:
             raise PolicyError(f"the conversation has {len(prompt)} tokens, over the local model's context of "
@@ -99,7 +99,7 @@ class LocalEnginePolicy:
         except Exception as e:
             raise PolicyError(f"the local engine failed to generate: {type(e).__name__}: {e}") from e
         turn = next(self._turns)
-        parsed = chat.parse_tool_calls(result.text, id_prefix=f"call_{turn}_")
+        parsed = self._chat.parse_tool_calls(result.text, id_prefix=f"call_{turn}_")
         calls = [parse_tool_call(c["id"], c["name"], c["arguments_json"]) for c in parsed.tool_calls]
         calls += [ToolCall(f"call_{turn}_bad{i}", "", "", error=msg) for i, msg in enumerate(parsed.errors)]
         finish = result.finish_reason
