@@ -51,10 +51,11 @@ import re
 from datetime import datetime
 from typing import Protocol
 
-from codefleet.model import chat
+from codefleet.model import chat, hf
 from codefleet.model.chat import ParsedTurn
 from codefleet.model.tokenizer import (
     HF_CHAT_TEMPLATE,
+    HF_CHAT_TEMPLATE_JSON,
     HF_GENERATION_CONFIG,
     HF_TOKENIZER_CONFIG,
     TOKENIZER_FILE,
@@ -265,6 +266,8 @@ class TemplateFormat:
         raw = config.get("chat_template")
         if raw is None and HF_CHAT_TEMPLATE in tokenizer.files:
             raw = tokenizer.files[HF_CHAT_TEMPLATE]
+        if raw is None and HF_CHAT_TEMPLATE_JSON in tokenizer.files:
+            raw = tokenizer.config(HF_CHAT_TEMPLATE_JSON).get("chat_template")
         if isinstance(raw, list):  # named templates
             raw = {t.get("name"): t.get("template") for t in raw if isinstance(t, dict)}
         if isinstance(raw, str):
@@ -395,8 +398,10 @@ class TemplateFormat:
 
 
 def is_hf(path: str) -> bool:
-    """Whether the directory `path` holds a Hugging Face tokenizer and chat template (not codefleet's)."""
-    return any(os.path.isfile(os.path.join(path, f)) for f in (HF_TOKENIZER_CONFIG, HF_CHAT_TEMPLATE))
+    """Whether the directory `path` is a Hugging Face checkpoint (its config.json, or a tokenizer_config.json or
+    chat template beside its tokenizer), whose own tokenizer and chat template are used."""
+    return hf.is_hf_dir(path) or any(os.path.isfile(os.path.join(path, f))
+                                     for f in (HF_TOKENIZER_CONFIG, HF_CHAT_TEMPLATE, HF_CHAT_TEMPLATE_JSON))
 
 
 def of(tokenizer, tool_parser: str | None = None) -> ChatFormat:

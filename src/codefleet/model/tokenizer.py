@@ -56,9 +56,10 @@ DEFAULT_VOCAB_SIZE = 4096
 DEFAULT_MIN_FREQUENCY = 2
 TOKENIZER_FILE = "tokenizer.json"
 # what a Hugging Face checkpoint keeps beside tokenizer.json for its tokenizer and chat template
-HF_TOKENIZER_CONFIG, HF_CHAT_TEMPLATE, HF_GENERATION_CONFIG = (
-    "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
-HF_FILES = (HF_TOKENIZER_CONFIG, HF_CHAT_TEMPLATE, HF_GENERATION_CONFIG, "special_tokens_map.json")
+HF_TOKENIZER_CONFIG, HF_CHAT_TEMPLATE, HF_CHAT_TEMPLATE_JSON, HF_GENERATION_CONFIG = (
+    "tokenizer_config.json", "chat_template.jinja", "chat_template.json", "generation_config.json")
+HF_FILES = (HF_TOKENIZER_CONFIG, HF_CHAT_TEMPLATE, HF_CHAT_TEMPLATE_JSON, HF_GENERATION_CONFIG,
+            "special_tokens_map.json")
 META_FILE = "tokenizer.meta.json"
 ASSETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 
@@ -145,7 +146,7 @@ class Tokenizer:
         """From a directory holding tokenizer.json, or the file itself. A directory that also holds a
         tokenizer_config.json is a Hugging Face checkpoint's: its tokenizer is an HFTokenizer."""
         if os.path.isdir(path):
-            if cls is Tokenizer and os.path.isfile(os.path.join(path, HF_TOKENIZER_CONFIG)):
+            if cls is Tokenizer and any(os.path.isfile(os.path.join(path, f)) for f in HF_FILES[:3]):
                 return HFTokenizer.load(path)
             path = os.path.join(path, TOKENIZER_FILE)
         if not os.path.isfile(path):
@@ -263,7 +264,7 @@ class HFTokenizer(Tokenizer):
         return path
 
     def config(self, name: str) -> dict:
-        """One of the JSON files kept (`HF_TOKENIZER_CONFIG`, `HF_GENERATION_CONFIG`), {} if absent."""
+        """One of the JSON files kept (`HF_TOKENIZER_CONFIG`, `HF_GENERATION_CONFIG`, ...), {} if absent."""
         text = self.files.get(name)
         if text is None:
             return {}

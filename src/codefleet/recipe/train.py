@@ -39,7 +39,7 @@ from codefleet.config import ConfigError, load_config, to_dict
 from codefleet.contracts import ENGINES
 from codefleet.fleet.ray_init import init_ray
 from codefleet.fleet.trainer_group import TrainerGroup
-from codefleet.model import checkpoint, kernels
+from codefleet.model import chat_format, checkpoint, kernels
 from codefleet.model.chat import PROMPTS
 from codefleet.model.config import ModelConfig
 from codefleet.model.tokenizer import default_tokenizer
@@ -386,7 +386,8 @@ def _train(run: RunDir, config: TrainRunConfig, progress: bool) -> dict:
     started = time.perf_counter()
     phases = _Phases()
     _log_kernels()
-    tokenizer = default_tokenizer()
+    # the start checkpoint's tokenizer and chat template (model.chat_format), else codefleet's
+    tokenizer = chat_format.for_checkpoint(config.model.init)[0] if config.model.init else default_tokenizer()
     train_tasks, rl_tasks, eval_tasks = make_tasks(run, config)
     init = init_model(run, config, tokenizer)
     phases.done("set-up")

@@ -20,7 +20,7 @@ from codefleet.fleet.rollouts import AgentGroupRunner, RolloutSpec, start_worker
 from codefleet.fleet.sandbox_fleet import SandboxFleet
 from codefleet.fleet.staleness import Group
 from codefleet.fleet.trainer_group import TrainerGroup, TrainerWorkerError
-from codefleet.model import checkpoint
+from codefleet.model import chat_format, checkpoint
 from codefleet.model.tokenizer import TOKENIZER_FILE, Tokenizer, default_tokenizer
 from codefleet.recipe.config import TrainRunConfig, episode_config, policy_usage
 from codefleet.recipe.curriculum import TaskSampler
@@ -99,7 +99,8 @@ class RLTrainer:
                  sampler=None, new_group=None, start: str | None = None):
         self.group, self.engines, self.run, self.metrics = group, engines, run, metrics
         self.new_group, self.start = new_group, start
-        self.tokenizer = default_tokenizer()  # written into every checkpoint beside the weights
+        # written into every checkpoint beside the weights: the start checkpoint's own (model.chat_format)
+        self.tokenizer = chat_format.for_checkpoint(start)[0] if start else default_tokenizer()
         self.config, self.progress = config, progress
         self.controller = None  # set once the controller exists (its buffer state goes into checkpoints)
         self.sampler = sampler  # the task sampler (recipe.curriculum): its per-family success estimates go into the metrics
