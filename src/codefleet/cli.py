@@ -39,6 +39,8 @@ COMMANDS = {
     "analyze": ("codefleet.analysis.cli", "analyse a run's rollouts with Ray Data: summary.json, judgments.parquet, "
                 "report.html"),
     "tasks": ("codefleet.tasks.cli", "coding task sets: generate, check, import"),
+    "export": ("codefleet.model.export_cli", "write a checkpoint as a Hugging Face model directory (transformers, "
+               "vLLM)"),
 }
 
 
@@ -95,6 +97,8 @@ def _bench(args: argparse.Namespace) -> int:
     run_cli = importlib.import_module(_BENCHES[args.what]).run_cli
     if args.what == "sandbox":
         return run_cli(quick=args.quick, as_json=args.json, backend=args.backend)
+    if args.what == "engine":
+        return run_cli(quick=args.quick, as_json=args.json, checkpoint_dir=args.checkpoint)
     return run_cli(quick=args.quick, as_json=args.json)
 
 
@@ -128,6 +132,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print only the JSON object")
     bench.add_argument("--backend", choices=["auto", "namespace", "local"], default="auto",
                        help="sandbox backend (bench sandbox only)")
+    bench.add_argument("--checkpoint", metavar="DIR", default=None,
+                       help="Hugging Face model directory that codefleet's engine and transformers' generate() "
+                       "both run (bench engine only; default: a tiny random Qwen3-MoE built with transformers)")
     bench.set_defaults(func=_bench)
 
     chosen = next((a for a in argv if not a.startswith("-")), None)
