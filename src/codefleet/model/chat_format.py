@@ -291,7 +291,8 @@ class TemplateFormat:
         candidates = [c for c in dict.fromkeys(candidates) if c in tokenizer.special]
         fmt = cls(raw, kwargs, candidates, list(tokenizer.special), choose("\n".join(raw.values()), tool_parser),
                   where)
-        fmt.stops = [fmt._turn_end(candidates)] + [c for c in candidates if c != fmt._turn_end(candidates)]
+        end = fmt._turn_end(candidates)
+        fmt.stops = [end] + [c for c in candidates if c != end]
         fmt.tool_calls = fmt.tool_calls.with_stops(tuple(fmt.stops))
         return fmt
 
