@@ -1,5 +1,6 @@
 """Token-in, token-out across turns: the episode's sequence is what the engine saw and sampled, and the
-trainer's logprobs over it equal the engine's."""
+trainer's logprobs over it equal the engine's (with and without routing replay), on codefleet's own MoE and on a
+Qwen3-MoE Hugging Face checkpoint."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from codefleet.agent.clients import LocalEnginePolicy
 from codefleet.agent.clients.episode_tokens import EpisodeTokens
 from codefleet.agent.policy import PolicyError
 from codefleet.agent.tools import tool_schemas
+from codefleet.bench.tiny_hf import make_tiny_hf
 from codefleet.model import chat
 from codefleet.model.config import ModelConfig
-from codefleet.model.engine import Engine
+from codefleet.model.engine import Engine, load_engine
 from codefleet.model.tokenizer import default_tokenizer
 from codefleet.model.transformer import Transformer
 from codefleet.rl.logprobs import forward_logprobs, routing_replay_tensors
@@ -67,7 +69,18 @@ def test_each_prompt_extends_the_exact_sampled_sequence(engine):
     assert all((v >= 0) == bool(m) for v, m in zip(tokens.versions, tokens.mask))
 
 
-def test_trainer_logprobs_over_the_episode_equal_the_engines(engine):
+@pytest.fixture(scope="module")
+def qwen3_moe_engine(tmp_path_factory):
+    """A tiny random Qwen3-MoE Hugging Face checkpoint on the engine, with its own tokenizer and template."""
+    e = load_engine(make_tiny_hf(str(tmp_path_factory.mktemp("qwen3-moe")), arch="qwen3_moe"), max_batch=4,
+                    max_seq_len=2048)
+    yield e
+    e.close()
+
+
+@pytest.mark.parametrize("which", ["engine", "qwen3_moe_engine"])
+def test_trainer_logprobs_over_the_episode_equal_the_engines(which, request):
+    engine = request.getfixturevalue(which)
     policy = LocalEnginePolicy(engine=engine, max_tokens=10, temperature=1.0, seed=5).for_episode()
     _three_turns(policy)
     t: EpisodeTokens = policy.tokens
