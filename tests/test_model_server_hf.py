@@ -136,3 +136,28 @@ def test_a_checkpoint_without_a_chat_template_is_refused_with_what_to_do(hf_dir,
                          check=False, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "tokenizer_config.json has no \"chat_template\"" in out.stderr and "chat_template.jinja" in out.stderr
+
+
+def test_the_local_policy_keeps_the_exact_tokens_across_turns_of_a_hugging_face_model(served):
+    from codefleet.agent.clients.local_engine import LocalEnginePolicy
+
+    _, engine = served
+    tok = engine.tokenizer
+    fmt = chat_format.of(tok)
+    end = fmt.stop_ids(tok)[0]
+    episode = LocalEnginePolicy(engine=engine, max_tokens=12, seed=0).for_episode()
+    messages = [{"role": "system", "content": "You are a coding agent."}, *USER]
+    first = episode.generate(messages, [])
+    n_prompt = len(fmt.encode_chat(tok, messages, []))
+    after_first = list(episode.tokens.ids)
+    assert after_first[:n_prompt] == fmt.encode_chat(tok, messages, [])
+    assert after_first[n_prompt:n_prompt + len(first.token_ids)] == first.token_ids and after_first[-1] == end
+    messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "go on <|im_end|>"}]
+    second = episode.generate(messages, [])
+    ids = episode.tokens.ids
+    assert ids[:len(after_first)] == after_first  # turn 2's prompt extends exactly what turn 1 sampled
+    added = ids[len(after_first):second.prompt_tokens]  # the engine's turn-2 prompt is the sequence up to here
+    assert ids[second.prompt_tokens:second.prompt_tokens + len(second.token_ids)] == second.token_ids
+    assert tok.decode(added) == "\n<|im_start|>user\ngo on <|im_end|><|im_end|>\n<|im_start|>assistant\n"
+    assert added.count(end) == 1  # the user's "<|im_end|>" is plain text
+    assert episode.tokens.mask.count(1) == len(first.token_ids) + len(second.token_ids)

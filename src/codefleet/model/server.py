@@ -137,6 +137,11 @@ def parse_request(body: object, engine: Engine, tokenizer, model_name: str, defa
         raise RequestError("\"tools\" must be an array of {\"type\": \"function\", \"function\": {...}} objects",
                            param="tools", code="invalid_type")
     tools, grammar = _tool_choice(body.get("tool_choice"), tools, tool_grammar)
+    markers = (fmt.tool_calls.call_open, fmt.tool_calls.call_close)
+    if grammar and not all(m in tokenizer.special for m in markers):
+        raise RequestError(f"this model's tool-call markers {markers} are not single tokens, so its tool calls "
+                           "cannot be constrained; send tool_choice \"auto\" and tools not marked strict",
+                           param="tool_choice", code="invalid_value")
     n = body.get("n")
     if n is not None and (isinstance(n, bool) or n != 1):
         raise RequestError("only n=1 is supported; send several requests for several completions", param="n",
