@@ -1,8 +1,14 @@
-"""`codefleet bench engine`: generated tokens/s of the engine, next to HF `generate()`.
+"""`codefleet bench engine [--checkpoint DIR]`: generated tokens/s of codefleet's engine, next to HF
+`generate()`, on the same Hugging Face checkpoint in the same run, and what loading it costs.
 
-The tiny config (`ModelConfig.tiny()`) with random weights, greedy decoding,
-no stop tokens (every request generates exactly `new_tokens`), prompts of a
-fixed length, `threads` torch threads. Figures count generated tokens over
+Both sides run one checkpoint: codefleet loads it with `checkpoint.load(DIR)` into its own transformer, HF
+with `AutoModelForCausalLM.from_pretrained(DIR)` (in the checkpoint's dtype). Without `--checkpoint` the bench
+first builds a tiny random Qwen3-MoE with transformers into a temporary directory (`build_tiny_qwen3_moe`: the
+shapes of `ModelConfig.tiny()` (layers, hidden size, heads, kv heads, head dim, experts, top-k, expert hidden
+size, vocabulary) with Qwen3-MoE's q/k norm, fp32) and runs exactly the `--checkpoint` path on it.
+
+Greedy decoding, no stop tokens (every request generates exactly `new_tokens`), prompts of random token ids
+below the vocabulary size, of a fixed length, `threads` torch threads. Figures count generated tokens over
 the whole call, prefill included:
 
 - `engine_tokens_per_s_b1`: one request at a time.
@@ -10,14 +16,16 @@ the whole call, prefill included:
   batching, routed experts recorded as RL needs them).
 - `native_kernel`: whether the engine ran the native MoE decode kernel
   (model/kernels.py; false without a C++ compiler: the PyTorch path, slower).
-- `hf_tokens_per_s_b1|b32`: HF transformers' `generate()` on a
-  `Qwen3MoeForCausalLM` with the same shapes (layers, hidden size, heads, kv
-  heads, head dim, experts, top-k, expert hidden size, vocabulary), random
-  weights, the same prompts, at its best setting: every expert implementation
-  (`grouped_mm`, `eager`, `batched_mm`) with its dynamic and its static KV cache
-  is probed twice on a short batch-32 run, and the two fastest are timed in
-  full (`hf_setting_b1|b32` names the one that won, `hf_probe_tokens_per_s` has
-  the probes).
+- `hf_tokens_per_s_b1|b32`: HF transformers' `generate()` on the same checkpoint and prompts, at its best
+  setting: every expert implementation (`grouped_mm`, `eager`, `batched_mm`) with its dynamic and its static
+  KV cache is probed twice on a short batch-32 run, and the two fastest are timed in full
+  (`hf_setting_b1|b32` names the one that won, `hf_probe_tokens_per_s` has the probes).
+- `load_s`, `load_peak_rss_mb`: wall time of `checkpoint.load(DIR)` and the peak RSS it adds above the
+  process's own, both measured in a fresh Python process (its peak RSS reset after the imports, read after the
+  load), so this process's history (transformers, the HF model) hides nothing. It is a process's first load, as
+  a `codefleet` command pays it: one-time costs the load triggers (lazy imports) are in it. `checkpoint_mb` is
+  the size of the safetensors files on disk, `load_rss_over_size` the ratio of the two (1.0: every byte read
+  once, in place).
 
 Agent episodes are multi-turn: each turn's prompt is the last prompt + the
 sampled tokens + a tool output. `multiturn_*` runs 8 such episodes at once
@@ -41,40 +49,101 @@ the absolute numbers on a shared machine.
 
 from __future__ import annotations
 
+import glob
+import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
 
 from codefleet.bench.report import report
-from codefleet.model import kernels
+from codefleet.model import checkpoint, hf, kernels
 from codefleet.model.config import ModelConfig
 from codefleet.model.engine import Engine
 from codefleet.model.sampling import SamplingParams
-from codefleet.model.transformer import Transformer
+
+BUILT = "tiny-qwen3-moe (built)"
 
 
-def hf_peer(config: ModelConfig):
-    """A random-weight Qwen3MoeForCausalLM with the tiny config's shapes (None when transformers is missing)."""
-    try:
-        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # optional: the `bench` extra (pyproject.toml)
-    except ImportError:
-        return None
-    head_dim = getattr(config, "head_dim", None) or config.d_model // config.n_heads
+def build_tiny_qwen3_moe(path: str, **shapes) -> str:
+    """A random Qwen3-MoE with `ModelConfig.tiny()`'s shapes (or those `shapes` override: ModelConfig field
+    names), fp32, saved by transformers into `path` as a Hugging Face directory; returns `path`."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig  # optional: the `bench` extra (pyproject.toml)
+
+    config = ModelConfig.tiny(**shapes)
     hf_config = Qwen3MoeConfig(
         vocab_size=config.vocab_size, hidden_size=config.d_model, num_hidden_layers=config.n_layers,
-        num_attention_heads=config.n_heads, num_key_value_heads=config.n_kv_heads, head_dim=head_dim,
+        num_attention_heads=config.n_heads, num_key_value_heads=config.n_kv_heads, head_dim=config.head_dim,
         num_experts=config.n_experts, num_experts_per_tok=config.top_k, moe_intermediate_size=config.d_expert,
         intermediate_size=config.d_expert, decoder_sparse_step=1, norm_topk_prob=True,
         max_position_embeddings=config.max_seq_len, tie_word_embeddings=False, pad_token_id=0)
     torch.manual_seed(0)
-    return Qwen3MoeForCausalLM(hf_config).eval()
+    AutoModelForCausalLM.from_config(hf_config).eval().save_pretrained(path)  # fp32: torch's default dtype
+    return path
+
+
+def hf_peer(path: str, dtype: torch.dtype):
+    """The checkpoint in `path` as transformers loads it, in `dtype` (the one codefleet loaded it in), or None
+    when transformers is missing."""
+    try:
+        import transformers  # optional: the `bench` extra (pyproject.toml)
+    except ImportError:
+        return None
+    key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"  # renamed in 5
+    return transformers.AutoModelForCausalLM.from_pretrained(path, **{key: dtype}).eval()
+
+
+# Linux carries a parent's peak RSS across exec into the child's `ru_maxrss`, so a process started by this one
+# would start from this one's peak: the probe reads its own memory's peak (VmHWM), reset to its RSS once its
+# imports are done (clear_refs 5); `ru_maxrss` (KB on Linux) only where /proc is missing.
+_LOAD_PROBE = """
+import json, resource, sys, time
+import torch
+torch.set_num_threads(int(sys.argv[2]))
+from codefleet.model import checkpoint
+
+def peak_kb():
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+try:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+except OSError:
+    pass
+before_kb = peak_kb()
+started = time.perf_counter()
+model = checkpoint.load(sys.argv[1])
+load_s = time.perf_counter() - started
+after_kb = peak_kb()
+print(json.dumps({"load_s": load_s, "load_peak_rss_mb": (after_kb - before_kb) / 1024}))
+"""
+
+
+def load_cost(path: str, threads: int) -> dict:
+    """`load_s`, `load_peak_rss_mb` of `checkpoint.load(path)` in a fresh Python process, and the checkpoint's
+    size on disk (`checkpoint_mb`, its safetensors files) with `load_rss_over_size`."""
+    proc = subprocess.run([sys.executable, "-c", _LOAD_PROBE, path, str(threads)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines() or ["no output"]
+        raise RuntimeError(f"loading {path} in a fresh process failed: {lines[-1]}")
+    probe = json.loads(proc.stdout.strip().splitlines()[-1])
+    size_mb = sum(os.path.getsize(f) for f in glob.glob(os.path.join(path, "*.safetensors"))) / 2**20
+    return {"load_s": round(probe["load_s"], 3), "load_peak_rss_mb": round(probe["load_peak_rss_mb"], 1),
+            "checkpoint_mb": round(size_mb, 1),
+            "load_rss_over_size": round(probe["load_peak_rss_mb"] / size_mb, 2) if size_mb else None}
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(16, vocab, (n, length), generator=g).tolist()  # ids 0..15 are special tokens
+    return torch.randint(16, vocab, (n, length), generator=g).tolist()  # below 16: codefleet tokenizers' specials
 
 
 def _engine_rate(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, int]:
@@ -170,36 +239,57 @@ def _hf_best_settings(model, prompts: list[list[int]], probe_tokens: int, log) -
     return dict(sorted(probes.items(), key=lambda kv: -kv[1]))
 
 
-def run(quick: bool = False, threads: int = 2, log=print, repeats: int | None = None) -> dict:
+def run(quick: bool = False, threads: int = 2, log=print, repeats: int | None = None,
+        checkpoint_dir: str | None = None) -> dict:
+    """The figures of the module docstring on the Hugging Face checkpoint in `checkpoint_dir` (default: a tiny
+    random Qwen3-MoE built into a temporary directory)."""
+    if checkpoint_dir is not None:
+        return _run(checkpoint_dir, checkpoint_dir, quick, threads, log, repeats)
+    try:
+        import transformers  # noqa: F401  # optional: the `bench` extra (pyproject.toml)
+    except ImportError:
+        raise RuntimeError("building the tiny Qwen3-MoE needs transformers: pip install 'codefleet[bench]', "
+                           "or pass --checkpoint DIR") from None
+    with tempfile.TemporaryDirectory(prefix="codefleet-bench-") as path:
+        log("building a tiny random Qwen3-MoE with transformers ...")
+        return _run(build_tiny_qwen3_moe(path), BUILT, quick, threads, log, repeats)
+
+
+def _run(path: str, label: str, quick: bool, threads: int, log, repeats: int | None) -> dict:
+    if not hf.is_hf_dir(path):
+        raise ValueError(f"{path} is not a Hugging Face model directory (a config.json naming `architectures` "
+                         "or `model_type`): bench engine runs transformers on the same checkpoint")
+    hf.check(path)  # one clear sentence for a bad directory before anything is timed
     torch.set_num_threads(threads)
-    config = ModelConfig.tiny()
     prompt_len, new_tokens, batch = (32, 32, 32) if quick else (64, 128, 32)
     repeats = repeats or (1 if quick else 3)
-    torch.manual_seed(0)
-    model = Transformer(config).eval()
+    log(f"loading {label} in a fresh process ...")
+    load = load_cost(path, threads)
+    model = checkpoint.load(path).eval()
+    config = model.config
     engine = Engine(model, None, max_batch=batch, max_seq_len=prompt_len + new_tokens + 1)
     prompts = _prompts(batch, prompt_len, config.vocab_size)
-    results: dict = {"quick": quick, "threads": threads, "prompt_tokens": prompt_len, "new_tokens": new_tokens,
-                     "batch": batch, "n_layers": config.n_layers, "d_model": config.d_model,
-                     "n_experts": config.n_experts, "top_k": config.top_k, "vocab_size": config.vocab_size,
-                     "prev_tokens": config.copy.prev_tokens,  # the peer has no previous-token embeddings (2 row gathers)
+    results: dict = {"checkpoint": label, "architecture": config.architecture, "quick": quick, "threads": threads,
+                     "prompt_tokens": prompt_len, "new_tokens": new_tokens, "batch": batch,
+                     "n_layers": config.n_layers, "d_model": config.d_model, "n_experts": config.n_experts,
+                     "top_k": config.top_k, "vocab_size": config.vocab_size, "qk_norm": config.qk_norm,
                      "dtype": str(config.torch_dtype).removeprefix("torch."),
-                     "native_kernel": kernels.moe_experts() is not None}
+                     "native_kernel": kernels.moe_experts() is not None, **load}
     # warm-up on prompts of its own (a timed prompt already parked in the prefix cache would skip its prefill)
     engine.generate(_prompts(2, prompt_len, config.vocab_size, seed=999), SamplingParams(max_tokens=4, temperature=0))
-    hf = hf_peer(config)
+    peer = hf_peer(path, config.torch_dtype)
     settings: list[tuple[str, str]] = []
-    if hf is None:
+    if peer is None:
         log("transformers is not installed (pip install 'codefleet[bench]'): no HF peer")
     else:
-        results["hf_model"] = type(hf).__name__
+        results["hf_model"] = type(peer).__name__
         log("HF generate(): probing expert implementations and KV caches ...")
-        probes = _hf_best_settings(hf, prompts, 8 if quick else 16, log)
+        probes = _hf_best_settings(peer, prompts, 8 if quick else 16, log)
         results["hf_probe_tokens_per_s"] = probes
         # the two fastest are timed in full (probes of two settings within noise of each other both run)
         settings = [tuple(name.split("/")) for name in list(probes)[: 1 if quick else 2]]
     reused = 0
-    for i, (label, size) in enumerate((("b1", 1), ("b32", batch))):
+    for i, (name, size) in enumerate((("b1", 1), ("b32", batch))):
         rates: dict[str, list[float]] = {"engine": [], **{"/".join(s): [] for s in settings}}
         for r in range(repeats):  # interleaved: the engine, then each HF setting, per repeat, on the same prompts
             rows = _prompts(size, prompt_len, config.vocab_size, seed=100 * (i + 1) + r)  # new to the engine
@@ -209,18 +299,19 @@ def run(quick: bool = False, threads: int = 2, log=print, repeats: int | None = 
             reused += cached
             for s in settings:
                 log(f"batch {size}, repeat {r + 1}/{repeats}: HF generate() {'/'.join(s)} ...")
-                rates["/".join(s)].append(_hf_generate(hf, rows, new_tokens, s))
-        medians = {name: statistics.median(v) for name, v in rates.items()}
-        results[f"engine_tokens_per_s_{label}"] = round(medians.pop("engine"), 1)
+                rates["/".join(s)].append(_hf_generate(peer, rows, new_tokens, s))
+        medians = {k: statistics.median(v) for k, v in rates.items()}
+        results[f"engine_tokens_per_s_{name}"] = round(medians.pop("engine"), 1)
         if settings:
-            name, rate = max(medians.items(), key=lambda kv: kv[1])
-            results[f"hf_tokens_per_s_{label}"] = round(rate, 1)
-            results[f"hf_setting_{label}"] = name
+            setting, rate = max(medians.items(), key=lambda kv: kv[1])
+            results[f"hf_tokens_per_s_{name}"] = round(rate, 1)
+            results[f"hf_setting_{name}"] = setting
     results["engine_prefix_tokens_reused"] = reused
+    del peer  # the multi-turn episodes are the engine's alone
     results.update(_multiturn(model, config, quick, repeats, log))
     if not settings:
         results["hf_tokens_per_s_b1"] = results["hf_tokens_per_s_b32"] = None
-        results["engine_over_hf_b32"] = None
+        results["engine_over_hf_b1"] = results["engine_over_hf_b32"] = None
         return results
     results["engine_over_hf_b1"] = round(results["engine_tokens_per_s_b1"] / results["hf_tokens_per_s_b1"], 2)
     results["engine_over_hf_b32"] = round(results["engine_tokens_per_s_b32"] / results["hf_tokens_per_s_b32"], 2)
@@ -233,6 +324,8 @@ def table(r: dict) -> str:
             ("HF generate() tok/s", r.get("hf_tokens_per_s_b1"), r.get("hf_tokens_per_s_b32")),
             ("engine / HF", r.get("engine_over_hf_b1"), r.get("engine_over_hf_b32"))]
     lines = [f"{a:<22}{'-' if b is None else b:>12}{'-' if c is None else c:>12}" for a, b, c in rows]
+    lines.append(f"load: {r['load_s']} s, peak RSS +{r['load_peak_rss_mb']} MB for {r['checkpoint_mb']} MB of "
+                 f"safetensors ({r['load_rss_over_size']}x)")
     lines.append(f"multi-turn episodes ({r['multiturn_turns']} turns, 8 attempts): "
                  f"{r['multiturn_tokens_per_s']} tok/s with the prefix cache, "
                  f"{r['multiturn_tokens_per_s_no_prefix_cache']} without ({r['prefix_cache_speedup']}x; "
@@ -240,11 +333,11 @@ def table(r: dict) -> str:
     return "\n".join(lines)
 
 
-def run_cli(quick: bool = False, as_json: bool = False) -> int:
-    return report(lambda log: run(quick=quick, log=log),
-                  lambda r: (f"codefleet bench engine (tiny config, {r['threads']} threads, prompt "
-                             f"{r['prompt_tokens']} + {r['new_tokens']} new tokens, greedy"
-                             f"{'' if r['native_kernel'] else ', without the native kernel'}"
+def run_cli(quick: bool = False, as_json: bool = False, checkpoint_dir: str | None = None) -> int:
+    return report(lambda log: run(quick=quick, log=log, checkpoint_dir=checkpoint_dir),
+                  lambda r: (f"codefleet bench engine ({r['checkpoint']}, {r['architecture']}, {r['dtype']}, "
+                             f"{r['threads']} threads, prompt {r['prompt_tokens']} + {r['new_tokens']} new "
+                             f"tokens, greedy{'' if r['native_kernel'] else ', without the native kernel'}"
                              f"{', quick' if quick else ''})"),
                   table, as_json, name="engine")
 
