@@ -146,10 +146,13 @@ class ModelOutput:
 
 
 class Transformer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, init_weights: bool = True):
+        """`init_weights=False` leaves the parameters as allocated (a loader that fills every one of them)."""
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        # without init: no normal_ (on the meta device it imports torch._dynamo, ~1.5 s and ~70 MB)
+        self.embed = nn.Embedding(config.vocab_size, config.d_model, _weight=None if init_weights else
+                                  torch.empty(config.vocab_size, config.d_model))
         self.embed_prev = None
         if config.copy.prev_tokens:
             self.embed_prev = PrevTokenEmbeddings(config.copy.prev_tokens, config.vocab_size, config.d_model)
@@ -161,7 +164,8 @@ class Transformer(nn.Module):
             self.copy = CopyHead(config.copy, config.d_model, config.head_dim, config.vocab_size)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        self.reset_parameters()
+        if init_weights:
+            self.reset_parameters()
         self.to(config.torch_dtype)
 
     @torch.no_grad()
