@@ -46,11 +46,26 @@ def build(kind: str, path: str, shard: str = "60KB"):
     return model
 
 
+_BUILT: dict[str, tuple] = {}
+
+
+def _pair(kind: str, tmp_path_factory) -> tuple:
+    """(kind, directory, transformers' model, codefleet's model of it), built once per module."""
+    if kind not in _BUILT:
+        path = str(tmp_path_factory.mktemp(kind))
+        reference = build(kind, path)
+        _BUILT[kind] = kind, path, reference, checkpoint.load(path).eval()
+    return _BUILT[kind]
+
+
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def pair(request, tmp_path_factory):
-    path = str(tmp_path_factory.mktemp(request.param))
-    reference = build(request.param, path)
-    return request.param, path, reference, checkpoint.load(path).eval()
+    return _pair(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def moe_pair(tmp_path_factory):
+    return _pair("qwen3_moe", tmp_path_factory)
 
 
 def padded_batch(lengths=(23, 9, 16), seed=0):
@@ -82,10 +97,8 @@ def test_the_trainer_forward_equals_transformers_batch_1_and_padded(pair):
     assert (alone - single).abs().max() <= 1e-4
 
 
-def test_the_routing_equals_transformers_for_every_token(pair):
-    kind, path, reference, model = pair
-    if kind != "qwen3_moe":
-        pytest.skip("dense model")
+def test_the_routing_equals_transformers_for_every_token(moe_pair):
+    kind, path, reference, model = moe_pair
     tokens, _ = padded_batch((30,), seed=4)
     with torch.no_grad():
         router_logits = reference(tokens, output_router_logits=True).router_logits
@@ -119,10 +132,8 @@ def test_the_engines_incremental_decode_equals_transformers(pair, native, monkey
     assert bool(calls) == native  # the decode steps ran the native kernel (q/k norm included) when asked
 
 
-def test_routing_replay_reproduces_the_engines_logprobs_on_qwen3_moe(pair):
-    kind, path, reference, model = pair
-    if kind != "qwen3_moe":
-        pytest.skip("dense model")
+def test_routing_replay_reproduces_the_engines_logprobs_on_qwen3_moe(moe_pair):
+    kind, path, reference, model = moe_pair
     prompts = [[5, 17, 33, 2], [8, 40, 61, 9, 12, 70, 3]]
     results = Engine(model, max_batch=2, max_seq_len=64).generate(
         prompts, [SamplingParams(max_tokens=8, temperature=1.0, seed=i) for i in range(2)])
