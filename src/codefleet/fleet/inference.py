@@ -8,9 +8,10 @@
 awaits the engine's future, so every episode's turn joins the same decode
 steps; `update_weights(weights, version)` lands between two decode steps and
 in-flight turns simply continue under the new weights (each token keeps the
-version that sampled it). Weights arrive as one object from the Ray object
+version that sampled it). Weights arrive either as one object from the Ray object
 store (see `TrainerGroup.publish`), passed by reference so each engine reads
-the shared copy.
+the shared copy, or in buckets (`receive_buckets`, see `fleet.weight_sync` and
+`TrainerGroup.publish_buckets`), assembled in the actor and applied as one version.
 
 An engine whose process dies is restarted by Ray (`max_restarts=-1`) with the arguments it was created
 with; given `restart_from` (a file naming the newest checkpoint directory beside it, e.g. a run's
@@ -39,6 +40,7 @@ import torch
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayTaskError
 
 from codefleet.contracts import ENGINES
+from codefleet.fleet.weight_sync import BucketReceiver, Buckets, receive_buckets
 from codefleet.model import engine as _engine  # noqa: F401  (registers the codefleet engine)
 from codefleet.model.checkpoint import CONFIG_FILE, read_metadata
 from codefleet.types import Failure
@@ -57,6 +59,8 @@ class EngineActor:
             checkpoint, version = newest_checkpoint(restart_from) or (checkpoint, version)
         self.engine = ENGINES.get(backend)(checkpoint, max_batch=max_batch, max_seq_len=max_seq_len)
         self.engine.version = version
+        self.receiver = BucketReceiver()  # staging for bucketed updates, allocated by the first
+        self.receiving = asyncio.Lock()  # one bucketed update at a time (they share the staging)
 
     async def generate(self, prompt: list[int], params):
         return await asyncio.wrap_future(self.engine.submit(prompt, params))
@@ -69,6 +73,16 @@ class EngineActor:
         weights = _as_tensors(await weights_ref[0])
         await asyncio.get_running_loop().run_in_executor(None, self.engine.update_weights, weights, version)
         return self.engine.version
+
+    async def receive_buckets(self, plans: list, refs: list, version: int) -> int:
+        """One version in buckets (`fleet.weight_sync.Buckets`: a plan and a list of bucket refs per sender),
+        applied with one `engine.update_weights` once every bucket is in; older than the weights served: ignored."""
+        async with self.receiving:
+            if version < self.engine.version:
+                return self.engine.version
+            weights = await receive_buckets(self.receiver, plans, refs)
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.update_weights, weights, version)
+            return self.engine.version
 
     def info(self) -> dict:
         return {"version": self.engine.version, "max_seq_len": self.engine.max_seq_len, "pid": os.getpid(),
@@ -159,9 +173,11 @@ def engine_gone(engine, timeout_s: float = 30.0) -> bool:
     return engine_state(engine, timeout_s) == "gone"
 
 
-def broadcast_weights(engines: list, weights_ref: ray.ObjectRef, version: int, timeout_s: float = 300.0,
+def broadcast_weights(engines: list, weights_ref: ray.ObjectRef | Buckets, version: int, timeout_s: float = 300.0,
                       away: dict | None = None) -> tuple[list, dict]:
     """Load `weights_ref` into the engines (in parallel) and wait until they serve `version`: (serving, away).
+    `weights_ref` is one state dict in the object store (`TrainerGroup.publish`) or `Buckets`
+    (`TrainerGroup.publish_buckets`); either way the driver holds references only.
 
     An engine that dies and is restarted meanwhile is sent the weights again once it is back. One that has not
     taken them after `timeout_s` (restarting with no room on the cluster) is *away*: `away` maps it to a call
@@ -172,7 +188,10 @@ def broadcast_weights(engines: list, weights_ref: ray.ObjectRef, version: int, t
     away = {e: probe for e, probe in (away or {}).items() if not ray.wait([probe], timeout=0)[0]}
     serving, pending = [], [e for e in engines if e not in away]
     while pending:
-        refs = [e.update_weights.remote([weights_ref], version) for e in pending]
+        if isinstance(weights_ref, Buckets):
+            refs = [e.receive_buckets.remote(weights_ref.plans, weights_ref.refs, version) for e in pending]
+        else:
+            refs = [e.update_weights.remote([weights_ref], version) for e in pending]
         retry = []
         for engine, ref in zip(pending, refs):
             try:

@@ -3,6 +3,7 @@
     group = TrainerGroup(2, model_config=ModelConfig.tiny(), config=TrainConfig())
     group.sft_step(examples)  /  group.rl_step(samples)     # one optimizer step each
     ref, version = group.publish()                          # weights in the object store
+    buckets = group.publish_buckets(bucket_mb=256)          # or in buckets from every rank (fleet.weight_sync)
     engine.update_weights(ray.get(ref), version)
     group.save("ckpt/");  group.shutdown()
 
@@ -31,6 +32,8 @@ tensors travel as numpy arrays (`_SharedWeights`), which Ray stores as raw
 out-of-band buffers; `ray.get` on any process of the node rebuilds a
 `dict[str, Tensor]` whose tensors are views of the shared-memory object
 (zero-copy, read-only: `Engine.update_weights` copies them into its model).
+`publish_buckets()` instead has every rank send its share of the tensors (split by bytes) as flat buckets of
+`bucket_mb`, one object each (`fleet.weight_sync`), for `broadcast_weights` to hand to the engines.
 
 Failure: a worker that dies (`RayActorError`) or raises mid-step leaves the
 others inside a collective, so the group is finished: the step raises
@@ -55,6 +58,7 @@ import torch.distributed as dist
 from ray.exceptions import RayActorError, RayError
 
 from codefleet.contracts import TRAINERS
+from codefleet.fleet.weight_sync import Buckets, BucketSender, SenderPlan, publish_buckets, specs_of, split_names
 from codefleet.model.config import ModelConfig
 from codefleet.model.transformer import Transformer
 from codefleet.rl.batch import Sample
@@ -142,6 +146,7 @@ class TrainerWorker:
         else:
             torch.manual_seed(config.seed)
             self.trainer = TRAINERS.get(config.backend)(Transformer(model_config), config)
+        self.sender = BucketSender(lambda: self.trainer.model.state_dict())  # live, on its device
 
     def rendezvous(self) -> str:
         """A tcp:// address on this node with a free port, for the others to join."""
@@ -178,6 +183,14 @@ class TrainerWorker:
     def weights(self) -> tuple[int, _SharedWeights]:
         # serialised into the object store as this call returns, before the next step can change the parameters
         return self.trainer.version, _SharedWeights(self.trainer.weights(clone=False))
+
+    def bucket_plan(self, bucket_mb: float) -> SenderPlan:
+        """This rank's share of the tensors (`split_names` over the ranks), cut into buckets."""
+        share = split_names(specs_of(self.trainer.model.state_dict()), self.world_size)[self.rank]
+        return self.sender.plan(share, bucket_mb)
+
+    def bucket(self, index: int):
+        return self.sender.bucket(index)
 
     def save(self, path: str) -> None:
         self.trainer.save(path)
@@ -254,6 +267,11 @@ class TrainerGroup:
         version_ref, weights_ref = self.workers[0].weights.options(num_returns=2).remote()
         version = self._get([version_ref])[0]
         return weights_ref, version
+
+    def publish_buckets(self, bucket_mb: float = 256.0) -> Buckets:
+        """The weights in buckets in the object store, every rank sending its share (see `fleet.weight_sync`)."""
+        plans = self._get([w.bucket_plan.remote(bucket_mb) for w in self.workers])
+        return publish_buckets(self.workers, plans, self._version)
 
     def save(self, path: str) -> None:
         """Rank 0 writes a full checkpoint (weights, optimizer, version) to `path` (see `Trainer.save`)."""

@@ -1,0 +1,252 @@
+"""Weight sync, trainer -> engines, in buckets: flattened tensors of a bounded size.
+
+    sender = BucketSender(lambda: trainer.weights(clone=False))          # in each trainer rank
+    plan = sender.plan(names_of_my_share, bucket_mb=256)                 # metadata only
+    wire = sender.bucket(i)                                              # one flat 1-D array of one dtype
+    receiver = BucketReceiver(); receiver.begin(plans)                   # in each engine actor
+    receiver.add(plan.buckets[i], wire) ...; engine.update_weights(receiver.state_dict(), version)
+
+Why buckets. One state dict as one object (`TrainerGroup.publish`) is serialised whole before the first
+engine reads a byte, and nothing overlaps. Buckets of `bucket_mb` pipeline the three stages (the sender packs
+bucket i+1 while the engines copy bucket i), bound the size of any one object, and let every trainer rank send
+its own share in parallel (one sender per shard: with data parallelism every rank holds everything, so the
+tensors are split between the ranks by bytes, `split_names`).
+
+Layout. Tensors are grouped by dtype (a bucket holds one dtype, so it is one flat tensor); within a dtype they
+are laid end to end in state-dict order and cut every `bucket_mb`, so every bucket but the last of a dtype is
+full and a tensor larger than a bucket spans several. A `Piece` says which slice of which tensor sits where in
+which bucket; `SenderPlan` carries the tensor specs (name, shape, dtype) too, so a receiver needs nothing else.
+
+Atomicity. The receiver copies the buckets into a staging state dict it keeps between versions (one model's
+worth of memory in each engine actor) and only once every element of every tensor has arrived calls
+`engine.update_weights(staging, version)` once: the engine swaps all of it between two steps, so no token is
+ever sampled from half-updated weights, and a failed or partial sync leaves the engine on its old version.
+The engine's pause is its own copy from staging into the model (`Engine.update_weights`), not the transfer.
+
+Transport, Ray object store (`publish_buckets`): each bucket is the return value of one call to its sender, so
+the driver owns it (it outlives the sender) but only ever holds `ObjectRef`s; engines read the buckets
+zero-copy from shared memory. A sync actor runs its calls in order, so a trainer step submitted after the
+bucket calls cannot change the weights under them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import ray
+import torch
+
+_SAME_WIDTH_INT = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype without the "torch." prefix
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements [start, start + numel) of tensor `name` (flattened) at [offset, offset + numel) of a bucket."""
+
+    name: str
+    start: int
+    offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    dtype: str
+    numel: int
+    pieces: tuple[Piece, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class SenderPlan:
+    """What one sender sends: the specs of its tensors and the buckets they are cut into."""
+
+    specs: tuple[TensorSpec, ...]
+    buckets: tuple[BucketPlan, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+
+def _itemsize(dtype: str) -> int:
+    return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+
+
+def specs_of(state: dict[str, torch.Tensor]) -> list[TensorSpec]:
+    return [TensorSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in state.items()]
+
+
+def split_names(specs: list[TensorSpec], n: int) -> list[list[str]]:
+    """Tensor names split into `n` shares of balanced bytes (largest first, onto the lightest share), each share in
+    state-dict order."""
+    load, shares = [0] * n, [set() for _ in range(n)]
+    for s in sorted(specs, key=lambda s: -s.nbytes):
+        r = min(range(n), key=lambda r: (load[r], r))
+        shares[r].add(s.name)
+        load[r] += s.nbytes
+    return [[s.name for s in specs if s.name in share] for share in shares]
+
+
+def plan_buckets(specs: list[TensorSpec], bucket_mb: float) -> SenderPlan:
+    """Cut `specs` into buckets of at most `bucket_mb` (see the module docstring for the layout)."""
+    if bucket_mb <= 0:
+        raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+    buckets: list[BucketPlan] = []
+    for dtype in dict.fromkeys(s.dtype for s in specs):
+        capacity = max(int(bucket_mb * 2**20) // _itemsize(dtype), 1)
+        pieces: list[Piece] = []
+        used = 0
+        for spec in (s for s in specs if s.dtype == dtype):
+            start = 0
+            while start < spec.numel:
+                take = min(spec.numel - start, capacity - used)
+                pieces.append(Piece(spec.name, start, used, take))
+                start, used = start + take, used + take
+                if used == capacity:
+                    buckets.append(BucketPlan(dtype, used, tuple(pieces)))
+                    pieces, used = [], 0
+        if pieces:
+            buckets.append(BucketPlan(dtype, used, tuple(pieces)))
+    return SenderPlan(tuple(specs), tuple(buckets))
+
+
+def pack(state: dict[str, torch.Tensor], bucket: BucketPlan) -> torch.Tensor:
+    """The bucket as one flat tensor on the tensors' device (a copy; the state is not changed)."""
+    device = state[bucket.pieces[0].name].device
+    flat = torch.empty(bucket.numel, dtype=getattr(torch, bucket.dtype), device=device)
+    for p in bucket.pieces:
+        flat[p.offset:p.offset + p.numel] = state[p.name].detach().reshape(-1)[p.start:p.start + p.numel]
+    return flat
+
+
+def to_wire(flat: torch.Tensor) -> np.ndarray:
+    """A flat tensor as numpy (Ray stores it as one out-of-band buffer); bfloat16 and the like travel as integers
+    of the same width."""
+    flat = flat.cpu()
+    try:
+        return flat.numpy()
+    except TypeError:
+        return flat.view(getattr(torch, np.dtype(_SAME_WIDTH_INT[flat.element_size()]).name)).numpy()
+
+
+def from_wire(array: np.ndarray, dtype: str) -> torch.Tensor:
+    with warnings.catch_warnings():  # the object store's buffers are read-only; nothing writes to them
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array).view(getattr(torch, dtype))
+
+
+class BucketSender:
+    """One sender's side, inside a trainer rank (or any holder of a state dict or a shard of one)."""
+
+    def __init__(self, weights: Callable[[], dict[str, torch.Tensor]]):
+        self.weights = weights  # called per bucket: the live tensors, not a copy
+        self.current: SenderPlan | None = None
+
+    def plan(self, names: list[str] | None, bucket_mb: float) -> SenderPlan:
+        state = self.weights()
+        specs = specs_of({n: state[n] for n in (state if names is None else names)})
+        self.current = plan_buckets(specs, bucket_mb)
+        return self.current
+
+    def bucket(self, index: int) -> np.ndarray:
+        if self.current is None:
+            raise RuntimeError("BucketSender.bucket() before plan(): plan the buckets first")
+        return to_wire(pack(self.weights(), self.current.buckets[index]))
+
+
+class BucketReceiver:
+    """One engine's side: assembles the buckets of every sender into a staging state dict, kept between
+    versions, and says when it is complete."""
+
+    def __init__(self):
+        self.staging: dict[str, torch.Tensor] = {}
+        self._expected = 0
+        self._received = 0
+
+    def begin(self, plans: list[SenderPlan]) -> None:
+        specs = [s for p in plans for s in p.specs]
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError("two senders send the same tensor; give every sender a disjoint share (split_names)")
+        if {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in self.staging.items()} != \
+                {s.name: (s.shape, s.dtype) for s in specs}:
+            self.staging = {s.name: torch.empty(s.shape, dtype=getattr(torch, s.dtype)) for s in specs}
+        self._expected = sum(s.numel for s in specs)
+        self._received = 0
+
+    def add(self, bucket: BucketPlan, wire: np.ndarray | torch.Tensor) -> None:
+        flat = wire if isinstance(wire, torch.Tensor) else from_wire(wire, bucket.dtype)
+        if flat.numel() != bucket.numel:
+            raise ValueError(f"a bucket of {flat.numel()} elements where the plan has {bucket.numel}")
+        for p in bucket.pieces:
+            self.staging[p.name].view(-1)[p.start:p.start + p.numel].copy_(flat[p.offset:p.offset + p.numel])
+        self._received += bucket.numel
+
+    @property
+    def complete(self) -> bool:
+        return self._received == self._expected
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        if not self.complete:
+            raise RuntimeError(f"weight sync incomplete: {self._received} of {self._expected} elements arrived; "
+                               "the engine keeps its current weights")
+        return self.staging
+
+
+# ---- over the Ray object store (driver side) ----------------------------------------------------
+
+@dataclass
+class Buckets:
+    """One version in the object store: per sender its plan and one ref per bucket. The driver holds refs only."""
+
+    version: int
+    plans: list[SenderPlan]
+    refs: list[list[ray.ObjectRef]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.plans)
+
+
+def publish_buckets(senders: list, plans: list[SenderPlan], version: int) -> Buckets:
+    """One call per bucket to each sender actor (its `bucket(i)` method), all submitted at once: the object store
+    fills while the engines already read. `plans[i]` is what `senders[i].plan(...)` returned."""
+    refs = [[s.bucket.remote(i) for i in range(len(p.buckets))] for s, p in zip(senders, plans)]
+    return Buckets(version, list(plans), refs)
+
+
+async def receive_buckets(receiver: BucketReceiver, buckets_plans: list[SenderPlan],
+                          refs: list[list[ray.ObjectRef]]) -> dict[str, torch.Tensor]:
+    """Inside an async engine actor: await every bucket in order (senders interleaved, so all of them progress)
+    and assemble it (in a worker thread: the actor's event loop keeps serving); the complete staging state dict."""
+    loop = asyncio.get_running_loop()
+    receiver.begin(buckets_plans)
+    order = [(i, j) for j in range(max((len(r) for r in refs), default=0)) for i in range(len(refs)) if j < len(refs[i])]
+    for i, j in order:
+        wire = await refs[i][j]
+        await loop.run_in_executor(None, receiver.add, buckets_plans[i].buckets[j], wire)
+        del wire
+    return receiver.state_dict()
