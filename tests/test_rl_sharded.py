@@ -4,6 +4,7 @@ equals the single-process step, DCP checkpoints resume exactly and consolidate t
 Each test spawns 2 processes (`torch.multiprocessing.spawn`, a file store); the rank functions assert
 themselves, so a failed comparison in either rank fails the test with its traceback."""
 
+import copy
 import random
 
 import torch
@@ -13,6 +14,12 @@ import torch.multiprocessing as mp
 from codefleet.model.config import ModelConfig
 from codefleet.model.expert_parallel import ExpertParallelMoE
 from codefleet.model.moe import MoE
+from codefleet.model.transformer import Transformer
+from codefleet.rl.batch import Sample
+from codefleet.rl.logprobs import forward_logprobs
+from codefleet.rl.losses import LossConfig
+from codefleet.rl.sharded import ShardedTrainer
+from codefleet.rl.trainer import TrainConfig, Trainer, loss_units, sft_units
 
 TOL = 1e-5
 
@@ -89,3 +96,74 @@ def test_expert_parallel_equals_unsharded_moe(tmp_path):
     """Forward, input and weight gradients of the EP=2 layer equal the unsharded layer's: routed by the router,
     replaying random routing (R3), and replaying routing that sends every slot to one rank."""
     _spawn(_ep_rank, tmp_path)
+
+
+# ---- the FSDP2 trainer -----------------------------------------------------------------------------------
+
+def _cfg(**overrides) -> ModelConfig:
+    # router losses off: they are per-micro-batch statistics, so only CE / policy gradients are batch-invariant
+    base = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, n_experts=4, top_k=2,
+                d_expert=16, n_shared_experts=1, d_shared=16, max_seq_len=64, aux_loss_coef=0.0, z_loss_coef=0.0)
+    return ModelConfig.tiny(**{**base, **overrides})
+
+
+def _examples(n: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        prompt = [rng.randrange(1, 64) for _ in range(rng.randrange(3, 9))]
+        out.append((prompt + prompt, [0] * len(prompt) + [1] * len(prompt)))
+    return out
+
+
+def _samples(model: Transformer, n: int, seed: int = 0) -> list[Sample]:
+    """RL samples with the model's own logprobs as behaviour and its own routing (for R3)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        tokens = [rng.randrange(1, 64) for _ in range(rng.randrange(4, 12))]
+        mask = [0, 0] + [1] * (len(tokens) - 2)
+        with torch.no_grad():
+            tokens_1T = torch.tensor([tokens])
+            lp = forward_logprobs(model.eval(), tokens_1T, torch.tensor([mask])).logprobs_BT[0].tolist()
+            routed = model(tokens_1T, return_routing=True).routed_experts
+        model.train()
+        per_token = [[e for layer in routed for e in layer[0, t].tolist()] for t in range(len(tokens))]
+        out.append(Sample(tokens, mask, [x * 1.01 for x in lp], 1.0 if i % 2 else -0.5, per_token))
+    return out
+
+
+def _same_weights(got: dict, expected: dict, what: str) -> None:
+    assert got.keys() == expected.keys(), f"{what}: different tensors"
+    for k in expected:
+        _close(got[k], expected[k], f"{what}: {k}")
+
+
+def _fsdp_step_rank(rank: int) -> None:
+    """Two steps (SFT, then RL with routing replay and off-policy correction) on unequal halves of the batch,
+    with different micro-batch counts per rank, equal the single-process steps on the whole batch."""
+    cfg = TrainConfig(lr=1e-2, micro_batch_tokens=24, loss=LossConfig(off_policy="decoupled"))
+    torch.manual_seed(0)
+    single = Trainer(Transformer(_cfg()), cfg)
+    sharded = ShardedTrainer(copy.deepcopy(single.model), cfg)
+    examples = _examples(6)
+    cut_ex, cut_s = (slice(0, 4), slice(0, 4)) if rank == 0 else (slice(4, 6), slice(4, 5))  # rank 1: fewer
+    single.forward_backward_sft(examples)
+    single.optim_step()
+    got = sharded.forward_backward_sft(examples[cut_ex], total_tokens=sft_units(examples))
+    sharded.optim_step()
+    _same_weights(sharded.weights(), single.weights(), "after the SFT step")
+    samples = _samples(single.model, 5, seed=1)
+    ref = single.forward_backward_rl(samples)
+    single.optim_step()
+    got = sharded.forward_backward_rl(samples[cut_s], total_tokens=loss_units(samples, cfg.loss))
+    assert got["routing_replay_frac"] == 1.0
+    total = torch.tensor([got["loss"]])
+    dist.all_reduce(total)
+    assert abs(float(total) - ref["loss"]) < TOL, (float(total), ref["loss"])
+    sharded.optim_step()
+    _same_weights(sharded.weights(), single.weights(), "after the RL step")
+
+
+def test_fsdp2_step_equals_single_process_step(tmp_path):
+    _spawn(_fsdp_step_rank, tmp_path)

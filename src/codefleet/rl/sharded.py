@@ -1,0 +1,287 @@
+"""The sharded trainer: `rl.trainer.Trainer`'s API on every rank, the model sharded with FSDP2 (TRAINERS "fsdp2").
+
+    dist.init_process_group("gloo")       # or "nccl" on GPUs; one process per rank
+    trainer = ShardedTrainer(Transformer(cfg), TrainConfig(backend="fsdp2"))   # or ShardedTrainer.load(path, cfg)
+    trainer.forward_backward_sft(my_examples, total_tokens=units_of_the_whole_step)
+    trainer.optim_step()
+    trainer.save("ckpt/")                 # DCP: every rank writes its shards
+    consolidate("ckpt/", "hf/")           # one process, no process group: a normal (or HF) checkpoint
+
+Sharding. `fully_shard` (torch.distributed.fsdp, FSDP2) wraps every block and
+then the root (embeddings, final norm, LM head), over a 1-D device mesh of
+all ranks; each parameter becomes a DTensor sharded along its first dimension,
+gathered block by block in the forward and backward, and AdamW steps on the
+shards. Buffers (the router's selection bias and load counts) stay replicated.
+The same code serves codefleet's configs and HF checkpoints (Qwen3-MoE, ...),
+since `checkpoint.load` turns both into a `Transformer`.
+
+Exactness. Each rank runs `forward_backward` on its part of the batch with
+the *whole step's* loss units (as `fleet.trainer_group` does), so its
+gradient is its share of the one-batch gradient; the reduce-scatter sums the
+shares (`set_gradient_divide_factor(1)`: FSDP2 would average), and the
+router's expert loads are summed before `optim_step` moves the bias. A 2-rank
+step equals the single-process step on the whole batch to fp32 rounding
+(tests: 1e-5).
+
+Collectives need every rank to run the same sequence of forwards and
+backwards, but the ranks' micro-batch counts differ with their data. Before a
+call, the ranks agree on the largest count (one all-reduce), and a rank with
+fewer runs the rest on a one-token dummy batch whose loss is multiplied by 0
+(in eval mode, so the dummy counts no expert load): no gradient changes, the
+collectives line up. A rank with no examples at all takes part the same way.
+
+Scoring forwards (proximal and KL-reference logprobs) run with gradients
+*on* and are detached: with gradients off `Transformer.forward` takes
+`model/fast.py`'s fused paths, which read block weights directly and would
+bypass FSDP2's per-block gathering (and would see one rank's experts under
+expert parallelism).
+
+Checkpoints. `save(path)` writes one `torch.distributed.checkpoint` (DCP)
+directory: the model's and the optimizer's sharded state (each rank its own
+shards, into one directory: a shared filesystem on a cluster), torch's RNG
+state, `model_config.json` (the `ModelConfig`) and `metadata.json`
+(`policy_version`, `train_config`, `sharded: true`); the KL reference, if any,
+in `reference/`. It is written to a sibling temporary directory that rank 0
+renames into place after every rank is done, so a rank killed mid-save
+leaves the previous checkpoint whole. `load(path)` resumes from it on any
+number of ranks (DCP reshards), or starts from a plain or HF checkpoint with
+a fresh optimizer. `consolidate(sharded_dir, out_dir)` reads the DCP
+directory in one process into a whole `Transformer` and writes it with
+`checkpoint.save`: an HF directory that transformers loads when the model
+came from one (`config.architecture`), else codefleet's format.
+
+Not here: expert parallelism inside this trainer. `model.expert_parallel` is
+the EP layer (all-to-all dispatch, tested against the unsharded layer); using
+it here needs the expert weights left out of FSDP2 (`ignored_params`), their
+gradient norm summed across the EP group for clipping, and their shards
+saved as EP-sharded DTensors, which this file does not do yet.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from codefleet.contracts import TRAINERS
+from codefleet.model import checkpoint
+from codefleet.model.config import ModelConfig
+from codefleet.model.transformer import Transformer
+from codefleet.rl.batch import Sample
+from codefleet.rl.logprobs import forward_logprobs
+from codefleet.rl.sft import pad_batch, sft_step_loss
+from codefleet.rl.trainer import Example, TrainConfig, Trainer, _to_device, pack
+
+MODEL_CONFIG_FILE, METADATA_FILE, REFERENCE_DIR = "model_config.json", "metadata.json", "reference"
+
+
+def is_sharded_checkpoint(path: str) -> bool:
+    """Whether `path` is a DCP directory written by `ShardedTrainer.save`."""
+    return os.path.isfile(os.path.join(path, ".metadata")) and os.path.isfile(os.path.join(path, MODEL_CONFIG_FILE))
+
+
+def shard_model(model: Transformer, mesh: DeviceMesh) -> Transformer:
+    """FSDP2 in place: every block, then the root; gradients summed (not averaged) across ranks."""
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+    return model
+
+
+class ShardedTrainer(Trainer):
+    """`Trainer` on an FSDP2-sharded model, one per rank of the default process group. See the module docstring."""
+
+    def __init__(self, model: Transformer, config: TrainConfig | None = None, version: int = 0,
+                 device: str | torch.device | None = None):
+        if not dist.is_initialized():
+            raise RuntimeError("ShardedTrainer runs one process per rank: call torch.distributed.init_process_group "
+                               "(gloo on CPU, nccl on GPU) in every rank first")
+        device = torch.device(device or ("cuda" if dist.get_backend() == "nccl" else "cpu"))
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        model = model.to(device)
+        for t in model.state_dict().values():  # rank 0's weights everywhere, whatever each rank initialised
+            dist.broadcast(t, src=0)
+        self.mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        self.config = config or TrainConfig()
+        reference = None
+        if self.config.loss.kl_coef > 0:  # copied before sharding, then sharded like the policy
+            reference = shard_model(copy.deepcopy(model).eval().requires_grad_(False), self.mesh)
+        self.model = shard_model(model, self.mesh).train()
+        self.reference = reference
+        self.version = int(version)
+        torch.manual_seed(self.config.seed)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=self.config.lr, betas=self.config.betas,
+                                           eps=self.config.eps, weight_decay=self.config.weight_decay)
+
+    # ---- forward + backward, in lockstep --------------------------------------------------
+
+    def forward_backward_sft(self, examples: list[Example], total_tokens: int | None = None) -> dict[str, float]:
+        n = len(pack([len(ids) - 1 for ids, _ in examples], self.config.micro_batch_tokens))
+        extra = self._missing_micro_batches(n)
+        metrics = super().forward_backward_sft(examples, total_tokens)
+        for _ in range(extra):
+            self._dummy_pass(rl=False)
+        return metrics
+
+    def forward_backward_rl(self, samples: list[Sample], total_tokens: int | None = None) -> dict[str, float]:
+        n = len(pack([len(s.tokens) for s in samples], self.config.micro_batch_tokens))
+        extra = self._missing_micro_batches(n)
+        metrics = super().forward_backward_rl(samples, total_tokens)
+        for _ in range(extra):
+            self._dummy_pass(rl=True)
+        return metrics
+
+    def _missing_micro_batches(self, n: int) -> int:
+        """How many micro-batches fewer than the busiest rank this rank has."""
+        most = torch.tensor([n], device=self.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        return int(most) - n
+
+    def _dummy_pass(self, rl: bool) -> None:
+        """The forwards and the backward of one micro-batch on one token, contributing exactly 0."""
+        batch = _to_device(pad_batch([([0, 0], [0, 1])]), self.device)
+        if rl and self.config.loss.off_policy != "none":
+            self._logprobs(self.model, batch.tokens_BT, batch.loss_mask_BT)
+        if rl and self.reference is not None:
+            self._logprobs(self.reference, batch.tokens_BT, batch.loss_mask_BT)
+        self.model.eval()  # no expert-load counting
+        try:
+            loss, _ = sft_step_loss(self.model, batch)
+            (loss * 0).backward()
+        finally:
+            self.model.train()
+
+    def _score(self, model, batch, routing) -> torch.Tensor:
+        return self._logprobs(model, batch.tokens_BT, batch.mask_BT, routing)
+
+    @staticmethod
+    def _logprobs(model, tokens_BT, mask_BT, routing=None) -> torch.Tensor:
+        """Per-token logprobs in eval mode without keeping a graph, through the training path (gradients on:
+        see the module docstring)."""
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.enable_grad():
+                return forward_logprobs(model, tokens_BT, mask_BT, routing).logprobs_BT.detach()
+        finally:
+            model.train(was_training)
+
+    # ---- the step -----------------------------------------------------------------------
+
+    def optim_step(self) -> dict[str, float]:
+        """Sum the router's expert loads across ranks, then `Trainer.optim_step` on the shards (the gradient
+        norm for clipping is the global one: the DTensors reduce it)."""
+        loads = [b for n, b in self.model.named_buffers() if n.endswith("load_E")]
+        for b in loads:
+            dist.all_reduce(b)
+        return super().optim_step()
+
+    def all_reduce(self, reduce_sum) -> None:
+        raise RuntimeError("ShardedTrainer sums gradients in its backward (FSDP2 reduce-scatter); the data-parallel "
+                           "all_reduce is for the 'dp' trainer")
+
+    # ---- weights and checkpoints ------------------------------------------------------------
+
+    def weights(self, clone: bool = True) -> dict[str, torch.Tensor]:
+        """The whole model's state dict on CPU, on every rank (a collective: every rank must call it)."""
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        return {k: v.detach().cpu().clone() for k, v in state.items()}
+
+    def _state(self) -> dict:
+        return {"model": get_model_state_dict(self.model),
+                "optim": get_optimizer_state_dict(self.model, self.optimizer),
+                "rng": torch.get_rng_state()}
+
+    def save(self, path: str) -> None:
+        """A DCP checkpoint in directory `path`, written atomically (a collective; see the module docstring)."""
+        path = os.path.abspath(path)
+        tmp = f"{path}.tmp"
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()
+        dcp.save(self._state(), checkpoint_id=tmp)
+        if self.reference is not None:
+            dcp.save({"model": get_model_state_dict(self.reference)}, checkpoint_id=os.path.join(tmp, REFERENCE_DIR))
+        if dist.get_rank() == 0:
+            with open(os.path.join(tmp, MODEL_CONFIG_FILE), "w") as f:
+                json.dump(self.model.config.to_dict(), f, indent=1)
+            with open(os.path.join(tmp, METADATA_FILE), "w") as f:
+                json.dump({"policy_version": self.version, "sharded": True,
+                           "train_config": json.loads(json.dumps(asdict(self.config)))}, f, indent=1)
+            old = f"{path}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            if os.path.exists(path):
+                os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
+
+    @classmethod
+    def load(cls, path: str, config: TrainConfig | None = None,
+             device: str | torch.device | None = None) -> ShardedTrainer:
+        """Resume from `save(path)` (any number of ranks), or start from a plain / HF checkpoint with a fresh
+        optimizer. The given config's hyperparameters replace the saved ones. A collective."""
+        if not is_sharded_checkpoint(path):
+            model = checkpoint.load(path)
+            version = int(checkpoint.read_metadata(path).get("policy_version", 0))
+            return cls(model, config, version=version, device=device)
+        with open(os.path.join(path, MODEL_CONFIG_FILE)) as f:
+            model_config = ModelConfig.from_dict(json.load(f))
+        with open(os.path.join(path, METADATA_FILE)) as f:
+            version = int(json.load(f)["policy_version"])
+        trainer = cls(Transformer(model_config), config, version=version, device=device)
+        state = trainer._state()
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(trainer.model, state["model"])
+        set_optimizer_state_dict(trainer.model, trainer.optimizer, state["optim"])
+        torch.set_rng_state(state["rng"])
+        if trainer.reference is not None and os.path.isdir(os.path.join(path, REFERENCE_DIR)):
+            ref = {"model": get_model_state_dict(trainer.reference)}
+            dcp.load(ref, checkpoint_id=os.path.join(path, REFERENCE_DIR))
+            set_model_state_dict(trainer.reference, ref["model"])
+        for group in trainer.optimizer.param_groups:
+            group.update(lr=trainer.config.lr, betas=trainer.config.betas, eps=trainer.config.eps,
+                         weight_decay=trainer.config.weight_decay)
+        return trainer
+
+
+def consolidate(sharded_dir: str, out_dir: str) -> str:
+    """The model of a `ShardedTrainer.save` directory as one normal checkpoint (`checkpoint.save`: an HF
+    directory when the model came from one). One process, no process group needed. Returns `out_dir`."""
+    if not is_sharded_checkpoint(sharded_dir):
+        raise ValueError(f"{sharded_dir} is not a sharded trainer checkpoint (no .metadata / {MODEL_CONFIG_FILE}): "
+                         "pass the directory ShardedTrainer.save wrote")
+    with open(os.path.join(sharded_dir, MODEL_CONFIG_FILE)) as f:
+        model_config = ModelConfig.from_dict(json.load(f))
+    with open(os.path.join(sharded_dir, METADATA_FILE)) as f:
+        metadata = json.load(f)
+    model = Transformer(model_config, init_weights=False)
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=sharded_dir)  # into the model's own tensors
+    checkpoint.save(model, out_dir, metadata={"policy_version": metadata["policy_version"],
+                                              "train_config": metadata["train_config"]})
+    return out_dir
+
+
+TRAINERS.register("fsdp2", ShardedTrainer)
