@@ -90,6 +90,7 @@ _BENCHES = {
     "engine": "codefleet.bench.engine_bench",
     "controller": "codefleet.bench.controller_bench",
     "analyze": "codefleet.bench.analyze_bench",
+    "weightsync": "codefleet.bench.weightsync_bench",
 }
 
 

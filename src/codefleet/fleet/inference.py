@@ -61,17 +61,21 @@ class EngineActor:
         self.engine.version = version
         self.receiver = BucketReceiver()  # staging for bucketed updates, allocated by the first
         self.receiving = asyncio.Lock()  # one bucketed update at a time (they share the staging)
+        self.apply_s = 0.0
 
     async def generate(self, prompt: list[int], params):
         return await asyncio.wrap_future(self.engine.submit(prompt, params))
 
     async def update_weights(self, weights_ref: list, version: int) -> int:
-        """`weights_ref` is `[ObjectRef]` (a list, so Ray passes the reference, not a copy per call). An update
-        older than the weights served (sent while this engine restarted from a newer checkpoint) is ignored."""
+        """`weights_ref` is `[ObjectRef]` (a list, so Ray passes the reference, not a copy per call), or one ref per
+        shard of the state dict. An update older than the weights served (sent while this engine restarted from a
+        newer checkpoint) is ignored."""
         if version < self.engine.version:
             return self.engine.version
-        weights = _as_tensors(await weights_ref[0])
-        await asyncio.get_running_loop().run_in_executor(None, self.engine.update_weights, weights, version)
+        weights = {}
+        for ref in weights_ref:  # one whole state dict, or one shard per sender
+            weights.update(_as_tensors(await ref))
+        await self._apply(weights, version)
         return self.engine.version
 
     async def receive_buckets(self, plans: list, refs: list, version: int) -> int:
@@ -80,15 +84,24 @@ class EngineActor:
         async with self.receiving:
             if version < self.engine.version:
                 return self.engine.version
-            weights = await receive_buckets(self.receiver, plans, refs)
-            await asyncio.get_running_loop().run_in_executor(None, self.engine.update_weights, weights, version)
+            try:
+                await self._apply(await receive_buckets(self.receiver, plans, refs), version)
+            finally:
+                self.receiver.release()
             return self.engine.version
+
+    async def _apply(self, weights: dict, version: int) -> None:
+        """`Engine.update_weights`, timed: the wait for the running step plus the swap, during which no step runs
+        (`info()["apply_s"]`: how long in-flight requests were paused by the last update)."""
+        start = time.perf_counter()
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.update_weights, weights, version)
+        self.apply_s = time.perf_counter() - start
 
     def info(self) -> dict:
         return {"version": self.engine.version, "max_seq_len": self.engine.max_seq_len, "pid": os.getpid(),
                 "node_id": ray.get_runtime_context().get_node_id(), "running": self.engine.n_running,
                 "prefill_tokens": self.engine.prefill_tokens_computed, "prefix_hits": self.engine.prefix_hits,
-                "prefix_tokens_reused": self.engine.prefix_tokens_reused}
+                "prefix_tokens_reused": self.engine.prefix_tokens_reused, "apply_s": self.apply_s}
 
 
 def newest_checkpoint(latest_file: str) -> tuple[str, int] | None:

@@ -17,9 +17,9 @@ are laid end to end in state-dict order and cut every `bucket_mb`, so every buck
 full and a tensor larger than a bucket spans several. A `Piece` says which slice of which tensor sits where in
 which bucket; `SenderPlan` carries the tensor specs (name, shape, dtype) too, so a receiver needs nothing else.
 
-Atomicity. The receiver copies the buckets into a staging state dict it keeps between versions (one model's
-worth of memory in each engine actor) and only once every element of every tensor has arrived calls
-`engine.update_weights(staging, version)` once: the engine swaps all of it between two steps, so no token is
+Atomicity. The receiver assembles a state dict (a tensor that lies whole in one bucket is a zero-copy view of
+it; one cut across buckets is copied into a staging tensor kept between versions) and only once every element
+of every tensor has arrived calls `engine.update_weights(state, version)` once: the engine swaps all of it between two steps, so no token is
 ever sampled from half-updated weights, and a failed or partial sync leaves the engine on its old version.
 The engine's pause is its own copy from staging into the model (`Engine.update_weights`), not the transfer.
 
@@ -91,12 +91,16 @@ class SenderPlan:
         return sum(b.nbytes for b in self.buckets)
 
 
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
 def _itemsize(dtype: str) -> int:
     return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
 
 
 def specs_of(state: dict[str, torch.Tensor]) -> list[TensorSpec]:
-    return [TensorSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in state.items()]
+    return [TensorSpec(n, tuple(t.shape), _dtype_name(t)) for n, t in state.items()]
 
 
 def split_names(specs: list[TensorSpec], n: int) -> list[list[str]]:
@@ -174,26 +178,40 @@ class BucketSender:
     def bucket(self, index: int) -> np.ndarray:
         if self.current is None:
             raise RuntimeError("BucketSender.bucket() before plan(): plan the buckets first")
-        return to_wire(pack(self.weights(), self.current.buckets[index]))
+        bucket = self.current.buckets[index]
+        state = self.weights()
+        if len(bucket.pieces) == 1 and state[bucket.pieces[0].name].is_contiguous():  # a slice of one tensor: a view
+            p = bucket.pieces[0]
+            return to_wire(state[p.name].detach().view(-1)[p.start:p.start + p.numel])
+        return to_wire(pack(state, bucket))
 
 
 class BucketReceiver:
-    """One engine's side: assembles the buckets of every sender into a staging state dict, kept between
-    versions, and says when it is complete."""
+    """One engine's side: assembles the buckets of every sender into a state dict and says when it is complete.
+
+    A tensor that lies whole in one bucket is a view of that bucket (for a bucket read from the object store,
+    of its shared memory: no copy); one cut across buckets is copied into a staging tensor kept between
+    versions. The views hold their buckets until the next `begin` or `release`."""
 
     def __init__(self):
         self.staging: dict[str, torch.Tensor] = {}
+        self.views: dict[str, torch.Tensor] = {}
+        self.specs: dict[str, TensorSpec] = {}
         self._expected = 0
         self._received = 0
 
     def begin(self, plans: list[SenderPlan]) -> None:
         specs = [s for p in plans for s in p.specs]
-        names = [s.name for s in specs]
-        if len(set(names)) != len(names):
+        if len({s.name for s in specs}) != len(specs):
             raise ValueError("two senders send the same tensor; give every sender a disjoint share (split_names)")
-        if {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in self.staging.items()} != \
-                {s.name: (s.shape, s.dtype) for s in specs}:
-            self.staging = {s.name: torch.empty(s.shape, dtype=getattr(torch, s.dtype)) for s in specs}
+        self.specs = {s.name: s for s in specs}
+        split = {p.name for plan in plans for b in plan.buckets for p in b.pieces
+                 if p.numel != self.specs[p.name].numel}
+        self.staging = {n: t for n, t in self.staging.items()
+                        if n in split and (tuple(t.shape), _dtype_name(t)) == (self.specs[n].shape, self.specs[n].dtype)}
+        for n in split - set(self.staging):
+            self.staging[n] = torch.empty(self.specs[n].shape, dtype=getattr(torch, self.specs[n].dtype))
+        self.views = {}
         self._expected = sum(s.numel for s in specs)
         self._received = 0
 
@@ -202,7 +220,11 @@ class BucketReceiver:
         if flat.numel() != bucket.numel:
             raise ValueError(f"a bucket of {flat.numel()} elements where the plan has {bucket.numel}")
         for p in bucket.pieces:
-            self.staging[p.name].view(-1)[p.start:p.start + p.numel].copy_(flat[p.offset:p.offset + p.numel])
+            piece = flat[p.offset:p.offset + p.numel]
+            if p.name in self.staging:
+                self.staging[p.name].view(-1)[p.start:p.start + p.numel].copy_(piece)
+            else:
+                self.views[p.name] = piece.view(self.specs[p.name].shape)
         self._received += bucket.numel
 
     @property
@@ -213,7 +235,11 @@ class BucketReceiver:
         if not self.complete:
             raise RuntimeError(f"weight sync incomplete: {self._received} of {self._expected} elements arrived; "
                                "the engine keeps its current weights")
-        return self.staging
+        return {n: self.views[n] if n in self.views else self.staging[n] for n in self.specs}
+
+    def release(self) -> None:
+        """Let go of the buckets the views point into (once the engine has copied them)."""
+        self.views = {}
 
 
 # ---- over the Ray object store (driver side) ----------------------------------------------------
