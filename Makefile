@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: setup demo test test-slow bench clean
+.PHONY: setup demo test test-slow test-vllm bench clean
 
 setup:
 	@bash scripts/setup.sh
@@ -16,10 +16,15 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/lint-imports --no-cache
-	$(PY) -m pytest -m "not slow" -q
+	$(PY) -m pytest -m "not slow and not vllm" -q
 
 test-slow: setup
 	$(PY) -m pytest -m slow -q
+
+# vLLM as the engine backend (model/vllm_engine.py), in its own environment: .venv-vllm (scripts/setup_vllm.sh).
+test-vllm:
+	@bash scripts/setup_vllm.sh
+	.venv-vllm/bin/python -m pytest -m vllm -q tests/test_vllm_engine.py
 
 bench: setup
 	$(VENV)/bin/codefleet bench sandbox --json
