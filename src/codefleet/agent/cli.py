@@ -72,6 +72,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="for --model local:...: the engine samples only tool calls that parse and fit their schemas "
                      "('required': and every turn calls a tool; default: what the checkpoint's metadata.json says, else "
                      "off). A server constrains its own decoding (codefleet serve --tool-grammar)")
+    run.add_argument("--engine", choices=["codefleet", "vllm"], default="codefleet",
+                     help="for --model local:...: the inference engine (vllm: a Hugging Face checkpoint, in the "
+                     ".venv-vllm that scripts/setup_vllm.sh makes; default codefleet)")
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a SandboxConfig field")
     run.set_defaults(func=run_command)
 
@@ -185,7 +188,16 @@ def run_command(args: argparse.Namespace, stdin: TextIO | None = None, out: Text
 
         def policy_for(spec: str, model_name: str, grammar: str | None = "off"):
             if spec == "local" or spec.startswith("local:"):  # the HTTP options mean nothing to an in-process engine
-                return build_policy(spec, model_name, **grammar_options(grammar or _usage(spec)["tool_grammar"]))
+                options = grammar_options(grammar or _usage(spec)["tool_grammar"])
+                if args.engine == "vllm":
+                    if options["tool_grammar"]:
+                        raise ValueError("--tool-grammar constrains codefleet's own engine; with --engine vllm give "
+                                         "--tool-grammar off")
+                    from codefleet.model import vllm_engine  # registers ENGINES "vllm"; vLLM itself loads lazily
+
+                    options["engine"] = vllm_engine.load_vllm_engine(spec.partition(":")[2], max_batch=16,
+                                                                     record_routing=False)
+                return build_policy(spec, model_name, **options)
             if grammar not in (None, "off"):
                 raise ValueError("--tool-grammar constrains codefleet's own engine (--model local:...); a server "
                                  "constrains its own decoding (codefleet serve --tool-grammar)")
@@ -194,7 +206,7 @@ def run_command(args: argparse.Namespace, stdin: TextIO | None = None, out: Text
         policy = policy_for(args.model, args.model_name, args.tool_grammar)
         prompt = args.prompt or _usage(args.model)["prompt"]
         planner = policy_for(args.planner, args.planner_model_name) if args.planner else None  # it writes a plan
-    except (ConfigError, ValueError, NotImplementedError, OSError) as e:
+    except (ConfigError, ValueError, NotImplementedError, OSError, ImportError) as e:  # ImportError: no vLLM
         print(f"codefleet agent run: {e}", file=err)
         return 2
     corrections = Corrections()

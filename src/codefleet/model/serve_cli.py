@@ -19,6 +19,7 @@ import torch
 from codefleet.model import checkpoint
 from codefleet.model.engine import load_engine
 from codefleet.model.server import run_server
+from codefleet.model.vllm_engine import load_vllm_engine
 
 
 def register(subparsers) -> None:
@@ -43,6 +44,9 @@ def register(subparsers) -> None:
                        help="constrain every request's tool calls to parse and fit their tools' schemas (default: "
                        "on for a checkpoint whose metadata.json says it was trained so; otherwise only tool_choice "
                        "\"required\", a named function or tools marked strict are)")
+    serve.add_argument("--engine", choices=("codefleet", "vllm"), default="codefleet",
+                       help="the inference engine (vllm: a Hugging Face checkpoint, in the .venv-vllm that "
+                       "scripts/setup_vllm.sh makes; no --tool-grammar; default codefleet)")
     serve.set_defaults(func=run)
 
 
@@ -61,15 +65,19 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        engine = load_engine(args.checkpoint, max_batch=args.max_batch, max_seq_len=args.max_seq_len)
-    except (OSError, ValueError, KeyError) as e:
+        if args.engine == "vllm":  # serving needs no routed experts (vLLM has none on CPU)
+            engine = load_vllm_engine(args.checkpoint, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
+                                      record_routing=False)
+        else:
+            engine = load_engine(args.checkpoint, max_batch=args.max_batch, max_seq_len=args.max_seq_len)
+    except (OSError, ValueError, KeyError, ImportError) as e:  # ImportError: vLLM missing, says how to install it
         print(f"codefleet serve: could not load {args.checkpoint!r}: {e}", file=sys.stderr)
         return 2
     name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
     try:
         usage = checkpoint.usage(args.checkpoint)
         run_server(engine, engine.tokenizer, args.host, args.port, name, args.prompt or usage["prompt"],
-                   tool_grammar=args.tool_grammar or usage["tool_grammar"] != "off")
+                   tool_grammar=args.engine != "vllm" and (args.tool_grammar or usage["tool_grammar"] != "off"))
     except OSError as e:  # before the line saying where it serves (model.server.run_server)
         print(f"codefleet serve: cannot listen on {args.host}:{args.port} ({e.strerror or e}); choose another "
               "--port, or --port 0 for a free one", file=sys.stderr)

@@ -390,7 +390,8 @@ def _find_isa(obj, depth: int = 4) -> str | None:
     for value in vars(obj).values() if hasattr(obj, "__dict__") else ():
         if isinstance(value, (str, int, float, bool, torch.Tensor)) or value is None:
             continue
-        for item in value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]:
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+        for item in items:
             found = _find_isa(item, depth - 1)
             if found:
                 return found
@@ -411,7 +412,8 @@ def _repack_cpu_experts(worker) -> int:
         isa = _find_isa(module)
         if isa is None:
             raise RuntimeError(f"cannot find the CPU MoE kernel of {type(module).__name__} to repack its reloaded "
-                               "experts; this vLLM build loads MoE weight updates differently: use the codefleet engine")
+                               "experts; this vLLM build loads MoE weight updates differently: use the codefleet "
+                               "engine")
         for name in ("w13_weight", "w2_weight"):
             params[name].data.copy_(cpu_prepack_moe_weight(params[name].data, isa))
         repacked += 1
