@@ -42,6 +42,7 @@ from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayTa
 from codefleet.contracts import ENGINES
 from codefleet.fleet.weight_sync import BucketReceiver, Buckets, receive_buckets
 from codefleet.model import engine as _engine  # noqa: F401  (registers the codefleet engine)
+from codefleet.model import vllm_engine as _vllm_engine  # noqa: F401  (registers "vllm"; imports vllm only to build)
 from codefleet.model.checkpoint import CONFIG_FILE, read_metadata
 from codefleet.types import Failure
 
@@ -53,11 +54,13 @@ def _as_tensors(weights: dict) -> dict[str, torch.Tensor]:
 @ray.remote(max_restarts=-1, max_task_retries=0)
 class EngineActor:
     def __init__(self, checkpoint: str, max_batch: int = 32, max_seq_len: int | None = None, threads: int = 1,
-                 version: int = 0, restart_from: str | None = None, backend: str = "codefleet"):
+                 version: int = 0, restart_from: str | None = None, backend: str = "codefleet",
+                 record_routing: bool = True):
         torch.set_num_threads(threads)
         if restart_from and ray.get_runtime_context().was_current_actor_reconstructed:
             checkpoint, version = newest_checkpoint(restart_from) or (checkpoint, version)
-        self.engine = ENGINES.get(backend)(checkpoint, max_batch=max_batch, max_seq_len=max_seq_len)
+        self.engine = ENGINES.get(backend)(checkpoint, max_batch=max_batch, max_seq_len=max_seq_len,
+                                           record_routing=record_routing)
         self.engine.version = version
         self.receiver = BucketReceiver()  # staging for bucketed updates, allocated by the first
         self.receiving = asyncio.Lock()  # one bucketed update at a time (they share the staging)
@@ -155,14 +158,15 @@ class RemoteEngine:
 
 def start_engines(checkpoint: str, n: int = 1, *, num_cpus: float = 1.0, resources: dict | None = None,
                   threads: int = 1, max_batch: int = 32, max_seq_len: int | None = None, version: int = 0,
-                  restart_from: str | None = None, backend: str = "codefleet") -> list:
+                  restart_from: str | None = None, backend: str = "codefleet", record_routing: bool = True) -> list:
     """`n` engine actors over `checkpoint`, placed by logical resources; waits until they are up. A restarted
     engine loads the checkpoint `restart_from` names, if any (see the module docstring). `backend` names the
-    engine (codefleet.contracts.ENGINES)."""
+    engine (codefleet.contracts.ENGINES); `record_routing=False` when routing replay is off (a backend that cannot
+    report routed experts refuses an MoE model otherwise)."""
     ENGINES.get(backend)  # an unknown name fails here, in one sentence, not in every actor
     actors = [EngineActor.options(num_cpus=num_cpus, resources=resources or {}, max_concurrency=1000).remote(
         checkpoint, max_batch=max_batch, max_seq_len=max_seq_len, threads=threads, version=version,
-        restart_from=restart_from, backend=backend) for _ in range(n)]
+        restart_from=restart_from, backend=backend, record_routing=record_routing) for _ in range(n)]
     ray.get([a.info.remote() for a in actors])
     return actors
 

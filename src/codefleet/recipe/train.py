@@ -40,6 +40,7 @@ from codefleet.contracts import ENGINES
 from codefleet.fleet.ray_init import init_ray
 from codefleet.fleet.trainer_group import TrainerGroup
 from codefleet.model import chat_format, checkpoint, kernels
+from codefleet.model import vllm_engine as _vllm_engine  # noqa: F401  (registers the "vllm" engine backend)
 from codefleet.model.chat import PROMPTS
 from codefleet.model.config import ModelConfig
 from codefleet.model.tokenizer import default_tokenizer

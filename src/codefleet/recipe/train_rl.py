@@ -230,7 +230,8 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
     group = new_group(serving)
     engines = start_engines(serving, cl.engines, num_cpus=1.0, resources=cl.engine_resources,
                             threads=cl.engine_threads, max_batch=max(c.rollout_slots, 1), version=version,
-                            restart_from=run.path("checkpoints", "LATEST"), backend=cl.engine_backend)
+                            restart_from=run.path("checkpoints", "LATEST"), backend=cl.engine_backend,
+                            record_routing=config.rl.routing_replay)
     fleet = SandboxFleet.start()  # held for the run: a host whose last handle goes away is collected
     spec = RolloutSpec(checkpoint=serving, sandbox=config.sandbox, episode=episode_config(config),
                        max_tokens=c.max_tokens, temperature=c.temperature, max_seq_len=config.model.max_seq_len,
