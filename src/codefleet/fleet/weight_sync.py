@@ -175,15 +175,14 @@ class BucketSender:
         self.current = plan_buckets(specs, bucket_mb)
         return self.current
 
-    def bucket(self, index: int) -> np.ndarray:
+    def bucket(self, index: int) -> list[np.ndarray]:
+        """Bucket `index` as its pieces, views of the live tensors: Ray writes them end to end into one object
+        (out-of-band buffers), so the object store holds the flat bucket without a packing copy here."""
         if self.current is None:
             raise RuntimeError("BucketSender.bucket() before plan(): plan the buckets first")
-        bucket = self.current.buckets[index]
         state = self.weights()
-        if len(bucket.pieces) == 1 and state[bucket.pieces[0].name].is_contiguous():  # a slice of one tensor: a view
-            p = bucket.pieces[0]
-            return to_wire(state[p.name].detach().view(-1)[p.start:p.start + p.numel])
-        return to_wire(pack(state, bucket))
+        return [to_wire(state[p.name].detach().reshape(-1)[p.start:p.start + p.numel])
+                for p in self.current.buckets[index].pieces]
 
 
 class BucketReceiver:
@@ -215,12 +214,16 @@ class BucketReceiver:
         self._expected = sum(s.numel for s in specs)
         self._received = 0
 
-    def add(self, bucket: BucketPlan, wire: np.ndarray | torch.Tensor) -> None:
-        flat = wire if isinstance(wire, torch.Tensor) else from_wire(wire, bucket.dtype)
-        if flat.numel() != bucket.numel:
-            raise ValueError(f"a bucket of {flat.numel()} elements where the plan has {bucket.numel}")
-        for p in bucket.pieces:
-            piece = flat[p.offset:p.offset + p.numel]
+    def add(self, bucket: BucketPlan, wire: np.ndarray | torch.Tensor | list) -> None:
+        """`wire`: the flat bucket (`pack`), or its pieces in plan order (`BucketSender.bucket`)."""
+        if isinstance(wire, list):
+            pieces = [w if isinstance(w, torch.Tensor) else from_wire(w, bucket.dtype) for w in wire]
+        else:
+            flat = wire if isinstance(wire, torch.Tensor) else from_wire(wire, bucket.dtype)
+            pieces = [flat[p.offset:p.offset + p.numel] for p in bucket.pieces]
+        if [t.numel() for t in pieces] != [p.numel for p in bucket.pieces]:
+            raise ValueError(f"a bucket of {sum(t.numel() for t in pieces)} elements where the plan has {bucket.numel}")
+        for p, piece in zip(bucket.pieces, pieces):
             if p.name in self.staging:
                 self.staging[p.name].view(-1)[p.start:p.start + p.numel].copy_(piece)
             else:
