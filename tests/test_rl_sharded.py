@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from codefleet.contracts import TRAINERS
 from codefleet.model import checkpoint
 from codefleet.model.config import ModelConfig
 from codefleet.model.expert_parallel import ExpertParallelMoE
@@ -146,12 +147,19 @@ def _same_weights(got: dict, expected: dict, what: str) -> None:
 
 
 def _fsdp_step_rank(rank: int) -> None:
+    for backend in ("fsdp2", "fsdp2_ep"):
+        _fsdp_step_case(rank, TRAINERS.get(backend))
+
+
+def _fsdp_step_case(rank: int, trainer_class) -> None:
     """Two steps (SFT, then RL with routing replay and off-policy correction) on unequal halves of the batch,
     with different micro-batch counts per rank, equal the single-process steps on the whole batch."""
     cfg = TrainConfig(lr=1e-2, micro_batch_tokens=24, loss=LossConfig(off_policy="decoupled"))
     torch.manual_seed(0)
     single = Trainer(Transformer(_cfg()), cfg)
-    sharded = ShardedTrainer(copy.deepcopy(single.model), cfg)
+    sharded = trainer_class(copy.deepcopy(single.model), cfg)
+    local_experts = [p.shape[0] for p in sharded.experts.values()]
+    assert local_experts == ([2, 2] * 2 if trainer_class.expert_parallel else []), local_experts  # 4 experts, 2 here
     examples = _examples(6)
     cut_ex, cut_s = (slice(0, 4), slice(0, 4)) if rank == 0 else (slice(4, 6), slice(4, 5))  # rank 1: fewer
     single.forward_backward_sft(examples)
@@ -172,6 +180,7 @@ def _fsdp_step_rank(rank: int) -> None:
 
 
 def test_fsdp2_step_equals_single_process_step(tmp_path):
+    """FSDP2 alone ("fsdp2"), and FSDP2 with the experts split across the ranks ("fsdp2_ep")."""
     _spawn(_fsdp_step_rank, tmp_path)
 
 
@@ -186,13 +195,13 @@ def _sft_step(trainer: ShardedTrainer, rank: int, seed: int) -> None:
     trainer.optim_step()
 
 
-def _save_then_die_rank(rank: int, start: str | None, ckpt: str, record: str) -> None:
+def _save_then_die_rank(rank: int, backend: str, start: str | None, ckpt: str, record: str) -> None:
     """Step, save, record the saved weights and the next step's, then rank 1 is SIGKILLed."""
     if start is None:
         torch.manual_seed(0)
-        trainer = ShardedTrainer(Transformer(_cfg(balance="bias", n_experts=8)), CKPT_CFG)
+        trainer = TRAINERS.get(backend)(Transformer(_cfg(balance="bias", n_experts=8)), CKPT_CFG)
     else:
-        trainer = ShardedTrainer.load(start, CKPT_CFG)
+        trainer = TRAINERS.get(backend).load(start, CKPT_CFG)
     _sft_step(trainer, rank, seed=1)
     trainer.save(ckpt)
     saved = trainer.weights()
@@ -205,9 +214,9 @@ def _save_then_die_rank(rank: int, start: str | None, ckpt: str, record: str) ->
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _resume_rank(rank: int, ckpt: str, record: str) -> None:
+def _resume_rank(rank: int, backend: str, ckpt: str, record: str) -> None:
     expected = torch.load(record)
-    trainer = ShardedTrainer.load(ckpt, CKPT_CFG)
+    trainer = TRAINERS.get(backend).load(ckpt, CKPT_CFG)
     assert trainer.version == 1
     _same_weights(trainer.weights(), expected["saved"], "resumed")
     _sft_step(trainer, rank, seed=2)
@@ -222,9 +231,10 @@ def _run_until_killed(tmp_path, *args) -> None:
 
 
 def test_sharded_checkpoint_resumes_after_sigkill_and_consolidates(tmp_path):
+    """With expert parallelism too ("fsdp2_ep"): the experts and their Adam moments are saved as row blocks."""
     ckpt, record = str(tmp_path / "ckpt"), str(tmp_path / "record.pt")
-    _run_until_killed(tmp_path, None, ckpt, record)
-    _spawn(_resume_rank, tmp_path, ckpt, record)  # fresh processes
+    _run_until_killed(tmp_path, "fsdp2_ep", None, ckpt, record)
+    _spawn(_resume_rank, tmp_path, "fsdp2_ep", ckpt, record)  # fresh processes
     out = consolidate(ckpt, str(tmp_path / "whole"))
     expected = torch.load(record)["saved"]
     _same_weights(checkpoint.load(out).state_dict(), expected, "consolidated")
@@ -238,7 +248,7 @@ def test_hf_checkpoint_trains_sharded_and_consolidates_to_hf(tmp_path):
 
     hf_dir = make_tiny_hf(str(tmp_path / "hf"), arch="qwen3_moe")
     ckpt, record = str(tmp_path / "ckpt"), str(tmp_path / "record.pt")
-    _run_until_killed(tmp_path, hf_dir, ckpt, record)
+    _run_until_killed(tmp_path, "fsdp2", hf_dir, ckpt, record)
     out = consolidate(ckpt, str(tmp_path / "hf-out"))
     expected = torch.load(record)["saved"]
     ours = checkpoint.load(out)

@@ -3,6 +3,7 @@
     ep_moe = ExpertParallelMoE.from_moe(moe, group)   # this rank keeps experts [r*E/W, (r+1)*E/W)
     out = ep_moe(x_ND, replay_NK)                     # the same MoEOutput as moe(x_ND, replay_NK)
     parallelize_experts(model, group)                 # every MoE layer of a Transformer, in place
+                                                      # (rl.sharded's "fsdp2_ep" trainer does this)
 
 Every rank holds its own tokens (the ranks are also data-parallel) and the
 replicated router and shared experts; of the E routed experts it holds
@@ -133,16 +134,3 @@ def parallelize_experts(model: nn.Module, group=None) -> nn.Module:
             block.ffn = ExpertParallelMoE.from_moe(block.ffn, group)
     return model
 
-
-def gather_experts(model: nn.Module, group=None) -> dict[str, torch.Tensor]:
-    """The full (unsharded) state dict of an expert-parallel model, on every rank: each MoE layer's expert
-    weights all-gathered along the expert dimension (a collective: every rank calls it)."""
-    state = {k: v.detach() for k, v in model.state_dict().items()}
-    for name, module in model.named_modules():
-        if isinstance(module, ExpertParallelMoE):
-            for p in ("w_gate_up_EDG", "w_down_EFD"):
-                local = getattr(module, p).detach().contiguous()
-                parts = [torch.empty_like(local) for _ in range(module.world)]
-                dist.all_gather(parts, local, group=group)
-                state[f"{name}.{p}"] = torch.cat(parts)
-    return state

@@ -68,6 +68,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -77,10 +78,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from codefleet.contracts import TRAINERS
 from codefleet.model import checkpoint
 from codefleet.model.config import ModelConfig
+from codefleet.model.expert_parallel import ExpertParallelMoE, parallelize_experts
 from codefleet.model.transformer import Transformer
 from codefleet.rl.batch import Sample
 from codefleet.rl.logprobs import forward_logprobs
@@ -95,11 +98,22 @@ def is_sharded_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, ".metadata")) and os.path.isfile(os.path.join(path, MODEL_CONFIG_FILE))
 
 
-def shard_model(model: Transformer, mesh: DeviceMesh) -> Transformer:
-    """FSDP2 in place: every block, then the root; gradients summed (not averaged) across ranks."""
+def expert_weights(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The expert-parallel MoE layers' expert weights by name (each rank holds its own experts' rows)."""
+    return {f"{name}.{p}": getattr(m, p) for name, m in model.named_modules() if isinstance(m, ExpertParallelMoE)
+            for p in ("w_gate_up_EDG", "w_down_EFD")}
+
+
+def shard_model(model: Transformer, mesh: DeviceMesh, expert_parallel: bool = False) -> Transformer:
+    """FSDP2 in place: every block, then the root; gradients summed (not averaged) across ranks. With
+    `expert_parallel`, the MoE layers first become `ExpertParallelMoE` over all ranks, and FSDP2 leaves their
+    expert weights alone (each rank's are its own; their gradients are already complete)."""
+    if expert_parallel:
+        parallelize_experts(model)
+    ignored = set(expert_weights(model).values())
     for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, ignored_params=ignored & set(block.parameters()) or None)
+    fully_shard(model, mesh=mesh, ignored_params=ignored or None)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
@@ -109,6 +123,8 @@ def shard_model(model: Transformer, mesh: DeviceMesh) -> Transformer:
 
 class ShardedTrainer(Trainer):
     """`Trainer` on an FSDP2-sharded model, one per rank of the default process group. See the module docstring."""
+
+    expert_parallel = False  # `ExpertParallelTrainer`: the MoE experts split across the ranks
 
     def __init__(self, model: Transformer, config: TrainConfig | None = None, version: int = 0,
                  device: str | torch.device | None = None):
@@ -125,14 +141,17 @@ class ShardedTrainer(Trainer):
         self.config = config or TrainConfig()
         reference = None
         if self.config.loss.kl_coef > 0:  # copied before sharding, then sharded like the policy
-            reference = shard_model(copy.deepcopy(model).eval().requires_grad_(False), self.mesh)
-        self.model = shard_model(model, self.mesh).train()
+            reference = shard_model(copy.deepcopy(model).eval().requires_grad_(False), self.mesh,
+                                    self.expert_parallel)
+        self.model = shard_model(model, self.mesh, self.expert_parallel).train()
+        self.experts = expert_weights(self.model)
         self.reference = reference
         self.version = int(version)
         torch.manual_seed(self.config.seed)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=self.config.lr, betas=self.config.betas,
-                                           eps=self.config.eps, weight_decay=self.config.weight_decay)
+                                           eps=self.config.eps, weight_decay=self.config.weight_decay,
+                                           foreach=False if self.experts else None)  # DTensors and plain tensors
 
     # ---- forward + backward, in lockstep --------------------------------------------------
 
@@ -190,12 +209,28 @@ class ShardedTrainer(Trainer):
     # ---- the step -----------------------------------------------------------------------
 
     def optim_step(self) -> dict[str, float]:
-        """Sum the router's expert loads across ranks, then `Trainer.optim_step` on the shards (the gradient
-        norm for clipping is the global one: the DTensors reduce it)."""
-        loads = [b for n, b in self.model.named_buffers() if n.endswith("load_E")]
-        for b in loads:
-            dist.all_reduce(b)
-        return super().optim_step()
+        """`Trainer.optim_step` on the shards: the router's expert loads summed across ranks first, and the
+        global gradient norm for clipping summed from every rank's shards (and its own experts)."""
+        if all(p.grad is None for p in self.params):
+            raise RuntimeError("optim_step without gradients: call forward_backward_sft/_rl first")
+        for name, b in self.model.named_buffers():
+            if name.endswith("load_E"):
+                dist.all_reduce(b)
+        grads = [g.to_local() if isinstance(g, DTensor) else g for g in self.gradients()]
+        sq = torch.stack([g.float().square().sum() for g in grads]).sum()
+        dist.all_reduce(sq)
+        norm = sq.sqrt()
+        if self.config.grad_clip > 0:  # as torch.nn.utils.clip_grad_norm_
+            coef = torch.clamp(self.config.grad_clip / (norm + 1e-6), max=1.0)
+            for g in grads:
+                g.mul_(coef.to(g.dtype))
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.config.lr_at(self.version)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.update_router_bias()
+        self.version += 1
+        return {"grad_norm": float(norm), "lr": self.optimizer.param_groups[0]["lr"], "version": float(self.version)}
 
     def all_reduce(self, reduce_sum) -> None:
         raise RuntimeError("ShardedTrainer sums gradients in its backward (FSDP2 reduce-scatter); the data-parallel "
@@ -206,12 +241,36 @@ class ShardedTrainer(Trainer):
     def weights(self, clone: bool = True) -> dict[str, torch.Tensor]:
         """The whole model's state dict on CPU, on every rank (a collective: every rank must call it)."""
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        for name, p in self.experts.items():  # every rank's experts, in rank order
+            parts = [torch.empty_like(p) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, p.detach().contiguous())
+            state[name] = torch.cat(parts)
         return {k: v.detach().cpu().clone() for k, v in state.items()}
 
     def _state(self) -> dict:
-        return {"model": get_model_state_dict(self.model),
-                "optim": get_optimizer_state_dict(self.model, self.optimizer),
-                "rng": torch.get_rng_state()}
+        """What DCP saves and loads: the sharded model and optimizer state, with each rank's experts (and their
+        Adam moments) as row blocks of one DTensor, so the checkpoint holds whole expert tensors."""
+        model, optim = get_model_state_dict(self.model), get_optimizer_state_dict(self.model, self.optimizer)
+        for name in self.experts:
+            model[name] = self._as_rows(model[name])
+            if name in optim["state"]:  # a new dict: this one may be the optimizer's own
+                optim["state"][name] = {k: self._as_rows(v) if isinstance(v, torch.Tensor) and v.dim() else v
+                                        for k, v in optim["state"][name].items()}
+        return {"model": model, "optim": optim, "rng": torch.get_rng_state()}
+
+    def _as_rows(self, local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(local.detach(), self.mesh, [Shard(0)], run_check=False)
+
+    def _set_state(self, state: dict) -> None:
+        """`_state` loaded by DCP, into the model and optimizer."""
+        for name in self.experts:
+            state["model"][name] = state["model"][name].to_local()
+            if name in state["optim"]["state"]:
+                state["optim"]["state"][name] = {k: v.to_local() if isinstance(v, DTensor) else v
+                                                 for k, v in state["optim"]["state"][name].items()}
+        set_model_state_dict(self.model, state["model"])
+        set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+        torch.set_rng_state(state["rng"])
 
     def save(self, path: str) -> None:
         """A DCP checkpoint in directory `path`, written atomically (a collective; see the module docstring)."""
@@ -222,6 +281,8 @@ class ShardedTrainer(Trainer):
         dist.barrier()
         dcp.save(self._state(), checkpoint_id=tmp)
         if self.reference is not None:
+            if self.experts:
+                raise NotImplementedError("saving a KL reference under expert parallelism is not implemented")
             dcp.save({"model": get_model_state_dict(self.reference)}, checkpoint_id=os.path.join(tmp, REFERENCE_DIR))
         if dist.get_rank() == 0:
             with open(os.path.join(tmp, MODEL_CONFIG_FILE), "w") as f:
@@ -253,10 +314,10 @@ class ShardedTrainer(Trainer):
         trainer = cls(Transformer(model_config), config, version=version, device=device)
         state = trainer._state()
         dcp.load(state, checkpoint_id=path)
-        set_model_state_dict(trainer.model, state["model"])
-        set_optimizer_state_dict(trainer.model, trainer.optimizer, state["optim"])
-        torch.set_rng_state(state["rng"])
+        trainer._set_state(state)
         if trainer.reference is not None and os.path.isdir(os.path.join(path, REFERENCE_DIR)):
+            if trainer.experts:
+                raise NotImplementedError("resuming a KL reference under expert parallelism is not implemented")
             ref = {"model": get_model_state_dict(trainer.reference)}
             dcp.load(ref, checkpoint_id=os.path.join(path, REFERENCE_DIR))
             set_model_state_dict(trainer.reference, ref["model"])
@@ -284,4 +345,11 @@ def consolidate(sharded_dir: str, out_dir: str) -> str:
     return out_dir
 
 
+class ExpertParallelTrainer(ShardedTrainer):
+    """`ShardedTrainer` with the MoE experts split across the ranks (`model.expert_parallel`), the rest FSDP2."""
+
+    expert_parallel = True
+
+
 TRAINERS.register("fsdp2", ShardedTrainer)
+TRAINERS.register("fsdp2_ep", ExpertParallelTrainer)
