@@ -147,14 +147,16 @@ def _same_weights(got: dict, expected: dict, what: str) -> None:
 
 
 def _fsdp_step_rank(rank: int) -> None:
-    for backend in ("fsdp2", "fsdp2_ep"):
-        _fsdp_step_case(rank, TRAINERS.get(backend))
+    for backend, loss in [("fsdp2", LossConfig(off_policy="decoupled")), ("fsdp2_ep", LossConfig(off_policy="tis")),
+                          ("fsdp2", LossConfig(kl_coef=0.5))]:
+        _fsdp_step_case(rank, TRAINERS.get(backend), loss)
 
 
-def _fsdp_step_case(rank: int, trainer_class) -> None:
-    """Two steps (SFT, then RL with routing replay and off-policy correction) on unequal halves of the batch,
-    with different micro-batch counts per rank, equal the single-process steps on the whole batch."""
-    cfg = TrainConfig(lr=1e-2, micro_batch_tokens=24, loss=LossConfig(off_policy="decoupled"))
+def _fsdp_step_case(rank: int, trainer_class, loss: LossConfig) -> None:
+    """Two steps (SFT, then RL with routing replay and an off-policy correction or a KL reference) on unequal
+    halves of the batch, with different micro-batch counts per rank, equal the single-process steps on the
+    whole batch."""
+    cfg = TrainConfig(lr=1e-2, micro_batch_tokens=24, loss=loss)
     torch.manual_seed(0)
     single = Trainer(Transformer(_cfg()), cfg)
     sharded = trainer_class(copy.deepcopy(single.model), cfg)
@@ -163,24 +165,27 @@ def _fsdp_step_case(rank: int, trainer_class) -> None:
     examples = _examples(6)
     cut_ex, cut_s = (slice(0, 4), slice(0, 4)) if rank == 0 else (slice(4, 6), slice(4, 5))  # rank 1: fewer
     single.forward_backward_sft(examples)
-    single.optim_step()
-    got = sharded.forward_backward_sft(examples[cut_ex], total_tokens=sft_units(examples))
-    sharded.optim_step()
-    _same_weights(sharded.weights(), single.weights(), "after the SFT step")
+    sharded.forward_backward_sft(examples[cut_ex], total_tokens=sft_units(examples))
+    _same_step(sharded, single, "the SFT step")
     samples = _samples(single.model, 5, seed=1)
     ref = single.forward_backward_rl(samples)
-    single.optim_step()
     got = sharded.forward_backward_rl(samples[cut_s], total_tokens=loss_units(samples, cfg.loss))
     assert got["routing_replay_frac"] == 1.0
     total = torch.tensor([got["loss"]])
     dist.all_reduce(total)
     assert abs(float(total) - ref["loss"]) < TOL, (float(total), ref["loss"])
-    sharded.optim_step()
-    _same_weights(sharded.weights(), single.weights(), "after the RL step")
+    _same_step(sharded, single, "the RL step")
+
+
+def _same_step(sharded: ShardedTrainer, single: Trainer, what: str) -> None:
+    """The gradient norms (Adam alone would hide a gradient scaled by a constant) and the weights after it."""
+    norm, expected = sharded.optim_step()["grad_norm"], single.optim_step()["grad_norm"]
+    assert abs(norm - expected) <= TOL * max(1.0, expected), f"{what}: gradient norm {norm} != {expected}"
+    _same_weights(sharded.weights(), single.weights(), f"after {what}")
 
 
 def test_fsdp2_step_equals_single_process_step(tmp_path):
-    """FSDP2 alone ("fsdp2"), and FSDP2 with the experts split across the ranks ("fsdp2_ep")."""
+    """FSDP2 alone ("fsdp2", also with a KL reference), and with the experts split across the ranks ("fsdp2_ep")."""
     _spawn(_fsdp_step_rank, tmp_path)
 
 

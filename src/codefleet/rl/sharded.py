@@ -50,11 +50,21 @@ directory in one process into a whole `Transformer` and writes it with
 `checkpoint.save`: an HF directory that transformers loads when the model
 came from one (`config.architecture`), else codefleet's format.
 
-Not here: expert parallelism inside this trainer. `model.expert_parallel` is
-the EP layer (all-to-all dispatch, tested against the unsharded layer); using
-it here needs the expert weights left out of FSDP2 (`ignored_params`), their
-gradient norm summed across the EP group for clipping, and their shards
-saved as EP-sharded DTensors, which this file does not do yet.
+Expert parallelism (TRAINERS "fsdp2_ep", `ExpertParallelTrainer`): the MoE
+layers become `model.expert_parallel.ExpertParallelMoE` over all ranks (EP =
+world size), each rank holding E / W experts; FSDP2 shards everything else and
+ignores the expert weights (`ignored_params`), whose gradients are complete
+on their owner after the reverse all-to-all. The clipping norm is the square
+root of every rank's sum of squares over its shards and its experts (one
+all-reduce), AdamW runs without foreach (DTensors and plain tensors mixed),
+and the checkpoint stores each expert weight and its Adam moments as one
+DTensor of row blocks, so `consolidate` and a resume see whole expert
+tensors. Not yet: a KL reference under EP (saving it raises), and EP over a
+subgroup of the ranks (EP < world size, a 2-D mesh).
+
+Not wired into `fleet.trainer_group`: its workers build the trainer before
+`init_process_group`, and publish / save from rank 0 alone, while this
+trainer's construction, `weights` and `save` are collectives of all ranks.
 """
 
 from __future__ import annotations
