@@ -25,7 +25,7 @@ from codefleet.rl.batch import Sample
 from codefleet.rl.logprobs import forward_logprobs
 from codefleet.rl.losses import LossConfig
 from codefleet.rl.sharded import ShardedTrainer, consolidate
-from codefleet.rl.trainer import TrainConfig, Trainer, loss_units, sft_units
+from codefleet.rl.trainer import TrainConfig, Trainer, sft_units
 
 TOL = 1e-5
 
@@ -169,7 +169,7 @@ def _fsdp_step_case(rank: int, trainer_class, loss: LossConfig) -> None:
     _same_step(sharded, single, "the SFT step")
     samples = _samples(single.model, 5, seed=1)
     ref = single.forward_backward_rl(samples)
-    got = sharded.forward_backward_rl(samples[cut_s], total_tokens=loss_units(samples, cfg.loss))
+    got = sharded.forward_backward_rl(samples[cut_s])  # total_tokens: summed across the ranks
     assert got["routing_replay_frac"] == 1.0
     total = torch.tensor([got["loss"]])
     dist.all_reduce(total)

@@ -98,7 +98,7 @@ from codefleet.model.transformer import Transformer
 from codefleet.rl.batch import Sample
 from codefleet.rl.logprobs import forward_logprobs
 from codefleet.rl.sft import pad_batch, sft_step_loss
-from codefleet.rl.trainer import Example, TrainConfig, Trainer, _to_device, pack
+from codefleet.rl.trainer import Example, TrainConfig, Trainer, _to_device, loss_units, pack, sft_units
 
 MODEL_CONFIG_FILE, METADATA_FILE, REFERENCE_DIR = "model_config.json", "metadata.json", "reference"
 
@@ -166,6 +166,10 @@ class ShardedTrainer(Trainer):
     # ---- forward + backward, in lockstep --------------------------------------------------
 
     def forward_backward_sft(self, examples: list[Example], total_tokens: int | None = None) -> dict[str, float]:
+        """`Trainer.forward_backward_sft` on this rank's examples; `total_tokens` defaults to the trained targets
+        of every rank's examples of this call (summed across ranks)."""
+        if total_tokens is None:
+            total_tokens = self._sum(sft_units(examples))
         n = len(pack([len(ids) - 1 for ids, _ in examples], self.config.micro_batch_tokens))
         extra = self._missing_micro_batches(n)
         metrics = super().forward_backward_sft(examples, total_tokens)
@@ -174,12 +178,21 @@ class ShardedTrainer(Trainer):
         return metrics
 
     def forward_backward_rl(self, samples: list[Sample], total_tokens: int | None = None) -> dict[str, float]:
+        """`Trainer.forward_backward_rl` on this rank's samples; `total_tokens` defaults to the loss units of
+        every rank's samples of this call (summed across ranks)."""
+        if total_tokens is None:
+            total_tokens = self._sum(loss_units(samples, self.config.loss))
         n = len(pack([len(s.tokens) for s in samples], self.config.micro_batch_tokens))
         extra = self._missing_micro_batches(n)
         metrics = super().forward_backward_rl(samples, total_tokens)
         for _ in range(extra):
             self._dummy_pass(rl=True)
         return metrics
+
+    def _sum(self, n: int) -> int:
+        total = torch.tensor([n], device=self.device)
+        dist.all_reduce(total)
+        return int(total)
 
     def _missing_micro_batches(self, n: int) -> int:
         """How many micro-batches fewer than the busiest rank this rank has."""
