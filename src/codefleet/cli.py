@@ -99,7 +99,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.what == "sandbox":
         return run_cli(quick=args.quick, as_json=args.json, backend=args.backend)
     if args.what == "engine":
-        return run_cli(quick=args.quick, as_json=args.json, checkpoint_dir=args.checkpoint)
+        return run_cli(quick=args.quick, as_json=args.json, checkpoint_dir=args.checkpoint, shape=args.shape)
     return run_cli(quick=args.quick, as_json=args.json)
 
 
@@ -136,6 +136,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     bench.add_argument("--checkpoint", metavar="DIR", default=None,
                        help="Hugging Face model directory that codefleet's engine and transformers' generate() "
                        "both run (bench engine only; default: a tiny random Qwen3-MoE built with transformers)")
+    bench.add_argument("--shape", choices=["tiny", "qwen3-0.6b", "moe-1b"], default="tiny",
+                       help="random model that bench engine builds without --checkpoint: tiny (default), a dense "
+                       "Qwen3 of Qwen3-0.6B's shape, or a ~1B-total Qwen3-MoE (fewer tokens at these two)")
     bench.set_defaults(func=_bench)
 
     chosen = next((a for a in argv if not a.startswith("-")), None)

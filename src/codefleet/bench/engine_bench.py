@@ -1,11 +1,16 @@
-"""`codefleet bench engine [--checkpoint DIR]`: generated tokens/s of codefleet's engine, next to HF
-`generate()`, on the same Hugging Face checkpoint in the same run, and what loading it costs.
+"""`codefleet bench engine [--checkpoint DIR | --shape tiny|qwen3-0.6b|moe-1b]`: generated tokens/s of
+codefleet's engine, next to HF `generate()` and vLLM, on the same Hugging Face checkpoint in the same run, and
+what loading it costs.
 
 Both sides run one checkpoint: codefleet loads it with `checkpoint.load(DIR)` into its own transformer, HF
 with `AutoModelForCausalLM.from_pretrained(DIR)` (in the checkpoint's dtype). Without `--checkpoint` the bench
 first builds a tiny random Qwen3-MoE with transformers into a temporary directory (`build_tiny_qwen3_moe`: the
 shapes of `ModelConfig.tiny()` (layers, hidden size, heads, kv heads, head dim, experts, top-k, expert hidden
-size, vocabulary) with Qwen3-MoE's q/k norm, fp32) and runs exactly the `--checkpoint` path on it.
+size, vocabulary) with Qwen3-MoE's q/k norm, fp32, codefleet's tokenizer) and runs exactly the `--checkpoint`
+path on it. `--shape` builds a model a user would run instead, random fp32 weights (`SHAPES`): `qwen3-0.6b`
+(Qwen3-0.6B's dense shape, 0.6B parameters) or `moe-1b` (a Qwen3-MoE of 1.06B total, 0.36B active). On a
+few CPU cores those run prompt 32 + 16 new tokens (`LARGE_TOKENS`; `prompt_tokens`/`new_tokens` say so), the
+engine against vLLM only (no HF probes, no multi-turn episodes).
 
 Greedy decoding, no stop tokens (every request generates exactly `new_tokens`), prompts of random token ids
 below the vocabulary size, of a fixed length, `threads` torch threads. Figures count generated tokens over
@@ -20,6 +25,10 @@ the whole call, prefill included:
   setting: every expert implementation (`grouped_mm`, `eager`, `batched_mm`) with its dynamic and its static
   KV cache is probed twice on a short batch-32 run, and the two fastest are timed in full
   (`hf_setting_b1|b32` names the one that won, `hf_probe_tokens_per_s` has the probes).
+- `vllm_tokens_per_s_b1|b32`, `engine_over_vllm_b1|b32`, `vllm_version`: vLLM's engine
+  (model/vllm_engine.py, `record_routing=False`, EOS ignored: exactly `new_tokens` each) on the same
+  checkpoint, prompts and threads, where vLLM is importable (.venv-vllm, scripts/setup_vllm.sh); null
+  otherwise, and `note` says why.
 - `load_s`, `load_peak_rss_mb`: wall time of `checkpoint.load(DIR)` and the peak RSS it adds above the
   process's own, both measured in a fresh Python process (its peak RSS reset after the imports, read after the
   load), so this process's history (transformers, the HF model) hides nothing. It is a process's first load, as
@@ -36,8 +45,8 @@ prompt, then each attempt has its own 64 tokens; per turn 48 new tokens and a
 the ratio of the episodes' generated tokens/s, `prefix_reused_fraction` the
 share of prompt tokens the cache supplied.
 
-Both run in this process with the same threads, interleaved (each repeat times
-the engine and then HF on the same prompts, so a burst of load on a shared
+All run in this process with the same threads, interleaved (each repeat times
+the engine, then HF, then vLLM on the same prompts, so a burst of load on a shared
 machine hits both), and each figure is the median of `repeats`. Every repeat
 (and the warm-up) gets prompts never seen before: the engine's prefix cache
 parks every finished sequence, so a prompt timed twice would skip its prefill
@@ -50,8 +59,10 @@ the absolute numbers on a shared machine.
 from __future__ import annotations
 
 import glob
+import importlib.util
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -61,12 +72,17 @@ import time
 import torch
 
 from codefleet.bench.report import report
-from codefleet.model import checkpoint, hf, kernels
+from codefleet.bench.tiny_hf import make_tiny_hf
+from codefleet.model import checkpoint, hf, kernels, vllm_engine
 from codefleet.model.config import ModelConfig
 from codefleet.model.engine import Engine
 from codefleet.model.sampling import SamplingParams
+from codefleet.model.tokenizer import ASSETS_DIR, TOKENIZER_FILE
 
 BUILT = "tiny-qwen3-moe (built)"
+TOKENIZER_SIZE = 4096  # codefleet's own tokenizer (model/assets), ModelConfig.tiny()'s vocabulary
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
+                      "{% if add_generation_prompt %}<|assistant|>{% endif %}")  # in its special tokens
 
 
 def build_tiny_qwen3_moe(path: str, **shapes) -> str:
@@ -83,7 +99,33 @@ def build_tiny_qwen3_moe(path: str, **shapes) -> str:
         max_position_embeddings=config.max_seq_len, tie_word_embeddings=False, pad_token_id=0)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(hf_config).eval().save_pretrained(path)  # fp32: torch's default dtype
+    if config.vocab_size == TOKENIZER_SIZE:  # codefleet's tokenizer fits: a directory vLLM can load (its tokenizer)
+        shutil.copy(os.path.join(ASSETS_DIR, TOKENIZER_FILE), path)
+        with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+            json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": config.max_seq_len,
+                       "chat_template": TINY_CHAT_TEMPLATE}, f)
+        with open(os.path.join(path, "generation_config.json"), "w") as f:
+            json.dump({"eos_token_id": 3, "pad_token_id": 0}, f)  # <|end|>, <|pad|>: the bench stops on neither
     return path
+
+
+# Shapes a user would run, random weights built by transformers (`make_tiny_hf`: Qwen's tokenizer layout), fp32;
+# both with Qwen3-0.6B's attention (16 query / 8 KV heads of 128) and vocabulary (151936, embeddings tied).
+SHAPES = {
+    "qwen3-0.6b": ("qwen3", dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                                 num_key_value_heads=8, head_dim=128, intermediate_size=3072)),
+    # ~1.06B total, ~0.36B active: 16 layers, 32 experts top-4 of hidden 512
+    "moe-1b": ("qwen3_moe", dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16,
+                                 num_key_value_heads=8, head_dim=128, num_experts=32, num_experts_per_tok=4,
+                                 moe_intermediate_size=512, intermediate_size=3072, norm_topk_prob=True)),
+}
+LARGE_TOKENS = (32, 16)  # (prompt, new) per request at the SHAPES: a b32 call is ~1k prefill tokens on 2 cores
+
+
+def build_shape(shape: str, path: str) -> str:
+    """A random checkpoint of `shape` (a key of SHAPES) saved by transformers into `path`; returns `path`."""
+    arch, sizes = SHAPES[shape]
+    return make_tiny_hf(path, arch=arch, max_shard_size="2GB", vocab_size=151936, tie_word_embeddings=True, **sizes)
 
 
 def hf_peer(path: str, dtype: torch.dtype):
@@ -95,6 +137,18 @@ def hf_peer(path: str, dtype: torch.dtype):
         return None
     key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"  # renamed in 5
     return transformers.AutoModelForCausalLM.from_pretrained(path, **{key: dtype}).eval()
+
+
+def vllm_peer(path: str, max_batch: int, max_seq_len: int):
+    """vLLM's engine (model/vllm_engine.py) on the checkpoint in `path` and vLLM's version, or (None, why) when
+    vLLM is not importable in this Python."""
+    if importlib.util.find_spec("vllm") is None:
+        return None, f"no vLLM peer: {vllm_engine.INSTALL_HINT}"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    import vllm  # optional: scripts/setup_vllm.sh (.venv-vllm)
+
+    engine = vllm_engine.load_vllm_engine(path, max_batch=max_batch, max_seq_len=max_seq_len, record_routing=False)
+    return engine, vllm.__version__
 
 
 # Linux carries a parent's peak RSS across exec into the child's `ru_maxrss`, so a process started by this one
@@ -240,59 +294,88 @@ def _hf_best_settings(model, prompts: list[list[int]], probe_tokens: int, log) -
 
 
 def run(quick: bool = False, threads: int = 2, log=print, repeats: int | None = None,
-        checkpoint_dir: str | None = None) -> dict:
-    """The figures of the module docstring on the Hugging Face checkpoint in `checkpoint_dir` (default: a tiny
-    random Qwen3-MoE built into a temporary directory)."""
+        checkpoint_dir: str | None = None, shape: str = "tiny") -> dict:
+    """The figures of the module docstring on the Hugging Face checkpoint in `checkpoint_dir` (default: a random
+    model of `shape`, "tiny" or a key of SHAPES, built into a temporary directory)."""
+    if shape != "tiny" and shape not in SHAPES:
+        raise ValueError(f"shape must be tiny or one of {', '.join(SHAPES)}, got {shape!r}")
     if checkpoint_dir is not None:
-        return _run(checkpoint_dir, checkpoint_dir, quick, threads, log, repeats)
+        if shape != "tiny":
+            raise ValueError("give --checkpoint DIR or --shape, not both: the shape is the one of DIR")
+        return _run(checkpoint_dir, checkpoint_dir, quick, threads, log, repeats, large=False)
     try:
         import transformers  # noqa: F401  # optional: the `bench` extra (pyproject.toml)
     except ImportError:
-        raise RuntimeError("building the tiny Qwen3-MoE needs transformers: pip install 'codefleet[bench]', "
+        raise RuntimeError("building the bench's model needs transformers: pip install 'codefleet[bench]', "
                            "or pass --checkpoint DIR") from None
     with tempfile.TemporaryDirectory(prefix="codefleet-bench-") as path:
-        log("building a tiny random Qwen3-MoE with transformers ...")
-        return _run(build_tiny_qwen3_moe(path), BUILT, quick, threads, log, repeats)
+        if shape == "tiny":
+            log("building a tiny random Qwen3-MoE with transformers ...")
+            return _run(build_tiny_qwen3_moe(path), BUILT, quick, threads, log, repeats, large=False)
+        log(f"building a random {shape} with transformers ...")
+        return _run(build_shape(shape, path), f"{shape} (built, random)", quick, threads, log, repeats, large=True)
 
 
-def _run(path: str, label: str, quick: bool, threads: int, log, repeats: int | None) -> dict:
+def _run(path: str, label: str, quick: bool, threads: int, log, repeats: int | None, large: bool) -> dict:
     if not hf.is_hf_dir(path):
         raise ValueError(f"{path} is not a Hugging Face model directory (a config.json naming `architectures` "
                          "or `model_type`): bench engine runs transformers on the same checkpoint")
     hf.check(path)  # one clear sentence for a bad directory before anything is timed
     torch.set_num_threads(threads)
     prompt_len, new_tokens, batch = (32, 32, 32) if quick else (64, 128, 32)
-    repeats = repeats or (1 if quick else 3)
+    if large:
+        prompt_len, new_tokens = LARGE_TOKENS
+    repeats = repeats or (1 if quick else 3 if not large else 2)
     log(f"loading {label} in a fresh process ...")
     load = load_cost(path, threads)
     model = checkpoint.load(path).eval()
     config = model.config
-    engine = Engine(model, None, max_batch=batch, max_seq_len=prompt_len + new_tokens + 1)
+    max_seq_len = prompt_len + new_tokens + 1
+    engine = Engine(model, None, max_batch=batch, max_seq_len=max_seq_len)
     prompts = _prompts(batch, prompt_len, config.vocab_size)
     results: dict = {"checkpoint": label, "architecture": config.architecture, "quick": quick, "threads": threads,
-                     "prompt_tokens": prompt_len, "new_tokens": new_tokens, "batch": batch,
+                     "prompt_tokens": prompt_len, "new_tokens": new_tokens, "batch": batch, "repeats": repeats,
                      "n_layers": config.n_layers, "d_model": config.d_model, "n_experts": config.n_experts,
                      "top_k": config.top_k, "vocab_size": config.vocab_size, "qk_norm": config.qk_norm,
+                     "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
                      "dtype": str(config.torch_dtype).removeprefix("torch."),
                      "native_kernel": kernels.moe_experts() is not None, **load}
+    notes = []
+    if large:
+        notes.append(f"prompt {prompt_len} + {new_tokens} new tokens at this shape (2 CPU cores); HF generate() "
+                     "and the multi-turn episodes run at the tiny shape and on --checkpoint only")
     # warm-up on prompts of its own (a timed prompt already parked in the prefix cache would skip its prefill)
-    engine.generate(_prompts(2, prompt_len, config.vocab_size, seed=999), SamplingParams(max_tokens=4, temperature=0))
-    peer = hf_peer(path, config.torch_dtype)
+    warm = _prompts(2, prompt_len, config.vocab_size, seed=999)
+    engine.generate(warm, SamplingParams(max_tokens=4, temperature=0))
+    peer = None if large else hf_peer(path, config.torch_dtype)
     settings: list[tuple[str, str]] = []
-    if peer is None:
-        log("transformers is not installed (pip install 'codefleet[bench]'): no HF peer")
-    else:
+    if peer is None and not large:
+        notes.append("transformers is not installed (pip install 'codefleet[bench]'): no HF peer")
+    elif peer is not None:
         results["hf_model"] = type(peer).__name__
         log("HF generate(): probing expert implementations and KV caches ...")
         probes = _hf_best_settings(peer, prompts, 8 if quick else 16, log)
         results["hf_probe_tokens_per_s"] = probes
         # the two fastest are timed in full (probes of two settings within noise of each other both run)
         settings = [tuple(name.split("/")) for name in list(probes)[: 1 if quick else 2]]
-    reused = 0
+    log("vLLM: building its engine on the same checkpoint ...")
+    try:
+        vllm, version = vllm_peer(path, batch, max_seq_len)
+    except Exception as e:  # a checkpoint vLLM cannot serve (no tokenizer, head_dim < 32 on CPU) leaves a note
+        vllm, version = None, f"no vLLM peer: vLLM could not load {label}: {str(e).strip().splitlines()[0]}"
+    if torch.get_num_threads() != threads:  # vLLM's CPU worker binds its threads: both engines must run on `threads`
+        raise RuntimeError(f"vLLM left torch with {torch.get_num_threads()} threads, not {threads}; set "
+                           f"VLLM_CPU_OMP_THREADS_BIND to {threads} cores so both engines run on the same threads")
+    results["vllm_version"] = version if vllm is not None else None
+    if vllm is None:
+        notes.append(version)
+    else:
+        vllm.generate(warm, SamplingParams(max_tokens=4, temperature=0))
+    reused = vllm_reused = 0
     for i, (name, size) in enumerate((("b1", 1), ("b32", batch))):
-        rates: dict[str, list[float]] = {"engine": [], **{"/".join(s): [] for s in settings}}
-        for r in range(repeats):  # interleaved: the engine, then each HF setting, per repeat, on the same prompts
-            rows = _prompts(size, prompt_len, config.vocab_size, seed=100 * (i + 1) + r)  # new to the engine
+        rates: dict[str, list[float]] = {"engine": [], "vllm": [], **{"/".join(s): [] for s in settings}}
+        for r in range(repeats):  # interleaved: the engine, each HF setting, vLLM, per repeat, on the same prompts
+            rows = _prompts(size, prompt_len, config.vocab_size, seed=100 * (i + 1) + r)  # new to every engine
             log(f"batch {size}, repeat {r + 1}/{repeats}: engine ...")
             rate, cached = _engine_rate(engine, rows, new_tokens)
             rates["engine"].append(rate)
@@ -300,15 +383,30 @@ def _run(path: str, label: str, quick: bool, threads: int, log, repeats: int | N
             for s in settings:
                 log(f"batch {size}, repeat {r + 1}/{repeats}: HF generate() {'/'.join(s)} ...")
                 rates["/".join(s)].append(_hf_generate(peer, rows, new_tokens, s))
-        medians = {k: statistics.median(v) for k, v in rates.items()}
+            if vllm is not None:
+                log(f"batch {size}, repeat {r + 1}/{repeats}: vLLM ...")
+                rate, cached = _engine_rate(vllm, rows, new_tokens)
+                rates["vllm"].append(rate)
+                vllm_reused += cached
+        medians = {k: statistics.median(v) for k, v in rates.items() if v}
         results[f"engine_tokens_per_s_{name}"] = round(medians.pop("engine"), 1)
+        vllm_rate = medians.pop("vllm", None)
+        results[f"vllm_tokens_per_s_{name}"] = None if vllm_rate is None else round(vllm_rate, 1)
         if settings:
             setting, rate = max(medians.items(), key=lambda kv: kv[1])
             results[f"hf_tokens_per_s_{name}"] = round(rate, 1)
             results[f"hf_setting_{name}"] = setting
     results["engine_prefix_tokens_reused"] = reused
-    del peer  # the multi-turn episodes are the engine's alone
-    results.update(_multiturn(model, config, quick, repeats, log))
+    results["vllm_prefix_tokens_reused"] = vllm_reused if vllm is not None else None
+    if vllm is not None:
+        vllm.close()
+    del peer, vllm  # the multi-turn episodes are the engine's alone
+    for name in ("b1", "b32"):
+        other = results[f"vllm_tokens_per_s_{name}"]
+        results[f"engine_over_vllm_{name}"] = round(results[f"engine_tokens_per_s_{name}"] / other, 2) if other else None
+    if not large:
+        results.update(_multiturn(model, config, quick, repeats, log))
+    results["note"] = "; ".join(notes) or None
     if not settings:
         results["hf_tokens_per_s_b1"] = results["hf_tokens_per_s_b32"] = None
         results["engine_over_hf_b1"] = results["engine_over_hf_b32"] = None
@@ -322,24 +420,28 @@ def table(r: dict) -> str:
     rows = [("", "batch 1", "batch 32"),
             ("engine tok/s", r["engine_tokens_per_s_b1"], r["engine_tokens_per_s_b32"]),
             ("HF generate() tok/s", r.get("hf_tokens_per_s_b1"), r.get("hf_tokens_per_s_b32")),
-            ("engine / HF", r.get("engine_over_hf_b1"), r.get("engine_over_hf_b32"))]
+            ("engine / HF", r.get("engine_over_hf_b1"), r.get("engine_over_hf_b32")),
+            ("vLLM tok/s", r.get("vllm_tokens_per_s_b1"), r.get("vllm_tokens_per_s_b32")),
+            ("engine / vLLM", r.get("engine_over_vllm_b1"), r.get("engine_over_vllm_b32"))]
     lines = [f"{a:<22}{'-' if b is None else b:>12}{'-' if c is None else c:>12}" for a, b, c in rows]
     lines.append(f"load: {r['load_s']} s, peak RSS +{r['load_peak_rss_mb']} MB for {r['checkpoint_mb']} MB of "
                  f"safetensors ({r['load_rss_over_size']}x)")
-    lines.append(f"multi-turn episodes ({r['multiturn_turns']} turns, 8 attempts): "
-                 f"{r['multiturn_tokens_per_s']} tok/s with the prefix cache, "
-                 f"{r['multiturn_tokens_per_s_no_prefix_cache']} without ({r['prefix_cache_speedup']}x; "
-                 f"{r['prefix_reused_fraction']:.0%} of prompt tokens reused)")
+    if "multiturn_turns" in r:
+        lines.append(f"multi-turn episodes ({r['multiturn_turns']} turns, 8 attempts): "
+                     f"{r['multiturn_tokens_per_s']} tok/s with the prefix cache, "
+                     f"{r['multiturn_tokens_per_s_no_prefix_cache']} without ({r['prefix_cache_speedup']}x; "
+                     f"{r['prefix_reused_fraction']:.0%} of prompt tokens reused)")
     return "\n".join(lines)
 
 
-def run_cli(quick: bool = False, as_json: bool = False, checkpoint_dir: str | None = None) -> int:
-    return report(lambda log: run(quick=quick, log=log, checkpoint_dir=checkpoint_dir),
+def run_cli(quick: bool = False, as_json: bool = False, checkpoint_dir: str | None = None,
+            shape: str = "tiny") -> int:
+    return report(lambda log: run(quick=quick, log=log, checkpoint_dir=checkpoint_dir, shape=shape),
                   lambda r: (f"codefleet bench engine ({r['checkpoint']}, {r['architecture']}, {r['dtype']}, "
                              f"{r['threads']} threads, prompt {r['prompt_tokens']} + {r['new_tokens']} new "
                              f"tokens, greedy{'' if r['native_kernel'] else ', without the native kernel'}"
                              f"{', quick' if quick else ''})"),
-                  table, as_json, name="engine")
+                  table, as_json, note_key="note", name="engine")
 
 
 if __name__ == "__main__":  # the same as `codefleet bench engine` (its flags, --help and errors)
