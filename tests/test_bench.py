@@ -49,6 +49,18 @@ def test_bench_engine_runs_both_sides_on_the_given_checkpoint(state_dir, small_q
     assert (r["d_model"], r["n_layers"], r["n_experts"], r["vocab_size"], r["qk_norm"]) == (64, 2, 4, 512, True)
     for key in ENGINE_FIGURES:
         assert r[key] > 0, key
+    # no vLLM in this venv, or (in .venv-vllm) a directory without a tokenizer: the vLLM column is null, and why
+    assert r["vllm_tokens_per_s_b32"] is None and r["engine_over_vllm_b1"] is None and r["vllm_version"] is None
+    assert r["note"].startswith("no vLLM peer")
+
+
+def test_bench_engine_refuses_an_unknown_shape_or_a_shape_with_a_checkpoint(small_qwen3_moe):
+    from codefleet.bench import engine_bench
+
+    with pytest.raises(ValueError, match="shape must be tiny or one of qwen3-0.6b, moe-1b"):
+        engine_bench.run(shape="qwen3-8b", log=lambda msg: None)
+    with pytest.raises(ValueError, match="not both"):
+        engine_bench.run(shape="moe-1b", checkpoint_dir=small_qwen3_moe, log=lambda msg: None)
 
 
 @pytest.mark.slow
