@@ -35,6 +35,13 @@ out-of-band buffers; `ray.get` on any process of the node rebuilds a
 `publish_buckets()` instead has every rank send its share of the tensors (split by bytes) as flat buckets of
 `bucket_mb`, one object each (`fleet.weight_sync`), for `broadcast_weights` to hand to the engines.
 
+Sharded backends (`TrainConfig.backend` "fsdp2" / "fsdp2_ep", `rl.sharded`): the trainer's construction,
+`weights()` and `save()` are collectives, so the workers join the process group first (even a group of one)
+and build the trainer after; `publish`, `publish_buckets` and `save` run on every rank. The batch is sharded
+as above and the gradient sums happen in FSDP2's backward. `save(path)` writes a normal checkpoint into
+`path` (an HF directory for an HF model: what engines, evaluation and `checkpoint.load` read) with the DCP
+shards in `path/sharded/`, which a `TrainerGroup(checkpoint=path)` of this backend resumes from exactly.
+
 Failure: a worker that dies (`RayActorError`) or raises mid-step leaves the
 others inside a collective, so the group is finished: the step raises
 `TrainerWorkerError` naming the rank, every later call raises it again, and
@@ -45,9 +52,13 @@ malformed batch raises `ValueError` and leaves the group usable.
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import socket
 import time
 import warnings
+from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
 
@@ -59,9 +70,11 @@ from ray.exceptions import RayActorError, RayError
 
 from codefleet.contracts import TRAINERS
 from codefleet.fleet.weight_sync import Buckets, BucketSender, SenderPlan, publish_buckets, specs_of, split_names
+from codefleet.model import checkpoint
 from codefleet.model.config import ModelConfig
 from codefleet.model.transformer import Transformer
 from codefleet.rl.batch import Sample
+from codefleet.rl.sharded import ShardedTrainer
 from codefleet.rl.trainer import (
     Example,
     TrainConfig,
@@ -72,6 +85,7 @@ from codefleet.rl.trainer import (
     sft_units,
 )
 
+SHARDED_STATE = "sharded"  # a sharded backend's checkpoint: its DCP state (for resuming) in this subdirectory
 SUMMED = ("loss", "tokens", "loss_units", "sequences", "micro_batches")  # metrics that add up across workers
 FROM_RANK0 = ("grad_norm", "lr", "version")  # identical on every worker after the step
 
@@ -101,6 +115,21 @@ def merge_metrics(per_worker: list[dict[str, float]]) -> dict[str, float]:
         out[key] = sum(v * w for v, w in pairs) / weight if weight > 0 else pairs[0][0]
     out.update({k: per_worker[0][k] for k in FROM_RANK0 if k in per_worker[0]})
     return out
+
+
+def is_sharded(backend: str) -> bool:
+    """Whether TRAINERS' `backend` is a sharded trainer (`rl.sharded`): built, saved and read by all ranks at once."""
+    return issubclass(TRAINERS.get(backend), ShardedTrainer)
+
+
+def _save_whole(trainer: ShardedTrainer, state: dict[str, torch.Tensor], path: str) -> None:
+    """A sharded trainer's gathered weights as a normal checkpoint (`checkpoint.save`: HF when it came from HF).
+    (Outside `TrainerWorker.save`: cloudpickle would ship `torch.distributed.config` with a method that reads
+    both `dist` and an attribute named `config`.)"""
+    model = Transformer(trainer.model.config, init_weights=False)
+    model.load_state_dict(state)
+    checkpoint.save(model, path, metadata={"policy_version": trainer.version,
+                                           "train_config": json.loads(json.dumps(asdict(trainer.config)))})
 
 
 # ---- zero-copy weights through the object store ---------------------------------------
@@ -141,12 +170,22 @@ class TrainerWorker:
                  config: TrainConfig, threads: int):
         torch.set_num_threads(threads)
         self.rank, self.world_size, self.config = rank, world_size, config
-        if checkpoint is not None:
-            self.trainer = TRAINERS.get(config.backend).load(checkpoint, config)
+        self.sharded = is_sharded(config.backend)
+        self.start = (checkpoint, model_config)
+        if self.sharded:  # its construction is a collective: built in init_distributed
+            self.snapshot: dict[str, torch.Tensor] = {}  # the whole weights gathered for the bucket sender
+            self.sender = BucketSender(lambda: self.snapshot)
         else:
-            torch.manual_seed(config.seed)
-            self.trainer = TRAINERS.get(config.backend)(Transformer(model_config), config)
-        self.sender = BucketSender(lambda: self.trainer.model.state_dict())  # live, on its device
+            self.trainer = self._build(checkpoint, model_config)
+            self.sender = BucketSender(lambda: self.trainer.model.state_dict())  # live, on its device
+
+    def _build(self, checkpoint: str | None, model_config: ModelConfig | None):
+        cls = TRAINERS.get(self.config.backend)
+        if checkpoint is None:
+            torch.manual_seed(self.config.seed)
+            return cls(Transformer(model_config), self.config)
+        state = os.path.join(checkpoint, SHARDED_STATE)
+        return cls.load(state if self.sharded and os.path.isdir(state) else checkpoint, self.config)
 
     def rendezvous(self) -> str:
         """A tcp:// address on this node with a free port, for the others to join."""
@@ -158,6 +197,9 @@ class TrainerWorker:
     def init_distributed(self, init_method: str, timeout_s: float) -> None:
         dist.init_process_group("gloo", init_method=init_method, world_size=self.world_size, rank=self.rank,
                                 timeout=timedelta(seconds=timeout_s))
+        if self.sharded:  # broadcasts rank 0's weights itself
+            self.trainer = self._build(*self.start)
+            return
         for t in self.trainer.model.state_dict().values():  # rank 0's weights everywhere
             dist.broadcast(t, src=0)
 
@@ -176,27 +218,51 @@ class TrainerWorker:
         return self.trainer.skip_step()
 
     def _reduce_and_step(self) -> dict[str, float]:
-        if self.world_size > 1:
+        if self.world_size > 1 and not self.sharded:  # a sharded trainer sums in its backward
             self.trainer.all_reduce(dist.all_reduce)
         return self.trainer.optim_step()
 
-    def weights(self) -> tuple[int, _SharedWeights]:
+    def weights(self) -> tuple[int, _SharedWeights | None]:
+        """The whole weights; a sharded trainer gathers them on every rank (a collective) and only rank 0 returns them."""
         # serialised into the object store as this call returns, before the next step can change the parameters
-        return self.trainer.version, _SharedWeights(self.trainer.weights(clone=False))
+        state = self.trainer.weights(clone=False)
+        return self.trainer.version, None if self.sharded and self.rank else _SharedWeights(state)
 
     def bucket_plan(self, bucket_mb: float) -> SenderPlan:
-        """This rank's share of the tensors (`split_names` over the ranks), cut into buckets."""
-        share = split_names(specs_of(self.trainer.model.state_dict()), self.world_size)[self.rank]
+        """This rank's share of the tensors (`split_names` over the ranks), cut into buckets. A sharded trainer
+        first gathers the whole weights on every rank (a collective), which its buckets are then read from."""
+        if self.sharded:
+            self.snapshot = self.trainer.weights(clone=False)
+        share = split_names(specs_of(self.sender.weights()), self.world_size)[self.rank]
         return self.sender.plan(share, bucket_mb)
 
     def bucket(self, index: int):
         return self.sender.bucket(index)
 
-    def save(self, path: str) -> None:
-        self.trainer.save(path)
+    def save(self, path: str, tmp: str) -> None:
+        """The dp trainer: rank 0 writes `path`. A sharded one: every rank writes its shards into
+        `tmp/SHARDED_STATE` (what a resume reads), then rank 0 the whole weights gathered from every rank into
+        `tmp` (a normal, or HF, checkpoint that engines and `checkpoint.load` read) and renames `tmp` to `path`.
+        (`rl.sharded.consolidate` would read the shards back, but DCP inside a process group is a collective.)"""
+        if not self.sharded:
+            self.trainer.save(path)
+            return
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.trainer.save(os.path.join(tmp, SHARDED_STATE))  # collectives, with barriers
+        state = self.trainer.weights(clone=False)  # a collective too
+        if self.rank == 0:
+            _save_whole(self.trainer, state, tmp)
+            old = f"{path}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            if os.path.exists(path):
+                os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
 
     def load(self, path: str) -> int:
-        self.trainer = TRAINERS.get(self.config.backend).load(path, self.config)
+        self.trainer = self._build(path, None)
         return self.trainer.version
 
 
@@ -215,12 +281,13 @@ class TrainerGroup:
             raise ValueError("TrainerGroup needs exactly one of checkpoint= (resume or start from saved weights) "
                              "and model_config= (fresh weights from TrainConfig.seed)")
         self.config = config or TrainConfig()
+        self.sharded = is_sharded(self.config.backend)
         self._broken: str | None = None
         options = {"num_cpus": num_cpus_per_worker, "resources": dict(resources_per_worker or {})}
         self.workers = [TrainerWorker.options(**options).remote(rank, n_workers, checkpoint, model_config, self.config,
                                                                 threads_per_worker)
                         for rank in range(n_workers)]
-        if n_workers > 1:
+        if n_workers > 1 or self.sharded:  # a sharded trainer needs a process group, even of one
             init_method = self._get([self.workers[0].rendezvous.remote()])[0]
             self._get([w.init_distributed.remote(init_method, collective_timeout_s) for w in self.workers])
         self._version = self._get([self.workers[0].version.remote()])[0]
@@ -263,10 +330,15 @@ class TrainerGroup:
         return {**metrics, "step_s": time.perf_counter() - start}
 
     def publish(self) -> tuple[ray.ObjectRef, int]:
-        """Rank 0's weights as one object in the store (a `dict[str, Tensor]` once fetched) and their version."""
-        version_ref, weights_ref = self.workers[0].weights.options(num_returns=2).remote()
-        version = self._get([version_ref])[0]
-        return weights_ref, version
+        """Rank 0's weights as one object in the store (a `dict[str, Tensor]` once fetched) and their version.
+        A sharded backend gathers them with every rank taking part."""
+        if not self.sharded:
+            version_ref, weights_ref = self.workers[0].weights.options(num_returns=2).remote()
+            version = self._get([version_ref])[0]
+            return weights_ref, version
+        refs = [w.weights.options(num_returns=2).remote() for w in self.workers]
+        version = self._get([v for v, _ in refs])[0]
+        return refs[0][1], version
 
     def publish_buckets(self, bucket_mb: float = 256.0) -> Buckets:
         """The weights in buckets in the object store, every rank sending its share (see `fleet.weight_sync`)."""
@@ -274,8 +346,14 @@ class TrainerGroup:
         return publish_buckets(self.workers, plans, self._version)
 
     def save(self, path: str) -> None:
-        """Rank 0 writes a full checkpoint (weights, optimizer, version) to `path` (see `Trainer.save`)."""
-        self._get([self.workers[0].save.remote(path)])
+        """A full checkpoint (weights, optimizer, version) in `path`: rank 0 writes it (see `Trainer.save`); with
+        a sharded backend every rank writes its shards and rank 0 the consolidated weights (`TrainerWorker.save`)."""
+        if not self.sharded:
+            self._get([self.workers[0].save.remote(path, "")])
+            return
+        path = os.path.abspath(path)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        self._get([w.save.remote(path, tmp) for w in self.workers])
 
     def load(self, path: str) -> None:
         """Every worker resumes from `path`, which all of them must be able to read."""

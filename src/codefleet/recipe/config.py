@@ -133,6 +133,9 @@ class ClusterSection:
     engine_wait_s: float = 300.0
     trainer_workers: int = 2  # data-parallel trainer workers of RL
     trainer_cpus: float = 0.5  # logical CPUs per trainer worker
+    trainer_backend: str = "dp"  # the trainer of SFT and RL (rl.sharded): "dp" | "fsdp2" | "fsdp2_ep"
+    weight_sync: str = "whole"  # RL's weights to the engines: "whole" (one object) | "buckets" (fleet.weight_sync)
+    weight_sync_bucket_mb: int = 64  # the bucket size of weight_sync "buckets"
     rollout_workers: int = 2  # actors running the agent harness for RL's attempts
     rollout_cpus: float = 0.25  # logical CPUs per rollout worker
     # extra logical resources per actor, to pin roles to nodes on a cluster, e.g. {"rollout": 1}

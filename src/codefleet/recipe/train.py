@@ -36,7 +36,7 @@ import yaml
 
 from codefleet.agent.clients.local_engine import TOOL_GRAMMARS
 from codefleet.config import ConfigError, load_config, to_dict
-from codefleet.contracts import ENGINES
+from codefleet.contracts import ENGINES, TRAINERS
 from codefleet.fleet.ray_init import init_ray
 from codefleet.fleet.trainer_group import TrainerGroup
 from codefleet.model import chat_format, checkpoint, kernels
@@ -77,6 +77,11 @@ def check_config(config: TrainRunConfig) -> None:
         (r.rollout_slots >= r.group_size, "rl.rollout_slots must hold at least one group (>= rl.group_size)"),
         (r.steps >= 0 and r.eta >= 0 and r.batch_groups >= 1, "rl.steps, rl.eta >= 0 and rl.batch_groups >= 1"),
         (cl.engine_backend in ENGINES, f"cluster.engine_backend must be one of {', '.join(ENGINES.names())}"),
+        (cl.trainer_backend in TRAINERS, f"cluster.trainer_backend must be one of {', '.join(TRAINERS.names())}"),
+        (cl.trainer_backend != "fsdp2_ep" or r.loss.kl_coef == 0,
+         "cluster.trainer_backend fsdp2_ep has no KL reference yet: set rl.loss.kl_coef=0 or use fsdp2"),
+        (cl.weight_sync in ("whole", "buckets") and cl.weight_sync_bucket_mb >= 1,
+         "cluster.weight_sync must be whole or buckets, and cluster.weight_sync_bucket_mb >= 1"),
         (cl.trainer_workers >= 1 and cl.engines >= 1 and cl.rollout_workers >= 1,
          "cluster.trainer_workers, cluster.engines and cluster.rollout_workers must be >= 1"),
         (config.sft.epochs >= 1 and config.sft.batch_size >= 1, "sft.epochs and sft.batch_size must be >= 1"),
@@ -191,7 +196,8 @@ def sft(run: RunDir, config: TrainRunConfig, demos, init: str, metrics: Metrics,
                           if demos.no_patch else ""))
     c, cl = config.sft, config.cluster
     total_steps = c.epochs * -(-len(demos.examples) // c.batch_size)
-    schedule = TrainConfig(lr=c.lr, seed=config.model.seed, warmup_steps=c.warmup_steps, decay_steps=total_steps)
+    schedule = TrainConfig(lr=c.lr, seed=config.model.seed, warmup_steps=c.warmup_steps, decay_steps=total_steps,
+                           backend=cl.trainer_backend)
     group = TrainerGroup(c.workers, checkpoint=init, config=schedule, num_cpus_per_worker=cl.trainer_cpus,
                          resources_per_worker=cl.trainer_resources, threads_per_worker=c.threads)
     try:

@@ -123,9 +123,10 @@ class RLTrainer:
         kept = {k: state[k] for k in ("consumed_ids", "lags", "next_group_id", "next_batch")}
         self.run.commit_checkpoint(version, kept, [r.rollout_id for r in batch.rollouts])
         # committed before the engines get the weights: an engine that restarts from now on loads them (LATEST)
-        weights_ref, version = self.group.publish()
-        serving, away = broadcast_weights(self.engines, weights_ref, version, self.config.cluster.engine_wait_s,
-                                          self.away)
+        cl = self.config.cluster
+        weights, version = ((self.group.publish_buckets(cl.weight_sync_bucket_mb), self.group.version)
+                            if cl.weight_sync == "buckets" else self.group.publish())
+        serving, away = broadcast_weights(self.engines, weights, version, cl.engine_wait_s, self.away)
         if len(serving) + len(away) < len(self.engines) or len(away) != len(self.away):
             gone = len(self.engines) - len(serving) - len(away)
             log(f"engines: {len(serving)} serve version {version}"
@@ -222,7 +223,8 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
     version, buffer_state = resume_state(run, latest, c.batch_groups)
     if version >= c.steps:
         return serving
-    train_config = TrainConfig(lr=c.lr, loss=c.loss, routing_replay=c.routing_replay, seed=config.model.seed)
+    train_config = TrainConfig(lr=c.lr, loss=c.loss, routing_replay=c.routing_replay, seed=config.model.seed,
+                               backend=cl.trainer_backend)
     def new_group(checkpoint: str) -> TrainerGroup:
         return TrainerGroup(cl.trainer_workers, checkpoint=checkpoint, config=train_config,
                             num_cpus_per_worker=cl.trainer_cpus, resources_per_worker=cl.trainer_resources)

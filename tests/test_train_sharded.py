@@ -1,0 +1,135 @@
+"""The sharded trainer (rl.sharded, TRAINERS "fsdp2_ep") behind `TrainerGroup` and `codefleet train`.
+
+Fast: a 2-worker group steps like one in-process `Trainer` on the whole batch, publishes the same weights whole
+and in buckets, saves a normal checkpoint (its DCP shards beside) and resumes from it exactly.
+Slow: `codefleet train` from a tiny Qwen3-MoE Hugging Face directory with `cluster.trainer_backend=fsdp2_ep`,
+SFT then RL with bucketed weight sync, against the same run with the "dp" trainer."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import ray
+import torch
+from test_rl_trainer import _cfg, _examples, _model, _samples
+
+from codefleet.fleet import TrainerGroup
+from codefleet.fleet.trainer_group import SHARDED_STATE
+from codefleet.fleet.weight_sync import BucketReceiver
+from codefleet.model import checkpoint
+from codefleet.rl.trainer import TrainConfig, Trainer
+
+CONFIG = TrainConfig(lr=3e-3, micro_batch_tokens=40, backend="fsdp2_ep")
+TOL = 1e-5
+
+
+def _assert_close(a: dict, b: dict, atol: float = TOL) -> None:
+    assert a.keys() == b.keys()
+    worst, name = max((float((a[k].float() - b[k].float()).abs().max()), k) for k in a)
+    assert worst <= atol, (name, worst)
+
+
+def _bucketed(group: TrainerGroup) -> dict[str, torch.Tensor]:
+    buckets = group.publish_buckets(bucket_mb=0.01)  # many small buckets, tensors cut across them
+    receiver = BucketReceiver()
+    receiver.begin(buckets.plans)
+    for plan, refs in zip(buckets.plans, buckets.refs):
+        for bucket, ref in zip(plan.buckets, refs):
+            receiver.add(bucket, ray.get(ref))
+    return {k: v.clone() for k, v in receiver.state_dict().items()}
+
+
+def test_a_sharded_group_steps_publishes_saves_and_resumes_like_the_dp_trainer(ray_session, tmp_path):
+    single = Trainer(_model(CONFIG.seed, balance="aux"), TrainConfig(lr=3e-3, micro_batch_tokens=40))
+    group = TrainerGroup(2, model_config=_cfg(balance="aux"), config=CONFIG, num_cpus_per_worker=0.25)
+    try:
+        examples, samples = _examples(6, seed=1), _samples(single.model, 6, seed=2)
+        m = group.sft_step(examples)
+        single.forward_backward(examples, "sft")
+        single.optim_step()
+        group.rl_step(samples)
+        single.forward_backward(samples, "rl")
+        expected = single.optim_step()
+        assert group.version == 2 and abs(m["tokens"] - sum(sum(mask[1:]) for _, mask in examples)) == 0
+        ref, version = group.publish()
+        assert version == 2
+        whole = {k: v.clone() for k, v in ray.get(ref).items()}
+        _assert_close(whole, single.weights())
+        _assert_close(_bucketed(group), whole, atol=0)
+
+        path = str(tmp_path / "ckpt")
+        group.save(path)
+        assert os.path.isdir(os.path.join(path, SHARDED_STATE))
+        assert checkpoint.read_metadata(path)["policy_version"] == 2
+        _assert_close(checkpoint.load(path).state_dict(), whole, atol=0)
+
+        more = _samples(single.model, 4, seed=3)
+        after = group.rl_step(more)
+        resumed = TrainerGroup(2, checkpoint=path, config=CONFIG, num_cpus_per_worker=0.25)
+        try:
+            assert resumed.version == 2
+            again = resumed.rl_step(more)
+            assert again["grad_norm"] == pytest.approx(after["grad_norm"], abs=TOL)
+            _assert_close(ray.get(resumed.publish()[0]), ray.get(group.publish()[0]), atol=0)
+        finally:
+            resumed.shutdown()
+        assert expected["version"] == 2.0
+    finally:
+        group.shutdown()
+
+
+# ---- codefleet train end to end --------------------------------------------------------------
+
+TINY = ["tasks.n_train=3", "tasks.n_eval=1", "tasks.families=[config]", "sft.epochs=1", "sft.batch_size=3",
+        "rl.steps=2", "rl.group_size=2", "rl.batch_groups=1", "rl.rollout_slots=2", "rl.max_tokens=24",
+        "rl.max_turns=2", "eval.max_tokens=24", "eval.attempts=1", "cluster.num_cpus=4", "model.prompt=full",
+        "model.max_seq_len=4096", "rl.loss.kl_coef=0", "cluster.trainer_workers=2", "sft.workers=2",
+        "cluster.weight_sync=buckets", "cluster.weight_sync_bucket_mb=1", "rl.eta=0"]  # eta 0: the gap is numerics
+ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def _train(out: str, init: str, backend: str) -> float:
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "codefleet.cli", "train", "--out", out, "--no-progress",
+                           f"model.init={init}", *TINY, f"cluster.trainer_backend={backend}"],
+                          env=ENV, capture_output=True, text=True, timeout=800)
+    assert done.returncode == 0, (backend, done.stderr[-3000:])
+    return time.perf_counter() - started
+
+
+def _rl_metrics(out: str) -> list[dict]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [r for r in rows if r["stage"] == "rl"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_codefleet_train_with_the_expert_parallel_trainer_matches_the_dp_trainer(tmp_path):
+    from transformers import AutoModelForCausalLM  # optional heavy dependency
+
+    from codefleet.bench.tiny_hf import make_tiny_hf
+
+    init = make_tiny_hf(str(tmp_path / "tiny"), arch="qwen3_moe")
+    runs = {b: str(tmp_path / b) for b in ("fsdp2_ep", "dp")}
+    took = {b: _train(out, init, b) for b, out in runs.items()}
+    print("wall s per run:", took)
+    rl = {b: _rl_metrics(out) for b, out in runs.items()}
+    for b, rows in rl.items():
+        assert [int(r["step"]) for r in rows] == [1, 2], (b, rows)
+        assert all(r["routing_replay_frac"] == 1.0 for r in rows), (b, rows)
+        assert all(r["lag_max"] == 0 for r in rows), (b, rows)
+        # exp(trainer - engine logprob) on the sampled tokens (tis): 1 up to numerics when nothing lags
+        assert all(abs(r["is_weight_mean"] - 1) <= 2e-3 for r in rows), (b, [r["is_weight_mean"] for r in rows])
+    print("is_weight_mean:", {b: [r["is_weight_mean"] for r in rows] for b, rows in rl.items()})
+    for step in (1, 2):
+        path = os.path.join(runs["fsdp2_ep"], "checkpoints", f"rl-step-{step:06d}")
+        AutoModelForCausalLM.from_pretrained(path)
+        assert os.path.isdir(os.path.join(path, SHARDED_STATE))
+    with open(os.path.join(runs["fsdp2_ep"], "results.json")) as f:
+        assert "rl" in json.load(f)["results"]
