@@ -223,7 +223,7 @@ class TrainerWorker:
         return self.trainer.optim_step()
 
     def weights(self) -> tuple[int, _SharedWeights | None]:
-        """The whole weights; a sharded trainer gathers them on every rank (a collective) and only rank 0 returns them."""
+        """The whole weights; a sharded trainer gathers them on every rank (a collective), rank 0 returns them."""
         # serialised into the object store as this call returns, before the next step can change the parameters
         state = self.trainer.weights(clone=False)
         return self.trainer.version, None if self.sharded and self.rank else _SharedWeights(state)
@@ -253,7 +253,7 @@ class TrainerWorker:
         state = self.trainer.weights(clone=False)  # a collective too
         if self.rank == 0:
             _save_whole(self.trainer, state, tmp)
-            old = f"{path}.old"
+            old = f"{path}.old-{os.getpid()}"  # as Trainer.save: RunDir.prune clears what a crash leaves
             shutil.rmtree(old, ignore_errors=True)
             if os.path.exists(path):
                 os.replace(path, old)
