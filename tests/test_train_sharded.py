@@ -83,6 +83,26 @@ def test_a_sharded_group_steps_publishes_saves_and_resumes_like_the_dp_trainer(r
         group.shutdown()
 
 
+def test_the_run_config_names_a_trainer_backend_and_a_weight_sync_that_exist():
+    from codefleet.config import from_dict
+    from codefleet.recipe.config import TrainRunConfig
+    from codefleet.recipe.train import RunError, check_config
+
+    def config(**cluster):
+        return from_dict(TrainRunConfig, {"cluster": cluster, "rl": {"loss": {"kl_coef": 0.0}}})
+
+    for backend in ("dp", "fsdp2", "fsdp2_ep"):
+        check_config(config(trainer_backend=backend, weight_sync="buckets"))
+    with pytest.raises(RunError, match="cluster.trainer_backend must be one of .*fsdp2_ep"):
+        check_config(config(trainer_backend="fsdp3"))
+    with pytest.raises(RunError, match="cluster.weight_sync must be whole or buckets"):
+        check_config(config(weight_sync="pieces"))
+    with_kl = config(trainer_backend="fsdp2_ep")
+    with_kl.rl.loss.kl_coef = 0.05
+    with pytest.raises(RunError, match="fsdp2_ep has no KL reference yet: set rl.loss.kl_coef=0"):
+        check_config(with_kl)
+
+
 # ---- codefleet train end to end --------------------------------------------------------------
 
 TINY = ["tasks.n_train=3", "tasks.n_eval=1", "tasks.families=[config]", "sft.epochs=1", "sft.batch_size=3",

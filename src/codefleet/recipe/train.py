@@ -52,6 +52,7 @@ from codefleet.recipe.demos import expert_demos
 from codefleet.recipe.evaluate import EvalConfig, compare, evaluate
 from codefleet.recipe.run_dir import Metrics, RunDir, RunError, atomic_write, log
 from codefleet.recipe.train_rl import reinforce
+from codefleet.rl import sharded as _sharded  # noqa: F401  (registers the "fsdp2" and "fsdp2_ep" trainers)
 from codefleet.rl.advantages import ESTIMATORS
 from codefleet.rl.trainer import TrainConfig
 from codefleet.store.parquet import RolloutWriter, rollout_record
