@@ -62,9 +62,10 @@ DTensor of row blocks, so `consolidate` and a resume see whole expert
 tensors. Not yet: a KL reference under EP (saving it raises), and EP over a
 subgroup of the ranks (EP < world size, a 2-D mesh).
 
-Not wired into `fleet.trainer_group`: its workers build the trainer before
-`init_process_group`, and publish / save from rank 0 alone, while this
-trainer's construction, `weights` and `save` are collectives of all ranks.
+`fleet.trainer_group.TrainerGroup` runs it for `codefleet train
+cluster.trainer_backend=fsdp2|fsdp2_ep`: its workers join the process group
+before they build the trainer, and call `weights` and `save` on every rank
+(these are collectives here).
 """
 
 from __future__ import annotations
