@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -245,39 +246,47 @@ def parse_tool_calls(text: str, id_prefix: str = "call_") -> ParsedTurn:
     Text after a stop marker (`<|end|>`, `<|eos|>`) is ignored. Calls get ids
     `<id_prefix><n>` in order (n counts well-formed calls); pass a unique
     prefix per turn where ids must be unique across a conversation."""
-    for stop in STOP:
+    return split_turn(text, CALL_OPEN, CALL_CLOSE, STOP, _FORMAT, _parse_call, id_prefix)
+
+
+def split_turn(text: str, opening: str, closing: str, stops, example: str,
+               parse_call: Callable[[str, int], tuple[str, str] | str], id_prefix: str) -> ParsedTurn:
+    """A turn's text cut at the first of `stops`, split into its content and the call blocks between `opening`
+    and `closing` markers; each block's body goes to `parse_call(body, number)` -> (name, arguments_json) or an
+    error sentence. A stray or missing marker is one error naming `example`. Every tool-call format uses this
+    (`tool_parsers`); only the markers and the body's parser differ."""
+    for stop in stops:
         text = text.split(stop, 1)[0]
     content: list[str] = []
     calls: list[dict] = []
     errors: list[str] = []
-    number = 0
-    pos = 0
+    number = pos = 0
     while True:
-        start = text.find(CALL_OPEN, pos)
+        start = text.find(opening, pos)
         outside = text[pos:] if start < 0 else text[pos:start]
-        if CALL_CLOSE in outside:
-            errors.append(f"a {CALL_CLOSE} without an opening {CALL_OPEN} was ignored; {_FORMAT}")
-            outside = outside.replace(CALL_CLOSE, "")
+        if closing in outside:
+            errors.append(f"a {closing} without an opening {opening} was ignored; {example}")
+            outside = outside.replace(closing, "")
         content.append(outside)
         if start < 0:
             break
         number += 1
-        body_start = start + len(CALL_OPEN)
-        end = text.find(CALL_CLOSE, body_start)
-        reopen = text.find(CALL_OPEN, body_start)
+        body_start = start + len(opening)
+        end = text.find(closing, body_start)
+        reopen = text.find(opening, body_start)
         if end < 0 or 0 <= reopen < end:
-            errors.append(f"tool call {number} has no closing {CALL_CLOSE} (the output may have hit its token "
-                          f"limit); end every call with {CALL_CLOSE}")
+            errors.append(f"tool call {number} has no closing {closing} (the output may have hit its token "
+                          f"limit); end every call with {closing}")
             if end < 0:
                 break
             pos = reopen
             continue
-        parsed = _parse_call(text[body_start:end].strip(), number)
+        parsed = parse_call(text[body_start:end].strip(), number)
         if isinstance(parsed, str):
             errors.append(parsed)
         else:
             calls.append({"id": f"{id_prefix}{len(calls)}", "name": parsed[0], "arguments_json": parsed[1]})
-        pos = end + len(CALL_CLOSE)
+        pos = end + len(closing)
     return ParsedTurn("".join(content).strip(), calls, errors)
 
 

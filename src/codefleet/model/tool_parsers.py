@@ -99,37 +99,5 @@ def _parse_call(fmt: ToolCallFormat, body: str, number: int) -> tuple[str, str] 
 
 
 def _parse(fmt: ToolCallFormat, text: str, id_prefix: str) -> ParsedTurn:
-    for stop in fmt.stops:
-        text = text.split(stop, 1)[0]
-    opening, closing = fmt.call_open, fmt.call_close
-    content: list[str] = []
-    calls: list[dict] = []
-    errors: list[str] = []
-    number = pos = 0
-    while True:
-        start = text.find(opening, pos)
-        outside = text[pos:] if start < 0 else text[pos:start]
-        if closing in outside:
-            errors.append(f"a {closing} without an opening {opening} was ignored; {fmt.example()}")
-            outside = outside.replace(closing, "")
-        content.append(outside)
-        if start < 0:
-            break
-        number += 1
-        body_start = start + len(opening)
-        end = text.find(closing, body_start)
-        reopen = text.find(opening, body_start)
-        if end < 0 or 0 <= reopen < end:
-            errors.append(f"tool call {number} has no closing {closing} (the output may have hit its token "
-                          f"limit); end every call with {closing}")
-            if end < 0:
-                break
-            pos = reopen
-            continue
-        parsed = _parse_call(fmt, text[body_start:end].strip(), number)
-        if isinstance(parsed, str):
-            errors.append(parsed)
-        else:
-            calls.append({"id": f"{id_prefix}{len(calls)}", "name": parsed[0], "arguments_json": parsed[1]})
-        pos = end + len(closing)
-    return ParsedTurn("".join(content).strip(), calls, errors)
+    return chat.split_turn(text, fmt.call_open, fmt.call_close, fmt.stops, fmt.example(),
+                           lambda body, number: _parse_call(fmt, body, number), id_prefix)
