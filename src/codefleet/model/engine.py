@@ -73,7 +73,7 @@ from codefleet.model import chat_format, checkpoint
 from codefleet.model.cache import SlotKVCache
 from codefleet.model.grammar import ToolCallGrammar, TurnMatcher, constrained_sample
 from codefleet.model.prefix_cache import Parked, PrefixCache
-from codefleet.model.sampling import SamplingParams, sample_next
+from codefleet.model.sampling import SamplingParams, per_prompt, sample_next
 
 log = logging.getLogger(__name__)
 GRAMMARS_KEPT = 16  # compiled tool-call grammars the engine keeps (one per distinct tool list)
@@ -214,10 +214,7 @@ class Engine:
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[Result]:
         """Generate for every prompt (batched together with whatever else is running) and wait for all."""
-        if not isinstance(params, list):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params; give one or one per prompt")
+        params = per_prompt(params, len(prompts))
         seqs = [self._make_sequence(p, sp, None) for p, sp in zip(prompts, params)]
         self._enqueue(seqs)
         if self._thread is not None and self._thread.is_alive():

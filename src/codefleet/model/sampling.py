@@ -106,3 +106,12 @@ def _draw(logits_SV: torch.Tensor, params: list[SamplingParams], generators: lis
     if index_SV is not None:
         choice_S = index_SV.gather(1, choice_S[:, None])[:, 0]
     return choice_S
+
+
+def per_prompt(params: SamplingParams | list[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt of `n`, from one (or None: the defaults) or a list of exactly `n`."""
+    if not isinstance(params, list):
+        params = [params or SamplingParams()] * n
+    if len(params) != n:
+        raise ValueError(f"{n} prompts but {len(params)} sampling params; give one or one per prompt")
+    return params

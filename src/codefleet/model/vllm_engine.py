@@ -63,7 +63,7 @@ import torch
 from codefleet.contracts import ENGINES
 from codefleet.model import chat_format, checkpoint, hf
 from codefleet.model.engine import Result, _settle
-from codefleet.model.sampling import MIN_TEMPERATURE, SamplingParams
+from codefleet.model.sampling import MIN_TEMPERATURE, SamplingParams, per_prompt
 
 log = logging.getLogger(__name__)
 INSTALL_HINT = ("vLLM is not installed in this Python environment; run `bash scripts/setup_vllm.sh` and use "
@@ -185,10 +185,7 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[Result]:
         """Generate for every prompt (batched with whatever else is running) and wait for all."""
-        if not isinstance(params, list):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params; give one or one per prompt")
+        params = per_prompt(params, len(prompts))
         futures = [self.add(p, sp) for p, sp in zip(prompts, params)]
         if self._thread is None or not self._thread.is_alive():
             while not all(f.done() for f in futures):
