@@ -248,13 +248,7 @@ class ShardedTrainer(Trainer):
             coef = torch.clamp(self.config.grad_clip / (norm + 1e-6), max=1.0)
             for g in grads:
                 g.mul_(coef.to(g.dtype))
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.config.lr_at(self.version)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.model.update_router_bias()
-        self.version += 1
-        return {"grad_norm": float(norm), "lr": self.optimizer.param_groups[0]["lr"], "version": float(self.version)}
+        return self._step(norm)
 
     def all_reduce(self, reduce_sum) -> None:
         raise RuntimeError("ShardedTrainer sums gradients in its backward (FSDP2 reduce-scatter); the data-parallel "

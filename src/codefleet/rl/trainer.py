@@ -333,6 +333,11 @@ class Trainer:
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip)
         else:
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        return self._step(norm)
+
+    def _step(self, norm: torch.Tensor) -> dict[str, float]:
+        """The optimiser step at this version's learning rate once the gradients are final (clipped), then the
+        router bias and the version; `norm` is the gradient norm reported."""
         for group in self.optimizer.param_groups:
             group["lr"] = self.config.lr_at(self.version)
         self.optimizer.step()
