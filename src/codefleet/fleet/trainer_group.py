@@ -253,12 +253,7 @@ class TrainerWorker:
         state = self.trainer.weights(clone=False)  # a collective too
         if self.rank == 0:
             _save_whole(self.trainer, state, tmp)
-            old = f"{path}.old-{os.getpid()}"  # as Trainer.save: RunDir.prune clears what a crash leaves
-            shutil.rmtree(old, ignore_errors=True)
-            if os.path.exists(path):
-                os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
+            checkpoint.swap_in(tmp, path, f"{path}.old-{os.getpid()}")  # as Trainer.save
         dist.barrier()
 
     def load(self, path: str) -> int:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -190,3 +191,14 @@ def _digest(digest, named) -> str:
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
         digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def swap_in(tmp: str, path: str, old: str) -> None:
+    """Replace directory `path` by the finished directory `tmp`: the previous one is moved to `old` first and
+    removed last, so a crash at any point leaves a whole checkpoint at `path` or at `old` (RunDir.prune clears
+    `old`)."""
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(path):
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)

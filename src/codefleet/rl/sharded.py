@@ -308,12 +308,7 @@ class ShardedTrainer(Trainer):
             with open(os.path.join(tmp, METADATA_FILE), "w") as f:
                 json.dump({"policy_version": self.version, "sharded": True,
                            "train_config": json.loads(json.dumps(asdict(self.config)))}, f, indent=1)
-            old = f"{path}.old"
-            shutil.rmtree(old, ignore_errors=True)
-            if os.path.exists(path):
-                os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
+            checkpoint.swap_in(tmp, path, f"{path}.old")
         dist.barrier()
 
     @classmethod

@@ -372,10 +372,7 @@ class Trainer:
                    os.path.join(tmp, TRAINER_FILE))
         if self.reference is not None:
             checkpoint.save(self.reference, os.path.join(tmp, REFERENCE_DIR))
-        if os.path.exists(path):
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
+        checkpoint.swap_in(tmp, path, old)
 
     @classmethod
     def load(cls, path: str, config: TrainConfig | None = None, device: str | torch.device = "cpu") -> Trainer:
