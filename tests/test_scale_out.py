@@ -70,11 +70,4 @@ def test_vllm_engines_an_expert_parallel_trainer_and_bucketed_sync_train_like_th
         assert all(r["lag_max"] == 0 for r in rows), (name, rows)
     assert json.load(open(tmp_path / "scaled" / "results.json"))["results"]["rl"]
     gaps = {name: [abs(r["is_weight_mean"] - 1) for r in rows] for name, rows in rl.items()}
-    assert max(gaps["default"]) <= 1e-4 and max(gaps["scaled"][1:]) <= 1e-4, gaps  # after a weight update: exact
-    if gaps["scaled"][0] > 1e-4:
-        # Known bug: in a Ray actor (OMP_NUM_THREADS=1 for new threads), the first request fails in vLLM's CPU
-        # attention ("metadata->thread_num == thread_num (1 vs. 2)": OpenMP's thread count is per thread, and
-        # vLLM bound its threads in another one than the stepping thread), and the second request of the same
-        # prompt then comes back ~1% off the trainer's logprobs; after the first weight update (prefix cache reset)
-        # every step matches to 1e-7. Outside Ray the same directory matches to 1e-6 (tests/test_vllm_engine.py).
-        pytest.xfail(f"vLLM's first-step logprob gap {gaps['scaled'][0]:.2g} > 1e-4 in the Ray engine actor")
+    assert max(gaps["default"]) <= 1e-4 and max(gaps["scaled"]) <= 1e-4, gaps

@@ -164,7 +164,12 @@ def start_engines(checkpoint: str, n: int = 1, *, num_cpus: float = 1.0, resourc
     engine (codefleet.contracts.ENGINES); `record_routing=False` when routing replay is off (a backend that cannot
     report routed experts refuses an MoE model otherwise)."""
     ENGINES.get(backend)  # an unknown name fails here, in one sentence, not in every actor
-    actors = [EngineActor.options(num_cpus=num_cpus, resources=resources or {}, max_concurrency=1000).remote(
+    options = dict(num_cpus=num_cpus, resources=resources or {}, max_concurrency=1000)
+    if backend == "vllm":
+        # OpenMP's thread count is per thread and starts from OMP_NUM_THREADS (Ray sets 1): vLLM's CPU attention
+        # checks that the thread running a step has as many as the one that set it up, so every thread gets `threads`
+        options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": str(threads)}}
+    actors = [EngineActor.options(**options).remote(
         checkpoint, max_batch=max_batch, max_seq_len=max_seq_len, threads=threads, version=version,
         restart_from=restart_from, backend=backend, record_routing=record_routing) for _ in range(n)]
     ray.get([a.info.remote() for a in actors])
