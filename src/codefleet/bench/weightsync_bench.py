@@ -16,12 +16,16 @@ gloo and NCCL process groups and vLLM's reload are not measured (not implemented
 Measured: `sync_s` = seconds on the driver from the first send to both engines serving the new version
 (median of `repeats`, after one warm-up); `gb_per_s` = model GB / sync_s (each engine receives the whole
 model, so bytes delivered are twice that); `pause_ms` = how long in-flight requests were paused: the time an
-engine's `update_weights` took while a long generation was decoding on it (the wait for the running step plus
-the swap; `EngineActor.info()["apply_s"]`), median over the engines and repeats of the in-flight update.
-Transfers are measured with no request running (2 cores: a decoding engine takes one); the pause with one.
+engine's update kept its steps from running while a long generation was decoding on it (the reference swap,
+`EngineActor.info()["pause_s"]`), median over the engines and repeats of the in-flight update; `apply_ms`: the
+whole of that update inside the engine (copying into its spare buffers and building the derived forms while
+it decodes, the wait for the running step, the swap). Transfers are measured with no request running (2 cores:
+a decoding engine takes one); the pause with one.
 
-Memory: each engine holds the model and a staging copy, each rank its half, and the object store one copy
-per update in flight, so a size runs only if about 7x it is available (else it is skipped, with the reason).
+Memory: while it stages an update, each engine holds its weights, the spare buffers they are copied into, and
+the derived forms of both (the packed experts are a copy of the experts); each rank holds its half and the
+object store one copy per update in flight, so a size runs only if about 10x it is available (else it is
+skipped, with the reason).
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from codefleet.model.transformer import Transformer
 BASE = dict(vocab_size=4096, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, d_expert=2048, top_k=2,
             max_seq_len=2048)
 EXPERT_BYTES = 2 * (256 * 4096 + 2048 * 256) * 4  # one expert in both layers, float32
-COPIES = 7  # model-sized copies alive at the peak (see the module docstring)
+COPIES = 10  # model-sized copies alive at the peak (see the module docstring)
 
 
 @dataclass
@@ -143,7 +147,7 @@ def _one_size(size_mb: int, cfg: BenchConfig, root: str, log: Log) -> dict:
                 version += 1
                 times.append(_send(backend, holders, plans, engines, version))
             # the pause: the same update while a long generation decodes on every engine
-            pauses = []
+            pauses, applies = [], []
             for _ in range(cfg.repeats):
                 version += 1
                 inflight = [e.generate.remote([1, 2, 3], SamplingParams(max_tokens=config.max_seq_len - 8))
@@ -154,7 +158,9 @@ def _one_size(size_mb: int, cfg: BenchConfig, root: str, log: Log) -> dict:
                         raise RuntimeError("the in-flight generation did not start within 60 s")
                     time.sleep(0.02)
                 _send(backend, holders, plans, engines, version)
-                pauses += [i["apply_s"] * 1000 for i in ray.get([e.info.remote() for e in engines])]
+                infos = ray.get([e.info.remote() for e in engines])
+                pauses += [i["pause_s"] * 1000 for i in infos]
+                applies += [i["apply_s"] * 1000 for i in infos]
                 for ref in inflight:
                     ray.cancel(ref)
                 ray.wait(inflight, num_returns=len(inflight), timeout=60)
@@ -162,7 +168,8 @@ def _one_size(size_mb: int, cfg: BenchConfig, root: str, log: Log) -> dict:
             out["backends"][backend] = {"sync_s": round(sync_s, 4), "sync_s_all": [round(t, 4) for t in times],
                                         "gb_per_s": round(model_bytes / 1e9 / sync_s, 3),
                                         "pause_ms_p50": round(statistics.median(pauses), 2),
-                                        "pause_ms_max": round(max(pauses), 2)}
+                                        "pause_ms_max": round(max(pauses), 2),
+                                        "apply_ms_p50": round(statistics.median(applies), 1)}
             log(f"{size_mb} MB {backend}: {sync_s:.3f} s per update, {model_bytes / 1e9 / sync_s:.2f} GB/s, "
                 f"pause p50 {statistics.median(pauses):.1f} ms")
     finally:

@@ -74,6 +74,7 @@ from codefleet.model.cache import SlotKVCache
 from codefleet.model.grammar import ToolCallGrammar, TurnMatcher, constrained_sample
 from codefleet.model.prefix_cache import Parked, PrefixCache
 from codefleet.model.sampling import SamplingParams, per_prompt, sample_next
+from codefleet.model.weight_swap import Staged, WeightSwap
 
 log = logging.getLogger(__name__)
 GRAMMARS_KEPT = 16  # compiled tool-call grammars the engine keeps (one per distinct tool list)
@@ -139,7 +140,7 @@ class _Sequence:
 
 @dataclass
 class _Update:
-    state_dict: dict
+    staged: Staged
     version: int
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
@@ -192,6 +193,8 @@ class Engine:
         self.peak_batch = 0  # most sequences decoded together
         self.prefill_tokens_computed = 0  # prompt tokens run through the model
         self.weight_loads = 0  # weight updates applied (a policy version may repeat; this never does)
+        self.pause_s = 0.0  # how long the last weight update kept steps from running
+        self._swap = WeightSwap(model)
         self._grammars: dict[str, ToolCallGrammar] = {}  # by tools and tool choice, most recent last
 
     # -- requests ------------------------------------------------------------------------
@@ -283,8 +286,12 @@ class Engine:
     # -- weights ---------------------------------------------------------------------------
 
     def update_weights(self, state_dict: dict, version: int) -> None:
-        """Load new weights between two steps; tokens sampled afterwards carry `version`. Blocks until applied."""
-        update = _Update(state_dict, int(version))
+        """Load new weights between two steps; tokens sampled afterwards carry `version`. Blocks until applied.
+
+        The copy into the engine's spare buffers (and the derived forms of the weights) happens here, in the
+        caller's thread, while steps go on (`model.weight_swap`); between two steps the engine only swaps
+        references. `pause_s`: how long the last swap kept steps from running."""
+        update = _Update(self._swap.stage(state_dict), int(version))
         with self._queue_lock:
             if self._pending is not None:  # superseded before it landed
                 self._pending.done.set()
@@ -305,12 +312,13 @@ class Engine:
         if update is None:
             return
         try:
-            with torch.no_grad():
-                self.model.load_state_dict(update.state_dict, strict=True)
+            start = time.perf_counter()
+            self._swap.apply(update.staged)
             self.version = update.version
             self.weight_loads += 1
             self.prefix.clear()  # their keys/values came from the old weights
-        except Exception as e:  # a bad state dict is the caller's error; the engine keeps serving
+            self.pause_s = time.perf_counter() - start
+        except Exception as e:  # reported to the caller; the engine keeps serving
             update.error = e
         finally:
             update.done.set()

@@ -45,8 +45,9 @@ The concatenated and prepacked weights are inference-only forms
 (`derived_weight`): kept on their module as a plain attribute (not a
 parameter or buffer: the checkpoint and the optimiser see only the
 parameters) and rebuilt when a weight is replaced or updated in place
-(`load_state_dict`, an optimiser step, `Engine.update_weights`), keyed on
-each weight's storage and version counter.
+(`load_state_dict`, an optimiser step), keyed on each weight's storage and
+version counter. `Engine.update_weights` builds them for the new weights
+before it swaps those in (`model.weight_swap`).
 """
 
 from __future__ import annotations
@@ -269,12 +270,17 @@ def derived_weight(owner: nn.Module, name: str, weights: tuple[torch.Tensor, ...
     any of them is replaced or updated in place (load_state_dict, an optimiser step: versions)."""
     if any(w.is_inference() for w in weights):  # made under inference_mode: no version counter to key on
         return build(*weights)
-    key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights)
+    key = weights_key(weights)
     cache = owner.__dict__.setdefault("_derived_weights", {})
     if name not in cache or cache[name][0] != key:
         with torch.inference_mode(False), torch.no_grad():
-            cache[name] = (key, build(*(w.detach() for w in weights)))
+            cache[name] = (key, build(*(w.detach() for w in weights)), weights, build)  # weight_swap rebuilds
     return cache[name][1]
+
+
+def weights_key(weights: tuple[torch.Tensor, ...]) -> tuple:
+    """What a derived form is valid for: the weights' storage and in-place versions."""
+    return tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights)
 
 
 def _cat(*weights: torch.Tensor) -> torch.Tensor:
