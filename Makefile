@@ -24,7 +24,7 @@ test-slow: setup
 # vLLM as the engine backend (model/vllm_engine.py), in its own environment: .venv-vllm (scripts/setup_vllm.sh).
 test-vllm:
 	@bash scripts/setup_vllm.sh
-	.venv-vllm/bin/python -m pytest -m vllm -q tests/test_vllm_engine.py tests/test_scale_out.py
+	.venv-vllm/bin/python -m pytest -m vllm -q tests/test_vllm_engine.py tests/test_gpu_check.py tests/test_scale_out.py
 
 bench: setup
 	$(VENV)/bin/codefleet bench sandbox --json

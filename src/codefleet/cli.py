@@ -7,7 +7,7 @@
     codefleet analyze RUN_DIR
     codefleet tasks generate|check|import-swebench ...
     codefleet sandbox run [--repo DIR] [--timeout S] [--memory-mb N] -- CMD [ARGS...]
-    codefleet bench sandbox|moe|engine|controller|analyze [--quick] [--json]
+    codefleet bench sandbox|moe|engine|controller|analyze|weightsync|gpucheck [--quick] [--json]
 
 Each command's module is imported only when that command runs, so that `codefleet sandbox run` and
 `codefleet --help` do not pay for importing PyTorch and Ray (about 2 s).
@@ -91,6 +91,7 @@ _BENCHES = {
     "controller": "codefleet.bench.controller_bench",
     "analyze": "codefleet.bench.analyze_bench",
     "weightsync": "codefleet.bench.weightsync_bench",
+    "gpucheck": "codefleet.bench.gpu_check",
 }
 
 
@@ -99,7 +100,9 @@ def _bench(args: argparse.Namespace) -> int:
     if args.what == "sandbox":
         return run_cli(quick=args.quick, as_json=args.json, backend=args.backend)
     if args.what == "engine":
-        return run_cli(quick=args.quick, as_json=args.json, checkpoint_dir=args.checkpoint, shape=args.shape)
+        return run_cli(quick=args.quick, as_json=args.json, checkpoint_dir=args.checkpoint, shape=args.shape or "tiny")
+    if args.what == "gpucheck":
+        return run_cli(quick=args.quick, as_json=args.json, device=args.device, shape=args.shape)
     return run_cli(quick=args.quick, as_json=args.json)
 
 
@@ -136,9 +139,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     bench.add_argument("--checkpoint", metavar="DIR", default=None,
                        help="Hugging Face model directory that codefleet's engine and transformers' generate() "
                        "both run (bench engine only; default: a tiny random Qwen3-MoE built with transformers)")
-    bench.add_argument("--shape", choices=["tiny", "qwen3-0.6b", "moe-1b"], default="tiny",
+    bench.add_argument("--shape", choices=["tiny", "qwen3-0.6b", "moe-1b"], default=None,
                        help="random model that bench engine builds without --checkpoint: tiny (default), a dense "
-                       "Qwen3 of Qwen3-0.6B's shape, or a ~1B-total Qwen3-MoE (fewer tokens at these two)")
+                       "Qwen3 of Qwen3-0.6B's shape, or a ~1B-total Qwen3-MoE (fewer tokens at these two); bench "
+                       "gpucheck: moe-1b (default on cuda) or tiny (default on cpu)")
+    bench.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                       help="bench gpucheck only: the GPU (scripts/gpu_check.sh), or its code path on CPU")
     bench.set_defaults(func=_bench)
 
     chosen = next((a for a in argv if not a.startswith("-")), None)

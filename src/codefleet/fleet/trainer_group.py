@@ -1,4 +1,5 @@
-"""Data-parallel training on Ray: N `TrainerWorker` actors, one `rl.trainer.Trainer` each, torch.distributed (gloo).
+"""Data-parallel training on Ray: N `TrainerWorker` actors, one `rl.trainer.Trainer` each, torch.distributed (gloo
+on CPU, NCCL on GPUs).
 
     group = TrainerGroup(2, model_config=ModelConfig.tiny(), config=TrainConfig())
     group.sft_step(examples)  /  group.rl_step(samples)     # one optimizer step each
@@ -19,11 +20,19 @@ with zero gradients. At start-up rank 0's weights are broadcast once, so the
 workers agree even if their initialisation did not. `n_workers=1` skips
 torch.distributed.
 
-Workers are placed by Ray logical resources only (`num_cpus_per_worker`,
-`resources_per_worker`); rank 0 picks a free port on its node and the others
-join it over TCP. `torch.set_num_threads(threads_per_worker)` keeps a worker
-to its share of the cores. Checkpoint paths must be readable by every
-worker (a shared filesystem on a cluster); rank 0 writes them.
+Workers are placed by Ray logical resources (`num_cpus_per_worker`,
+`resources_per_worker`) and GPUs (`num_gpus_per_worker`, `fleet.gpus`); rank 0
+picks a free port on its node and the others join it over TCP.
+`torch.set_num_threads(threads_per_worker)` keeps a worker to its share of the
+cores. Checkpoint paths must be readable by every worker (a shared filesystem
+on a cluster); rank 0 writes them.
+
+GPUs: a worker given one builds its trainer on it (`cuda`, the GPU Ray gave
+the actor), its batches go there, and the process group uses NCCL; weights
+leave it as CPU tensors (`publish`, buckets). Several workers need a whole GPU
+each (NCCL refuses two ranks on one GPU), and a group asking for more GPUs than
+the cluster has is refused before any worker starts. With no GPU nothing
+changes: CPU and gloo.
 
 Weight publication: `publish()` has rank 0 return its state dict as one
 object in the Ray object store. It is the return value of an actor call, so
@@ -69,6 +78,7 @@ import torch.distributed as dist
 from ray.exceptions import RayActorError, RayError
 
 from codefleet.contracts import TRAINERS
+from codefleet.fleet.gpus import actor_device, actor_options, check_gpus
 from codefleet.fleet.weight_sync import Buckets, BucketSender, SenderPlan, publish_buckets, specs_of, split_names
 from codefleet.model import checkpoint
 from codefleet.model.config import ModelConfig
@@ -169,6 +179,9 @@ class TrainerWorker:
     def __init__(self, rank: int, world_size: int, checkpoint: str | None, model_config: ModelConfig | None,
                  config: TrainConfig, threads: int):
         torch.set_num_threads(threads)
+        self.device = actor_device()  # the GPU Ray gave this worker, else cpu
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.rank, self.world_size, self.config = rank, world_size, config
         self.sharded = is_sharded(config.backend)
         self.start = (checkpoint, model_config)
@@ -183,9 +196,9 @@ class TrainerWorker:
         cls = TRAINERS.get(self.config.backend)
         if checkpoint is None:
             torch.manual_seed(self.config.seed)
-            return cls(Transformer(model_config), self.config)
+            return cls(Transformer(model_config).to(self.device), self.config)
         state = os.path.join(checkpoint, SHARDED_STATE)
-        return cls.load(state if self.sharded and os.path.isdir(state) else checkpoint, self.config)
+        return cls.load(state if self.sharded and os.path.isdir(state) else checkpoint, self.config, device=self.device)
 
     def rendezvous(self) -> str:
         """A tcp:// address on this node with a free port, for the others to join."""
@@ -195,7 +208,8 @@ class TrainerWorker:
         return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
     def init_distributed(self, init_method: str, timeout_s: float) -> None:
-        dist.init_process_group("gloo", init_method=init_method, world_size=self.world_size, rank=self.rank,
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=init_method, world_size=self.world_size, rank=self.rank,
                                 timeout=timedelta(seconds=timeout_s))
         if self.sharded:  # broadcasts rank 0's weights itself
             self.trainer = self._build(*self.start)
@@ -205,6 +219,15 @@ class TrainerWorker:
 
     def version(self) -> int:
         return self.trainer.version
+
+    def device_info(self) -> dict:
+        """Where this rank runs: its device, the GPU's name and the peak GPU memory its tensors took (GB)."""
+        cuda = self.device.type == "cuda"
+        return {"device": str(self.device), "name": torch.cuda.get_device_name(self.device) if cuda else "cpu",
+                "peak_mem_gb": torch.cuda.max_memory_allocated(self.device) / 1e9 if cuda else None}
+
+    def logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        return self.trainer.logprobs(samples)
 
     def sft_step(self, examples: list[Example], total_tokens: int) -> dict[str, float]:
         metrics = self.trainer.forward_backward(examples, "sft", total_tokens)
@@ -269,7 +292,7 @@ class TrainerGroup:
     def __init__(self, n_workers: int = 2, *, checkpoint: str | None = None, model_config: ModelConfig | None = None,
                  config: TrainConfig | None = None, num_cpus_per_worker: float = 1.0,
                  resources_per_worker: dict[str, float] | None = None, threads_per_worker: int = 1,
-                 collective_timeout_s: float = 300.0):
+                 collective_timeout_s: float = 300.0, num_gpus_per_worker: float = 0.0):
         if n_workers < 1:
             raise ValueError(f"n_workers must be >= 1, got {n_workers}")
         if (checkpoint is None) == (model_config is None):
@@ -278,7 +301,11 @@ class TrainerGroup:
         self.config = config or TrainConfig()
         self.sharded = is_sharded(self.config.backend)
         self._broken: str | None = None
-        options = {"num_cpus": num_cpus_per_worker, "resources": dict(resources_per_worker or {})}
+        options = actor_options(num_cpus_per_worker, resources_per_worker, num_gpus_per_worker)
+        if n_workers > 1 and 0 < num_gpus_per_worker < 1:
+            raise ValueError(f"{n_workers} trainer workers with {num_gpus_per_worker:g} GPU each could share a GPU, "
+                             "and NCCL refuses two ranks on one GPU: give each worker 1 GPU, or use one worker")
+        check_gpus({f"{n_workers} trainer workers x {num_gpus_per_worker:g} GPU": n_workers * num_gpus_per_worker})
         self.workers = [TrainerWorker.options(**options).remote(rank, n_workers, checkpoint, model_config, self.config,
                                                                 threads_per_worker)
                         for rank in range(n_workers)]
@@ -323,6 +350,18 @@ class TrainerGroup:
         metrics = merge_metrics(self._get(refs))
         self._version = int(metrics["version"])
         return {**metrics, "step_s": time.perf_counter() - start}
+
+    def device_info(self) -> list[dict]:
+        """Each rank's device, GPU name and peak GPU memory (`TrainerWorker.device_info`), in rank order."""
+        return self._get([w.device_info.remote() for w in self.workers])
+
+    def logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        """Each sample's per-token logprobs under the current weights (`Trainer.logprobs`: aligned with its tokens,
+        0 where its loss_mask is 0), to compare with the engine's. A sharded trainer scores on every rank (its
+        forward is a collective), each rank the whole batch."""
+        check_samples(samples)
+        workers = self.workers if self.sharded else self.workers[:1]
+        return self._get([w.logprobs.remote(samples) for w in workers])[0]
 
     def publish(self) -> tuple[ray.ObjectRef, int]:
         """Rank 0's weights as one object in the store (a `dict[str, Tensor]` once fetched) and their version.

@@ -128,12 +128,16 @@ class ClusterSection:
     engines: int = 1  # inference engine actors
     engine_backend: str = "codefleet"  # the inference engine, by name (codefleet.contracts.ENGINES)
     engine_threads: int = 2  # torch threads per engine
+    # GPUs per engine actor, a share of one (0.5: two actors on one GPU); needs engine_backend vllm. 0 = CPU
+    engine_gpus: float = 0.0
     # how long a weight broadcast waits for an engine that does not answer (restarting, or its node gone with no
     # room elsewhere) before the run goes on without it; it loads the newest checkpoint itself when it is back
     engine_wait_s: float = 300.0
     trainer_workers: int = 2  # data-parallel trainer workers of RL
     trainer_cpus: float = 0.5  # logical CPUs per trainer worker
     trainer_backend: str = "dp"  # the trainer of SFT and RL (rl.sharded): "dp" | "fsdp2" | "fsdp2_ep"
+    # GPUs per trainer worker (NCCL then): 1, or a share of one with a single worker (beside an engine). 0 = CPU
+    trainer_gpus: float = 0.0
     weight_sync: str = "whole"  # RL's weights to the engines: "whole" (one object) | "buckets" (fleet.weight_sync)
     weight_sync_bucket_mb: int = 64  # the bucket size of weight_sync "buckets"
     rollout_workers: int = 2  # actors running the agent harness for RL's attempts

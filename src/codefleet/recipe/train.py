@@ -51,7 +51,7 @@ from codefleet.recipe.curriculum import MODES as SAMPLING_MODES
 from codefleet.recipe.demos import expert_demos
 from codefleet.recipe.evaluate import EvalConfig, compare, evaluate
 from codefleet.recipe.run_dir import Metrics, RunDir, RunError, atomic_write, log
-from codefleet.recipe.train_rl import reinforce
+from codefleet.recipe.train_rl import check_run_gpus, reinforce
 from codefleet.rl import sharded as _sharded  # noqa: F401  (registers the "fsdp2" and "fsdp2_ep" trainers)
 from codefleet.rl.advantages import ESTIMATORS
 from codefleet.rl.trainer import TrainConfig
@@ -100,6 +100,13 @@ def check_config(config: TrainRunConfig) -> None:
          "rl.max_tokens, rl.max_turns, eval.max_tokens, eval.attempts and eval.jobs must be >= 1"),
         (r.rollout_timeout_s > 0, "rl.rollout_timeout_s must be > 0"),
         (config.cluster.engine_wait_s > 0, "cluster.engine_wait_s must be > 0"),
+        (0 <= cl.engine_gpus <= 1 and 0 <= cl.trainer_gpus <= 1,
+         "cluster.engine_gpus and cluster.trainer_gpus must be in [0, 1]: one actor uses one GPU at most"),
+        (cl.engine_gpus == 0 or cl.engine_backend != "codefleet",
+         "cluster.engine_gpus > 0 needs cluster.engine_backend=vllm: the codefleet engine runs on CPU only"),
+        (cl.trainer_gpus in (0, 1) or max(cl.trainer_workers, config.sft.workers) == 1,
+         "cluster.trainer_gpus below 1 lets trainer workers share a GPU, which NCCL refuses: use 1 with several "
+         "workers (cluster.trainer_workers, sft.workers)"),
         (config.model.max_seq_len >= 256, "model.max_seq_len must be >= 256 (a task and one turn)"),
         (not t.train_dir or os.path.isdir(t.train_dir), f"tasks.train_dir {t.train_dir!r} is not a directory"),
         (not t.eval_dir or os.path.isdir(t.eval_dir), f"tasks.eval_dir {t.eval_dir!r} is not a directory"),
@@ -200,7 +207,8 @@ def sft(run: RunDir, config: TrainRunConfig, demos, init: str, metrics: Metrics,
     schedule = TrainConfig(lr=c.lr, seed=config.model.seed, warmup_steps=c.warmup_steps, decay_steps=total_steps,
                            backend=cl.trainer_backend)
     group = TrainerGroup(c.workers, checkpoint=init, config=schedule, num_cpus_per_worker=cl.trainer_cpus,
-                         resources_per_worker=cl.trainer_resources, threads_per_worker=c.threads)
+                         resources_per_worker=cl.trainer_resources, threads_per_worker=c.threads,
+                         num_gpus_per_worker=cl.trainer_gpus)
     try:
         rng = random.Random(config.model.seed)
         order = list(range(len(demos.examples)))
@@ -406,6 +414,7 @@ def _train(run: RunDir, config: TrainRunConfig, progress: bool) -> dict:
     own_ray = init_ray(cl.num_cpus, {"sandbox": cl.sandbox_slots}, cl.address)
     phases.done("set-up")
     try:
+        check_run_gpus(cl)
         sft_ckpt = sft(run, config, demos, init, metrics, tokenizer)
         phases.done("sft")
         sft_hash = checkpoint.tensor_hash(sft_ckpt)

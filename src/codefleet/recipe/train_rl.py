@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from codefleet.agent.reward import solved
 from codefleet.fleet.controller import Controller, ControllerConfig
+from codefleet.fleet.gpus import check_gpus
 from codefleet.fleet.inference import broadcast_weights, start_engines
 from codefleet.fleet.rollouts import AgentGroupRunner, RolloutSpec, start_workers
 from codefleet.fleet.sandbox_fleet import SandboxFleet
@@ -22,7 +23,7 @@ from codefleet.fleet.staleness import Group
 from codefleet.fleet.trainer_group import TrainerGroup, TrainerWorkerError
 from codefleet.model import chat_format, checkpoint
 from codefleet.model.tokenizer import TOKENIZER_FILE, Tokenizer, default_tokenizer
-from codefleet.recipe.config import TrainRunConfig, episode_config, policy_usage
+from codefleet.recipe.config import ClusterSection, TrainRunConfig, episode_config, policy_usage
 from codefleet.recipe.curriculum import TaskSampler
 from codefleet.recipe.run_dir import Metrics, RunDir, RunError, log
 from codefleet.rl.advantages import compute_advantages, weigh_negatives
@@ -214,6 +215,17 @@ def task_sampler(run: RunDir, config: TrainRunConfig, tasks, skip: int):
     return sampler
 
 
+def check_run_gpus(cl: ClusterSection) -> None:
+    """Refuse (RunError) a run whose engines and trainer workers, which RL runs together, ask for more GPUs than
+    the Ray cluster has: their actors would wait forever. Called before any actor starts."""
+    try:
+        check_gpus({f"{cl.engines} engines x {cl.engine_gpus:g} GPU": cl.engines * cl.engine_gpus,
+                    f"{cl.trainer_workers} trainer workers x {cl.trainer_gpus:g} GPU":
+                        cl.trainer_workers * cl.trainer_gpus})
+    except ValueError as e:
+        raise RunError(str(e)) from None
+
+
 def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, metrics: Metrics,
               progress: bool = True) -> str:
     c, cl = config.rl, config.cluster
@@ -227,13 +239,14 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
                                backend=cl.trainer_backend)
     def new_group(checkpoint: str) -> TrainerGroup:
         return TrainerGroup(cl.trainer_workers, checkpoint=checkpoint, config=train_config,
-                            num_cpus_per_worker=cl.trainer_cpus, resources_per_worker=cl.trainer_resources)
+                            num_cpus_per_worker=cl.trainer_cpus, resources_per_worker=cl.trainer_resources,
+                            num_gpus_per_worker=cl.trainer_gpus)
 
     group = new_group(serving)
     engines = start_engines(serving, cl.engines, num_cpus=1.0, resources=cl.engine_resources,
                             threads=cl.engine_threads, max_batch=max(c.rollout_slots, 1), version=version,
                             restart_from=run.path("checkpoints", "LATEST"), backend=cl.engine_backend,
-                            record_routing=config.rl.routing_replay)
+                            record_routing=config.rl.routing_replay, num_gpus=cl.engine_gpus)
     fleet = SandboxFleet.start()  # held for the run: a host whose last handle goes away is collected
     spec = RolloutSpec(checkpoint=serving, sandbox=config.sandbox, episode=episode_config(config),
                        max_tokens=c.max_tokens, temperature=c.temperature, max_seq_len=config.model.max_seq_len,

@@ -3,8 +3,14 @@
     trainer = Trainer(model, TrainConfig(lr=3e-4))
     trainer.forward_backward_rl(samples)      # accumulate gradients (any number of calls)
     trainer.optim_step()                      # clip, AdamW, router bias, version += 1
-    trainer.save("ckpt/")  /  Trainer.load("ckpt/", config)
+    trainer.save("ckpt/")  /  Trainer.load("ckpt/", config, device="cuda")
     engine.update_weights(trainer.weights(), trainer.version)
+    trainer.logprobs(samples)                 # per-token logprobs now, to compare with the engine's
+
+The trainer runs on its model's device (CPU, or a GPU: move the model before
+building the trainer, or `load(..., device=)`); batches are moved there and
+`weights()` comes back on CPU. MoE layers on a GPU take the pure-PyTorch path
+(`model.moe`: the native kernels are CPU-only).
 
 Gradient accumulation. A call packs its examples into micro-batches of at
 most `micro_batch_tokens` padded tokens (least padding, `pack`), runs
@@ -289,6 +295,22 @@ class Trainer:
                              "tokens, or sequences for sequence-mean losses): pass the whole step's count, which is "
                              "at least this call's and positive; a batch with nothing masked cannot be trained on")
         return total
+
+    def logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        """Each sample's per-token logprobs under the current weights, as a step scores the proximal policy
+        (`_score`, with the samples' routing when `routing_replay` is on): aligned with its tokens, 0 at the first
+        token and where its loss_mask is 0, to compare with the engine's `behave_logprobs`. A sharded trainer's
+        ranks must all call it with the same samples (its forward is a collective)."""
+        check_samples(samples)
+        mcfg = self.model.config
+        out: list[list[float]] = [[] for _ in samples]
+        for idx in pack([len(s.tokens) for s in samples], self.config.micro_batch_tokens):
+            batch = _to_device(collate([samples[i] for i in idx], mcfg.n_moe_layers, mcfg.top_k), self.device)
+            routing = batch.routing_replay if self.config.routing_replay else None
+            logprobs_BT = self._score(self.model, batch, routing).cpu()
+            for row, i in enumerate(idx):
+                out[i] = logprobs_BT[row, :len(samples[i].tokens)].tolist()
+        return out
 
     @torch.no_grad()
     def _score(self, model: nn.Module, batch, routing) -> torch.Tensor:
