@@ -126,10 +126,12 @@ class Engine(Protocol):
     text); every sampled token reports its logprob and the policy version that produced it; an MoE engine
     reports each token's routed experts for routing replay; `update_weights` swaps the weights between
     steps (requests in flight continue on the new version, and cached prefixes computed under the old
-    weights are dropped) and `version` is the version now served.
+    weights are dropped) and `version` is the version now served; `pause_s` is how long the last update kept
+    steps from running.
     """
 
     version: int
+    pause_s: float
 
     def generate(self, prompts: list[list[int]], params: Any = None) -> list[Generation]:
         """Generate a completion for each prompt (token ids), under `params` (one, or one per prompt)."""

