@@ -1,5 +1,6 @@
 """Bucketed weight sync (fleet.weight_sync): buckets round-trip exactly, a bucketed update is the same update
-as the whole state dict, a version lands whole or not at all, and the driver only ever holds references."""
+as the whole state dict (through the object store and over gloo groups), a version lands whole or not at all,
+and the driver only ever holds references."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from codefleet.fleet.weight_sync import (
     BucketReceiver,
     Buckets,
     BucketSender,
+    GroupSync,
+    GroupSyncError,
     from_wire,
     plan_buckets,
     specs_of,
@@ -171,3 +174,30 @@ def test_a_version_lands_whole_or_not_at_all(fleet):
     assert ray.get(engines[0].info.remote())["version"] == 6
     assert _greedy(engines[0]) == before  # the buckets that did arrive were not applied
     assert ray.get(engines[0].receive_buckets.remote(buckets.plans, buckets.refs, 5)) == 6  # older: ignored
+
+
+def test_buckets_broadcast_over_gloo_groups_are_the_same_update_as_the_whole_state_dict(fleet):
+    group, engines = fleet
+    group.sft_step([([5, 17, 33, 2, 9, 11, 4], [0, 1, 1, 1, 1, 1, 1])])  # weights the engines do not have yet
+    before = _greedy(engines[0])
+    sync = GroupSync(group.workers, engines, timeout_s=60)
+    assert sync.backend == "gloo"
+    for version in (10, 11):  # the groups and the engines' receive buffers serve every version
+        sync.send(group.bucket_plans(bucket_mb=0.05), version)
+    assert [i["version"] for i in ray.get([e.info.remote() for e in engines])] == [11, 11]
+    over_gloo = _greedy(engines[0])
+    ref, _ = group.publish()
+    broadcast_weights(engines[1:], ref, 12)
+    assert over_gloo[:2] == _greedy(engines[1])[:2] and over_gloo[1] != before[1]
+
+
+def test_a_dead_engine_fails_a_group_sync_in_one_error_and_the_object_store_still_delivers(fleet, tmp_path):
+    group, engines = fleet
+    checkpoint.save(Transformer(_cfg(vocab_size=VOCAB)), str(tmp_path / "ckpt"))
+    doomed = start_engines(str(tmp_path / "ckpt"), 1, num_cpus=0, max_batch=2, max_seq_len=64)[0]
+    sync = GroupSync(group.workers, [engines[0], doomed], timeout_s=60)
+    ray.kill(doomed, no_restart=True)
+    with pytest.raises(GroupSyncError, match="weight sync over gloo failed"):
+        sync.send(group.bucket_plans(bucket_mb=0.05), 20)
+    serving, _ = broadcast_weights(engines[:1], group.publish_buckets(bucket_mb=0.05), 21)
+    assert serving == engines[:1] and ray.get(engines[0].info.remote())["version"] == 21

@@ -1,6 +1,7 @@
 """The scaled-out backends together on a local 2-node Ray cluster: `codefleet train` from a tiny Qwen3-MoE
-with vLLM engines, the FSDP2 trainer with expert parallelism over 2 ranks and bucketed weight sync, against the
-same run on the default backends (codefleet engine, data-parallel trainer, whole-object sync).
+with vLLM engines, the FSDP2 trainer with expert parallelism over 2 ranks and weight sync in buckets over gloo
+groups, against the same run on the default backends (codefleet engine, data-parallel trainer, whole-object
+sync).
 
 Runs in `.venv-vllm` (`make test-vllm`); elsewhere it is skipped. The cluster lives in a subprocess
 (`ray.cluster_utils.Cluster` needs its own Ray, apart from the test session's), with the engine and the trainer
@@ -40,7 +41,7 @@ SCRIPT = textwrap.dedent("""
     print(json.dumps({"code": code}))
     cluster.shutdown()
 """)
-SCALED = ["cluster.engine_backend=vllm", "cluster.trainer_backend=fsdp2_ep", "cluster.weight_sync=buckets",
+SCALED = ["cluster.engine_backend=vllm", "cluster.trainer_backend=fsdp2_ep", "cluster.weight_sync=collective",
           "cluster.weight_sync_bucket_mb=1"]
 DEFAULT = ["cluster.engine_backend=codefleet", "cluster.trainer_backend=dp", "cluster.weight_sync=whole"]
 
@@ -68,6 +69,7 @@ def test_vllm_engines_an_expert_parallel_trainer_and_bucketed_sync_train_like_th
     for name, rows in rl.items():  # the same versions, no lag, and the engine's logprobs are the trainer's
         assert [int(r["step"]) for r in rows] == [1, 2, 3] and not any(r["skipped"] for r in rows), (name, rows)
         assert all(r["lag_max"] == 0 for r in rows), (name, rows)
+    assert all(r["sync_fallbacks"] == 0 for r in rl["scaled"]), rl["scaled"]  # every version over the gloo groups
     assert json.load(open(tmp_path / "scaled" / "results.json"))["results"]["rl"]
     gaps = {name: [abs(r["is_weight_mean"] - 1) for r in rows] for name, rows in rl.items()}
     assert max(gaps["default"]) <= 1e-4 and max(gaps["scaled"]) <= 1e-4, gaps

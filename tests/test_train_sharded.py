@@ -95,7 +95,7 @@ def test_the_run_config_names_a_trainer_backend_and_a_weight_sync_that_exist():
         check_config(config(trainer_backend=backend, weight_sync="buckets"))
     with pytest.raises(RunError, match="cluster.trainer_backend must be one of .*fsdp2_ep"):
         check_config(config(trainer_backend="fsdp3"))
-    with pytest.raises(RunError, match="cluster.weight_sync must be whole or buckets"):
+    with pytest.raises(RunError, match="cluster.weight_sync must be whole, buckets or collective"):
         check_config(config(weight_sync="pieces"))
     with_kl = config(trainer_backend="fsdp2_ep")
     with_kl.rl.loss.kl_coef = 0.05

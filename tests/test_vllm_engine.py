@@ -49,18 +49,20 @@ def assert_parity(model, results) -> None:
 
 
 def perturbed(model, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
+    g, by_storage = torch.Generator().manual_seed(seed), {}  # tied embeddings: one tensor, one perturbation
+    return {k: by_storage.setdefault(v.data_ptr(), v + 0.02 * torch.randn(v.shape, generator=g))
+            for k, v in model.state_dict().items()}
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "qwen3_tied"])
 def built(request, tmp_path_factory):
     """(engine, trainer model, checkpoint dir) of one tiny architecture; the engine is shared by the tests."""
     if not HAVE_VLLM:
         pytest.skip(INSTALL_HINT)
     from codefleet.bench.tiny_hf import make_tiny_hf
 
-    path = make_tiny_hf(str(tmp_path_factory.mktemp(request.param)), arch=request.param, **SIZES)
+    arch, tied = request.param.removesuffix("_tied"), request.param.endswith("_tied")
+    path = make_tiny_hf(str(tmp_path_factory.mktemp(request.param)), arch=arch, tie_word_embeddings=tied, **SIZES)
     # on CPU vLLM returns no routed experts: an MoE engine serves with record_routing=False
     engine = VLLMEngine(path, record_routing=False, **ENGINE_OPTIONS)
     yield engine, checkpoint.load(path).eval(), path

@@ -1,17 +1,18 @@
-"""`codefleet bench weightsync`: seconds per weight update, trainer -> engines, bucketed against the way it
-was done before buckets, in one run.
+"""`codefleet bench weightsync`: seconds per weight update, trainer -> engines, per transport, in one run.
 
 Setup, per model size (50 MB, 500 MB, 2 GB of float32; `--quick`: 50 MB): a codefleet MoE whose expert count
 is chosen to reach the size (random weights, saved once to a temporary checkpoint by a Ray task, never in the
 driver); two real engine actors (`fleet.inference.EngineActor`) load it; two "trainer ranks" (Ray actors)
 each hold half of the tensors (`split_names`), random, seeded. The driver only ever holds object refs.
 
-Backends (all through the Ray object store, the only transport codefleet has today):
+Backends:
 - `bucketed`: each rank sends its half as flat buckets of `bucket_mb` (`fleet.weight_sync`), one object per
-  bucket; the engines read them as they arrive, assemble them in staging and apply one version.
+  bucket in the Ray object store; the engines read them as they arrive, assemble them and apply one version.
+- `gloo`: the same buckets broadcast over a gloo process group per rank (the rank and both engines,
+  `GroupSync`), formed once (`group_setup_s`), the way NCCL carries them between GPUs.
 - `whole`: each rank returns its half as one object (the way `TrainerGroup.publish` sends the whole state
   dict), the engines read both and apply them (`EngineActor.update_weights`).
-gloo and NCCL process groups and vLLM's reload are not measured (not implemented here yet).
+vLLM's reload is measured by `codefleet bench engine`'s vLLM peer, not here (it needs .venv-vllm).
 
 Measured: `sync_s` = seconds on the driver from the first send to both engines serving the new version
 (median of `repeats`, after one warm-up); `gb_per_s` = model GB / sync_s (each engine receives the whole
@@ -44,7 +45,15 @@ from codefleet.bench.report import Log, report
 from codefleet.fleet.inference import broadcast_weights, start_engines
 from codefleet.fleet.ray_init import init_ray
 from codefleet.fleet.trainer_group import _SharedWeights
-from codefleet.fleet.weight_sync import BucketSender, TensorSpec, publish_buckets, specs_of, split_names
+from codefleet.fleet.weight_sync import (
+    BucketSender,
+    GroupSender,
+    GroupSync,
+    TensorSpec,
+    publish_buckets,
+    specs_of,
+    split_names,
+)
 from codefleet.model import checkpoint
 from codefleet.model.config import ModelConfig
 from codefleet.model.sampling import SamplingParams
@@ -61,7 +70,7 @@ class BenchConfig:
     sizes_mb: tuple[int, ...] = (50, 500, 2000)
     bucket_mb: float = 64.0
     repeats: int = 3
-    backends: tuple[str, ...] = ("bucketed", "whole")
+    backends: tuple[str, ...] = ("bucketed", "gloo", "whole")
     quick: bool = False
 
 
@@ -92,6 +101,7 @@ class ShardHolder:
         g = torch.Generator().manual_seed(seed)
         self.state = {s.name: (torch.randn(s.shape, generator=g) * 0.02).to(getattr(torch, s.dtype)) for s in specs}
         self.sender = BucketSender(lambda: self.state)
+        self.group = GroupSender(self.sender)
 
     def plan(self, bucket_mb: float):
         return self.sender.plan(None, bucket_mb)
@@ -102,6 +112,15 @@ class ShardHolder:
     def whole(self) -> _SharedWeights:
         return _SharedWeights(self.state)
 
+    def sync_group_address(self, timeout_s: float):
+        return self.group.address(timeout_s)
+
+    def join_sync_group(self, world: int, backend: str, timeout_s: float) -> None:
+        self.group.join(world, backend, timeout_s)
+
+    def send_sync_group(self) -> int:
+        return self.group.send()
+
 
 def _available_mb() -> float:
     with open("/proc/meminfo") as f:
@@ -109,9 +128,11 @@ def _available_mb() -> float:
     return info["MemAvailable"] / 1024
 
 
-def _send(backend: str, holders: list, plans: list, engines: list, version: int) -> float:
+def _send(backend: str, holders: list, plans: list, engines: list, version: int, group: GroupSync | None) -> float:
     start = time.perf_counter()
-    if backend == "bucketed":
+    if backend == "gloo":
+        group.send(plans, version)
+    elif backend == "bucketed":
         weights = publish_buckets(holders, plans, version)
         broadcast_weights(engines, weights, version)
     else:
@@ -137,15 +158,19 @@ def _one_size(size_mb: int, cfg: BenchConfig, root: str, log: Log) -> dict:
     plans = ray.get([h.plan.remote(cfg.bucket_mb) for h in holders])
     out: dict = {"model_mb": round(model_bytes / 1e6, 1), "n_experts": config.n_experts,
                  "buckets": sum(len(p.buckets) for p in plans), "backends": {}}
-    version = 0
+    version, group = 0, None
     try:
+        if "gloo" in cfg.backends:  # formed once per run, like a training run's groups
+            start = time.perf_counter()
+            group = GroupSync(holders, engines)
+            out["group_setup_s"] = round(time.perf_counter() - start, 3)
         for backend in cfg.backends:
             version += 1
-            _send(backend, holders, plans, engines, version)  # warm-up
+            _send(backend, holders, plans, engines, version, group)  # warm-up
             times = []
             for _ in range(cfg.repeats):
                 version += 1
-                times.append(_send(backend, holders, plans, engines, version))
+                times.append(_send(backend, holders, plans, engines, version, group))
             # the pause: the same update while a long generation decodes on every engine
             pauses, applies = [], []
             for _ in range(cfg.repeats):
@@ -157,7 +182,7 @@ def _one_size(size_mb: int, cfg: BenchConfig, root: str, log: Log) -> dict:
                     if time.monotonic() > deadline:
                         raise RuntimeError("the in-flight generation did not start within 60 s")
                     time.sleep(0.02)
-                _send(backend, holders, plans, engines, version)
+                _send(backend, holders, plans, engines, version, group)
                 infos = ray.get([e.info.remote() for e in engines])
                 pauses += [i["pause_s"] * 1000 for i in infos]
                 applies += [i["apply_s"] * 1000 for i in infos]
@@ -204,7 +229,7 @@ def run(cfg: BenchConfig, log: Log = print) -> dict:
                                                 2) for mb, s in per_size.items()} if {"bucketed", "whole"} <= set(
             backends) else {},
         "per_size": per_size, "skipped": skipped, "config": asdict(cfg), "cpus": os.cpu_count(),
-        "not_measured": "gloo/NCCL process groups and vLLM reload: not implemented in codefleet yet",
+        "not_measured": "NCCL (needs GPUs) and vLLM's reload (needs .venv-vllm) are not measured here",
     }
     return r
 

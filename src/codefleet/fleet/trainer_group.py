@@ -79,7 +79,15 @@ from ray.exceptions import RayActorError, RayError
 
 from codefleet.contracts import TRAINERS
 from codefleet.fleet.gpus import actor_device, actor_options, check_gpus
-from codefleet.fleet.weight_sync import Buckets, BucketSender, SenderPlan, publish_buckets, specs_of, split_names
+from codefleet.fleet.weight_sync import (
+    Buckets,
+    BucketSender,
+    GroupSender,
+    SenderPlan,
+    publish_buckets,
+    specs_of,
+    split_names,
+)
 from codefleet.model import checkpoint
 from codefleet.model.config import ModelConfig
 from codefleet.model.transformer import Transformer
@@ -191,6 +199,7 @@ class TrainerWorker:
         else:
             self.trainer = self._build(checkpoint, model_config)
             self.sender = BucketSender(lambda: self.trainer.model.state_dict())  # live, on its device
+        self.group_sender = GroupSender(self.sender, self.device)
 
     def _build(self, checkpoint: str | None, model_config: ModelConfig | None):
         cls = TRAINERS.get(self.config.backend)
@@ -261,6 +270,17 @@ class TrainerWorker:
 
     def bucket(self, index: int):
         return self.sender.bucket(index)
+
+    def sync_group_address(self, timeout_s: float) -> tuple[str, str]:
+        """This rank's weight-sync group with the engines (`fleet.weight_sync.GroupSync`): its rendezvous."""
+        return self.group_sender.address(timeout_s)
+
+    def join_sync_group(self, world: int, backend: str, timeout_s: float) -> None:
+        self.group_sender.join(world, backend, timeout_s)
+
+    def send_sync_group(self) -> int:
+        """Broadcast the buckets of the last `bucket_plan` to the engines."""
+        return self.group_sender.send()
 
     def save(self, path: str, tmp: str) -> None:
         """The dp trainer: rank 0 writes `path`. A sharded one: every rank writes its shards into
@@ -376,8 +396,12 @@ class TrainerGroup:
 
     def publish_buckets(self, bucket_mb: float = 256.0) -> Buckets:
         """The weights in buckets in the object store, every rank sending its share (see `fleet.weight_sync`)."""
-        plans = self._get([w.bucket_plan.remote(bucket_mb) for w in self.workers])
-        return publish_buckets(self.workers, plans, self._version)
+        return publish_buckets(self.workers, self.bucket_plans(bucket_mb), self._version)
+
+    def bucket_plans(self, bucket_mb: float = 256.0) -> list[SenderPlan]:
+        """Every rank's share of the weights cut into buckets, for `publish_buckets` or a `GroupSync`
+        (`GroupSync(group.workers, engines).send(group.bucket_plans(mb), group.version)`)."""
+        return self._get([w.bucket_plan.remote(bucket_mb) for w in self.workers])
 
     def save(self, path: str) -> None:
         """A full checkpoint (weights, optimizer, version) in `path`: rank 0 writes it (see `Trainer.save`); with

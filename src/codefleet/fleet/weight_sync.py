@@ -1,4 +1,5 @@
-"""Weight sync, trainer -> engines, in buckets: flattened tensors of a bounded size.
+"""Weight sync, trainer -> engines, in buckets: flattened tensors of a bounded size, through the Ray object store
+or over process groups (gloo, NCCL).
 
     sender = BucketSender(lambda: trainer.weights(clone=False))          # in each trainer rank
     plan = sender.plan(names_of_my_share, bucket_mb=256)                 # metadata only
@@ -27,18 +28,29 @@ Transport, Ray object store (`publish_buckets`): each bucket is the return value
 the driver owns it (it outlives the sender) but only ever holds `ObjectRef`s; engines read the buckets
 zero-copy from shared memory. A sync actor runs its calls in order, so a trainer step submitted after the
 bucket calls cannot change the weights under them.
+
+Transport, process groups (`GroupSync`): each sender is rank 0 of a torch.distributed group of its own whose
+other ranks are the engines (gloo for weights on CPU, NCCL for weights on a GPU; separate from the trainer's
+own default group), formed once. Per version the sender packs each bucket and broadcasts it (the next is packed
+while one travels); each engine receives every sender's buckets at once into flat buffers it keeps between
+versions, then assembles and applies them as above. Nothing passes through the driver or the object store. A
+dead or stuck member fails the sync with `GroupSyncError`: the driver tells the engines to stop waiting, nothing
+is applied, and the caller sends that version through the object store and forms new groups.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 
 import numpy as np
 import ray
 import torch
+import torch.distributed as dist
 
 _SAME_WIDTH_INT = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
@@ -279,3 +291,158 @@ async def receive_buckets(receiver: BucketReceiver, buckets_plans: list[SenderPl
         await loop.run_in_executor(None, receiver.add, buckets_plans[i].buckets[j], wire)
         del wire
     return receiver.state_dict()
+
+
+# ---- over a process group: gloo on CPU, NCCL on GPU ---------------------------------------------
+
+def open_store(timeout_s: float) -> tuple[dist.TCPStore, str]:
+    """A rendezvous store served from this process on a free port, and its host:port for the others."""
+    store = dist.TCPStore("0.0.0.0", 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+    return store, f"{ray.util.get_node_ip_address()}:{store.port}"
+
+
+def open_group(store: dist.Store, rank: int, world: int, backend: str, timeout_s: float):
+    """A process group of its own (not torch.distributed's default one, which a trainer rank already has)."""
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=timeout_s))
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL(store, rank, world)
+    raise ValueError(f"weight sync over a process group uses gloo (CPU) or nccl (GPU), not {backend!r}")
+
+
+def _broadcast_options() -> dist.BroadcastOptions:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    return opts
+
+
+class GroupSender:
+    """One sender's side: its buckets (`BucketSender.plan`) broadcast from rank 0 of a group of its own, whose
+    other ranks are the engines. gloo for weights on CPU, NCCL for weights on a GPU."""
+
+    def __init__(self, sender: BucketSender, device: torch.device | str = "cpu"):
+        self.sender, self.device = sender, torch.device(device)  # where the sender's weights live
+        self.store = self.group = None
+
+    def address(self, timeout_s: float) -> tuple[str, str]:
+        """Serve a new group's rendezvous: (host:port, backend); then `join` (collectively with the engines)."""
+        self.group = None
+        self.store, address = open_store(timeout_s)
+        return address, "nccl" if self.device.type == "cuda" else "gloo"
+
+    def join(self, world: int, backend: str, timeout_s: float) -> None:
+        self.group = open_group(self.store, 0, world, backend, timeout_s)
+
+    def send(self) -> int:
+        """Broadcast every bucket of the current plan (two in flight: the next is packed while one travels); the
+        bytes sent. Blocks until every engine has received them."""
+        if self.group is None or self.sender.current is None:
+            raise RuntimeError("GroupSender.send() before address()/join() and the sender's plan()")
+        state, opts, work = self.sender.weights(), _broadcast_options(), None
+        for bucket in self.sender.current.buckets:
+            flat = pack(state, bucket)
+            if work is not None:
+                work.wait()
+            work = self.group.broadcast([flat], opts)
+        if work is not None:
+            work.wait()
+        return self.sender.current.nbytes
+
+
+class GroupReceiver:
+    """One engine's side: one group per sender, and a flat buffer per bucket kept between versions (the
+    broadcasts land in them; `BucketReceiver.add` then takes views of them)."""
+
+    def __init__(self):
+        self.groups: dict[int, object] = {}
+        self.buffers: dict[tuple[int, int], torch.Tensor] = {}
+        self.aborted = -1  # the newest version the driver gave up on (`abort`)
+        self._broken: list = []  # groups and buffers of an aborted sync: gloo may still hold them until it times out
+
+    def join(self, sender: int, address: str, rank: int, world: int, backend: str, timeout_s: float) -> None:
+        host, port = address.rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), None, False, timedelta(seconds=timeout_s))
+        self.groups[sender] = open_group(store, rank, world, backend, timeout_s)
+
+    def abort(self, version: int) -> None:
+        """Stop waiting for `version` (a sender or another engine failed): a receive of it raises, and the groups
+        are left until new ones are joined."""
+        self.aborted = max(self.aborted, version)
+
+    def receive(self, plans: list[SenderPlan], version: int, device: str = "cpu") -> list[list[torch.Tensor]]:
+        """Every sender's buckets, in its group's order; all groups at once."""
+        if sorted(self.groups) != list(range(len(plans))):
+            raise RuntimeError(f"this engine is in the sync groups of senders {sorted(self.groups)}, not of all "
+                               f"{len(plans)} (it restarted since they were formed); the driver re-forms them")
+        works = self._post(plans, device)
+        for w in works:
+            while not w.is_completed():
+                if self.aborted >= version:
+                    self._broken.append((self.groups, self.buffers))
+                    self.groups, self.buffers = {}, {}
+                    raise RuntimeError(f"weight sync of version {version} over the sync groups was aborted by the "
+                                       "driver (a sender or another engine failed)")
+                time.sleep(0.0005)
+            w.wait()
+        return [[self.buffers[(i, j)] for j in range(len(p.buckets))] for i, p in enumerate(plans)]
+
+    def _post(self, plans: list[SenderPlan], device: str) -> list:
+        opts, works = _broadcast_options(), []
+        for i, plan in enumerate(plans):
+            for j, b in enumerate(plan.buckets):
+                buf = self.buffers.get((i, j))
+                if buf is None or buf.numel() != b.numel or _dtype_name(buf) != b.dtype or buf.device.type != device:
+                    buf = self.buffers[(i, j)] = torch.empty(b.numel, dtype=getattr(torch, b.dtype), device=device)
+                works.append(self.groups[i].broadcast([buf], opts))
+        return works
+
+
+class GroupSyncError(RuntimeError):
+    """A sync over the process groups failed (an engine or a sender died or timed out); nothing was applied."""
+
+
+class GroupSync:
+    """Driver side of weight sync over process groups: one group per sender (rank 0) with every engine.
+
+        sync = GroupSync(trainer_workers, engines, timeout_s=120)   # forms the groups (collectively)
+        sync.send(plans, version)                                     # plans: each sender's bucket_plan(...)
+
+    The actors expose `sync_group_address` / `join_sync_group` / `send_sync_group` (senders) and
+    `join_sync_group` / `receive_sync_group` (engines). A failure raises GroupSyncError; the groups are then
+    broken, and the caller sends that version another way and forms new groups (a new GroupSync)."""
+
+    def __init__(self, senders: list, engines: list, timeout_s: float = 120.0):
+        self.senders, self.engines, self.timeout_s = list(senders), list(engines), timeout_s
+        world = 1 + len(self.engines)
+        addresses = self._get([s.sync_group_address.remote(timeout_s) for s in self.senders])
+        self.backend = addresses[0][1]
+        if any(b != self.backend for _, b in addresses):
+            raise ValueError(f"the senders' weights are on different devices ({[b for _, b in addresses]})")
+        refs = [s.join_sync_group.remote(world, self.backend, timeout_s) for s in self.senders]
+        refs += [e.join_sync_group.remote(i, address, 1 + k, world, self.backend, timeout_s)
+                 for i, (address, _) in enumerate(addresses) for k, e in enumerate(self.engines)]
+        self._get(refs)
+
+    def send(self, plans: list[SenderPlan], version: int) -> None:
+        refs = [s.send_sync_group.remote() for s in self.senders]
+        refs += [e.receive_sync_group.remote(plans, version) for e in self.engines]
+        try:
+            self._get(refs)
+        except GroupSyncError:  # the engines still waiting would wait out the group's timeout
+            ray.wait([e.abort_sync_group.remote(version) for e in self.engines], num_returns=len(self.engines),
+                     timeout=10)
+            raise
+
+    def _get(self, refs: list) -> list:
+        """Every result, or GroupSyncError at the first failure (or at the timeout)."""
+        deadline, pending = time.monotonic() + self.timeout_s, list(refs)
+        try:
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0))
+                if not done:
+                    raise TimeoutError(f"no answer within {self.timeout_s:g} s")
+                ray.get(done)
+            return ray.get(refs)
+        except (ray.exceptions.RayError, RuntimeError, TimeoutError) as e:
+            raise GroupSyncError(f"weight sync over {getattr(self, 'backend', 'a process group')} failed: "
+                                 f"{str(e).strip().splitlines()[-1][:300]}") from e

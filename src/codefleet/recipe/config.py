@@ -138,8 +138,10 @@ class ClusterSection:
     trainer_backend: str = "dp"  # the trainer of SFT and RL (rl.sharded): "dp" | "fsdp2" | "fsdp2_ep"
     # GPUs per trainer worker (NCCL then): 1, or a share of one with a single worker (beside an engine). 0 = CPU
     trainer_gpus: float = 0.0
-    weight_sync: str = "whole"  # RL's weights to the engines: "whole" (one object) | "buckets" (fleet.weight_sync)
-    weight_sync_bucket_mb: int = 64  # the bucket size of weight_sync "buckets"
+    # RL's weights to the engines (fleet.weight_sync): "whole" (one object) | "buckets" (in the object store) |
+    # "collective" (buckets broadcast over a process group per trainer rank: gloo on CPU, NCCL on GPU)
+    weight_sync: str = "whole"
+    weight_sync_bucket_mb: int = 64  # the bucket size of weight_sync "buckets" and "collective"
     rollout_workers: int = 2  # actors running the agent harness for RL's attempts
     rollout_cpus: float = 0.25  # logical CPUs per rollout worker
     # extra logical resources per actor, to pin roles to nodes on a cluster, e.g. {"rollout": 1}

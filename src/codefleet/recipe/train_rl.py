@@ -21,6 +21,7 @@ from codefleet.fleet.rollouts import AgentGroupRunner, RolloutSpec, start_worker
 from codefleet.fleet.sandbox_fleet import SandboxFleet
 from codefleet.fleet.staleness import Group
 from codefleet.fleet.trainer_group import TrainerGroup, TrainerWorkerError
+from codefleet.fleet.weight_sync import GroupSync, GroupSyncError
 from codefleet.model import chat_format, checkpoint
 from codefleet.model.tokenizer import TOKENIZER_FILE, Tokenizer, default_tokenizer
 from codefleet.recipe.config import ClusterSection, TrainRunConfig, episode_config, policy_usage
@@ -106,8 +107,33 @@ class RLTrainer:
         self.controller = None  # set once the controller exists (its buffer state goes into checkpoints)
         self.sampler = sampler  # the task sampler (recipe.curriculum): its per-family success estimates go into the metrics
         self.away: dict = {}  # engines that did not take weights in time -> a call that returns once they are back
+        self.sync: GroupSync | None = None  # the weight-sync groups of cluster.weight_sync=collective, once formed
+        self.sync_fallbacks = 0  # versions that went through the object store because the groups failed
         self.started = time.perf_counter()
         self.tokens = 0
+
+    def _sync_weights(self) -> tuple[list, dict, int]:
+        """The new weights to the engines (`cluster.weight_sync`): (serving, away, version), as `broadcast_weights`.
+
+        "collective" broadcasts over process groups formed with the engines once (`GroupSync`) while every engine
+        is up. A failure there sends this version through the object store instead, and the next one forms the
+        groups anew with the engines then serving."""
+        cl, version = self.config.cluster, self.group.version
+        if cl.weight_sync == "collective" and not self.away:
+            try:
+                if self.sync is None or self.sync.engines != self.engines:
+                    self.sync = GroupSync(self.group.workers, self.engines, min(cl.engine_wait_s, 120.0))
+                self.sync.send(self.group.bucket_plans(cl.weight_sync_bucket_mb), version)
+                return list(self.engines), {}, version
+            except GroupSyncError as e:
+                self.sync, self.sync_fallbacks = None, self.sync_fallbacks + 1
+                log(f"{e}; version {version} goes through the object store, and the groups are formed anew next time")
+        if cl.weight_sync == "whole":
+            weights, version = self.group.publish()
+        else:
+            weights = self.group.publish_buckets(cl.weight_sync_bucket_mb)
+        serving, away = broadcast_weights(self.engines, weights, version, cl.engine_wait_s, self.away)
+        return serving, away, version
 
     def train(self, batch) -> dict[str, float]:
         rewards_NG = torch.tensor([[r.reward for r in g.rollouts] for g in batch.groups])
@@ -124,10 +150,9 @@ class RLTrainer:
         kept = {k: state[k] for k in ("consumed_ids", "lags", "next_group_id", "next_batch")}
         self.run.commit_checkpoint(version, kept, [r.rollout_id for r in batch.rollouts])
         # committed before the engines get the weights: an engine that restarts from now on loads them (LATEST)
-        cl = self.config.cluster
-        weights, version = ((self.group.publish_buckets(cl.weight_sync_bucket_mb), self.group.version)
-                            if cl.weight_sync == "buckets" else self.group.publish())
-        serving, away = broadcast_weights(self.engines, weights, version, cl.engine_wait_s, self.away)
+        sync_started = time.perf_counter()
+        serving, away, version = self._sync_weights()
+        m.update(sync_s=time.perf_counter() - sync_started, sync_fallbacks=self.sync_fallbacks)
         if len(serving) + len(away) < len(self.engines) or len(away) != len(self.away):
             gone = len(self.engines) - len(serving) - len(away)
             log(f"engines: {len(serving)} serve version {version}"
