@@ -115,10 +115,10 @@ TINY = ["tasks.n_train=3", "tasks.n_eval=1", "tasks.families=[config]", "sft.epo
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
-def _train(out: str, init: str, backend: str) -> float:
+def _train(out: str, init: str, backend: str, *more: str) -> float:
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "codefleet.cli", "train", "--out", out, "--no-progress",
-                           f"model.init={init}", *TINY, f"cluster.trainer_backend={backend}"],
+                           f"model.init={init}", *TINY, f"cluster.trainer_backend={backend}", *more],
                           env=ENV, capture_output=True, text=True, timeout=800)
     assert done.returncode == 0, (backend, done.stderr[-3000:])
     return time.perf_counter() - started
@@ -139,7 +139,9 @@ def test_codefleet_train_with_the_expert_parallel_trainer_matches_the_dp_trainer
 
     init = make_tiny_hf(str(tmp_path / "tiny"), arch="qwen3_moe")
     runs = {b: str(tmp_path / b) for b in ("fsdp2_ep", "dp")}
-    took = {b: _train(out, init, b) for b, out in runs.items()}
+    # the expert-parallel run also colocates its 2 ranks with 2 engines (fleet.placement): they take turns
+    more = {"fsdp2_ep": ["cluster.placement=colocated", "cluster.engines=2"], "dp": []}
+    took = {b: _train(out, init, b, *more[b]) for b, out in runs.items()}
     print("wall s per run:", took)
     sft = {b: _metrics(out, "sft") for b, out in runs.items()}  # the same data from the same weights: one loss
     assert [r["loss"] for r in sft["fsdp2_ep"]] == pytest.approx([r["loss"] for r in sft["dp"]], abs=1e-4)
@@ -151,6 +153,7 @@ def test_codefleet_train_with_the_expert_parallel_trainer_matches_the_dp_trainer
         # exp(trainer - engine logprob) on the sampled tokens (tis): 1 up to numerics when nothing lags
         assert all(abs(r["is_weight_mean"] - 1) <= 1e-4 for r in rows), (b, [r["is_weight_mean"] for r in rows])
     print("is_weight_mean:", {b: [r["is_weight_mean"] for r in rows] for b, rows in rl.items()})
+    assert all(r["engines_asleep_s"] > 0 for r in rl["fsdp2_ep"]) and "engines_asleep_s" not in rl["dp"][0]
     for name in ("sft", "rl-step-000003"):  # older RL checkpoints are pruned
         path = os.path.join(runs["fsdp2_ep"], "checkpoints", name)
         AutoModelForCausalLM.from_pretrained(path)

@@ -138,12 +138,20 @@ class EngineActor:
         await asyncio.get_running_loop().run_in_executor(None, self.engine.update_weights, weights, version)
         self.apply_s = time.perf_counter() - start
 
+    async def sleep(self) -> None:
+        """Stop stepping until `wake` (colocated with a trainer worker: `fleet.placement`); requests wait."""
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.sleep)
+
+    def wake(self) -> None:
+        self.engine.wake()
+
     def info(self) -> dict:
         return {"version": self.engine.version, "max_seq_len": self.engine.max_seq_len, "pid": os.getpid(),
                 "node_id": ray.get_runtime_context().get_node_id(), "running": self.engine.n_running,
                 "prefill_tokens": self.engine.prefill_tokens_computed, "prefix_hits": self.engine.prefix_hits,
                 "prefix_tokens_reused": self.engine.prefix_tokens_reused, "apply_s": self.apply_s,
-                "pause_s": self.engine.pause_s}
+                "pause_s": self.engine.pause_s,
+                "placement_group": ray.get_runtime_context().get_placement_group_id()}
 
 
 def newest_checkpoint(latest_file: str) -> tuple[str, int] | None:
@@ -198,12 +206,12 @@ class RemoteEngine:
 def start_engines(checkpoint: str, n: int = 1, *, num_cpus: float = 1.0, resources: dict | None = None,
                   threads: int = 1, max_batch: int = 32, max_seq_len: int | None = None, version: int = 0,
                   restart_from: str | None = None, backend: str = "codefleet", record_routing: bool = True,
-                  num_gpus: float = 0.0) -> list:
+                  num_gpus: float = 0.0, placement: list | None = None) -> list:
     """`n` engine actors over `checkpoint`, placed by logical resources and `num_gpus` GPUs each (a share of one,
     e.g. 0.5; `fleet.gpus`); waits until they are up. A restarted engine loads the checkpoint `restart_from`
     names, if any (see the module docstring). `backend` names the engine (codefleet.contracts.ENGINES);
     `record_routing=False` when routing replay is off (a backend that cannot report routed experts refuses an MoE
-    model otherwise)."""
+    model otherwise). `placement`: a scheduling strategy per engine (`fleet.placement.Placement.engines`)."""
     ENGINES.get(backend)  # an unknown name fails here, in one sentence, not in every actor
     if num_gpus > 0 and backend == "codefleet":
         raise ValueError(f"the codefleet engine runs on CPU only (native CPU kernels) but {num_gpus:g} GPU per engine "
@@ -214,10 +222,13 @@ def start_engines(checkpoint: str, n: int = 1, *, num_cpus: float = 1.0, resourc
         # OpenMP's thread count is per thread and starts from OMP_NUM_THREADS (Ray sets 1): vLLM's CPU attention
         # checks that the thread running a step has as many as the one that set it up, so every thread gets `threads`
         options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": str(threads)}}
-    actors = [EngineActor.options(**options).remote(
+    strategies = placement or [None] * n
+    if len(strategies) != n:
+        raise ValueError(f"{len(strategies)} placements for {n} engines")
+    actors = [EngineActor.options(**options, **({"scheduling_strategy": where} if where else {})).remote(
         checkpoint, max_batch=max_batch, max_seq_len=max_seq_len, threads=threads, version=version,
         restart_from=restart_from, backend=backend, record_routing=record_routing, num_gpus=num_gpus)
-        for _ in range(n)]
+        for where in strategies]
     ray.get([a.info.remote() for a in actors])
     return actors
 

@@ -229,6 +229,12 @@ class TrainerWorker:
     def version(self) -> int:
         return self.trainer.version
 
+    def where(self) -> dict:
+        """Where this rank runs: node, placement group (None outside one), device."""
+        context = ray.get_runtime_context()
+        return {"node_id": context.get_node_id(), "placement_group": context.get_placement_group_id(),
+                "device": str(self.device)}
+
     def device_info(self) -> dict:
         """Where this rank runs: its device, the GPU's name and the peak GPU memory its tensors took (GB)."""
         cuda = self.device.type == "cuda"
@@ -312,7 +318,9 @@ class TrainerGroup:
     def __init__(self, n_workers: int = 2, *, checkpoint: str | None = None, model_config: ModelConfig | None = None,
                  config: TrainConfig | None = None, num_cpus_per_worker: float = 1.0,
                  resources_per_worker: dict[str, float] | None = None, threads_per_worker: int = 1,
-                 collective_timeout_s: float = 300.0, num_gpus_per_worker: float = 0.0):
+                 collective_timeout_s: float = 300.0, num_gpus_per_worker: float = 0.0,
+                 placement: list | None = None):
+        """`placement`: a scheduling strategy per rank (`fleet.placement.Placement.trainer`)."""
         if n_workers < 1:
             raise ValueError(f"n_workers must be >= 1, got {n_workers}")
         if (checkpoint is None) == (model_config is None):
@@ -322,13 +330,16 @@ class TrainerGroup:
         self.sharded = is_sharded(self.config.backend)
         self._broken: str | None = None
         options = actor_options(num_cpus_per_worker, resources_per_worker, num_gpus_per_worker)
-        if n_workers > 1 and 0 < num_gpus_per_worker < 1:
+        if n_workers > 1 and 0 < num_gpus_per_worker < 1 and placement is None:  # Placement.reserve checks its own
             raise ValueError(f"{n_workers} trainer workers with {num_gpus_per_worker:g} GPU each could share a GPU, "
                              "and NCCL refuses two ranks on one GPU: give each worker 1 GPU, or use one worker")
         check_gpus({f"{n_workers} trainer workers x {num_gpus_per_worker:g} GPU": n_workers * num_gpus_per_worker})
-        self.workers = [TrainerWorker.options(**options).remote(rank, n_workers, checkpoint, model_config, self.config,
-                                                                threads_per_worker)
-                        for rank in range(n_workers)]
+        strategies = placement or [None] * n_workers
+        if len(strategies) != n_workers:
+            raise ValueError(f"{len(strategies)} placements for {n_workers} trainer workers")
+        self.workers = [TrainerWorker.options(**options, **({"scheduling_strategy": where} if where else {})).remote(
+                            rank, n_workers, checkpoint, model_config, self.config, threads_per_worker)
+                        for rank, where in enumerate(strategies)]
         if n_workers > 1 or self.sharded:  # a sharded trainer needs a process group, even of one
             init_method = self._get([self.workers[0].rendezvous.remote()])[0]
             self._get([w.init_distributed.remote(init_method, collective_timeout_s) for w in self.workers])

@@ -194,6 +194,8 @@ class Engine:
         self.prefill_tokens_computed = 0  # prompt tokens run through the model
         self.weight_loads = 0  # weight updates applied (a policy version may repeat; this never does)
         self.pause_s = 0.0  # how long the last weight update kept steps from running
+        self._asleep = False  # `sleep`: the background loop does not step
+        self._gate = threading.Lock()  # held by each iteration of the background loop
         self._swap = WeightSwap(model)
         self._grammars: dict[str, ToolCallGrammar] = {}  # by tools and tool choice, most recent last
 
@@ -585,16 +587,30 @@ class Engine:
                 self._thread = threading.Thread(target=self._loop, name="codefleet-engine", daemon=True)
                 self._thread.start()
 
+    def sleep(self) -> None:
+        """Stop stepping (colocated with a trainer: it gets the cores while it steps); returns once the step
+        running now has ended. Requests stay queued or running, and weight updates still land. Memory stays
+        allocated. Pauses the background loop only: `generate()` steps in its caller's thread regardless."""
+        self._asleep = True
+        with self._gate:  # a loop iteration that began awake ends here
+            pass
+
+    def wake(self) -> None:
+        self._asleep = False
+        self._wake.set()
+
     def _loop(self) -> None:
         while not self._closed:
-            if not self._running and not self._waiting:
+            with self._gate:
+                busy = not self._asleep and (self._running or self._waiting)
+                if busy:
+                    self.step()
+            if not busy:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 if self._pending is not None:
                     with self._step_lock:
                         self._apply_pending()
-                continue
-            self.step()
 
     def close(self) -> None:
         """Stop the background thread; requests still in flight fail."""

@@ -152,6 +152,8 @@ class VLLMEngine:
         self._closed = False
         self.weight_loads = 0  # weight updates applied
         self.pause_s = 0.0  # how long the last weight update kept steps from running (pause to resume)
+        self._asleep = False  # `sleep`: the background loop does not step
+        self._gate = threading.Lock()  # held by each iteration of the background loop
         self.prefill_tokens_computed = 0  # prompt tokens the model ran (those the prefix cache did not supply)
         self.prefix_hits = 0  # requests that reused a cached prefix
         self.prefix_tokens_reused = 0
@@ -303,14 +305,28 @@ class VLLMEngine:
             self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
             self._thread.start()
 
+    def sleep(self) -> None:
+        """Stop stepping (colocated with a trainer), once the step running now has ended; requests stay in vLLM's
+        scheduler and weight updates still land. Memory stays allocated (vLLM's own sleep mode, which frees it,
+        needs CUDA and no running requests). `wake` resumes."""
+        self._asleep = True
+        with self._gate:  # a loop iteration that began awake ends here
+            pass
+
+    def wake(self) -> None:
+        self._asleep = False
+        self._wake.set()
+
     def _loop(self) -> None:
         while not self._closed:
-            try:
-                busy = self.step()
-            except Exception as e:  # a failed step fails its requests, not the thread
-                log.exception("vllm engine step failed")
-                self._fail_all(e)
-                busy = 0
+            busy = 0
+            with self._gate:
+                if not self._asleep:
+                    try:
+                        busy = self.step()
+                    except Exception as e:  # a failed step fails its requests, not the thread
+                        log.exception("vllm engine step failed")
+                        self._fail_all(e)
             if not busy:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()

@@ -148,6 +148,10 @@ class ClusterSection:
     rollout_resources: dict[str, float] = field(default_factory=dict)
     engine_resources: dict[str, float] = field(default_factory=dict)  # the same for engines
     trainer_resources: dict[str, float] = field(default_factory=dict)  # the same for trainer workers
+    # engines and trainer workers in Ray placement groups (fleet.placement): "disaggregated" (bundles of their own)
+    # | "colocated" (engine i and trainer rank i share a bundle, the engines sleeping while the trainer steps)
+    placement: str = "disaggregated"
+    placement_wait_s: float = 300.0  # how long to wait for the cluster to have room for them before refusing
 
 
 @dataclass

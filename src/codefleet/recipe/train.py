@@ -37,6 +37,7 @@ import yaml
 from codefleet.agent.clients.local_engine import TOOL_GRAMMARS
 from codefleet.config import ConfigError, load_config, to_dict
 from codefleet.contracts import ENGINES, TRAINERS
+from codefleet.fleet.placement import PLACEMENTS
 from codefleet.fleet.ray_init import init_ray
 from codefleet.fleet.trainer_group import TrainerGroup
 from codefleet.model import chat_format, checkpoint, kernels
@@ -85,6 +86,10 @@ def check_config(config: TrainRunConfig) -> None:
          "cluster.weight_sync must be whole, buckets or collective, and cluster.weight_sync_bucket_mb >= 1"),
         (cl.trainer_workers >= 1 and cl.engines >= 1 and cl.rollout_workers >= 1,
          "cluster.trainer_workers, cluster.engines and cluster.rollout_workers must be >= 1"),
+        (cl.placement in PLACEMENTS, f"cluster.placement must be one of {', '.join(PLACEMENTS)}"),
+        (cl.placement != "colocated" or cl.engines == cl.trainer_workers,
+         "cluster.placement=colocated pairs each engine with a trainer worker: set cluster.engines equal to "
+         "cluster.trainer_workers"),
         (config.sft.epochs >= 1 and config.sft.batch_size >= 1, "sft.epochs and sft.batch_size must be >= 1"),
         (config.sft.workers >= 1 and config.sft.threads >= 1, "sft.workers and sft.threads must be >= 1"),
         (0 <= config.sft.explore_fraction <= 1 and 0 <= config.sft.chain_fraction <= 1,

@@ -17,6 +17,7 @@ from codefleet.agent.reward import solved
 from codefleet.fleet.controller import Controller, ControllerConfig
 from codefleet.fleet.gpus import check_gpus
 from codefleet.fleet.inference import broadcast_weights, start_engines
+from codefleet.fleet.placement import Placement, Role
 from codefleet.fleet.rollouts import AgentGroupRunner, RolloutSpec, start_workers
 from codefleet.fleet.sandbox_fleet import SandboxFleet
 from codefleet.fleet.staleness import Group
@@ -33,6 +34,7 @@ from codefleet.rl.rewards import speed_bonus
 from codefleet.rl.trainer import TRAINER_FILE, TrainConfig
 from codefleet.store.parquet import RolloutWriter, rollout_record
 
+ENGINE_CPUS = 1.0  # logical CPUs per engine actor (its threads are cluster.engine_threads)
 
 def _rl_start(src: str, dst: str) -> str:
     """Where RL starts: `src`'s weights as policy version 0, with `src`'s AdamW state.
@@ -109,8 +111,20 @@ class RLTrainer:
         self.away: dict = {}  # engines that did not take weights in time -> a call that returns once they are back
         self.sync: GroupSync | None = None  # the weight-sync groups of cluster.weight_sync=collective, once formed
         self.sync_fallbacks = 0  # versions that went through the object store because the groups failed
+        self.colocated = config.cluster.placement == "colocated"
         self.started = time.perf_counter()
         self.tokens = 0
+
+    def _engines_call(self, method: str, timeout_s: float = 60.0) -> None:
+        """`method` on every engine serving, waited for; an engine that is dead or restarting is left to its fate
+        (a restarted engine starts awake)."""
+        refs = [getattr(e, method).remote() for e in self.engines if e not in self.away]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except RayActorError:
+                pass
 
     def _sync_weights(self) -> tuple[list, dict, int]:
         """The new weights to the engines (`cluster.weight_sync`): (serving, away, version), as `broadcast_weights`.
@@ -143,6 +157,8 @@ class RLTrainer:
                                  self.config.rl.negative_weight)
         samples, empty = training_samples(batch.groups, adv_NG.tolist())
         step_started = time.perf_counter()
+        if self.colocated:  # the engines sleep while the trainer steps on their devices (fleet.placement)
+            self._engines_call("sleep")
         m = self._step(samples, batch.trainer_version)
         m.update(empty_samples=empty)
         version = self.group.version
@@ -153,6 +169,9 @@ class RLTrainer:
         sync_started = time.perf_counter()
         serving, away, version = self._sync_weights()
         m.update(sync_s=time.perf_counter() - sync_started, sync_fallbacks=self.sync_fallbacks)
+        if self.colocated:
+            self._engines_call("wake")
+            m.update(engines_asleep_s=time.perf_counter() - step_started)
         if len(serving) + len(away) < len(self.engines) or len(away) != len(self.away):
             gone = len(self.engines) - len(serving) - len(away)
             log(f"engines: {len(serving)} serve version {version}"
@@ -262,16 +281,25 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
         return serving
     train_config = TrainConfig(lr=c.lr, loss=c.loss, routing_replay=c.routing_replay, seed=config.model.seed,
                                backend=cl.trainer_backend)
+    try:
+        placement = Placement.reserve(cl.engines, cl.trainer_workers,
+                                      Role(ENGINE_CPUS, cl.engine_gpus, cl.engine_resources),
+                                      Role(cl.trainer_cpus, cl.trainer_gpus, cl.trainer_resources),
+                                      colocated=cl.placement == "colocated", timeout_s=cl.placement_wait_s)
+    except ValueError as e:
+        raise RunError(str(e)) from None
+
     def new_group(checkpoint: str) -> TrainerGroup:
         return TrainerGroup(cl.trainer_workers, checkpoint=checkpoint, config=train_config,
                             num_cpus_per_worker=cl.trainer_cpus, resources_per_worker=cl.trainer_resources,
-                            num_gpus_per_worker=cl.trainer_gpus)
+                            num_gpus_per_worker=cl.trainer_gpus, placement=placement.trainer)
 
     group = new_group(serving)
-    engines = start_engines(serving, cl.engines, num_cpus=1.0, resources=cl.engine_resources,
+    engines = start_engines(serving, cl.engines, num_cpus=ENGINE_CPUS, resources=cl.engine_resources,
                             threads=cl.engine_threads, max_batch=max(c.rollout_slots, 1), version=version,
                             restart_from=run.path("checkpoints", "LATEST"), backend=cl.engine_backend,
-                            record_routing=config.rl.routing_replay, num_gpus=cl.engine_gpus)
+                            record_routing=config.rl.routing_replay, num_gpus=cl.engine_gpus,
+                            placement=placement.engines)
     fleet = SandboxFleet.start()  # held for the run: a host whose last handle goes away is collected
     spec = RolloutSpec(checkpoint=serving, sandbox=config.sandbox, episode=episode_config(config),
                        max_tokens=c.max_tokens, temperature=c.temperature, max_seq_len=config.model.max_seq_len,
@@ -318,6 +346,7 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
         bar.close()
         trainer.group.shutdown()  # the one in use: a worker that died was replaced
         fleet.shutdown()
+        placement.remove()  # and with it the engines and trainer workers placed in it
     log(f"RL done: {report}")
     return run.latest()[0]
 
