@@ -148,7 +148,7 @@ def _same_weights(got: dict, expected: dict, what: str) -> None:
 
 def _fsdp_step_rank(rank: int) -> None:
     for backend, loss in [("fsdp2", LossConfig(off_policy="decoupled")), ("fsdp2_ep", LossConfig(off_policy="tis")),
-                          ("fsdp2", LossConfig(kl_coef=0.5))]:
+                          ("fsdp2", LossConfig(kl_coef=0.5)), ("fsdp2_ep", LossConfig(kl_coef=0.5))]:
         _fsdp_step_case(rank, TRAINERS.get(backend), loss)
 
 
@@ -185,7 +185,8 @@ def _same_step(sharded: ShardedTrainer, single: Trainer, what: str) -> None:
 
 
 def test_fsdp2_step_equals_single_process_step(tmp_path):
-    """FSDP2 alone ("fsdp2", also with a KL reference), and with the experts split across the ranks ("fsdp2_ep")."""
+    """FSDP2 alone ("fsdp2") and with the experts split across the ranks ("fsdp2_ep"), each also with a KL
+    reference."""
     _spawn(_fsdp_step_rank, tmp_path)
 
 
@@ -244,6 +245,24 @@ def test_sharded_checkpoint_resumes_after_sigkill_and_consolidates(tmp_path):
     expected = torch.load(record)["saved"]
     _same_weights(checkpoint.load(out).state_dict(), expected, "consolidated")
     assert checkpoint.read_metadata(out)["policy_version"] == 1
+
+
+def _reference_round_trip_rank(rank: int, ckpt: str) -> None:
+    cfg = TrainConfig(lr=1e-2, micro_batch_tokens=24, loss=LossConfig(kl_coef=0.5))
+    torch.manual_seed(0)
+    trainer = TRAINERS.get("fsdp2_ep")(Transformer(_cfg(n_experts=8)), cfg)
+    reference = trainer._full_state(trainer.reference)
+    _sft_step(trainer, rank, seed=1)  # the policy moves away from the reference
+    trainer.save(ckpt)
+    torch.manual_seed(1)  # the resumed trainer starts from other random weights
+    resumed = TRAINERS.get("fsdp2_ep").load(ckpt, cfg)
+    _same_weights(resumed._full_state(resumed.reference), reference, "the resumed KL reference")
+    _same_weights(resumed.weights(), trainer.weights(), "the resumed policy")
+    assert not torch.equal(resumed.weights()["layers.0.ffn.w_down_EFD"], reference["layers.0.ffn.w_down_EFD"])
+
+
+def test_a_kl_reference_under_expert_parallelism_saves_and_resumes(tmp_path):
+    _spawn(_reference_round_trip_rank, tmp_path, str(tmp_path / "ckpt"))
 
 
 def test_hf_checkpoint_trains_sharded_and_consolidates_to_hf(tmp_path):

@@ -80,8 +80,6 @@ def check_config(config: TrainRunConfig) -> None:
         (r.steps >= 0 and r.eta >= 0 and r.batch_groups >= 1, "rl.steps, rl.eta >= 0 and rl.batch_groups >= 1"),
         (cl.engine_backend in ENGINES, f"cluster.engine_backend must be one of {', '.join(ENGINES.names())}"),
         (cl.trainer_backend in TRAINERS, f"cluster.trainer_backend must be one of {', '.join(TRAINERS.names())}"),
-        (cl.trainer_backend != "fsdp2_ep" or r.loss.kl_coef == 0,
-         "cluster.trainer_backend fsdp2_ep has no KL reference yet: set rl.loss.kl_coef=0 or use fsdp2"),
         (cl.weight_sync in ("whole", "buckets", "collective") and cl.weight_sync_bucket_mb >= 1,
          "cluster.weight_sync must be whole, buckets or collective, and cluster.weight_sync_bucket_mb >= 1"),
         (cl.trainer_workers >= 1 and cl.engines >= 1 and cl.rollout_workers >= 1,

@@ -59,8 +59,8 @@ root of every rank's sum of squares over its shards and its experts (one
 all-reduce), AdamW runs without foreach (DTensors and plain tensors mixed),
 and the checkpoint stores each expert weight and its Adam moments as one
 DTensor of row blocks, so `consolidate` and a resume see whole expert
-tensors. Not yet: a KL reference under EP (saving it raises), and EP over a
-subgroup of the ranks (EP < world size, a 2-D mesh).
+tensors; a KL reference is saved the same way. Not yet: EP over a subgroup
+of the ranks (EP < world size, a 2-D mesh).
 
 `fleet.trainer_group.TrainerGroup` runs it for `codefleet train
 cluster.trainer_backend=fsdp2|fsdp2_ep`: its workers join the process group
@@ -258,8 +258,11 @@ class ShardedTrainer(Trainer):
 
     def weights(self, clone: bool = True) -> dict[str, torch.Tensor]:
         """The whole model's state dict on CPU, on every rank (a collective: every rank must call it)."""
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
-        for name, p in self.experts.items():  # every rank's experts, in rank order
+        return self._full_state(self.model)
+
+    def _full_state(self, model: Transformer) -> dict[str, torch.Tensor]:
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        for name, p in expert_weights(model).items():  # every rank's experts, in rank order
             parts = [torch.empty_like(p) for _ in range(dist.get_world_size())]
             dist.all_gather(parts, p.detach().contiguous())
             state[name] = torch.cat(parts)
@@ -268,13 +271,19 @@ class ShardedTrainer(Trainer):
     def _state(self) -> dict:
         """What DCP saves and loads: the sharded model and optimizer state, with each rank's experts (and their
         Adam moments) as row blocks of one DTensor, so the checkpoint holds whole expert tensors."""
-        model, optim = get_model_state_dict(self.model), get_optimizer_state_dict(self.model, self.optimizer)
+        model, optim = self._model_state(self.model), get_optimizer_state_dict(self.model, self.optimizer)
         for name in self.experts:
-            model[name] = self._as_rows(model[name])
             if name in optim["state"]:  # a new dict: this one may be the optimizer's own
                 optim["state"][name] = {k: self._as_rows(v) if isinstance(v, torch.Tensor) and v.dim() else v
                                         for k, v in optim["state"][name].items()}
         return {"model": model, "optim": optim, "rng": torch.get_rng_state()}
+
+    def _model_state(self, model: Transformer) -> dict:
+        """A model's sharded state dict for DCP, its experts as row blocks (the policy's or the KL reference's)."""
+        state = get_model_state_dict(model)
+        for name in expert_weights(model):
+            state[name] = self._as_rows(state[name])
+        return state
 
     def _as_rows(self, local: torch.Tensor) -> DTensor:
         return DTensor.from_local(local.detach(), self.mesh, [Shard(0)], run_check=False)
@@ -299,9 +308,7 @@ class ShardedTrainer(Trainer):
         dist.barrier()
         dcp.save(self._state(), checkpoint_id=tmp)
         if self.reference is not None:
-            if self.experts:
-                raise NotImplementedError("saving a KL reference under expert parallelism is not implemented")
-            dcp.save({"model": get_model_state_dict(self.reference)}, checkpoint_id=os.path.join(tmp, REFERENCE_DIR))
+            dcp.save({"model": self._model_state(self.reference)}, checkpoint_id=os.path.join(tmp, REFERENCE_DIR))
         if dist.get_rank() == 0:
             with open(os.path.join(tmp, MODEL_CONFIG_FILE), "w") as f:
                 json.dump(self.model.config.to_dict(), f, indent=1)
@@ -329,10 +336,10 @@ class ShardedTrainer(Trainer):
         dcp.load(state, checkpoint_id=path)
         trainer._set_state(state)
         if trainer.reference is not None and os.path.isdir(os.path.join(path, REFERENCE_DIR)):
-            if trainer.experts:
-                raise NotImplementedError("resuming a KL reference under expert parallelism is not implemented")
-            ref = {"model": get_model_state_dict(trainer.reference)}
+            ref = {"model": trainer._model_state(trainer.reference)}
             dcp.load(ref, checkpoint_id=os.path.join(path, REFERENCE_DIR))
+            for name in expert_weights(trainer.reference):
+                ref["model"][name] = ref["model"][name].to_local()
             set_model_state_dict(trainer.reference, ref["model"])
         for group in trainer.optimizer.param_groups:
             group.update(lr=trainer.config.lr, betas=trainer.config.betas, eps=trainer.config.eps,
