@@ -1,8 +1,8 @@
 """`codefleet bench weightsync`: seconds per weight update, trainer -> engines, per transport, in one run.
 
-Setup, per model size (50 MB, 500 MB, 2 GB of float32; `--quick`: 50 MB): a codefleet MoE whose expert count
-is chosen to reach the size (random weights, saved once to a temporary checkpoint by a Ray task, never in the
-driver); two real engine actors (`fleet.inference.EngineActor`) load it; two "trainer ranks" (Ray actors)
+Setup, per model size (50 MB, 500 MB, 2 GB of float32; `--quick`: 50 MB): a Qwen3-MoE whose expert count
+is chosen to reach the size (random weights, saved once to a temporary Hugging Face directory by a Ray task,
+never in the driver); two real engine actors (`fleet.inference.EngineActor`) load it; two "trainer ranks" (Ray actors)
 each hold half of the tensors (`split_names`), random, seeded. The driver only ever holds object refs.
 
 Backends:
@@ -12,7 +12,8 @@ Backends:
   `GroupSync`), formed once (`group_setup_s`), the way NCCL carries them between GPUs.
 - `whole`: each rank returns its half as one object (the way `TrainerGroup.publish` sends the whole state
   dict), the engines read both and apply them (`EngineActor.update_weights`).
-vLLM's reload is measured by `codefleet bench engine`'s vLLM peer, not here (it needs .venv-vllm).
+- `vllm`: buckets through the object store into two vLLM engines on the same checkpoint (their update is
+  vLLM's `reload_weights`, then the prefix cache reset), when vLLM is installed (`.venv-vllm`); else left out.
 
 Measured: `sync_s` = seconds on the driver from the first send to both engines serving the new version
 (median of `repeats`, after one warm-up); `gb_per_s` = model GB / sync_s (each engine receives the whole
@@ -31,6 +32,7 @@ skipped, with the reason).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import statistics
@@ -54,14 +56,18 @@ from codefleet.fleet.weight_sync import (
     specs_of,
     split_names,
 )
-from codefleet.model import checkpoint
+from codefleet.model import hf
 from codefleet.model.config import ModelConfig
+from codefleet.model.copying import CopyConfig
+from codefleet.model.export_cli import write_codefleet_text_files
 from codefleet.model.sampling import SamplingParams
+from codefleet.model.tokenizer import default_tokenizer
 from codefleet.model.transformer import Transformer
 
 BASE = dict(vocab_size=4096, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, d_expert=2048, top_k=2,
-            max_seq_len=2048)
+            max_seq_len=2048, qk_norm=True, copy=CopyConfig(prev_tokens=0))  # a Qwen3-MoE: vLLM loads it too
 EXPERT_BYTES = 2 * (256 * 4096 + 2048 * 256) * 4  # one expert in both layers, float32
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 COPIES = 10  # model-sized copies alive at the peak (see the module docstring)
 
 
@@ -70,7 +76,8 @@ class BenchConfig:
     sizes_mb: tuple[int, ...] = (50, 500, 2000)
     bucket_mb: float = 64.0
     repeats: int = 3
-    backends: tuple[str, ...] = ("bucketed", "gloo", "whole")
+    # "vllm": buckets through the object store into vLLM engines (reload_weights), where vLLM is installed
+    backends: tuple[str, ...] = ("bucketed", "gloo", "whole", "vllm")
     quick: bool = False
 
 
@@ -87,9 +94,11 @@ def model_config(size_mb: float) -> ModelConfig:
 
 @ray.remote(num_cpus=0)
 def _make_checkpoint(config: ModelConfig, path: str) -> list[TensorSpec]:
+    """A Hugging Face directory (Qwen3-MoE), which both engines load."""
     torch.manual_seed(0)
     model = Transformer(config)
-    checkpoint.save(model, path)
+    hf.save(model, path)
+    write_codefleet_text_files(path, default_tokenizer())
     return specs_of(model.state_dict())
 
 
@@ -132,7 +141,7 @@ def _send(backend: str, holders: list, plans: list, engines: list, version: int,
     start = time.perf_counter()
     if backend == "gloo":
         group.send(plans, version)
-    elif backend == "bucketed":
+    elif backend in ("bucketed", "vllm"):
         weights = publish_buckets(holders, plans, version)
         broadcast_weights(engines, weights, version)
     else:
@@ -150,8 +159,10 @@ def _one_size(size_mb: int, cfg: BenchConfig, root: str, log: Log) -> dict:
     path = os.path.join(root, f"model-{size_mb}")
     specs = ray.get(_make_checkpoint.remote(config, path))
     model_bytes = sum(s.nbytes for s in specs)
-    engines = start_engines(path, 2, num_cpus=0, max_batch=2, max_seq_len=config.max_seq_len)
-    shutil.rmtree(path, ignore_errors=True)  # loaded: the disk copy is not needed
+    codefleet_engines = start_engines(path, 2, num_cpus=0, max_batch=2, max_seq_len=config.max_seq_len)
+    # vLLM's engines last, alone: the codefleet engines are gone by then (memory and cores are tight here)
+    backends = sorted((b for b in cfg.backends if b != "vllm" or HAVE_VLLM), key=lambda b: b == "vllm")
+    vllm_engines: list = []
     by_name = {s.name: s for s in specs}
     holders = [ShardHolder.remote([by_name[n] for n in share], seed=r)
                for r, share in enumerate(split_names(specs, 2))]
@@ -160,12 +171,18 @@ def _one_size(size_mb: int, cfg: BenchConfig, root: str, log: Log) -> dict:
                  "buckets": sum(len(p.buckets) for p in plans), "backends": {}}
     version, group = 0, None
     try:
-        if "gloo" in cfg.backends:  # formed once per run, like a training run's groups
+        if "gloo" in backends:  # formed once per run, like a training run's groups
             start = time.perf_counter()
-            group = GroupSync(holders, engines)
+            group = GroupSync(holders, codefleet_engines)
             out["group_setup_s"] = round(time.perf_counter() - start, 3)
-        for backend in cfg.backends:
+        for backend in backends:
             version += 1
+            if backend == "vllm":
+                for actor in codefleet_engines:
+                    ray.kill(actor)
+                vllm_engines = start_engines(path, 2, num_cpus=0, max_batch=2, max_seq_len=config.max_seq_len,
+                                             backend="vllm", record_routing=False)
+            engines = vllm_engines if backend == "vllm" else codefleet_engines
             _send(backend, holders, plans, engines, version, group)  # warm-up
             times = []
             for _ in range(cfg.repeats):
@@ -198,8 +215,9 @@ def _one_size(size_mb: int, cfg: BenchConfig, root: str, log: Log) -> dict:
             log(f"{size_mb} MB {backend}: {sync_s:.3f} s per update, {model_bytes / 1e9 / sync_s:.2f} GB/s, "
                 f"pause p50 {statistics.median(pauses):.1f} ms")
     finally:
-        for actor in engines + holders:
+        for actor in codefleet_engines + vllm_engines + holders:
             ray.kill(actor)
+        shutil.rmtree(path, ignore_errors=True)
     return out
 
 
@@ -220,7 +238,7 @@ def run(cfg: BenchConfig, log: Log = print) -> dict:
         shutil.rmtree(root, ignore_errors=True)
         if started:
             ray.shutdown()
-    backends = cfg.backends
+    backends = [b for b in cfg.backends if all(b in s["backends"] for s in per_size.values())]
     r = {
         "sync_s_by_mb": {b: {mb: s["backends"][b]["sync_s"] for mb, s in per_size.items()} for b in backends},
         "gb_per_s": {b: {mb: s["backends"][b]["gb_per_s"] for mb, s in per_size.items()} for b in backends},
@@ -229,7 +247,7 @@ def run(cfg: BenchConfig, log: Log = print) -> dict:
                                                 2) for mb, s in per_size.items()} if {"bucketed", "whole"} <= set(
             backends) else {},
         "per_size": per_size, "skipped": skipped, "config": asdict(cfg), "cpus": os.cpu_count(),
-        "not_measured": "NCCL (needs GPUs) and vLLM's reload (needs .venv-vllm) are not measured here",
+        "not_measured": "NCCL (needs GPUs)" + ("" if HAVE_VLLM else "; vLLM's reload (run it in .venv-vllm)"),
     }
     return r
 
