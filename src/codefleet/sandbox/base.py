@@ -58,11 +58,18 @@ class SandboxConfig:
     ro_binds: list[str] = field(default_factory=list)  # extra host paths, read-only
     env: dict[str, str] = field(default_factory=dict)  # environment variables exported in its shell
     state_dir: str | None = None  # where mounts and layers live; see state.py
+    environment: str | None = None  # a root filesystem used instead of the host's /usr, /etc... (docs/environments.md)
 
     def __post_init__(self) -> None:
         for name, kind in _POSITIVE_FIELDS.items():
             _check_positive(f"SandboxConfig.{name}", getattr(self, name), kind)
         check_env_names(self.env)
+        if self.environment is not None and (not isinstance(self.environment, str) or not self.environment):
+            raise ValueError(f"SandboxConfig.environment is {self.environment!r}; it must be the path of a root "
+                             "filesystem (environments.import_image returns one) or None for the host's userland")
+        if self.environment is not None and self.backend == "local":
+            raise ValueError("SandboxConfig.environment needs backend 'namespace'; backend 'local' runs the host's "
+                             "own userland and cannot use another")
 
 
 # The numeric fields of SandboxConfig: each must be above 0 (a limit of 0 or less would break the sandbox's

@@ -7,7 +7,9 @@ the kernel), never after a failure that a sandbox could cause.
 
 Each owner (state.py) makes, once, in its directory: a passwd and group naming
 the sandbox user `agent`, the execute-only copy of bash the persistent shell
-runs from (identity.py), and, as root, its own copies of the device nodes
+runs from (identity.py; for a sandbox with an environment, a copy of the
+environment's own bash, whose /usr, /lib* and /etc replace the host's:
+environments.py), and, as root, its own copies of the device nodes
 bwrap's --dev would bind from the host, so that not even their times are the
 host's. bwrap, running as the sandbox user, reaches them through the state
 directory's group: a state directory it cannot walk to is refused once, with
@@ -17,6 +19,7 @@ the `chmod` that fixes it.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import shutil
 import stat
@@ -25,6 +28,7 @@ import threading
 from dataclasses import dataclass
 
 from codefleet.sandbox.base import SandboxConfig, SandboxUnavailableError
+from codefleet.sandbox.environments import resolve_inside
 from codefleet.sandbox.identity import Identity, host_identity, write_exec_only_shell
 from codefleet.sandbox.state import Owner
 
@@ -121,17 +125,18 @@ def host_args(config: SandboxConfig, files: OwnerFiles) -> list[str]:
     """The bwrap arguments of a sandbox with this config, up to its workspace."""
     args = ["bwrap", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
             "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net", "--unshare-cgroup-try",
-            "--hostname", "sandbox", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-            "--ro-bind", "/usr", "/usr"]
+            "--hostname", "sandbox", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
     if _can_disable_userns():
         args.append("--disable-userns")
-    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
-        if os.path.islink(top):
-            args += ["--symlink", os.readlink(top), top]
-        elif os.path.isdir(top):
-            args += ["--ro-bind", top, top]
-    args += ["--ro-bind", "/etc", "/etc", "--ro-bind", files.passwd, "/etc/passwd", "--ro-bind", files.group,
-             "/etc/group", "--ro-bind", files.shell, SHELL_PATH]
+    if config.environment is None:
+        args += userland_args("/", _HOST_USERLAND)
+        shell = files.shell
+    else:
+        rootfs = os.path.abspath(config.environment)
+        shell = environment_shell(rootfs, files)
+        args += userland_args(rootfs, _IMAGE_USERLAND)
+    args += ["--ro-bind", files.passwd, "/etc/passwd", "--ro-bind", files.group, "/etc/group",
+             "--ro-bind", shell, SHELL_PATH]
     # /proc/sys read-only even to a sandbox user that some sysctl would let write (bwrap itself covers
     # it only when it finds it writable as a directory, which it never is).
     args += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys",
@@ -157,6 +162,73 @@ def host_args(config: SandboxConfig, files: OwnerFiles) -> list[str]:
     for path in config.ro_binds:  # after the private /tmp and /var/tmp: a bind under them goes on top
         args += ["--ro-bind", os.path.abspath(path), os.path.abspath(path)]
     return args
+
+
+_HOST_USERLAND = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+_IMAGE_USERLAND = _HOST_USERLAND + ("/opt",)
+
+
+def userland_args(rootfs: str, tops: tuple[str, ...]) -> list[str]:
+    """Binds of the top-level directories `tops` of `rootfs` (read-only; a symlink stays a symlink)."""
+    args = []
+    for top in tops:
+        path = os.path.join(rootfs, top.lstrip("/"))
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), top]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, top]
+    return args
+
+
+_environment_shells: dict[tuple[str, str], str] = {}
+
+
+def environment_shell(rootfs: str, files: OwnerFiles) -> str:
+    """The execute-only copy of the environment's own bash (the host's may need libraries it lacks),
+    made once per owner and environment; SandboxUnavailableError where the environment cannot host
+    codefleet's shell."""
+    where = f"SandboxConfig.environment names {rootfs!r}"
+    if not _is(rootfs, stat.S_ISDIR):
+        raise SandboxUnavailableError(f"{where}, which is not a directory; import an image first "
+                                      "(codefleet.sandbox.environments.import_image returns its rootfs)")
+    check_reachable(os.path.join(rootfs, "etc"), host_identity(), "the environment holds")
+    # The sandbox's own passwd and group are bound over the image's (never through a symlink of the image).
+    if not (_is(os.path.join(rootfs, "etc"), stat.S_ISDIR) and _is(os.path.join(rootfs, "etc/passwd"), stat.S_ISREG)
+            and _is(os.path.join(rootfs, "etc/group"), stat.S_ISREG)):
+        raise SandboxUnavailableError(f"{where}, which lacks a directory /etc with regular files /etc/passwd and "
+                                      "/etc/group; the image must have them")
+    with _made_lock:
+        key = (files.shell, rootfs)
+        if key not in _environment_shells:
+            bash = resolve_inside(rootfs, "/bin/bash")  # never a symlink, never outside rootfs
+            missing = SandboxUnavailableError(f"{where}, which has no /bin/bash; codefleet's shell runs the "
+                                              "image's own bash: install it in the image")
+            if bash is None:
+                raise missing
+            with open(os.open(bash, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as src:
+                if not stat.S_ISREG(os.fstat(src.fileno()).st_mode):
+                    raise missing
+                data = src.read()
+            path = f"{files.shell}-{hashlib.sha256(rootfs.encode()).hexdigest()[:16]}"
+            _environment_shells[key] = write_exec_only_copy(data, path)
+        return _environment_shells[key]
+
+
+def _is(path: str, kind) -> bool:
+    """Whether `path` itself (not what a symlink there points to) is of `kind` (stat.S_ISDIR, ...)."""
+    try:
+        return kind(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def write_exec_only_copy(data: bytes, path: str) -> str:
+    """Write `data` at `path`, mode 0111 (see identity.write_exec_only_shell); `path`."""
+    with open(path + ".tmp", "wb") as dst:
+        dst.write(data)
+    os.chmod(path + ".tmp", 0o111)
+    os.replace(path + ".tmp", path)
+    return path
 
 
 def check_reachable(path: str, ident: Identity, what: str) -> None:

@@ -15,7 +15,7 @@ import sys
 import threading
 
 from codefleet.sandbox import procs
-from codefleet.sandbox.base import SandboxConfig, check_env_names
+from codefleet.sandbox.base import SandboxConfig, SandboxUnavailableError, check_env_names
 from codefleet.sandbox.layers import copy_layer, remove_tree
 from codefleet.sandbox.shell import ShellSession
 from codefleet.sandbox.shellbox import ShellSandbox, setup_script
@@ -38,8 +38,11 @@ class LocalSandbox(ShellSandbox):
 
     def __init__(self, repo: str | None, config: SandboxConfig | None = None, *, _copy_from: str | None = None,
                  _replay: str = ""):
-        _say_not_isolated()
         config = config or SandboxConfig()
+        if config.environment is not None:  # backend 'auto' on a host without namespaces: never the host instead
+            raise SandboxUnavailableError("SandboxConfig.environment needs namespace sandboxes, which this host "
+                                          "cannot make; install bubblewrap and enable user namespaces")
+        _say_not_isolated()
         check_env_names(config.env)
         source = _copy_from or repo
         if source is not None and not os.path.isdir(source):

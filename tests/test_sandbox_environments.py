@@ -1,0 +1,397 @@
+"""Sandboxes that start from an OCI image: an image this test builds itself (no registry), imported
+from an oci-layout tarball and from a `docker save` tarball, run with its own Python, forked and torn
+down with nothing left mounted; and the archives an import must refuse, leaving nothing behind."""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import hashlib
+import io
+import json
+import os
+import stat
+import subprocess
+import tarfile
+import tempfile
+
+import pytest
+
+from codefleet.sandbox import SandboxConfig, SandboxUnavailableError, create_sandbox
+from codefleet.sandbox.environments import HOST, ImageError, import_image, resolve_inside
+from codefleet.sandbox.layers import mounts_under
+from codefleet.sandbox.local import LocalSandbox
+
+HOST_PYTHON = "/usr/bin/python3"
+pytestmark = pytest.mark.skipif(not os.path.exists(HOST_PYTHON) or not os.path.exists("/bin/bash"),
+                                reason="builds its image from the host's /usr/bin/python3 and /bin/bash")
+
+
+# -- building images ---------------------------------------------------------------------
+
+
+class Layer:
+    """A layer tar written member by member."""
+
+    def __init__(self) -> None:
+        self.buf = io.BytesIO()
+        self.tar = tarfile.open(fileobj=self.buf, mode="w", format=tarfile.PAX_FORMAT)
+        self.seen: set[str] = set()
+
+    def add(self, name: str, kind: bytes = tarfile.REGTYPE, data: bytes = b"", mode: int = 0o644,
+            link: str = "") -> Layer:
+        info = tarfile.TarInfo(name)
+        info.type, info.mode, info.linkname, info.mtime = kind, mode, link, 1_700_000_000
+        info.size = len(data) if kind == tarfile.REGTYPE else 0
+        self.tar.addfile(info, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
+        self.seen.add(name)
+        return self
+
+    def host(self, path: str) -> None:
+        """Copy a host path into the layer as the host has it: each symlink on the way (as is, absolute
+        targets too), then what it points to."""
+        parts = path.strip("/").split("/")
+        for i in range(len(parts)):
+            here = "/".join(parts[:i + 1])
+            st = os.lstat("/" + here)
+            if stat.S_ISLNK(st.st_mode):
+                target = os.readlink("/" + here)
+                if here not in self.seen:
+                    self.add(here, tarfile.SYMTYPE, link=target)
+                start = target if target.startswith("/") else os.path.join("/", os.path.dirname(here), target)
+                return self.host(os.path.normpath(os.path.join(start, *parts[i + 1:])))
+            if stat.S_ISDIR(st.st_mode):
+                if here not in self.seen:
+                    self.add(here, tarfile.DIRTYPE, mode=0o755)
+            elif here not in self.seen:
+                with open("/" + here, "rb") as f:
+                    self.add(here, data=f.read(), mode=stat.S_IMODE(st.st_mode))
+
+    def bytes(self) -> bytes:
+        self.tar.close()
+        return self.buf.getvalue()
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _tar_of(files: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def oci_tarball(layers: list[bytes], *, compress: bool = True, blob_digest_of=None) -> bytes:
+    """An oci-layout tarball of an image with these layer tars (gzip'd unless told otherwise);
+    `blob_digest_of(i, blob)` may lie about a layer's digest."""
+    blobs = {}
+    descriptors = []
+    for i, layer in enumerate(layers):
+        blob = gzip.compress(layer, compresslevel=1, mtime=0) if compress else layer
+        digest = blob_digest_of(i, blob) if blob_digest_of else _sha(blob)
+        blobs[digest] = blob
+        descriptors.append({"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": f"sha256:{digest}",
+                            "size": len(blob)})
+    config = json.dumps({"architecture": "amd64", "os": "linux",
+                         "rootfs": {"type": "layers", "diff_ids": [f"sha256:{_sha(t)}" for t in layers]}}).encode()
+    manifest = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                           "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                                      "digest": f"sha256:{_sha(config)}", "size": len(config)},
+                           "layers": descriptors}).encode()
+    blobs[_sha(config)], blobs[_sha(manifest)] = config, manifest
+    index = {"schemaVersion": 2, "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json",
+                                                "digest": f"sha256:{_sha(manifest)}", "size": len(manifest)}]}
+    return _tar_of({"oci-layout": b'{"imageLayoutVersion": "1.0.0"}', "index.json": json.dumps(index).encode(),
+                    **{f"blobs/sha256/{d}": b for d, b in blobs.items()}})
+
+
+def docker_save_tarball(layers: list[bytes]) -> bytes:
+    """What `docker save` writes for an image with these (uncompressed) layers."""
+    config = json.dumps({"architecture": "amd64", "os": "linux",
+                         "rootfs": {"type": "layers", "diff_ids": [f"sha256:{_sha(t)}" for t in layers]}}).encode()
+    files = {f"{_sha(t)}/layer.tar": t for t in layers}
+    manifest = [{"Config": f"{_sha(config)}.json", "RepoTags": ["codefleet-test:1"], "Layers": list(files)}]
+    return _tar_of({f"{_sha(config)}.json": config, **files, "manifest.json": json.dumps(manifest).encode()})
+
+
+def _startup_files() -> list[str]:
+    """The files the host's Python loads to start, and its lib-dynload directory."""
+    code = ("import sys, json, sysconfig; print(json.dumps([m.__file__ for m in list(sys.modules.values()) "
+            "if getattr(m, '__file__', None)] + [sysconfig.get_path('platstdlib') + '/lib-dynload']))")
+    out = subprocess.run([HOST_PYTHON, "-c", code], capture_output=True, text=True, env={}, check=True).stdout
+    return json.loads(out)
+
+
+def _libraries(binary: str) -> list[str]:
+    out = subprocess.run(["ldd", binary], capture_output=True, text=True, check=True).stdout
+    return [word for line in out.splitlines() for word in line.split() if word.startswith("/")]
+
+
+def image_layers() -> list[bytes]:
+    """Layer 1: the host's python3 and bash with what they load, cat, /etc/passwd and /etc/group, a file
+    that layer 2 whites out and a directory it makes opaque. Layer 2: /etc/image-release, a module."""
+    base = Layer()
+    for binary in (HOST_PYTHON, "/bin/bash", "/bin/cat"):
+        base.host(binary)
+        for lib in _libraries(os.path.realpath(binary)):
+            base.host(lib)
+    for path in _startup_files():
+        if os.path.exists(path):
+            base.host(path)
+    base.add("etc", tarfile.DIRTYPE, mode=0o755)
+    base.add("etc/passwd", data=b"root:x:0:0:root:/root:/bin/sh\n")
+    base.add("etc/group", data=b"root:x:0:\n")
+    base.add("etc/doomed", data=b"layer 1\n")
+    base.add("opt", tarfile.DIRTYPE, mode=0o755).add("opt/data", tarfile.DIRTYPE, mode=0o755)
+    base.add("opt/data/old.txt", data=b"layer 1\n").add("opt/data/sub", tarfile.DIRTYPE, mode=0o755)
+    base.add("opt/data/sub/deep.txt", data=b"layer 1\n")
+    base.add("usr/share/doc/link-to-release", tarfile.SYMTYPE, link="/etc/image-release")  # absolute: fine
+    base.add("usr/share/doc/suid-tool", data=b"#!/bin/sh\n", mode=0o4755)
+    base.add("usr/share/doc/null", tarfile.CHRTYPE)
+    top = Layer()
+    top.add("etc", tarfile.DIRTYPE, mode=0o755)
+    top.add("etc/image-release", data=b"codefleet-test-image 1\n")
+    top.add("etc/.wh.doomed")
+    top.add("opt/data", tarfile.DIRTYPE, mode=0o755).add("opt/data/.wh..wh..opq")
+    top.add("opt/data/new.txt", data=b"layer 2\n")
+    stdlib = os.path.dirname(subprocess.run([HOST_PYTHON, "-c", "import os; print(os.__file__)"],
+                                            capture_output=True, text=True, env={}, check=True).stdout.strip())
+    top.add(f"{stdlib.lstrip('/')}/imagemod.py", data=b"WHERE = 'from the image'\n")
+    return [base.bytes(), top.bytes()]
+
+
+@pytest.fixture(scope="module")
+def open_dir():
+    """A directory the sandbox user may walk into (not root's 0700 /tmp/pytest-of-root)."""
+    with tempfile.TemporaryDirectory(prefix="codefleet-test-env-", dir="/var/tmp") as d:
+        os.chmod(d, 0o755)
+        yield d
+
+
+@pytest.fixture(scope="module")
+def image(open_dir):
+    """The built image: its layers, its two archives, and its environment imported from the OCI one."""
+    layers = image_layers()
+    oci, docker = os.path.join(open_dir, "image.oci.tar"), os.path.join(open_dir, "image.docker.tar")
+    with open(oci, "wb") as f:
+        f.write(oci_tarball(layers))
+    with open(docker, "wb") as f:
+        f.write(docker_save_tarball(layers))
+    store = os.path.join(open_dir, "store")
+    return {"layers": layers, "oci": oci, "docker": docker, "store": store, "env": import_image(oci, store)}
+
+
+@pytest.fixture
+def env_config(image, state_dir):
+    return SandboxConfig(state_dir=state_dir, timeout_s=30, backend="namespace", environment=image["env"].rootfs)
+
+
+# -- importing ---------------------------------------------------------------------------
+
+
+def test_both_archive_kinds_and_a_layout_directory_import_to_one_rootfs_with_shared_layers(image, open_dir):
+    store = image["store"]
+    again = import_image(image["docker"], store)
+    assert again == image["env"]  # the same image (config digest), whichever archive brought it
+    layout = os.path.join(open_dir, "layout")
+    os.makedirs(layout)
+    with tarfile.open(image["oci"]) as tar:
+        tar.extractall(layout, filter="data")
+    assert import_image(layout, store) == image["env"]
+    # Each layer once, keyed by its diff id; the rootfs's files are the layers' own inodes.
+    diff_ids = sorted(f"sha256-{_sha(t)}" for t in image["layers"])
+    assert sorted(os.listdir(os.path.join(store, "layers"))) == diff_ids
+    assert len(os.listdir(os.path.join(store, "images"))) == 1
+    rootfs = image["env"].rootfs
+    layer2 = os.path.join(store, "layers", f"sha256-{_sha(image['layers'][1])}")
+    assert os.stat(os.path.join(rootfs, "etc/image-release")).st_ino == os.stat(
+        os.path.join(layer2, "etc/image-release")).st_ino
+    assert image["env"].name.startswith("sha256:") and HOST.rootfs is None
+
+
+def test_whiteouts_opaque_directories_devices_and_setuid_bits_are_honoured(image):
+    rootfs = image["env"].rootfs
+    assert not os.path.lexists(os.path.join(rootfs, "etc/doomed"))
+    assert sorted(os.listdir(os.path.join(rootfs, "opt/data"))) == ["new.txt"]
+    assert not os.path.lexists(os.path.join(rootfs, "usr/share/doc/null"))  # device nodes are dropped
+    mode = os.stat(os.path.join(rootfs, "usr/share/doc/suid-tool")).st_mode
+    assert not mode & (stat.S_ISUID | stat.S_ISGID | 0o222) and mode & 0o111
+    assert os.readlink(os.path.join(rootfs, "usr/share/doc/link-to-release")) == "/etc/image-release"
+    assert resolve_inside(rootfs, "/usr/share/doc/link-to-release") == os.path.join(rootfs, "etc/image-release")
+    assert not any(".wh." in name for _, dirs, files in os.walk(rootfs) for name in dirs + files)
+
+
+# -- sandboxes ---------------------------------------------------------------------------
+
+
+def test_a_sandbox_runs_the_images_python_sees_none_of_the_host_and_forks(image, env_config, repo):
+    # A file only the host's /usr has (where this user may write one; /etc/hostname and apt-get below else).
+    marker = f"/usr/local/share/codefleet-host-only-{os.getpid()}"
+    if os.access(os.path.dirname(marker), os.W_OK):
+        with open(marker, "w") as f:
+            f.write("host\n")
+    try:
+        sb = create_sandbox(repo, env_config)
+        try:
+            assert mounts_under(sb.dir)  # the workspace's mounts, which must be gone after close
+            result = sb.exec('python3 -c "import sys, imagemod; print(sys.prefix, imagemod.WHERE)"')
+            assert result.ok and result.output == "/usr from the image\n", result.output
+            assert sb.exec("cat /etc/image-release").output == "codefleet-test-image 1\n"
+            assert sb.exec("cat /usr/share/doc/link-to-release").output == "codefleet-test-image 1\n"
+            assert sb.exec("test -e /etc/doomed").exit_code == 1
+            assert sb.exec("echo /opt/data/*").output == "/opt/data/new.txt\n"
+            # Nothing of the host's userland: not its /usr, not its /etc, not its other Python modules.
+            assert sb.exec(f"test -e {marker}").exit_code == 1
+            assert sb.exec("test -e /etc/hostname || test -e /usr/bin/apt-get").exit_code == 1
+            assert sb.exec('python3 -c "import sqlite3"').exit_code != 0
+            assert sb.exec(f"test -e {image['store']} || test -e {os.path.dirname(image['store'])}").exit_code == 1
+            # The image is read-only, the identity codefleet's own.
+            for target in ("/usr/bin/python3", "/etc/image-release", "/etc/new", "/opt/data/new.txt"):
+                assert not sb.exec(f"echo hostile > {target}").ok, target
+            assert sb.exec("echo $UID; cat /etc/passwd").output.startswith("1000\n")
+            assert "agent:x:1000" in sb.exec("cat /etc/passwd").output
+            assert sb.exec("cat README.md").output == "# demo\n"  # the workspace is as ever
+            # (the image has no mkdir: its own Python makes the directory)
+            assert sb.exec("echo from-parent > made.txt && python3 -c 'import os; os.mkdir(\"sub\")' && cd sub && "
+                           "export SEEN=yes").ok
+            (child,) = sb.fork(1)
+            try:
+                assert child.exec('pwd; echo "$SEEN"; cat ../made.txt').output == "/workspace/sub\nyes\nfrom-parent\n"
+                assert child.exec("python3 -c 'import imagemod'").ok
+                assert child.exec("cat /etc/image-release").ok
+            finally:
+                child.close()
+            dirs = [sb.dir, child.dir]
+        finally:
+            sb.close()
+        with create_sandbox(repo, dataclasses.replace(env_config, environment=None)) as host_sb:  # the checks
+            assert host_sb.exec("test -e /etc/hostname || test -e /usr/bin/apt-get").ok  # can fail
+            assert host_sb.exec(f"test -e {marker}").ok == os.path.exists(marker)
+    finally:
+        if os.path.exists(marker):
+            os.unlink(marker)
+    for d in dirs + [image["store"]]:
+        assert mounts_under(d) == []
+        assert not os.path.exists(d) or d == image["store"]
+
+
+def test_an_environment_without_bash_or_etc_is_refused_in_one_sentence(image, env_config, repo, open_dir):
+    bare = os.path.join(open_dir, "bare-rootfs")
+    os.makedirs(os.path.join(bare, "etc"))
+    for name in ("passwd", "group"):
+        with open(os.path.join(bare, "etc", name), "w") as f:
+            f.write("root:x:0:\n")
+    with pytest.raises(SandboxUnavailableError, match="has no /bin/bash"):
+        create_sandbox(repo, dataclasses.replace(env_config, environment=bare))
+    with pytest.raises(SandboxUnavailableError, match="not a directory"):
+        create_sandbox(repo, dataclasses.replace(env_config, environment=os.path.join(open_dir, "missing")))
+    with pytest.raises(ValueError, match="backend 'namespace'"):
+        SandboxConfig(backend="local", environment=bare)
+    # Backend 'auto' where namespaces cannot work: refused, never the host's userland instead.
+    with pytest.raises(SandboxUnavailableError, match="needs namespace sandboxes"):
+        LocalSandbox(repo, dataclasses.replace(env_config, backend="auto"))
+
+
+# -- bad archives ------------------------------------------------------------------------
+
+
+def _refused(tmp_path, data: bytes, match: str) -> None:
+    """Importing `data` fails with one sentence naming the archive and `match`; the store stays empty."""
+    archive = tmp_path / "bad.tar"
+    archive.write_bytes(data)
+    store = tmp_path / "store"
+    with pytest.raises(ImageError, match=match) as caught:
+        import_image(str(archive), str(store))
+    message = str(caught.value)
+    assert str(archive) in message and "\n" not in message
+    leftovers = [os.path.join(d, n) for d, dirs, files in os.walk(store) for n in dirs + files]
+    assert sorted(leftovers) == [str(store / "images"), str(store / "layers")]
+
+
+def _small_layer(*members) -> bytes:
+    layer = Layer()
+    layer.add("etc", tarfile.DIRTYPE, mode=0o755).add("etc/passwd", data=b"root:x:0:0::/:/bin/sh\n")
+    for member in members:
+        layer.add(*member[:2], **member[2] if len(member) > 2 else {})
+    return layer.bytes()
+
+
+def test_a_truncated_archive_is_refused(tmp_path, image):
+    with open(image["oci"], "rb") as f:
+        data = f.read()
+    _refused(tmp_path, data[:len(data) // 2], "corrupt, truncated|it has no")
+
+
+def test_a_truncated_layer_is_refused(tmp_path):
+    good = oci_tarball([_small_layer(("etc/big", tarfile.REGTYPE, {"data": os.urandom(200_000)}))])
+    with tarfile.open(fileobj=io.BytesIO(good)) as tar:
+        files = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+    blob = max(files, key=lambda n: len(files[n]))
+    layout = tmp_path / "layout"
+    for name, data in files.items():
+        (layout / name).parent.mkdir(parents=True, exist_ok=True)
+        (layout / name).write_bytes(data[:len(data) // 2] if name == blob else data)
+    store = tmp_path / "store"
+    with pytest.raises(ImageError, match="corrupt, truncated"):
+        import_image(str(layout), str(store))
+    assert os.listdir(store / "layers") == [] and os.listdir(store / "images") == []
+
+
+def test_a_layer_that_does_not_match_its_digest_is_refused(tmp_path):
+    _refused(tmp_path, oci_tarball([_small_layer()], blob_digest_of=lambda i, blob: _sha(blob + b"x")),
+             "does not match its digest")
+
+
+def test_a_config_whose_diff_ids_lie_is_refused(tmp_path):
+    layer = _small_layer()
+    data = docker_save_tarball([layer])
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        files = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+    files[f"{_sha(layer)}/layer.tar"] = _small_layer(("etc/extra", tarfile.REGTYPE))
+    _refused(tmp_path, _tar_of(files), "does not match its diff id")
+
+
+@pytest.mark.parametrize("member, match", [
+    (("../escaped", tarfile.REGTYPE), "outside the image's root"),
+    (("/etc/absolute", tarfile.REGTYPE), "outside the image's root"),
+    (("etc/up", tarfile.SYMTYPE, {"link": "../../../etc/shadow"}), "symlink 'etc/up'"),
+    (("etc/hard", tarfile.LNKTYPE, {"link": "../../etc/shadow"}), "outside the image's root"),
+])
+def test_a_member_escaping_the_root_is_refused(tmp_path, member, match):
+    _refused(tmp_path, oci_tarball([_small_layer(member)]), match)
+
+
+def test_a_hard_link_through_a_symlink_is_refused(tmp_path):
+    """The symlink is legal (absolute, it resolves inside a sandbox); a hard link made through it on the
+    host would link the host's file."""
+    out = ("etc/out", tarfile.SYMTYPE, {"link": "/etc"})
+    _refused(tmp_path, oci_tarball([_small_layer(out, ("etc/h", tarfile.LNKTYPE, {"link": "etc/out/shadow"}))]),
+             "hard link 'etc/h'")
+    _refused(tmp_path, oci_tarball([_small_layer(out, ("etc/h", tarfile.LNKTYPE, {"link": "etc/out"}))]),
+             "not a regular file of the same layer")
+    _refused(tmp_path, oci_tarball([_small_layer(out, ("etc/out/passwd", tarfile.REGTYPE))]),
+             "which is not a directory \\(a symlink\\)")
+
+
+def test_a_zstd_layer_is_refused_with_what_to_do(tmp_path):
+    blob = b"\x28\xb5\x2f\xfd" + b"\0" * 64
+    data = oci_tarball([blob], compress=False)
+    _refused(tmp_path, data, "zstd")
+
+
+def test_whiteouts_naming_dot_or_dot_dot_hide_nothing(tmp_path):
+    top = Layer()
+    for name in ("etc/.wh..", "etc/.wh...", ".wh..", ".wh..."):
+        top.add(name)
+    env = import_image(_write(tmp_path, oci_tarball([_small_layer(), top.bytes()])), str(tmp_path / "store"))
+    assert os.listdir(env.rootfs) == ["etc"] and os.listdir(os.path.join(env.rootfs, "etc")) == ["passwd"]
+
+
+def _write(tmp_path, data: bytes) -> str:
+    (tmp_path / "image.tar").write_bytes(data)
+    return str(tmp_path / "image.tar")
