@@ -31,6 +31,8 @@ from codefleet.sandbox.base import SandboxError
 _DIGEST = re.compile(r"sha256:([0-9a-f]{64})")
 _MAX_JSON_BYTES = 16 << 20
 _MAX_DEPTH = 512  # path components of one member
+DISK_RESERVE_BYTES = 1 << 30  # what an import leaves free on the store's disk
+DISK_RESERVE_INODES = 10_000
 _INDEX_TYPES = ("application/vnd.oci.image.index.v1+json",
                 "application/vnd.docker.distribution.manifest.list.v2+json")
 
@@ -198,12 +200,17 @@ class _Hashing(io.RawIOBase):
         self.sha.update(data)
         return len(data)
 
+
 class _Layer:
-    """One layer tar unpacked into `dest`, never through a symlink, nothing outside `dest`."""
+    """One layer tar unpacked into `dest`, never through a symlink, nothing outside `dest`, and never past the
+    disk's free space or inodes less a reserve (a small archive can expand to fill a disk)."""
 
     def __init__(self, dest: str, source: Archive, name: str):
         self.dest, self.source, self.name = dest, source, name
         self.dirs: dict[str, tuple[int, int]] = {"": (0o755, 0)}  # real directories made: (mode, mtime)
+        disk = os.statvfs(dest)
+        self.bytes_left = disk.f_bavail * disk.f_frsize - DISK_RESERVE_BYTES
+        self.inodes_left = disk.f_favail - DISK_RESERVE_INODES if disk.f_files else 1 << 62  # 0 files: no limit
 
     def unpack(self, raw) -> tuple[str, str]:
         """Unpack; (sha256 of the blob, sha256 of the tar in it)."""
@@ -261,6 +268,11 @@ class _Layer:
             return  # the root itself: its mode is the store's
         if member.ischr() or member.isblk() or member.isfifo():
             return  # device nodes and FIFOs are dropped
+        self.bytes_left -= member.size if member.isreg() else 0
+        self.inodes_left -= 1
+        if self.bytes_left < 0 or self.inodes_left < 0:
+            raise self.refuse(f"does not fit on the disk of {self.dest!r} with {DISK_RESERVE_BYTES >> 30} GB and "
+                              f"{DISK_RESERVE_INODES} inodes to spare (at {member.name!r}); free some space")
         self.parent_dir(rel, member.name)
         path = os.path.join(self.dest, rel)
         try:
@@ -316,7 +328,6 @@ class _Layer:
                 path = os.path.join(self.dest, rel)
                 os.chmod(path, (mode & 0o1555) | 0o500)  # the importer may still walk and link it
                 os.utime(path, (mtime, mtime), follow_symlinks=False)
-
 
 
 def unpack_layer(archive: Archive, name: str, dest: str) -> tuple[str, str]:
