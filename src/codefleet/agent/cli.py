@@ -18,6 +18,7 @@ parser; `main(argv)` runs it standalone.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import stat
@@ -27,14 +28,14 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-from codefleet.agent import workspace
+from codefleet.agent import toolchain, workspace
 from codefleet.agent.attempts import Attempt, best_attempt, run_attempts
 from codefleet.agent.clients import build_policy
 from codefleet.agent.clients.local_engine import grammar_options
 from codefleet.agent.loop import AgentLoop, Event
 from codefleet.config import ConfigError, load_config
 from codefleet.model import checkpoint
-from codefleet.sandbox import SandboxConfig, SandboxError, create_sandbox
+from codefleet.sandbox import SandboxConfig, SandboxError, create_sandbox, environments
 from codefleet.types import Budgets
 
 
@@ -76,6 +77,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="for --model local:...: the inference engine (vllm: a Hugging Face checkpoint, in the "
                      ".venv-vllm that scripts/setup_vllm.sh makes; default codefleet)")
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a SandboxConfig field")
+    run.add_argument("--venv", default="auto", metavar="auto|none|DIR",
+                     help="the Python virtual environment the sandbox uses, read-only, first on PATH: auto (the "
+                          "repo's .venv or venv, else an active VIRTUAL_ENV; default), none, or its directory")
+    run.add_argument("--env", default=None, metavar="IMAGE",
+                     help="run in an image's userland instead of this machine's: an OCI image (oci-layout "
+                          "directory or tarball, docker save tarball; imported once) or a root filesystem "
+                          "directory (docs/environments.md)")
     run.set_defaults(func=run_command)
 
 
@@ -160,6 +168,30 @@ def _attempt_summary(a: Attempt) -> dict:
             "tests_passed": a.tests_passed, "error": t.metadata.get("error", ""), "diff": a.diff}
 
 
+def _with_toolchain(config: SandboxConfig, args: argparse.Namespace, err: TextIO) -> SandboxConfig:
+    """`config` with `--env`'s userland or the project's virtual environment (`--venv`), saying which."""
+    if args.env:
+        if args.venv not in ("auto", "none"):
+            raise toolchain.ToolchainError("a virtual environment of this machine runs on its own userland, not on "
+                                           "an image's: give one of --venv and --env")
+        rootfs = args.env if _is_rootfs(args.env) else environments.import_image(args.env).rootfs
+        print(f"codefleet agent run: the sandbox runs in the userland of {args.env}", file=err)
+        return dataclasses.replace(config, environment=rootfs)
+    if args.venv == "none":
+        return config
+    venv = toolchain.find_venv(args.repo, dict(os.environ)) if args.venv == "auto" else toolchain.venv_at(args.venv)
+    if venv is None:
+        return config
+    print(f"codefleet agent run: the sandbox uses the virtual environment {venv.path} (read-only; --venv none "
+          "to leave it out)", file=err)
+    return toolchain.with_venv(config, venv)
+
+
+def _is_rootfs(path: str) -> bool:
+    return os.path.isdir(path) and not os.path.exists(os.path.join(path, "oci-layout")) and any(
+        os.path.isdir(os.path.join(path, top)) for top in ("usr", "bin"))
+
+
 def run_command(args: argparse.Namespace, stdin: TextIO | None = None, out: TextIO | None = None,
                 err: TextIO | None = None) -> int:
     stdin = sys.stdin if stdin is None else stdin
@@ -182,7 +214,7 @@ def run_command(args: argparse.Namespace, stdin: TextIO | None = None, out: Text
                       wall_clock_s=defaults.wall_clock_s if args.max_wall_s is None else args.max_wall_s)
     try:
         overrides = list(args.set or []) + ([f"backend={args.backend}"] if args.backend else [])
-        sandbox_config = load_config(SandboxConfig, None, overrides)
+        sandbox_config = _with_toolchain(load_config(SandboxConfig, None, overrides), args, err)
         http = {"timeout_s": args.timeout_s, "max_retries": args.max_retries,
                 "deadline": time.monotonic() + budgets.wall_clock_s}  # no request outlasts the wall clock
 
@@ -206,7 +238,7 @@ def run_command(args: argparse.Namespace, stdin: TextIO | None = None, out: Text
         policy = policy_for(args.model, args.model_name, args.tool_grammar)
         prompt = args.prompt or _usage(args.model)["prompt"]
         planner = policy_for(args.planner, args.planner_model_name) if args.planner else None  # it writes a plan
-    except (ConfigError, ValueError, NotImplementedError, OSError, ImportError) as e:  # ImportError: no vLLM
+    except (ConfigError, ValueError, NotImplementedError, OSError, ImportError, SandboxError) as e:  # no vLLM, bad --env
         print(f"codefleet agent run: {e}", file=err)
         return 2
     corrections = Corrections()

@@ -121,8 +121,9 @@ def _make_owner_files(directory: str) -> OwnerFiles:
     return OwnerFiles(passwd, group, write_exec_only_shell(os.path.join(directory, "shell")), devices)
 
 
-def host_args(config: SandboxConfig, files: OwnerFiles) -> list[str]:
-    """The bwrap arguments of a sandbox with this config, up to its workspace."""
+def host_args(config: SandboxConfig, files: OwnerFiles, ro_sources: dict[str, str] | None = None) -> list[str]:
+    """The bwrap arguments of a sandbox with this config, up to its workspace. `ro_sources`: where bwrap binds an
+    `ro_binds` path from, when not from itself (a staged bind mount the sandbox user can reach)."""
     args = ["bwrap", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
             "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net", "--unshare-cgroup-try",
             "--hostname", "sandbox", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
@@ -159,8 +160,8 @@ def host_args(config: SandboxConfig, files: OwnerFiles) -> list[str]:
              "--clearenv", "--setenv", "PATH", PATH, "--setenv", "HOME", "/tmp", "--setenv", "USER", "agent",
              "--setenv", "LOGNAME", "agent", "--setenv", "TERM", "dumb", "--setenv", "LANG", "C.UTF-8",
              "--setenv", "PAGER", "cat", "--setenv", "GIT_PAGER", "cat"]
-    for path in config.ro_binds:  # after the private /tmp and /var/tmp: a bind under them goes on top
-        args += ["--ro-bind", os.path.abspath(path), os.path.abspath(path)]
+    for path in map(os.path.abspath, config.ro_binds):  # after the private /tmp and /var/tmp: binds go on top
+        args += ["--ro-bind", (ro_sources or {}).get(path, path), path]
     return args
 
 
@@ -233,8 +234,19 @@ def write_exec_only_copy(data: bytes, path: str) -> str:
 
 def check_reachable(path: str, ident: Identity, what: str) -> None:
     """Raise SandboxUnavailableError if `ident` may not walk down to `path` (bwrap opens it as that user)."""
+    ancestor = closed_ancestor(path, ident)
+    if ancestor is not None:
+        raise SandboxUnavailableError(
+            f"{what} {path!r}, inside {ancestor!r}, which the sandbox user {ident.name} may not enter "
+            f"(mode {stat.S_IMODE(os.stat(ancestor).st_mode):04o}); choose a path under a directory that others "
+            f"may enter, or `chmod o+x {ancestor}`")
+
+
+def closed_ancestor(path: str, ident: Identity) -> str | None:
+    """The first directory above `path` that the sandbox user `ident` may not enter; None if it may walk to it
+    (always, when the sandbox runs as the caller)."""
     if not ident.switches:
-        return
+        return None
     parts = os.path.dirname(path).strip("/").split("/")
     for i in range(len(parts) + 1):
         ancestor = "/" + "/".join(parts[:i])
@@ -242,10 +254,8 @@ def check_reachable(path: str, ident: Identity, what: str) -> None:
         can = (st.st_mode & 0o001 or (st.st_gid == ident.gid and st.st_mode & 0o010)
                or (st.st_uid == ident.uid and st.st_mode & 0o100))
         if not can:
-            raise SandboxUnavailableError(
-                f"{what} {path!r}, inside {ancestor!r}, which the sandbox user {ident.name} may not enter "
-                f"(mode {stat.S_IMODE(st.st_mode):04o}); choose a path under a directory that others may enter, or "
-                f"`chmod o+x {ancestor}`")
+            return ancestor
+    return None
 
 
 def bwrap_env() -> dict[str, str]:

@@ -59,14 +59,26 @@ from codefleet.sandbox.base import (
 from codefleet.sandbox.bwrap import (
     SHELL_PATH,
     bwrap_env,
-    check_reachable,
+    closed_ancestor,
     host_args,
     owner_files,
     unavailable_reason,
 )
 from codefleet.sandbox.cgroups import Cgroup
 from codefleet.sandbox.identity import Identity, host_identity
-from codefleet.sandbox.layers import Workspace, choose_strategy, drop_layer, remove_tree
+from codefleet.sandbox.layers import (
+    MS_BIND,
+    MS_NODEV,
+    MS_NOSUID,
+    MS_RDONLY,
+    MS_REMOUNT,
+    Workspace,
+    choose_strategy,
+    drop_layer,
+    mount,
+    remove_tree,
+    umount,
+)
 from codefleet.sandbox.shell import ShellSession
 from codefleet.sandbox.shellbox import ShellSandbox, setup_script
 from codefleet.sandbox.state import Owner, owner_for
@@ -96,8 +108,6 @@ class NamespaceSandbox(ShellSandbox):
         if missing:
             raise FileNotFoundError(f"SandboxConfig.ro_binds names {missing[0]!r}, which does not exist on this host; "
                                     "create it or remove it from ro_binds")
-        for path in config.ro_binds:
-            check_reachable(os.path.abspath(path), self.ident, "SandboxConfig.ro_binds names")
         self.owner = owner_for(config.state_dir, self.ident.gid if self.ident.switches else None)
         files = owner_files(self.owner, self.ident)
         self.owner.track(self)
@@ -116,12 +126,14 @@ class NamespaceSandbox(ShellSandbox):
         self._oom_seen = 0  # OOM kills already reported
         self._pids: list[tuple[int, int | None]] = []  # (outer bwrap, sandbox init) host pids
         self._init_pid = 0
+        self._ro_stages: list[str] = []  # read-only bind mounts in self.dir (`_stage_ro_binds`)
         try:
+            ro_sources = self._stage_ro_binds(config)
             self.workspace.mount()
             self.cgroup = self.owner.cgroups.create(sandbox_id, config.memory_mb, config.max_processes,
                                                     config.cpu_cores)
             # Last, once every mount point exists: the sandbox's own root and /dev become read-only.
-            self._base_args = host_args(config, files) + ["--bind", self.workspace.merged, WORKSPACE,
+            self._base_args = host_args(config, files, ro_sources) + ["--bind", self.workspace.merged, WORKSPACE,
                                                           "--remount-ro", "/dev", "--remount-ro", "/"]
             self._start(_replay)
         except BaseException:
@@ -322,7 +334,29 @@ class NamespaceSandbox(ShellSandbox):
             _layer_refs.release(layer)
         return children
 
+    def _stage_ro_binds(self, config: SandboxConfig) -> dict[str, str]:
+        """Where bwrap binds each `ro_binds` path from. The sandbox user opens it there, so a path it may not
+        walk to (a virtual environment under /root) is bound first, read-only and by root, into this sandbox's
+        directory, which it can reach; `_release` unmounts it. Only what `ro_binds` names becomes visible."""
+        sources = {}
+        for i, path in enumerate(map(os.path.abspath, config.ro_binds)):
+            if closed_ancestor(path, self.ident) is None:
+                continue
+            stage = os.path.join(self.dir, "ro", str(i))
+            os.makedirs(os.path.dirname(stage), mode=0o755, exist_ok=True)
+            if os.path.isdir(path):
+                os.mkdir(stage, 0o755)
+            else:
+                open(stage, "x").close()
+            self._ro_stages.append(stage)
+            mount(path, stage, "", "", MS_BIND)
+            mount("", stage, "", "", MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+            sources[path] = stage
+        return sources
+
     def _release(self) -> None:
+        for stage in self._ro_stages:  # before remove_tree, which must not walk into them
+            umount(stage)
         try:
             self.workspace.unmount()
         finally:
