@@ -406,3 +406,25 @@ def test_a_layer_that_would_fill_the_disk_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(oci, "DISK_RESERVE_BYTES", disk.f_bavail * disk.f_frsize - (1 << 20))
     bomb = ("etc/zeros", tarfile.REGTYPE, {"data": b"\0" * (32 << 20)})  # 32 MB of zeros: ~32 kB gzipped
     _refused(tmp_path, oci_tarball([_small_layer(bomb)]), "does not fit on the disk")
+
+
+def test_codefleet_env_imports_lists_removes_and_collects_garbage(tmp_path, capsys):
+    from codefleet.cli import main
+
+    store = str(tmp_path / "store")
+    base, top = _small_layer(), Layer().add("etc/extra", data=b"x\n").bytes()
+    first, second = _write(tmp_path, oci_tarball([base])), str(tmp_path / "second.tar")
+    (tmp_path / "second.tar").write_bytes(docker_save_tarball([base, top]))  # shares the first's layer
+    for archive in (first, second):
+        assert main(["env", "import", archive, "--store", store]) == 0
+    ids = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert main(["env", "ls", "--store", store]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in listed] == [i[:19] for i in ids] and first in listed[0]
+    assert main(["env", "rm", ids[1][7:13], "--store", store]) == 0
+    assert main(["env", "gc", "--store", store]) == 0  # the top layer goes, the shared one stays
+    assert "removed layers/sha256-" in capsys.readouterr().out and len(os.listdir(f"{store}/layers")) == 1
+    assert main(["env", "rm", "sha256:ffff", "--store", store]) == 2
+    assert "no stored image matches 'sha256:ffff'" in capsys.readouterr().err
+    assert main(["env", "rm", ids[0], "--store", store]) == 0 and main(["env", "gc", "--store", store]) == 0
+    assert os.listdir(f"{store}/layers") == [] and os.listdir(f"{store}/images") == []

@@ -41,6 +41,7 @@ COMMANDS = {
     "tasks": ("codefleet.tasks.cli", "coding task sets: generate, check, import"),
     "export": ("codefleet.model.export_cli", "write a checkpoint as a Hugging Face model directory (transformers, "
                "vLLM)"),
+    "env": ("codefleet.sandbox.env_cli", "environments (OCI images) sandboxes run in: import, ls, rm, gc"),
 }
 
 

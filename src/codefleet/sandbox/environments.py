@@ -89,7 +89,7 @@ def import_image(archive: str, store_dir: str | None = None) -> Environment:
             image_dir = os.path.join(store, "images", f"sha256-{config_hex}")
             if not os.path.isdir(image_dir):
                 layer_dirs = [_store_layer(store, source, *layer) for layer in layers]
-                _store_image(image_dir, config_hex, layer_dirs)
+                _store_image(image_dir, config_hex, layer_dirs, archive)
     except ImageError:
         raise
     except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile, ValueError, KeyError, TypeError) as e:
@@ -160,7 +160,7 @@ def _store_layer(store: str, source: Archive, name: str, blob_hex: str | None, d
     return final
 
 
-def _store_image(image_dir: str, config_hex: str, layer_dirs: list[str]) -> None:
+def _store_image(image_dir: str, config_hex: str, layer_dirs: list[str], archive: str) -> None:
     """images/sha256-<config_hex>/rootfs: the layers merged, bottom first, as hard links to their files."""
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(image_dir))
     try:
@@ -176,7 +176,7 @@ def _store_image(image_dir: str, config_hex: str, layer_dirs: list[str]) -> None
                 os.utime(path, ns=(modes[rel].st_mtime_ns, modes[rel].st_mtime_ns))
         os.chmod(rootfs, 0o555)
         with open(os.path.join(tmp, "image.json"), "w") as f:
-            json.dump({"config": f"sha256:{config_hex}",
+            json.dump({"config": f"sha256:{config_hex}", "source": archive,
                        "layers": [os.path.basename(d).replace("-", ":", 1) for d in layer_dirs]}, f, indent=1)
         os.chmod(tmp, 0o711)
         _rename_into_place(tmp, image_dir)
@@ -265,3 +265,62 @@ def _remove_tree(path: str) -> None:
             except OSError:
                 pass
     remove_tree(path)
+
+
+# ---- the store: what is in it, and taking things out -------------------------------------------------
+
+@dataclass(frozen=True)
+class StoredImage:
+    id: str  # sha256:<config digest>
+    rootfs: str
+    layers: tuple[str, ...]  # their diff ids, bottom first
+    source: str  # the archive it was first imported from, as given then ("" if not recorded)
+
+
+def list_images(store_dir: str | None = None) -> list[StoredImage]:
+    """Every image in the store, oldest import first."""
+    images_dir = os.path.join(store_dir or default_store_dir(), "images")
+    found = []
+    for name in sorted(os.listdir(images_dir)) if os.path.isdir(images_dir) else []:
+        meta = os.path.join(images_dir, name, "image.json")
+        if not name.startswith("sha256-") or not os.path.isfile(meta):
+            continue  # a temporary directory of an import under way, or debris of one that was killed
+        with open(meta) as f:
+            info = json.load(f)
+        found.append((os.path.getmtime(meta), StoredImage(info["config"], os.path.join(images_dir, name, "rootfs"),
+                                                          tuple(info["layers"]), info.get("source", ""))))
+    return [image for _, image in sorted(found, key=lambda pair: pair[0])]
+
+
+def find_image(ref: str, store_dir: str | None = None) -> StoredImage:
+    """The stored image whose id (or its hex digits) starts with `ref` (at least 4 of them); ImageError if none
+    or several."""
+    hex_ref = ref.removeprefix("sha256:")
+    matches = [i for i in list_images(store_dir) if len(hex_ref) >= 4 and i.id[7:].startswith(hex_ref)]
+    if len(matches) != 1:
+        which = f"{len(matches)} stored images match" if matches else "no stored image matches"
+        raise ImageError(f"{which} {ref!r}; `codefleet env ls` lists them (give 4 or more digits of an id)")
+    return matches[0]
+
+
+def remove_image(ref: str, store_dir: str | None = None) -> StoredImage:
+    """Take an image out of the store (its layers stay until `gc`). A sandbox still running in it loses its
+    userland: close those first."""
+    image = find_image(ref, store_dir)
+    _remove_tree(os.path.dirname(image.rootfs))
+    return image
+
+
+def gc(store_dir: str | None = None) -> list[str]:
+    """Remove the layers no stored image uses, and debris of imports that were killed; what was removed."""
+    store = store_dir or default_store_dir()
+    used = {f"sha256-{layer.removeprefix('sha256:')}" for image in list_images(store) for layer in image.layers}
+    removed = []
+    for sub in ("layers", "images"):
+        here = os.path.join(store, sub)
+        for name in sorted(os.listdir(here)) if os.path.isdir(here) else []:
+            debris = name.startswith(".tmp-")
+            if debris or (sub == "layers" and name not in used):
+                _remove_tree(os.path.join(here, name))
+                removed.append(f"{sub}/{name}")
+    return removed
