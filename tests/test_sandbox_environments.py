@@ -9,6 +9,7 @@ import gzip
 import hashlib
 import io
 import json
+import shutil
 import os
 import stat
 import subprocess
@@ -133,10 +134,11 @@ def _libraries(binary: str) -> list[str]:
 
 
 def image_layers() -> list[bytes]:
-    """Layer 1: the host's python3 and bash with what they load, cat, /etc/passwd and /etc/group, a file
+    """Layer 1: the host's python3, bash and git with what they load, cat, /etc/passwd and /etc/group, a file
     that layer 2 whites out and a directory it makes opaque. Layer 2: /etc/image-release, a module."""
     base = Layer()
-    for binary in (HOST_PYTHON, "/bin/bash", "/bin/cat"):
+    for binary in (HOST_PYTHON, "/bin/bash", "/bin/cat", "/usr/bin/git", "/bin/mkdir", "/bin/rm", "/bin/cp",
+                   "/usr/bin/mktemp"):  # git and the rest: a task's baseline
         base.host(binary)
         for lib in _libraries(os.path.realpath(binary)):
             base.host(lib)
@@ -288,7 +290,7 @@ def test_an_environment_without_bash_or_etc_is_refused_in_one_sentence(image, en
             f.write("root:x:0:\n")
     with pytest.raises(SandboxUnavailableError, match="has no /bin/bash"):
         create_sandbox(repo, dataclasses.replace(env_config, environment=bare))
-    with pytest.raises(SandboxUnavailableError, match="not a directory"):
+    with pytest.raises(ImageError, match="which does not exist here"):
         create_sandbox(repo, dataclasses.replace(env_config, environment=os.path.join(open_dir, "missing")))
     with pytest.raises(ValueError, match="backend 'namespace'"):
         SandboxConfig(backend="local", environment=bare)
@@ -428,3 +430,33 @@ def test_codefleet_env_imports_lists_removes_and_collects_garbage(tmp_path, caps
     assert "no stored image matches 'sha256:ffff'" in capsys.readouterr().err
     assert main(["env", "rm", ids[0], "--store", store]) == 0 and main(["env", "gc", "--store", store]) == 0
     assert os.listdir(f"{store}/layers") == [] and os.listdir(f"{store}/images") == []
+
+
+def test_a_task_runs_in_its_environment_named_relative_to_its_file_or_by_id(image, open_dir, state_dir,
+                                                                          monkeypatch):
+    """task.json's `environment`: an archive beside it (imported on first use into the node's store, here the
+    fixture's) or an imported image's id; prepare_sandbox runs the setup commands and the git baseline there."""
+    from codefleet.tasks import load_task, prepare_sandbox, save_task, workspace_diff
+    from codefleet.types import HiddenChecks, Task
+
+    monkeypatch.setenv("CODEFLEET_ENV_DIR", image["store"])
+    repo = os.path.join(open_dir, "task-repo")
+    os.makedirs(repo, exist_ok=True)
+    with open(os.path.join(repo, "app.py"), "w") as f:
+        f.write("X = 1\n")
+    tasks = os.path.join(open_dir, "tasks")
+    os.makedirs(os.path.join(tasks, "t1"), exist_ok=True)
+    shutil.copy(image["oci"], os.path.join(tasks, "t1", "image.tar"))
+    for environment in (os.path.join(tasks, "t1", "image.tar"), image["env"].name[:12]):
+        task = Task(id="t1", repo=repo, instruction="Print where.", environment=environment,
+                    checks=HiddenChecks(command="python3 {tests}", fail_to_pass=["-c pass"]),
+                    setup_commands=["python3 -c 'import imagemod; print(imagemod.WHERE)' > where.txt"])
+        loaded = load_task(save_task(task, tasks))
+        with open(os.path.join(tasks, "t1", "task.json")) as f:
+            stored = json.load(f)["environment"]
+        assert stored == ("image.tar" if environment.endswith(".tar") else environment)  # moves with its directory
+        with prepare_sandbox(loaded, SandboxConfig(state_dir=state_dir, timeout_s=30)) as sb:
+            assert sb.read_file("where.txt") == "from the image\n"
+            assert sb.exec("cat /etc/image-release").output == "codefleet-test-image 1\n"
+            sb.write_file("app.py", "X = 2\n")
+            assert "+X = 2" in workspace_diff(sb)

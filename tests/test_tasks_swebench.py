@@ -138,3 +138,20 @@ def test_import_cli_names_a_missing_jsonl(tmp_path, capsys):
     captured = capsys.readouterr()
     assert captured.out == "" and len(captured.err.splitlines()) == 1
     assert captured.err.startswith(f"codefleet tasks import-swebench: cannot read {missing!r} (No such file")
+
+
+def test_a_row_that_names_its_image_runs_in_that_saved_archive(fixture, tmp_path):
+    jsonl, repos, _ = fixture
+    good = json.loads(open(jsonl).readline())
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "acme_clampy_1.0.tar").write_bytes(b"an image archive")  # imported when a sandbox is made
+    rows = [good | {"image_name": "acme/clampy:1.0"}, good | {"instance_id": "b2", "docker_image": "acme/other"},
+            good | {"instance_id": "b3"}]
+    jsonl2 = tmp_path / "imaged.jsonl"
+    jsonl2.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tasks, errors = load_swebench(str(jsonl2), repos, str(tmp_path / "out"), environment="sha256:abcd",
+                                  images_dir=str(images))
+    assert [(t.id, t.environment) for t in tasks] == [("acme__clampy-1", str(images / "acme_clampy_1.0.tar")),
+                                                      ("b3", "sha256:abcd")]  # no image named: every task's
+    assert [e.line for e in errors] == [2] and "'acme/other' is not saved in" in errors[0].reason

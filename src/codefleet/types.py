@@ -112,6 +112,9 @@ class Task:
     metadata: dict[str, str | int | float] = field(default_factory=dict)
     reference_patch: str = ""
     spec_version: int = TASK_SPEC_VERSION
+    # the userland its sandboxes run in: an OCI image archive, a root filesystem or an imported image's id
+    # (docs/environments.md); "" = the host's
+    environment: str = ""
 
 
 # -- agent episodes ------------------------------------------------------------------

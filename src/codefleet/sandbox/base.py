@@ -58,15 +58,17 @@ class SandboxConfig:
     ro_binds: list[str] = field(default_factory=list)  # extra host paths, read-only
     env: dict[str, str] = field(default_factory=dict)  # environment variables exported in its shell
     state_dir: str | None = None  # where mounts and layers live; see state.py
-    environment: str | None = None  # a root filesystem used instead of the host's /usr, /etc... (docs/environments.md)
+    # the userland instead of the host's /usr, /etc...: a root filesystem, an image archive (imported once per node)
+    # or an imported image's id (docs/environments.md)
+    environment: str | None = None
 
     def __post_init__(self) -> None:
         for name, kind in _POSITIVE_FIELDS.items():
             _check_positive(f"SandboxConfig.{name}", getattr(self, name), kind)
         check_env_names(self.env)
         if self.environment is not None and (not isinstance(self.environment, str) or not self.environment):
-            raise ValueError(f"SandboxConfig.environment is {self.environment!r}; it must be the path of a root "
-                             "filesystem (environments.import_image returns one) or None for the host's userland")
+            raise ValueError(f"SandboxConfig.environment is {self.environment!r}; it must be a root filesystem, an "
+                             "image archive or an imported image's id, or None for the host's userland")
         if self.environment is not None and self.backend == "local":
             raise ValueError("SandboxConfig.environment needs backend 'namespace'; backend 'local' runs the host's "
                              "own userland and cannot use another")

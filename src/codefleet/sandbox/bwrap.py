@@ -28,7 +28,7 @@ import threading
 from dataclasses import dataclass
 
 from codefleet.sandbox.base import SandboxConfig, SandboxUnavailableError
-from codefleet.sandbox.environments import resolve_inside
+from codefleet.sandbox.environments import resolve_inside, rootfs_of
 from codefleet.sandbox.identity import Identity, host_identity, write_exec_only_shell
 from codefleet.sandbox.state import Owner
 
@@ -133,7 +133,7 @@ def host_args(config: SandboxConfig, files: OwnerFiles, ro_sources: dict[str, st
         args += userland_args("/", _HOST_USERLAND)
         shell = files.shell
     else:
-        rootfs = os.path.abspath(config.environment)
+        rootfs = rootfs_of(config.environment)  # an archive is imported once per node
         shell = environment_shell(rootfs, files)
         args += userland_args(rootfs, _IMAGE_USERLAND)
     args += ["--ro-bind", files.passwd, "/etc/passwd", "--ro-bind", files.group, "/etc/group",

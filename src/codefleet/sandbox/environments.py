@@ -267,6 +267,29 @@ def _remove_tree(path: str) -> None:
     remove_tree(path)
 
 
+_rootfs_by_archive: dict[tuple[str, int, int], str] = {}  # (path, mtime, size) -> rootfs, per process
+
+
+def rootfs_of(spec: str) -> str:
+    """The root filesystem `SandboxConfig.environment` names: a root filesystem directory as it is, an image in
+    the store by id (`sha256:...`, 4 or more digits), or an image archive (an oci-layout directory or a
+    tarball), imported into this node's store the first time (`import_image`)."""
+    if spec.startswith("sha256:"):
+        return find_image(spec).rootfs
+    path = os.path.abspath(spec)
+    try:
+        st = os.stat(path)
+    except OSError:
+        raise ImageError(f"SandboxConfig.environment names {spec!r}, which does not exist here; give a root "
+                         "filesystem, an image archive or the id of an imported image (codefleet env ls)") from None
+    if stat.S_ISDIR(st.st_mode) and not os.path.exists(os.path.join(path, "oci-layout")):
+        return path
+    key = (path, st.st_mtime_ns, st.st_size)
+    if key not in _rootfs_by_archive:
+        _rootfs_by_archive[key] = import_image(path).rootfs
+    return _rootfs_by_archive[key]
+
+
 # ---- the store: what is in it, and taking things out -------------------------------------------------
 
 @dataclass(frozen=True)

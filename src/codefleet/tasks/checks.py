@@ -40,6 +40,7 @@ Design:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import re
@@ -138,6 +139,7 @@ if [ -e .git ]; then
   fi
 else
   git -c init.defaultBranch=main init -q
+  mkdir -p .git/info  # git without its templates (a minimal image) makes none
   printf '__pycache__/\\n*.py[cod]\\n.pytest_cache/\\n' >> .git/info/exclude
   git add -A
   git commit -q --allow-empty --no-verify -m "codefleet baseline"
@@ -153,6 +155,8 @@ def prepare_sandbox(task: Task, config: SandboxConfig | None = None, cache_dir: 
     git baseline recorded. The reference patch and check files stay outside.
     `create(repo_dir, config)` makes the sandbox (default: `create_sandbox`
     here; `SandboxFleet.create` to place it on the fleet)."""
+    if task.environment:  # resolved where the sandbox is made: an archive is imported once per node
+        config = dataclasses.replace(config or SandboxConfig(), environment=task.environment)
     sandbox = (create or create_sandbox)(materialize_repo(task.repo, cache_dir), config)
     try:
         for command in task.setup_commands:

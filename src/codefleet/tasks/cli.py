@@ -4,6 +4,7 @@
                              [--split train|test|all] [--no-more-domains]
     codefleet tasks check DIR [--jobs J] [--runs R] [--set KEY=VALUE ...]
     codefleet tasks import-swebench --jsonl FILE --repos DIR --out DIR [--setup CMD ...] [--check-command CMD]
+                                    [--env IMAGE] [--images DIR]
 
 `register(subparsers)` adds the `tasks` group to the main parser (the lead
 wires it into codefleet/cli.py); `main(argv)` runs it standalone. `check`
@@ -86,7 +87,8 @@ def _check(args: argparse.Namespace) -> int:
 def _import_swebench(args: argparse.Namespace) -> int:
     try:
         tasks, errors = load_swebench(args.jsonl, args.repos, args.out, setup_commands=list(args.setup or []),
-                                      check_command=args.check_command or DEFAULT_CHECK_COMMAND)
+                                      check_command=args.check_command or DEFAULT_CHECK_COMMAND,
+                                      environment=args.env or "", images_dir=args.images)
         for error in errors:
             print(f"skipped {error}", file=sys.stderr)
         save_tasks(tasks, args.out)
@@ -139,6 +141,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     imp.add_argument("--out", required=True, metavar="DIR", help="task directory to write")
     imp.add_argument("--setup", action="append", metavar="CMD", help="setup command for every task, repeatable")
     imp.add_argument("--check-command", metavar="CMD", help="hidden check command with {tests}")
+    imp.add_argument("--env", metavar="IMAGE", help="the environment of every task: an image archive, a root "
+                                                    "filesystem or an imported image's id (docs/environments.md)")
+    imp.add_argument("--images", metavar="DIR", help="saved images (<name with / and : as _>.tar) of the rows "
+                                                     "that name theirs (image_name, docker_image)")
     imp.set_defaults(func=_import_swebench)
     return tasks
 

@@ -29,7 +29,7 @@ TASK_FILE = "task.json"
 INDEX_FILE = "tasks.jsonl"
 ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")  # use with fullmatch
 _TOP_KEYS = ("spec_version", "id", "repo", "instruction", "setup_commands", "test_command", "checks", "budgets",
-             "metadata", "reference_patch")
+             "metadata", "reference_patch", "environment")
 _CHECK_KEYS = ("command", "fail_to_pass", "pass_to_pass", "files")
 _INDEX_META = ("family", "template", "split", "difficulty")
 
@@ -129,6 +129,8 @@ def validate_task_dict(data: object) -> list[str]:
         errors.append("setup_commands: must be a list of shell commands (strings)")
     if not isinstance(data.get("test_command", ""), str):
         errors.append("test_command: must be a string")
+    if not isinstance(data.get("environment", ""), str):
+        errors.append("environment: must be a string (an image archive, a root filesystem or an image id)")
     if "checks" not in data:
         errors.append("checks: required (command, fail_to_pass, pass_to_pass, files)")
     else:
@@ -173,6 +175,7 @@ def task_to_dict(task: Task) -> dict:
         "budgets": dataclasses.asdict(task.budgets),
         "metadata": dict(task.metadata),
         "reference_patch": task.reference_patch,
+        **({"environment": task.environment} if task.environment else {}),  # absent: the host's userland
     }
 
 
@@ -190,6 +193,7 @@ def task_from_dict(data: dict, source: str = "task") -> Task:
         setup_commands=list(data.get("setup_commands", [])), test_command=data.get("test_command", ""),
         budgets=Budgets(**budgets), metadata=dict(data.get("metadata", {})),
         reference_patch=data.get("reference_patch", ""), spec_version=data["spec_version"],
+        environment=data.get("environment", ""),
     )
 
 
@@ -216,20 +220,22 @@ def load_task(path: str) -> Task:
         task.repo = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), task.repo))
     if not os.path.exists(task.repo):
         raise TaskSpecError([f"repo: {task.repo} does not exist (a directory, .tar or .tar.gz)"], path)
+    if task.environment and not task.environment.startswith("sha256:") and not os.path.isabs(task.environment):
+        task.environment = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), task.environment))
     return task
 
 
 def save_task(task: Task, out_dir: str) -> str:
-    """Write `out_dir/<id>/task.json` (repo made relative when it lies inside
-    that directory) and return its path. Raises TaskSpecError if invalid."""
+    """Write `out_dir/<id>/task.json` (repo and environment made relative when
+    they lie inside that directory) and return its path. Raises TaskSpecError if invalid."""
     errors = validate_task(task)
     if errors:
         raise TaskSpecError(errors, f"task {task.id!r}")
     task_dir = os.path.join(out_dir, task.id)
     os.makedirs(task_dir, exist_ok=True)
-    repo = os.path.abspath(task.repo)
-    inside = os.path.commonpath([repo, os.path.abspath(task_dir)]) == os.path.abspath(task_dir)
-    stored = dataclasses.replace(task, repo=os.path.relpath(repo, task_dir) if inside else repo)
+    stored = dataclasses.replace(task, repo=_relative_if_inside(task.repo, task_dir))
+    if task.environment and not task.environment.startswith("sha256:"):
+        stored.environment = _relative_if_inside(task.environment, task_dir)
     path = os.path.join(task_dir, TASK_FILE)
     with open(path, "w", encoding="utf-8") as f:
         f.write(dumps_task(stored))
@@ -240,6 +246,12 @@ def index_line(task: Task) -> str:
     entry = {"id": task.id, "path": f"{task.id}/{TASK_FILE}"}
     entry.update({k: task.metadata[k] for k in _INDEX_META if k in task.metadata})
     return json.dumps(entry, ensure_ascii=False)
+
+
+def _relative_if_inside(path: str, task_dir: str) -> str:
+    path = os.path.abspath(path)
+    inside = os.path.commonpath([path, os.path.abspath(task_dir)]) == os.path.abspath(task_dir)
+    return os.path.relpath(path, task_dir) if inside else path
 
 
 def save_tasks(tasks: list[Task], out_dir: str) -> list[str]:

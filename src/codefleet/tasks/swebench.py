@@ -26,10 +26,12 @@ Choices:
   (reset the test files, apply the test patch), without `git apply` and
   whatever state the agent left. A test_patch that deletes a file or is
   binary cannot be expressed that way and is a row error.
-- SWE-bench's environments (conda, pinned dependencies) are not built here:
-  pass `setup_commands` that prepare the repository inside the sandbox
-  (their effects must stay in the workspace, see checks.py) and a
-  `check_command` that runs its tests.
+- Environments: a row that names its image (`image_name` or `docker_image`,
+  as SWE-Gym and R2E-Gym ship them) runs in that image, saved as an archive
+  in `images_dir`; or every task gets `environment`; else the host's
+  userland. Images are not built here: `setup_commands` prepare the
+  repository inside the sandbox (their effects must stay in the workspace,
+  see checks.py) and a `check_command` runs its tests.
 """
 
 from __future__ import annotations
@@ -173,10 +175,23 @@ def _row_task(row: object, repos_dir: str, export_dir: str, setup_commands: list
     return task
 
 
+def _row_environment(row: dict, environment: str, images_dir: str | None) -> str:
+    name = row.get("image_name") or row.get("docker_image")
+    if not images_dir or not isinstance(name, str) or not name:
+        return environment
+    archive = os.path.join(images_dir, re.sub(r"[/:]", "_", name) + ".tar")
+    if not os.path.isfile(archive):
+        raise _RowError(f"its image {name!r} is not saved in {images_dir} as {os.path.basename(archive)} "
+                        f"(`docker save {name} -o {archive}`)")
+    return os.path.abspath(archive)
+
+
 def load_swebench(jsonl_path: str, repos_dir: str, export_dir: str, setup_commands: list[str] | None = None,
-                  check_command: str = DEFAULT_CHECK_COMMAND,
-                  test_command: str = "") -> tuple[list[Task], list[LoadError]]:
-    """Tasks from the good rows and a LoadError per bad row (blank lines are skipped)."""
+                  check_command: str = DEFAULT_CHECK_COMMAND, test_command: str = "", environment: str = "",
+                  images_dir: str | None = None) -> tuple[list[Task], list[LoadError]]:
+    """Tasks from the good rows and a LoadError per bad row (blank lines are skipped). `environment`: every
+    task's (docs/environments.md); `images_dir`: where a row that names its image (`image_name`,
+    `docker_image`) finds it saved as an archive, `<name with / and : as _>.tar` (a row error if missing)."""
     tasks: list[Task] = []
     errors: list[LoadError] = []
     seen: set[str] = set()
@@ -198,6 +213,7 @@ def load_swebench(jsonl_path: str, repos_dir: str, export_dir: str, setup_comman
                 if instance_id in seen:
                     raise _RowError(f"duplicate instance_id {instance_id!r} (first row kept)")
                 task = _row_task(row, repos_dir, export_dir, list(setup_commands or []), check_command, test_command)
+                task.environment = _row_environment(row, environment, images_dir)
             except json.JSONDecodeError as e:
                 errors.append(LoadError(number, f"not valid JSON: {e}"))
                 continue
