@@ -1,6 +1,7 @@
 """`codefleet env ...`: the environments sandboxes run in (docs/environments.md).
 
     codefleet env import ARCHIVE      # an oci-layout directory or tarball, or a docker save tarball
+    codefleet env build SPEC          # base + apt + python + run steps, a cached layer each (envbuild.py)
     codefleet env ls                  # id, layers, rootfs, where it came from
     codefleet env rm ID               # 4 or more digits of an id; its layers stay until gc
     codefleet env gc                  # layers no image uses, and debris of killed imports
@@ -20,6 +21,14 @@ from codefleet.sandbox.base import SandboxError
 
 def _import(args: argparse.Namespace) -> int:
     env = environments.import_image(args.archive, args.store)
+    print(f"{env.name}  {env.rootfs}")
+    return 0
+
+
+def _build(args: argparse.Namespace) -> int:
+    from codefleet.sandbox import envbuild  # PyYAML and the build machinery only when building
+
+    env = envbuild.build(envbuild.load_spec(args.spec), args.store, log=lambda line: print(line, file=sys.stderr))
     print(f"{env.name}  {env.rootfs}")
     return 0
 
@@ -62,6 +71,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                                             "(docs/environments.md).")
     sub = env.add_subparsers(dest="env_action", required=True)
     for name, func, help_line in (("import", _import, "import an OCI image archive into the store"),
+                                  ("build", _build, "build an image from a spec (base, apt, python, run), a "
+                                                    "cached layer per step"),
                                   ("ls", _ls, "list the stored images"),
                                   ("rm", _rm, "remove a stored image (its layers stay until gc)"),
                                   ("gc", _gc, "remove the layers no image uses")):
@@ -71,5 +82,6 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         p.set_defaults(func=_run, env_func=func)
     sub.choices["import"].add_argument("archive", help="an oci-layout directory or tarball, or a docker save "
                                                        "tarball")
+    sub.choices["build"].add_argument("spec", help="the build spec, YAML (docs/environments.md)")
     sub.choices["rm"].add_argument("id", help="the image's id, or 4 or more of its first hex digits")
     return env

@@ -165,15 +165,7 @@ def _store_image(image_dir: str, config_hex: str, layer_dirs: list[str], archive
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(image_dir))
     try:
         rootfs = os.path.join(tmp, "rootfs")
-        os.mkdir(rootfs, 0o700)
-        modes: dict[str, os.stat_result] = {}
-        for layer in layer_dirs:
-            _merge(layer, rootfs, modes)
-        for rel in sorted(modes, key=lambda r: r.count("/"), reverse=True):
-            path = os.path.join(rootfs, rel)
-            if _is_dir(path):  # not removed by a layer above since
-                os.chmod(path, stat.S_IMODE(modes[rel].st_mode))
-                os.utime(path, ns=(modes[rel].st_mtime_ns, modes[rel].st_mtime_ns))
+        merge_layers(layer_dirs, rootfs)
         os.chmod(rootfs, 0o555)
         with open(os.path.join(tmp, "image.json"), "w") as f:
             json.dump({"config": f"sha256:{config_hex}", "source": archive,
@@ -183,6 +175,30 @@ def _store_image(image_dir: str, config_hex: str, layer_dirs: list[str], archive
     except BaseException:
         _remove_tree(tmp)
         raise
+
+
+def merge_layers(layer_dirs: list[str], rootfs: str) -> None:
+    """Make `rootfs` (it must not exist) the layers merged, bottom first: hard links to their files, their
+    directories' modes and times."""
+    os.mkdir(rootfs, 0o700)
+    modes: dict[str, os.stat_result] = {}
+    for layer in layer_dirs:
+        _merge(layer, rootfs, modes)
+    for rel in sorted(modes, key=lambda r: r.count("/"), reverse=True):
+        path = os.path.join(rootfs, rel)
+        if _is_dir(path):  # not removed by a layer above since
+            os.chmod(path, stat.S_IMODE(modes[rel].st_mode))
+            os.utime(path, ns=(modes[rel].st_mtime_ns, modes[rel].st_mtime_ns))
+    os.chmod(rootfs, 0o755)
+
+
+def store_image(image_dir: str, key_hex: str, layer_dirs: list[str], source: str) -> None:
+    """images/sha256-<key_hex>: the layers merged (`codefleet env build`'s images; an import's are the same)."""
+    _store_image(image_dir, key_hex, layer_dirs, source)
+
+
+def remove_store_tree(path: str) -> None:
+    _remove_tree(path)
 
 
 def _merge(layer: str, rootfs: str, modes: dict[str, os.stat_result]) -> None:
