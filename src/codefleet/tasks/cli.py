@@ -5,6 +5,8 @@
     codefleet tasks check DIR [--jobs J] [--runs R] [--set KEY=VALUE ...]
     codefleet tasks import-swebench --jsonl FILE --repos DIR --out DIR [--setup CMD ...] [--check-command CMD]
                                     [--env IMAGE] [--images DIR]
+    codefleet tasks mine SOURCE [SOURCE ...] --out DIR [--seed S] [--max-per-function K] [--max-tasks N]
+                         [--kinds a,b] [--set KEY=VALUE ...]
 
 `register(subparsers)` adds the `tasks` group to the main parser (the lead
 wires it into codefleet/cli.py); `main(argv)` runs it standalone. `check`
@@ -15,6 +17,7 @@ task is unsound (2 if the task directory cannot be read).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -23,6 +26,7 @@ from codefleet.sandbox import SandboxConfig
 from codefleet.tasks.checks import check_tasks
 from codefleet.tasks.families import FAMILIES
 from codefleet.tasks.generate import generate_tasks
+from codefleet.tasks.mine import KINDS, MineError, mine_library
 from codefleet.tasks.spec import TaskSpecError, load_task, save_tasks, task_paths
 from codefleet.tasks.swebench import DEFAULT_CHECK_COMMAND, load_swebench
 
@@ -100,8 +104,35 @@ def _import_swebench(args: argparse.Namespace) -> int:
     return 1 if errors and not tasks else 0
 
 
+def _mine(args: argparse.Namespace) -> int:
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()] if args.kinds else None
+    try:
+        config = load_config(SandboxConfig, None, list(args.set or []))
+    except ConfigError as e:
+        print(f"codefleet tasks mine: {e}", file=sys.stderr)
+        return 2
+    started, total = time.perf_counter(), 0
+    for number, source in enumerate(args.sources):
+        out = args.out if len(args.sources) == 1 else os.path.join(args.out, f"{number:02d}")
+        try:
+            report = mine_library(source, out, seed=args.seed, max_per_function=args.max_per_function,
+                                  max_tasks=args.max_tasks, kinds=kinds, config=config, jobs=args.jobs,
+                                  cache_dir=args.cache)
+        except MineError as e:
+            print(f"codefleet tasks mine: {e}", file=sys.stderr)
+            return 2
+        except OSError as e:
+            print(f"codefleet tasks mine: cannot write {e.filename or out!r} ({e.strerror or e}); pass --out a "
+                  "directory you can write", file=sys.stderr)
+            return 2
+        print(report.table(), file=sys.stderr)
+        total += len(report.tasks)
+    print(f"mined {total} tasks into {args.out} in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add `tasks generate|check|import-swebench` to a parser's subcommands."""
+    """Add `tasks generate|check|import-swebench|mine` to a parser's subcommands."""
 
     tasks = subparsers.add_parser("tasks", help="coding task sets: generate, check, import",
                                   description="Coding task sets (format: docs/tasks.md).")
@@ -146,6 +177,23 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     imp.add_argument("--images", metavar="DIR", help="saved images (<name with / and : as _>.tar) of the rows "
                                                      "that name theirs (image_name, docker_image)")
     imp.set_defaults(func=_import_swebench)
+
+    mine = sub.add_parser("mine", help="bug-fix tasks mined from real libraries by mutation",
+                          description="Run each library's own tests, mutate the functions they cover, and keep "
+                          "the mutants some test notices as checked bug-fix tasks (docs/tasks.md, Mined tasks). "
+                          "With several sources, each gets its own DIR/NN.")
+    mine.add_argument("sources", nargs="+", metavar="SOURCE",
+                      help="a .tar.gz sdist, an unpacked source directory, or NAME==VERSION (pip download)")
+    mine.add_argument("--out", required=True, metavar="DIR", help="task directory to write")
+    mine.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
+    mine.add_argument("--max-per-function", type=int, default=2, metavar="K", help="tasks per function (default 2)")
+    mine.add_argument("--max-tasks", type=int, metavar="N", help="tasks per library (default: no limit)")
+    mine.add_argument("--kinds", metavar="A,B", help=f"mutation kinds, comma-separated subset of: {', '.join(KINDS)}")
+    mine.add_argument("--jobs", type=int, default=2, metavar="J", help="sandboxes at once (default 2)")
+    mine.add_argument("--cache", metavar="DIR", help="where NAME==VERSION downloads are kept "
+                                                      "(default ~/.cache/codefleet/sdists)")
+    mine.add_argument("--set", action="append", metavar="KEY=VALUE", help="sandbox config override, repeatable")
+    mine.set_defaults(func=_mine)
     return tasks
 
 

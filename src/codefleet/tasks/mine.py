@@ -1,0 +1,554 @@
+"""Bug-fix tasks mined from a real library: mutate the functions its tests cover.
+
+    report = mine_library("attrs-23.1.0.tar.gz", out_dir="tasks/mined", seed=0)   # or an unpacked tree
+    tasks = report.tasks                                                         # saved, checked, sound
+
+For one source distribution (a `.tar.gz`/`.tar` sdist or a directory), mining
+
+1. unpacks it and runs its own test suite once in a sandbox (pytest from the
+   sandbox's `python3`; `PYTHONPATH=src` for a src layout): the tests that
+   pass are the PASS set. A suite that does not collect, or where nothing
+   passes, is one `MineError`.
+2. makes mutants of every function of the library's modules (tests, setup.py
+   and docs are left alone), each ONE small source edit at the exact span of
+   an `ast` node, so the rest of the file stays byte-identical: swapped
+   comparison (`<`/`<=`, `>`/`>=`, `==`/`!=`), swapped arithmetic (`+`/`-`,
+   `*`/`//`), off-by-one (an integer constant, a `range` bound), a negated
+   `if`/`while`/`x if c else y` condition, a dropped statement, a changed
+   default argument, two swapped positional arguments.
+3. runs the PASS set on each mutant (the same check command the task will
+   use). A mutant that some of them fail becomes a task: those are its
+   FAIL_TO_PASS, the rest of the PASS set is PASS_TO_PASS. Mutants nobody
+   notices are discarded.
+4. writes each task with the mutated tree as its repository, the diff back
+   to the original as `reference_patch`, every test file as `checks.files`,
+   and an issue text made of what fails and pytest's own assertion lines,
+   never the mutation; then proves every task sound with `check_tasks` and
+   drops (and reports) any that is not.
+
+Order and choice are deterministic by seed: the functions are visited in a
+seeded order, and for each one its candidate mutations are shuffled by
+`Random("codefleet-mine/<seed>/<module>/<qualname>")` and interleaved by
+kind; rounds take one candidate per function, so `--max-tasks` spreads over
+functions and kinds instead of exhausting the first file.
+
+`PACKAGE==VERSION` is fetched with `pip download --no-binary :all:` into a
+cache (the only step that needs the network; tests never take it).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import tomllib
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from codefleet.sandbox import Sandbox, SandboxConfig, create_sandbox
+from codefleet.tasks.checks import check_tasks, run_checks
+from codefleet.tasks.patch import make_unified_diff
+from codefleet.tasks.spec import save_tasks
+from codefleet.types import HiddenChecks, Task
+
+KINDS = ("comparison", "arithmetic", "off_by_one", "negated_condition", "dropped_statement", "default_argument",
+         "swapped_arguments")
+PYTEST = "python3 -m pytest -q -p no:cacheprovider"
+_COMPARE_SWAPS = {ast.Lt: "<=", ast.LtE: "<", ast.Gt: ">=", ast.GtE: ">", ast.Eq: "!=", ast.NotEq: "=="}
+_COMPARE_TEXT = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==", ast.NotEq: "!="}
+_ARITH_SWAPS = {ast.Add: "-", ast.Sub: "+", ast.Mult: "//", ast.FloorDiv: "*", ast.Div: "*"}
+_ARITH_TEXT = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.FloorDiv: "//", ast.Div: "/"}
+_SKIP_DIRS = {"tests", "test", "testing", "docs", "doc", "examples", "benchmarks", "build", "dist", "__pycache__"}
+_ATOMS = (ast.Name, ast.Attribute, ast.Call, ast.Subscript, ast.Constant, ast.Compare)
+
+
+class MineError(RuntimeError):
+    """A source that cannot be mined: not a source tree, a suite that does not run, a failed download."""
+
+
+# -- mutations ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """One edit of a file's UTF-8 bytes: replace [start, end) with `text`."""
+
+    kind: str
+    path: str       # relative to the source root
+    function: str   # module.qualname
+    start: int
+    end: int
+    text: str
+
+    def apply(self, source: bytes) -> str:
+        return (source[:self.start] + self.text.encode() + source[self.end:]).decode("utf-8")
+
+
+class _Spans:
+    """Byte offsets of ast positions (col_offset counts UTF-8 bytes)."""
+
+    def __init__(self, source: bytes):
+        self.source = source
+        self.line_starts = [0]
+        for line in source.splitlines(keepends=True):
+            self.line_starts.append(self.line_starts[-1] + len(line))
+
+    def start(self, node: ast.AST) -> int:
+        return self.line_starts[node.lineno - 1] + node.col_offset
+
+    def end(self, node: ast.AST) -> int:
+        return self.line_starts[node.end_lineno - 1] + node.end_col_offset
+
+    def text(self, node: ast.AST) -> str:
+        return self.source[self.start(node):self.end(node)].decode("utf-8")
+
+    def operator(self, left: ast.AST, right: ast.AST, symbol: str) -> tuple[int, int] | None:
+        """The span of `symbol` between two operands, if the gap holds nothing else (no comments, no parens)."""
+        gap = self.source[self.end(left):self.start(right)].decode("utf-8")
+        if gap.strip() != symbol:
+            return None
+        at = self.end(left) + gap.index(symbol)
+        return at, at + len(symbol)
+
+
+def _paren(node: ast.AST, text: str) -> str:
+    return text if isinstance(node, _ATOMS) else f"({text})"
+
+
+def _int_const(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and type(node.value) is int
+
+
+def _body_nodes(function: ast.AST):
+    """Nodes of a function's body, not descending into nested functions or classes (mined on their own)."""
+    stack = list(reversed(function.body))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _whole_lines(spans: _Spans, stmt: ast.stmt) -> tuple[int, int] | None:
+    """The byte span of the full lines a statement occupies, if it shares them with nothing else."""
+    first, last = spans.line_starts[stmt.lineno - 1], spans.line_starts[stmt.end_lineno]
+    before = spans.source[first:spans.start(stmt)]
+    after = spans.source[spans.end(stmt):last].strip()
+    if before.strip() or (after and not after.startswith(b"#")):
+        return None
+    return first, last
+
+
+def _droppable(spans: _Spans, body: object) -> list[tuple[int, int]]:
+    """Line spans of the statements of a block of two or more that may go: not a return, a docstring, a
+    definition or a declaration."""
+    if not isinstance(body, list) or len(body) < 2 or not isinstance(body[0], ast.stmt):
+        return []
+    spans_found = []
+    for stmt in body:
+        docstring = isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant)
+        if docstring or isinstance(stmt, (ast.Return, ast.Pass, ast.Global, ast.Nonlocal, ast.FunctionDef,
+                                          ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        span = _whole_lines(spans, stmt)
+        if span:
+            spans_found.append(span)
+    return spans_found
+
+
+def _function_mutations(spans: _Spans, function: ast.FunctionDef, path: str, name: str) -> list[Mutation]:
+    found: list[Mutation] = []
+
+    def add(kind: str, start: int, end: int, text: str) -> None:
+        found.append(Mutation(kind, path, name, start, end, text))
+
+    for default in function.args.defaults + [d for d in function.args.kw_defaults if d is not None]:
+        if isinstance(default, ast.Constant) and type(default.value) in (int, float, bool):
+            value = default.value
+            new = repr(not value) if isinstance(value, bool) else repr(value + 1)
+            add("default_argument", spans.start(default), spans.end(default), new)
+    for node in _body_nodes(function):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            for i, op in enumerate(node.ops):
+                if type(op) in _COMPARE_SWAPS:
+                    span = spans.operator(operands[i], operands[i + 1], _COMPARE_TEXT[type(op)])
+                    if span:
+                        add("comparison", *span, _COMPARE_SWAPS[type(op)])
+        elif isinstance(node, (ast.BinOp, ast.AugAssign)) and type(node.op) in _ARITH_SWAPS:
+            left, right = (node.left, node.right) if isinstance(node, ast.BinOp) else (node.target, node.value)
+            if any(isinstance(s, (ast.JoinedStr, ast.List, ast.Tuple)) or
+                   (isinstance(s, ast.Constant) and isinstance(s.value, (str, bytes))) for s in (left, right)):
+                continue  # "a" + "b" -> "a" - "b" is a crash, not a bug anyone writes
+            symbol = _ARITH_TEXT[type(node.op)] + ("=" if isinstance(node, ast.AugAssign) else "")
+            span = spans.operator(left, right, symbol)
+            if span:
+                add("arithmetic", *span, symbol.replace(_ARITH_TEXT[type(node.op)], _ARITH_SWAPS[type(node.op)]))
+        elif _int_const(node) and node.value >= 0:
+            add("off_by_one", spans.start(node), spans.end(node), str(node.value + 1 if node.value < 2 else
+                                                                     node.value - 1))
+        elif isinstance(node, (ast.If, ast.While, ast.IfExp)):
+            test = node.test
+            if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+                new = _paren(test.operand, spans.text(test.operand))
+            else:
+                new = "not " + _paren(test, spans.text(test))
+            add("negated_condition", spans.start(test), spans.end(test), new)
+        if isinstance(node, ast.Call):
+            if isinstance(node.func, ast.Name) and node.func.id == "range" and node.args and not node.keywords:
+                stop = node.args[0] if len(node.args) == 1 else node.args[1]
+                if not _int_const(stop):
+                    add("off_by_one", spans.start(stop), spans.end(stop), f"{_paren(stop, spans.text(stop))} - 1")
+            args = node.args
+            for a, b in zip(args, args[1:]):
+                if isinstance(a, ast.Starred) or isinstance(b, ast.Starred) or spans.text(a) == spans.text(b):
+                    continue
+                gap = spans.source[spans.end(a):spans.start(b)].decode("utf-8")
+                add("swapped_arguments", spans.start(a), spans.end(b), spans.text(b) + gap + spans.text(a))
+        for body_name in ("body", "orelse", "finalbody"):
+            for start, end in _droppable(spans, getattr(node, body_name, None)):
+                add("dropped_statement", start, end, "")
+    for start, end in _droppable(spans, function.body):
+        add("dropped_statement", start, end, "")
+    return found
+
+
+def _functions(tree: ast.Module, prefix: str = ""):
+    """(qualname, node) of every function and method, nested ones included."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield prefix + node.name, node
+            yield from _functions(node, f"{prefix}{node.name}.<locals>.")
+        elif isinstance(node, ast.ClassDef):
+            yield from _functions(node, f"{prefix}{node.name}.")
+
+
+def file_mutations(source: bytes, path: str, module: str) -> dict[str, list[Mutation]]:
+    """Every valid, AST-changing single-edit mutant of a file, per function (`module.qualname`)."""
+    tree = ast.parse(source)
+    original = ast.dump(tree)
+    spans = _Spans(source)
+    per_function: dict[str, list[Mutation]] = {}
+    for qualname, node in _functions(tree):
+        name = f"{module}.{qualname}"
+        kept, seen = [], set()
+        for mutation in _function_mutations(spans, node, path, name):
+            if (mutation.start, mutation.end, mutation.text) in seen:
+                continue
+            seen.add((mutation.start, mutation.end, mutation.text))
+            try:
+                changed = ast.dump(ast.parse(mutation.apply(source))) != original
+            except (SyntaxError, ValueError):  # e.g. a dropped statement that leaves an empty block
+                continue
+            if changed:
+                kept.append(mutation)
+        per_function[name] = kept
+    return per_function
+
+
+# -- the source tree ------------------------------------------------------------------
+
+
+def fetch_sdist(requirement: str, cache_dir: str) -> str:
+    """`NAME==VERSION` from PyPI as a source distribution, downloaded once into `cache_dir/NAME-VERSION/`."""
+    name, _, version = requirement.partition("==")
+    target = os.path.join(cache_dir, f"{name.strip().lower()}-{version.strip()}")
+    if not os.path.isdir(target) or not os.listdir(target):
+        os.makedirs(target, exist_ok=True)
+        result = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                                 requirement, "-d", target], capture_output=True, text=True, timeout=600)
+        if result.returncode != 0:
+            shutil.rmtree(target, ignore_errors=True)
+            raise MineError(f"could not download the source distribution of {requirement} (pip download failed: "
+                            f"{result.stderr.strip().splitlines()[-1:] or result.returncode}); check the name, "
+                            "the version and the network, or pass a local .tar.gz")
+    return os.path.join(target, sorted(os.listdir(target))[0])
+
+
+def _unpack(source: str, work_dir: str) -> str:
+    if os.path.isdir(source):
+        root = os.path.join(work_dir, "src")
+        shutil.copytree(source, root, symlinks=True, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".git"))
+        return root
+    if not os.path.isfile(source) or not re.search(r"\.(tar\.gz|tgz|tar)$", source):
+        raise MineError(f"{source!r} is not a source distribution: pass a .tar.gz sdist, an unpacked source "
+                        "directory or NAME==VERSION")
+    try:
+        with tarfile.open(source) as tar:
+            tar.extractall(os.path.join(work_dir, "src"), filter="data")
+    except (tarfile.TarError, OSError) as e:
+        raise MineError(f"{source!r} is not a readable tarball ({e}); download the sdist again") from None
+    root = os.path.join(work_dir, "src")
+    entries = [e for e in os.listdir(root) if not e.startswith(".")]
+    if len(entries) == 1 and os.path.isdir(os.path.join(root, entries[0])):  # sdists hold NAME-VERSION/
+        root = os.path.join(root, entries[0])
+    for dirpath, dirnames, _ in os.walk(root):
+        if "__pycache__" in dirnames:
+            shutil.rmtree(os.path.join(dirpath, "__pycache__"))
+            dirnames.remove("__pycache__")
+    return root
+
+
+def _name_version(root: str, source: str) -> tuple[str, str]:
+    fields: dict[str, str] = {}
+    if os.path.isfile(os.path.join(root, "PKG-INFO")):
+        with open(os.path.join(root, "PKG-INFO"), encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, sep, value = line.partition(":")
+                if sep and key in ("Name", "Version") and key.lower() not in fields:
+                    fields[key.lower()] = value.strip()
+    if len(fields) < 2 and os.path.isfile(os.path.join(root, "pyproject.toml")):
+        try:
+            with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+                project = tomllib.load(f).get("project", {})
+            fields.setdefault("name", str(project.get("name", "")))
+            fields.setdefault("version", str(project.get("version", "")))
+        except tomllib.TOMLDecodeError:
+            pass
+    base = re.sub(r"\.(tar\.gz|tgz|tar)$", "", os.path.basename(os.path.normpath(source)))
+    guess = re.match(r"^(.+?)-(\d[\w.]*)$", base)
+    name = fields.get("name") or (guess.group(1) if guess else base)
+    version = fields.get("version") or (guess.group(2) if guess else "0")
+    return name, version
+
+
+def _is_test_file(rel: str) -> bool:
+    parts = rel.split("/")
+    name = parts[-1]
+    return (any(p in ("tests", "test", "testing") for p in parts[:-1]) or name == "conftest.py"
+            or name.startswith("test_") or name.endswith("_test.py"))
+
+
+def _source_files(root: str) -> tuple[list[str], list[str]]:
+    """(library modules to mutate, test files), relative paths, sorted."""
+    modules, tests = [], []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "__pycache__")
+        for name in filenames:
+            rel = os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/")
+            if not name.endswith(".py"):
+                continue
+            if _is_test_file(rel):
+                tests.append(rel)
+            elif name not in ("setup.py", "conftest.py", "noxfile.py") and not set(rel.split("/")[:-1]) & _SKIP_DIRS:
+                modules.append(rel)
+    return sorted(modules), sorted(tests)
+
+
+def _module_name(rel: str, src_layout: bool) -> str:
+    rel = rel[len("src/"):] if src_layout and rel.startswith("src/") else rel
+    parts = rel[:-3].split("/")
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+# -- running the suite ----------------------------------------------------------------
+
+
+def _probe(command: str, ids: list[str]) -> Task:
+    """A throwaway task whose checks are `ids` (run_checks runs fail_to_pass + pass_to_pass)."""
+    return Task(id="mine-probe", repo="", instruction="", checks=HiddenChecks(command, ids, [], {}))
+
+
+def _passing_tests(sandbox: Sandbox, command: str, source: str) -> list[str]:
+    collect = command.replace("{tests}", "").strip() + " --collect-only"
+    result = sandbox.run_oneoff(["bash", "-c", f"export PYTHONDONTWRITEBYTECODE=1; {collect}"], timeout_s=600)
+    ids = [line.strip() for line in result.output.splitlines() if "::" in line and not line.startswith(" ")]
+    if result.exit_code != 0 or not ids:
+        raise MineError(f"the test suite of {source} does not collect in the sandbox (exit {result.exit_code}): "
+                        f"{result.output.strip()[-600:]}")
+    outcome = run_checks(sandbox, _probe(command, ids), timeout_s=600)
+    passing = [i for i in ids if outcome.per_test[i]]
+    if not passing:
+        raise MineError(f"the test suite of {source} fails on the original source ({len(ids)} tests, none passes), "
+                        f"so no mutant can be told apart: {outcome.output.strip()[-600:]}")
+    return passing
+
+
+def _issue_text(name: str, failing: list[str], output: str, test_command: str) -> str:
+    lines = output.splitlines()
+    errors = [line.rstrip() for line in lines if line.startswith("E ")][:12]
+    summary = [line for line in lines if line.startswith(("FAILED ", "ERROR "))][:5]
+    shown = "\n".join(failing[:5]) + (f"\n(and {len(failing) - 5} more)" if len(failing) > 5 else "")
+    return (f"Some of {name}'s own tests fail and I don't think they should: the tests look right, so something "
+            f"in the library code is broken.\n\nFailing tests:\n{shown}\n\nWhat pytest says (`{test_command}`):\n"
+            "```\n" + "\n".join(errors + ([""] if errors and summary else []) + summary) + "\n```\n\n"
+            "Please fix the library so that these tests pass again, without breaking the others and without "
+            "changing the tests.")
+
+
+# -- mining ---------------------------------------------------------------------------
+
+
+@dataclass
+class MineReport:
+    """What mining one source did: its tasks (sound ones only) and the counts of the stderr table."""
+
+    library: str
+    version: str
+    functions: int = 0
+    tried: Counter = field(default_factory=Counter)    # by kind
+    kept: Counter = field(default_factory=Counter)     # by kind, after check_tasks
+    unsound: list[str] = field(default_factory=list)   # "id: reasons"
+    tasks: list[Task] = field(default_factory=list)
+
+    def table(self) -> str:
+        rows = [f"{self.library} {self.version}: {self.functions} functions, {sum(self.tried.values())} mutants "
+                f"tried, {sum(self.kept.values())} kept" + (f", {len(self.unsound)} dropped as unsound"
+                                                             if self.unsound else ""),
+                f"  {'kind':<20}{'tried':>7}{'kept':>7}"]
+        rows += [f"  {kind:<20}{self.tried[kind]:>7}{self.kept[kind]:>7}" for kind in KINDS if self.tried[kind]]
+        rows += [f"  unsound {line}" for line in self.unsound]
+        return "\n".join(rows)
+
+
+def _schedule(per_function: dict[str, list[Mutation]], seed: int) -> list[list[Mutation]]:
+    """Per function (in a seeded order), its candidates shuffled and interleaved by kind."""
+    order = []
+    for name in sorted(per_function):
+        rng = random.Random(f"codefleet-mine/{seed}/{name}")
+        by_kind: dict[str, list[Mutation]] = {}
+        for mutation in per_function[name]:
+            by_kind.setdefault(mutation.kind, []).append(mutation)
+        kinds = sorted(by_kind)
+        rng.shuffle(kinds)
+        for kind in kinds:
+            rng.shuffle(by_kind[kind])
+        queue = [by_kind[k][i] for i in range(max(map(len, by_kind.values()), default=0)) for k in kinds
+                 if i < len(by_kind[k])]
+        if queue:
+            order.append(queue)
+    random.Random(f"codefleet-mine/{seed}").shuffle(order)
+    return order
+
+
+def mine_library(source: str, out_dir: str, seed: int = 0, max_per_function: int = 2, max_tasks: int | None = None,
+                 kinds: list[str] | None = None, config: SandboxConfig | None = None, jobs: int = 2,
+                 check: bool = True, cache_dir: str | None = None) -> MineReport:
+    """Mine one source (a directory, a .tar.gz/.tar sdist, or NAME==VERSION fetched into `cache_dir`) into
+    tasks under `out_dir` (saved with their index); see the module docstring."""
+    kinds = list(kinds or KINDS)
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        raise MineError(f"unknown mutation kind(s) {', '.join(unknown)}; choose from {', '.join(KINDS)}")
+    if not os.path.exists(source) and re.fullmatch(r"[A-Za-z0-9][\w.-]*==[\w.!+-]+", source):
+        source = fetch_sdist(source, cache_dir or os.path.expanduser("~/.cache/codefleet/sdists"))
+    with tempfile.TemporaryDirectory(prefix="codefleet-mine-") as work_dir:
+        os.chmod(work_dir, 0o755)  # the sandbox user reads the tree through it
+        root = _unpack(source, work_dir)
+        name, version = _name_version(root, source)
+        report = MineReport(name, version)
+        modules, test_files = _source_files(root)
+        if not modules or not test_files:
+            raise MineError(f"{source!r} is not a Python source tree with tests: found {len(modules)} library "
+                            f"module(s) and {len(test_files)} test file(s) (tests/, test_*.py)")
+        src_layout = os.path.isdir(os.path.join(root, "src"))
+        command = ("PYTHONPATH=src " if src_layout else "") + PYTEST + " {tests}"
+        sources = {}
+        per_function: dict[str, list[Mutation]] = {}
+        for rel in modules:
+            with open(os.path.join(root, rel), "rb") as f:
+                sources[rel] = f.read()
+            try:
+                found = file_mutations(sources[rel], rel, _module_name(rel, src_layout))
+            except (SyntaxError, ValueError, UnicodeDecodeError):
+                continue  # a file this Python cannot parse is left alone
+            per_function.update({k: [m for m in v if m.kind in kinds] for k, v in found.items()})
+        report.functions = len(per_function)
+        base = create_sandbox(root, config)
+        try:
+            passing = _passing_tests(base, command, source)
+            workers = base.fork(max(1, jobs))
+            try:
+                candidates = _mutants_that_fail(workers, per_function, seed, max_per_function, max_tasks, sources,
+                                                command, passing, report)
+            finally:
+                for sandbox in workers:
+                    sandbox.close()
+        finally:
+            base.close()
+        tests = {}
+        for rel in test_files:
+            with open(os.path.join(root, rel), encoding="utf-8", errors="replace") as f:
+                tests[rel] = f.read()
+        slug = re.sub(r"[^A-Za-z0-9._-]", "-", f"{name}-{version}")
+        tasks = []
+        for index, (mutation, failing, output) in enumerate(candidates):
+            task_id = f"mined-{slug}-s{seed}-{index:04d}"
+            repo = os.path.join(out_dir, task_id, "repo")
+            if os.path.exists(repo):
+                shutil.rmtree(repo)
+            shutil.copytree(root, repo, symlinks=True)
+            with open(os.path.join(repo, mutation.path), "w", encoding="utf-8", newline="") as f:
+                f.write(mutation.apply(sources[mutation.path]))
+            original = sources[mutation.path].decode("utf-8")
+            tasks.append(Task(
+                id=task_id, repo=os.path.abspath(repo),
+                instruction=_issue_text(name, failing, output, command.replace(" {tests}", "")),
+                checks=HiddenChecks(command, failing, [t for t in passing if t not in failing], dict(tests)),
+                test_command=command.replace(" {tests}", ""),
+                metadata={"family": "mined", "template": name, "library": name, "version": version,
+                          "mutation": mutation.kind, "function": mutation.function, "seed": seed, "index": index},
+                reference_patch=make_unified_diff({mutation.path: mutation.apply(sources[mutation.path])},
+                                                  {mutation.path: original})))
+    if check and tasks:
+        sound = []
+        for task, result in zip(tasks, check_tasks(tasks, config, jobs=jobs)):
+            if result.sound:
+                sound.append(task)
+            else:
+                report.unsound.append(f"{task.id}: {'; '.join(result.problems)}")
+                shutil.rmtree(os.path.join(out_dir, task.id), ignore_errors=True)
+        tasks = sound
+    save_tasks(tasks, out_dir)
+    report.tasks = tasks
+    report.kept = Counter(str(t.metadata["mutation"]) for t in tasks)
+    return report
+
+
+def _mutants_that_fail(workers: list[Sandbox], per_function: dict[str, list[Mutation]], seed: int,
+                       max_per_function: int, max_tasks: int | None, sources: dict[str, bytes], command: str,
+                       passing: list[str], report: MineReport) -> list[tuple[Mutation, list[str], str]]:
+    """Run the PASS set on mutants (one per worker at a time) in schedule order, round by round, until the caps;
+    the ones some test notices, with those tests and pytest's output."""
+
+    def run(sandbox: Sandbox, mutation: Mutation) -> tuple[list[str], str]:
+        sandbox.write_file(mutation.path, mutation.apply(sources[mutation.path]))
+        try:
+            result = run_checks(sandbox, _probe(command, passing), timeout_s=600)
+        finally:
+            sandbox.write_file(mutation.path, sources[mutation.path].decode("utf-8"))
+        return [t for t in passing if not result.per_test[t]], result.output
+
+    queues = _schedule(per_function, seed)
+    kept_per_function: Counter = Counter()
+    found: list[tuple[Mutation, list[str], str]] = []
+    tries_left = {id(q): 3 * max_per_function for q in queues}  # a function whose mutants nobody notices is left
+    with ThreadPoolExecutor(max_workers=len(workers)) as pool:
+        while queues and (max_tasks is None or len(found) < max_tasks):
+            round_ = []
+            for queue in queues:
+                if queue and kept_per_function[queue[0].function] < max_per_function and tries_left[id(queue)] > 0:
+                    round_.append(queue.pop(0))
+                    tries_left[id(queue)] -= 1
+            queues = [q for q in queues if q and tries_left[id(q)] > 0
+                      and kept_per_function[q[0].function] < max_per_function]
+            for start in range(0, len(round_), len(workers)):
+                if max_tasks is not None and len(found) >= max_tasks:
+                    break
+                batch = round_[start:start + len(workers)]
+                results = list(pool.map(run, workers, batch))
+                for mutation, (failing, output) in zip(batch, results):
+                    report.tried[mutation.kind] += 1
+                    if failing and (max_tasks is None or len(found) < max_tasks) \
+                            and kept_per_function[mutation.function] < max_per_function:
+                        kept_per_function[mutation.function] += 1
+                        found.append((mutation, failing, output))
+    return found
