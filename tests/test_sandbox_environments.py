@@ -5,25 +5,31 @@ down with nothing left mounted; and the archives an import must refuse, leaving 
 from __future__ import annotations
 
 import dataclasses
-import gzip
-import hashlib
 import io
 import json
-import shutil
 import os
+import shutil
 import stat
-import subprocess
 import tarfile
 import tempfile
 
 import pytest
 
+from codefleet.bench.image_fixture import (
+    HOST_PYTHON,
+    Layer,
+    docker_save_tarball,
+    host_userland_layer,
+    oci_tarball,
+    python_stdlib_dir,
+    tar_of,
+)
+from codefleet.bench.image_fixture import sha256_hex as _sha
 from codefleet.sandbox import SandboxConfig, SandboxUnavailableError, create_sandbox
 from codefleet.sandbox.environments import HOST, ImageError, import_image, resolve_inside
 from codefleet.sandbox.layers import mounts_under
 from codefleet.sandbox.local import LocalSandbox
 
-HOST_PYTHON = "/usr/bin/python3"
 pytestmark = pytest.mark.skipif(not os.path.exists(HOST_PYTHON) or not os.path.exists("/bin/bash"),
                                 reason="builds its image from the host's /usr/bin/python3 and /bin/bash")
 
@@ -31,123 +37,10 @@ pytestmark = pytest.mark.skipif(not os.path.exists(HOST_PYTHON) or not os.path.e
 # -- building images ---------------------------------------------------------------------
 
 
-class Layer:
-    """A layer tar written member by member."""
-
-    def __init__(self) -> None:
-        self.buf = io.BytesIO()
-        self.tar = tarfile.open(fileobj=self.buf, mode="w", format=tarfile.PAX_FORMAT)
-        self.seen: set[str] = set()
-
-    def add(self, name: str, kind: bytes = tarfile.REGTYPE, data: bytes = b"", mode: int = 0o644,
-            link: str = "") -> Layer:
-        info = tarfile.TarInfo(name)
-        info.type, info.mode, info.linkname, info.mtime = kind, mode, link, 1_700_000_000
-        info.size = len(data) if kind == tarfile.REGTYPE else 0
-        self.tar.addfile(info, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
-        self.seen.add(name)
-        return self
-
-    def host(self, path: str) -> None:
-        """Copy a host path into the layer as the host has it: each symlink on the way (as is, absolute
-        targets too), then what it points to."""
-        parts = path.strip("/").split("/")
-        for i in range(len(parts)):
-            here = "/".join(parts[:i + 1])
-            st = os.lstat("/" + here)
-            if stat.S_ISLNK(st.st_mode):
-                target = os.readlink("/" + here)
-                if here not in self.seen:
-                    self.add(here, tarfile.SYMTYPE, link=target)
-                start = target if target.startswith("/") else os.path.join("/", os.path.dirname(here), target)
-                return self.host(os.path.normpath(os.path.join(start, *parts[i + 1:])))
-            if stat.S_ISDIR(st.st_mode):
-                if here not in self.seen:
-                    self.add(here, tarfile.DIRTYPE, mode=0o755)
-            elif here not in self.seen:
-                with open("/" + here, "rb") as f:
-                    self.add(here, data=f.read(), mode=stat.S_IMODE(st.st_mode))
-
-    def bytes(self) -> bytes:
-        self.tar.close()
-        return self.buf.getvalue()
-
-
-def _sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _tar_of(files: dict[str, bytes]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name, data in files.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
-
-
-def oci_tarball(layers: list[bytes], *, compress: bool = True, blob_digest_of=None) -> bytes:
-    """An oci-layout tarball of an image with these layer tars (gzip'd unless told otherwise);
-    `blob_digest_of(i, blob)` may lie about a layer's digest."""
-    blobs = {}
-    descriptors = []
-    for i, layer in enumerate(layers):
-        blob = gzip.compress(layer, compresslevel=1, mtime=0) if compress else layer
-        digest = blob_digest_of(i, blob) if blob_digest_of else _sha(blob)
-        blobs[digest] = blob
-        descriptors.append({"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": f"sha256:{digest}",
-                            "size": len(blob)})
-    config = json.dumps({"architecture": "amd64", "os": "linux",
-                         "rootfs": {"type": "layers", "diff_ids": [f"sha256:{_sha(t)}" for t in layers]}}).encode()
-    manifest = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-                           "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
-                                      "digest": f"sha256:{_sha(config)}", "size": len(config)},
-                           "layers": descriptors}).encode()
-    blobs[_sha(config)], blobs[_sha(manifest)] = config, manifest
-    index = {"schemaVersion": 2, "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json",
-                                                "digest": f"sha256:{_sha(manifest)}", "size": len(manifest)}]}
-    return _tar_of({"oci-layout": b'{"imageLayoutVersion": "1.0.0"}', "index.json": json.dumps(index).encode(),
-                    **{f"blobs/sha256/{d}": b for d, b in blobs.items()}})
-
-
-def docker_save_tarball(layers: list[bytes]) -> bytes:
-    """What `docker save` writes for an image with these (uncompressed) layers."""
-    config = json.dumps({"architecture": "amd64", "os": "linux",
-                         "rootfs": {"type": "layers", "diff_ids": [f"sha256:{_sha(t)}" for t in layers]}}).encode()
-    files = {f"{_sha(t)}/layer.tar": t for t in layers}
-    manifest = [{"Config": f"{_sha(config)}.json", "RepoTags": ["codefleet-test:1"], "Layers": list(files)}]
-    return _tar_of({f"{_sha(config)}.json": config, **files, "manifest.json": json.dumps(manifest).encode()})
-
-
-def _startup_files() -> list[str]:
-    """The files the host's Python loads to start, and its lib-dynload directory."""
-    code = ("import sys, json, sysconfig; print(json.dumps([m.__file__ for m in list(sys.modules.values()) "
-            "if getattr(m, '__file__', None)] + [sysconfig.get_path('platstdlib') + '/lib-dynload']))")
-    out = subprocess.run([HOST_PYTHON, "-c", code], capture_output=True, text=True, env={}, check=True).stdout
-    return json.loads(out)
-
-
-def _libraries(binary: str) -> list[str]:
-    out = subprocess.run(["ldd", binary], capture_output=True, text=True, check=True).stdout
-    return [word for line in out.splitlines() for word in line.split() if word.startswith("/")]
-
-
 def image_layers() -> list[bytes]:
     """Layer 1: the host's python3, bash and git with what they load, cat, /etc/passwd and /etc/group, a file
     that layer 2 whites out and a directory it makes opaque. Layer 2: /etc/image-release, a module."""
-    base = Layer()
-    for binary in (HOST_PYTHON, "/bin/bash", "/bin/cat", "/usr/bin/git", "/bin/mkdir", "/bin/rm", "/bin/cp",
-                   "/usr/bin/mktemp"):  # git and the rest: a task's baseline
-        base.host(binary)
-        for lib in _libraries(os.path.realpath(binary)):
-            base.host(lib)
-    for path in _startup_files():
-        if os.path.exists(path):
-            base.host(path)
-    base.add("etc", tarfile.DIRTYPE, mode=0o755)
-    base.add("etc/passwd", data=b"root:x:0:0:root:/root:/bin/sh\n")
-    base.add("etc/group", data=b"root:x:0:\n")
+    base = host_userland_layer()
     base.add("etc/doomed", data=b"layer 1\n")
     base.add("opt", tarfile.DIRTYPE, mode=0o755).add("opt/data", tarfile.DIRTYPE, mode=0o755)
     base.add("opt/data/old.txt", data=b"layer 1\n").add("opt/data/sub", tarfile.DIRTYPE, mode=0o755)
@@ -161,8 +54,7 @@ def image_layers() -> list[bytes]:
     top.add("etc/.wh.doomed")
     top.add("opt/data", tarfile.DIRTYPE, mode=0o755).add("opt/data/.wh..wh..opq")
     top.add("opt/data/new.txt", data=b"layer 2\n")
-    stdlib = os.path.dirname(subprocess.run([HOST_PYTHON, "-c", "import os; print(os.__file__)"],
-                                            capture_output=True, text=True, env={}, check=True).stdout.strip())
+    stdlib = python_stdlib_dir()
     top.add(f"{stdlib.lstrip('/')}/imagemod.py", data=b"WHERE = 'from the image'\n")
     return [base.bytes(), top.bytes()]
 
@@ -355,7 +247,7 @@ def test_a_config_whose_diff_ids_lie_is_refused(tmp_path):
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         files = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
     files[f"{_sha(layer)}/layer.tar"] = _small_layer(("etc/extra", tarfile.REGTYPE))
-    _refused(tmp_path, _tar_of(files), "does not match its diff id")
+    _refused(tmp_path, tar_of(files), "does not match its diff id")
 
 
 @pytest.mark.parametrize("member, match", [

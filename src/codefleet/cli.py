@@ -7,7 +7,7 @@
     codefleet analyze RUN_DIR
     codefleet tasks generate|check|import-swebench ...
     codefleet sandbox run [--repo DIR] [--timeout S] [--memory-mb N] -- CMD [ARGS...]
-    codefleet bench sandbox|moe|engine|controller|analyze|weightsync|gpucheck [--quick] [--json]
+    codefleet bench sandbox|env|moe|engine|controller|analyze|weightsync|gpucheck [--quick] [--json]
 
 Each command's module is imported only when that command runs, so that `codefleet sandbox run` and
 `codefleet --help` do not pay for importing PyTorch and Ray (about 2 s).
@@ -87,6 +87,7 @@ def _sandbox_run(args: argparse.Namespace) -> int:
 
 _BENCHES = {
     "sandbox": "codefleet.bench.sandbox_bench",
+    "env": "codefleet.bench.env_bench",
     "moe": "codefleet.bench.moe_bench",
     "engine": "codefleet.bench.engine_bench",
     "controller": "codefleet.bench.controller_bench",
