@@ -17,7 +17,6 @@ task is unsound (2 if the task directory cannot be read).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -111,23 +110,23 @@ def _mine(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"codefleet tasks mine: {e}", file=sys.stderr)
         return 2
-    started, total = time.perf_counter(), 0
-    for number, source in enumerate(args.sources):
-        out = args.out if len(args.sources) == 1 else os.path.join(args.out, f"{number:02d}")
+    started, tasks = time.perf_counter(), []
+    for source in args.sources:
         try:
-            report = mine_library(source, out, seed=args.seed, max_per_function=args.max_per_function,
+            report = mine_library(source, args.out, seed=args.seed, max_per_function=args.max_per_function,
                                   max_tasks=args.max_tasks, kinds=kinds, config=config, jobs=args.jobs,
                                   cache_dir=args.cache)
         except MineError as e:
             print(f"codefleet tasks mine: {e}", file=sys.stderr)
             return 2
         except OSError as e:
-            print(f"codefleet tasks mine: cannot write {e.filename or out!r} ({e.strerror or e}); pass --out a "
-                  "directory you can write", file=sys.stderr)
+            print(f"codefleet tasks mine: cannot write {e.filename or args.out!r} ({e.strerror or e}); pass --out "
+                  "a directory you can write", file=sys.stderr)
             return 2
         print(report.table(), file=sys.stderr)
-        total += len(report.tasks)
-    print(f"mined {total} tasks into {args.out} in {time.perf_counter() - started:.1f} s")
+        tasks += report.tasks
+    save_tasks(tasks, args.out)  # one index over every library's tasks
+    print(f"mined {len(tasks)} tasks into {args.out} in {time.perf_counter() - started:.1f} s")
     return 0
 
 
@@ -180,8 +179,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
     mine = sub.add_parser("mine", help="bug-fix tasks mined from real libraries by mutation",
                           description="Run each library's own tests, mutate the functions they cover, and keep "
-                          "the mutants some test notices as checked bug-fix tasks (docs/tasks.md, Mined tasks). "
-                          "With several sources, each gets its own DIR/NN.")
+                          "the mutants some test notices as checked bug-fix tasks (docs/tasks.md, Mined tasks).")
     mine.add_argument("sources", nargs="+", metavar="SOURCE",
                       help="a .tar.gz sdist, an unpacked source directory, or NAME==VERSION (pip download)")
     mine.add_argument("--out", required=True, metavar="DIR", help="task directory to write")

@@ -438,6 +438,9 @@ def mine_library(source: str, out_dir: str, seed: int = 0, max_per_function: int
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
         raise MineError(f"unknown mutation kind(s) {', '.join(unknown)}; choose from {', '.join(KINDS)}")
+    if max_per_function < 1 or (max_tasks is not None and max_tasks < 1):
+        raise MineError(f"--max-per-function and --max-tasks must be at least 1, got {max_per_function} and "
+                        f"{max_tasks}")
     if not os.path.exists(source) and re.fullmatch(r"[A-Za-z0-9][\w.-]*==[\w.!+-]+", source):
         source = fetch_sdist(source, cache_dir or os.path.expanduser("~/.cache/codefleet/sdists"))
     with tempfile.TemporaryDirectory(prefix="codefleet-mine-") as work_dir:
