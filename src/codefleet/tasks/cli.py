@@ -124,6 +124,10 @@ def _mine(args: argparse.Namespace) -> int:
                   "a directory you can write", file=sys.stderr)
             return 2
         print(report.table(), file=sys.stderr)
+        if {t.id for t in tasks} & {t.id for t in report.tasks}:
+            print(f"codefleet tasks mine: two sources are {report.library} {report.version}; mine them into "
+                  "different --out directories", file=sys.stderr)
+            return 2
         tasks += report.tasks
     save_tasks(tasks, args.out)  # one index over every library's tasks
     print(f"mined {len(tasks)} tasks into {args.out} in {time.perf_counter() - started:.1f} s")
