@@ -23,8 +23,8 @@ pytestmark = [
 FIGURES = ("import_s_cold", "import_s_cached", "create_ms_p50_image", "create_ms_p50_host", "fork_ms_p50_image",
            "fork_ms_p50_host", "exec_ms_p50_image", "exec_ms_p50_host", "disk_mb_per_extra_image_sharing_base",
            "image_mb")
-KEYS = FIGURES + ("create_delta_ms", "fork_delta_ms", "target_met", "quick", "not_measured", "create_rounds",
-                  "fork_rounds", "exec_per_side", "cold_imports")
+KEYS = FIGURES + ("create_delta_ms", "fork_delta_ms", "target_met", "quick", "create_rounds", "fork_rounds",
+                  "exec_per_side", "cold_imports")
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,11 @@ def quick_run() -> dict:
 def test_every_figure_is_there_positive_and_consistent(quick_run):
     r = quick_run
     assert set(KEYS) <= set(r), set(KEYS) - set(r)
-    assert r["quick"] is True and r["not_measured"] == "codefleet env build (not implemented yet)"
+    assert r["quick"] is True
+    if os.geteuid() == 0:  # env build needs root; without it the run says so
+        assert r["build_s_cold"] > r["build_s_cached"] > 0 and "not_measured" not in r
+    else:
+        assert r["not_measured"] == "codefleet env build (it needs root)" and "build_s_cold" not in r
     for key in FIGURES:
         assert isinstance(r[key], (int, float)) and r[key] > 0, (key, r[key])
     for what in ("create", "fork"):
