@@ -372,8 +372,11 @@ def _passing_tests(sandbox: Sandbox, command: str, source: str) -> list[str]:
     return passing
 
 
+_ADDRESS = re.compile(r"0x[0-9a-f]{6,}")  # object addresses change from run to run: same seed, same text
+
+
 def _issue_text(name: str, failing: list[str], output: str, test_command: str) -> str:
-    lines = output.splitlines()
+    lines = _ADDRESS.sub("0x...", output).splitlines()
     errors = [line.rstrip() for line in lines if line.startswith("E ")][:12]
     summary = [line for line in lines if line.startswith(("FAILED ", "ERROR "))][:5]
     shown = "\n".join(failing[:5]) + (f"\n(and {len(failing) - 5} more)" if len(failing) > 5 else "")
