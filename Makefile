@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: setup demo test test-slow test-vllm bench clean
+.PHONY: setup demo test test-slow test-vllm bench sdists mined-tasks clean
 
 setup:
 	@bash scripts/setup.sh
@@ -25,6 +25,16 @@ test-slow: setup
 test-vllm:
 	@bash scripts/setup_vllm.sh
 	.venv-vllm/bin/python -m pytest -m vllm -q tests/test_vllm_engine.py tests/test_gpu_check.py tests/test_scale_out.py
+
+# Tasks mined from real libraries (docs/tasks.md, "Mined tasks"): their pinned source distributions are fetched
+# from PyPI once (install time) into .cache/sdists, which the slow mining test also reads.
+SDISTS ?= .cache/sdists
+MINED_DIR ?= tasks/mined
+sdists: setup
+	$(PY) -m pip download -q --no-deps --no-binary :all: --require-hashes -r scripts/mined-libraries.txt -d $(SDISTS)
+
+mined-tasks: sdists
+	$(VENV)/bin/codefleet tasks mine $(SDISTS)/*.tar.gz --out $(MINED_DIR) --seed 0 --max-tasks 8
 
 bench: setup
 	$(VENV)/bin/codefleet bench sandbox --json

@@ -80,6 +80,8 @@ class EvalReport:
     wall_clock_stops: float = 0.0  # attempts cut off by the episode's wall-clock budget / attempts
     per_task: dict[str, list[dict]] = field(default_factory=dict)
     broken: dict[str, str] = field(default_factory=dict)  # task id -> why its set-up fails (not in the figures)
+    # success per value of a task's metadata (`breakdown`): {"library": {"six": {"tasks": 2, "success_rate": 0.5}}}
+    groups: dict[str, dict[str, dict]] = field(default_factory=dict)
 
     def summary(self) -> dict:
         out = asdict(self)
@@ -99,7 +101,10 @@ class EvalReport:
         warning = self.clock_warning()
         broken = ([f"{len(self.broken)} task(s) left out, their set-up fails: {', '.join(sorted(self.broken))}"]
                   if self.broken else [])
-        return "\n".join([head] + [f"  {k:<18} {v}" for k, v in rows] + ([warning] if warning else []) + broken)
+        by = [f"  by {key:<15} " + ", ".join(f"{value} {g['success_rate']:.0%} ({g['tasks']})"
+                                             for value, g in sorted(values.items()))
+              for key, values in self.groups.items()]
+        return "\n".join([head] + [f"  {k:<18} {v}" for k, v in rows] + by + ([warning] if warning else []) + broken)
 
     def clock_warning(self) -> str:
         """A sentence when so many attempts ran out of wall clock that the figures measure the machine."""
@@ -116,6 +121,29 @@ def _solved(t: Trajectory) -> bool:
 
 def _mean(xs: list[float]) -> float | None:
     return round(statistics.fmean(xs), 4) if xs else None
+
+
+BREAKDOWN_KEYS = ("family", "library", "mutation")  # task metadata the report breaks success down by
+
+
+def breakdown(tasks: list[Task], results: dict[str, list[Trajectory]]) -> dict[str, dict[str, dict]]:
+    """Success per value of each of BREAKDOWN_KEYS that tells the evaluated tasks apart (mined tasks: per library
+    and per mutation kind); a key every task shares one value of is left out."""
+    out: dict[str, dict[str, dict]] = {}
+    for key in BREAKDOWN_KEYS:
+        values = {str(t.metadata[key]) for t in tasks if t.id in results and key in t.metadata}
+        if len(values) < 2 and key == "family":
+            continue
+        groups: dict[str, list[Trajectory]] = {}
+        for t in tasks:
+            if t.id in results and key in t.metadata:
+                groups.setdefault(str(t.metadata[key]), []).extend(results[t.id])
+        if groups:
+            out[key] = {value: {"tasks": sum(1 for t in tasks if t.id in results and str(t.metadata.get(key)) ==
+                                             value),
+                                "success_rate": round(sum(map(_solved, ts)) / len(ts), 4) if ts else 0.0}
+                        for value, ts in groups.items()}
+    return out
 
 
 def summarize(checkpoint: str, results: dict[str, list[Trajectory]], attempts: int, eval_s: float,
@@ -195,7 +223,9 @@ def evaluate_policy(policy, label: str, tasks: list[Task], config: EvalConfig, s
         done = dict(zip([t.id for t in tasks], pool.map(one, tasks)))
     results = {tid: r for tid, r in done.items() if not isinstance(r, TaskSetupError)}
     broken = {tid: str(r) for tid, r in done.items() if isinstance(r, TaskSetupError)}
-    return summarize(label, results, config.attempts, time.perf_counter() - started, broken), results
+    report = summarize(label, results, config.attempts, time.perf_counter() - started, broken)
+    report.groups = breakdown(tasks, results)
+    return report, results
 
 
 def wilson_interval(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
