@@ -352,3 +352,31 @@ def test_a_task_runs_in_its_environment_named_relative_to_its_file_or_by_id(imag
             assert sb.exec("cat /etc/image-release").output == "codefleet-test-image 1\n"
             sb.write_file("app.py", "X = 2\n")
             assert "+X = 2" in workspace_diff(sb)
+
+
+def test_a_hostile_command_cannot_change_the_image_or_the_store_behind_it(image, env_config, repo):
+    """The rootfs is hard links to the store's layer files, shared by every image and sandbox that uses them:
+    a sandboxed command must not be able to change one, nor the store through them."""
+    release = os.path.join(image["env"].rootfs, "etc", "image-release")
+    before = open(release, "rb").read()
+    py = "python3 -c "  # the image's own tools: every attempt runs, none fails for want of a binary
+    attempts = {
+        "chmod": py + "'import os; os.chmod(\"/etc/image-release\", 0o666)'",
+        "append": "echo pwned >> /etc/image-release",
+        "replace": "cp /etc/passwd /etc/image-release",
+        "hard link into the workspace, then write": py + "'import os; os.link(\"/etc/image-release\", \"link\"); "
+                                                   "open(\"link\", \"a\").write(\"pwned\")'",
+        "remount read-write": py + "'import ctypes; libc = ctypes.CDLL(None, use_errno=True); "
+                                  "assert libc.mount(None, b\"/etc\", None, 32 | 4096, None) == 0'",
+        "delete": "rm /etc/image-release",
+        "rename it away": py + "'import os; os.rename(\"/etc/image-release\", \"/tmp/x\")'",
+        "a new file beside it": "echo x > /etc/new-file",
+    }
+    with create_sandbox(repo, env_config) as sb:
+        assert sb.exec(py + "'import os; print(os.getuid())'").output.strip() != "0"
+        for what, command in attempts.items():
+            result = sb.exec(command + " 2>&1; echo status=$?")
+            assert "command not found" not in result.output, (what, result.output)
+            assert not result.output.strip().endswith("status=0"), (what, result.output)
+        assert sb.exec("cat /etc/image-release").output == before.decode()
+    assert open(release, "rb").read() == before and os.stat(release).st_mode & 0o222 == 0
