@@ -7,7 +7,7 @@
     codefleet analyze RUN_DIR
     codefleet tasks generate|check|import-swebench ...
     codefleet sandbox run [--repo DIR] [--timeout S] [--memory-mb N] -- CMD [ARGS...]
-    codefleet bench sandbox|env|moe|engine|controller|analyze|weightsync|gpucheck [--quick] [--json]
+    codefleet bench sandbox|env|moe|engine|controller|analyze|weightsync|gpucheck|mine [--quick] [--json]
 
 Each command's module is imported only when that command runs, so that `codefleet sandbox run` and
 `codefleet --help` do not pay for importing PyTorch and Ray (about 2 s).
@@ -94,6 +94,7 @@ _BENCHES = {
     "analyze": "codefleet.bench.analyze_bench",
     "weightsync": "codefleet.bench.weightsync_bench",
     "gpucheck": "codefleet.bench.gpu_check",
+    "mine": "codefleet.bench.mine_bench",
 }
 
 
