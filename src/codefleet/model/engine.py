@@ -146,8 +146,29 @@ class _Update:
     error: BaseException | None = None
 
 
-class Engine:
-    """Continuous-batching generation for a codefleet Transformer."""
+class BackgroundSleep:
+    """`sleep` / `wake` of an engine's background step loop, colocated with a trainer (fleet.placement): the
+    loop holds `_gate` through each iteration and steps only while not `_asleep`; `_wake` is the Event it
+    waits on when idle. Requests stay queued or running, weight updates still land, memory stays allocated."""
+
+    _asleep: bool
+    _gate: threading.Lock
+    _wake: threading.Event
+
+    def sleep(self) -> None:
+        """Stop stepping; returns once the step running now has ended."""
+        self._asleep = True
+        with self._gate:  # a loop iteration that began awake ends here
+            pass
+
+    def wake(self) -> None:
+        self._asleep = False
+        self._wake.set()
+
+
+class Engine(BackgroundSleep):
+    """Continuous-batching generation for a codefleet Transformer. `sleep` pauses the background loop only:
+    `generate()` steps in its caller's thread regardless."""
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, max_batch: int = 32, max_seq_len: int | None = None,
                  prefill_tokens: int = 8192, version: int = 0, record_routing: bool = True,
@@ -586,18 +607,6 @@ class Engine:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name="codefleet-engine", daemon=True)
                 self._thread.start()
-
-    def sleep(self) -> None:
-        """Stop stepping (colocated with a trainer: it gets the cores while it steps); returns once the step
-        running now has ended. Requests stay queued or running, and weight updates still land. Memory stays
-        allocated. Pauses the background loop only: `generate()` steps in its caller's thread regardless."""
-        self._asleep = True
-        with self._gate:  # a loop iteration that began awake ends here
-            pass
-
-    def wake(self) -> None:
-        self._asleep = False
-        self._wake.set()
 
     def _loop(self) -> None:
         while not self._closed:

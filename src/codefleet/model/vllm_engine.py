@@ -62,7 +62,7 @@ import torch
 
 from codefleet.contracts import ENGINES
 from codefleet.model import chat_format, checkpoint, hf
-from codefleet.model.engine import Result, _settle
+from codefleet.model.engine import BackgroundSleep, Result, _settle
 from codefleet.model.sampling import MIN_TEMPERATURE, SamplingParams, per_prompt
 
 log = logging.getLogger(__name__)
@@ -95,8 +95,9 @@ class _Request:
     first_token_s: float = 0.0
 
 
-class VLLMEngine:
-    """Continuous-batching generation by vLLM, with codefleet's Engine surface (module docstring)."""
+class VLLMEngine(BackgroundSleep):
+    """Continuous-batching generation by vLLM, with codefleet's Engine surface (module docstring). `sleep` keeps
+    vLLM's memory: its own sleep mode, which frees it, needs CUDA and no running requests."""
 
     def __init__(self, checkpoint_dir: str, max_batch: int = 32, max_seq_len: int | None = None, version: int = 0,
                  record_routing: bool = True, kv_cache_bytes: int | None = None, dtype: str | None = None,
@@ -304,18 +305,6 @@ class VLLMEngine:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
             self._thread.start()
-
-    def sleep(self) -> None:
-        """Stop stepping (colocated with a trainer), once the step running now has ended; requests stay in vLLM's
-        scheduler and weight updates still land. Memory stays allocated (vLLM's own sleep mode, which frees it,
-        needs CUDA and no running requests). `wake` resumes."""
-        self._asleep = True
-        with self._gate:  # a loop iteration that began awake ends here
-            pass
-
-    def wake(self) -> None:
-        self._asleep = False
-        self._wake.set()
 
     def _loop(self) -> None:
         while not self._closed:

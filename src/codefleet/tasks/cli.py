@@ -30,6 +30,12 @@ from codefleet.tasks.spec import TaskSpecError, load_task, save_tasks, task_path
 from codefleet.tasks.swebench import DEFAULT_CHECK_COMMAND, load_swebench
 
 
+def _cannot_write(action: str, e: OSError, out: str) -> int:
+    print(f"codefleet tasks {action}: cannot write {e.filename or out!r} ({e.strerror or e}); pass --out a "
+          "directory you can write", file=sys.stderr)
+    return 2
+
+
 def _generate(args: argparse.Namespace) -> int:
     families = [f.strip() for f in args.families.split(",") if f.strip()] if args.families else None
     difficulty = None if args.difficulty == "mixed" else int(args.difficulty)
@@ -43,9 +49,7 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"codefleet tasks generate: {e}", file=sys.stderr)
         return 2
     except OSError as e:
-        print(f"codefleet tasks generate: cannot write {e.filename or args.out!r} ({e.strerror or e}); "
-              "pass --out a directory you can write", file=sys.stderr)
-        return 2
+        return _cannot_write("generate", e, args.out)
     counts: dict[str, int] = {}
     for task in tasks:
         counts[str(task.metadata["family"])] = counts.get(str(task.metadata["family"]), 0) + 1
@@ -120,9 +124,7 @@ def _mine(args: argparse.Namespace) -> int:
             print(f"codefleet tasks mine: {e}", file=sys.stderr)
             return 2
         except OSError as e:
-            print(f"codefleet tasks mine: cannot write {e.filename or args.out!r} ({e.strerror or e}); pass --out "
-                  "a directory you can write", file=sys.stderr)
-            return 2
+            return _cannot_write("mine", e, args.out)
         print(report.table(), file=sys.stderr)
         if {t.id for t in tasks} & {t.id for t in report.tasks}:
             print(f"codefleet tasks mine: two sources are {report.library} {report.version}; mine them into "
