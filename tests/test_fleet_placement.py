@@ -85,7 +85,8 @@ def test_a_cluster_without_room_is_refused_in_one_sentence_and_nothing_stays_res
         Placement.reserve(1, 2, SMALL, Role(64), timeout_s=1)
     with pytest.raises(ValueError, match="could not place 1 engines"):
         Placement.reserve(1, 1, Role(64), SMALL, timeout_s=1)
-    assert {g for g, info in placement_group_table().items() if info["state"] != "REMOVED"} == before
+    # an earlier test's group may finish its removal meanwhile: what matters is that none was added
+    assert {g for g, info in placement_group_table().items() if info["state"] != "REMOVED"} <= before
 
 
 def test_colocated_needs_as_many_engines_as_trainer_workers():
