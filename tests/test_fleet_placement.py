@@ -53,7 +53,10 @@ def test_disaggregated_engines_and_trainer_ranks_run_in_groups_of_their_own(ckpt
     finally:
         placement.remove()
     with pytest.raises(ray.exceptions.RayActorError):  # removing the groups ends the actors placed in them
-        ray.get(engines[0].info.remote(), timeout=30)
+        deadline = time.monotonic() + 30  # Ray removes a group, and kills its actors, asynchronously
+        while time.monotonic() < deadline:
+            ray.get(engines[0].info.remote(), timeout=30)
+            time.sleep(0.1)
 
 
 def test_colocated_pairs_share_bundles_and_a_sleeping_engine_holds_requests_until_it_wakes(ckpt):
