@@ -159,9 +159,7 @@ def _debian(suite: str, store: str, log) -> tuple[str, list[str]]:
         return key, [layer]
     log(f"build   debian {suite} ({os.path.basename(tool)})")
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.join(store, "layers"))
-    args = ([tool, "--variant=minbase", suite, tmp] if tool.endswith("mmdebstrap")
-            else [tool, "--variant=minbase", suite, tmp])
-    done = subprocess.run(args, capture_output=True, text=True)
+    done = subprocess.run([tool, "--variant=minbase", suite, tmp], capture_output=True, text=True)  # both take it
     if done.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ImageError(f"{os.path.basename(tool)} could not make debian {suite}: {done.stderr.strip()[-500:]}")
