@@ -20,9 +20,9 @@ import re
 from dataclasses import dataclass
 
 from codefleet.sandbox import SandboxConfig
+from codefleet.sandbox.bwrap import HOST_USERLAND
 from codefleet.sandbox.bwrap import PATH as SANDBOX_PATH
 
-_USERLAND = ("/usr", "/bin", "/lib", "/lib64", "/opt")  # under these the sandbox already has the host's files
 _TOO_BROAD = re.compile(r"^/(|root|home|home/[^/]+|tmp|var|etc|srv|mnt|media)$")
 
 
@@ -62,7 +62,7 @@ def venv_at(path: str) -> Venv:
     if interpreter.startswith(path + os.sep):
         return Venv(path, None)  # a copied interpreter: the venv holds it (its stdlib comes from `home`)
     prefix = os.path.dirname(os.path.dirname(interpreter))  # .../bin/python3.X -> ...
-    if any(prefix == top or prefix.startswith(top + os.sep) for top in _USERLAND):
+    if any(prefix == top or prefix.startswith(top + os.sep) for top in HOST_USERLAND):  # the sandbox has these
         return Venv(path, None)
     if _TOO_BROAD.match(prefix):
         raise ToolchainError(f"the interpreter of {path} is {interpreter}, whose installation {prefix} would "

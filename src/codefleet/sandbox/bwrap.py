@@ -130,7 +130,7 @@ def host_args(config: SandboxConfig, files: OwnerFiles, ro_sources: dict[str, st
     if _can_disable_userns():
         args.append("--disable-userns")
     if config.environment is None:
-        args += userland_args("/", _HOST_USERLAND)
+        args += userland_args("/", HOST_USERLAND)
         shell = files.shell
     else:
         rootfs = rootfs_of(config.environment)  # an archive is imported once per node
@@ -165,8 +165,8 @@ def host_args(config: SandboxConfig, files: OwnerFiles, ro_sources: dict[str, st
     return args
 
 
-_HOST_USERLAND = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
-_IMAGE_USERLAND = _HOST_USERLAND + ("/opt",)
+HOST_USERLAND = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+_IMAGE_USERLAND = HOST_USERLAND + ("/opt",)
 
 
 def userland_args(rootfs: str, tops: tuple[str, ...]) -> list[str]:
