@@ -7,9 +7,11 @@ from codefleet.sandbox.base import SandboxConfig
 from codefleet.sandbox.bwrap import never_works_here
 from codefleet.sandbox.local import LocalSandbox
 from codefleet.sandbox.namespace import NamespaceSandbox
+from codefleet.sandbox.vm import VMSandbox
 
 SANDBOXES.register("namespace", NamespaceSandbox)
 SANDBOXES.register("local", LocalSandbox)
+SANDBOXES.register("vm", VMSandbox)
 
 
 def resolve_backend(name: str = "auto") -> str:
