@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: setup demo test test-slow test-vllm bench sdists mined-tasks clean
+.PHONY: setup demo test test-slow test-vllm test-vm bench sdists mined-tasks clean
 
 setup:
 	@bash scripts/setup.sh
@@ -16,7 +16,7 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/lint-imports --no-cache
-	$(PY) -m pytest -m "not slow and not vllm" -q
+	$(PY) -m pytest -m "not slow and not vllm and not vm" -q
 
 test-slow: setup
 	$(PY) -m pytest -m slow -q
@@ -25,6 +25,12 @@ test-slow: setup
 test-vllm:
 	@bash scripts/setup_vllm.sh
 	.venv-vllm/bin/python -m pytest -m vllm -q tests/test_vllm_engine.py tests/test_gpu_check.py tests/test_scale_out.py
+
+# The vm backend (sandbox/vm.py): QEMU, the guest kernel and the disks (scripts/setup_vm.sh), then the sandbox
+# suite against microVMs. Under TCG (no usable KVM) it takes ~15-25 min on 2 cores.
+test-vm:
+	@bash scripts/setup_vm.sh
+	$(PY) -m pytest -m vm -q
 
 # Tasks mined from real libraries (docs/tasks.md, "Mined tasks"): their pinned source distributions are fetched
 # from PyPI once (install time) into .cache/sdists, which the slow mining test also reads.

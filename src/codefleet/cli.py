@@ -24,8 +24,10 @@ import math
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import threading
+import time
 
 from codefleet.config import ConfigError, load_config
 from codefleet.sandbox import SandboxConfig, SandboxError, create_sandbox, resolve_backend
@@ -85,6 +87,26 @@ def _sandbox_run(args: argparse.Namespace) -> int:
     return result.exit_code if 0 <= result.exit_code < 256 else 1
 
 
+def _sandbox_vm_setup(args: argparse.Namespace) -> int:
+    from codefleet.sandbox import vm, vm_image
+
+    try:
+        print(f"kernel: {vm_image.setup_kernel(args.deb)}", flush=True)
+        print(f"initramfs: {vm_image.initramfs()}", flush=True)
+        started = time.perf_counter()
+        print(f"environment disk (host userland): {vm_image.environment_disk()} "
+              f"({time.perf_counter() - started:.0f} s)", flush=True)
+        if not args.no_snapshot:
+            with create_sandbox(None, SandboxConfig(backend="vm")) as sb:  # boots and saves the default shape
+                print(f"snapshot: ready ({sb.info.limits['accel']}); a sandbox restored from it in "
+                      f"{sb.restore_s * 1000:.0f} ms", flush=True)
+    except (SandboxError, OSError, subprocess.CalledProcessError) as e:
+        print(f"codefleet sandbox vm-setup: {e}", file=sys.stderr)
+        return 2
+    print(f"codefleet sandbox vm-setup: done ({vm.accel()})")
+    return 0
+
+
 _BENCHES = {
     "sandbox": "codefleet.bench.sandbox_bench",
     "env": "codefleet.bench.env_bench",
@@ -126,18 +148,26 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     run.add_argument("--repo", default=None, help="directory to work on (default: an empty workspace)")
     run.add_argument("--timeout", type=float, default=600.0, help="wall-clock limit in seconds (default 600)")
     run.add_argument("--memory-mb", type=int, default=None, help="memory limit in MB")
-    run.add_argument("--backend", choices=["auto", "namespace", "local"], default=None)
+    run.add_argument("--backend", choices=["auto", "namespace", "vm", "local"], default=None)
     run.add_argument("--config", default=None, help="YAML file with SandboxConfig fields")
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a SandboxConfig field")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     run.set_defaults(func=_sandbox_run)
+    vm_setup = sandbox_sub.add_parser("vm-setup", help="fetch the guest kernel and build the disks vm sandboxes boot",
+                                      description="Set up the vm backend (docs/sandbox.md): extract the guest kernel "
+                                      "from Debian's kernel package (downloaded with apt unless --deb names one), "
+                                      "build the initramfs and the host userland's read-only disk, and boot one VM "
+                                      "to save its snapshot. Idempotent.")
+    vm_setup.add_argument("--deb", default=None, metavar="FILE", help="a linux-image-*.deb to take the kernel from")
+    vm_setup.add_argument("--no-snapshot", action="store_true", help="build the files only; boot nothing")
+    vm_setup.set_defaults(func=_sandbox_vm_setup)
 
     bench = sub.add_parser("bench", help="benchmarks (a table, then one JSON object)",
                            description="Run a benchmark; it prints a table, then one JSON object (docs/benchmarks.md).")
     bench.add_argument("what", choices=sorted(_BENCHES))
     bench.add_argument("--quick", action="store_true", help="a smaller run (10-90 s, by benchmark and machine load)")
     bench.add_argument("--json", action="store_true", help="print only the JSON object")
-    bench.add_argument("--backend", choices=["auto", "namespace", "local"], default="auto",
+    bench.add_argument("--backend", choices=["auto", "namespace", "vm", "local", "both"], default="auto",
                        help="sandbox backend (bench sandbox only)")
     bench.add_argument("--checkpoint", metavar="DIR", default=None,
                        help="Hugging Face model directory that codefleet's engine and transformers' generate() "
