@@ -451,7 +451,35 @@ class Template:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per host; the others wait and use its template
             if not os.path.isfile(self.state):
                 self._build(boot_timeout_s)
+                prune_templates(keep=TEMPLATES_KEPT)
         return self
+
+    def used(self) -> None:
+        """Mark this template as just used (pruning keeps the most recently used)."""
+        try:
+            os.utime(self.dir)
+        except OSError:
+            pass
+
+
+TEMPLATES_KEPT = 6  # snapshots kept per host; each holds its VM's touched RAM on tmpfs (~130 MB idle)
+
+
+def prune_templates(keep: int) -> list[str]:
+    """Remove all but the `keep` most recently used templates, and builds that died half-way. Called under
+    the templates' lock. VMs restored from a removed template keep running: their mapping holds its RAM."""
+    root = template_dir()
+    entries = []
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if name.endswith(".part"):
+            shutil.rmtree(path, ignore_errors=True)
+        elif os.path.isdir(path):
+            entries.append((os.stat(path).st_mtime, path))
+    removed = [path for _, path in sorted(entries, reverse=True)[keep:]]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
 
     def _build(self, boot_timeout_s: float) -> None:
         building = self.dir + ".part"
@@ -545,6 +573,7 @@ class VMSandbox:
         env_disk = vm_image.environment_disk(rootfs)
         vm_image.workspace_disk(self.disk, repo, c.workspace_mb)
         template = Template(env_disk, c.memory_mb, self.vcpus, c.workspace_mb).ensure(self._boot_timeout())
+        template.used()
         fd = os.open(template.state, os.O_RDONLY | os.O_CLOEXEC)
         try:
             self._launch(env_disk, f"memory-backend-file,id=mem,size={c.memory_mb}M,mem-path={template.memory},"

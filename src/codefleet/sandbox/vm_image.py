@@ -61,7 +61,10 @@ $B mkdir -p /newroot/run/codefleet
 $B cp /agent.zip /newroot/run/codefleet/agent.zip
 $B umount /proc
 $B mount --move /dev /newroot/dev
-exec $B switch_root /newroot /usr/bin/python3 -I -S /run/codefleet/agent.zip
+for py in /usr/bin/python3 /usr/local/bin/python3; do
+    if [ -e /newroot$py ] || [ -L /newroot$py ]; then exec $B switch_root /newroot $py -I -S /run/codefleet/agent.zip; fi
+done
+echo "codefleet-init: the environment has no python3 (/usr/bin or /usr/local/bin) to run the agent"; $B poweroff -f
 """
 
 
@@ -238,6 +241,9 @@ def environment_disk(rootfs: str | None = None) -> str:
     if shutil.which("mkfs.erofs") is None:
         raise SandboxUnavailableError("the vm backend needs mkfs.erofs; install Debian's erofs-utils")
     source = rootfs or "/"
+    if not any(os.path.lexists(os.path.join(source, p)) for p in ("usr/bin/python3", "usr/local/bin/python3")):
+        raise SandboxUnavailableError(f"the environment {source} has no python3 in /usr/bin or /usr/local/bin; the "
+                                      "vm backend's guest agent runs on it (use an image with Python 3.7 or later)")
     tops = [t.lstrip("/") for t in HOST_USERLAND] + ([] if rootfs is None else ["opt"])
     present = [t for t in tops if os.path.lexists(os.path.join(source, t))]
     stamp = hashlib.sha256(os.path.abspath(source).encode())
