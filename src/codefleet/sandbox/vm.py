@@ -176,8 +176,10 @@ class Qemu:
         self.qmp_path = os.path.join(workdir, "qmp.sock")
         self.port_path = os.path.join(workdir, "agent.sock")
         self.accel = accel()
-        machine = "microvm,acpi=on,pit=on,pic=on,rtc=on" if self.accel == "tcg" else "microvm,acpi=on,pit=off,pic=off,rtc=off"
-        cpu = ["-accel", "tcg,thread=multi", "-cpu", "max"] if self.accel == "tcg" else ["-accel", "kvm", "-cpu", "host"]
+        if self.accel == "tcg":  # emulated timers: the kernel needs the PIT to boot without kvmclock
+            machine, cpu = "microvm,acpi=on,pit=on,pic=on,rtc=on", ["-accel", "tcg,thread=multi", "-cpu", "max"]
+        else:
+            machine, cpu = "microvm,acpi=on,pit=off,pic=off,rtc=off", ["-accel", "kvm", "-cpu", "host"]
         kernel = vm_image.guest_kernel()
         args = [qemu_binary(), "-M", machine, *cpu, "-smp", str(vcpus), "-m", f"{memory_mb}M",
                 "-object", memory, "-machine", "memory-backend=mem",
@@ -462,24 +464,6 @@ class Template:
             pass
 
 
-TEMPLATES_KEPT = 6  # snapshots kept per host; each holds its VM's touched RAM on tmpfs (~130 MB idle)
-
-
-def prune_templates(keep: int) -> list[str]:
-    """Remove all but the `keep` most recently used templates, and builds that died half-way. Called under
-    the templates' lock. VMs restored from a removed template keep running: their mapping holds its RAM."""
-    root = template_dir()
-    entries = []
-    for name in os.listdir(root):
-        path = os.path.join(root, name)
-        if name.endswith(".part"):
-            shutil.rmtree(path, ignore_errors=True)
-        elif os.path.isdir(path):
-            entries.append((os.stat(path).st_mtime, path))
-    removed = [path for _, path in sorted(entries, reverse=True)[keep:]]
-    for path in removed:
-        shutil.rmtree(path, ignore_errors=True)
-    return removed
 
     def _build(self, boot_timeout_s: float) -> None:
         building = self.dir + ".part"
@@ -508,6 +492,26 @@ def prune_templates(keep: int) -> list[str]:
             vm.kill()
         os.unlink(blank)
         os.replace(building, self.dir) if not os.path.exists(self.dir) else shutil.rmtree(building)
+
+
+TEMPLATES_KEPT = 6  # snapshots kept per host; each holds its VM's touched RAM on tmpfs (~130 MB idle)
+
+
+def prune_templates(keep: int) -> list[str]:
+    """Remove all but the `keep` most recently used templates, and builds that died half-way. Called under
+    the templates' lock. VMs restored from a removed template keep running: their mapping holds its RAM."""
+    root = template_dir()
+    entries = []
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if name.endswith(".part"):
+            shutil.rmtree(path, ignore_errors=True)
+        elif os.path.isdir(path):
+            entries.append((os.stat(path).st_mtime, path))
+    removed = [path for _, path in sorted(entries, reverse=True)[keep:]]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
 
 
 def _tail(path: str) -> str:
