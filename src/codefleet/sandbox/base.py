@@ -4,7 +4,7 @@ A sandbox is an isolated, stateful machine around a copy-on-write copy of a
 repository: a persistent shell (cwd, environment and background jobs survive
 between commands), a file API confined to the workspace, `fork(n)` for a
 group of attempts that start from one state, and `close()` that frees
-everything. Backends are siblings chosen by name (`namespace`, `local`).
+everything. Backends are siblings chosen by name (`namespace`, `vm`, `local`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class SandboxConfig:
     and by rlimits otherwise (`SandboxInfo.limits` says which).
     """
 
-    backend: str = "auto"  # "auto" | "namespace" | "local"
+    backend: str = "auto"  # "auto" | "namespace" | "vm" | "local"
     timeout_s: float = 60.0  # default wall-clock limit per command
     output_limit_bytes: int = 64 * 1024  # head + tail kept from each command
     memory_mb: int = 2048  # memory of all its processes together (without cgroups: address space per process)
