@@ -21,6 +21,8 @@ snapshotted before that point serves every repository.
 
 from __future__ import annotations
 
+import fcntl
+import functools
 import glob
 import hashlib
 import io
@@ -177,8 +179,9 @@ def agent_zip() -> bytes:
     return buf.getvalue()
 
 
+@functools.lru_cache(maxsize=1)
 def initramfs() -> str:
-    """The initramfs for this kernel and this codefleet (built once, cached by content)."""
+    """The initramfs for this kernel and this codefleet (built once, cached by content; once per process)."""
     kdir = os.path.dirname(guest_kernel())
     busybox = shutil.which("busybox") or "/bin/busybox"
     if not os.path.isfile(busybox) or _dynamic(busybox):
@@ -203,7 +206,7 @@ def initramfs() -> str:
     path = os.path.join(vm_dir(), "initramfs", digest.hexdigest()[:20] + ".cpio")
     if not os.path.isfile(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.part"
+        tmp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}.part"
         with open(tmp, "wb") as f:
             f.write(_cpio(entries))
         os.replace(tmp, path)
@@ -257,8 +260,36 @@ def environment_disk(rootfs: str | None = None) -> str:
     if os.path.isfile(path):
         return path
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(os.path.join(os.path.dirname(path), ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build per disk; whoever waited finds it done
+        if not os.path.isfile(path):
+            _build_erofs(path, source, present)
+            _drop_older_disks(path, source)
+    return path
+
+
+def _drop_older_disks(path: str, source: str) -> None:
+    """Remove the disks built earlier from the same source (the host userland before a package changed): a
+    disk is gigabytes. A VM still running on one keeps its open descriptor."""
+    with open(path + ".source", "w") as f:
+        f.write(os.path.abspath(source))
+    for other in glob.glob(os.path.join(os.path.dirname(path), "*.erofs.source")):
+        disk = other[:-len(".source")]
+        if disk == path:
+            continue
+        with open(other) as f:
+            same = f.read() == os.path.abspath(source)
+        if same:
+            for name in (disk, other):
+                try:
+                    os.unlink(name)
+                except FileNotFoundError:
+                    pass
+
+
+def _build_erofs(path: str, source: str, present: list[str]) -> None:
     left_out = sorted(set(os.listdir(source)) - set(present))
-    tmp = f"{path}.{os.getpid()}.part"
+    tmp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}.part"
     # Everything but the userland's top directories is left out: the guest sees no host state (/root, /home,
     # /var, /tmp, the project's checkout).
     proc = subprocess.run(["mkfs.erofs", "--quiet", "-x-1"] + [f"--exclude-path={name}" for name in left_out]
@@ -271,7 +302,6 @@ def environment_disk(rootfs: str | None = None) -> str:
         raise SandboxUnavailableError(f"could not build the environment disk from {source}: "
                                       f"{(proc.stderr or proc.stdout).strip()[-400:]}")
     os.replace(tmp, path)
-    return path
 
 
 def workspace_disk(path: str, repo: str | None, size_mb: int) -> None:
