@@ -41,7 +41,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from codefleet.sandbox import procs, vm_image
 from codefleet.sandbox.base import (
@@ -59,6 +59,7 @@ from codefleet.sandbox.state import owner_for
 from codefleet.types import ExecResult, FileEntry, SandboxInfo, SearchMatch
 
 MAX_RESPONSE = 64 << 20  # an agent's answer larger than this is a broken (or hostile) guest
+FORK_PARALLEL = 8  # children of one fork restored at once
 RPC_GRACE_S = 60.0  # beyond a command's own timeout, how long the host waits for the agent's answer
 _ERRORS = {"PathEscapeError": PathEscapeError, "FileNotFoundError": FileNotFoundError,
            "IsADirectoryError": IsADirectoryError, "NotADirectoryError": NotADirectoryError,
@@ -660,14 +661,16 @@ class VMSandbox:
             stream = os.path.join(self.dir, "fork.state")
             try:
                 self.vm.save(stream, timeout_s=120)  # pauses; QEMU flushed the workspace disk first
-                children: list[VMSandbox] = []
-                try:
-                    for _ in range(n):
-                        children.append(VMSandbox(None, self.config, _fork=(self.env_disk, stream, self.disk)))
-                except BaseException:
+                # restored side by side: each child is its own QEMU reading the same stream
+                with ThreadPoolExecutor(max_workers=min(n, FORK_PARALLEL)) as pool:
+                    made = [pool.submit(VMSandbox, None, self.config, _fork=(self.env_disk, stream, self.disk))
+                            for _ in range(n)]
+                children = [f.result() for f in made if f.exception() is None]
+                failed = next((f.exception() for f in made if f.exception() is not None), None)
+                if failed is not None:
                     for child in children:
                         child.close()
-                    raise
+                    raise failed
             finally:
                 try:
                     self.vm.qmp("cont")
