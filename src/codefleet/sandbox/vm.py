@@ -146,10 +146,11 @@ class _Watchdog:
     def _send(self, line: str) -> None:
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
+                # Not tied to the owner by PR_SET_PDEATHSIG: its SIGKILL would come right after the EOF that
+                # tells the watchdog to act, and kill it first. EOF alone ends it.
                 self._proc = procs.spawner.popen([sys.executable, "-I", "-S", "-c", _WATCHDOG],
                                                  stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                                 stderr=subprocess.DEVNULL, start_new_session=True,
-                                                 preexec_fn=_die_with_parent)
+                                                 stderr=subprocess.DEVNULL, start_new_session=True)
             self._proc.stdin.write(line.encode())
             self._proc.stdin.flush()
 
