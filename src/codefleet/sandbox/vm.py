@@ -544,6 +544,7 @@ class VMSandbox:
         os.makedirs(self.dir, mode=0o700)
         self._lock = threading.RLock()
         self._closed = False
+        self._closing = False  # close() has begun: what the VM's death makes a command raise
         self.vm: Qemu | None = None
         self.link: AgentLink | None = None
         self.restore_s = 0.0
@@ -613,6 +614,8 @@ class VMSandbox:
         try:
             return self.link.call(op, wait_s, **args)
         except SandboxDeadError as e:
+            if self._closing:
+                raise SandboxClosedError(f"sandbox {self.id} was closed while it ran {op!r}") from None
             raise SandboxDeadError(f"sandbox {self.id}: {e}; close it and create a new sandbox") from None
 
     # -- the contract ----------------------------------------------------------------------------------
@@ -683,6 +686,12 @@ class VMSandbox:
             return children
 
     def close(self) -> None:
+        """Kill the VM and remove its directory. Idempotent. A command running in another thread is not waited
+        for: the VM is killed first, outside the lock that command holds, and the command raises
+        SandboxClosedError."""
+        self._closing = True
+        if self.vm is not None and not self._closed:
+            self.vm.proc.kill()
         with self._lock:
             if self._closed:
                 return
