@@ -535,6 +535,9 @@ class VMSandbox:
     def __init__(self, repo: str | None, config: SandboxConfig | None = None, *, _fork: tuple | None = None):
         config = config or SandboxConfig()
         check_env_names(config.env)
+        if repo is not None and not isinstance(repo, (str, os.PathLike)):
+            raise TypeError(f"the repository must be a directory path, not {type(repo).__name__}; "
+                            "call create_sandbox(repo, config)")
         if repo is not None and not os.path.isdir(repo):
             raise FileNotFoundError(f"repository directory {repo!r} does not exist")
         self.config = config
