@@ -25,6 +25,7 @@ import fcntl
 import json
 import os
 import pwd
+import shutil
 import signal
 import struct
 import subprocess
@@ -40,6 +41,10 @@ from codefleet.types import SandboxInfo
 MAX_FRAME = 64 << 20  # a request larger than this is refused (the host never sends one)
 WORKSPACE_DEVICE = "/dev/vdb"
 PORT_NAME = "codefleet.0"
+# The shell runs from an execute-only copy of bash, as in a namespace sandbox: a process whose program its user
+# may not read is not dumpable, so the commands it runs cannot read its memory (the protocol's nonce) or open
+# its descriptors through /proc, and so cannot forge the end of a command.
+SHELL_PATH = "/run/codefleet/shell"
 
 
 def _sandbox_user() -> tuple[int, int, str]:
@@ -68,6 +73,8 @@ class GuestSandbox(ShellSandbox):
                 "TMPDIR": "/tmp"}
 
     def _drop(self) -> None:
+        with open("/proc/self/oom_score_adj", "w") as f:  # the OOM killer's choice again, unlike the agent's
+            f.write("0")
         os.setsid()
         os.setgroups([])
         os.setgid(self.gid)
@@ -76,9 +83,9 @@ class GuestSandbox(ShellSandbox):
         signal.signal(signal.SIGQUIT, signal.SIG_DFL)
 
     def _spawn_shell(self, replay: str) -> tuple[subprocess.Popen, ShellSession]:
-        proc = subprocess.Popen(["bash", "--noprofile", "--norc", "--noediting", "-i"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd="/workspace",
-                                env=self._env(), preexec_fn=self._drop)
+        proc = subprocess.Popen(["bash", "--noprofile", "--norc", "--noediting", "-i"], executable=SHELL_PATH,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                cwd="/workspace", env=self._env(), preexec_fn=self._drop)
         for pipe in (proc.stdin, proc.stdout):  # each command reopens /dev/stdout, which only its owner may
             os.fchown(pipe.fileno(), self.uid, self.gid)
 
@@ -277,10 +284,23 @@ def _mounts() -> None:
         f.write("1")
 
 
+def _lock_down() -> None:
+    """What commands must not have: user namespaces (`unshare -r`, root of a namespace of their own), the agent
+    or PID 1 as the OOM killer's choice (the VM is lost without them; the agent, forked from PID 1, inherits it
+    and a command's processes get theirs back, GuestSandbox._drop), and a readable shell (SHELL_PATH)."""
+    with open("/proc/sys/user/max_user_namespaces", "w") as f:
+        f.write("0")
+    with open("/proc/self/oom_score_adj", "w") as f:
+        f.write("-1000")
+    shutil.copyfile(shutil.which("bash") or "/bin/bash", SHELL_PATH)
+    os.chmod(SHELL_PATH, 0o111)
+
+
 def main() -> None:
     """PID 1: mount, fork the agent, reap orphans; when the agent dies the VM powers off."""
     if os.getpid() == 1:
         _mounts()
+        _lock_down()
         agent_pid = os.fork()
         if agent_pid:
             while True:
