@@ -221,7 +221,13 @@ class Agent:
         for root, dirs, files in os.walk("/workspace"):
             for name in [root] + [os.path.join(root, n) for n in dirs + files]:
                 os.lchown(name, self.uid, self.gid)
-        subprocess.run(["mount", "-o", f"remount,size={config.tmp_mb}m", "/tmp"], check=True, capture_output=True)
+        # What commands can write into memory (/tmp, /dev/shm and, through the root's overlay, /var/tmp: 12%,
+        # vm_image.INIT) stays within half the VM's: filled, it is "No space left on device", not a VM whose
+        # agent and kernel starve, which no OOM kill can help (a file in memory belongs to no process).
+        for point, size_mb in (("/tmp", min(config.tmp_mb, config.memory_mb // 4)),
+                               ("/dev/shm", min(config.tmp_mb, config.memory_mb // 8))):
+            subprocess.run(["mount", "-o", f"remount,size={max(size_mb, 1)}m", point], check=True,
+                           capture_output=True)
         self.box = GuestSandbox(config, self.uid, self.gid)
         return {}
 

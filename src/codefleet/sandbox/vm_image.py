@@ -14,7 +14,7 @@ host has and cached, content-addressed, under `vm_dir()`:
   mkfs.ext4 from the directory without mounting anything (the host never mounts a disk a guest wrote).
 
 The guest's `/init` loads the modules, mounts the environment read-only under a tmpfs overlay (what
-a command writes outside the workspace lives in guest memory, within the VM's memory limit) and hands
+a command writes outside the workspace lives in guest memory, 12% of the VM's at most) and hands
 PID 1 to the agent. The workspace disk is mounted later, by the agent, when the host asks: a VM
 snapshotted before that point serves every repository.
 """
@@ -54,7 +54,7 @@ for m in $(cat /modules.order); do $B insmod /modules/$m.ko || { echo "codefleet
 i=0; while [ ! -b /dev/vda ] && [ $i -lt 2000 ]; do $B usleep 1000; i=$((i+1)); done
 $B mkdir -p /lower /rw /newroot
 $B mount -t erofs -o ro /dev/vda /lower || { echo "codefleet-init: cannot mount the environment"; $B poweroff -f; }
-$B mount -t tmpfs -o mode=0755 rw /rw
+$B mount -t tmpfs -o mode=0755,size=12% rw /rw
 $B mkdir -p /rw/upper /rw/work
 $B mount -t overlay root -o lowerdir=/lower,upperdir=/rw/upper,workdir=/rw/work /newroot
 for d in proc sys dev tmp run workspace var var/tmp root; do $B mkdir -p /newroot/$d; done
