@@ -14,9 +14,9 @@ host has and cached, content-addressed, under `vm_dir()`:
   mkfs.ext4 from the directory without mounting anything (the host never mounts a disk a guest wrote).
 
 The guest's `/init` loads the modules, mounts the environment read-only under a tmpfs overlay (what
-a command writes outside the workspace lives in guest memory, 12% of the VM's at most) and hands
-PID 1 to the agent. The workspace disk is mounted later, by the agent, when the host asks: a VM
-snapshotted before that point serves every repository.
+a command writes outside the workspace lives in guest memory, 12% of the VM's at most), brings up
+loopback (the only network device) and hands PID 1 to the agent. The workspace disk is mounted later,
+by the agent, when the host asks: a VM snapshotted before that point serves every repository.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ for d in proc sys dev tmp run workspace var var/tmp root; do $B mkdir -p /newroo
 $B chmod 1777 /newroot/tmp /newroot/var/tmp
 $B mkdir -p /newroot/run/codefleet
 $B cp /agent.zip /newroot/run/codefleet/agent.zip
+$B ip link set lo up
 $B umount /proc
 $B mount --move /dev /newroot/dev
 for py in /usr/bin/python3 /usr/local/bin/python3; do
