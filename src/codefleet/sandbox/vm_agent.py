@@ -36,7 +36,7 @@ from dataclasses import asdict
 from codefleet.sandbox.base import SandboxConfig
 from codefleet.sandbox.shell import ShellSession
 from codefleet.sandbox.shellbox import ShellSandbox, setup_script
-from codefleet.types import SandboxInfo
+from codefleet.types import ExecResult, SandboxInfo
 
 MAX_FRAME = 64 << 20  # a request larger than this is refused (the host never sends one)
 WORKSPACE_DEVICE = "/dev/vdb"
@@ -65,6 +65,7 @@ class GuestSandbox(ShellSandbox):
     def __init__(self, config: SandboxConfig, uid: int, gid: int, replay: str = ""):
         super().__init__("guest", config, "/workspace", (uid, gid))
         self.uid, self.gid = uid, gid
+        self._oom_seen = _oom_kills()  # OOM kills already reported
         self._start(replay)
 
     def _env(self) -> dict[str, str]:
@@ -112,6 +113,18 @@ class GuestSandbox(ShellSandbox):
     def _kill_processes(self) -> None:
         _kill_all_of(self.uid)
 
+    def _limit_note(self, result: ExecResult) -> str:
+        if result.exit_code not in (137, 9):
+            return ""
+        kills = _oom_kills()
+        if kills <= self._oom_seen:
+            return ""
+        self._oom_seen = kills
+        return f"\n[codefleet: a process was killed by the sandbox's memory limit ({self.config.memory_mb} MB)]"
+
+    def _death_note(self, result: ExecResult) -> str:
+        return self._limit_note(result) + super()._death_note(result)
+
     def _make_children(self, n: int, replay: str) -> list[ShellSandbox]:
         raise NotImplementedError("a vm sandbox forks on the host, by snapshot")
 
@@ -121,6 +134,15 @@ class GuestSandbox(ShellSandbox):
     @property
     def info(self) -> SandboxInfo:
         return SandboxInfo(self.id, "vm", "/workspace", "ext4", {}, isolated=True)
+
+
+def _oom_kills() -> int:
+    """How many processes the guest kernel's OOM killer has killed since boot."""
+    with open("/proc/vmstat") as f:
+        for line in f:
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+    return 0
 
 
 def _procs_of(uid: int) -> set[int]:
