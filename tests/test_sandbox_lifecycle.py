@@ -210,3 +210,22 @@ def test_close_does_not_wait_for_a_command_running_in_another_thread(make_sandbo
     assert time.perf_counter() - started < 5 and not worker.is_alive()
     assert results and "finished" not in results[0].output
     assert processes_with(marker) == []
+
+
+def test_a_sandbox_starts_with_more_than_1024_descriptors_open(repo, config):
+    """Its start is waited for with poll(), not select(), which cannot watch a descriptor past 1023: ~500
+    sandboxes open at once (two descriptors each) made the next one fail."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 1200:
+        pytest.skip(f"this process may open only {hard} descriptors")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC) for _ in range(1100)]
+    try:
+        with create_sandbox(repo, config) as sb:
+            assert sb.exec("echo ok").output == "ok\n"
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

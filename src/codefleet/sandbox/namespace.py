@@ -392,9 +392,11 @@ def _read_info(fd: int, timeout_s: float = 10.0) -> dict | None:
     """bwrap's --info-fd report; None if bwrap exited without one."""
     data = b""
     deadline = time.monotonic() + timeout_s
+    ready = select.poll()  # not select(): with ~500 sandboxes open, their descriptors pass select's limit of 1024
+    ready.register(fd, select.POLLIN)
     while not data.rstrip().endswith(b"}"):
         left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
+        if left <= 0 or not ready.poll(left * 1000):
             raise SandboxUnavailableError(f"bwrap did not start within {timeout_s:g} s")
         chunk = os.read(fd, 4096)
         if not chunk:
