@@ -183,8 +183,9 @@ def _cold_boots(repo: str, config: SandboxConfig, n: int, log) -> tuple[dict, st
         boots.append((time.perf_counter() - t) * 1000)
         to_agent.append(template.boot_s * 1000)
         if len(os.listdir(tdir)) != 2:  # the template and its lock: the sandbox restored from the one built here
-            raise RuntimeError("the bench's snapshot shape no longer matches VMSandbox's (it booted a second one); "
-                               "update _cold_boots in bench/sandbox_bench.py")
+            raise RuntimeError(f"the sandbox did not restore the snapshot just booted ({sorted(os.listdir(tdir))}): "
+                               "VMSandbox's snapshot shape changed (update _cold_boots in bench/sandbox_bench.py), "
+                               "or the guest's code changed during the run")
         log(f"  cold boot {i + 1}/{n}: {boots[-1]:.0f} ms (boot to agent {to_agent[-1]:.0f} ms)")
     return {"boot_ms_p50": _pct(boots, 0.5), "boot_ms_p99": _pct(boots, 0.99),
             "boot_to_agent_ms_p50": _pct(to_agent, 0.5)}, tdir
