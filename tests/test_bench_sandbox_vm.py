@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.vm, pytest.mark.skipif(vm_unavailable_reason() is not 
                                                  reason=f"vm backend: {vm_unavailable_reason()}")]
 VM_FIGURES = ("boot_ms_p50", "boot_ms_p99", "boot_to_agent_ms_p50", "create_ms_p50", "create_ms_p99",
               "restore_ms_p50", "pool_acquire_ms_p50", "exec_ms_p50", "exec_ms_p99", "exec_external_ms_p50",
-              "fork_ms_p50", "max_live_sandboxes", "rss_mb_per_sandbox", "pss_mb_per_sandbox", "live_wall_s",
+              "fork_ms_p50", "max_live_sandboxes", "rss_mb_per_sandbox", "pss_mb_per_sandbox", "vmm_pss_mb_per_sandbox",
+              "live_wall_s",
               "subprocess_ms_p50")
 
 
@@ -48,6 +49,7 @@ def _check_vm(r: dict) -> None:
     assert r["exec_ms_p99"] >= r["exec_ms_p50"]
     assert r["rss_mb_per_sandbox"] >= r["pss_mb_per_sandbox"]  # the snapshot's RAM file is shared
     assert r["rss_mb_per_sandbox"] < 2 * r["memory_mb"]  # the guest's touched RAM and QEMU, no more
+    assert 0 < r["vmm_pss_mb_per_sandbox"] < r["pss_mb_per_sandbox"]  # QEMU's own part is not the guest's RAM
     if r["live_stop"].startswith("reached the cap"):
         assert r["max_live_sandboxes"] == 10  # quick mode's cap, all answering
     if r["accel"] == "tcg":
