@@ -20,8 +20,8 @@ def test_an_unknown_name_is_one_sentence_naming_the_known_ones():
         registry.get("b")
     with pytest.raises(ValueError, match="registered twice"):
         registry.register("a", int)
-    with pytest.raises(ValueError, match="unknown sandbox backend 'vm'.*choose one of local, namespace"):
-        create_sandbox(None, SandboxConfig(backend="vm"))
+    with pytest.raises(ValueError, match="unknown sandbox backend 'firecracker'.*choose one of local, namespace, vm"):
+        create_sandbox(None, SandboxConfig(backend="firecracker"))
 
 
 def test_the_shipped_sandboxes_keep_the_sandbox_contract():
