@@ -41,10 +41,24 @@ def repo(tmp_path):
 
 
 @pytest.fixture
-def config(state_dir):
+def sandbox_backend():
+    """The backend of `config`, `sandbox` and `make_sandbox`: 'auto' here. The sandbox suite's modules override
+    this fixture with one parametrized over every backend (helpers.BACKENDS)."""
+    return "auto"
+
+
+@pytest.fixture
+def config(state_dir, sandbox_backend):
+    """A config for `sandbox_backend`; the test is skipped, saying why, where this host cannot run it."""
+    from helpers import VM_SHAPE, backend_unavailable
+
     from codefleet.sandbox import SandboxConfig
 
-    return SandboxConfig(state_dir=state_dir, timeout_s=30)
+    reason = backend_unavailable(sandbox_backend)
+    if reason:
+        pytest.skip(f"backend {sandbox_backend!r} cannot run here: {reason}")
+    shape = VM_SHAPE if sandbox_backend == "vm" else {}
+    return SandboxConfig(state_dir=state_dir, timeout_s=30, backend=sandbox_backend, **shape)
 
 
 @pytest.fixture
@@ -58,13 +72,14 @@ def sandbox(repo, config):
 
 @pytest.fixture
 def make_sandbox(repo, config):
-    """Namespace sandboxes over `repo` with config overrides; all closed at teardown."""
+    """Sandboxes over `repo` with config overrides; all closed at teardown. Where the backend is 'auto' (the
+    namespace-only modules, which skip on hosts without namespace sandboxes) they are namespace sandboxes."""
     from codefleet.sandbox import create_sandbox
 
     made = []
 
     def make(**overrides):
-        sb = create_sandbox(repo, dataclasses.replace(config, backend="namespace", **overrides))
+        sb = create_sandbox(repo, dataclasses.replace(config, **overrides))
         made.append(sb)
         return sb
 

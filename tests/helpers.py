@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import os
@@ -9,8 +10,34 @@ import secrets
 import stat
 import time
 
+import pytest
+
 from codefleet.sandbox import procs
+from codefleet.sandbox.bwrap import unavailable_reason
 from codefleet.sandbox.layers import mounts_under
+from codefleet.sandbox.vm import vm_unavailable_reason
+
+# The backends the sandbox suite runs against, as values of the `sandbox_backend` fixture (conftest.py):
+# `make test` runs the namespace one, `make test-vm` (-m vm) the vm one. A module of the suite overrides the
+# fixture with these params; a test there about one backend's internals says so with `namespace_only`, and a
+# test elsewhere that keeps the contract says `every_backend`.
+BACKENDS = ("namespace", pytest.param("vm", marks=pytest.mark.vm))
+every_backend = pytest.mark.parametrize("sandbox_backend", BACKENDS)
+namespace_only = pytest.mark.parametrize("sandbox_backend", ["namespace"])
+
+# What a vm sandbox of the suite is given: each (memory, vCPUs, disk) shape boots a template of its own once,
+# ~10 s under TCG, so the tests share this one where they can; a small VM also forks faster.
+VM_SHAPE = {"memory_mb": 512}
+
+
+@functools.cache
+def backend_unavailable(backend: str) -> str | None:
+    """Why this host cannot make sandboxes of `backend`, or None ('auto' and 'local' always can)."""
+    if backend == "namespace":
+        return unavailable_reason()
+    if backend == "vm":
+        return vm_unavailable_reason()
+    return None
 
 
 def tree_digest(root: str) -> str:
@@ -65,6 +92,14 @@ def processes_with(marker: str) -> list[int]:
     return found
 
 
+def running(sb, marker: str) -> list[int]:
+    """Pids of the processes whose command line holds `marker`, looked for where `sb`'s processes run: the
+    whole host for a namespace sandbox (never this process), the guest for a vm one."""
+    if sb.backend != "vm":
+        return processes_with(marker)
+    return [int(pid) for pid in sb.run_oneoff(["pgrep", "-f", marker], timeout_s=30).output.split()]
+
+
 def wait_for(predicate, timeout_s: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -75,7 +110,10 @@ def wait_for(predicate, timeout_s: float = 5.0) -> bool:
 
 
 def sandbox_pids(sb) -> set[int]:
-    """Every host process of a namespace sandbox: its outer bwrap, its PID 1 and what runs below."""
+    """Every host process of a sandbox: a namespace one's outer bwrap, its PID 1 and what runs below; a vm
+    one's QEMU."""
+    if sb.backend == "vm":
+        return {sb.vm.proc.pid} if sb.vm is not None and sb.vm.proc.poll() is None else set()
     if sb.cgroup is not None:
         return set(sb.cgroup.procs())
     return {pid for pid, _ in sb._pids} | procs.descendants(sb._init_pid)
@@ -83,15 +121,15 @@ def sandbox_pids(sb) -> set[int]:
 
 def footprint(sb) -> dict:
     """Everything of `sb` on the host: directory, cgroups, processes (pid, start time)."""
-    return {"dir": sb.dir, "cgroups": list(sb.cgroup.paths.values()) if sb.cgroup else [],
+    cgroup = getattr(sb, "cgroup", None)  # a vm sandbox has none: its VM is the limit
+    return {"dir": sb.dir, "cgroups": list(cgroup.paths.values()) if cgroup else [],
             "procs": [(pid, procs.start_time(pid)) for pid in sandbox_pids(sb)]}
 
 
 def needs_cgroup(sb) -> None:
-    """Skip a test of cgroup limits where this user could make no cgroup (they are rlimits then)."""
-    if sb.cgroup is None:
-        import pytest  # only the tests import this module
-
+    """Skip a test of cgroup limits where this user could make no cgroup (they are rlimits then). A vm
+    sandbox needs none: its memory is the VM's."""
+    if sb.backend != "vm" and sb.cgroup is None:
         pytest.skip("no cgroup could be made here (an unprivileged user without a delegated cgroup): "
                     "limits are rlimits")
 

@@ -1,5 +1,5 @@
-"""The file API: reads, writes, listings and search, all confined to /workspace
-however a path (or a symlink planted inside the sandbox) tries to leave it."""
+"""The file API, on every backend: reads, writes, listings and search, all confined
+to /workspace however a path (or a symlink planted inside the sandbox) tries to leave it."""
 
 from __future__ import annotations
 
@@ -8,9 +8,17 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from helpers import BACKENDS
 
 from codefleet.sandbox import PathEscapeError
 from codefleet.types import FileEntry, SearchMatch
+
+
+@pytest.fixture(params=BACKENDS)
+def sandbox_backend(request):
+    """Each test of a sandbox here runs against every backend (the vm one under `-m vm`)."""
+    return request.param
+
 
 CALC = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
 

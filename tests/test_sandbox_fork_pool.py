@@ -1,12 +1,18 @@
-"""fork(n) and the warm pool: children start from the parent's current state,
-nobody shares later changes, and the repository itself is never written."""
+"""fork(n) and the warm pool, on every backend: children start from the parent's
+current state, nobody shares later changes, and the repository itself is never written."""
 
 from __future__ import annotations
 
 import pytest
+from helpers import BACKENDS, namespace_only, tree_digest
 
 from codefleet.sandbox import SandboxClosedError, SandboxPool, create_sandbox
-from helpers import tree_digest
+
+
+@pytest.fixture(params=BACKENDS)
+def sandbox_backend(request):
+    """Each test of a sandbox here runs against every backend (the vm one under `-m vm`)."""
+    return request.param
 
 
 def _close_all(sandboxes):
@@ -94,6 +100,7 @@ def test_closing_the_parent_does_not_break_children(repo, config):
 
 
 @pytest.mark.slow
+@namespace_only  # a vm's fork copies a disk image, never host files; its children are tested above
 def test_fork_copies_safely_while_the_parent_churns_its_files(sandbox, tmp_path):
     """fork() copies the parent's changes while its processes still run: one that renames,
     deletes and swaps directories for symlinks to host paths meanwhile must neither fail the

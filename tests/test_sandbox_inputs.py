@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import BACKENDS
 from openai_stub import OpenAIStub, call, reply
 
 from codefleet.agent import AgentLoop, build_messages
@@ -23,6 +24,12 @@ from codefleet.config import load_config
 from codefleet.sandbox import SandboxConfig, create_sandbox
 from codefleet.sandbox.files import MAX_READ_BYTES
 from codefleet.sandbox.layers import copy_layer, mount, remove_tree, umount
+
+
+@pytest.fixture(params=BACKENDS)
+def sandbox_backend(request):
+    """Each test of a sandbox here runs against every backend (the vm one under `-m vm`)."""
+    return request.param
 
 
 def run_cli(state_dir: str, *args: str) -> subprocess.CompletedProcess:
@@ -130,7 +137,7 @@ def test_an_episode_goes_on_after_listing_names_that_are_not_utf8(sandbox):
 # -- a very deep tree -----------------------------------------------------------------------------------
 
 
-def test_a_recursive_listing_of_a_tree_3000_directories_deep(sandbox):
+def test_a_recursive_listing_of_a_tree_3000_directories_deep(sandbox, sandbox_backend):
     depth = 3000
     made = sandbox.exec("mkdir -p .git/objects && touch .git/objects/blob && mkdir deep && touch deep/e.txt && "
                         "cd deep && python3 -c 'import os\n"
@@ -141,7 +148,8 @@ def test_a_recursive_listing_of_a_tree_3000_directories_deep(sandbox):
     expected = [".git", "README.md", "deep", *chain, chain[-1] + "/leaf.txt", "deep/e.txt", "pkg", "pkg/__init__.py",
                 "pkg/calc.py"]  # sorted, depth first, .git not entered; back up 3000 levels before deep/e.txt
     assert [e.path for e in sandbox.list_dir(".", recursive=True)] == expected
-    assert [e.path for e in sandbox.files.list(".", recursive=True, max_entries=50)] == expected[:50]
+    if sandbox_backend == "namespace":  # its file API runs here, and can be asked for a short listing
+        assert [e.path for e in sandbox.files.list(".", recursive=True, max_entries=50)] == expected[:50]
     assert [e.path for e in sandbox.list_dir("deep/d", recursive=True)] == [*chain[1:], chain[-1] + "/leaf.txt"]
 
 
@@ -149,9 +157,9 @@ DEEP_TREE = ("python3 -c 'import os\nfor _ in range(3000): os.mkdir(\"d\"); os.c
              "open(\"leaf.txt\", \"w\").write(\"bottom\")'")
 
 
-@pytest.mark.parametrize("backend", ["namespace", "local"])
-def test_a_tree_3000_directories_deep_forks_and_closes(repo, config, backend):
-    sb = create_sandbox(repo, dataclasses.replace(config, backend=backend))
+@pytest.mark.parametrize("sandbox_backend", [*BACKENDS, "local"])
+def test_a_tree_3000_directories_deep_forks_and_closes(repo, config):
+    sb = create_sandbox(repo, config)
     assert sb.exec(DEEP_TREE).exit_code == 0
     kids = sb.fork(2)
     assert [kid.exec("find . -name leaf.txt -execdir cat {} +").output for kid in kids] == ["bottom", "bottom"]

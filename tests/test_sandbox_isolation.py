@@ -4,7 +4,8 @@ Every test runs real commands in a real sandbox (bubblewrap + overlay +
 cgroups) and compares what the sandbox reports with what the host knows:
 namespace inodes, mount flags, files the test planted on the host, the
 cgroup files of the sandbox. Faults and hostile commands are in
-test_sandbox_faults.py.
+test_sandbox_faults.py. The two tests that hold for any sandbox run against
+every backend; a vm's isolation is checked in test_sandbox_vm.py.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import tempfile
 import time
 
 import pytest
-from helpers import needs_cgroup
+from helpers import every_backend, needs_cgroup
 
 from codefleet.sandbox import cgroups
 from codefleet.sandbox.bwrap import SANDBOX_UID, unavailable_reason
@@ -25,7 +26,6 @@ pytestmark = [
     pytest.mark.skipif(UNAVAILABLE is not None, reason=f"namespace sandbox unavailable: {UNAVAILABLE}"),
     pytest.mark.timeout(60),
 ]
-
 
 
 def run_ok(sb, command: str) -> str:
@@ -57,6 +57,7 @@ def test_pid_namespace_shows_only_the_sandbox(make_sandbox):
     assert run_ok(sb, "cat /proc/1/cmdline | tr '\\0' ' '").startswith("bwrap")
 
 
+@every_backend
 def test_network_is_loopback_only_and_up(make_sandbox):
     sb = make_sandbox()
     assert run_ok(sb, "python3 -c 'import socket; print([n for _, n in socket.if_nameindex()])'") == "['lo']\n"
@@ -124,6 +125,7 @@ def test_workspace_is_writable_and_copy_on_write(make_sandbox, repo):
     assert os.path.exists(os.path.join(repo, "README.md"))
 
 
+@every_backend
 def test_each_sandbox_has_its_own_tmp(make_sandbox):
     a, b = make_sandbox(), make_sandbox()
     run_ok(a, "echo from-a > /tmp/shared && echo from-a > /var/tmp/shared && echo from-a > /dev/shm/shared")

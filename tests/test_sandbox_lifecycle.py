@@ -16,7 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from helpers import assert_released, footprint, processes_with, unique_sleep, wait_for
+from helpers import assert_released, every_backend, footprint, processes_with, unique_sleep, wait_for
 
 from codefleet.sandbox import create_sandbox, state
 from codefleet.sandbox.bwrap import unavailable_reason
@@ -161,6 +161,7 @@ def test_owner_liveness_comes_from_the_process_table_not_file_times():
     assert state._owner_alive("not-an-owner", changed_at=0.0)  # not ours to remove
 
 
+@every_backend
 def test_a_bad_repository_argument_is_a_clear_error_and_leaves_no_half_made_sandbox(config, tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         create_sandbox(str(tmp_path / "missing"), config)

@@ -1,5 +1,5 @@
-"""The persistent shell of the default sandbox: state between commands, exit
-codes, output, command text of every shape, timeouts and shell restarts."""
+"""The persistent shell, on every backend: state between commands, exit codes,
+output, command text of every shape, timeouts and shell restarts."""
 
 from __future__ import annotations
 
@@ -7,9 +7,16 @@ import dataclasses
 import re
 
 import pytest
+from helpers import BACKENDS
 
 from codefleet.sandbox import SandboxClosedError, SandboxConfig, create_sandbox
 from codefleet.sandbox.shell import OutputCollector
+
+
+@pytest.fixture(params=BACKENDS)
+def sandbox_backend(request):
+    """Each test of a sandbox here runs against every backend (the vm one under `-m vm`)."""
+    return request.param
 
 
 def test_cwd_env_and_functions_persist_between_commands(sandbox):
@@ -201,15 +208,15 @@ def test_config_env_names_must_be_variable_names(repo, config, name):
         SandboxConfig(env={name: "v"})
     with pytest.raises(ValueError, match="not a variable name"):
         dataclasses.replace(config, env={"OK_1": "v", name: "v"})
-    for backend in ("auto", "local"):
+    for backend in ("auto", "local", config.backend):
         changed = dataclasses.replace(config, backend=backend, env={})
         changed.env[name] = "v"  # changed after the config was checked: refused before any shell sees it
         with pytest.raises(ValueError, match="not a variable name"):
             create_sandbox(repo, changed)
 
 
-def test_info_reports_isolation(sandbox):
-    assert sandbox.info.backend == "namespace"
+def test_info_reports_isolation(sandbox, sandbox_backend):
+    assert sandbox.info.backend == sandbox_backend
     assert sandbox.info.isolated
     assert sandbox.info.workspace == "/workspace"
 
@@ -225,7 +232,7 @@ def test_a_closed_sandbox_refuses_commands(repo, config):
         sb.read_file("README.md")
 
 
-# -- the protocol on the namespace backend ---------------------------------------------
+# -- the protocol -----------------------------------------------------------------------
 
 
 def test_stdout_and_stderr_are_merged_in_order(make_sandbox):
