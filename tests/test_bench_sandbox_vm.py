@@ -42,7 +42,7 @@ def _bench_qemus() -> list[str]:
 def _check_vm(r: dict) -> None:
     for key in VM_FIGURES:
         assert isinstance(r[key], (int, float)) and r[key] > 0, key
-    assert r["accel"] in ("kvm", "tcg") and r["memory_mb"] == 256
+    assert r["accel"] in ("kvm", "tcg") and r["memory_mb"] == 256 and r["snapshots_booted"] >= 1
     assert r["boot_ms_p50"] >= r["boot_to_agent_ms_p50"]  # a cold boot is the boot, then a restore and a command
     assert r["boot_ms_p50"] > r["restore_ms_p50"]  # restoring the snapshot beats booting to it
     assert r["create_ms_p50"] >= r["restore_ms_p50"]  # each create contains its restore

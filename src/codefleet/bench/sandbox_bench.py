@@ -161,15 +161,17 @@ def _cpu_ticks(pids: list[int]) -> int:
     return total
 
 
-def _mapping_pss_kb(pid: int, path: str) -> int:
-    """PSS in KiB of what process `pid` maps from the file `path` (0 if it is gone)."""
+def _guest_ram_pss_kb(pid: int, snapshots: str) -> int:
+    """PSS in KiB of what QEMU process `pid` maps from a snapshot's RAM file under `snapshots` (its guest's
+    RAM; the file may have been replaced since, if the guest's code changed mid-run), 0 if it is gone."""
     total, inside = 0, False
     try:
         with open(f"/proc/{pid}/smaps") as f:
             for line in f:
                 head = line.split(maxsplit=5)
                 if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):  # a mapping's first line
-                    inside = len(head) == 6 and head[5].strip() == path
+                    path = head[5].strip().removesuffix(" (deleted)") if len(head) == 6 else ""
+                    inside = path.startswith(snapshots + os.sep) and os.path.basename(path) == "memory"
                 elif inside and head[0] == "Pss:":
                     total += int(head[1])
     except OSError:
@@ -182,10 +184,9 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
 
 
-def _cold_boots(repo: str, config: SandboxConfig, n: int, log) -> tuple[dict, str, str]:
+def _cold_boots(repo: str, config: SandboxConfig, n: int, log) -> tuple[dict, str]:
     """`n` cold boots to a first command, each in a fresh snapshot directory (CODEFLEET_VM_TEMPLATES, set for
-    the rest of the vm run); the figures, the last directory, whose snapshot the later phases restore, and
-    that snapshot's RAM file."""
+    the rest of the vm run); the figures and the last directory, whose snapshot the later phases restore."""
     boots, to_agent, tdir = [], [], ""
     for i in range(n):
         if tdir:
@@ -205,7 +206,7 @@ def _cold_boots(repo: str, config: SandboxConfig, n: int, log) -> tuple[dict, st
                                "or the guest's code changed during the run")
         log(f"  cold boot {i + 1}/{n}: {boots[-1]:.0f} ms (boot to agent {to_agent[-1]:.0f} ms)")
     return {"boot_ms_p50": _pct(boots, 0.5), "boot_ms_p99": _pct(boots, 0.99),
-            "boot_to_agent_ms_p50": _pct(to_agent, 0.5)}, tdir, template.memory
+            "boot_to_agent_ms_p50": _pct(to_agent, 0.5)}, tdir
 
 
 def _hold_live(repo: str, config: SandboxConfig, sizes: Sizes, log) -> tuple[list, str]:
@@ -263,7 +264,7 @@ def _run_backend(backend: str, quick: bool, log) -> dict:
             results["accel"] = vm.accel()
             results["memory_mb"] = config.memory_mb
             log(f"[vm] cold boot x{sizes.n_boot} ({results['accel']}) ...")
-            boots, tdir, ram_file = _cold_boots(repo, config, sizes.n_boot, log)
+            boots, tdir = _cold_boots(repo, config, sizes.n_boot, log)
             results.update(boots)
         else:
             create_sandbox(repo, config).close()  # warm up: owner dir, reaper, /etc scan
@@ -341,7 +342,7 @@ def _run_backend(backend: str, quick: bool, log) -> dict:
             results["rss_mb_per_sandbox"] = rss / 1024 / max(len(live), 1)
             results["pss_mb_per_sandbox"] = pss / 1024 / max(len(live), 1)
             if backend == "vm":  # QEMU's own share: all but the guest's RAM, which maps the snapshot's RAM file
-                guest_kb = sum(_mapping_pss_kb(sb.vm.proc.pid, ram_file) for sb in live)
+                guest_kb = sum(_guest_ram_pss_kb(sb.vm.proc.pid, tdir) for sb in live)
                 results["vmm_pss_mb_per_sandbox"] = (pss - guest_kb) / 1024 / max(len(live), 1)
             results["idle_cpu_pct_per_sandbox"] = busy_s / window_s * 100 / max(len(live), 1)
             if backend == "vm":
@@ -351,6 +352,7 @@ def _run_backend(backend: str, quick: bool, log) -> dict:
                 list(ex.map(lambda s: s.close(), live))
         if backend == "vm":
             results["live_wall_s"] = time.monotonic() - started
+            results["snapshots_booted"] = sum(1 for name in os.listdir(tdir) if name != "lock")  # 1 unless rebuilt
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if tdir:
@@ -366,6 +368,10 @@ def _run_backend(backend: str, quick: bool, log) -> dict:
             notes.append("accel=tcg: this host's /dev/kvm cannot run the guest kernel, so the VMs ran under QEMU's "
                          "TCG emulation; the speed targets (restore <= 100 ms, exec <= 1 ms, fork <= 50 ms per child) "
                          "are for KVM and do not apply, and the figures are TCG's as measured")
+        if results["snapshots_booted"] > 1:
+            notes.append(f"{results['snapshots_booted'] - 1} more snapshot(s) booted after the cold boots: the "
+                         "guest's code or the host's userland changed while the bench ran, so a create or more "
+                         "included a cold boot")
         if sizes.n_boot == 1:
             notes.append("quick: one cold boot, so boot_ms_p99 is that one sample")
         if notes:
