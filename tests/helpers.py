@@ -20,8 +20,9 @@ from codefleet.sandbox.vm import vm_unavailable_reason
 # The backends the sandbox suite runs against, as values of the `sandbox_backend` fixture (conftest.py):
 # `make test` runs the namespace one, `make test-vm` (-m vm) the vm one. A module of the suite overrides the
 # fixture with these params; a test there about one backend's internals says so with `namespace_only`, and a
-# test elsewhere that keeps the contract says `every_backend`.
-BACKENDS = ("namespace", pytest.param("vm", marks=pytest.mark.vm))
+# test elsewhere that keeps the contract says `every_backend`. A vm's commands may run 10-100 times slower (under
+# TCG, without a usable KVM): its tests get a longer timeout than their modules give.
+BACKENDS = ("namespace", pytest.param("vm", marks=[pytest.mark.vm, pytest.mark.timeout(300)]))
 every_backend = pytest.mark.parametrize("sandbox_backend", BACKENDS)
 namespace_only = pytest.mark.parametrize("sandbox_backend", ["namespace"])
 
