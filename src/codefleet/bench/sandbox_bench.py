@@ -229,7 +229,7 @@ def _hold_live(repo: str, config: SandboxConfig, sizes: Sizes, log) -> tuple[lis
             for f in batch:
                 try:
                     live.append(f.result())
-                except Exception as e:  # report how far we got
+                except Exception as e:  # noqa: BLE001 - report how far we got, and why it stopped
                     failed = failed or e
             if failed is not None:
                 stop = f"a start failed ({_first_line(failed)})"
