@@ -184,14 +184,15 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
 
 
-def _cold_boots(repo: str, config: SandboxConfig, n: int, log) -> tuple[dict, str]:
-    """`n` cold boots to a first command, each in a fresh snapshot directory (CODEFLEET_VM_TEMPLATES, set for
-    the rest of the vm run); the figures and the last directory, whose snapshot the later phases restore."""
+def _cold_boots(repo: str, config: SandboxConfig, n: int, root: str, log) -> tuple[dict, str]:
+    """`n` cold boots to a first command, each in a fresh snapshot directory under `root` (CODEFLEET_VM_TEMPLATES,
+    set for the rest of the vm run); the figures and the last directory, whose snapshot the later phases
+    restore."""
     boots, to_agent, tdir = [], [], ""
     for i in range(n):
         if tdir:
             shutil.rmtree(tdir, ignore_errors=True)
-        tdir = tempfile.mkdtemp(prefix="codefleet-bench-vm-", dir="/dev/shm")  # tmpfs, as template_dir() wants
+        tdir = os.path.join(root, f"boot{i}")
         os.environ["CODEFLEET_VM_TEMPLATES"] = tdir
         t = time.perf_counter()
         template = vm.Template(vm_image.environment_disk(), config.memory_mb, max(1, math.ceil(config.cpu_cores)),
@@ -251,7 +252,7 @@ def _run_backend(backend: str, quick: bool, log) -> dict:
     repo = _make_repo(work)
     results: dict = {"backend": backend, "quick": quick}
     saved_templates = os.environ.get("CODEFLEET_VM_TEMPLATES")
-    tdir = ""
+    snapshots = tdir = ""
     try:
         bwrap = None
         if backend == "namespace" and shutil.which("bwrap"):
@@ -264,7 +265,8 @@ def _run_backend(backend: str, quick: bool, log) -> dict:
             results["accel"] = vm.accel()
             results["memory_mb"] = config.memory_mb
             log(f"[vm] cold boot x{sizes.n_boot} ({results['accel']}) ...")
-            boots, tdir = _cold_boots(repo, config, sizes.n_boot, log)
+            snapshots = tempfile.mkdtemp(prefix="codefleet-bench-vm-", dir="/dev/shm")  # tmpfs, as template_dir() wants
+            boots, tdir = _cold_boots(repo, config, sizes.n_boot, snapshots, log)
             results.update(boots)
         else:
             create_sandbox(repo, config).close()  # warm up: owner dir, reaper, /etc scan
@@ -355,8 +357,8 @@ def _run_backend(backend: str, quick: bool, log) -> dict:
             results["snapshots_booted"] = sum(1 for name in os.listdir(tdir) if name != "lock")  # 1 unless rebuilt
     finally:
         shutil.rmtree(work, ignore_errors=True)
-        if tdir:
-            shutil.rmtree(tdir, ignore_errors=True)
+        if snapshots:
+            shutil.rmtree(snapshots, ignore_errors=True)
             if saved_templates is None:
                 os.environ.pop("CODEFLEET_VM_TEMPLATES", None)
             else:
