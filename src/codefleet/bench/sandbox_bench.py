@@ -244,7 +244,7 @@ def _hold_live(repo: str, config: SandboxConfig, sizes: Sizes, log) -> tuple[lis
 
 def _run_backend(backend: str, quick: bool, log) -> dict:
     sizes = SIZES["vm" if backend == "vm" else "other"][quick]
-    work = tempfile.mkdtemp(prefix="codefleet-bench-", dir="/var/tmp")
+    work = tempfile.mkdtemp(prefix=f"codefleet-bench-{os.getpid()}-", dir="/var/tmp")  # the pid: whose it is
     os.chmod(work, 0o755)  # the sandbox user walks through it to the state directory (sandbox/state.py)
     config = SandboxConfig(backend=backend, state_dir=os.path.join(work, "state"))
     if backend == "vm":
@@ -265,7 +265,7 @@ def _run_backend(backend: str, quick: bool, log) -> dict:
             results["accel"] = vm.accel()
             results["memory_mb"] = config.memory_mb
             log(f"[vm] cold boot x{sizes.n_boot} ({results['accel']}) ...")
-            snapshots = tempfile.mkdtemp(prefix="codefleet-bench-vm-", dir="/dev/shm")  # tmpfs, as template_dir() wants
+            snapshots = tempfile.mkdtemp(prefix=f"codefleet-bench-vm-{os.getpid()}-", dir="/dev/shm")  # tmpfs
             boots, tdir = _cold_boots(repo, config, sizes.n_boot, snapshots, log)
             results.update(boots)
         else:
