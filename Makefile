@@ -27,7 +27,7 @@ test-vllm:
 	.venv-vllm/bin/python -m pytest -m vllm -q tests/test_vllm_engine.py tests/test_gpu_check.py tests/test_scale_out.py
 
 # The vm backend (sandbox/vm.py): QEMU, the guest kernel and the disks (scripts/setup_vm.sh), then the sandbox
-# suite against microVMs. Under TCG (no usable KVM) it takes ~15-25 min on 2 cores.
+# suite against microVMs. Under TCG (no usable KVM) it takes ~10 min on 2 cores.
 test-vm:
 	@bash scripts/setup_vm.sh
 	$(PY) -m pytest -m vm -q

@@ -347,3 +347,12 @@ def test_filling_the_workspace_stops_at_workspace_mb(make_sandbox):
     disk = os.stat(sb.disk)  # all the host holds of the workspace: a sparse file of that size
     assert disk.st_size == 64 << 20 and disk.st_blocks * 512 <= 64 << 20
     assert run(sb, "rm big && echo fine > small && cat small") == "fine\n"
+
+
+def test_host_paths_bound_read_only_are_refused_not_dropped(repo, config, tmp_path):
+    from dataclasses import replace
+
+    from codefleet.sandbox import create_sandbox
+
+    with pytest.raises(ValueError, match="ro_binds .* cannot reach a vm sandbox"):
+        create_sandbox(repo, replace(config, ro_binds=[str(tmp_path)]))

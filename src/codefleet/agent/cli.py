@@ -35,7 +35,7 @@ from codefleet.agent.clients.local_engine import grammar_options
 from codefleet.agent.loop import AgentLoop, Event
 from codefleet.config import ConfigError, load_config
 from codefleet.model import checkpoint
-from codefleet.sandbox import SandboxConfig, SandboxError, create_sandbox, environments
+from codefleet.sandbox import SandboxConfig, SandboxError, create_sandbox, environments, resolve_backend
 from codefleet.types import Budgets
 
 
@@ -182,6 +182,13 @@ def _with_toolchain(config: SandboxConfig, args: argparse.Namespace, err: TextIO
         return config
     venv = toolchain.find_venv(args.repo, dict(os.environ)) if args.venv == "auto" else toolchain.venv_at(args.venv)
     if venv is None:
+        return config
+    if resolve_backend(config.backend) == "vm":  # a VM sees its environment's disk and the workspace, no host path
+        if args.venv != "auto":
+            raise toolchain.ToolchainError(f"a vm sandbox cannot use this machine's virtual environment {venv.path}; "
+                                           "give the packages as an environment (--env), or use --backend namespace")
+        print(f"codefleet agent run: the vm sandbox does not see the virtual environment {venv.path}; its commands "
+              "use the environment's python3 (--env gives an image with the packages)", file=err)
         return config
     print(f"codefleet agent run: the sandbox uses the virtual environment {venv.path} (read-only; --venv none "
           "to leave it out)", file=err)

@@ -200,7 +200,7 @@ class Qemu:
         # QEMU's own seccomp filter; as root it then becomes the sandbox user (-runas), a change of uid that
         # elevateprivileges=deny would forbid, and after which it holds no privilege to elevate to.
         confine = "on,obsolete=deny,spawn=deny,resourcecontrol=deny"
-        if os.geteuid() == 0 and _user_exists(SANDBOX_USER):
+        if os.geteuid() == 0:  # VMSandbox refuses to start as root without this user
             args += ["-sandbox", confine, "-runas", SANDBOX_USER]
         else:
             args += ["-sandbox", confine + ",elevateprivileges=deny"]
@@ -540,6 +540,13 @@ class VMSandbox:
                             "call create_sandbox(repo, config)")
         if repo is not None and not os.path.isdir(repo):
             raise FileNotFoundError(f"repository directory {repo!r} does not exist")
+        if config.ro_binds:
+            raise ValueError(f"SandboxConfig.ro_binds {config.ro_binds} cannot reach a vm sandbox, which sees only its "
+                             "environment's disk and the workspace; give those files as an environment "
+                             "(docs/environments.md) or use backend 'namespace'")
+        if os.geteuid() == 0 and not _user_exists(SANDBOX_USER):
+            raise SandboxUnavailableError(f"as root, vm sandboxes run QEMU as the user {SANDBOX_USER}, which does not "
+                                          "exist; create it with scripts/setup.sh (docs/sandbox.md)")
         self.config = config
         self.owner = owner_for(config.state_dir)
         self.id = "vm-" + os.urandom(5).hex()

@@ -241,7 +241,7 @@ def _cpio(entries: list[tuple[str, int, bytes]]) -> bytes:
 
 def environment_disk(rootfs: str | None = None) -> str:
     """The erofs image of `rootfs` (an environment's root filesystem), or of the host's userland when None.
-    Built once per content fingerprint (the top directories' and dpkg's status times and sizes)."""
+    Built once per content fingerprint: /usr's, dpkg's status and Python packages' times and sizes (not /etc's)."""
     if shutil.which("mkfs.erofs") is None:
         raise SandboxUnavailableError("the vm backend needs mkfs.erofs; install Debian's erofs-utils")
     source = rootfs or "/"
@@ -251,7 +251,10 @@ def environment_disk(rootfs: str | None = None) -> str:
     tops = [t.lstrip("/") for t in HOST_USERLAND] + ([] if rootfs is None else ["opt"])
     present = [t for t in tops if os.path.lexists(os.path.join(source, t))]
     stamp = hashlib.sha256(os.path.abspath(source).encode())
-    for t in present + ["var/lib/dpkg/status", "usr/local/bin", "usr/lib/python3/dist-packages"]:
+    # /etc is left out of the fingerprint: it changes with every user added or file edited, and a rebuild costs a
+    # minute per 5 GB; packages (dpkg's status, /usr/local, Python's packages) are what a command needs fresh.
+    for t in [p for p in present if p != "etc"] + ["var/lib/dpkg/status", "usr/local/bin",
+                                                 "usr/lib/python3/dist-packages"]:
         try:
             st = os.lstat(os.path.join(source, t))
         except OSError:
