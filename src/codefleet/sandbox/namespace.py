@@ -82,7 +82,7 @@ from codefleet.sandbox.layers import (
 from codefleet.sandbox.shell import ShellSession
 from codefleet.sandbox.shellbox import ShellSandbox, setup_script
 from codefleet.sandbox.state import Owner, owner_for
-from codefleet.types import ExecResult, SandboxInfo
+from codefleet.types import SandboxInfo
 
 _FORK_THREADS = 4
 
@@ -123,7 +123,6 @@ class NamespaceSandbox(ShellSandbox):
         super().__init__(sandbox_id, config, self.workspace.merged,
                          (self.ident.uid, self.ident.gid) if self.workspace.ident else None)
         self.cgroup: Cgroup | None = None
-        self._oom_seen = 0  # OOM kills already reported
         self._pids: list[tuple[int, int | None]] = []  # (outer bwrap, sandbox init) host pids
         self._init_pid = 0
         self._ro_stages: list[str] = []  # read-only bind mounts in self.dir (`_stage_ro_binds`)
@@ -270,17 +269,8 @@ class NamespaceSandbox(ShellSandbox):
 
     # -- faults ----------------------------------------------------------------------
 
-    def _limit_note(self, result: ExecResult) -> str:
-        if result.exit_code not in (137, 9) or self.cgroup is None:
-            return ""
-        kills = self.cgroup.oom_kills()
-        if kills <= self._oom_seen:
-            return ""
-        self._oom_seen = kills
-        return f"\n[codefleet: a process was killed by the sandbox's memory limit ({self.config.memory_mb} MB)]"
-
-    def _death_note(self, result: ExecResult) -> str:
-        return self._limit_note(result) + super()._death_note(result)
+    def _oom_kills(self) -> int | None:
+        return None if self.cgroup is None else self.cgroup.oom_kills()
 
     # Killing a sandbox kills its init (bwrap's PID 1 inside) first: the whole PID
     # namespace dies with it, and the outer bwrap, which reaps it, then exits by

@@ -125,6 +125,7 @@ class ShellSandbox(ABC):
         self._session: ShellSession | None = None
         self._proc: subprocess.Popen | None = None
         self.restarts = 0
+        self._oom_seen = 0  # OOM kills already reported (_limit_note)
 
     # -- backend hooks -------------------------------------------------------------
 
@@ -183,11 +184,22 @@ class ShellSandbox(ABC):
     def _death_note(self, result: ExecResult) -> str:
         why = ("the command ignored the interrupt, so codefleet ended the shell" if result.timed_out
                else f"the shell exited (status {result.exit_code})")
-        return (f"\n[codefleet: {why}; the next command gets a fresh shell in the same workspace — cwd, "
-                "environment and background jobs are reset]")
+        return self._limit_note(result) + (f"\n[codefleet: {why}; the next command gets a fresh shell in the same "
+                                           "workspace — cwd, environment and background jobs are reset]")
+
+    def _oom_kills(self) -> int | None:
+        """How many of this sandbox's processes the OOM killer has killed so far; None where nobody counts."""
+        return None
 
     def _limit_note(self, result: ExecResult) -> str:
-        return ""
+        """A line for a command killed (137) by the sandbox's memory limit, told once per kill."""
+        if result.exit_code not in (137, 9):
+            return ""
+        kills = self._oom_kills()
+        if kills is None or kills <= self._oom_seen:
+            return ""
+        self._oom_seen = kills
+        return f"\n[codefleet: a process was killed by the sandbox's memory limit ({self.config.memory_mb} MB)]"
 
     def _restart(self) -> None:
         """Replace a dead or wedged shell; the workspace is kept."""

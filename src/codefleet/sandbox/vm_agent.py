@@ -5,7 +5,7 @@ like the local backend's, over /workspace), so a command, its timeout, its outpu
 confinement behave exactly as in a namespace sandbox. Commands run as an unprivileged user (the
 `codefleet-sandbox` account where the environment has one, else `nobody`): they cannot touch the agent,
 its port or the guest's mounts. The VM is the boundary; what comes back from here is treated by the
-host as untrusted data (vm.py bounds and checks it).
+host as untrusted data (vm_qemu.AgentLink bounds and checks it).
 
 Protocol: frames of a 4-byte big-endian length and a JSON object. The host sends `{"id", "op", ...}`;
 the agent answers `{"id", "ok": true, "result"}` or `{"id", "ok": false, "error", "message"}`, requests
@@ -36,7 +36,7 @@ from dataclasses import asdict
 from codefleet.sandbox.base import SandboxConfig
 from codefleet.sandbox.shell import ShellSession
 from codefleet.sandbox.shellbox import ShellSandbox, setup_script
-from codefleet.types import ExecResult, SandboxInfo
+from codefleet.types import SandboxInfo
 
 MAX_FRAME = 64 << 20  # a request larger than this is refused (the host never sends one)
 WORKSPACE_DEVICE = "/dev/vdb"
@@ -113,17 +113,8 @@ class GuestSandbox(ShellSandbox):
     def _kill_processes(self) -> None:
         _kill_all_of(self.uid)
 
-    def _limit_note(self, result: ExecResult) -> str:
-        if result.exit_code not in (137, 9):
-            return ""
-        kills = _oom_kills()
-        if kills <= self._oom_seen:
-            return ""
-        self._oom_seen = kills
-        return f"\n[codefleet: a process was killed by the sandbox's memory limit ({self.config.memory_mb} MB)]"
-
-    def _death_note(self, result: ExecResult) -> str:
-        return self._limit_note(result) + super()._death_note(result)
+    def _oom_kills(self) -> int | None:
+        return _oom_kills()
 
     def _make_children(self, n: int, replay: str) -> list[ShellSandbox]:
         raise NotImplementedError("a vm sandbox forks on the host, by snapshot")
