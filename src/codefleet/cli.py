@@ -5,6 +5,7 @@
     codefleet train [--config FILE] --out RUN_DIR [KEY=VALUE ...]
     codefleet eval --checkpoint DIR --tasks DIR
     codefleet analyze RUN_DIR
+    codefleet chaos RUN_CONFIG --minutes N --seed S
     codefleet tasks generate|check|import-swebench ...
     codefleet sandbox run [--repo DIR] [--timeout S] [--memory-mb N] -- CMD [ARGS...]
     codefleet bench sandbox|env|moe|engine|controller|analyze|weightsync|gpucheck|mine [--quick] [--json]
@@ -44,6 +45,8 @@ COMMANDS = {
     "export": ("codefleet.model.export_cli", "write a checkpoint as a Hugging Face model directory (transformers, "
                "vLLM)"),
     "env": ("codefleet.sandbox.env_cli", "environments (OCI images) sandboxes run in: import, ls, rm, gc"),
+    "chaos": ("codefleet.chaos.cli", "a training run on a local multi-node Ray cluster under injected faults, then "
+              "its invariants"),
 }
 
 

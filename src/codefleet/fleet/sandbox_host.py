@@ -207,6 +207,11 @@ class HostCore:
         if old is not None:
             old.close()
 
+    def ids(self) -> list[str]:
+        """The ids of the live sandboxes (not warm pools' spares)."""
+        with self._lock:
+            return list(self._live)
+
     def stats(self) -> HostStats:
         with self._lock:
             return HostStats(self.node_id, self.capacity, len(self._live),
@@ -287,6 +292,9 @@ class SandboxHost:
 
     async def warm(self, repo: str | None, config: SandboxConfig | None, size: int) -> None:
         return await self._run(self._core.warm, repo, config, size)
+
+    async def ids(self) -> list[str]:
+        return self._core.ids()
 
     async def stats(self) -> HostStats:
         return self._core.stats()
