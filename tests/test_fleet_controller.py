@@ -174,6 +174,23 @@ def test_a_timed_out_attempt_is_cancelled_and_retried(ray_session, worker):
     assert ray_session.get(worker.cancelled_count.remote()) > before  # the hanging coroutine was cancelled
 
 
+def test_a_failed_attempt_is_retried_after_a_growing_back_off(ray_session, worker):
+    """A restarting actor fails every call at once for a while: the retries of one attempt wait 0.4 s, then
+    0.8 s, so they reach the actor once it is back instead of burning through max_infra_retries at once."""
+    script = lambda g, a, t: (0.01, float(a), "infra" if (g, a) == (0, 0) and t <= 2 else "ok")  # noqa: E731
+    ctrl, runner, trainer = build(ray_session, worker, script, eta=0, retry_backoff_s=0.4, retry_backoff_max_s=0.6)
+    starts: list[float] = []
+    start = runner.start
+    runner.start = lambda ticket, item, attempts: (starts.extend(time.monotonic() for a in attempts
+                                                                 if (ticket.group_id, a) == (0, 0)),
+                                                   start(ticket, item, attempts))[1]
+    report = ctrl.run(2)
+    assert report.steps == 2 and report.infra_failures == 2 and report.abandoned_groups == 0
+    assert runner.tries[(0, 0)] == 3
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert 0.4 <= gaps[0] < 2.0 and 0.6 <= gaps[1] < 2.0, gaps  # the second back-off doubled, capped at 0.6
+
+
 def test_an_abandoned_group_does_not_deadlock_the_run(ray_session, worker):
     script = lambda g, a, t: (0.01, float(a), "raise" if (g, a) == (0, 0) else "ok")  # noqa: E731
     ctrl, runner, trainer = build(ray_session, worker, script, eta=0, max_infra_retries=2)

@@ -27,8 +27,10 @@ durable before the trainer can take the group.
 Infrastructure failures. An attempt whose ref raises (a dead actor, a crashed sandbox), that
 resolves to `AttemptResult(rollout=None)`, or that runs past `rollout_timeout_s` (then it is
 `ray.cancel`led) is an infrastructure failure: it returns its slot, is counted, and the same
-attempt index is started again with `runner.start(ticket, item, [attempt])` when a slot is free
-(retries go before new groups). It is never scored as the agent's failure. An attempt that fails
+attempt index is started again with `runner.start(ticket, item, [attempt])` once its back-off has passed
+(`retry_backoff_s`, doubled per further failure of that attempt, at most `retry_backoff_max_s`) and a slot is
+free (a retry that is due goes before new groups). The back-off matters when a node dies: its actors are
+restarted elsewhere, and until then every call to them fails at once. It is never scored as the agent's failure. An attempt that fails
 more than `max_infra_retries` times abandons its group: the group's other attempts are cancelled
 and its ticket is withdrawn, so the trainer does not wait for it.
 
@@ -62,6 +64,7 @@ What is measured (RunReport, StepReport).
 from __future__ import annotations
 
 import functools
+import heapq
 import itertools
 import logging
 import queue
@@ -166,7 +169,8 @@ class Controller:
         self._tokens = itertools.count()
         self._pending: dict[int, _Attempt] = {}  # insertion order = start order = deadline order
         self._groups: dict[int, _GroupState] = {}  # admitted, not yet complete or withdrawn
-        self._retries: list[tuple[int, int]] = []  # (group_id, attempt) waiting for a slot
+        # (due time, order, group_id, attempt) waiting for their back-off and a slot, a heap: earliest due first
+        self._retries: list[tuple[float, int, int, int]] = []
         self._requeued: list[Any] = []  # items of groups interrupted at the end of a run, started first next time
         self._exhausted = False  # items raised StopIteration
         self._drained = False  # exhausted and nothing in flight: no further group will arrive
@@ -330,6 +334,8 @@ class Controller:
             if self._pending:
                 oldest = next(iter(self._pending.values()))
                 timeout_s = min(timeout_s, max(oldest.deadline_s - time.monotonic(), 0.0))
+            if self._retries:
+                timeout_s = min(timeout_s, max(self._retries[0][0] - time.monotonic(), 0.0))
             try:
                 event = self._events.get(timeout=timeout_s)
             except queue.Empty:
@@ -344,19 +350,20 @@ class Controller:
             self._expire_timeouts()
 
     def _fill(self) -> None:
-        """Start waiting retries (first), then admit new groups while the bound and the slots allow."""
+        """Start the retries that are due (first), then admit new groups while the bound and the slots allow."""
         adm = self.admission
         if self._ending():
             return
-        while self._retries:
-            group_id, attempt = self._retries[0]
+        now = time.monotonic()
+        while self._retries and self._retries[0][0] <= now:
+            _, _, group_id, attempt = self._retries[0]
             g = self._groups.get(group_id)
             if g is not None:
                 if not adm.try_retry(g.ticket):
                     return  # no slot: new groups must not overtake the retry
                 g.held_slots += 1
                 self._start(g, [attempt])
-            self._retries.pop(0)
+            heapq.heappop(self._retries)
         while self._requeued or not self._exhausted:
             ticket = adm.try_admit(self._version)
             if ticket is None:
@@ -447,7 +454,9 @@ class Controller:
                              f"the infrastructure fails every attempt (last: {why}); check the rollout workers' "
                              "logs, fix the cause and resume from the last checkpoint")
         else:
-            self._retries.append((att.group_id, att.attempt))
+            c = self.config
+            backoff_s = min(c.retry_backoff_s * 2 ** (g.failures[att.attempt] - 1), c.retry_backoff_max_s)
+            heapq.heappush(self._retries, (time.monotonic() + backoff_s, next(self._tokens), att.group_id, att.attempt))
 
     def _broken(self, g: _GroupState, att: _Attempt, why: str) -> None:
         self._broken_groups += 1  # not an infrastructure failure: the withdrawal returns this attempt's slot too

@@ -20,6 +20,10 @@ class ControllerConfig:
     group_size: int = 4  # attempts per group (G)
     rollout_timeout_s: float = 900.0  # per attempt; past it the attempt is cancelled and retried
     max_infra_retries: int = 3  # per attempt; past it the whole group is abandoned
+    # a failed attempt is started again this long after its failure, doubled for each further failure of it (up
+    # to retry_backoff_max_s): an actor restarting after its node died answers "unavailable" at once for seconds
+    retry_backoff_s: float = 2.0
+    retry_backoff_max_s: float = 30.0
     max_abandoned_in_a_row: int = 8  # this many groups abandoned (or broken) with no success between: stop the run
     drop_zero_variance: bool = False  # drop groups whose rewards are all equal (no GRPO signal)
 
@@ -28,6 +32,9 @@ class ControllerConfig:
             raise ValueError(f"rollout_timeout_s={self.rollout_timeout_s} must be > 0")
         if self.max_infra_retries < 0:
             raise ValueError(f"max_infra_retries={self.max_infra_retries} must be >= 0")
+        if self.retry_backoff_s < 0 or self.retry_backoff_max_s < self.retry_backoff_s:
+            raise ValueError(f"retry_backoff_s={self.retry_backoff_s} must be >= 0 and at most retry_backoff_max_s="
+                             f"{self.retry_backoff_max_s}")
 
 
 class ControllerError(RuntimeError):
