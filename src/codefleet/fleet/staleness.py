@@ -40,6 +40,7 @@ it (they are regenerated), and `put` ignores a group whose ids were already cons
 
 from __future__ import annotations
 
+import heapq
 import threading
 import time
 from collections import Counter
@@ -99,6 +100,19 @@ def _percentile(values: list[int], q: float) -> float:
     return float(xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))])
 
 
+def _percentile_of_counts(counts: Counter[int], q: float) -> float:
+    """`_percentile` of the list that holds each value `counts[value]` times, in O(distinct values)."""
+    n = sum(counts.values())
+    if not n:
+        return 0.0
+    k = min(n - 1, round(q / 100 * (n - 1)))
+    for value in sorted(counts):
+        k -= counts[value]
+        if k < 0:
+            return float(value)
+    raise AssertionError("unreachable: k < n")
+
+
 class AdmissionController:
     """Decides whether a group may start (see the module docstring for the rule). Thread-safe."""
 
@@ -109,7 +123,11 @@ class AdmissionController:
             raise ValueError(f"max_in_flight={max_in_flight} cannot hold one group of {group_size} attempts; raise it")
         self.eta, self.max_in_flight = eta, max_in_flight
         self.batch_groups, self.group_size = batch_groups, group_size
-        self.cond = threading.Condition()
+        lock = threading.RLock()
+        self.cond = threading.Condition(lock)
+        # the same lock; notified only when a batch may have become possible (a group buffered, retired or
+        # taken), not on every attempt's release, so a trainer waiting in take_batch is not woken per attempt
+        self.batch_cond = threading.Condition(lock)
         self.next_batch = 0  # t: index of the next batch the trainer takes
         self.in_flight = 0  # rollout slots in use
         self.unconsumed: Counter[int] = Counter()  # deadline -> groups admitted, not consumed/dropped
@@ -180,6 +198,7 @@ class AdmissionController:
         self.unconsumed[ticket.deadline] -= 1
         if not self.unconsumed[ticket.deadline]:
             del self.unconsumed[ticket.deadline]
+        self.batch_cond.notify_all()
 
 
 class RolloutBuffer:
@@ -189,8 +208,10 @@ class RolloutBuffer:
         self.admission = admission
         self.cond = admission.cond
         self.ready: dict[int, Group] = {}
+        self._ready_deadlines: Counter[int] = Counter()  # deadline -> groups in self.ready
         self.consumed_ids: set[str] = set()
         self.lags: list[int] = []
+        self._lag_counts: Counter[int] = Counter()  # the same lags as a histogram, for percentiles per step
         self.dropped_zero_variance = 0
 
     def put(self, group: Group) -> bool:
@@ -199,7 +220,9 @@ class RolloutBuffer:
             if any(r.rollout_id in self.consumed_ids for r in group.rollouts) or group.group_id in self.ready:
                 return False
             self.ready[group.group_id] = group
+            self._ready_deadlines[group.ticket.deadline] += 1
             self.cond.notify_all()
+            self.admission.batch_cond.notify_all()
             return True
 
     def drop(self, group: Group) -> None:
@@ -210,19 +233,29 @@ class RolloutBuffer:
             self.cond.notify_all()
 
     def _pick(self, s: int) -> list[Group] | None:
+        """The B ready groups with the smallest (deadline, group id), if taking them keeps the bound.
+
+        The check needs only how many of them have each deadline, which the per-deadline counts of the
+        ready groups give in O(distinct deadlines); the groups themselves are picked only once the check
+        passes (once per step, O(ready · log B)). A trainer waiting for a straggler group is re-checked on
+        every group that finishes, so a full sort of the ready groups here would cost O(ready) per group."""
         B, adm = self.admission.batch_groups, self.admission
         if len(self.ready) < B:
             return None
-        picked = sorted(self.ready.values(), key=lambda g: (g.ticket.deadline, g.group_id))[:B]
         left = Counter(adm.unconsumed)
-        for g in picked:
-            left[g.ticket.deadline] -= 1
+        need = B
+        for d in sorted(self._ready_deadlines):
+            n = min(need, self._ready_deadlines[d])
+            left[d] -= n
+            need -= n
+            if not need:
+                break
         below = 0
         for j in range(min([s, *left]), max([s, *left]) + 1):
             below += left.get(j, 0)
             if j >= s and below > (j - s) * B:
                 return None
-        return picked
+        return heapq.nsmallest(B, self.ready.values(), key=lambda g: (g.ticket.deadline, g.group_id))
 
     def take_batch(self, n_groups: int, trainer_version: int, timeout_s: float | None = None) -> Batch | None:
         """The batch for trainer step `trainer_version` (steps done so far), or None after `timeout_s`."""
@@ -237,15 +270,19 @@ class RolloutBuffer:
                 left = None if end is None else end - time.monotonic()
                 if left is not None and left <= 0:
                     return None
-                self.cond.wait(left)
+                adm.batch_cond.wait(left)
             batch = Batch(trainer_version, picked)
             for g in picked:
                 del self.ready[g.group_id]
+                self._ready_deadlines[g.ticket.deadline] -= 1
+                if not self._ready_deadlines[g.ticket.deadline]:
+                    del self._ready_deadlines[g.ticket.deadline]
                 adm._retire(g.ticket)
                 for r in g.rollouts:
                     self.consumed_ids.add(r.rollout_id)
                     batch.lags.append(trainer_version - r.policy_version)
             self.lags.extend(batch.lags)
+            self._lag_counts.update(batch.lags)
             adm.next_batch += 1
             self.cond.notify_all()
             return batch
@@ -253,9 +290,9 @@ class RolloutBuffer:
     def metrics(self) -> dict[str, float]:
         with self.cond:
             return {
-                "version_lag_p50": _percentile(self.lags, 50),
-                "version_lag_p99": _percentile(self.lags, 99),
-                "version_lag_max": float(max(self.lags, default=0)),
+                "version_lag_p50": _percentile_of_counts(self._lag_counts, 50),
+                "version_lag_p99": _percentile_of_counts(self._lag_counts, 99),
+                "version_lag_max": float(max(self._lag_counts, default=0)),
                 "admitted_groups": self.admission.admitted_groups,
                 "in_flight_rollouts": self.admission.in_flight,
                 "buffered_groups": len(self.ready),
@@ -285,11 +322,15 @@ class RolloutBuffer:
             adm.in_flight = 0
             self.consumed_ids = set(state["consumed_ids"])
             self.lags = list(state["lags"])
+            self._lag_counts = Counter(self.lags)
             self.ready = {}
+            self._ready_deadlines = Counter()
             adm.next_group_id = state["next_group_id"]
             for ticket, rollouts in state["ready"]:
                 self.ready[ticket.group_id] = Group(ticket, list(rollouts))
+                self._ready_deadlines[ticket.deadline] += 1
                 adm.unconsumed[ticket.deadline] += 1
+            adm.batch_cond.notify_all()
 
 
 class GroupAssembler:
