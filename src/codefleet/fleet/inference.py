@@ -23,6 +23,10 @@ checkpoint itself when it returns, and an update older than the weights it serve
 dead for good (killed with `no_restart`, out of restarts) is told apart by `engine_gone` and left out.
 Rollout workers route episodes around both.
 
+The checkpoint, and `restart_from`, may be fsspec URLs (a run directory on object storage,
+codefleet.store.storage): an engine reads LATEST and the checkpoint's metadata at the URL and loads the
+weights from its node's `storage.local_copy`.
+
 `RemoteEngine` gives a rollout worker the slice of the Engine API that
 `LocalEnginePolicy` uses (`submit(...).result()`, `max_seq_len`,
 `tokenizer`; a dead actor raises `EngineDiedError`), so the policy client is the same code in process and on Ray;
@@ -32,6 +36,7 @@ an episode holds one RemoteEngine, so all its turns go to the same engine.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 
@@ -44,7 +49,8 @@ from codefleet.fleet.gpus import actor_options, check_gpus
 from codefleet.fleet.weight_sync import BucketReceiver, Buckets, GroupReceiver, receive_buckets
 from codefleet.model import engine as _engine  # noqa: F401  (registers the codefleet engine)
 from codefleet.model import vllm_engine as _vllm_engine  # noqa: F401  (registers "vllm"; imports vllm only to build)
-from codefleet.model.checkpoint import CONFIG_FILE, read_metadata
+from codefleet.model.checkpoint import CONFIG_FILE, METADATA_FILE
+from codefleet.store import storage
 from codefleet.types import Failure
 
 
@@ -66,7 +72,7 @@ class EngineActor:
             raise RuntimeError(f"this engine was given GPU {ray.get_gpu_ids()} but torch {torch.__version__} here "
                                "cannot use it: install the GPU builds of torch and vllm on the GPU nodes "
                                "(scripts/setup_vllm.sh does on a machine with an NVIDIA GPU)")
-        self.engine = ENGINES.get(backend)(checkpoint, max_batch=max_batch, max_seq_len=max_seq_len,
+        self.engine = ENGINES.get(backend)(storage.local_copy(checkpoint), max_batch=max_batch, max_seq_len=max_seq_len,
                                            record_routing=record_routing, **gpu)
         self.engine.version = version
         self.receiver = BucketReceiver()  # staging for bucketed updates, allocated by the first
@@ -155,16 +161,20 @@ class EngineActor:
 
 
 def newest_checkpoint(latest_file: str) -> tuple[str, int] | None:
-    """(directory, policy version) of the checkpoint `latest_file` names (beside it), or None if there is none."""
+    """(directory, policy version) of the checkpoint `latest_file` names (beside it), or None if there is none.
+    A path or a URL, read where it is."""
 
     try:
-        with open(latest_file) as f:
-            path = os.path.join(os.path.dirname(latest_file), f.read().strip())
-    except OSError:
+        path = storage.join(storage.parent(latest_file), storage.read_bytes(latest_file).decode().strip())
+        if not storage.exists(storage.join(path, CONFIG_FILE)):
+            return None
+    except (OSError, UnicodeDecodeError):
         return None
-    if not os.path.isfile(os.path.join(path, CONFIG_FILE)):
-        return None
-    return path, int(read_metadata(path).get("policy_version", 0))
+    try:
+        metadata = json.loads(storage.read_bytes(storage.join(path, METADATA_FILE)))
+    except FileNotFoundError:  # as checkpoint.read_metadata: no metadata, version 0
+        metadata = {}
+    return path, int(metadata.get("policy_version", 0))
 
 
 class EngineDiedError(RuntimeError):

@@ -25,6 +25,9 @@ overflow, wrong fix, no submit) is an ordinary scored rollout.
 
 `AgentGroupRunner` is the controller's `GroupRunner` over a set of workers; a
 group's retries move on by one worker per infrastructure failure.
+
+`RolloutSpec.checkpoint` may be an fsspec URL (a run directory on object storage): a worker reads the
+tokenizer, chat template and config from its node's `storage.local_copy` of it, without the tensor files.
 """
 
 from __future__ import annotations
@@ -44,8 +47,9 @@ from codefleet.fleet.inference import RemoteEngine, engine_state
 from codefleet.fleet.sandbox_fleet import SandboxFleet
 from codefleet.fleet.staleness import Rollout, Ticket
 from codefleet.model import chat_format
-from codefleet.model.checkpoint import load_config
+from codefleet.model.checkpoint import TENSOR_SUFFIXES, load_config
 from codefleet.sandbox.base import SandboxConfig
+from codefleet.store import storage
 from codefleet.tasks.checks import TaskSetupError, prepare_sandbox
 from codefleet.types import Failure, Task
 
@@ -58,7 +62,7 @@ class InfraError(RuntimeError):
 class RolloutSpec:
     """How rollout workers run episodes."""
 
-    checkpoint: str  # for the tokenizer and the context length
+    checkpoint: str  # for the tokenizer and the context length (a directory, or a URL)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     episode: EpisodeConfig = field(default_factory=EpisodeConfig)
     max_tokens: int = 384  # per turn
@@ -92,8 +96,9 @@ class RolloutWorker:
     def __init__(self, spec: RolloutSpec, engines: list):
         torch.set_num_threads(1)
         self.spec, self.engines = spec, engines
-        self.tokenizer, _ = chat_format.for_checkpoint(spec.checkpoint)  # and its chat template
-        self.max_seq_len = spec.max_seq_len or load_config(spec.checkpoint).max_seq_len
+        checkpoint = storage.local_copy(spec.checkpoint, skip=TENSOR_SUFFIXES)  # a URL: its small files, here
+        self.tokenizer, _ = chat_format.for_checkpoint(checkpoint)  # and its chat template
+        self.max_seq_len = spec.max_seq_len or load_config(checkpoint).max_seq_len
         self._groups: dict[int, _Prepared] = {}
         self._lock = threading.Lock()
         self._fleet = None

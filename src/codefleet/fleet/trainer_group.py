@@ -24,8 +24,17 @@ Workers are placed by Ray logical resources (`num_cpus_per_worker`,
 `resources_per_worker`) and GPUs (`num_gpus_per_worker`, `fleet.gpus`); rank 0
 picks a free port on its node and the others join it over TCP.
 `torch.set_num_threads(threads_per_worker)` keeps a worker to its share of the
-cores. Checkpoint paths must be readable by every worker (a shared filesystem
-on a cluster); rank 0 writes them.
+cores.
+
+Checkpoints: a path must be readable by every worker (a shared filesystem on a
+cluster); rank 0 writes it. A checkpoint may also be an fsspec URL
+(`s3://bucket/run/checkpoints/sft`, codefleet.store.storage), for a cluster
+whose nodes share nothing else: every worker reads its node's
+`storage.local_copy` (downloaded once per node), and the writers write into
+`storage.staged_dir`, a local directory uploaded to the URL before `save`
+returns. A sharded save then has every rank write its DCP shards into a
+directory of its own node and upload them, rank 0 with the `.metadata` and the
+whole weights, so the URL holds the union a shared filesystem would.
 
 GPUs: a worker given one builds its trainer on it (`cuda`, the GPU Ray gave
 the actor), its batches go there, and the process group uses NCCL; weights
@@ -102,6 +111,7 @@ from codefleet.rl.trainer import (
     loss_units,
     sft_units,
 )
+from codefleet.store import storage
 
 SHARDED_STATE = "sharded"  # a sharded backend's checkpoint: its DCP state (for resuming) in this subdirectory
 SUMMED = ("loss", "tokens", "loss_units", "sequences", "micro_batches")  # metrics that add up across workers
@@ -206,6 +216,7 @@ class TrainerWorker:
         if checkpoint is None:
             torch.manual_seed(self.config.seed)
             return cls(Transformer(model_config).to(self.device), self.config)
+        checkpoint = storage.local_copy(checkpoint)  # a URL: this node's copy
         state = os.path.join(checkpoint, SHARDED_STATE)
         return cls.load(state if self.sharded and os.path.isdir(state) else checkpoint, self.config, device=self.device)
 
@@ -288,22 +299,30 @@ class TrainerWorker:
         """Broadcast the buckets of the last `bucket_plan` to the engines."""
         return self.group_sender.send()
 
-    def save(self, path: str, tmp: str) -> None:
+    def save(self, path: str, tmp_suffix: str) -> None:
         """The dp trainer: rank 0 writes `path`. A sharded one: every rank writes its shards into
-        `tmp/SHARDED_STATE` (what a resume reads), then rank 0 the whole weights gathered from every rank into
-        `tmp` (a normal, or HF, checkpoint that engines and `checkpoint.load` read) and renames `tmp` to `path`.
-        (`rl.sharded.consolidate` would read the shards back, but DCP inside a process group is a collective.)"""
+        `TMP/SHARDED_STATE` (what a resume reads; TMP is the directory's name + `tmp_suffix`), then rank 0 the
+        whole weights gathered from every rank into TMP (a normal, or HF, checkpoint that engines and
+        `checkpoint.load` read) and renames TMP to `path`. (`rl.sharded.consolidate` would read the shards back,
+        but DCP inside a process group is a collective.) A URL `path`: each rank writes into a directory of its
+        own node, uploaded when it is done (module docstring); rank 0 clears the URL before the first barrier."""
+        last = (checkpoint.CONFIG_FILE,)
         if not self.sharded:
-            self.trainer.save(path)
+            with storage.staged_dir(path, last=last) as local:
+                self.trainer.save(local)
             return
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        self.trainer.save(os.path.join(tmp, SHARDED_STATE))  # collectives, with barriers
-        state = self.trainer.weights(clone=False)  # a collective too
-        if self.rank == 0:
-            _save_whole(self.trainer, state, tmp)
-            checkpoint.swap_in(tmp, path, f"{path}.old-{os.getpid()}")  # as Trainer.save
-        dist.barrier()
+        with storage.staged_dir(path, replace=self.rank == 0, last=last) as local:
+            tmp = local + tmp_suffix
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            self.trainer.save(os.path.join(tmp, SHARDED_STATE))  # collectives, with barriers
+            state = self.trainer.weights(clone=False)  # a collective too
+            if self.rank == 0:
+                _save_whole(self.trainer, state, tmp)
+                checkpoint.swap_in(tmp, local, f"{local}.old-{os.getpid()}")  # as Trainer.save
+            dist.barrier()
+            if os.path.isdir(tmp):  # not rank 0's disk (a URL's staging): this rank's shards are its part
+                os.replace(tmp, local)
 
     def load(self, path: str) -> int:
         self.trainer = self._build(path, None)
@@ -420,12 +439,11 @@ class TrainerGroup:
         if not self.sharded:
             self._get([self.workers[0].save.remote(path, "")])
             return
-        path = os.path.abspath(path)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        self._get([w.save.remote(path, tmp) for w in self.workers])
+        path = storage.absolute(path)
+        self._get([w.save.remote(path, f".tmp-{os.getpid()}") for w in self.workers])
 
     def load(self, path: str) -> None:
-        """Every worker resumes from `path`, which all of them must be able to read."""
+        """Every worker resumes from `path`, which all of them must be able to read (or a URL)."""
         versions = self._get([w.load.remote(path) for w in self.workers])
         self._version = versions[0]
 

@@ -36,6 +36,9 @@ from codefleet.model.tokenizer import Tokenizer
 from codefleet.model.transformer import Transformer
 
 WEIGHTS_FILE, CONFIG_FILE, METADATA_FILE = "model.safetensors", "config.json", "metadata.json"
+# the endings of a checkpoint's tensor files (weights, optimizer, DCP shards): what a reader of its tokenizer,
+# chat template and config alone leaves out of a download (codefleet.store.storage.local_copy's `skip`)
+TENSOR_SUFFIXES = (".safetensors", ".pt", ".bin", ".distcp")
 
 
 def _tied_keys(config: ModelConfig) -> set[str]:

@@ -1,4 +1,5 @@
-"""`codefleet train` and `codefleet eval`."""
+"""`codefleet train` and `codefleet eval`. Run directories, checkpoints, task directories and `eval --out` may be
+fsspec URLs (`s3://bucket/run`, codefleet.store.storage; docs/training.md)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from codefleet.model import checkpoint
 from codefleet.model.chat import PROMPTS
 from codefleet.recipe.config import load_train_config
 from codefleet.recipe.evaluate import EvalConfig, comparison_line, evaluate, evaluate_endpoint, report_json
+from codefleet.recipe.run_dir import RunDir
 from codefleet.recipe.train import RunError, results_table, resumed_config, train
+from codefleet.store import storage
 from codefleet.store.parquet import RolloutWriter, rollout_record
 from codefleet.tasks.spec import load_tasks
 from codefleet.types import Budgets
@@ -29,8 +32,10 @@ def register(subparsers) -> None:
         "defaults, then the recipe the field `recipe` names (default: demo), then --config FILE, then KEY=VALUE "
         "overrides (e.g. rl.steps=20 cluster.num_cpus=8); every field: docs/configuration.md.")
     train.add_argument("--config", default=None, help="YAML file with TrainRunConfig fields (docs/configuration.md)")
-    train.add_argument("--out", default=None, help="run directory (required unless --resume RUN_DIR)")
-    train.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue the run in RUN_DIR after a crash")
+    train.add_argument("--out", default=None, help="run directory, or an fsspec URL such as s3://bucket/run "
+                       "(required unless --resume RUN_DIR)")
+    train.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue the run in RUN_DIR (a directory "
+                       "or URL) after a crash")
     train.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local Ray)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
@@ -41,12 +46,12 @@ def register(subparsers) -> None:
                                "of CHECKPOINT, or of the model behind --model URL, on the tasks in DIR (greedy "
                                "decoding by default).")
     policy = ev.add_mutually_exclusive_group(required=True)
-    policy.add_argument("--checkpoint", help="checkpoint directory, run by codefleet's engine in this process")
+    policy.add_argument("--checkpoint", help="checkpoint directory (or URL), run by codefleet's engine in this process")
     policy.add_argument("--model", metavar="URL", help="an OpenAI-compatible base URL (vLLM, SGLang, codefleet "
                         "serve, ...), e.g. http://localhost:8000/v1")
     ev.add_argument("--model-name", default="", help="with --model: the model to ask for (default: the first one "
                     "the endpoint lists)")
-    ev.add_argument("--tasks", required=True, help="task directory (codefleet tasks generate)")
+    ev.add_argument("--tasks", required=True, help="task directory or URL (codefleet tasks generate)")
     ev.add_argument("--attempts", type=int, default=1)
     ev.add_argument("--jobs", type=int, default=4, help="tasks at once")
     ev.add_argument("--max-tokens", type=int, default=384, help="per turn")
@@ -64,7 +69,8 @@ def register(subparsers) -> None:
                     help="what the policy is shown: 'full' the system prompt and tool schemas, 'bare' the task alone "
                          "(default: the style the checkpoint's metadata.json says it was trained on, else full; with "
                          "--model: full, and codefleet serve renders it in its checkpoint's style)")
-    ev.add_argument("--out", default=None, help="also write the trajectories to a rollout store in this directory")
+    ev.add_argument("--out", default=None, help="also write the trajectories to a rollout store in this directory "
+                    "(or URL)")
     ev.add_argument("--json", action="store_true", help="print only the JSON summary")
     ev.set_defaults(func=_eval)
 
@@ -94,11 +100,9 @@ def _train(args: argparse.Namespace) -> int:
         print(f"codefleet train: {e}", file=sys.stderr)
         return 2
     except ControllerError as e:  # the RL loop stopped, saying why; the traceback is for a bug report
-
-        path = os.path.join(run_dir, "error.txt")
-        with open(path, "w") as f:
-            f.write(traceback.format_exc())
-        print(f"codefleet train: {e} (traceback: {path})", file=sys.stderr)
+        run = RunDir(run_dir)
+        run.write("error.txt", traceback.format_exc().encode())
+        print(f"codefleet train: {e} (traceback: {run.durable('error.txt')})", file=sys.stderr)
         return 1
     print(f"\nheld-out tasks ({summary['run_dir']}/tasks/eval), run wall clock {summary['wall_s']:.0f} s:")
     print(results_table(summary["results"]))
@@ -125,8 +129,14 @@ def _eval(args: argparse.Namespace) -> int:
         print("codefleet eval: --exact-tokens needs codefleet's own engine in process; use it with --checkpoint",
               file=sys.stderr)
         return 2
+    local = {}  # a URL's copy in this node's download cache
     for path, what in ((args.checkpoint, "--checkpoint"), (args.tasks, "--tasks")):
-        if path is not None and not os.path.isdir(path):
+        try:
+            local[what] = storage.local_copy(path) if path is not None else None
+        except (OSError, ValueError) as e:
+            print(f"codefleet eval: {what} {path!r} cannot be read: {e}", file=sys.stderr)
+            return 2
+        if path is not None and not os.path.isdir(local[what]):
             print(f"codefleet eval: {what} {path!r} is not a directory", file=sys.stderr)
             return 2
     bad = [f"{flag} {value}" for flag, value, ok in (
@@ -140,12 +150,12 @@ def _eval(args: argparse.Namespace) -> int:
         return 2
     try:
         if args.checkpoint:
-            checkpoint.check(args.checkpoint)
+            checkpoint.check(local["--checkpoint"])
     except (OSError, ValueError) as e:
         print(f"codefleet eval: --checkpoint {args.checkpoint} cannot be evaluated: {e}", file=sys.stderr)
         return 2
     try:
-        tasks = load_tasks(args.tasks)
+        tasks = load_tasks(local["--tasks"])
     except (OSError, ValueError) as e:
         print(f"codefleet eval: cannot read the tasks in {args.tasks}: {e}", file=sys.stderr)
         return 2
@@ -156,14 +166,14 @@ def _eval(args: argparse.Namespace) -> int:
     on_task = None
     if args.out:
 
-        writer = RolloutWriter(os.path.join(args.out, "rollouts"))
-        run_name = os.path.basename(os.path.abspath(args.checkpoint)) if args.checkpoint else args.model_name or "model"
+        writer = RolloutWriter(storage.join(args.out, "rollouts"))
+        run_name = storage.basename(storage.absolute(args.checkpoint)) if args.checkpoint else args.model_name or "model"
 
         def on_task(task, trajectories):
             writer.append([rollout_record(t, run=run_name, step=0, group=0, attempt=i, split="eval")
                            for i, t in enumerate(trajectories)])
 
-    usage = checkpoint.usage(args.checkpoint) if args.checkpoint else dict(checkpoint.USAGE_DEFAULTS)
+    usage = checkpoint.usage(local["--checkpoint"]) if args.checkpoint else dict(checkpoint.USAGE_DEFAULTS)
     episode = EpisodeConfig(budgets=Budgets(max_turns=args.max_turns, max_tool_calls=4 * args.max_turns,
                                             wall_clock_s=args.wall_clock),
                             prompt=args.prompt or usage["prompt"])

@@ -19,7 +19,10 @@ Every attempt is a scored trajectory; the figures are:
   ends them (32 attempts x 10 jobs on 2 cores: 72% of them), which the table then says.
 
 `codefleet eval --checkpoint DIR --tasks DIR [--attempts N]` prints the table
-and the JSON (and writes the trajectories to a rollout store with `--out`).
+and the JSON (and writes the trajectories to a rollout store with `--out`). The
+checkpoint, the task directory and `--out` may be fsspec URLs (`s3://...`,
+codefleet.store.storage): the checkpoint and the tasks are read from this
+node's download cache, the rollouts are written to the URL.
 `codefleet eval --model URL` (`evaluate_endpoint`) evaluates any model behind an
 OpenAI-compatible endpoint on the same tasks, the same way, for a baseline to
 hold a trained policy against.
@@ -42,6 +45,7 @@ from codefleet.agent.clients import OpenAIConfig, OpenAIPolicy
 from codefleet.agent.clients.local_engine import LocalEnginePolicy, grammar_options
 from codefleet.agent.reward import tool_errors
 from codefleet.model.engine import load_engine
+from codefleet.store import storage
 from codefleet.tasks.checks import TaskSetupError
 from codefleet.types import Task, Trajectory
 
@@ -169,13 +173,14 @@ def summarize(checkpoint: str, results: dict[str, list[Trajectory]], attempts: i
 
 def evaluate(checkpoint: str, tasks: list[Task], config: EvalConfig | None = None, sandbox_config=None,
              episode_config=None, on_task=None) -> tuple[EvalReport, dict[str, list[Trajectory]]]:
-    """Run every task `attempts` times with the checkpoint; the report and the trajectories by task id."""
+    """Run every task `attempts` times with the checkpoint (a directory or a URL, which labels the report); the
+    report and the trajectories by task id."""
     config = config or EvalConfig()
     if not tasks:
         raise ValueError("no tasks to evaluate: give a directory made by `codefleet tasks generate`")
     torch.set_num_threads(config.threads)
     started = time.perf_counter()
-    engine = load_engine(checkpoint, max_batch=max(1, config.jobs * config.attempts))
+    engine = load_engine(storage.local_copy(checkpoint), max_batch=max(1, config.jobs * config.attempts))
     try:
         policy = LocalEnginePolicy(engine=engine, max_tokens=config.max_tokens, temperature=config.temperature,
                                    seed=0, name=f"local:{checkpoint}", **grammar_options(config.tool_grammar))

@@ -19,6 +19,7 @@
       eval/sft-rollouts/, ...     its episodes, Parquet (split "eval", run NAME-sft / NAME-rl)
       demos.pkl, sft.done         cached expert demonstrations; SFT finished
       .lock                       held (flock) by the one `codefleet train` working in the run
+      .lease                      (a URL run) who holds the run, and when they last said so
 
 Resume invariant. A group is durable once its pickle exists (written before
 it enters the buffer). A checkpoint is complete once LATEST names it (the
@@ -29,28 +30,59 @@ is never lost, and one trained before the checkpoint is never trained again.
 Groups that were in flight at the crash are simply regenerated. Two processes in one run would
 overwrite each other's groups and checkpoints, so `train` holds `.lock` (the OS releases it when the
 process dies, even by SIGKILL) and a second one is refused.
+
+A run directory on object storage. `--out s3://bucket/run` (any fsspec URL, codefleet.store.storage) keeps
+the layout above at the URL and the same invariant, for a cluster whose nodes share nothing but that
+storage. `durable(name)` is where a record lives (the URL, or the path itself for a plain directory);
+`path(name)` is this process's local copy: for a URL a staging directory on the driver's node
+(`$CODEFLEET_CACHE/runs/NAME-HASH`), which holds what only the driver works on (TensorBoard, the plot, the
+generated tasks' repositories) and may be deleted at any time: a resume reads everything from the URL.
+Records are written through when they are made: an accepted group's pickle is PUT before `save_group`
+returns (so before the trainer sees the group); `commit_checkpoint` runs after the trainer workers uploaded
+the checkpoint directory (`storage.staged_dir`), then PUTs the trained ids, the controller state and LATEST
+last; run.json, config.yaml, demos.pkl, sft.done, tasks/, metrics.jsonl (on every step), eval/*.json and
+results.json when written; tb/ and metrics.png when the metrics close. `latest()`, `load_groups()` and
+`check_format()` read the URL. A PUT is atomic, so a torn write is still impossible; a checkpoint uploaded
+without its LATEST (a crash between the two) is not complete, and the run resumes from the one before.
+
+The lock of a URL run. flock does not reach an object store, so two machines could both think they hold a
+run. The driver takes the flock on its staging directory (one process per run on one machine) and writes
+`.lease` at the URL: host, pid, a token and the time, renewed every `HEARTBEAT_S` by a thread. `lock()`
+refuses, in one sentence, while another holder's lease is fresh (renewed in the last `LEASE_S`), unless
+that holder is on this host and its process is gone; a lease older than that is a dead holder's and is
+taken over. After writing its lease a process reads it back `LEASE_SETTLE_S` later and refuses if another
+token is there (two started at the same moment: the later writer wins). `unlock()` removes the lease.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import pickle
 import shutil
+import socket
 import sys
-import tempfile
+import threading
+import time
+import uuid
 
 from matplotlib.figure import Figure
 from torch.utils.tensorboard import SummaryWriter
 
 from codefleet.fleet.staleness import Group
 from codefleet.model.checkpoint import CONFIG_FILE
+from codefleet.store import storage
 
 # The layout above, as a number: a run directory written in another layout is refused on --resume with one
 # sentence, never half-read. Raise it when the layout or the pickled groups change.
 FORMAT = 1
 FORMAT_FILE = "run.json"
+LEASE_FILE = ".lease"
+LEASE_S = 120.0  # a URL run's lease not renewed for this long is a dead holder's
+HEARTBEAT_S = 20.0  # how often the holder renews it
+LEASE_SETTLE_S = 1.0  # how long after writing its lease a process reads it back
 
 
 class RunError(RuntimeError):
@@ -63,123 +95,231 @@ def log(message: str) -> None:
 
 
 def atomic_write(path: str, data: bytes) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """`data` as the local file `path`, written to a temporary name, flushed to disk and renamed."""
+    storage.put_file_atomic(path, data)
+
+
+def staging_dir(url: str) -> str:
+    """This machine's local directory for the run at `url` (the same for every process that opens it)."""
+    digest = hashlib.sha256(storage.absolute(url).encode()).hexdigest()[:12]
+    return os.path.join(storage.cache_root(), "runs", f"{storage.safe_name(storage.basename(url))}-{digest}")
 
 
 class RunDir:
-    def __init__(self, root: str):
-        self.root = os.path.abspath(root)
+    def __init__(self, root: str, staging: str | None = None):
+        """`root`: a directory, or an fsspec URL (the module docstring); `staging`: the local directory of a URL
+        run (default `staging_dir(root)`)."""
+        self.url = storage.absolute(root) if storage.is_url(root) else None
+        self.root = os.path.abspath(staging or staging_dir(root)) if self.url else os.path.abspath(root)
+
+    @property
+    def location(self) -> str:
+        """Where the run is: its URL, or its directory."""
+        return self.url or self.root
 
     def path(self, *parts: str) -> str:
+        """A local path in the run (for a URL run, in its staging directory)."""
         return os.path.join(self.root, *parts)
+
+    def durable(self, *parts: str) -> str:
+        """Where a record of the run lives, for every process of the cluster: the URL, or the local path."""
+        return storage.join(self.url, *parts) if self.url else self.path(*parts)
+
+    # -- records -------------------------------------------------------------------------
+
+    def write(self, name: str, data: bytes) -> None:
+        """The record `name` ("eval/rl.json"), written atomically where it lives."""
+        storage.put_file_atomic(self.durable(name), data)
+
+    def read(self, name: str) -> bytes | None:
+        """The record `name`, or None when there is none."""
+        try:
+            return storage.read_bytes(self.durable(name))
+        except FileNotFoundError:
+            return None
+
+    def exists(self, name: str) -> bool:
+        return storage.exists(self.durable(name))
+
+    def publish(self, name: str) -> None:
+        """A URL run: upload the local file or directory `name` (staged here) to the URL. Nothing for a path."""
+        if self.url and os.path.exists(self.path(name)):
+            local = self.path(name)
+            if os.path.isdir(local):
+                storage.upload_dir(local, self.durable(name))
+            else:
+                storage.upload_file(local, self.durable(name))
+
+    def fetch(self, name: str) -> bool:
+        """A URL run: replace the local copy of `name` by what the URL holds, if anything. Whether `name`
+        exists (for a path: locally)."""
+        if not self.url:
+            return os.path.exists(self.path(name))
+        durable = self.durable(name)
+        if storage.isdir(durable):
+            shutil.rmtree(self.path(name), ignore_errors=True)
+            storage.download_dir(durable, self.path(name))
+            return True
+        if storage.exists(durable):
+            storage.download_file(durable, self.path(name))
+            return True
+        return False
 
     def write_format(self) -> None:
         """Mark a new run directory with this version's layout."""
-        atomic_write(self.path(FORMAT_FILE), json.dumps({"format": FORMAT}).encode())
+        self.write(FORMAT_FILE, json.dumps({"format": FORMAT}).encode())
 
     def check_format(self) -> None:
         """RunError unless the run directory was written in this version's layout."""
         try:
-            with open(self.path(FORMAT_FILE)) as f:
-                found = json.load(f).get("format")
+            found = json.loads(self.read(FORMAT_FILE) or b"null").get("format")
         except (OSError, ValueError, AttributeError):
             found = None
         if found != FORMAT:
             written = f"format {found}" if found is not None else f"no readable {FORMAT_FILE}"
-            raise RunError(f"{self.root} was written by another codefleet version ({written}, this one reads format "
-                           f"{FORMAT}); it cannot be resumed: start a new run with --out")
+            raise RunError(f"{self.location} was written by another codefleet version ({written}, this one reads "
+                           f"format {FORMAT}); it cannot be resumed: start a new run with --out")
+
+    # -- one process per run -------------------------------------------------------------
 
     def lock(self) -> None:
-        """Take the run's lock for as long as this process lives (or `unlock()`); RunError if another holds it."""
+        """Take the run's lock for as long as this process lives (or `unlock()`); RunError if another holds it.
+        A URL run also takes its lease (the module docstring)."""
+        os.makedirs(self.root, exist_ok=True)
         fd = os.open(self.path(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise RunError(f"another `codefleet train` (pid {holder}) is working in {self.root}; wait for it to "
+            raise RunError(f"another `codefleet train` (pid {holder}) is working in {self.location}; wait for it to "
                            "finish or stop it before resuming this run") from None
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         self._lock_fd = fd
+        if self.url:
+            try:
+                self._take_lease()
+            except BaseException:
+                self.unlock()
+                raise
 
     def unlock(self) -> None:
+        lease = getattr(self, "_lease", None)
+        if lease is not None:
+            self._lease = None
+            lease["stop"].set()
+            lease["thread"].join()
+            try:
+                if self._lease_holder() == lease["token"]:
+                    storage.remove(self.durable(LEASE_FILE))
+            except OSError as e:  # it ages out on its own
+                log(f"could not remove the lease of {self.location} ({type(e).__name__}: {e})")
         fd = getattr(self, "_lock_fd", None)
         if fd is not None:
             os.close(fd)  # releases the flock
             self._lock_fd = None
 
+    def _read_lease(self) -> dict | None:
+        try:
+            held = json.loads(self.read(LEASE_FILE) or b"null")
+        except (OSError, ValueError):
+            return None
+        return held if isinstance(held, dict) else None
+
+    def _lease_holder(self) -> str | None:
+        return (self._read_lease() or {}).get("token")
+
+    def _write_lease(self, token: str) -> None:
+        self.write(LEASE_FILE, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "token": token,
+                                           "heartbeat": time.time()}).encode())
+
+    def _take_lease(self) -> None:
+        held = self._read_lease()
+        if held and _lease_live(held):
+            raise _lease_refusal(self.location, held)
+        token = uuid.uuid4().hex
+        self._write_lease(token)
+        time.sleep(LEASE_SETTLE_S)
+        now = self._read_lease()
+        if now and now.get("token") != token:
+            raise _lease_refusal(self.location, now)
+        stop = threading.Event()
+        thread = threading.Thread(target=self._renew, args=(token, stop), name="run-lease", daemon=True)
+        self._lease = {"token": token, "stop": stop, "thread": thread}
+        thread.start()
+
+    def _renew(self, token: str, stop: threading.Event) -> None:
+        while not stop.wait(HEARTBEAT_S):
+            try:
+                if self._lease_holder() not in (token, None):
+                    log(f"another process took over the lease of {self.location} (this one did not renew it "
+                        f"for {LEASE_S:.0f} s); stop one of the two")
+                self._write_lease(token)
+            except Exception as e:  # noqa: BLE001 - storage unreachable for a moment: try again next time
+                log(f"could not renew the lease of {self.location} ({type(e).__name__}: {e})")
+
     # -- accepted groups -----------------------------------------------------------------
 
     def save_group(self, group: Group) -> None:
-        atomic_write(self.path("accepted", f"group-{group.group_id:08d}.pkl"), pickle.dumps(group))
+        self.write(f"accepted/group-{group.group_id:08d}.pkl", pickle.dumps(group))
 
     def load_groups(self) -> tuple[list[Group], list[str]]:
         """Every accepted group, and the files that could not be read (a torn write cannot happen; a
         file damaged afterwards is reported and skipped)."""
         groups, bad = [], []
-        folder = self.path("accepted")
-        for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        folder = self.durable("accepted")
+        for name in storage.listdir(folder):
             if not name.endswith(".pkl"):
                 continue
             try:
-                with open(os.path.join(folder, name), "rb") as f:
-                    groups.append(pickle.load(f))
+                groups.append(pickle.loads(storage.read_bytes(storage.join(folder, name))))
             except Exception as e:  # noqa: BLE001 - report and go on
                 bad.append(f"{name}: {type(e).__name__}: {e}")
         return groups, bad
 
-    # -- RL checkpoints ------------------------------------------------------------------
+    # -- checkpoints ---------------------------------------------------------------------
+
+    def checkpoint(self, name: str) -> str:
+        """Where the checkpoint `name` (init, sft, rl-start, rl-step-NNNNNN) lives: a URL for a URL run."""
+        return self.durable("checkpoints", name)
 
     def rl_checkpoint(self, step: int) -> str:
-        return self.path("checkpoints", f"rl-step-{step:06d}")
+        return self.checkpoint(f"rl-step-{step:06d}")
 
     def commit_checkpoint(self, step: int, controller_state: dict, trained_ids: list[str]) -> None:
         """After the trainer wrote rl_checkpoint(step): the rollout ids this step trained on, its controller
         state, then LATEST."""
-        base = self.rl_checkpoint(step)
-        atomic_write(self.path("trained", f"step-{step:06d}.json"), json.dumps(sorted(trained_ids)).encode())
-        atomic_write(base + ".controller.json", json.dumps(controller_state).encode())
-        atomic_write(self.path("checkpoints", "LATEST"), os.path.basename(base).encode())
+        name = f"rl-step-{step:06d}"
+        self.write(f"trained/step-{step:06d}.json", json.dumps(sorted(trained_ids)).encode())
+        self.write(f"checkpoints/{name}.controller.json", json.dumps(controller_state).encode())
+        self.write("checkpoints/LATEST", name.encode())
 
     def latest(self) -> tuple[str, int, dict] | None:
         """(checkpoint dir, step, controller state) of the newest complete RL checkpoint, or None. RunError if
         LATEST or what it names was damaged after the commit (atomic writes cannot tear them)."""
-        latest = self.path("checkpoints", "LATEST")
-        try:
-            with open(latest, "rb") as f:
-                name = f.read().decode(errors="replace").strip()
-        except FileNotFoundError:
+        data = self.read("checkpoints/LATEST")
+        if data is None:
             return None
+        name = data.decode(errors="replace").strip()
         try:
             return self._complete(name)
         except (OSError, ValueError, KeyError, TypeError) as e:
-            intact = [n for n in sorted(os.listdir(self.path("checkpoints")), reverse=True)
+            intact = [n for n in storage.listdir(self.durable("checkpoints"))[::-1]
                       if n.startswith("rl-step-") and n != name and self._intact(n)]
             fix = (f"write `{intact[0]}` into it to resume from that checkpoint" if intact else
                    "delete it to start RL again from the SFT weights (accepted groups are queued again)")
-            raise RunError(f"{latest} names {name[:80]!r}, which is not a complete RL checkpoint ({type(e).__name__}: "
-                           f"{e}); restore that checkpoint from a backup, or {fix}") from None
+            raise RunError(f"{self.durable('checkpoints', 'LATEST')} names {name[:80]!r}, which is not a complete "
+                           f"RL checkpoint ({type(e).__name__}: {e}); restore that checkpoint from a backup, or "
+                           f"{fix}") from None
 
     def _complete(self, name: str) -> tuple[str, int, dict]:
         if not name.startswith("rl-step-") or "/" in name:
             raise ValueError("not the name of an RL checkpoint (rl-step-NNNNNN)")
-        step, base = int(name.removeprefix("rl-step-")), self.path("checkpoints", name)
-        if not os.path.isfile(os.path.join(base, CONFIG_FILE)):
+        step, base = int(name.removeprefix("rl-step-")), self.checkpoint(name)
+        if not storage.exists(storage.join(base, CONFIG_FILE)):
             raise FileNotFoundError(f"{base}/{CONFIG_FILE} is missing")
-        with open(base + ".controller.json", "rb") as f:
-            state = json.load(f)
+        state = json.loads(storage.read_bytes(base + ".controller.json"))
         if not (isinstance(state, dict) and isinstance(state["consumed_ids"], list) and isinstance(state["lags"], list)
                 and state["next_batch"] == step):
             raise ValueError(f"{base}.controller.json does not hold this step's controller state")
@@ -195,26 +335,53 @@ class RunDir:
     def prune(self, keep_step: int) -> None:
         """Remove RL checkpoints older than `keep_step` (LATEST already names a newer one)."""
 
-        folder = self.path("checkpoints")
-        for name in os.listdir(folder):
+        folder = self.durable("checkpoints")
+        for name in storage.listdir(folder):
             if name.startswith("rl-step-") and (".tmp-" in name or ".old-" in name):  # left by a crash
-                shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+                storage.remove(storage.join(folder, name))
                 continue
             if name.startswith("rl-step-") and not name.endswith(".json"):
                 step = int(name.rsplit("-", 1)[1])
                 if step < keep_step:
-                    shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
-                    try:
-                        os.unlink(os.path.join(folder, name + ".controller.json"))
-                    except FileNotFoundError:
-                        pass
+                    storage.remove(storage.join(folder, name))
+                    storage.remove(storage.join(folder, name + ".controller.json"))
+
+
+def _lease_live(held: dict) -> bool:
+    """Whether the holder of the lease `held` may still be working: on this host, while its process lives;
+    elsewhere, while it renewed the lease in the last LEASE_S."""
+    if held.get("host") == socket.gethostname() and isinstance(held.get("pid"), int):
+        try:
+            os.kill(held["pid"], 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+    try:
+        return time.time() - float(held.get("heartbeat", 0)) < LEASE_S
+    except (TypeError, ValueError):
+        return False
+
+
+def _lease_refusal(location: str, held: dict) -> RunError:
+    try:
+        age = f"{time.time() - float(held.get('heartbeat', 0)):.0f} s ago"
+    except (TypeError, ValueError):
+        age = "at an unreadable time"
+    return RunError(f"another `codefleet train` (host {held.get('host')}, pid {held.get('pid')}) holds {location}: "
+                    f"its lease was renewed {age}; wait for it to finish or stop it, and a lease not renewed for "
+                    f"{LEASE_S:.0f} s is taken over (delete {storage.join(location, LEASE_FILE)} if you know that "
+                    "process is gone)")
 
 
 class Metrics:
-    """One line per step in metrics.jsonl, the same scalars in TensorBoard, and a plot."""
+    """One line per step in metrics.jsonl, the same scalars in TensorBoard, and a plot. A URL run keeps them in
+    its staging directory: metrics.jsonl is uploaded on every line (and read back from the URL first), tb/ and
+    metrics.png when the metrics close."""
 
     def __init__(self, run: RunDir):
         self.run = run
+        run.fetch("metrics.jsonl")
         self.writer = SummaryWriter(run.path("tb"))
 
     def log(self, stage: str, step: int, values: dict) -> None:
@@ -224,6 +391,7 @@ class Metrics:
         self.writer.flush()
         with open(self.run.path("metrics.jsonl"), "a") as f:
             f.write(json.dumps({"stage": stage, "step": step, **scalars}) + "\n")
+        self.run.publish("metrics.jsonl")
 
     def rows(self, stage: str) -> list[dict]:
         try:
@@ -248,7 +416,9 @@ class Metrics:
         fig.tight_layout()
         out = self.run.path("metrics.png")
         fig.savefig(out, dpi=80)
+        self.run.publish("metrics.png")
         return out
 
     def close(self) -> None:
         self.writer.close()
+        self.run.publish("tb")

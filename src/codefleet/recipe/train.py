@@ -18,6 +18,11 @@ Stages (each skipped on `--resume` when its output exists, see run_dir.py):
    engines (in-flight episodes continue on the new weights) and checkpoints.
 5. evaluation of the SFT and the RL checkpoints on the held-out tasks, and a
    table of success, turns and wall clock per solved task.
+
+The run directory may be a path or an fsspec URL (`--out s3://bucket/run`, run_dir.py): the stages write
+their records with `RunDir.write` / `publish` and pass checkpoints on as `RunDir.checkpoint(...)`, which is a
+URL for a URL run; whoever reads a checkpoint, on whatever node, takes `storage.local_copy` of it, and whoever
+writes one writes into `storage.staged_dir` (the trainer workers, `init_model`, `train_rl._rl_start`).
 """
 
 from __future__ import annotations
@@ -27,7 +32,6 @@ import json
 import os
 import pickle
 import random
-import shutil
 import time
 
 import ray
@@ -51,11 +55,12 @@ from codefleet.recipe.config import TrainRunConfig, episode_config, policy_usage
 from codefleet.recipe.curriculum import MODES as SAMPLING_MODES
 from codefleet.recipe.demos import expert_demos
 from codefleet.recipe.evaluate import EvalConfig, compare, evaluate
-from codefleet.recipe.run_dir import Metrics, RunDir, RunError, atomic_write, log
-from codefleet.recipe.train_rl import check_run_gpus, reinforce
+from codefleet.recipe.run_dir import Metrics, RunDir, RunError, log
+from codefleet.recipe.train_rl import check_run_gpus, describe, reinforce
 from codefleet.rl import sharded as _sharded  # noqa: F401  (registers the "fsdp2" and "fsdp2_ep" trainers)
 from codefleet.rl.advantages import ESTIMATORS
 from codefleet.rl.trainer import TrainConfig
+from codefleet.store import storage
 from codefleet.store.parquet import RolloutWriter, rollout_record
 from codefleet.tasks.families import FAMILIES
 from codefleet.tasks.generate import generate_tasks
@@ -146,12 +151,13 @@ def make_tasks(run: RunDir, config: TrainRunConfig):
                                "generate` or `codefleet tasks import`")
         elif not n:
             sets[name] = []
-        elif os.path.isdir(folder) and os.listdir(folder):
+        elif run.fetch(f"tasks/{name}") and os.listdir(folder):
             sets[name] = load_tasks(folder)
         else:  # new instances for RL are never a demonstrated task drawn again
             demonstrated = frozenset(task.instruction for task in sets["train"]) if name == "rl-fresh" else frozenset()
             sets[name] = generate_tasks(folder, n=n, seed=seed, families=t.families, difficulty=t.difficulty,
                                         split=split, more_domains=False, exclude=demonstrated)
+            run.publish(f"tasks/{name}")
     return sets["train"], sets["rl-fresh"] if fresh else sets["train"], sets["eval"]
 
 
@@ -161,8 +167,8 @@ def init_model(run: RunDir, config: TrainRunConfig, tokenizer) -> str:
     """The checkpoint SFT starts from: `model.init` as it is, or a fresh `model.size` model written once."""
     if config.model.init:
         return config.model.init
-    path = run.path("checkpoints", "init")
-    if os.path.isfile(os.path.join(path, checkpoint.CONFIG_FILE)):
+    path = run.checkpoint("init")
+    if storage.exists(storage.join(path, checkpoint.CONFIG_FILE)):
         return path
     preset = getattr(ModelConfig, config.model.size, None)
     if preset is None:
@@ -170,22 +176,21 @@ def init_model(run: RunDir, config: TrainRunConfig, tokenizer) -> str:
     torch.manual_seed(config.model.seed)
     model = Transformer(preset(vocab_size=tokenizer.vocab_size, max_seq_len=config.model.max_seq_len,
                                copy=config.model.copy))
-    checkpoint.describe(path, tokenizer, **policy_usage(config))
-    checkpoint.save(model, path)  # config.json last: the stage is done when it exists
+    with storage.staged_dir(path, last=(checkpoint.CONFIG_FILE,)) as local:
+        checkpoint.describe(local, tokenizer, **policy_usage(config))
+        checkpoint.save(model, local)  # config.json last: the stage is done when it exists
     return path
 
 
 def demonstrations(run: RunDir, config: TrainRunConfig, tasks, tokenizer):
-    path = run.path("demos.pkl")
-    if os.path.isfile(path):
-        with open(path, "rb") as f:
-            return pickle.load(f)
+    if (saved := run.read("demos.pkl")) is not None:
+        return pickle.loads(saved)
     started = time.perf_counter()
     expert = dataclasses.replace(episode_config(config), budgets=None)  # the task's own budgets, not RL's
     demos = expert_demos(tasks, tokenizer, config.model.max_seq_len, config.sandbox, expert,
                          explore_fraction=config.sft.explore_fraction, chain_fraction=config.sft.chain_fraction,
                          seed=config.tasks.seed, all_habits=True)
-    atomic_write(path, pickle.dumps(demos))
+    run.write("demos.pkl", pickle.dumps(demos))
     took_s = time.perf_counter() - started
     habits = (f", {sum(len({id(c) for c in v.values()}) for v in demos.variants)} episodes of their habits"
               if demos.variants else "")
@@ -198,8 +203,8 @@ def demonstrations(run: RunDir, config: TrainRunConfig, tasks, tokenizer):
 
 
 def sft(run: RunDir, config: TrainRunConfig, demos, init: str, metrics: Metrics, tokenizer) -> str:
-    path = run.path("checkpoints", "sft")
-    if os.path.isfile(run.path("sft.done")):
+    path = run.checkpoint("sft")
+    if run.exists("sft.done"):
         return path
     if not demos.examples:
         raise RunError("no expert demonstration solved its task; check `codefleet tasks check` on the task set"
@@ -226,10 +231,10 @@ def sft(run: RunDir, config: TrainRunConfig, demos, init: str, metrics: Metrics,
                 log(f"sft epoch {epoch + 1}/{c.epochs} step {step}: loss {m.get('loss', m.get('ce', 0)):.3f} "
                      f"({time.perf_counter() - started:.0f} s)")
         group.save(path)
-        checkpoint.describe(path, tokenizer, text_from=config.model.init, **policy_usage(config))
+        describe(path, tokenizer, text_from=config.model.init, **policy_usage(config))
     finally:
         group.shutdown()
-    atomic_write(run.path("sft.done"), b"")
+    run.write("sft.done", b"")
     return path
 
 
@@ -268,18 +273,18 @@ def evaluate_checkpoints(run: RunDir, config: TrainRunConfig, eval_tasks, checkp
     e = config.eval
     results = {}
     for label, path in checkpoints.items():
-        out = run.path("eval", f"{label}.json")
+        out = f"eval/{label}.json"
         grammar = config.model.tool_grammar
         settings = dataclasses.asdict(e) | ({"tool_grammar": grammar} if grammar != "off" else {})
-        if os.path.isfile(out):  # this checkpoint, evaluated so, before a crash (a resume may change both)
-            with open(out) as f:
-                done = json.load(f)
+        # this checkpoint, evaluated so, before a crash (a resume may change both)
+        if (saved := run.read(out)) is not None:
+            done = json.loads(saved)
             if done.get("checkpoint") == path and done.get("settings") == settings:
                 results[label] = done
                 continue
         log(f"evaluating the {label} checkpoint on {len(eval_tasks)} held-out tasks")
-        store = run.path("eval", f"{label}-rollouts")
-        shutil.rmtree(store, ignore_errors=True)  # an evaluation a crash cut short starts over
+        store = run.durable("eval", f"{label}-rollouts")
+        storage.remove(store)  # an evaluation a crash cut short starts over
         writer = RolloutWriter(store)
         index = {t.id: i for i, t in enumerate(eval_tasks)}
 
@@ -295,7 +300,7 @@ def evaluate_checkpoints(run: RunDir, config: TrainRunConfig, eval_tasks, checkp
         results[label] = {**report.summary(), "settings": settings, "solved_turns": solved_turns}
         if warning := report.clock_warning():
             log(f"{label}: {warning} (eval.jobs, eval.attempts, rl.rollout_timeout_s)")
-        atomic_write(out, json.dumps(results[label], indent=2, sort_keys=True).encode())
+        run.write(out, json.dumps(results[label], indent=2, sort_keys=True).encode())
     return results
 
 
@@ -325,10 +330,12 @@ def _nothing_to_resume(out: str) -> RunError:
 def resumed_config(out: str, overrides: list[str] | None = None, address: str | None = None) -> TrainRunConfig:
     """The configuration saved in the run `out`, with the `key=value` changes a resumed run may take."""
 
-    saved = os.path.join(out, "config.yaml")
-    if not os.path.isfile(saved):
+    run = RunDir(out)
+    if not run.exists("config.yaml"):
         raise _nothing_to_resume(out)
-    RunDir(out).check_format()
+    run.check_format()
+    run.fetch("config.yaml")  # a URL run: read here
+    saved = run.path("config.yaml")
     for item in overrides or []:
         key = item.partition("=")[0].strip()
         if not any(key == p or key.startswith(p) for p in RESUMABLE):
@@ -348,17 +355,17 @@ def train(config: TrainRunConfig, out: str, resume: bool = False, progress: bool
     """Run the pipeline into `out`, or, with `resume`, go on with the run there (`config` from
     `resumed_config(out, ...)`); returns the evaluation results."""
     run = RunDir(out)
-    saved = run.path("config.yaml")
     check_config(config)
     if not resume:
-        if os.path.isfile(saved):
-            raise RunError(f"{out} already holds a run; pass --resume to continue it, or choose another --out")
         try:
+            if run.exists("config.yaml"):
+                raise RunError(f"{out} already holds a run; pass --resume to continue it, or choose another --out")
             os.makedirs(run.root, exist_ok=True)
+            storage.makedirs(run.location)
         except OSError as e:
             raise RunError(f"cannot make the run directory {out} ({e.strerror or e}); choose another --out") from None
         run.write_format()
-    elif not os.path.isfile(saved):
+    elif not run.exists("config.yaml"):
         raise _nothing_to_resume(out)
     else:
         run.check_format()
@@ -397,11 +404,10 @@ class _Phases:
 
 
 def _train(run: RunDir, config: TrainRunConfig, progress: bool) -> dict:
-    saved = run.path("config.yaml")
     t = config.tasks  # your task directories, absolute: a resume may start elsewhere
     t.train_dir, t.eval_dir = (os.path.abspath(d) if d else "" for d in (t.train_dir, t.eval_dir))
     config.model.init = os.path.abspath(config.model.init) if config.model.init else ""
-    atomic_write(saved, yaml.safe_dump(to_dict(config), sort_keys=False).encode())  # with a resume's changes
+    run.write("config.yaml", yaml.safe_dump(to_dict(config), sort_keys=False).encode())  # with a resume's changes
     started = time.perf_counter()
     phases = _Phases()
     _log_kernels()
@@ -420,7 +426,7 @@ def _train(run: RunDir, config: TrainRunConfig, progress: bool) -> dict:
         check_run_gpus(cl)
         sft_ckpt = sft(run, config, demos, init, metrics, tokenizer)
         phases.done("sft")
-        sft_hash = checkpoint.tensor_hash(sft_ckpt)
+        sft_hash = checkpoint.tensor_hash(storage.local_copy(sft_ckpt))
         log(f"sft checkpoint {sft_ckpt}: tensor hash {sft_hash}")
         rl_tasks = [t for t in rl_tasks if t.id not in demos.broken]
         if not rl_tasks:
@@ -437,8 +443,8 @@ def _train(run: RunDir, config: TrainRunConfig, progress: bool) -> dict:
     for label, path in (("sft", sft_ckpt), ("rl", rl_ckpt)):
         results.update(evaluate_checkpoints(run, config, eval_tasks, {label: path}))
         phases.done(f"evaluation of {label}")
-    summary = {"results": results, "wall_s": round(time.perf_counter() - started, 1), "run_dir": run.root,
+    summary = {"results": results, "wall_s": round(time.perf_counter() - started, 1), "run_dir": run.location,
                "rl_vs_sft": compare(results["sft"], results["rl"]), "phases_s": phases.seconds,
                "sft_tensor_hash": sft_hash}
-    atomic_write(run.path("results.json"), json.dumps(summary, indent=2, sort_keys=True).encode())
+    run.write("results.json", json.dumps(summary, indent=2, sort_keys=True).encode())
     return summary

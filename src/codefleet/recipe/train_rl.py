@@ -1,5 +1,10 @@
 """The RL stage of `codefleet train` (recipe/train.py): the trainer the controller drives, the task stream,
-and the wiring of engines, rollout workers, sandboxes and trainer workers for one run."""
+and the wiring of engines, rollout workers, sandboxes and trainer workers for one run.
+
+Checkpoints are named by `RunDir.checkpoint` / `rl_checkpoint`: a URL when the run directory is one. They
+cross to the actors as they are (TrainerGroup, engines, rollout workers), each of which reads its own
+`storage.local_copy`; the driver does the same where it reads one (`_rl_start`, the tokenizer of RLTrainer)
+and edits a written one through `describe`."""
 
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ from codefleet.rl.advantages import compute_advantages, weigh_negatives
 from codefleet.rl.batch import Sample
 from codefleet.rl.rewards import speed_bonus
 from codefleet.rl.trainer import TRAINER_FILE, TrainConfig
+from codefleet.store import storage
 from codefleet.store.parquet import RolloutWriter, rollout_record
 
 ENGINE_CPUS = 1.0  # logical CPUs per engine actor (its threads are cluster.engine_threads)
@@ -42,17 +48,27 @@ def _rl_start(src: str, dst: str) -> str:
     A fresh AdamW's first steps move every weight that has a gradient by about the learning rate, whatever
     the gradient's size (m / sqrt(v) is ±1 after one step); on the tiny default that alone cost held-out
     success (docs/experiments/). The SFT moments scale RL's first updates by what SFT's gradients were."""
-    if not os.path.isfile(os.path.join(dst, checkpoint.CONFIG_FILE)):  # the config is written last
-        os.makedirs(dst, exist_ok=True)
-        state_file = os.path.join(src, TRAINER_FILE)
-        if os.path.isfile(state_file):
-            state = torch.load(state_file, weights_only=True)
-            torch.save({**state, "version": 0}, os.path.join(dst, TRAINER_FILE))
-        has_own = os.path.isfile(os.path.join(src, TOKENIZER_FILE))
-        checkpoint.describe(dst, Tokenizer.load(src) if has_own else default_tokenizer(), text_from=src,
-                            **checkpoint.usage(src))
-        checkpoint.save(checkpoint.load(src), dst)
+    if not storage.exists(storage.join(dst, checkpoint.CONFIG_FILE)):  # the config is written last
+        src = storage.local_copy(src)
+        with storage.staged_dir(dst, last=(checkpoint.CONFIG_FILE,)) as out:
+            os.makedirs(out, exist_ok=True)
+            state_file = os.path.join(src, TRAINER_FILE)
+            if os.path.isfile(state_file):
+                state = torch.load(state_file, weights_only=True)
+                torch.save({**state, "version": 0}, os.path.join(out, TRAINER_FILE))
+            has_own = os.path.isfile(os.path.join(src, TOKENIZER_FILE))
+            checkpoint.describe(out, Tokenizer.load(src) if has_own else default_tokenizer(), text_from=src,
+                                **checkpoint.usage(src))
+            checkpoint.save(checkpoint.load(src), out)
     return dst
+
+
+def describe(path: str, tokenizer: Tokenizer, text_from: str = "", **usage: str) -> None:
+    """`checkpoint.describe` of the checkpoint the trainer workers wrote at `path` (a URL too: its metadata.json
+    is edited in a local copy and uploaded back with the tokenizer files)."""
+    with storage.editing(path, fetch=(checkpoint.METADATA_FILE,)) as local:
+        text = storage.local_copy(text_from, skip=checkpoint.TENSOR_SUFFIXES) if text_from else ""
+        checkpoint.describe(local, tokenizer, text_from=text, **usage)
 
 
 def rollout_stats(groups: list[Group]) -> dict[str, float]:
@@ -104,7 +120,8 @@ class RLTrainer:
         self.group, self.engines, self.run, self.metrics = group, engines, run, metrics
         self.new_group, self.start = new_group, start
         # written into every checkpoint beside the weights: the start checkpoint's own (model.chat_format)
-        self.tokenizer = chat_format.for_checkpoint(start)[0] if start else default_tokenizer()
+        self.tokenizer = (chat_format.for_checkpoint(storage.local_copy(start, skip=checkpoint.TENSOR_SUFFIXES))[0]
+                          if start else default_tokenizer())
         self.config, self.progress = config, progress
         self.controller = None  # set once the controller exists (its buffer state goes into checkpoints)
         self.sampler = sampler  # the task sampler (recipe.curriculum): its per-family success estimates go into the metrics
@@ -202,7 +219,7 @@ class RLTrainer:
                 saved = self.run.rl_checkpoint(self.group.version)
                 self.group.save(saved)
                 # before LATEST names it
-                checkpoint.describe(saved, self.tokenizer, text_from=self.start, **policy_usage(self.config))
+                describe(saved, self.tokenizer, text_from=self.start, **policy_usage(self.config))
                 return m
             except TrainerWorkerError as e:
                 died = isinstance(e.__cause__, RayActorError)  # a worker that raised (a full disk) would again
@@ -273,7 +290,7 @@ def check_run_gpus(cl: ClusterSection) -> None:
 def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, metrics: Metrics,
               progress: bool = True) -> str:
     c, cl = config.rl, config.cluster
-    start = _rl_start(sft_ckpt, run.path("checkpoints", "rl-start"))
+    start = _rl_start(sft_ckpt, run.checkpoint("rl-start"))
     latest = run.latest()
     serving = latest[0] if latest else start
     version, buffer_state = resume_state(run, latest, c.batch_groups)
@@ -297,7 +314,7 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
     group = new_group(serving)
     engines = start_engines(serving, cl.engines, num_cpus=ENGINE_CPUS, resources=cl.engine_resources,
                             threads=cl.engine_threads, max_batch=max(c.rollout_slots, 1), version=version,
-                            restart_from=run.path("checkpoints", "LATEST"), backend=cl.engine_backend,
+                            restart_from=run.durable("checkpoints", "LATEST"), backend=cl.engine_backend,
                             record_routing=config.rl.routing_replay, num_gpus=cl.engine_gpus,
                             placement=placement.engines)
     fleet = SandboxFleet.start()  # held for the run: a host whose last handle goes away is collected
@@ -307,7 +324,7 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
     workers = start_workers(spec, engines, cl.rollout_workers,
                             slots_per_worker=-(-c.rollout_slots // cl.rollout_workers), num_cpus=cl.rollout_cpus,
                             resources=cl.rollout_resources)
-    writer = RolloutWriter(run.path("rollouts"))
+    writer = RolloutWriter(run.durable("rollouts"))
 
     skip = buffer_state["next_group_id"] if buffer_state else 0
     tasks = task_sampler(run, config, train_tasks, skip)

@@ -43,7 +43,10 @@ state, `model_config.json` (the `ModelConfig`) and `metadata.json`
 (`policy_version`, `train_config`, `sharded: true`); the KL reference, if any,
 in `reference/`. It is written to a sibling temporary directory that rank 0
 renames into place after every rank is done, so a rank killed mid-save
-leaves the previous checkpoint whole. `load(path)` resumes from it on any
+leaves the previous checkpoint whole. Where a rank's disk is not rank 0's
+(each rank saving into a directory of its own node, to upload it:
+fleet.trainer_group), that rank renames its own temporary directory, which
+holds its part of the checkpoint. `load(path)` resumes from it on any
 number of ranks (DCP reshards), or starts from a plain or HF checkpoint with
 a fresh optimizer. `consolidate(sharded_dir, out_dir)` reads the DCP
 directory in one process into a whole `Transformer` and writes it with
@@ -317,6 +320,8 @@ class ShardedTrainer(Trainer):
                            "train_config": json.loads(json.dumps(asdict(self.config)))}, f, indent=1)
             checkpoint.swap_in(tmp, path, f"{path}.old")
         dist.barrier()
+        if os.path.isdir(tmp) and not os.path.exists(path):  # a disk rank 0 does not share: this rank's own shards
+            os.replace(tmp, path)
 
     @classmethod
     def load(cls, path: str, config: TrainConfig | None = None,

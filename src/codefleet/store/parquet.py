@@ -14,6 +14,11 @@ here (and Ray Data's `.parquet` extension filter) ignores. Small appends make
 small files; the analytics pipeline does not care, and a run writes one file
 per step and group batch.
 
+The root may be an fsspec URL (`s3://bucket/run/rollouts`, codefleet.store.storage): each new file is then
+serialised in memory and written with one PUT (`storage.put_file_atomic`, a temporary name and a rename for
+`file://`), so a reader of the bucket sees whole files only, as on a local disk. Reading takes a local
+directory (download a URL's store first, e.g. `storage.download_dir`).
+
 `run` and `step` are stored in the rows as well as in the path, so a file
 copied out of its directory still says where it came from; the rows hold the
 exact run name, the directory a filesystem-safe one (`run_directory_name`).
@@ -39,6 +44,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from codefleet.store import storage
 from codefleet.store.schema import COLUMNS, REQUIRED_COLUMNS, SCHEMA, SCHEMA_VERSION, is_current, upgrade_table
 from codefleet.types import Trajectory
 
@@ -116,13 +122,13 @@ def records_to_table(records: list[dict]) -> pa.Table:
 
 
 class RolloutWriter:
-    """Appends rollouts to a store directory (normally RUN_DIR/rollouts); safe while readers scan it.
+    """Appends rollouts to a store directory (normally RUN_DIR/rollouts) or URL; safe while readers scan it.
     Several writers (processes) may append to the same store: file names are unique."""
 
     def __init__(self, root: str, compression: str = "zstd"):
         self.root = root
         self.compression = compression
-        os.makedirs(root, exist_ok=True)
+        storage.makedirs(root)
 
     def append(self, records: list[dict]) -> str:
         """Write `records` as one new file per (run, step) partition; returns the path(s) written,
@@ -137,6 +143,9 @@ class RolloutWriter:
             by_partition.setdefault((run, int(step)), []).append(record)
         paths = []
         for (run, step), rows in by_partition.items():
+            if storage.is_url(self.root):
+                paths.append(self._put(rows, run, step))
+                continue
             directory = os.path.join(self.root, f"run={run_directory_name(run)}", f"step={step}")
             os.makedirs(directory, exist_ok=True)
             name = f"part-{uuid.uuid4().hex}.parquet"
@@ -149,6 +158,15 @@ class RolloutWriter:
                     os.unlink(tmp)
             paths.append(os.path.join(directory, name))
         return ", ".join(paths)
+
+    def _put(self, rows: list[dict], run: str, step: int) -> str:
+        """One new file of `rows` under a URL root, written whole with one PUT."""
+        buffer = pa.BufferOutputStream()
+        pq.write_table(records_to_table(rows), buffer, compression=self.compression)
+        url = storage.join(self.root, f"run={run_directory_name(run)}", f"step={step}",
+                           f"part-{uuid.uuid4().hex}.parquet")
+        storage.put_file_atomic(url, buffer.getvalue().to_pybytes())
+        return url
 
 
 # -- reading ---------------------------------------------------------------------------------------
