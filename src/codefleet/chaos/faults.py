@@ -56,6 +56,7 @@ class Fault:
     # again as before it, restarted by Ray or replaced by the run
     restored_s: float | None = None
     alive_before: int | None = None
+    gone: str = ""  # the killed actor's pid, or the removed node's id: what no longer counts as alive
     survived: bool | None = None  # decided at the end (soak.py)
 
     def as_dict(self) -> dict:
@@ -86,13 +87,20 @@ def alive_actors(class_name: str, dashboard_url: str) -> list:
                        raise_on_missing_output=False)
 
 
-def kill_actor_process(kind: str, rng: random.Random, dashboard_url: str) -> str:
+def count_alive(class_name: str, dashboard_url: str, gone: str = "") -> int:
+    """Live actors of `class_name`, not counting one whose pid or node is `gone` (the state API may still list
+    it for a moment after its death)."""
+    return sum(1 for a in alive_actors(class_name, dashboard_url) if gone not in (str(a.pid), a.node_id))
+
+
+def kill_actor_process(kind: str, rng: random.Random, dashboard_url: str) -> tuple[str, str]:
+    """(what was killed, its pid)."""
     actors = [a for a in alive_actors(ACTOR_CLASS[kind], dashboard_url) if a.pid]
     if not actors:
         raise NoTarget(f"no live {ACTOR_CLASS[kind]}")
     actor = rng.choice(actors)
     os.kill(actor.pid, signal.SIGKILL)
-    return f"{ACTOR_CLASS[kind]} {actor.actor_id[:8]} pid {actor.pid} on node {actor.node_id[:8]}"
+    return f"{ACTOR_CLASS[kind]} {actor.actor_id[:8]} pid {actor.pid} on node {actor.node_id[:8]}", str(actor.pid)
 
 
 def _children() -> dict[int, list[int]]:

@@ -24,6 +24,7 @@ step is listed as not injected: give the run enough `rl.steps` to outlast the wi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import ray
@@ -127,13 +129,14 @@ class _Cluster:
         c = self.cfg
         return self.cluster.add_node(num_cpus=c.node_cpus, resources={"sandbox": c.sandboxes_per_node, "rollout": 4})
 
-    def remove_one(self, rng: random.Random, now_s: float) -> str:
+    def remove_one(self, rng: random.Random, now_s: float) -> tuple[str, str]:
+        """(what was removed, its node id)."""
         if len(self.workers) < 2:
             raise NoTarget("only one worker node is left")
         node = self.workers.pop(rng.randrange(len(self.workers)))
         self.cluster.remove_node(node, allow_graceful=False)
         self.due.append(now_s + self.cfg.node_back_s)
-        return f"worker node {node.node_id[:8]} (a fresh one joins in {self.cfg.node_back_s:g} s)"
+        return f"worker node {node.node_id[:8]} (a fresh one joins in {self.cfg.node_back_s:g} s)", node.node_id
 
     def replace_due(self, now_s: float) -> None:
         for t in [t for t in self.due if t <= now_s]:
@@ -145,7 +148,8 @@ class _Cluster:
 
 
 def _inject(fault: Fault, rng: random.Random, cluster: _Cluster, dashboard_url: str, state_dir: str,
-            now_s: float) -> str:
+            now_s: float) -> str | tuple[str, str]:
+    """What was hit, or (what was hit, the pid or node id that is gone)."""
     if fault.kind in ACTOR_CLASS:
         return faults.kill_actor_process(fault.kind, rng, dashboard_url)
     if fault.kind == "sandbox_processes":
@@ -164,13 +168,37 @@ def _live_codefleet_actors(dashboard_url: str) -> list[str]:
     return out
 
 
-def soak(cfg: SoakConfig, log=lambda msg: print(f"[codefleet chaos] {msg}", file=sys.stderr, flush=True)) -> dict:
+@contextlib.contextmanager
+def _stderr_to(path: str):
+    """Send this process's standard error (file descriptor 2: Ray's start-up lines, and the last log lines of
+    every node that dies, which Ray prints to each driver) to `path`; yield the terminal's stream."""
+    sys.stderr.flush()
+    terminal_fd = os.dup(2)
+    with open(path, "ab") as f:
+        os.dup2(f.fileno(), 2)
+    try:
+        with os.fdopen(os.dup(terminal_fd), "w") as terminal:
+            yield terminal
+    finally:
+        sys.stderr.flush()
+        os.dup2(terminal_fd, 2)
+        os.close(terminal_fd)
+
+
+def soak(cfg: SoakConfig, log: Callable[[str], None] | None = None) -> dict:
+    """Run the soak (module docstring); progress lines go to `log` (default: the terminal's standard error, while
+    Ray's own output goes to OUT/ray.log)."""
     if not os.path.isfile(cfg.run_config):
         raise FileNotFoundError(f"RUN_CONFIG {cfg.run_config} is not a file; give a YAML file of training settings "
                                 "(docs/configuration.md)")
     if os.path.exists(os.path.join(cfg.out, "run")):
         raise FileExistsError(f"{cfg.out}/run exists; give chaos a new --out directory")
     os.makedirs(cfg.out, exist_ok=True)
+    with _stderr_to(os.path.join(cfg.out, "ray.log")) as terminal:
+        return _soak(cfg, log or (lambda msg: print(f"[codefleet chaos] {msg}", file=terminal, flush=True)))
+
+
+def _soak(cfg: SoakConfig, log: Callable[[str], None]) -> dict:
     cfg.run_config = os.path.abspath(cfg.run_config)
     rng = random.Random(cfg.seed)
     plan = faults.schedule(cfg.minutes * 60, cfg.seed, cfg.kinds, cfg.per_kind)
@@ -238,12 +266,8 @@ def _rl_steps(run_dir: str) -> int:
 def _check_restored(plan: list[Fault], now_s: float, dashboard_url: str) -> None:
     """Set restored_s of the faults whose kind is back to its count of live actors from before them."""
     waiting = [f for f in plan if f.injected_s is not None and f.alive_before is not None and f.restored_s is None]
-    counts: dict[str, int] = {}
     for f in waiting:
-        name = faults.RESTORES[f.kind]
-        if name not in counts:
-            counts[name] = len(faults.alive_actors(name, dashboard_url))
-        if counts[name] >= f.alive_before:
+        if faults.count_alive(faults.RESTORES[f.kind], dashboard_url, f.gone) >= f.alive_before:
             f.restored_s = round(now_s - f.injected_s, 1)
 
 
@@ -290,8 +314,9 @@ def _drive(cfg: SoakConfig, plan: list[Fault], rng: random.Random, cluster: _Clu
             next_at = pending[1].at_s if len(pending) > 1 else window_s
             try:
                 if fault.kind in faults.RESTORES:
-                    fault.alive_before = len(faults.alive_actors(faults.RESTORES[fault.kind], dashboard_url))
-                fault.target = _inject(fault, rng, cluster, dashboard_url, state_dir, now)
+                    fault.alive_before = faults.count_alive(faults.RESTORES[fault.kind], dashboard_url)
+                hit = _inject(fault, rng, cluster, dashboard_url, state_dir, now)
+                fault.target, fault.gone = hit if isinstance(hit, tuple) else (hit, "")
                 fault.injected_s, fault.step_at_injection = round(now, 1), step
                 log(f"{now:6.1f} s  {fault.kind}: {fault.target}")
                 pending.pop(0)

@@ -166,6 +166,23 @@ class RLTrainer:
         serving, away = broadcast_weights(self.engines, weights, version, cl.engine_wait_s, self.away)
         return serving, away, version
 
+    def _publish(self, version: int) -> tuple[list, dict, int]:
+        """`_sync_weights` of the committed `version`. A trainer worker that dies after the commit (between the
+        step and the weights' publication) is replaced from that checkpoint, LATEST, and the weights are published
+        again from the new group."""
+        for restarts in range(self.MAX_TRAINER_RESTARTS + 1):
+            try:
+                return self._sync_weights()
+            except TrainerWorkerError as e:
+                if not isinstance(e.__cause__, RayActorError) or self.new_group is None \
+                        or restarts == self.MAX_TRAINER_RESTARTS:
+                    raise
+                log(f"{e}; starting a new trainer group from {self.run.rl_checkpoint(version)} to publish version "
+                    f"{version}")
+                self.group.shutdown()
+                self.group, self.sync = self.new_group(self.run.rl_checkpoint(version)), None
+        raise AssertionError("the loop returns or raises")
+
     def train(self, batch) -> dict[str, float]:
         rewards_NG = torch.tensor([[r.reward for r in g.rollouts] for g in batch.groups])
         if self.config.rl.speed_bonus:
@@ -184,7 +201,7 @@ class RLTrainer:
         self.run.commit_checkpoint(version, kept, [r.rollout_id for r in batch.rollouts])
         # committed before the engines get the weights: an engine that restarts from now on loads them (LATEST)
         sync_started = time.perf_counter()
-        serving, away, version = self._sync_weights()
+        serving, away, version = self._publish(version)
         m.update(sync_s=time.perf_counter() - sync_started, sync_fallbacks=self.sync_fallbacks)
         if self.colocated:
             self._engines_call("wake")
