@@ -110,7 +110,8 @@ def _train(args: argparse.Namespace) -> int:
     print(json.dumps(summary["results"], sort_keys=True))
     print(f"sft checkpoint tensor hash {summary['sft_tensor_hash']}")
     print("wall clock per phase: " + ", ".join(f"{phase} {s:.0f} s" for phase, s in summary["phases_s"].items()))
-    if best := (summary["results"].get("rl") or summary["results"].get("sft") or {}).get("checkpoint"):
+    best = (summary["results"].get("rl") or summary["results"].get("sft") or {}).get("checkpoint")
+    if best and not storage.is_url(best):  # a URL: download it first (`codefleet eval --checkpoint URL` reads one)
         print(f"\nrun the policy on a repository: codefleet agent run --repo DIR --task TEXT --model local:{best}\n"
               f"or serve it: codefleet serve --checkpoint {best} --port 8000", file=sys.stderr)
     return 0

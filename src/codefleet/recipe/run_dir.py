@@ -151,8 +151,8 @@ class RunDir:
                 storage.upload_file(local, self.durable(name))
 
     def fetch(self, name: str) -> bool:
-        """A URL run: replace the local copy of `name` by what the URL holds, if anything. Whether `name`
-        exists (for a path: locally)."""
+        """A URL run: make the local copy of `name` what the URL holds (nothing, if it holds nothing). Whether
+        `name` exists (for a path: locally)."""
         if not self.url:
             return os.path.exists(self.path(name))
         durable = self.durable(name)
@@ -163,6 +163,7 @@ class RunDir:
         if storage.exists(durable):
             storage.download_file(durable, self.path(name))
             return True
+        storage.remove(self.path(name))  # the URL is the truth: a copy left from another session goes
         return False
 
     def write_format(self) -> None:

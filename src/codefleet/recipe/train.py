@@ -121,7 +121,7 @@ def check_config(config: TrainRunConfig) -> None:
     ]
     if config.model.init:  # its files checked now, not after the demonstrations
         try:
-            checkpoint.check(config.model.init)
+            checkpoint.check(storage.local_copy(config.model.init))  # a URL: this node's copy
         except (OSError, ValueError) as e:
             problems.append((False, f"model.init: {e}"))
     bad = [message for ok, message in problems if not ok]
@@ -406,13 +406,14 @@ class _Phases:
 def _train(run: RunDir, config: TrainRunConfig, progress: bool) -> dict:
     t = config.tasks  # your task directories, absolute: a resume may start elsewhere
     t.train_dir, t.eval_dir = (os.path.abspath(d) if d else "" for d in (t.train_dir, t.eval_dir))
-    config.model.init = os.path.abspath(config.model.init) if config.model.init else ""
+    config.model.init = storage.absolute(config.model.init) if config.model.init else ""
     run.write("config.yaml", yaml.safe_dump(to_dict(config), sort_keys=False).encode())  # with a resume's changes
     started = time.perf_counter()
     phases = _Phases()
     _log_kernels()
     # the start checkpoint's tokenizer and chat template (model.chat_format), else codefleet's
-    tokenizer = chat_format.for_checkpoint(config.model.init)[0] if config.model.init else default_tokenizer()
+    tokenizer = (chat_format.for_checkpoint(storage.local_copy(config.model.init, skip=checkpoint.TENSOR_SUFFIXES))[0]
+                 if config.model.init else default_tokenizer())
     train_tasks, rl_tasks, eval_tasks = make_tasks(run, config)
     init = init_model(run, config, tokenizer)
     phases.done("set-up")
