@@ -8,7 +8,7 @@
     codefleet chaos RUN_CONFIG --minutes N --seed S
     codefleet tasks generate|check|import-swebench ...
     codefleet sandbox run [--repo DIR] [--timeout S] [--memory-mb N] -- CMD [ARGS...]
-    codefleet bench sandbox|env|moe|engine|controller|analyze|weightsync|gpucheck|mine [--quick] [--json]
+    codefleet bench sandbox|env|moe|engine|controller|analyze|weightsync|gpucheck|mine|scale [--quick] [--json]
 
 Each command's module is imported only when that command runs, so that `codefleet sandbox run` and
 `codefleet --help` do not pay for importing PyTorch and Ray (about 2 s).
@@ -120,6 +120,7 @@ _BENCHES = {
     "weightsync": "codefleet.bench.weightsync_bench",
     "gpucheck": "codefleet.bench.gpu_check",
     "mine": "codefleet.bench.mine_bench",
+    "scale": "codefleet.bench.scale_bench",
 }
 
 
