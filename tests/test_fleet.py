@@ -185,6 +185,21 @@ def test_dead_host_gives_a_clear_error_and_is_replaced(ray_session, repo, config
         fleet.shutdown()
 
 
+def test_a_fleet_that_lost_its_host_finds_one_again(ray_session, repo, config):
+    """A host whose replacement failed (the node looked gone, or the new host did not answer in time) is not lost
+    for good: create() looks at the cluster again before it says the fleet is full, as it does every REFRESH_S
+    for nodes that joined."""
+    fleet = SandboxFleet.start(namespace="codefleet-test-refresh")
+    try:
+        node_id, host = next(iter(fleet.hosts.items()))
+        fleet.hosts.clear()  # what a failed replacement leaves
+        sb = fleet.create(repo, config)
+        assert sb.node_id == node_id and fleet.hosts == {node_id: host}  # the same named host, found again
+        sb.close()
+    finally:
+        fleet.shutdown()
+
+
 def test_host_core_accounting_without_ray(repo, config):
     core = HostCore("node-x", capacity=1)
     try:

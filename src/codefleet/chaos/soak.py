@@ -169,20 +169,24 @@ def _live_codefleet_actors(dashboard_url: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def _stderr_to(path: str):
-    """Send this process's standard error (file descriptor 2: Ray's start-up lines, and the last log lines of
-    every node that dies, which Ray prints to each driver) to `path`; yield the terminal's stream."""
+def _output_to(path: str):
+    """Send this process's standard output and error (file descriptors 1 and 2: Ray's start-up lines, and the last
+    log lines of every node that dies, which Ray prints to each driver) to `path`; yield the terminal's stderr."""
+    sys.stdout.flush()
     sys.stderr.flush()
-    terminal_fd = os.dup(2)
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
     with open(path, "ab") as f:
-        os.dup2(f.fileno(), 2)
+        for fd in saved:
+            os.dup2(f.fileno(), fd)
     try:
-        with os.fdopen(os.dup(terminal_fd), "w") as terminal:
+        with os.fdopen(os.dup(saved[2]), "w") as terminal:
             yield terminal
     finally:
+        sys.stdout.flush()
         sys.stderr.flush()
-        os.dup2(terminal_fd, 2)
-        os.close(terminal_fd)
+        for fd, copy in saved.items():
+            os.dup2(copy, fd)
+            os.close(copy)
 
 
 def soak(cfg: SoakConfig, log: Callable[[str], None] | None = None) -> dict:
@@ -194,7 +198,7 @@ def soak(cfg: SoakConfig, log: Callable[[str], None] | None = None) -> dict:
     if os.path.exists(os.path.join(cfg.out, "run")):
         raise FileExistsError(f"{cfg.out}/run exists; give chaos a new --out directory")
     os.makedirs(cfg.out, exist_ok=True)
-    with _stderr_to(os.path.join(cfg.out, "ray.log")) as terminal:
+    with _output_to(os.path.join(cfg.out, "ray.log")) as terminal:
         return _soak(cfg, log or (lambda msg: print(f"[codefleet chaos] {msg}", file=terminal, flush=True)))
 
 

@@ -17,7 +17,9 @@ Errors cross the wire as themselves: a `PathEscapeError` raised on the host
 is raised again, same type and message, in the caller (Ray's RayTaskError
 wrapper is removed). A host that died (node lost, process killed) turns into
 `SandboxDeadError`: its sandboxes are gone, and the next `fleet.create()`
-starts a replacement host.
+starts a replacement host. A fleet from `start()` also looks at the cluster
+again every `REFRESH_S`, and before it says it is full: a node that joined
+gets a host, and a host it could not replace in time is found again.
 
 Repository paths given to `create`/`warm` are paths *on the chosen host's
 node*: on a cluster, put repositories on shared storage or on every node.
@@ -49,6 +51,7 @@ from codefleet.types import ExecResult, FileEntry, SandboxInfo, SearchMatch
 log = logging.getLogger(__name__)
 
 DEFAULT_NAMESPACE = "codefleet"
+REFRESH_S = 10.0  # how often a managed fleet looks for nodes that joined and hosts it lost
 
 
 def _host_died(node_id: str, e: RayActorError) -> SandboxDeadError:
@@ -176,6 +179,7 @@ class SandboxFleet:
         self.hosts = dict(hosts)
         self.namespace = namespace  # None: hosts were given, not managed
         self.detached = detached
+        self._refreshed_at = time.monotonic()
 
     @classmethod
     def start(cls, namespace: str = DEFAULT_NAMESPACE, detached: bool = False) -> SandboxFleet:
@@ -225,8 +229,22 @@ class SandboxFleet:
             log.warning("codefleet: started a new sandbox host on node %s in place of a dead one", node_id)
             return
 
+    def _refresh_if_due(self, now: bool = False) -> None:
+        """`refresh()` every REFRESH_S (or `now`), so that a node that joined gets a host, and a node whose host
+        could not be replaced in time gets one again; a cluster with no sandbox capacity at the moment is left to
+        the caller's error."""
+        if self.namespace is None or not (now or time.monotonic() - self._refreshed_at >= REFRESH_S):
+            return
+        self._refreshed_at = time.monotonic()
+        try:
+            self.refresh()
+        except SandboxUnavailableError as e:
+            log.warning("codefleet: %s", e)
+
     def stats(self) -> dict[str, HostStats]:
-        """The load of every live host, by node id; dead hosts are replaced (or dropped)."""
+        """The load of every live host, by node id; dead hosts are replaced (or dropped), and nodes that joined
+        get a host (at most every REFRESH_S)."""
+        self._refresh_if_due()
         refs = {node_id: host.stats.remote() for node_id, host in self.hosts.items()}
         out: dict[str, HostStats] = {}
         for node_id, ref in refs.items():
@@ -240,7 +258,9 @@ class SandboxFleet:
 
     def create(self, repo: str | None = None, config: SandboxConfig | None = None) -> RemoteSandbox:
         """A new sandbox on the host with the most free capacity. `repo` is a path on that host's node."""
-        for _ in range(2):  # a second round if a host died under us (stats() replaces it)
+        for attempt in range(2):  # a second round if a host died under us (stats() replaces it) or none had room
+            if attempt:
+                self._refresh_if_due(now=True)  # a node may have joined, or a lost host be back
             stats, host_died = self.stats(), False
             for node_id in most_free_first(stats):
                 host = self.hosts[node_id]
@@ -252,7 +272,7 @@ class SandboxFleet:
                     host_died = True
                     continue
                 return RemoteSandbox(host, node_id, sandbox_id, info)
-            if not host_died:
+            if not host_died and self.namespace is None:
                 break
         raise _fleet_full(stats)
 
