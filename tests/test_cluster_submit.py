@@ -67,7 +67,14 @@ class RayStartCluster:
         self.procs: list[subprocess.Popen] = []
         self.client_port, self.dashboard_port = _free_port(), _free_port()
         self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
-        head_dir = os.path.join(root, "head")
+        try:
+            self._start_nodes()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_nodes(self) -> None:
+        head_dir = os.path.join(self.root, "head")
         self._start("head", ["--head", f"--port={_free_port()}", f"--ray-client-server-port={self.client_port}",
                              "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}", "--num-cpus=3",
                              '--resources={"head": 8}', f"--temp-dir={head_dir}"])
@@ -76,7 +83,7 @@ class RayStartCluster:
         self.address = open(address_file).read().strip()  # HOST:PORT, HOST the machine's own address
         self.host = self.address.rsplit(":", 1)[0]
         self._start("worker", [f"--address={self.address}", "--num-cpus=2", '--resources={"sandbox": 8, "rollout": 4}',
-                               f"--temp-dir={os.path.join(root, 'worker')}"])
+                               f"--temp-dir={os.path.join(self.root, 'worker')}"])
         self._wait(lambda: len(self.nodes()) == 2, "the worker node to join")
 
     def _start(self, name: str, args: list[str]) -> None:
@@ -125,16 +132,37 @@ class RayStartCluster:
             except ProcessLookupError:
                 pass
 
+    def leftovers(self) -> list[str]:
+        """Command lines of processes still running in the nodes' process groups or from their temp dirs (the
+        daemons; each worker process has a group of its own, and its raylet ends it)."""
+        groups, found = {proc.pid for proc in self.procs}, []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                state, _, group = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[:3]
+                cmdline = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+            except (OSError, IndexError, ValueError):
+                continue
+            if state != "Z" and (int(group) in groups or self.root in cmdline):
+                found.append(cmdline[:200])
+        return found
+
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(ray_session):
+    """The cluster; at teardown nothing of it is left running, and the test session's own Ray still answers."""
     root = tempfile.mkdtemp(prefix="cf-ray-", dir="/tmp")  # short: Ray's socket paths live under it
-    made = RayStartCluster(root)
     try:
-        yield made
+        made = RayStartCluster(root)  # stops what it started if it cannot start
+        try:
+            yield made
+        finally:
+            made.close()
+            time.sleep(1)
+            leftovers = made.leftovers()
     finally:
-        made.close()
         shutil.rmtree(root, ignore_errors=True)
+    assert not leftovers, leftovers
+    assert ray_session.get(ray_session.put("still here")) == "still here"
 
 
 def _placed(cluster: RayStartCluster, before: dict) -> dict[str, set[str]]:
