@@ -254,8 +254,11 @@ def test_train_through_ray_job_submit(cluster, tmp_path):
     logs = client.get_job_logs(job)
     assert status == JobStatus.SUCCEEDED, logs[-4000:]
     assert "RL done" in logs and "wall clock per phase" in logs, logs[-4000:]
+    assert cluster.address in logs  # the driver joined by the plain HOST:PORT Ray Jobs gives it (RAY_ADDRESS)
     assert _check_run(run, "submitted") <= task_ids  # RL attempted the working directory's tasks only
     train_dir = open(os.path.join(run, "config.yaml")).read().split("train_dir: ", 1)[1].split("\n", 1)[0]
+    # the uploaded copy of the working directory, on the head node
+    assert train_dir.startswith(os.path.join(cluster.root, "head", "session_")), train_dir
     assert "/runtime_resources/working_dir_files/" in train_dir and train_dir.endswith("/tasks"), train_dir
     placed = _placed(cluster, before)
     assert placed["RolloutWorker"] == placed["SandboxHost"] == {"worker"}, placed
