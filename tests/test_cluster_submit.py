@@ -166,7 +166,7 @@ def cluster(ray_session):
 
 
 def _placed(cluster: RayStartCluster, before: dict) -> dict[str, set[str]]:
-    """The node ids (as 'head'/'worker') each class of actor that started since `before` ran on."""
+    """The nodes ('head' or 'worker') that each class of actor started since `before` ran on."""
     role = {n.node_id: "worker" if "rollout" in n.resources_total else "head" for n in cluster.nodes()}
     placed: dict[str, set[str]] = {}
     for actor_id, (name, node_id) in cluster.actors().items():
@@ -256,7 +256,7 @@ def test_train_through_ray_job_submit(cluster, tmp_path):
     assert "RL done" in logs and "wall clock per phase" in logs, logs[-4000:]
     assert cluster.address in logs  # the driver joined by the plain HOST:PORT Ray Jobs gives it (RAY_ADDRESS)
     assert _check_run(run, "submitted") <= task_ids  # RL attempted the working directory's tasks only
-    train_dir = open(os.path.join(run, "config.yaml")).read().split("train_dir: ", 1)[1].split("\n", 1)[0]
+    train_dir = yaml.safe_load(open(os.path.join(run, "config.yaml")))["tasks"]["train_dir"]
     # the uploaded copy of the working directory, on the head node
     assert train_dir.startswith(os.path.join(cluster.root, "head", "session_")), train_dir
     assert "/runtime_resources/working_dir_files/" in train_dir and train_dir.endswith("/tasks"), train_dir
