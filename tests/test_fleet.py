@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import pytest
@@ -181,6 +183,22 @@ def test_dead_host_gives_a_clear_error_and_is_replaced(ray_session, repo, config
         fresh = fleet.create(repo, config)
         assert fresh.exec("cat README.md").output == "# demo\n"
         assert fleet.stats()[fresh.node_id].pid != old_pid
+    finally:
+        fleet.shutdown()
+
+
+def test_a_host_whose_process_was_killed_is_replaced_at_once(ray_session, repo, config):
+    """SIGKILL, as the OOM killer does (not ray.kill): the dead host keeps its name until the fleet kills it through
+    Ray too, so the replacement gets the name at once instead of the old, dead handle for 30 s."""
+    fleet = SandboxFleet.start(namespace="codefleet-test-sigkill")
+    try:
+        sb = fleet.create(repo, config)
+        old_pid = fleet.stats()[sb.node_id].pid
+        os.kill(old_pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        fresh = fleet.create(repo, config)
+        assert time.monotonic() - t0 < 15
+        assert fresh.exec("cat README.md").output == "# demo\n" and fleet.stats()[fresh.node_id].pid != old_pid
     finally:
         fleet.shutdown()
 

@@ -41,7 +41,7 @@ def _chaos(args: argparse.Namespace) -> int:
                      worker_nodes=args.nodes, kinds=kinds, per_kind=args.per_kind)
     try:
         report = soak(cfg)
-    except (FileNotFoundError, FileExistsError, RuntimeError) as e:
+    except (OSError, ValueError, RuntimeError) as e:  # a missing file, a cluster that cannot start, a run that ended
         print(f"codefleet chaos: {e}", file=sys.stderr)
         return 1
     if not args.json:

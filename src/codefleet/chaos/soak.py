@@ -29,6 +29,7 @@ import json
 import os
 import random
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -116,11 +117,18 @@ def _rl_started(run_dir: str) -> bool:
     return os.path.isdir(accepted) and any(n.endswith(".pkl") for n in os.listdir(accepted))
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 class _Cluster:
     def __init__(self, cfg: SoakConfig):
         self.cfg = cfg
         self.cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": cfg.head_cpus, "resources": {"head": 8}, "include_dashboard": True})
+            "num_cpus": cfg.head_cpus, "resources": {"head": 8}, "include_dashboard": True,
+            "dashboard_port": _free_port()})  # not 8265: another Ray on the machine may hold it
         self.workers = [self.add() for _ in range(cfg.worker_nodes)]
         self.cluster.wait_for_nodes()
         self.due: list[float] = []  # times at which a replacement node joins
@@ -213,8 +221,9 @@ def _soak(cfg: SoakConfig, log: Callable[[str], None]) -> dict:
     saved_env = dict(os.environ)
     os.environ.update({k: env[k] for k in ("CODEFLEET_STATE_DIR", "RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED")})
     t0 = time.monotonic()
-    cluster = _Cluster(cfg)  # its processes inherit CODEFLEET_STATE_DIR: every sandbox lives under state_dir
+    cluster = run = None
     try:
+        cluster = _Cluster(cfg)  # its processes inherit CODEFLEET_STATE_DIR: every sandbox lives under state_dir
         context = ray.init(address=cluster.cluster.address, log_to_driver=False, namespace="codefleet-chaos")
         dashboard_url = context.dashboard_url
         run = _Run(cfg, cluster.cluster.address, env)
@@ -226,8 +235,11 @@ def _soak(cfg: SoakConfig, log: Callable[[str], None]) -> dict:
             time.sleep(1)
         leak_check = invariants.leaks(state_dir, left)
     finally:
+        if run is not None and run.proc.poll() is None:  # the soak itself failed: the run goes with it
+            run.proc.kill()
         ray.shutdown()
-        cluster.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
         os.environ.clear()
         os.environ.update(saved_env)
     facts = invariants.read_run(run.run_dir)

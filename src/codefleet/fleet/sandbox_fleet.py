@@ -210,12 +210,16 @@ class SandboxFleet:
 
     def _replace(self, node_id: str, wait_s: float = 30.0) -> None:
         """Start a new host on `node_id` in place of a dead one (or drop it if the node is gone)."""
-        del self.hosts[node_id]
+        dead = self.hosts.pop(node_id)
+        try:  # a host whose process was killed keeps its name until it is killed through Ray as well
+            ray.kill(dead)
+        except Exception as e:  # noqa: BLE001 - already gone for good
+            log.debug("ray.kill of a dead sandbox host: %r", e)
         nodes = sandbox_nodes() if self.namespace is not None else {}
         if node_id not in nodes:
             return
         deadline = time.monotonic() + wait_s
-        while True:  # the dead host's name is freed shortly after its death
+        while True:  # the dead host's name is freed shortly after
             host = self._host_on(node_id, nodes[node_id])
             try:
                 ray.get(host.stats.remote())

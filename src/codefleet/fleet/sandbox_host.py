@@ -44,6 +44,7 @@ from codefleet.sandbox import (
     SandboxPool,
     SandboxUnavailableError,
     create_sandbox,
+    state,
 )
 from codefleet.types import ExecResult, FileEntry, SandboxInfo, SearchMatch
 
@@ -250,6 +251,10 @@ class SandboxHost:
             raise SandboxUnavailableError(f"Ray node {node_id} advertises no `sandbox` capacity; start it with "
                                           "`ray start --resources='{\"sandbox\": N}'` or give the host a capacity")
         self._core = HostCore(node_id, capacity)
+        try:  # claim the node's state directory now: its reaper clears what a killed host left (mounts, cgroups)
+            state.owner_for(None)
+        except OSError as e:  # the first sandbox tries again, and says what is wrong
+            log.warning("codefleet: the sandbox state directory is not usable yet: %s", e)
         # One thread per running command, plus room for file calls, creates and closes.
         self._executor = ThreadPoolExecutor(threads or max(16, 2 * capacity + 8), "codefleet-host")
 
