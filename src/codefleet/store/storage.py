@@ -49,6 +49,8 @@ import threading
 import uuid
 from collections.abc import Iterator
 
+import fsspec
+
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 COMPLETE = ".codefleet-complete"  # a local_copy entry's last file: the download finished
@@ -67,8 +69,6 @@ def is_url(path: str) -> bool:
 
 def _fs(url: str):
     """(fsspec filesystem, path within it) for `url`."""
-    import fsspec  # installed with ray[data]; only URLs need it
-
     try:
         return fsspec.core.url_to_fs(url)
     except ImportError as e:  # fsspec's own sentence names the package ("Install s3fs to access S3")
