@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: setup demo test test-slow test-vllm test-vm bench sdists mined-tasks clean
+.PHONY: setup demo test test-slow test-vllm test-vm test-chaos bench sdists mined-tasks clean
 
 setup:
 	@bash scripts/setup.sh
@@ -31,6 +31,12 @@ test-vllm:
 test-vm:
 	@bash scripts/setup_vm.sh
 	$(PY) -m pytest -m vm -q
+
+# A training run on a local three-node Ray cluster while rollout workers, sandbox hosts, an engine, a trainer worker,
+# a sandbox's processes and a worker node are killed and a sandbox's disk is filled (codefleet chaos,
+# docs/reliability.md); ~4 min on 2 cores.
+test-chaos: setup
+	$(PY) -m pytest -m chaos -q
 
 # Tasks mined from real libraries (docs/tasks.md, "Mined tasks"): their pinned source distributions are fetched
 # from PyPI once (install time) into .cache/sdists, which the slow mining test also reads.

@@ -126,6 +126,7 @@ SOAK_CONFIG = textwrap.dedent("""
 
 
 @pytest.mark.slow
+@pytest.mark.chaos
 @pytest.mark.timeout(1200)
 def test_a_training_run_survives_every_kind_of_fault(tmp_path):
     """Two minutes of faults, one of each kind, on a head and two worker nodes: the run finishes by itself and
