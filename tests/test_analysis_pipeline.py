@@ -13,10 +13,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from codefleet.analysis.pipeline import AnalyzeConfig, NoRollouts, analyze
-from codefleet.store.schema import SCHEMA
-from codefleet.store.parquet import RolloutWriter, read_rollouts, records_to_table
 from codefleet.analysis.synthetic import planted_category, synthetic_record, synthetic_records
 from codefleet.cli import main
+from codefleet.store.parquet import RolloutWriter, read_rollouts, records_to_table
+from codefleet.store.schema import SCHEMA, to_file_table
 
 
 def test_cli_analyze_writes_summary_judgments_and_report(ray_session, tmp_path, capsys):
@@ -132,7 +132,9 @@ def test_figures_equal_a_direct_computation_and_damaged_values_are_left_out(ray_
     damaged[0]["wall_s"], damaged[1]["turns"], damaged[2]["tool_calls_per_turn"] = float("nan"), None, float("inf")
     damaged[3]["tool_calls"], damaged[3]["step"] = None, None
     os.makedirs(store / "run=r" / "step=5")
-    pq.write_table(pa.Table.from_pylist(damaged, schema=SCHEMA), store / "run=r" / "step=5" / "part-damaged.parquet")
+    damaged_table = to_file_table(pa.Table.from_pylist(damaged, schema=SCHEMA))
+    pq.write_table(damaged_table.slice(0, 3), store / "run=r" / "step=5" / "part-damaged.parquet")
+    pq.write_table(damaged_table.slice(3), store / "run=r" / "part-nostep.parquet")  # no step= in its path
     result = analyze(str(tmp_path), AnalyzeConfig(out_dir=str(tmp_path / "out")), log=lambda m: None)
     s = result.summary
     rows = read_rollouts(str(store), on_problem=pytest.fail).to_pandas()

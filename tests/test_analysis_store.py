@@ -8,11 +8,19 @@ import os
 import threading
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from codefleet.store.schema import SCHEMA, SCHEMA_VERSION
-from codefleet.store.parquet import RolloutWriter, read_rollouts, records_to_table, rollout_record, scan_store
+from codefleet.store.parquet import (
+    RolloutWriter,
+    read_rollouts,
+    records_to_table,
+    rollout_record,
+    scan_store,
+    upgrade_store,
+)
+from codefleet.store.schema import FILE_SCHEMA, SCHEMA, SCHEMA_VERSION
 from codefleet.types import CheckResult, ToolCall, ToolResult, Trajectory, Turn
 
 
@@ -58,7 +66,8 @@ def test_append_writes_hive_partitions_and_reads_back(tmp_path):
     assert len(paths) == 2 and all(os.path.exists(p) for p in paths)
     assert {os.path.relpath(os.path.dirname(p), root) for p in paths} == {"run=r1/step=0", "run=r1/step=1"}
     assert os.path.basename(paths[0]).startswith("part-")
-    assert pq.read_schema(paths[0]).equals(SCHEMA)
+    assert pq.read_schema(paths[0]).equals(FILE_SCHEMA)  # run and step in the path only, run_name in the file
+    assert {"run", "step"}.isdisjoint(FILE_SCHEMA.names) and "run_name" in FILE_SCHEMA.names
     writer.append(records[:1])  # a second append adds a file, never rewrites one
     table = read_rollouts(str(tmp_path))  # a run directory works as well as the store itself
     assert table.num_rows == 5 and table.schema.equals(SCHEMA)
@@ -67,6 +76,9 @@ def test_append_writes_hive_partitions_and_reads_back(tmp_path):
     assert rows[0]["schema_version"] == SCHEMA_VERSION and rows[0]["per_test"][1] == {"test": "test_b", "passed": True}
     assert json.loads(rows[0]["metadata"]) == {"policy": "stub", "sampler": "greedy", "task.family": "calc"}
     assert read_rollouts(root, columns=["task_id", "reward"]).column_names == ["task_id", "reward"]
+    projected = read_rollouts(root, columns=["step", "run", "attempt"])
+    assert projected.schema == pa.schema([SCHEMA.field(c) for c in ("step", "run", "attempt")])  # step: int64
+    assert sorted(projected.to_pylist(), key=lambda r: r["attempt"])[-1] == {"step": 1, "run": "r1", "attempt": 3}
 
 
 def test_run_names_that_cannot_name_a_directory_and_incomplete_records(tmp_path):
@@ -156,3 +168,28 @@ def test_a_file_from_a_newer_schema_version_is_read_and_named(tmp_path):
     assert (f"part-future.parquet: written by a newer codefleet (schema version {SCHEMA_VERSION + 1}; this one "
             f"reads up to {SCHEMA_VERSION}); read as version {SCHEMA_VERSION} (ignored unknown column(s) reviewer): "
             "upgrade codefleet to read all of it") in problems[0]
+
+
+def test_a_version_1_store_reads_as_before_and_upgrade_store_rewrites_it_for_other_readers(tmp_path):
+    """Version 1 repeated run and step in the rows (pandas and pyarrow datasets cannot merge them with the
+    path): codefleet still reads such files, and upgrade_store rewrites them as the current version."""
+    records = [rollout_record(make_trajectory(f"t{i}"), run="demo/v1 run", step=i, group=0, attempt=i)
+               for i in range(2)]
+    v1 = records_to_table(records).set_column(0, "schema_version", pa.array([1, 1], pa.int32()))
+    for step in (0, 1):
+        os.makedirs(tmp_path / "run=demo_v1_run" / f"step={step}")
+        pq.write_table(v1.filter(pc.equal(v1.column("step"), step)),
+                       tmp_path / "run=demo_v1_run" / f"step={step}" / "part-v1.parquet")
+    RolloutWriter(str(tmp_path)).append([rollout_record(make_trajectory("t2"), run="demo/v1 run", step=1,
+                                                        group=0, attempt=2)])
+    problems: list[str] = []
+    before = read_rollouts(str(tmp_path), on_problem=problems.append)
+    assert before.schema.equals(SCHEMA) and before.num_rows == 3
+    assert sorted((r["run"], r["step"], r["attempt"]) for r in before.to_pylist()) == [
+        ("demo/v1 run", 0, 0), ("demo/v1 run", 1, 1), ("demo/v1 run", 1, 2)]
+    assert len(problems) == 2 and "repeats the partition key(s) run, step); upgraded on read" in problems[0]
+    assert upgrade_store(str(tmp_path), on_problem=pytest.fail) == 2
+    after = read_rollouts(str(tmp_path), on_problem=pytest.fail)  # nothing older is left to report
+    assert after.sort_by("attempt").to_pylist() == before.sort_by("attempt").to_pylist()
+    assert all(pq.read_schema(f.path).equals(FILE_SCHEMA) for f in scan_store(str(tmp_path)).files)
+    assert pq.ParquetDataset(str(tmp_path)).read().num_rows == 3  # pandas' and pyarrow's default reader

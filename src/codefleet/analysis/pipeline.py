@@ -8,8 +8,9 @@ Stages (all streaming; the driver never holds the rollouts):
                         (a file whose footer reads but whose pages do not fails the first pass; then
                         every file is read through once, the broken ones named and left out, and the
                         pass runs again)
-      -> read_parquet   one read per schema: current files projected to the needed columns,
-                        older ones read whole and upgraded (schema.upgrade_table) in map_batches
+      -> read_parquet   one read per schema: current files projected to the needed columns (run
+                        from run_name, step from the path, schema.from_file_table), older ones
+                        read whole and upgraded (schema.upgrade_table) in map_batches
       -> map_batches(categorise)       rules: category, findings, tool statistics (rules.py)
       -> map_batches(judge)            rules verdict (a task), or JudgeBatch on an actor pool
       -> write_parquet  OUT/judgments.parquet/ (a directory of Parquet files: one dataset)
@@ -53,7 +54,7 @@ from codefleet.analysis.judge import JUDGE_COLUMNS, JudgeBatch, JudgeConfig, rul
 from codefleet.analysis.report import write_report
 from codefleet.fleet.ray_init import init_ray
 from codefleet.store.parquet import StoreScan, find_store, partition_values, scan_store
-from codefleet.store.schema import COLUMNS, upgrade_table
+from codefleet.store.schema import COLUMNS, file_columns, from_file_table, upgrade_table
 
 # store columns carried into judgments.parquet
 KEEP_COLUMNS = ["run", "step", "task_id", "family", "group", "attempt", "split", "policy_version_min",
@@ -93,8 +94,9 @@ class AnalysisResult:
     timings_s: dict[str, float]
 
 
-def _upgrade(batch: pa.Table) -> pa.Table:
-    """Older-schema rows (read with include_paths) as the current schema, run/step from their path."""
+def _by_file(batch: pa.Table, convert: Callable[..., pa.Table]) -> pa.Table:
+    """`convert(rows, run=, step=)` over each file's rows of `batch` (read with include_paths; a file's
+    rows are contiguous), run/step from the file's hive path."""
 
     parts = []
     paths = batch.column("path").to_pylist()
@@ -102,10 +104,19 @@ def _upgrade(batch: pa.Table) -> pa.Table:
     for i in range(1, len(paths) + 1):
         if i == len(paths) or paths[i] != paths[start]:
             run, step = partition_values(paths[start])
-            table, _ = upgrade_table(batch.slice(start, i - start).drop_columns(["path"]), run=run, step=step)
-            parts.append(table)
+            parts.append(convert(batch.slice(start, i - start).drop_columns(["path"]), run=run, step=step))
             start = i
-    return pa.concat_tables(parts)
+    return pa.concat_tables(parts) if parts else convert(batch.drop_columns(["path"]), run=None, step=None)
+
+
+def _from_file(batch: pa.Table) -> pa.Table:
+    """Current-version rows as SCHEMA columns: run from run_name, step from the path (schema.py)."""
+    return _by_file(batch, from_file_table)
+
+
+def _upgrade(batch: pa.Table) -> pa.Table:
+    """Older-schema rows as the current schema, run/step from their path where the file lacks them."""
+    return _by_file(batch, lambda table, run, step: upgrade_table(table, run=run, step=step)[0])
 
 
 def read_store(scan: StoreScan, columns: list[str], config: AnalyzeConfig):
@@ -117,8 +128,11 @@ def read_store(scan: StoreScan, columns: list[str], config: AnalyzeConfig):
             by_schema.setdefault(tuple(f.schema.names), []).append(f.path)
     datasets = []
     if current:
-        datasets.append(ray.data.read_parquet(current, partitioning=None, num_cpus=config.task_num_cpus)
-                        .select_columns(columns))  # pushed down into the Parquet read
+        # the projection is read from the files; step lives in their paths only
+        ds = (ray.data.read_parquet(current, partitioning=None, include_paths=True, num_cpus=config.task_num_cpus)
+              .select_columns([*file_columns(columns), "path"]))  # pushed down into the Parquet read
+        datasets.append(ds.map_batches(_from_file, batch_format="pyarrow", num_cpus=config.task_num_cpus)
+                        .select_columns(columns))
     for names, paths in by_schema.items():
         ds = ray.data.read_parquet(paths, partitioning=None, include_paths=True, num_cpus=config.task_num_cpus)
         datasets.append(ds.map_batches(_upgrade, batch_format="pyarrow", num_cpus=config.task_num_cpus)

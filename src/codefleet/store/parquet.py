@@ -5,6 +5,11 @@
     table = read_rollouts(os.path.join(run_dir, "rollouts"))
 
 Layout: hive partitions `root/run=<run>/step=<step>/part-<uuid>.parquet`.
+The files hold `FILE_SCHEMA` (schema.py): every column but the partition keys
+`run` and `step`, which live in the path only, so that pandas, pyarrow
+datasets, polars, DuckDB and Ray Data read the store with their defaults
+(a key repeated in the file with another type than the one they infer from
+the path is a merge error for most of them).
 Each `append` writes NEW files only, never rewrites one: a file is written
 under a hidden temporary name in its partition directory and then
 `os.replace`d to its final name, which is atomic on POSIX. A reader scanning
@@ -19,9 +24,13 @@ serialised in memory and written with one PUT (`storage.put_file_atomic`, a temp
 `file://`), so a reader of the bucket sees whole files only, as on a local disk. Reading takes a local
 directory (download a URL's store first, e.g. `storage.download_dir`).
 
-`run` and `step` are stored in the rows as well as in the path, so a file
-copied out of its directory still says where it came from; the rows hold the
-exact run name, the directory a filesystem-safe one (`run_directory_name`).
+The directory holds a filesystem-safe run name (`run_directory_name`: the
+name itself when it is safe), the `run_name` column the exact one, so a file
+copied out of its directory still names its run; its step is in the path
+only. codefleet's readers return `SCHEMA`, with `run` (the exact name, from
+`run_name`) and `step` (int64, from the path) as columns, as before.
+`upgrade_store` rewrites the files of older versions (which repeat `run` and
+`step` in the rows) so that third-party readers open the store too.
 
 Reading (`scan_store`, `read_rollouts`) validates each file's footer first: a
 corrupt or truncated file, or one lacking a required column, is skipped and
@@ -45,11 +54,23 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from codefleet.store import storage
-from codefleet.store.schema import COLUMNS, REQUIRED_COLUMNS, SCHEMA, SCHEMA_VERSION, is_current, upgrade_table
+from codefleet.store.schema import (
+    COLUMNS,
+    FILE_COLUMNS,
+    REQUIRED_COLUMNS,
+    RUN_NAME,
+    SCHEMA,
+    SCHEMA_VERSION,
+    file_columns,
+    from_file_table,
+    is_current,
+    to_file_table,
+    upgrade_table,
+)
 from codefleet.types import Trajectory
 
 __all__ = ["SCHEMA", "SCHEMA_VERSION", "RolloutWriter", "StoreScan", "find_store", "read_rollouts",
-           "records_to_table", "rollout_record", "scan_store"]
+           "records_to_table", "rollout_record", "scan_store", "upgrade_store"]
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -104,7 +125,7 @@ def rollout_record(trajectory: Trajectory, *, run: str, step: int, group: int, a
 
 
 def records_to_table(records: list[dict]) -> pa.Table:
-    """Rows as a table of exactly SCHEMA; keys that are not columns go into each row's `metadata` JSON."""
+    """Rows as a table of exactly SCHEMA (what readers return; a file holds `to_file_table` of it); keys that are not columns go into each row's `metadata` JSON."""
     rows = []
     for record in records:
         meta = record.get("metadata") or {}
@@ -151,7 +172,7 @@ class RolloutWriter:
             name = f"part-{uuid.uuid4().hex}.parquet"
             tmp = os.path.join(directory, f".{name}.tmp")
             try:
-                pq.write_table(records_to_table(rows), tmp, compression=self.compression)
+                pq.write_table(to_file_table(records_to_table(rows)), tmp, compression=self.compression)
                 os.replace(tmp, os.path.join(directory, name))
             finally:
                 if os.path.exists(tmp):
@@ -162,7 +183,7 @@ class RolloutWriter:
     def _put(self, rows: list[dict], run: str, step: int) -> str:
         """One new file of `rows` under a URL root, written whole with one PUT."""
         buffer = pa.BufferOutputStream()
-        pq.write_table(records_to_table(rows), buffer, compression=self.compression)
+        pq.write_table(to_file_table(records_to_table(rows)), buffer, compression=self.compression)
         url = storage.join(self.root, f"run={run_directory_name(run)}", f"step={step}",
                            f"part-{uuid.uuid4().hex}.parquet")
         storage.put_file_atomic(url, buffer.getvalue().to_pybytes())
@@ -249,10 +270,14 @@ def scan_store(root: str) -> StoreScan:
                                  f"{SCHEMA_VERSION}); read as version {SCHEMA_VERSION}"
                                  f"{' (' + '; '.join(notes) + ')' if notes else ''}: upgrade codefleet to read all of it")
         elif not current:
-            lacking = [c for c in COLUMNS if c not in schema.names]
+            names = set(schema.names) | ({RUN_NAME} if "run" in schema.names else set())
+            lacking = [c for c in FILE_COLUMNS if c not in names]
             unknown = [n for n in notes if n.startswith("ignored")]
+            keys = [c for c in ("run", "step") if c in schema.names]
             scan.problems.append(f"{path}: older or different schema (lacks {', '.join(lacking) or 'nothing'}"
-                                 f"{'; ' + unknown[0] if unknown else ''}); upgraded on read")
+                                 f"{'; ' + unknown[0] if unknown else ''}"
+                                 f"{'; repeats the partition key(s) ' + ', '.join(keys) if keys else ''}); "
+                                 "upgraded on read (codefleet.store.parquet.upgrade_store rewrites it for other readers)")
         scan.files.append(StoreFile(path, meta.num_rows, current, schema, run, step))
     return scan
 
@@ -269,10 +294,13 @@ def _newest_version(path: str, schema: pa.Schema) -> int:
 
 
 def read_file(store_file: StoreFile, columns: list[str] | None = None) -> pa.Table:
-    """One store file as the current schema (upgraded if needed), optionally projected to `columns`."""
-    table = pq.read_table(store_file.path)
-    if not store_file.current:
-        table, _ = upgrade_table(table, run=store_file.run, step=store_file.step)
+    """One store file as SCHEMA (upgraded if needed), optionally projected to `columns`."""
+    if store_file.current:
+        # read only what is asked for; pq.read_table of one file adds no columns from its path
+        table = pq.read_table(store_file.path, columns=file_columns(columns or COLUMNS))
+        table = from_file_table(table, run=store_file.run, step=store_file.step)
+    else:
+        table, _ = upgrade_table(pq.read_table(store_file.path), run=store_file.run, step=store_file.step)
     return table.select(columns) if columns else table
 
 
@@ -293,3 +321,36 @@ def read_rollouts(root: str, columns: list[str] | None = None,
     if not tables:
         return SCHEMA.empty_table().select(columns) if columns else SCHEMA.empty_table()
     return pa.concat_tables(tables)
+
+
+def upgrade_store(root: str, on_problem: Callable[[str], None] | None = None) -> int:
+    """Rewrite every file of an older schema version under the store `root` as the current version (a new
+    file, then the old one removed), so that readers other than codefleet's open the store; returns the
+    number of files rewritten. Rows are unchanged as codefleet reads them. Not while a run writes the store
+    (a reader could count a rewritten file twice for a moment)."""
+    report = on_problem or (lambda msg: print(f"rollout store: {msg}", file=sys.stderr))
+    scan = scan_store(find_store(root))
+    rewritten = 0
+    for store_file in scan.files:
+        if store_file.current:
+            continue
+        if store_file.run is None or store_file.step is None:  # its step would be lost: the path must hold it
+            report(f"{store_file.path}: not under run=<run>/step=<step>/; left as it is")
+            continue
+        try:
+            table = to_file_table(read_file(store_file))
+        except Exception as e:  # a body that does not read: leave the file as it is
+            report(f"{store_file.path}: could not be read ({type(e).__name__}: {e}); left as it is")
+            continue
+        directory, name = os.path.split(store_file.path)
+        final = os.path.join(directory, f"part-{uuid.uuid4().hex}.parquet")
+        tmp = os.path.join(directory, f".{os.path.basename(final)}.tmp")
+        try:
+            pq.write_table(table, tmp, compression="zstd")
+            os.replace(tmp, final)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        os.unlink(store_file.path)
+        rewritten += 1
+    return rewritten
