@@ -15,8 +15,8 @@ Kinds, each what a large cluster sees every day:
 The schedule is seeded: the kinds are shuffled and cycled, so that every kind comes once before any comes
 twice, at times drawn uniformly inside equal slots of the window (no two faults closer than half a slot).
 A fault whose target does not exist at its time (no live sandbox between two groups, the last worker node)
-waits and is tried again every second until the next fault's time; if its target never appears it is listed
-as not injected, with the reason.
+is tried again every quarter second, while the later faults go on at their times, until the window closes; if
+its target never appears it is listed as not injected, with the reason.
 
 Targets are found through Ray's state API (actors by class name and their PIDs) and `/proc` (sandbox processes:
 the bwraps whose command line names this soak's sandbox state directory, and their descendants). Processes

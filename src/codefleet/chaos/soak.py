@@ -325,9 +325,7 @@ def _drive(cfg: SoakConfig, plan: list[Fault], rng: random.Random, cluster: _Clu
             log(f"RL ended at {step_changed_at:.0f} s, before {len(pending)} faults' times; make rl.steps larger to "
                 "cover the window")
             pending.clear()
-        if pending and pending[0].at_s <= now:
-            fault = pending[0]
-            next_at = pending[1].at_s if len(pending) > 1 else window_s
+        for fault in [f for f in pending if f.at_s <= now]:
             try:
                 if fault.kind in faults.RESTORES:
                     fault.alive_before = faults.count_alive(faults.RESTORES[fault.kind], dashboard_url)
@@ -335,16 +333,16 @@ def _drive(cfg: SoakConfig, plan: list[Fault], rng: random.Random, cluster: _Clu
                 fault.target, fault.gone = hit if isinstance(hit, tuple) else (hit, "")
                 fault.injected_s, fault.step_at_injection = round(now, 1), step
                 log(f"{now:6.1f} s  {fault.kind}: {fault.target}")
-                pending.pop(0)
-            except NoTarget as e:
+                pending.remove(fault)
+            except NoTarget as e:  # tried again until the window closes
                 fault.detail = str(e)
-                if now >= next_at:  # its time is over: not injected
+                if now >= window_s:
                     log(f"{now:6.1f} s  {fault.kind}: not injected ({e})")
-                    pending.pop(0)
+                    pending.remove(fault)
             except Exception as e:  # noqa: BLE001 - a failed injection is reported, the soak goes on
                 fault.detail = f"injection failed: {e!r}"
                 log(f"{now:6.1f} s  {fault.kind}: injection failed ({e!r})")
-                pending.pop(0)
+                pending.remove(fault)
         time.sleep(0.25 if pending else 1.0)
     else:
         run.proc.kill()
