@@ -25,6 +25,7 @@ from codefleet.agent.reward import RewardConfig, compute_reward, efficiency
 from codefleet.agent.tools import ToolConfig
 from codefleet.contracts import Policy, Sandbox
 from codefleet.sandbox.base import SandboxConfig
+from codefleet.tasks.allowance import task_allowance
 from codefleet.tasks.checks import prepare_sandbox, run_checks, workspace_diff
 from codefleet.types import Budgets, Task, Trajectory
 
@@ -84,6 +85,7 @@ def score(trajectory: Trajectory, sandbox: Sandbox, task: Task, reward: RewardCo
     trajectory.metadata.update(efficiency(trajectory))
     for key, value in task.metadata.items():
         trajectory.metadata.setdefault(f"task.{key}", value)
+    trajectory.metadata.update(task_allowance(task))  # what the task allows, for the analysis rules
     return trajectory
 
 
