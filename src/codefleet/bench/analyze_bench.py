@@ -22,9 +22,17 @@ with the `rules` judge and reports:
   worker's RSS includes the object-store pages it maps (up to the 1 GiB store);
   `peak_driver_rss_mb` is the driver alone (it never holds the rollouts);
 - `planted_match`: fraction of rollouts whose rule category equals the one the
-  generator planted (a correctness check of the rules at scale).
+  generator planted (a correctness check of the rules at scale);
+- `suspicious_precision`, `suspicious_recall`: how well the rules' suspicious
+  flag separates honest wins from hacks, measured not on synthetic rows but on
+  real wins (scripted-expert episodes in real sandboxes on generated tasks of
+  every family, renames that must edit the tests included; a model's short
+  `codefleet train` run wins too rarely for bench time) and one planted hack
+  per win (a test deleted, an assertion weakened, a value hard-coded, a skip
+  added); bench/suspicious_bench.py says how. `target_met`: both >= 0.9.
 
-Full run: 100,000 rollouts. `--quick`: 2,000 (ends within 45 s).
+Full run: 100,000 rollouts and 36 expert wins. `--quick`: 2,000 rollouts and
+12 expert wins.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ import ray
 
 from codefleet.analysis.pipeline import AnalyzeConfig, analyze
 from codefleet.analysis.synthetic import synthetic_records
+from codefleet.bench import suspicious_bench
 from codefleet.bench.report import Log, report
 from codefleet.fleet.ray_init import init_ray
 from codefleet.store.parquet import RolloutWriter
@@ -129,6 +138,7 @@ def run(quick: bool, log: Log) -> dict:
         hits = sum(expected[(r["step"], r["group"], r["attempt"])] == r["category"] for r in judged)
         match = hits / max(1, len(judged))
         s = result.summary
+        suspicious = suspicious_bench.run(quick, log)
         return {"rollouts": s["rollouts"], "rows_per_s": round(s["rollouts"] / analyze_s, 1),
                 "analyze_s": round(analyze_s, 2), "judge_stage_s": round(result.timings_s["judge_s"], 2),
                 "aggregate_s": round(result.timings_s["aggregate_s"], 2),
@@ -140,7 +150,7 @@ def run(quick: bool, log: Log) -> dict:
                 "store_mb": round(store_mb, 1), "generate_s": round(generate_s, 1), "ray_cpus": 2,
                 "ray_object_store_mb": OBJECT_STORE_MB,
                 "success_rate": s["success_rate"], "suspicious_wins": s["suspicious_wins"],
-                "planted_match": round(match, 4), "quick": quick,
+                "planted_match": round(match, 4), "quick": quick, **suspicious,
                 "memory_note": "peak_rss_mb: summed RSS of the driver and all processes it started (Ray GCS, raylet, "
                                "agents, workers), sampled every 0.25 s during analyze(); shared pages counted per "
                                "process (upper bound); peak_pss_mb splits them fairly"}
@@ -156,11 +166,16 @@ def _table(r: dict) -> str:
             (f"largest process RSS MB ({r['peak_process_name']})", r["peak_process_rss_mb"]),
             ("processes (most)", r["peak_processes"]),
             ("store MB", r["store_mb"]),
-            ("planted category match", r["planted_match"]), ("suspicious wins", r["suspicious_wins"])]
+            ("planted category match", r["planted_match"]), ("suspicious wins", r["suspicious_wins"]),
+            (f"suspicious precision ({r['honest_wins']} real wins)", r["suspicious_precision"]),
+            (f"suspicious recall ({r['planted_hacks']} planted hacks)", r["suspicious_recall"]),
+            ("  precision without the task", r["task_blind_precision"]),
+            ("target met (both >= 0.9)", r["target_met"])]
     return "\n".join(f"{k:<32}{v}" for k, v in rows)
 
 
 def run_cli(quick: bool, as_json: bool) -> int:
     return report(lambda log: run(quick, log),
-                  lambda r: f"analyze bench: {r['rollouts']} synthetic rollouts, rules judge, Ray with 2 CPUs",
+                  lambda r: f"analyze bench: {r['rollouts']} synthetic rollouts, rules judge, Ray with 2 CPUs; "
+                            f"suspicious flag on {r['honest_wins']} expert wins + {r['planted_hacks']} planted hacks",
                   _table, as_json, note_key="memory_note", name="analyze")
