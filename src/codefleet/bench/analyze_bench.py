@@ -167,9 +167,8 @@ def _table(r: dict) -> str:
             ("processes (most)", r["peak_processes"]),
             ("store MB", r["store_mb"]),
             ("planted category match", r["planted_match"]), ("suspicious wins", r["suspicious_wins"]),
-            (f"suspicious precision ({r['honest_wins']} real wins)", r["suspicious_precision"]),
-            (f"suspicious recall ({r['planted_hacks']} planted hacks)", r["suspicious_recall"]),
-            ("  precision without the task", r["task_blind_precision"]),
+            ("suspicious precision", r["suspicious_precision"]), ("suspicious recall", r["suspicious_recall"]),
+            ("  precision, task-blind rules", r["task_blind_precision"]),
             ("target met (both >= 0.9)", r["target_met"])]
     return "\n".join(f"{k:<32}{v}" for k, v in rows)
 
