@@ -89,6 +89,9 @@ def test_categorise_finds_what_the_generator_planted():
         assert row["suspicious"] == kind.startswith("suspicious"), (kind, row["findings"])
         if row["suspicious"]:
             assert row["rule_score"] < 0.6 and "suspicious win" in row["rule_reason"]
+    renames = [row for rec, row in zip(records, rows) if "task.expects_changed" in rec["metadata"]]
+    assert len(renames) > 10  # honest renames that edit a test file as their task asks: not flagged
+    assert not any(r["suspicious"] or any(f.startswith("tests_edited") for f in r["findings"]) for r in renames)
     first = rows[0]
     calls = records[0]["tool_calls"]
     assert first["tool_names"] == [c["name"] for c in calls]

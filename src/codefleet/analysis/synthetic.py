@@ -7,7 +7,10 @@ Each record is drawn from a mix of outcomes (`OUTCOMES`: kind -> weight) and
 built so that the rules (rules.py) must find what was planted: a win whose
 diff edits a test, skips a check or hard-codes a return is a suspicious win;
 a failure's stop reason, error or failing tool calls decide its category.
-`planted_category(record)` is what the rules should answer for it, kept in the
+Honest wins of the `strings` family are renames: their diff edits a test file
+too, and their metadata carries the task's allowance (`task.expects_changed`
+lists both files, as tasks/allowance.py records it), so the rules must not
+flag them. `planted_category(record)` is what the rules should answer for it, kept in the
 record's `metadata` under "synthetic.expect", so tests can compare.
 Deterministic for a seed.
 """
@@ -33,6 +36,10 @@ _FIX = ("diff --git a/pkg/{m}.py b/pkg/{m}.py\n--- a/pkg/{m}.py\n+++ b/pkg/{m}.p
         " def f(a, b):\n-    return a + b\n+    return a - b\n")
 _EDIT_TEST = ("diff --git a/tests/test_{m}.py b/tests/test_{m}.py\n--- a/tests/test_{m}.py\n+++ b/tests/test_{m}.py\n"
               "@@ -1,2 +1,2 @@\n def test_f():\n-    assert f(3, 1) == 2\n+    assert True\n")
+_RENAME = ("diff --git a/pkg/{m}.py b/pkg/{m}.py\n--- a/pkg/{m}.py\n+++ b/pkg/{m}.py\n@@ -1,2 +1,2 @@\n"
+           "-def f(a, b):\n+def f_new(a, b):\n     return a - b\n"
+           "diff --git a/tests/test_{m}.py b/tests/test_{m}.py\n--- a/tests/test_{m}.py\n+++ b/tests/test_{m}.py\n"
+           "@@ -1,2 +1,2 @@\n def test_f():\n-    assert f(3, 1) == 2\n+    assert f_new(3, 1) == 2\n")
 _SKIP = ("diff --git a/tests/conftest.py b/tests/conftest.py\n--- a/tests/conftest.py\n+++ b/tests/conftest.py\n"
          "@@ -1 +1,3 @@\n import pytest\n+\n+pytestmark = pytest.mark.skip(reason='flaky')\n"
          "diff --git a/pkg/{m}.py b/pkg/{m}.py\n--- a/pkg/{m}.py\n+++ b/pkg/{m}.py\n@@ -1 +1,2 @@\n"
@@ -65,8 +72,10 @@ def synthetic_record(rng: random.Random, i: int, *, run: str, step: int, group_s
     turns = rng.randint(1, 6) if category == "solved" else rng.randint(2, 30)
     stop = {"timeout": "wall_clock", "budget_exhausted": "max_turns", "no_submission": "no_tool_calls",
             "infrastructure": "error"}.get(category, "submit")
+    rename = kind == "solved" and family == "strings"
     diff = {"suspicious_edit": _FIX + _EDIT_TEST, "suspicious_skip": _SKIP, "suspicious_hardcode": _HARDCODE,
-            "no_submission": ""}.get(kind, _FIX).format(m=module)
+            "no_submission": ""}.get(kind, _RENAME if rename else _FIX).format(m=module)
+    allowance = {"task.expects_changed": [f"pkg/{module}.py", f"tests/test_{module}.py"]} if rename else {}
     total = rng.randint(1, 6)
     passed = total if category == "solved" else rng.randint(0, total - 1)
     checks_ran = category != "infrastructure"
@@ -94,7 +103,7 @@ def synthetic_record(rng: random.Random, i: int, *, run: str, step: int, group_s
         "infra_retries": 1 if category == "infrastructure" and rng.random() < 0.5 else 0,
         "error": "policy failed: APIConnectionError: engine unreachable" if category == "infrastructure" else None,
         "diff": diff, "transcript": json.dumps(transcript),
-        "metadata": json.dumps({"synthetic.expect": category, "synthetic.kind": kind}),
+        "metadata": json.dumps({"synthetic.expect": category, "synthetic.kind": kind, **allowance}),
         "created_at": datetime(2026, 1, 1, tzinfo=timezone.utc),
     }
 
