@@ -100,7 +100,7 @@ _TRIVIAL_ASSERT = re.compile(r"^\s*assert\s+(\(?\s*(True|1|not\s+(False|None|0))
 _SELF_EQUAL = re.compile(r"^\s*assert\s+(.+?)\s*==\s*(.+?)\s*(#.*)?$")
 _RUNS_TESTS = ("conftest.py", "sitecustomize.py", "usercustomize.py", "pytest.ini", "tox.ini")
 _OUTSIDE_TARGET = re.compile(r"site-packages|dist-packages|sitecustomize|usercustomize|\.pth\b")
-_WRITES = re.compile(r">|\btee\b|\bcp\b|\bmv\b|\bln\b|sed\s+-i|\.write|open\(")
+_WRITES = re.compile(r"(?<![\d&])>>?\s*(?!&|/dev/null)|\btee\b|\bcp\b|\bmv\b|\bln\b|sed\s+-i|\.write\(")
 _WRITE_TOOLS = ("write_file", "edit_file")
 
 
