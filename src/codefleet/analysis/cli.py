@@ -6,7 +6,8 @@
 
 RUN_DIR is a run directory with a `rollouts/` store or the store itself.
 Writes OUT/summary.json, OUT/judgments.parquet/ and OUT/report.html (OUT
-defaults to RUN_DIR/analysis) and prints where they are. Exit status: 0 when
+defaults to RUN_DIR/analysis) and prints where they are; Ray's own output goes
+to OUT/ray.log. Exit status: 0 when
 the analysis was written (even if some files were skipped or some rows could
 not be judged: those are reported), 1 when there was nothing to analyse,
 2 for bad arguments.
@@ -16,10 +17,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 
+import ray
+
 from codefleet.analysis.judge import JudgeConfig
-from codefleet.analysis.pipeline import AnalyzeConfig, NoRollouts, analyze
+from codefleet.analysis.pipeline import AnalyzeConfig, NoRollouts, analyze, output_dir
+from codefleet.fleet.ray_init import ray_output_to
 
 
 def register(subparsers) -> None:
@@ -64,7 +69,21 @@ def run(args: argparse.Namespace) -> int:
     config = AnalyzeConfig(out_dir=args.out, judge=judge, report=not args.no_report, progress=args.progress,
                            num_cpus=args.num_cpus, object_store_mb=args.object_store_mb)
     try:
-        result = analyze(args.run_dir, config)
+        out_dir = output_dir(args.run_dir, config)
+        created = not os.path.exists(out_dir)
+        os.makedirs(out_dir, exist_ok=True)
+        # Ray's own lines (start-up, library warnings, its workers' logs) go to OUT/ray.log, not to the terminal
+        ray_was_up = ray.is_initialized()  # a caller's Ray (a test session's) is left running
+        with ray_output_to(os.path.join(out_dir, "ray.log")) as terminal:
+            try:
+                result = analyze(args.run_dir, config, log=lambda msg: print(msg, file=terminal, flush=True))
+            except BaseException:
+                if created:  # nothing was analysed: leave no output directory behind
+                    shutil.rmtree(out_dir, ignore_errors=True)
+                raise
+            finally:
+                if not ray_was_up:
+                    ray.shutdown()  # inside: what Ray prints as it stops goes to the log too
     except FileNotFoundError as e:
         print(f"codefleet analyze: {e}", file=sys.stderr)
         return 2

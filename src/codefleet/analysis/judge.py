@@ -169,6 +169,18 @@ class JudgeBatch:
         except Exception as e:  # endpoint down, checkpoint unreadable: every row says so
             self.init_error = f"judge {config.backend} unavailable: {_error(e)}"
 
+    @classmethod
+    def configured(cls, config: JudgeConfig, rubric: str) -> type[JudgeBatch]:
+        """This class with `config` and `rubric` built in, for Ray Data's actor pool: they travel with the class's
+        definition instead of as constructor arguments in the object store, where an actor restarted after its
+        node died might not find them any more."""
+
+        class ConfiguredJudgeBatch(cls):
+            def __init__(self):
+                super().__init__(config, rubric)
+
+        return ConfiguredJudgeBatch
+
     def _openai(self):
         client = openai.OpenAI(base_url=self.config.backend, api_key=os.environ.get(self.config.api_key_env) or "none",
                                timeout=self.config.timeout_s, max_retries=self.config.max_retries)

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.parquet as pq
 import ray.data
+from ray.data import ActorPoolStrategy
 
 from codefleet.analysis import rules
 from codefleet.analysis.aggregate import summarise, write_summary
@@ -198,9 +199,10 @@ def judgments_dataset(scan: StoreScan, config: AnalyzeConfig):
     if kind == "rules":
         ds = ds.map_batches(rules_verdict, batch_format="pyarrow", num_cpus=config.task_num_cpus)
     else:
-        ds = ds.map_batches(JudgeBatch, fn_constructor_args=(config.judge, config.judge.rubric()),
-                            batch_format="pyarrow", batch_size=config.judge.batch_rows,
-                            concurrency=(1, max(1, config.judge.actors)), num_cpus=config.judge.actor_num_cpus)
+        ds = ds.map_batches(JudgeBatch.configured(config.judge, config.judge.rubric()), batch_format="pyarrow",
+                            batch_size=config.judge.batch_rows,
+                            compute=ActorPoolStrategy(min_size=1, max_size=max(1, config.judge.actors)),
+                            num_cpus=config.judge.actor_num_cpus)
     return ds.select_columns(JUDGMENT_COLUMNS)
 
 
@@ -211,14 +213,20 @@ def ensure_ray(num_cpus: int | None = None, object_store_mb: int | None = None) 
     init_ray(num_cpus or max(2, min(os.cpu_count() or 2, 8)), object_store_mb=object_store_mb)
 
 
+def output_dir(path: str, config: AnalyzeConfig) -> str:
+    """Where the analysis of `path` (a run directory or its store) goes: config.out_dir, else RUN_DIR/analysis.
+    FileNotFoundError when there is no store."""
+    store = find_store(path)
+    run_dir = os.path.dirname(store) if os.path.basename(os.path.normpath(store)) == "rollouts" else store
+    return config.out_dir or os.path.join(run_dir, "analysis")
+
+
 def analyze(path: str, config: AnalyzeConfig | None = None, log: Callable[[str], None] | None = None) -> AnalysisResult:
     """Analyse the store under `path` (a run directory or the store itself); raises NoRollouts when empty."""
     config = config or AnalyzeConfig()
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     _ = config.judge.kind  # an unknown backend fails here, before any work
-    store = find_store(path)
-    run_dir = os.path.dirname(store) if os.path.basename(os.path.normpath(store)) == "rollouts" else store
-    out_dir = config.out_dir or os.path.join(run_dir, "analysis")
+    store, out_dir = find_store(path), output_dir(path, config)
     timings: dict[str, float] = {}
     started = time.perf_counter()
     scan = scan_store(store)

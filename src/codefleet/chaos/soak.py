@@ -24,7 +24,6 @@ step is listed as not injected: give the run enough `rl.steps` to outlast the wi
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -43,6 +42,7 @@ from ray.cluster_utils import Cluster
 
 from codefleet.chaos import faults, invariants
 from codefleet.chaos.faults import ACTOR_CLASS, Fault, NoTarget
+from codefleet.fleet.ray_init import ray_output_to
 
 RUN_TIMEOUT_S = 3600.0  # a run that has not finished in this long after the window closes is stuck
 
@@ -176,27 +176,6 @@ def _live_codefleet_actors(dashboard_url: str) -> list[str]:
     return out
 
 
-@contextlib.contextmanager
-def _output_to(path: str):
-    """Send this process's standard output and error (file descriptors 1 and 2: Ray's start-up lines, and the last
-    log lines of every node that dies, which Ray prints to each driver) to `path`; yield the terminal's stderr."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = {fd: os.dup(fd) for fd in (1, 2)}
-    with open(path, "ab") as f:
-        for fd in saved:
-            os.dup2(f.fileno(), fd)
-    try:
-        with os.fdopen(os.dup(saved[2]), "w") as terminal:
-            yield terminal
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        for fd, copy in saved.items():
-            os.dup2(copy, fd)
-            os.close(copy)
-
-
 def soak(cfg: SoakConfig, log: Callable[[str], None] | None = None) -> dict:
     """Run the soak (module docstring); progress lines go to `log` (default: the terminal's standard error, while
     Ray's own output goes to OUT/ray.log)."""
@@ -206,7 +185,7 @@ def soak(cfg: SoakConfig, log: Callable[[str], None] | None = None) -> dict:
     if os.path.exists(os.path.join(cfg.out, "run")):
         raise FileExistsError(f"{cfg.out}/run exists; give chaos a new --out directory")
     os.makedirs(cfg.out, exist_ok=True)
-    with _output_to(os.path.join(cfg.out, "ray.log")) as terminal:
+    with ray_output_to(os.path.join(cfg.out, "ray.log")) as terminal:
         return _soak(cfg, log or (lambda msg: print(f"[codefleet chaos] {msg}", file=terminal, flush=True)))
 
 

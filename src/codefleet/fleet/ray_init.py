@@ -6,12 +6,17 @@
 Ray starts with *logical* resources given explicitly — never the machine's
 CPU count, and never silently joining a `ray start` cluster someone left on
 the machine (`address="local"`). Auth tokens and usage stats are off for
-local runs unless the environment says otherwise.
+local runs unless the environment says otherwise. `ray_output_to(path)` keeps
+Ray's own output out of a command's terminal.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+from collections.abc import Iterator
+from typing import TextIO
 
 import ray
 
@@ -30,3 +35,36 @@ def init_ray(num_cpus: float = 2, resources: dict[str, float] | None = None, add
                  object_store_memory=object_store_mb * 2**20 if object_store_mb else None, log_to_driver=False,
                  configure_logging=False)
     return True
+
+
+@contextlib.contextmanager
+def ray_output_to(path: str) -> Iterator[TextIO]:
+    """Send this process's standard output and error (file descriptors 1 and 2) to the file `path` while the block
+    runs, and yield a stream to the terminal's standard error for the command's own lines. Ray writes to those
+    descriptors from its own threads and processes: its start-up lines, the warnings of its libraries, and the
+    last log lines of every node that dies, which it prints to each driver."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    with open(path, "ab") as f:
+        for fd in saved:
+            os.dup2(f.fileno(), fd)
+    try:
+        if _writes_to_fd2(sys.stderr):
+            with os.fdopen(os.dup(saved[2]), "w") as terminal:
+                yield terminal
+        else:  # sys.stderr was replaced (a test capturing it, a caller's stream): the command's lines go there
+            yield sys.stderr
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, copy in saved.items():
+            os.dup2(copy, fd)
+            os.close(copy)
+
+
+def _writes_to_fd2(stream: TextIO) -> bool:
+    try:
+        return stream.fileno() == 2
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation: a stream with no descriptor
+        return False
