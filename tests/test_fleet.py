@@ -218,6 +218,19 @@ def test_a_fleet_that_lost_its_host_finds_one_again(ray_session, repo, config):
         fleet.shutdown()
 
 
+def test_shutdown_stops_the_hosts_another_copy_of_the_fleet_started(ray_session, repo, config):
+    """A rollout worker's fleet may start a host (on a node that joined) that the driver's fleet never saw: the
+    driver's shutdown still finds it by name and closes its sandboxes, rather than leaving it to Ray's kill at the
+    job's end, which would leave their mounts behind."""
+    workers_fleet = SandboxFleet.start(namespace="codefleet-test-shutdown")
+    sb = workers_fleet.create(repo, config)
+    drivers_fleet = SandboxFleet({}, namespace="codefleet-test-shutdown")  # it never saw that host
+    drivers_fleet.shutdown()
+    assert not sb.alive()
+    with pytest.raises(Exception):
+        ray_session.get(workers_fleet.hosts[sb.node_id].stats.remote(), timeout=10)
+
+
 def test_host_core_accounting_without_ray(repo, config):
     core = HostCore("node-x", capacity=1)
     try:

@@ -291,7 +291,16 @@ class SandboxFleet:
             _get(ref, node_id)
 
     def shutdown(self) -> None:
-        """Close every sandbox on every host, then stop the hosts."""
+        """Close every sandbox on every host, then stop the hosts. A managed fleet also stops the hosts in its
+        namespace that another copy of it started (a rollout worker's, on a node that joined later): left to Ray
+        at the job's end they would be killed with their sandboxes' mounts still in place."""
+        if self.namespace is not None:
+            for node_id in sandbox_nodes():
+                if node_id not in self.hosts:
+                    try:
+                        self.hosts[node_id] = ray.get_actor(host_name(node_id), namespace=self.namespace)
+                    except ValueError:  # no host there
+                        pass
         refs = [host.shutdown.remote() for host in self.hosts.values()]
         for ref in refs:
             try:

@@ -305,4 +305,14 @@ class SandboxHost:
         return self._core.stats()
 
     async def shutdown(self) -> None:
-        return await self._run(self._core.shutdown)
+        await self._run(self._core.shutdown)
+        # a host killed on this node while this one ran (its mounts outlive it) is cleaned up now, not by whichever
+        # sandbox starts here next
+        await self._run(self._reap_dead)
+
+    @staticmethod
+    def _reap_dead() -> None:
+        try:
+            state.owner_for(None).reap_dead()
+        except OSError as e:
+            log.warning("codefleet: reaping dead sandbox hosts' state failed: %s", e)

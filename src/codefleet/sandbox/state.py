@@ -75,9 +75,15 @@ class Owner:
         self._lock_fd = os.open(os.path.join(self.dir, "lock"), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self.cgroups = cgroups.CgroupTree(self.name)
-        self.reaped = reap(self.state_dir, self.cgroups) + reap_orphans(self.cgroups)
         self._live: weakref.WeakSet = weakref.WeakSet()
         self.shared_with_gid: int | None = None
+        self.reaped = self.reap_dead()
+
+    def reap_dead(self) -> list[str]:
+        """Clean up after every dead owner this one can see (its state directory, and what owners hold on the whole
+        machine); the names reaped. Run when the owner starts, and again by a sandbox host that shuts down, for an
+        owner that died while this one was running."""
+        return reap(self.state_dir, self.cgroups) + reap_orphans(self.cgroups)
 
     def let_through(self, gid: int) -> None:
         """Let group `gid` (the sandbox user's) walk through the state directory, and nobody else."""
