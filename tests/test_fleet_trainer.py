@@ -95,6 +95,16 @@ def test_two_workers_take_the_one_batch_step(group, single):
             assert torch.equal(w[k], w0[k]), k
     single.skip_step()
 
+    # nothing sampled at all (every attempt ended before the policy's first turn, as a chaos soak made happen): the
+    # same, where it used to stop the run, and a resume would stop again on the same batch
+    unsampled = [dataclasses.replace(s, loss_mask=[0] * len(s.loss_mask)) for s in _samples(_model(3), 2, seed=4)]
+    m = group.rl_step(unsampled)
+    assert m["skipped"] == 1.0 and m["version"] == group.version == 4
+    for w in _worker_weights(group):
+        for k in w0:
+            assert torch.equal(w[k], w0[k]), k
+    single.skip_step()
+
 
 def test_publish_round_trip_to_an_engine(group, single):
     ref, version = group.publish()

@@ -387,9 +387,9 @@ class TrainerGroup:
         """One optimizer step of the RL loss (`config.loss`) on the whole batch, sharded across the workers."""
         check_samples(samples)
         total = loss_units(samples, self.config.loss)
-        if total == 0:
-            raise ValueError("no sample has a masked (sampled) token: nothing to train on")
-        if not has_signal(samples, self.config.loss):  # every advantage 0: count the step, move nothing
+        # no sampled token (every attempt of the batch ended before the policy's first turn) or every advantage 0:
+        # count the step, move nothing; the run goes on with its next batch
+        if total == 0 or not has_signal(samples, self.config.loss):
             return {**self._step([w.skip_step.remote() for w in self.workers]), "skipped": 1.0}
         shards = shard_by_tokens([len(s.tokens) for s in samples], self.n_workers)
         return {**self._step([w.rl_step.remote([samples[i] for i in shard], total)
