@@ -12,6 +12,8 @@ import dataclasses
 import os
 import sys
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import ray
 import torch
@@ -41,6 +43,7 @@ from codefleet.store import storage
 from codefleet.store.parquet import RolloutWriter, rollout_record
 
 ENGINE_CPUS = 1.0  # logical CPUs per engine actor (its threads are cluster.engine_threads)
+T = TypeVar("T")
 
 def _rl_start(src: str, dst: str) -> str:
     """Where RL starts: `src`'s weights as policy version 0, with `src`'s AdamW state.
@@ -167,21 +170,10 @@ class RLTrainer:
         return serving, away, version
 
     def _publish(self, version: int) -> tuple[list, dict, int]:
-        """`_sync_weights` of the committed `version`. A trainer worker that dies after the commit (between the
-        step and the weights' publication) is replaced from that checkpoint, LATEST, and the weights are published
-        again from the new group."""
-        for restarts in range(self.MAX_TRAINER_RESTARTS + 1):
-            try:
-                return self._sync_weights()
-            except TrainerWorkerError as e:
-                if not isinstance(e.__cause__, RayActorError) or self.new_group is None \
-                        or restarts == self.MAX_TRAINER_RESTARTS:
-                    raise
-                log(f"{e}; starting a new trainer group from {self.run.rl_checkpoint(version)} to publish version "
-                    f"{version}")
-                self.group.shutdown()
-                self.group, self.sync = self.new_group(self.run.rl_checkpoint(version)), None
-        raise AssertionError("the loop returns or raises")
+        """`_sync_weights` of the committed `version`; a trainer worker that dies after the commit (between the
+        step and the weights' publication) is replaced from that checkpoint and the weights are published again."""
+        return self._with_restarts(self._sync_weights, lambda: self.run.rl_checkpoint(version), version,
+                                   f"publish version {version}")
 
     def train(self, batch) -> dict[str, float]:
         rewards_NG = torch.tensor([[r.reward for r in g.rollouts] for g in batch.groups])
@@ -230,25 +222,37 @@ class RLTrainer:
     def _step(self, samples, step: int) -> dict:
         """One RL step from version `step`, saved as rl_checkpoint(step + 1); redone on a new trainer group
         from the last commit if a worker dies."""
+
+        def train_and_save() -> dict:
+            m = dict(self.group.rl_step(samples))
+            saved = self.run.rl_checkpoint(self.group.version)
+            self.group.save(saved)
+            describe(saved, self.tokenizer, text_from=self.start, **policy_usage(self.config))  # before LATEST names it
+            return m
+
+        def last_commit() -> str:
+            latest = self.run.latest()
+            return latest[0] if latest else self.start
+
+        return self._with_restarts(train_and_save, last_commit, step, f"redo step {step}")
+
+    def _with_restarts(self, work: Callable[[], T], restart_from: Callable[[], str], version: int, what: str) -> T:
+        """`work()`; when a trainer worker died in it (not one that raised: a full disk would raise again), a new
+        trainer group starts from the checkpoint `restart_from()` names, which must be at `version`, and `work`
+        runs again, up to MAX_TRAINER_RESTARTS times in a row."""
         for restarts in range(self.MAX_TRAINER_RESTARTS + 1):
             try:
-                m = dict(self.group.rl_step(samples))
-                saved = self.run.rl_checkpoint(self.group.version)
-                self.group.save(saved)
-                # before LATEST names it
-                describe(saved, self.tokenizer, text_from=self.start, **policy_usage(self.config))
-                return m
+                return work()
             except TrainerWorkerError as e:
-                died = isinstance(e.__cause__, RayActorError)  # a worker that raised (a full disk) would again
-                if not died or self.new_group is None or restarts == self.MAX_TRAINER_RESTARTS:
+                if not isinstance(e.__cause__, RayActorError) or self.new_group is None \
+                        or restarts == self.MAX_TRAINER_RESTARTS:
                     raise
-                latest = self.run.latest()
-                restart = latest[0] if latest else self.start
-                log(f"{e}; starting a new trainer group from {restart} to redo step {step}")
+                restart = restart_from()
+                log(f"{e}; starting a new trainer group from {restart} to {what}")
                 self.group.shutdown()
-                self.group = self.new_group(restart)
-                if self.group.version != step:
-                    raise RuntimeError(f"the last checkpoint is at version {self.group.version}, not {step}: "
+                self.group, self.sync = self.new_group(restart), None  # collective groups held the old workers
+                if self.group.version != version:
+                    raise RuntimeError(f"the last checkpoint is at version {self.group.version}, not {version}: "
                                        "resume the run instead") from e
         raise AssertionError("the loop returns or raises")
 
