@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: setup demo test test-slow test-vllm test-vm test-chaos bench sdists mined-tasks clean
+.PHONY: setup demo test test-slow test-vllm test-vm test-chaos test-report bench sdists mined-tasks clean
 
 setup:
 	@bash scripts/setup.sh
@@ -37,6 +37,12 @@ test-vm:
 # docs/reliability.md); ~4 min on 2 cores.
 test-chaos: setup
 	$(PY) -m pytest -m chaos -q
+
+# report.html and its transcript pages in a real headless Chromium (Debian's, driven by Playwright; both installed by
+# scripts/setup_browser.sh): sort, filter, open a transcript, screenshots checked not blank. Fails, never skips, here.
+test-report: setup
+	@bash scripts/setup_browser.sh
+	CODEFLEET_REQUIRE_BROWSER=1 $(PY) -m pytest -m browser -q
 
 # Tasks mined from real libraries (docs/tasks.md, "Mined tasks"): their pinned source distributions are fetched
 # from PyPI once (install time) into .cache/sdists, which the slow mining test also reads.
