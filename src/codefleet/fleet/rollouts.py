@@ -272,3 +272,11 @@ def start_workers(spec: RolloutSpec, engines: list, n: int, *, slots_per_worker:
                                      max_concurrency=slots_per_worker).remote(spec, engines) for _ in range(n)]
     ray.get([w.ping.remote() for w in workers])
     return workers
+
+
+def stop_workers(workers: list) -> None:
+    """Kill the rollout workers for good (they restart otherwise). Done before the sandbox fleet shuts down: a
+    worker still running an episode would start a new host for its next sandbox, and that host, killed by Ray at
+    the job's end, would leave its sandboxes' mounts behind."""
+    for worker in workers:
+        ray.kill(worker, no_restart=True)

@@ -25,7 +25,7 @@ from codefleet.fleet.controller import Controller, ControllerConfig
 from codefleet.fleet.gpus import check_gpus
 from codefleet.fleet.inference import broadcast_weights, start_engines
 from codefleet.fleet.placement import Placement, Role
-from codefleet.fleet.rollouts import AgentGroupRunner, RolloutSpec, start_workers
+from codefleet.fleet.rollouts import AgentGroupRunner, RolloutSpec, start_workers, stop_workers
 from codefleet.fleet.sandbox_fleet import SandboxFleet
 from codefleet.fleet.staleness import Group
 from codefleet.fleet.trainer_group import TrainerGroup, TrainerWorkerError
@@ -383,6 +383,7 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
     finally:
         bar.close()
         trainer.group.shutdown()  # the one in use: a worker that died was replaced
+        stop_workers(workers)  # first: an episode still running would start sandboxes on a fleet shutting down
         fleet.shutdown()
         placement.remove()  # and with it the engines and trainer workers placed in it
     log(f"RL done: {report}")
