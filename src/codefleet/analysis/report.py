@@ -1,142 +1,210 @@
-"""report.html: one self-contained page (no network, no external files) from summary.json.
+"""report.html and one transcript page per rollout: a self-contained directory that opens from disk.
 
-Plots are drawn with matplotlib's Agg backend and embedded as base64 PNG
-`<img>` tags: success over steps, success per family (stacked by failure
-category), turn / wall-clock / token distributions (the summary's fixed 1-2-5
-bins, log x axis), the tool-use mix and parallel calls per turn. Then two
-tables: the worst failures (lowest judge score first) and the suspicious wins
-(solved, but tests edited or deleted, checks skipped or outputs hard-coded).
-Everything shown is escaped; nothing from a rollout is interpreted as HTML.
+`write_report(out_dir, summary, tables, details)` writes
+
+    out_dir/report.html             overview, clusters, KPIs, plots, outcomes, then three tables
+    out_dir/rollouts/<slug>.html    one page per rollout in `details` (transcript.py), at transcript_path(id)
+
+report.html reads top to bottom as a researcher asks: the overview paragraph (what won, what lost and why), the
+clusters of failure reasons and of suspicious wins (label, count, example rollouts), the KPIs, the plots
+(report_plots.py), the outcome counts, then the tables: suspicious wins, worst failures and a browse table (every
+rollout of a small run, a uniform sample of a big one). Every row whose rollout has a page links to it; an id
+without a page is plain text, never a dead link.
+
+The tables are rendered as HTML rows carrying their filter keys in data-* attributes (category, family, step,
+reward, finding kinds, suspicious); an inline script (report.js) sorts on a header click (numbers numerically,
+empty cells last) and hides the rows the filter bar excludes, with a count of rows shown. No rollout data is ever
+placed inside the script, and every text is escaped (html_page.esc), so a transcript holding markup or
+`</script>` is only ever shown as text; the pages' Content-Security-Policy forbids any network fetch besides.
+
+Each file is written atomically (temporary file + os.replace). Pages are written first, then report.html, then
+the pages an earlier analysis left in rollouts/ that this one did not write are removed: the directory always
+holds exactly the pages the current report links to once write_report returns.
 """
 
 from __future__ import annotations
 
-import base64
-import html
-import io
+import hashlib
 import os
-import tempfile
+import re
+import shutil
+from collections.abc import Iterable
+from importlib import resources
 
-from matplotlib.figure import Figure
+from codefleet.analysis.html_page import esc, fmt, number, page, write_atomic
+from codefleet.analysis.report_plots import plots
+from codefleet.analysis.transcript import render_transcript
 
-from codefleet.analysis.rules import CATEGORIES
-
-_STYLE = """body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1200px}
-h1{font-size:22px}h2{font-size:18px;margin-top:28px}table{border-collapse:collapse;font-size:13px;width:100%}
-td,th{border:1px solid #ddd;padding:4px 6px;vertical-align:top;text-align:left}th{background:#f4f4f4}
-.plots{display:flex;flex-wrap:wrap;gap:8px}.plots img{width:380px;border:1px solid #eee}
-.kpi{display:inline-block;margin-right:24px}.kpi b{font-size:20px;display:block}.muted{color:#777}"""
-
-
-def _png(fig: Figure) -> str:
-    buffer = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buffer, format="png", dpi=80)
-    return f'<img alt="" src="data:image/png;base64,{base64.b64encode(buffer.getvalue()).decode()}">'
-
-
-def _plots(summary: dict) -> list[str]:
-    images = []
-    steps = [s for s in summary["per_step"] if s["step"] is not None]  # rows without a step: in the totals only
-    fig = Figure(figsize=(5, 3.2))
-    ax = fig.subplots()
-    ax.plot([s["step"] for s in steps], [s["success_rate"] for s in steps], marker="o", ms=3)
-    ax.set(title="success rate over steps", xlabel="step", ylabel="solved fraction", ylim=(0, 1))
-    images.append(_png(fig))
-
-    families = summary["per_family"]
-    fig = Figure(figsize=(5, 3.2))
-    ax = fig.subplots()
-    names = list(families)
-    bottom = [0.0] * len(names)
-    for category in CATEGORIES:
-        share = [families[f]["categories"].get(category, 0) / max(1, families[f]["rollouts"]) for f in names]
-        if any(share):
-            ax.bar(names, share, bottom=bottom, label=category)
-            bottom = [b + s for b, s in zip(bottom, share)]
-    ax.set(title="outcome per family", ylabel="fraction of rollouts", ylim=(0, 1))
-    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    ax.tick_params(axis="x", labelrotation=30, labelsize=7)
-    images.append(_png(fig))
-
-    for column, label in (("turns", "turns"), ("wall_s", "wall clock (s)"), ("tokens", "tokens")):
-        h = summary["histograms"][column]
-        fig = Figure(figsize=(5, 3.2))
-        ax = fig.subplots()
-        first = next((i for i, c in enumerate(h["counts"]) if c), 0)  # leading empty bins would stretch the axis
-        edges, counts = h["edges"][first:], h["counts"][first:]
-        lefts = [e if e > 0 else (edges[1] / 2 if len(edges) > 1 else 0.5) for e in edges[:-1]]
-        widths = [r - l for l, r in zip(lefts, edges[1:])]
-        ax.bar(lefts, counts, width=widths, align="edge", edgecolor="white")
-        ax.set_xscale("log")
-        ax.set(title=f"{label} per rollout", xlabel=label, ylabel="rollouts")
-        images.append(_png(fig))
-
-    fig = Figure(figsize=(5, 3.2))
-    ax = fig.subplots()
-    mix = summary["tool_mix"]
-    ax.barh(list(mix)[::-1], list(mix.values())[::-1])
-    ax.set(title="tool-use mix", xlabel="calls")
-    images.append(_png(fig))
-
-    fig = Figure(figsize=(5, 3.2))
-    ax = fig.subplots()
-    parallel = summary["parallel_calls_per_turn"]
-    ax.bar([int(k) for k in parallel], list(parallel.values()))
-    ax.set(title="parallel tool calls per turn", xlabel="tool calls in the turn", ylabel="turns")
-    images.append(_png(fig))
-    return images
+PAGES_DIR = "rollouts"
+# (row key, header, "num" | "str"): the columns of the three tables, in order.
+COLUMNS = [("run", "run", "str"), ("step", "step", "num"), ("task_id", "task", "str"), ("family", "family", "str"),
+           ("attempt", "attempt", "num"), ("category", "category", "str"), ("stop_reason", "stop reason", "str"),
+           ("reward", "reward", "num"), ("checks", "checks", "num"), ("turns", "turns", "num"),
+           ("n_tool_calls", "tool calls", "num"), ("wall_s", "wall s", "num"), ("findings", "findings", "str"),
+           ("judge_score", "judge score", "num"), ("judge_reason", "judge reason", "str"),
+           ("judge_error", "judge error", "str")]
+CELL_CHARS = 300  # a long text cell is cut here (the transcript page has it whole)
+TABLES = [("suspicious_wins", "Suspicious wins", "Solved, but the diff edits or deletes tests, skips checks or "
+           "hard-codes outputs."),
+          ("worst_failures", "Worst failures", "Lowest judge score first, then the longest."),
+          ("rollouts", "Rollouts", "")]
 
 
-def _table(rows: list[dict], columns: list[str]) -> str:
+def transcript_path(rollout_id: str) -> str:
+    """The transcript page of `rollout_id`, relative to the output directory: a readable, filesystem-safe prefix
+    of the id and a short sha1 of the whole id (unique per id, whatever characters it holds)."""
+    readable = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(rollout_id)).strip("._-")[:48] or "rollout"
+    return f"{PAGES_DIR}/{readable}-{hashlib.sha1(str(rollout_id).encode()).hexdigest()[:12]}.html"
+
+
+def finding_kind(finding: object) -> str:
+    """The kind of a rule finding ("tests_edited: tests/test_x.py" -> "tests_edited"), one token."""
+    return re.sub(r"\s+", "_", str(finding).split(":", 1)[0].strip()) or "finding"
+
+
+def _link(rollout_id: object, text: str, pages: set[str]) -> str:
+    """`text` linking to the rollout's page when it has one, else plain."""
+    if rollout_id is None or str(rollout_id) not in pages:
+        return esc(text)
+    return f'<a class="rollout" href="{esc(transcript_path(str(rollout_id)))}">{esc(text)}</a>'
+
+
+def _cell(row: dict, key: str, kind: str, pages: set[str]) -> str:
+    if key == "checks":
+        passed, total = number(row.get("checks_passed")), number(row.get("checks_total"))
+        text = f"{fmt(row.get('checks_passed'))}/{fmt(row.get('checks_total'))}" if total is not None else ""
+        value = passed / total if passed is not None and total else None
+        return f'<td data-v="{"" if value is None else value!r}">{esc(text)}</td>'
+    value = row.get(key)
+    text = fmt(value)
+    if kind == "num":
+        x = number(value)
+        return f'<td data-v="{"" if x is None else x!r}">{esc(text)}</td>'
+    if len(text) > CELL_CHARS:
+        text = text[:CELL_CHARS] + "…"
+    if key == "task_id":
+        return f"<td>{_link(row.get('rollout_id'), text or str(row.get('rollout_id') or '?'), pages)}</td>"
+    return f"<td>{esc(text)}</td>"
+
+
+def _row(row: dict, pages: set[str]) -> str:
+    kinds = sorted({finding_kind(f) for f in (row.get("findings") or [])})
+    step, reward = number(row.get("step")), number(row.get("reward"))
+    attrs = {"data-category": fmt(row.get("category")), "data-family": fmt(row.get("family")),
+             "data-step": "" if step is None else repr(step), "data-reward": "" if reward is None else repr(reward),
+             "data-flags": " ".join(kinds), "data-suspicious": "1" if row.get("suspicious") else "0"}
+    cls = ' class="sus"' if row.get("suspicious") else ""
+    attr_html = "".join(f' {k}="{esc(v)}"' for k, v in attrs.items())
+    return f"<tr{cls}{attr_html}>" + "".join(_cell(row, k, t, pages) for k, _, t in COLUMNS) + "</tr>"
+
+
+def _table(table_id: str, rows: list[dict], pages: set[str]) -> str:
     if not rows:
         return '<p class="muted">none</p>'
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
-    body = []
-    for row in rows:
-        cells = []
-        for c in columns:
-            value = row.get(c)
-            if isinstance(value, list):
-                value = "; ".join(map(str, value))
-            elif isinstance(value, float):
-                value = f"{value:.3g}"
-            cells.append(f"<td>{html.escape('' if value is None else str(value))[:600]}</td>")
-        body.append("<tr>" + "".join(cells) + "</tr>")
-    return f"<table><tr>{head}</tr>{''.join(body)}</table>"
+    head = "".join(f'<th data-type="{t}" title="sort by {esc(label)}">{esc(label)}</th>' for _, label, t in COLUMNS)
+    body = "".join(_row(r, pages) for r in rows)
+    return (f'<p class="count" data-for="{table_id}">{len(rows)} of {len(rows)} rows shown</p>'
+            f'<table class="rows" id="{table_id}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>')
 
 
-def render(summary: dict, tables: dict) -> str:
-    """The report page as a string."""
-    rate = summary["success_rate"]
-    judge = summary["judge"]
-    kpis = [("rollouts", summary["rollouts"]), ("success rate", f"{rate:.1%}" if rate is not None else "-"),
-            ("suspicious wins", summary["suspicious_wins"]),
-            ("turns p50 / p90", f"{summary['quantiles']['turns']['p50']} / {summary['quantiles']['turns']['p90']}"),
-            ("wall s p50 / p90", f"{summary['quantiles']['wall_s']['p50']} / {summary['quantiles']['wall_s']['p90']}"),
-            ("judge", f"{judge['backend']} ({judge['scored']} scored, {judge['errors']} errors)")]
-    kpi_html = "".join(f'<span class="kpi"><b>{html.escape(str(v))}</b>{html.escape(k)}</span>' for k, v in kpis)
-    categories = _table([{"category": k, "rollouts": v} for k, v in summary["categories"].items()],
-                        ["category", "rollouts"])
-    columns = ["run", "step", "task_id", "family", "attempt", "category", "stop_reason", "checks_passed",
-               "checks_total", "turns", "wall_s", "findings", "judge_score", "judge_reason", "judge_error"]
-    problems = summary.get("files", {}).get("skipped_or_upgraded", [])
-    problem_html = ("<h2>Input problems</h2><ul>" + "".join(f"<li>{html.escape(p)}</li>" for p in problems) + "</ul>"
+def _options(values: Iterable[str]) -> str:
+    return '<option value="">all</option>' + "".join(f'<option value="{esc(v)}">{esc(v)}</option>'
+                                                     for v in sorted(set(values) - {""}))
+
+
+def _filters(rows: list[dict]) -> str:
+    """The filter bar: category, family, step and reward ranges, a finding kind, suspicious only."""
+    kinds = {finding_kind(f) for r in rows for f in (r.get("findings") or [])}
+    return ('<div id="filters">'
+            f'<label>category <select id="f-category">{_options(fmt(r.get("category")) for r in rows)}</select></label>'
+            f'<label>family <select id="f-family">{_options(fmt(r.get("family")) for r in rows)}</select></label>'
+            '<label>step <input id="f-step-min" type="number" step="any" placeholder="min"> – '
+            '<input id="f-step-max" type="number" step="any" placeholder="max"></label>'
+            '<label>reward <input id="f-reward-min" type="number" step="any" placeholder="min"> – '
+            '<input id="f-reward-max" type="number" step="any" placeholder="max"></label>'
+            f'<label>finding <select id="f-flag">{_options(kinds)}</select></label>'
+            '<label><input id="f-suspicious" type="checkbox"> suspicious only</label>'
+            '<button id="f-reset" type="button">reset</button></div>')
+
+
+def _clusters(summary: dict, pages: set[str]) -> str:
+    clusters = summary.get("clusters") or {}
+    if not clusters:
+        return ""
+    parts = [f'<h2>Reasons, grouped</h2><p class="muted">clusters from the {esc(clusters.get("source") or "?")}'
+             + (f": {esc(clusters['note'])}" if clusters.get("note") else "") + "</p>"]
+    for key, title in (("failures", "Failures"), ("suspicious_wins", "Suspicious wins")):
+        items = [c for c in (clusters.get(key) or []) if isinstance(c, dict)]
+        rows = "".join(f"<tr><td>{esc(c.get('label'))}</td><td>{esc(fmt(c.get('count')))}</td><td>"
+                       + ", ".join(_link(e, str(e), pages) for e in (c.get("examples") or [])[:10]) + "</td></tr>"
+                       for c in items)
+        parts.append(f"<h3>{title}</h3>" + (f'<table class="clusters" id="clusters-{key}"><tr><th>reason</th>'
+                                            f"<th>rollouts</th><th>examples</th></tr>{rows}</table>" if rows
+                                            else '<p class="muted">none</p>'))
+    return "".join(parts)
+
+
+def _kpis(summary: dict) -> str:
+    rate, judge, quantiles = summary.get("success_rate"), summary.get("judge") or {}, summary.get("quantiles") or {}
+
+    def p50_p90(column: str) -> str:
+        q = quantiles.get(column) or {}
+        return f"{fmt(q.get('p50'))} / {fmt(q.get('p90'))}"
+
+    kpis = [("rollouts", summary.get("rollouts")), ("success rate", f"{rate:.1%}" if rate is not None else "-"),
+            ("suspicious wins", summary.get("suspicious_wins")), ("turns p50 / p90", p50_p90("turns")),
+            ("wall s p50 / p90", p50_p90("wall_s")),
+            ("judge", f"{judge.get('backend')} ({judge.get('scored')} scored, {judge.get('errors')} errors)")]
+    return "".join(f'<span class="kpi"><b>{esc(v)}</b>{esc(k)}</span>' for k, v in kpis)
+
+
+def render(summary: dict, tables: dict, pages: set[str]) -> str:
+    """The report page as a string; `pages`: the rollout ids that have a transcript page."""
+    overview = (f'<p class="overview">{esc(summary["overview"])}</p>' if summary.get("overview") else "")
+    categories = "".join(f"<tr><td>{esc(k)}</td><td>{esc(v)}</td></tr>"
+                         for k, v in (summary.get("categories") or {}).items())
+    problems = (summary.get("files") or {}).get("skipped_or_upgraded") or []
+    problem_html = ("<h2>Input problems</h2><ul>" + "".join(f"<li>{esc(p)}</li>" for p in problems) + "</ul>"
                     if problems else "")
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>codefleet analysis</title>"
-            f"<style>{_STYLE}</style></head><body><h1>Rollout analysis — {html.escape(str(summary.get('store', '')))}"
-            f"</h1><div>{kpi_html}</div><h2>Plots</h2><div class='plots'>{''.join(_plots(summary))}</div>"
-            f"<h2>Outcomes</h2>{categories}"
-            f"<h2>Suspicious wins</h2><p class='muted'>Solved, but the diff edits or deletes tests, skips checks or "
-            f"hard-codes outputs.</p>{_table(tables['suspicious_wins'], columns)}"
-            f"<h2>Worst failures</h2><p class='muted'>Lowest judge score first, then the longest.</p>"
-            f"{_table(tables['worst_failures'], columns)}{problem_html}</body></html>")
+    browse = summary.get("browse") or {}
+    notes = {"rollouts": (f"A uniform sample: {browse['shown']:,} of {browse['of']:,} rollouts."
+                          if browse.get("shown") is not None and browse.get("of") and browse["shown"] < browse["of"]
+                          else "Every rollout.")}
+    all_rows = [r for name, _, _ in TABLES for r in (tables.get(name) or [])]
+    sections = "".join(f"<section><h2>{title}</h2><p class='muted'>{esc(notes.get(name, note))}</p>"
+                       f"{_table(name, tables.get(name) or [], pages)}</section>" for name, title, note in TABLES)
+    body = (f"<h1>Rollout analysis — {esc(summary.get('store', ''))}</h1>{overview}{_clusters(summary, pages)}"
+            f"<h2>Key figures</h2><div>{_kpis(summary)}</div>"
+            f"<h2>Plots</h2><div class='plots'>{''.join(plots(summary))}</div>"
+            f"<h2>Outcomes</h2><table><tr><th>category</th><th>rollouts</th></tr>{categories}</table>"
+            f"<h2>Tables</h2><p class='muted'>Click a header to sort; a task opens its transcript.</p>"
+            f"{_filters(all_rows)}{sections}{problem_html}")
+    script = resources.files("codefleet.analysis").joinpath("report.js").read_text(encoding="utf-8")
+    return page("codefleet analysis", body, script)
 
 
-def write_report(path: str, summary: dict, tables: dict) -> None:
-    """Write report.html atomically."""
-    page = render(summary, tables)
-    with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(path) or ".", suffix=".tmp", delete=False,
-                                     encoding="utf-8") as f:
-        f.write(page)
-    os.replace(f.name, path)
+def _remove_stale(page_dir: str, keep: set[str]) -> None:
+    for name in os.listdir(page_dir):
+        if name not in keep:
+            path = os.path.join(page_dir, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+
+
+def write_report(out_dir: str, summary: dict, tables: dict, details: Iterable[dict]) -> None:
+    """Write out_dir/report.html and a transcript page per rollout in `details` (see the module docstring)."""
+    page_dir = os.path.join(out_dir, PAGES_DIR)
+    os.makedirs(page_dir, exist_ok=True)
+    pages, files = set(), set()
+    for detail in details:
+        if not isinstance(detail, dict) or detail.get("rollout_id") is None:
+            continue  # nothing to name its page by
+        rollout_id = str(detail["rollout_id"])
+        relative = transcript_path(rollout_id)
+        write_atomic(os.path.join(out_dir, relative), render_transcript(detail))
+        pages.add(rollout_id)
+        files.add(os.path.basename(relative))
+    write_atomic(os.path.join(out_dir, "report.html"), render(summary, tables, pages))
+    _remove_stale(page_dir, files)
