@@ -128,6 +128,9 @@ def test_reward_modes_and_speed_costs(task, config):
     assert trajectory.checks.passed == 2 and trajectory.checks.total == 5 and not trajectory.checks.all_passed
     assert trajectory.reward == pytest.approx(0.4 - 0.02 - 1e-6 * trajectory.tokens)
     assert trajectory.checks.per_test["tests/test_hidden.py::test_add"] is True
+    # the parts the report shows: correctness minus costs is the reward
+    assert trajectory.metadata["reward.correctness"] == pytest.approx(0.4)
+    assert trajectory.metadata["reward.costs"] == pytest.approx(0.02 + 1e-6 * trajectory.tokens)
     with pytest.raises(ValueError, match="unknown reward mode"):
         RewardConfig(mode="vibes")
     with pytest.raises(ValueError, match="unknown costs_on"):

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from codefleet.agent.loop import AgentLoop, EventSink
 from codefleet.agent.planner import make_plan
 from codefleet.agent.prompts import build_messages, check_prompt
-from codefleet.agent.reward import RewardConfig, compute_reward, efficiency
+from codefleet.agent.reward import RewardConfig, efficiency, reward_parts
 from codefleet.agent.tools import ToolConfig
 from codefleet.contracts import Policy, Sandbox
 from codefleet.sandbox.base import SandboxConfig
@@ -81,7 +81,9 @@ def score(trajectory: Trajectory, sandbox: Sandbox, task: Task, reward: RewardCo
         trajectory.checks = run_checks(sandbox, task)
     except Exception as e:  # a sandbox that died during the episode: no reward, say why
         trajectory.metadata["checks_error"] = f"{type(e).__name__}: {e}"
-    trajectory.reward = compute_reward(trajectory, reward)
+    parts = reward_parts(trajectory, reward)
+    trajectory.reward = parts["reward.correctness"] - parts["reward.costs"]
+    trajectory.metadata.update({k: round(v, 6) for k, v in parts.items()})  # the report shows them
     trajectory.metadata.update(efficiency(trajectory))
     for key, value in task.metadata.items():
         trajectory.metadata.setdefault(f"task.{key}", value)

@@ -63,11 +63,18 @@ def correctness(checks: CheckResult | None, mode: str = "all_pass") -> float:
 
 def compute_reward(trajectory: Trajectory, config: RewardConfig | None = None) -> float:
     """The reward of a finished trajectory (its `checks` filled in)."""
+    parts = reward_parts(trajectory, config)
+    return parts["reward.correctness"] - parts["reward.costs"]
+
+
+def reward_parts(trajectory: Trajectory, config: RewardConfig | None = None) -> dict[str, float]:
+    """The reward's two parts: `reward.correctness` (the base) and `reward.costs` (what speed cost, as
+    subtracted); the reward is their difference. Kept in a rollout's metadata for the analysis."""
     config = config or RewardConfig()
     base = _base(trajectory, config)
     costs = (config.cost_per_turn * trajectory.n_turns + config.cost_per_s * trajectory.wall_s
              + config.cost_per_token * trajectory.tokens + config.cost_per_tool_error * tool_errors(trajectory))
-    return base - (base * costs if config.costs_on == "solved" else costs)
+    return {"reward.correctness": base, "reward.costs": base * costs if config.costs_on == "solved" else costs}
 
 
 def _base(trajectory: Trajectory, config: RewardConfig) -> float:
