@@ -116,6 +116,7 @@ def test_old_rows_and_empty_details_render(out):
     report = (out / "report.html").read_text(encoding="utf-8")
     old = next(tr for tr in _rows_of(report, "rollouts") if "old-task" in tr)
     assert 'data-step=""' in old and 'data-reward=""' in old and 'data-category="error"' in old
+    assert old.count('<td data-v=""></td>') == 8  # every numeric cell empty, so it sorts last
     page = _page(out, "old-store/rollout-1")
     assert "no transcript recorded" in page and "no diff" in page and "no per-check results recorded" in page
 

@@ -22,6 +22,7 @@ td,th{border:1px solid #ddd;padding:4px 6px;vertical-align:top;text-align:left}t
 table.rows th{cursor:pointer;user-select:none;white-space:nowrap}
 table.rows th[aria-sort=ascending]::after{content:" \\25B2"}
 table.rows th[aria-sort=descending]::after{content:" \\25BC"}
+table.clusters{width:auto;min-width:50%}
 tr.sus td{background:#fff6e0}.plots{display:flex;flex-wrap:wrap;gap:8px}.plots img{width:380px;border:1px solid #eee}
 .kpi{display:inline-block;margin-right:24px}.kpi b{font-size:20px;display:block}.muted{color:#777}
 .overview{font-size:15px;line-height:1.5;background:#f3f7ff;border-left:4px solid #4a78d0;padding:10px 14px}

@@ -69,17 +69,22 @@ def _link(rollout_id: object, text: str, pages: set[str]) -> str:
     return f'<a class="rollout" href="{esc(transcript_path(str(rollout_id)))}">{esc(text)}</a>'
 
 
+def _sort_key(x: float | None) -> str:
+    """A numeric cell's data-v: the number, or "" (sorted last)."""
+    return "" if x is None else repr(x)
+
+
 def _cell(row: dict, key: str, kind: str, pages: set[str]) -> str:
     if key == "checks":
         passed, total = number(row.get("checks_passed")), number(row.get("checks_total"))
         text = f"{fmt(row.get('checks_passed'))}/{fmt(row.get('checks_total'))}" if total is not None else ""
         value = passed / total if passed is not None and total else None
-        return f'<td data-v="{"" if value is None else value!r}">{esc(text)}</td>'
+        return f'<td data-v="{_sort_key(value)}">{esc(text)}</td>'
     value = row.get(key)
     text = fmt(value)
     if kind == "num":
         x = number(value)
-        return f'<td data-v="{"" if x is None else x!r}">{esc(text)}</td>'
+        return f'<td data-v="{_sort_key(x)}">{esc(text)}</td>'
     if len(text) > CELL_CHARS:
         text = text[:CELL_CHARS] + "…"
     if key == "task_id":
@@ -91,7 +96,7 @@ def _row(row: dict, pages: set[str]) -> str:
     kinds = sorted({finding_kind(f) for f in (row.get("findings") or [])})
     step, reward = number(row.get("step")), number(row.get("reward"))
     attrs = {"data-category": fmt(row.get("category")), "data-family": fmt(row.get("family")),
-             "data-step": "" if step is None else repr(step), "data-reward": "" if reward is None else repr(reward),
+             "data-step": _sort_key(step), "data-reward": _sort_key(reward),
              "data-flags": " ".join(kinds), "data-suspicious": "1" if row.get("suspicious") else "0"}
     cls = ' class="sus"' if row.get("suspicious") else ""
     attr_html = "".join(f' {k}="{esc(v)}"' for k, v in attrs.items())
