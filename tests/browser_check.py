@@ -4,7 +4,8 @@
 table with rows by a numeric column, filters by the first category present, opens the first transcript that has a
 tool call, expands a collapsed <details>, and saves a screenshot at each stage, each checked not blank. The browser
 is Debian's /usr/bin/chromium driven by Playwright (scripts/setup_browser.sh installs both; nothing is
-downloaded at run time). Any script error or blocked load (the pages' CSP) fails the check.
+downloaded at run time). Any script error, dialog (an injected alert()) or blocked load (the pages' CSP) fails
+the check.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def _sort(page, table_id: str) -> dict:
 def _filter(page, table_id: str) -> dict:
     """Filter by the first category present; only its rows stay visible and the count says so."""
     categories = page.eval_on_selector_all(f"#{table_id} tbody tr", "rows => rows.map(r => r.dataset.category)")
-    category = next(c for c in categories if c)
+    category = next((c for c in categories if c), None)
+    assert category, f"no row of table {table_id} has a category to filter by"
     page.select_option("#f-category", value=category)
     expected = sum(c == category for c in categories)
     visible = page.eval_on_selector_all(f"#{table_id} tbody tr:not([hidden])",
@@ -117,10 +119,12 @@ def check_report_in_browser(out_dir: str, shots_dir: str) -> dict:
             page.on("pageerror", lambda e: problems.append(f"script error: {e}"))
             page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
             page.on("requestfailed", lambda r: problems.append(f"request failed: {r.url}"))
+            page.on("dialog", lambda d: (problems.append(f"a script opened a dialog: {d.message}"), d.dismiss()))
             page.goto(report_url)
             page.screenshot(path=shots["report"], full_page=False)
-            table_id = next(t for t in ("rollouts", "worst_failures", "suspicious_wins")
-                            if page.locator(f"#{t} tbody tr").count())
+            table_id = next((t for t in ("rollouts", "worst_failures", "suspicious_wins")
+                             if page.locator(f"#{t} tbody tr").count()), None)
+            assert table_id, f"{report_url} has no table with rows to sort, filter and open"
             page.locator(f"#{table_id}").scroll_into_view_if_needed()
             sorted_ = _sort(page, table_id)
             filtered = _filter(page, table_id)
