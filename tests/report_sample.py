@@ -1,11 +1,13 @@
 """A small hand-made analysis (summary, tables, details) for the report tests, in the shapes aggregate.py and
 pipeline.py produce: two families, several categories and steps, a suspicious win, hostile strings in a task id,
-a transcript and a judge reason, an old row with most keys missing, a rollout without a page, None values and
-one huge tool output."""
+a transcript and a judge reason, an old row with most keys missing (and odd types in its detail), a rollout
+without a page, None values and one huge tool output."""
 
 from __future__ import annotations
 
 import json
+
+import numpy as np
 
 HOSTILE_TAG = "<img src=x onerror=alert(1)>"
 HOSTILE_SCRIPT = "</script><script>alert(1)</script>"
@@ -67,7 +69,9 @@ def details(huge_output: bool = True) -> list[dict]:
         if r["task_id"] == "no-page-task":
             continue
         if r["task_id"] == "old-task":
-            out.append({"rollout_id": r["rollout_id"], "transcript": None, "metadata": None, "per_test": None})
+            out.append({"rollout_id": r["rollout_id"], "transcript": None, "metadata": '{"reward.correctness": 0.25}',
+                        "per_test": np.array([{"test": "t_old", "passed": False}], dtype=object),
+                        "findings": "tests_edited: tests/test_old.py", "diff": None})
             continue
         output = "collected 3 items\n" + "x" * 5_000 if r["task_id"] == "calc-1" else "3 passed"
         if r["task_id"] == "calc-3" and huge_output:

@@ -118,7 +118,9 @@ def test_old_rows_and_empty_details_render(out):
     assert 'data-step=""' in old and 'data-reward=""' in old and 'data-category="error"' in old
     assert old.count('<td data-v=""></td>') == 8  # every numeric cell empty, so it sorts last
     page = _page(out, "old-store/rollout-1")
-    assert "no transcript recorded" in page and "no diff" in page and "no per-check results recorded" in page
+    assert "no transcript recorded" in page and "no diff" in page and "✗ failed: t_old" in page
+    assert "<li>tests_edited: tests/test_old.py</li>" in page and "none (correctness 0.25)" in page
+    assert "<td>reward.correctness</td><td>0.25</td>" in page
 
 
 def test_transcript_paths_are_safe_and_unique():
@@ -153,3 +155,12 @@ def test_a_page_stays_under_the_cap_and_keeps_its_diff_and_checks_whatever_the_t
     assert re.search(r"messages \d+-6001 of 6001 cut: the page is capped at 2 MB", page)
     assert '<span class="add">+&lt;added&gt;</span>' in page and "diff lines" in page  # the diff kept its share
     assert "✗ failed: t1</li>" in page and "25000 of 50000 failed" in page
+
+
+def test_a_summary_without_overview_clusters_or_browse_renders(tmp_path):
+    summary = {k: v for k, v in sample.summary().items() if k not in ("overview", "clusters", "browse")}
+    write_report(str(tmp_path), summary, {"worst_failures": sample.rows()[:2]}, [])
+    report = (tmp_path / "report.html").read_text(encoding="utf-8")
+    assert 'class="overview"' not in report and "Reasons, grouped" not in report
+    assert len(_rows_of(report, "worst_failures")) == 2 and "href=" not in report  # no pages: plain text
+    assert os.listdir(tmp_path / "rollouts") == []

@@ -66,6 +66,20 @@ def number(value: object) -> float | None:
     return x if math.isfinite(x) else None
 
 
+def as_list(value: object) -> list:
+    """A list field of a row or detail as a list: None -> [], a lone string -> [it], arrays and tuples -> list."""
+    if value is None:
+        return []
+    if isinstance(value, (str, bytes, dict)):
+        return [value]
+    if hasattr(value, "tolist"):  # a numpy array from a Parquet column
+        value = value.tolist()
+    try:
+        return list(value)  # type: ignore[call-overload]
+    except TypeError:
+        return [value]
+
+
 def page(title: str, body: str, script: str = "") -> str:
     """A whole self-contained page (escaped title, trusted body and script)."""
     script_html = f"<script>{script}</script>" if script else ""

@@ -31,7 +31,7 @@ import shutil
 from collections.abc import Iterable
 from importlib import resources
 
-from codefleet.analysis.html_page import esc, fmt, number, page, write_atomic
+from codefleet.analysis.html_page import as_list, esc, fmt, number, page, write_atomic
 from codefleet.analysis.report_plots import plots
 from codefleet.analysis.transcript import render_transcript
 
@@ -93,7 +93,7 @@ def _cell(row: dict, key: str, kind: str, pages: set[str]) -> str:
 
 
 def _row(row: dict, pages: set[str]) -> str:
-    kinds = sorted({finding_kind(f) for f in (row.get("findings") or [])})
+    kinds = sorted({finding_kind(f) for f in as_list(row.get("findings"))})
     step, reward = number(row.get("step")), number(row.get("reward"))
     attrs = {"data-category": fmt(row.get("category")), "data-family": fmt(row.get("family")),
              "data-step": _sort_key(step), "data-reward": _sort_key(reward),
@@ -119,7 +119,7 @@ def _options(values: Iterable[str]) -> str:
 
 def _filters(rows: list[dict]) -> str:
     """The filter bar: category, family, step and reward ranges, a finding kind, suspicious only."""
-    kinds = {finding_kind(f) for r in rows for f in (r.get("findings") or [])}
+    kinds = {finding_kind(f) for r in rows for f in as_list(r.get("findings"))}
     return ('<div id="filters">'
             f'<label>category <select id="f-category">{_options(fmt(r.get("category")) for r in rows)}</select></label>'
             f'<label>family <select id="f-family">{_options(fmt(r.get("family")) for r in rows)}</select></label>'
@@ -139,9 +139,9 @@ def _clusters(summary: dict, pages: set[str]) -> str:
     parts = [f'<h2>Reasons, grouped</h2><p class="muted">clusters from the {esc(clusters.get("source") or "?")}'
              + (f": {esc(clusters['note'])}" if clusters.get("note") else "") + "</p>"]
     for key, title in (("failures", "Failures"), ("suspicious_wins", "Suspicious wins")):
-        items = [c for c in (clusters.get(key) or []) if isinstance(c, dict)]
+        items = [c for c in as_list(clusters.get(key)) if isinstance(c, dict)]
         rows = "".join(f"<tr><td>{esc(c.get('label'))}</td><td>{esc(fmt(c.get('count')))}</td><td>"
-                       + ", ".join(_link(e, str(e), pages) for e in (c.get("examples") or [])[:10]) + "</td></tr>"
+                       + ", ".join(_link(e, str(e), pages) for e in as_list(c.get("examples"))[:10]) + "</td></tr>"
                        for c in items)
         parts.append(f"<h3>{title}</h3>" + (f'<table class="clusters" id="clusters-{key}"><tr><th>reason</th>'
                                             f"<th>rollouts</th><th>examples</th></tr>{rows}</table>" if rows

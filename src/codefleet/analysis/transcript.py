@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from codefleet.analysis.html_page import esc, fmt, number, page
+from codefleet.analysis.html_page import as_list, esc, fmt, number, page
 
 PREVIEW_CHARS = 2_000  # characters of a long text shown before "show all"
 PAGE_CAP_BYTES = 2_000_000  # the page's size, all included
@@ -104,13 +104,24 @@ def content_text(content: object) -> str:
     return str(content)
 
 
+def metadata_of(d: dict) -> dict:
+    """The detail's metadata as a dict (a JSON string from an older store is parsed; anything else is {})."""
+    meta = d.get("metadata")
+    if isinstance(meta, str):
+        try:
+            meta = json.loads(meta)
+        except ValueError:
+            return {}
+    return meta if isinstance(meta, dict) else {}
+
+
 def _header(d: dict) -> str:
-    meta = d.get("metadata") or {}
+    meta = metadata_of(d)
     reward = fmt(d.get("reward"))
     parts = [f"{name} {fmt(meta[key])}" for name, key in (("correctness", "reward.correctness"),
                                                           ("costs", "reward.costs")) if meta.get(key) is not None]
     if parts:
-        reward = f"{reward} ({', '.join(parts)})"
+        reward = f"{reward or 'none'} ({', '.join(parts)})"
     tokens = d.get("tokens")
     if tokens is None and (d.get("prompt_tokens") is not None or d.get("completion_tokens") is not None):
         tokens = f"{fmt(d.get('prompt_tokens'))} prompt + {fmt(d.get('completion_tokens'))} completion"
@@ -145,7 +156,7 @@ def _call(call: dict, outputs: dict, record: dict | None, budget: Budget) -> str
 
 def _turns(messages: list[dict], records: list[dict], budget: Budget) -> str:
     """Every message after the task, in order; tool messages are shown under the call they answer."""
-    calls = [c for m in messages if m.get("role") == "assistant" for c in (m.get("tool_calls") or [])]
+    calls = [c for m in messages if m.get("role") == "assistant" for c in as_list(m.get("tool_calls"))]
     call_ids = {c.get("id") for c in calls if isinstance(c, dict)} - {None}
     outputs = {m.get("tool_call_id"): content_text(m.get("content")) for m in messages
                if m.get("role") == "tool" and m.get("tool_call_id") in call_ids}
@@ -166,7 +177,7 @@ def _turns(messages: list[dict], records: list[dict], budget: Budget) -> str:
             turn += 1
             text = content_text(m.get("content"))
             blocks = [text_block(text, budget) if text else ""]
-            for call in m.get("tool_calls") or []:
+            for call in as_list(m.get("tool_calls")):
                 if isinstance(call, dict):
                     record = next(by_order, None)
                     name = (call.get("function") or {}).get("name")
@@ -222,7 +233,7 @@ def diff_block(diff: object, budget: Budget) -> str:
 
 def checks_block(per_test: object, budget: Budget) -> str:
     """The checks, failed first and marked, cut at the budget."""
-    tests = [t for t in (per_test or []) if isinstance(t, dict)]  # type: ignore[union-attr]
+    tests = [t for t in as_list(per_test) if isinstance(t, dict)]
     if not tests:
         return '<p class="muted">no per-check results recorded</p>'
     tests.sort(key=lambda t: bool(t.get("passed")))
@@ -261,7 +272,7 @@ def _metadata(metadata: dict, budget: Budget) -> str:
 
 def _findings(findings: object, budget: Budget) -> str:
     items = []
-    for f in findings or []:  # type: ignore[union-attr]
+    for f in as_list(findings):
         item = f"<li>{esc(str(f)[:500])}</li>"
         if not budget.take(item):
             items.append(f"<li>{_cut_note('the remaining findings')}</li>")
@@ -274,8 +285,8 @@ def render_transcript(detail: dict, back_href: str = "../report.html") -> str:
     """The transcript page of one rollout (see the module docstring)."""
     d = detail
     budget = Budget(SECTION_BYTES["turns"])
-    messages = [m for m in (d.get("transcript") or []) if isinstance(m, dict)]
-    records = [r for r in (d.get("tool_calls") or []) if isinstance(r, dict)]
+    messages = [m for m in as_list(d.get("transcript")) if isinstance(m, dict)]
+    records = [r for r in as_list(d.get("tool_calls")) if isinstance(r, dict)]
     task = next((content_text(m.get("content")) for m in messages if m.get("role") == "user"), None)
     task_html = text_block(task, budget) if task is not None else '<p class="muted">no task message recorded</p>'
     if messages:
@@ -285,7 +296,7 @@ def render_transcript(detail: dict, back_href: str = "../report.html") -> str:
     else:
         turns_html = '<p class="muted">no transcript recorded</p>'
     checks = Budget(SECTION_BYTES["checks"])
-    meta_html = _metadata(d.get("metadata") or {}, Budget(SECTION_BYTES["metadata"]))
+    meta_html = _metadata(metadata_of(d), Budget(SECTION_BYTES["metadata"]))
     suspicious = ' <span class="bad">suspicious win</span>' if d.get("suspicious") else ""
     body = (f'<p><a href="{esc(back_href)}">← back to the report</a></p>'
             f"<h1>{esc(d.get('task_id') or d.get('rollout_id') or 'rollout')}{suspicious}</h1>{_header(d)}"
