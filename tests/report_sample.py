@@ -71,7 +71,9 @@ def details(huge_output: bool = True) -> list[dict]:
         if r["task_id"] == "old-task":
             out.append({"rollout_id": r["rollout_id"], "transcript": None, "metadata": '{"reward.correctness": 0.25}',
                         "per_test": np.array([{"test": "t_old", "passed": False}], dtype=object),
-                        "findings": "tests_edited: tests/test_old.py", "diff": None})
+                        "findings": "tests_edited: tests/test_old.py", "diff": None,
+                        "tool_calls": [{"turn": 1, "name": "run", "arguments": '{"command": "pytest"}',
+                                        "duration_s": None, "ok": False, "error": "timed out"}]})
             continue
         output = "collected 3 items\n" + "x" * 5_000 if r["task_id"] == "calc-1" else "3 passed"
         if r["task_id"] == "calc-3" and huge_output:

@@ -118,7 +118,10 @@ def test_old_rows_and_empty_details_render(out):
     assert 'data-step=""' in old and 'data-reward=""' in old and 'data-category="error"' in old
     assert old.count('<td data-v=""></td>') == 8  # every numeric cell empty, so it sorts last
     page = _page(out, "old-store/rollout-1")
-    assert "no transcript recorded" in page and "no diff" in page and "✗ failed: t_old" in page
+    assert "no diff" in page and "✗ failed: t_old" in page and "no task message recorded" in page
+    assert "transcript not recorded; the store's tool calls" in page  # the per-call records stand in
+    assert '<span class="tool">run</span> <span class="bad">failed</span> <span class="bad">timed out</span>' in page
+    assert html.escape('{\n  "command": "pytest"\n}') in page
     assert "<li>tests_edited: tests/test_old.py</li>" in page and "none (correctness 0.25)" in page
     assert "<td>reward.correctness</td><td>0.25</td>" in page
 

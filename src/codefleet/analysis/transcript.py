@@ -136,21 +136,26 @@ def _header(d: dict) -> str:
     return f'<dl class="head">{rows}</dl>'
 
 
+def _record_status(record: dict) -> str:
+    """A store record's duration, failure and error, as shown after a call's name."""
+    duration = number(record.get("duration_s"))
+    status = f' <span class="muted">{esc(fmt(duration))} s</span>' if duration is not None else ""
+    if record.get("ok") is False:
+        status += ' <span class="bad">failed</span>'
+    if record.get("error"):
+        status += f' <span class="bad">{esc(str(record["error"])[:500])}</span>'
+    return status
+
+
 def _call(call: dict, outputs: dict, record: dict | None, budget: Budget) -> str:
     """One tool call: name, arguments, the matching output, and the store's timing/error for it."""
     function = call.get("function") or {}
     name = function.get("name") or call.get("name") or "?"
-    timing = ""
-    if record:
-        ok = record.get("ok")
-        timing = (f' <span class="muted">{esc(fmt(number(record.get("duration_s"))))} s</span>'
-                  + (' <span class="bad">failed</span>' if ok is False else ""))
-        if record.get("error"):
-            timing += f' <span class="bad">{esc(str(record["error"])[:500])}</span>'
+    timing = _record_status(record) if record else ""
     output = (f'<div class="muted">output</div>{text_block(outputs[call.get("id")], budget)}'
               if call.get("id") in outputs else '<div class="muted">no output recorded</div>')
     budget.charge(_BLOCK_BYTES)
-    return (f'<div class="call"><span class="tool">{esc(name)}</span>{timing}'
+    return (f'<div class="call"><span class="tool">{esc(str(name)[:200])}</span>{timing}'
             f"{text_block(pretty_arguments(function.get('arguments', call.get('arguments'))), budget)}{output}</div>")
 
 
@@ -202,11 +207,9 @@ def _records(records: list[dict], budget: Budget) -> str:
         if budget.left_bytes <= 0:
             rows.append(_cut_note("the remaining tool calls"))
             break
-        status = '<span class="bad">failed</span>' if r.get("ok") is False else ""
-        rows.append(f'<div class="call">turn {esc(fmt(r.get("turn")))} · <span class="tool">{esc(r.get("name"))}'
-                    f'</span> <span class="muted">{esc(fmt(number(r.get("duration_s"))))} s</span> {status} '
-                    f'{esc(str(r.get("error") or "")[:500])}{text_block(pretty_arguments(r.get("arguments")), budget)}'
-                    f"</div>")
+        rows.append(f'<div class="call">turn {esc(fmt(r.get("turn")))} · <span class="tool">'
+                    f'{esc(str(r.get("name"))[:200])}</span>{_record_status(r)}'
+                    f"{text_block(pretty_arguments(r.get('arguments')), budget)}</div>")
     return "".join(rows)
 
 
