@@ -58,12 +58,28 @@ def test_cli_analyze_writes_summary_judgments_and_report(ray_session, tmp_path, 
     assert DataContext.get_current().default_hash_shuffle_parallelism != 2  # our settings were restored
     html = (run_dir / "analysis" / "report.html").read_text()
     assert len(re.findall(r'<img alt="" src="data:image/png;base64,[A-Za-z0-9+/=]{200,}">', html)) == 7
-    assert "<script" not in html and "http://" not in html and "https://" not in html  # self-contained
+    # self-contained: nothing loads from elsewhere, and the page forbids it
+    assert not re.search(r"""(src|href)=["']?(https?:|//)""", html) and "Content-Security-Policy" in html
+    analysis = run_dir / "analysis"
+    links = set(re.findall(r'href="(rollouts/[^"]+\.html)"', html))
+    assert len(links) >= 500  # the browse table's 500 and the other tables' rows (which may overlap)
+    assert {link.split("/", 1)[1] for link in links} == set(os.listdir(analysis / "rollouts"))  # a page per link
+    assert summary["browse"] == {"shown": 500, "of": 600}
+    # reasons grouped by rules: every failure and every suspicious win in exactly one cluster
+    clusters = summary["clusters"]
+    assert clusters["source"] == "rules"
+    assert sum(c["count"] for c in clusters["failures"]) == 600 - summary["solved"]
+    assert sum(c["count"] for c in clusters["suspicious_wins"]) == summary["suspicious_wins"]
+    by_id = {r["rollout_id"]: r for r in judged}
+    for cluster in clusters["failures"]:
+        assert all(by_id[i]["category"] != "solved" for i in cluster["examples"]) and cluster["examples"]
+    assert summary["overview"].startswith(f"600 rollouts over steps 0–5; {summary['solved']} solved")
+    assert summary["overview"] in html.replace("&#x27;", "'")
     win = next(r for r in judged if r["suspicious"])
     wins_section = html.split("<h2>Suspicious wins</h2>")[1].split("<h2>Worst failures</h2>")[0]
     assert win["task_id"] in wins_section and "suspicious win" in wins_section
-    worst = html.split("<h2>Worst failures</h2>")[1]
-    assert worst.count("<tr>") == 21  # header + the 20 worst
+    worst = html.split('<table class="rows" id="worst_failures">')[1].split("</table>")[0]
+    assert worst.count("<tr") == 21  # header + the 20 worst
 
 
 def test_bad_files_are_named_and_the_rest_is_analysed(ray_session, tmp_path):

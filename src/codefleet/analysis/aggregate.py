@@ -36,9 +36,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-TABLE_COLUMNS = ["run", "step", "task_id", "family", "attempt", "category", "stop_reason", "checks_passed",
-                 "checks_total", "turns", "n_tool_calls", "wall_s", "findings", "judge_score", "judge_reason",
-                 "judge_error"]
+from codefleet.analysis.clusters import combine, rules_cluster_rows, sample_key
+
+TABLE_COLUMNS = ["rollout_id", "run", "step", "task_id", "family", "group", "attempt", "category", "stop_reason",
+                 "reward", "checks_passed", "checks_total", "turns", "n_tool_calls", "wall_s", "findings", "suspicious",
+                 "judge_score", "judge_reason", "judge_error"]
+TABLES = ("worst_failures", "suspicious_wins", "rollouts", "judge_errors")
 HISTOGRAMS = {"turns": 1.0, "wall_s": 0.01, "tokens": 10.0}  # column: lowest non-zero bin edge
 MEANS = ["turns", "tool_calls_per_turn", "wall_s", "tokens", "model_s", "tool_s", "prompt_tokens", "completion_tokens"]
 COUNTS = [f"{c}_count" for c in MEANS]  # rows with a finite value of the column: the mean's denominator
@@ -136,9 +139,11 @@ def _partials(batch: pa.Table) -> pa.Table:
     return partials.append_column("row", pa.nulls(partials.num_rows, pa.string()))
 
 
-def _candidates(batch: pa.Table, k_worst: int, k_wins: int) -> pa.Table:
-    """The batch's table candidates as partial-shaped rows: dim = table name, n = sort key, row = JSON."""
-    rows = _tables(batch, k_worst, k_wins).to_pylist()
+def _candidates(batch: pa.Table, k_worst: int, k_wins: int, k_browse: int) -> pa.Table:
+    """The batch's table candidates and rules cluster rows as partial-shaped rows: dim = table name (or
+    "cluster"), n = sort key, row = JSON."""
+    rows = _tables(batch, k_worst, k_wins, k_browse).to_pylist()
+    rows += [{"table": "cluster", "sort_score": 0.0, **r} for r in rules_cluster_rows(batch)]
     zeros = {c: pa.array(np.zeros(len(rows))) for c in SUMMED}
     return pa.table({"dim": pa.array([r["table"] for r in rows], pa.string()),
                      "key": pa.array([str(i) for i in range(len(rows))], pa.string()),
@@ -147,9 +152,9 @@ def _candidates(batch: pa.Table, k_worst: int, k_wins: int) -> pa.Table:
                                                  default=str) for r in rows], pa.string())})
 
 
-def batch_summary(batch: pa.Table, k_worst: int, k_wins: int) -> pa.Table:
+def batch_summary(batch: pa.Table, k_worst: int, k_wins: int, k_browse: int) -> pa.Table:
     """The map_batches function: partial sums and table candidates of one batch."""
-    return pa.concat_tables([_partials(batch), _candidates(batch, k_worst, k_wins)])
+    return pa.concat_tables([_partials(batch), _candidates(batch, k_worst, k_wins, k_browse)])
 
 
 def combine_partials(rows: list[dict], sums: dict | None = None) -> dict[str, dict[str, dict]]:
@@ -162,9 +167,10 @@ def combine_partials(rows: list[dict], sums: dict | None = None) -> dict[str, di
     return sums
 
 
-def _tables(batch: pa.Table, k_worst: int, k_wins: int) -> pa.Table:
+def _tables(batch: pa.Table, k_worst: int, k_wins: int, k_browse: int) -> pa.Table:
     """A batch's k worst failures (lowest judge score, rule score when unjudged, then longest),
-    first k suspicious wins and first 3 judge errors, tagged by `table`."""
+    first k suspicious wins, k rollouts with the lowest sample keys (a uniform sample to browse) and
+    first 3 judge errors, tagged by `table`."""
     failed = batch.filter(pc.equal(batch.column("success"), 0.0))
     failed = failed.append_column("sort_score", pc.coalesce(failed.column("judge_score"), failed.column("rule_score")))
     worst = failed.sort_by([("sort_score", "ascending"), ("wall_s", "descending")]).slice(0, k_worst)
@@ -172,8 +178,10 @@ def _tables(batch: pa.Table, k_worst: int, k_wins: int) -> pa.Table:
     wins = wins.append_column("sort_score", wins.column("judge_score"))
     errors = batch.filter(pc.is_valid(batch.column("judge_error"))).slice(0, 3)
     errors = errors.append_column("sort_score", errors.column("judge_score"))
+    sampled = batch.append_column("sort_score", pa.array(sample_key(batch.column("rollout_id").to_pylist())))
+    sampled = sampled.sort_by([("sort_score", "ascending")]).slice(0, k_browse)
     parts = [t.select(TABLE_COLUMNS + ["sort_score"]).append_column("table", pa.array([name] * t.num_rows, pa.string()))
-             for name, t in (("worst_failures", worst), ("suspicious_wins", wins), ("judge_errors", errors))]
+             for name, t in zip(TABLES, (worst, wins, sampled, errors))]
     return pa.concat_tables(parts)
 
 
@@ -187,10 +195,9 @@ def _clean(value):
 
 def summarise(judgments, config) -> tuple[dict, dict]:
     """(summary, tables) from the judgments dataset (see the module docstring)."""
-    k_worst, k_wins = config.worst_failures, config.suspicious_wins
-    partials = judgments.map_batches(batch_summary, fn_kwargs={"k_worst": k_worst, "k_wins": k_wins},
-                                     batch_format="pyarrow")
-    tables_dims = ("worst_failures", "suspicious_wins", "judge_errors")
+    k_worst, k_wins, k_browse = config.worst_failures, config.suspicious_wins, config.browse_rows
+    partials = judgments.map_batches(batch_summary, fn_kwargs={"k_worst": k_worst, "k_wins": k_wins,
+                                                               "k_browse": k_browse}, batch_format="pyarrow")
     if config.shuffle_aggregate:
         partials = partials.materialize()
         candidates = partials.filter(fn=lambda r: r["row"] is not None).take_all()
@@ -204,10 +211,13 @@ def summarise(judgments, config) -> tuple[dict, dict]:
             candidates += [r for r in batch_rows if r["row"] is not None]
             combine_partials([r for r in batch_rows if r["row"] is None], sums)
     tables = {}
-    for name, limit in zip(tables_dims, (k_worst, k_wins, 3)):
+    for name, limit in zip(TABLES, (k_worst, k_wins, k_browse, 3)):
         chosen = sorted((r for r in candidates if r["dim"] == name),
                         key=lambda r: (r["n"] if r["n"] is not None else 2.0, -(json.loads(r["row"])["wall_s"] or 0.0)))
         tables[name] = [json.loads(r["row"]) for r in chosen[:limit]]
+    tables["rollouts"].sort(key=lambda r: (r["step"] is None, r["step"] or 0, r["task_id"] or "", r["attempt"] or 0))
+    clusters = {"source": "rules", "note": None,
+                **combine([json.loads(r["row"]) for r in candidates if r["dim"] == "cluster"], config.clusters.max_clusters)}
 
     def figures(s: dict) -> dict:
         n = s["n"] or 1
@@ -244,6 +254,8 @@ def summarise(judgments, config) -> tuple[dict, dict]:
         "parallel_calls_per_turn": {k: int(s["n"]) for k, s in sorted(sums.get("parallel", {}).items(),
                                                                        key=lambda kv: int(kv[0]))},
         "histograms": histograms,
+        "browse": {"shown": len(tables["rollouts"]), "of": int(total["n"])},
+        "clusters": clusters,
         "judge": {"backend": config.judge.backend, "scored": int(total["judge_scored"]),
                   "errors": int(total["judge_errors"]),
                   "error_examples": [f"{r['task_id']}: {r['judge_error']}" for r in tables.pop("judge_errors")]},

@@ -76,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
         ray_was_up = ray.is_initialized()  # a caller's Ray (a test session's) is left running
         with ray_output_to(os.path.join(out_dir, "ray.log")) as terminal:
             try:
-                result = analyze(args.run_dir, config, log=lambda msg: print(msg, file=terminal, flush=True))
+                result = analyze(args.run_dir, config, log=lambda msg: print(msg, file=terminal, flush=True),
+                                 progress_to=terminal)
             except BaseException:
                 if created:  # nothing was analysed: leave no output directory behind
                     shutil.rmtree(out_dir, ignore_errors=True)

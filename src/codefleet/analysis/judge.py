@@ -113,16 +113,22 @@ def judge_messages(row: dict, rubric: str, config: JudgeConfig) -> list[dict]:
     return [{"role": "system", "content": rubric}, {"role": "user", "content": body}]
 
 
-def parse_verdict(text: str) -> tuple[float, str]:
-    """(score, reason) from a judge's answer; ValueError saying what was wrong with it."""
-    cleaned = re.sub(r"^```(json)?|```$", "", (text or "").strip()).strip()
+def first_json_object(text: str):
+    """The first JSON object in a model's answer (fences and text around it ignored); ValueError if none."""
+    text = text or ""
+    cleaned = re.sub(r"^```(json)?|```$", "", text.strip()).strip()
     start, end = cleaned.find("{"), cleaned.rfind("}")
     if start < 0 or end <= start:
         raise ValueError(f"no JSON object in the answer: {text[:120]!r}")
     try:  # the first JSON object; a judge may write more after it
-        verdict, _ = json.JSONDecoder().raw_decode(cleaned[start:end + 1])
+        return json.JSONDecoder().raw_decode(cleaned[start:end + 1])[0]
     except json.JSONDecodeError as e:
         raise ValueError(f"answer is not valid JSON ({e.msg}): {text[:120]!r}") from e
+
+
+def parse_verdict(text: str) -> tuple[float, str]:
+    """(score, reason) from a judge's answer; ValueError saying what was wrong with it."""
+    verdict = first_json_object(text)
     score = verdict.get("score") if isinstance(verdict, dict) else None
     if isinstance(score, bool) or not isinstance(score, (int, float)) or not 0.0 <= score <= 1.0:
         raise ValueError(f"answer has no score between 0 and 1: {text[:120]!r}")

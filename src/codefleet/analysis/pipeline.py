@@ -13,8 +13,12 @@ Stages (all streaming; the driver never holds the rollouts):
                         read whole and upgraded (schema.upgrade_table) in map_batches
       -> map_batches(categorise)       rules: category, findings, tool statistics (rules.py)
       -> map_batches(judge)            rules verdict (a task), or JudgeBatch on an actor pool
-      -> write_parquet  OUT/judgments.parquet/ (a directory of Parquet files: one dataset)
-    read judgments back -> groupby/aggregate -> summary.json, report.html (aggregate.py, report.py)
+      -> the driver     OUT/judgments.parquet/ (a directory of Parquet files: one dataset), written as
+                        batches stream in, with a progress bar over rows
+    read judgments back -> aggregate (aggregate.py): summary.json, the report's tables, rules clusters
+      -> map_batches(ClusterBatch)     with a model judge: the reasons of failures and suspicious wins
+                        grouped into labelled clusters (clusters.py)
+    the tables' rollouts: transcripts, diffs, checks read from the store (details.py) -> report.html
 
 Judgments are written first and aggregated from disk so that the judge (the
 expensive part) runs exactly once whatever the number of aggregates. OUT is
@@ -43,26 +47,33 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TextIO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import ray.data
 from ray.data import ActorPoolStrategy
+from tqdm import tqdm
 
 from codefleet.analysis import rules
 from codefleet.analysis.aggregate import summarise, write_summary
-from codefleet.analysis.judge import JUDGE_COLUMNS, JudgeBatch, JudgeConfig, rules_verdict
+from codefleet.analysis.clusters import ClusterBatch, ClusterConfig, judge_clusters
+from codefleet.analysis.details import fetch_details, with_rollout_id
+from codefleet.analysis.judge import JUDGE_COLUMNS, JUDGE_FIELDS, JudgeBatch, JudgeConfig, rules_verdict
+from codefleet.analysis.overview import overview
 from codefleet.analysis.report import write_report
 from codefleet.fleet.ray_init import init_ray
 from codefleet.store.parquet import StoreScan, find_store, partition_values, scan_store
-from codefleet.store.schema import COLUMNS, file_columns, from_file_table, upgrade_table
+from codefleet.store.schema import COLUMNS, SCHEMA, file_columns, from_file_table, upgrade_table
 
 # store columns carried into judgments.parquet
 KEEP_COLUMNS = ["run", "step", "task_id", "family", "group", "attempt", "split", "policy_version_min",
                 "policy_version_max", "reward", "checks_passed", "checks_total", "all_passed", "stop_reason", "turns",
                 "n_tool_calls", "tool_calls_per_turn", "prompt_tokens", "completion_tokens", "model_s", "tool_s",
                 "wall_s", "infra_retries", "error"]
-JUDGMENT_COLUMNS = KEEP_COLUMNS + rules.JUDGMENT_RULE_COLUMNS + JUDGE_COLUMNS
+JUDGMENT_COLUMNS = ["rollout_id"] + KEEP_COLUMNS + rules.JUDGMENT_RULE_COLUMNS + JUDGE_COLUMNS
+JUDGMENT_SCHEMA = pa.schema([pa.field("rollout_id", pa.string())] + [SCHEMA.field(c) for c in KEEP_COLUMNS]
+                            + rules.RULE_FIELDS + JUDGE_FIELDS)
 
 
 class NoRollouts(Exception):
@@ -81,6 +92,8 @@ class AnalyzeConfig:
     shuffle_aggregate: bool = False  # sum partial aggregates with a Ray Data groupby (clusters) instead of the driver
     worst_failures: int = 20  # rows in the report's tables
     suspicious_wins: int = 50
+    browse_rows: int = 500  # rollouts in the report's browse table (every one in a smaller run, else a sample)
+    clusters: ClusterConfig = field(default_factory=ClusterConfig)
     report: bool = True  # write report.html (matplotlib)
     progress: bool = False  # Ray Data progress bars
     num_cpus: int | None = None  # for a local Ray started by analyze() (None: min(cores, 8), at least 2)
@@ -111,17 +124,19 @@ def _by_file(batch: pa.Table, convert: Callable[..., pa.Table]) -> pa.Table:
 
 
 def _from_file(batch: pa.Table) -> pa.Table:
-    """Current-version rows as SCHEMA columns: run from run_name, step from the path (schema.py)."""
-    return _by_file(batch, from_file_table)
+    """Current-version rows as SCHEMA columns (run from run_name, step from the path: schema.py) and their id."""
+    return with_rollout_id(_by_file(batch, from_file_table))
 
 
 def _upgrade(batch: pa.Table) -> pa.Table:
-    """Older-schema rows as the current schema, run/step from their path where the file lacks them."""
-    return _by_file(batch, lambda table, run, step: upgrade_table(table, run=run, step=step)[0])
+    """Older-schema rows as the current schema, run/step from their path where the file lacks them, and their id."""
+    return with_rollout_id(_by_file(batch, lambda table, run, step: upgrade_table(table, run=run, step=step)[0]))
 
 
 def read_store(scan: StoreScan, columns: list[str], config: AnalyzeConfig):
-    """One Ray Dataset of every readable file in `scan`, as the current schema projected to `columns`."""
+    """One Ray Dataset of every readable file in `scan`, as the current schema projected to `columns` (which
+    must include details.ID_COLUMNS), plus `rollout_id`."""
+    columns = [*columns, "rollout_id"]
     current = [f.path for f in scan.files if f.current]
     by_schema: dict[tuple[str, ...], list[str]] = {}
     for f in scan.files:
@@ -131,7 +146,7 @@ def read_store(scan: StoreScan, columns: list[str], config: AnalyzeConfig):
     if current:
         # the projection is read from the files; step lives in their paths only
         ds = (ray.data.read_parquet(current, partitioning=None, include_paths=True, num_cpus=config.task_num_cpus)
-              .select_columns([*file_columns(columns), "path"]))  # pushed down into the Parquet read
+              .select_columns([*file_columns(columns[:-1]), "path"]))  # pushed down into the Parquet read
         datasets.append(ds.map_batches(_from_file, batch_format="pyarrow", num_cpus=config.task_num_cpus)
                         .select_columns(columns))
     for names, paths in by_schema.items():
@@ -221,8 +236,10 @@ def output_dir(path: str, config: AnalyzeConfig) -> str:
     return config.out_dir or os.path.join(run_dir, "analysis")
 
 
-def analyze(path: str, config: AnalyzeConfig | None = None, log: Callable[[str], None] | None = None) -> AnalysisResult:
-    """Analyse the store under `path` (a run directory or the store itself); raises NoRollouts when empty."""
+def analyze(path: str, config: AnalyzeConfig | None = None, log: Callable[[str], None] | None = None,
+            progress_to: TextIO | None = None) -> AnalysisResult:
+    """Analyse the store under `path` (a run directory or the store itself); raises NoRollouts when empty.
+    `progress_to`: a terminal stream for a progress bar over the rows judged (None: no bar)."""
     config = config or AnalyzeConfig()
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     _ = config.judge.kind  # an unknown backend fails here, before any work
@@ -241,7 +258,7 @@ def analyze(path: str, config: AnalyzeConfig | None = None, log: Callable[[str],
                          "analyse the run once it has finished rollouts")
     ensure_ray(config.num_cpus, config.object_store_mb)
     with ray_data_settings(config), output_lock(out_dir, log):
-        return _analyze_scan(scan, store, out_dir, config, log, problems, timings, started)
+        return _analyze_scan(scan, store, out_dir, config, log, problems, timings, started, progress_to)
 
 
 @contextlib.contextmanager
@@ -262,18 +279,35 @@ def output_lock(out_dir: str, log: Callable[[str], None]):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def write_judgments(scan: StoreScan, config: AnalyzeConfig, path: str, progress_to: TextIO | None) -> int:
+    """Run the pipeline and write its judgments to `path`/ (one Parquet file) as batches arrive, with a bar over
+    the rows on `progress_to`; the rows written."""
+    os.makedirs(path)
+    bar = tqdm(total=scan.rows, unit="rows", desc="judging", file=progress_to, disable=progress_to is None,
+               mininterval=0.5, dynamic_ncols=True)
+    written = 0
+    try:
+        with pq.ParquetWriter(os.path.join(path, "part-00000.parquet"), JUDGMENT_SCHEMA) as writer:
+            for batch in judgments_dataset(scan, config).iter_batches(batch_format="pyarrow", batch_size=None):
+                if batch.num_rows:
+                    writer.write_table(batch.select(JUDGMENT_SCHEMA.names).cast(JUDGMENT_SCHEMA))
+                    written += batch.num_rows
+                    bar.update(batch.num_rows)
+    finally:
+        bar.close()
+    return written
+
+
 def _analyze_scan(scan: StoreScan, store: str, out_dir: str, config: AnalyzeConfig, log: Callable[[str], None],
-                  problems: list[str], timings: dict[str, float], started: float) -> AnalysisResult:
-    """analyze() from the scan on (holding OUT's lock): judgments, then aggregates, report and summary."""
+                  problems: list[str], timings: dict[str, float], started: float,
+                  progress_to: TextIO | None) -> AnalysisResult:
+    """analyze() from the scan on (holding OUT's lock): judgments, then aggregates, clusters, report, summary."""
 
     judgments_path = os.path.join(out_dir, "judgments.parquet")
-    if os.path.isdir(judgments_path):
-        shutil.rmtree(judgments_path)
-    elif os.path.exists(judgments_path):
-        os.unlink(judgments_path)
+    _remove(judgments_path)
     os.makedirs(out_dir, exist_ok=True)
     try:
-        judgments_dataset(scan, config).write_parquet(judgments_path)
+        write_judgments(scan, config, judgments_path, progress_to)
     except Exception as e:  # a file whose footer reads but whose pages do not: find it, leave it out, go again
         broken = unreadable_bodies(scan)
         if not broken:
@@ -283,13 +317,18 @@ def _analyze_scan(scan: StoreScan, store: str, out_dir: str, config: AnalyzeConf
         problems += broken
         if not scan.rows:
             raise NoRollouts(f"no readable rollouts under {store}: every file with rows failed to read") from e
-        shutil.rmtree(judgments_path, ignore_errors=True)
-        judgments_dataset(scan, config).write_parquet(judgments_path)
+        _remove(judgments_path)
+        write_judgments(scan, config, judgments_path, progress_to)
     timings["judge_s"] = time.perf_counter() - started
     judgments = ray.data.read_parquet(judgments_path, partitioning=None)
     summary, tables = summarise(judgments, config)
+    if config.judge.kind != "rules":
+        summary["clusters"] = judge_clusters(
+            judgments, ClusterBatch.configured(config.judge, config.judge.rubric()), config.clusters,
+            ActorPoolStrategy(min_size=1, max_size=max(1, config.judge.actors)), config.judge.actor_num_cpus)
     summary["store"] = store
     summary["files"] = {"read": len(scan.files), "skipped_or_upgraded": list(problems)}
+    summary["overview"] = overview(summary)
     if summary["judge"]["errors"]:
         msg = (f"judge {config.judge.backend}: {summary['judge']['errors']} of {summary['rollouts']} rollouts "
                f"could not be judged (e.g. {summary['judge']['error_examples'][0]}); their rows have judge_error set "
@@ -298,12 +337,20 @@ def _analyze_scan(scan: StoreScan, store: str, out_dir: str, config: AnalyzeConf
         log(f"codefleet analyze: {msg}")
     timings["aggregate_s"] = time.perf_counter() - started - timings["judge_s"]
     if config.report:
-
-        write_report(os.path.join(out_dir, "report.html"), summary, tables)
+        shown = {r["rollout_id"]: r for name in ("worst_failures", "suspicious_wins", "rollouts") for r in tables[name]}
+        write_report(out_dir, summary, tables, fetch_details(scan, list(shown.values())))
+        timings["report_s"] = time.perf_counter() - started - timings["judge_s"] - timings["aggregate_s"]
     timings["total_s"] = time.perf_counter() - started
     summary["timings_s"] = {k: round(v, 3) for k, v in timings.items()}
     write_summary(os.path.join(out_dir, "summary.json"), summary)
     return AnalysisResult(out_dir, summary, problems, timings)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.exists(path):
+        os.unlink(path)
 
 
 __all__ = ["AnalyzeConfig", "AnalysisResult", "NoRollouts", "analyze", "ensure_ray", "judgments_dataset",
