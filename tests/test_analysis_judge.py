@@ -165,3 +165,66 @@ def test_local_checkpoint_judge_runs_the_engine(ray_session, tmp_path):
     assert len(rows) == 4 and all(r["judge_backend"] == f"local:{ckpt}" for r in rows)
     assert all(r["judge_error"] and "unavailable" not in r["judge_error"] for r in rows), rows[0]["judge_error"]
     assert result.summary["judge"]["errors"] == 4
+
+
+class ClusteringJudge:
+    """A stub script item that judges, names clusters and merges labels the way a model would: a failure's reason
+    says which of two causes it had; batches name the edge-case cause in two wordings (the merge makes them one);
+    the second request about failures is answered with prose."""
+
+    def __init__(self):
+        self.cluster_requests = self.failure_requests = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, body: dict):
+        system, user = body["messages"][0]["content"], body["messages"][1]["content"]
+        items = re.findall(r"^(\d+)\. (.*)$", user, re.M)
+        if system.startswith("You group the reasons"):
+            with self.lock:
+                self.cluster_requests += 1
+                n = self.cluster_requests
+                self.failure_requests += user.startswith("Why these rollouts failed")
+                prose = user.startswith("Why these rollouts failed") and self.failure_requests == 2
+            if prose:
+                return reply("These failures are mostly about edge cases, I think.")
+            wording = "missed edge cases" if n % 2 else "edge cases were missed"
+            edge = [int(i) for i, text in items if "edge" in text]
+            other = [int(i) for i, text in items if "edge" not in text]
+            return reply(json.dumps({"clusters": [{"label": wording, "members": edge},
+                                                  {"label": "broke the parser", "members": other}]}))
+        if system.startswith("You merge cluster labels"):
+            edge = [int(i) for i, text in items if "edge" in text]
+            return reply(json.dumps({"clusters": [{"label": "missed edge cases", "members": edge}] + [
+                {"label": text, "members": [int(i)]} for i, text in items if "edge" not in text]}))
+        task = re.search(r"Task: (\S+)", user).group(1)
+        cause = "an edge case it missed" if int(task[1:]) % 2 else "it broke the parser"
+        return reply(json.dumps({"score": 0.2, "reason": f"{task}: {cause}"}))
+
+
+@pytest.mark.timeout(240)
+def test_a_model_judge_groups_the_reasons_into_merged_clusters(ray_session, tmp_path):
+    run_dir = _store(tmp_path, 40)
+    judge = ClusteringJudge()
+    with OpenAIStub([judge] * 200) as stub:
+        config = AnalyzeConfig(judge=JudgeConfig(backend=stub.base_url, model="m", max_retries=0, actors=1),
+                               report=False)
+        config.clusters.batch_rows = 8
+        result = analyze(run_dir, config, log=lambda msg: None)
+    rows = pq.read_table(f"{run_dir}/analysis/judgments.parquet").to_pylist()
+    failures = [r for r in rows if r["category"] != "solved"]
+    clusters = result.summary["clusters"]
+    assert clusters["source"] == "judge" and judge.cluster_requests >= 4
+    by_label = {c["label"]: c for c in clusters["failures"]}
+    # the two wordings merged into one cluster; the batch answered with prose kept its rows' rules clusters
+    assert "edge cases were missed" not in by_label and "missed edge cases" in by_label
+    ids = {r["rollout_id"]: r for r in rows}
+    for c in clusters["failures"]:
+        assert all(i in ids and ids[i]["category"] != "solved" for i in c["examples"])
+    edge = by_label["missed edge cases"]
+    assert all("edge case" in ids[i]["judge_reason"] for i in edge["examples"])
+    assert all("parser" in ids[i]["judge_reason"] for i in by_label["broke the parser"]["examples"])
+    by_rules = sum(c["count"] for c in clusters["failures"] if "(stop:" in c["label"])
+    assert 0 < by_rules < len(failures) and "grouped by rules" in clusters["note"]
+    assert sum(c["count"] for c in clusters["failures"]) == len(failures)
+    assert sum(c["count"] for c in clusters["suspicious_wins"]) == result.summary["suspicious_wins"]
+    assert "missed edge cases" in result.summary["overview"]

@@ -37,6 +37,7 @@ from codefleet.analysis.judge import JudgeBatch, first_json_object
 from codefleet.analysis.rules import SUSPICIOUS_KINDS
 
 GROUPS = ("failures", "suspicious_wins")
+HEADINGS = {"failures": "Why these rollouts failed:", "suspicious_wins": "Why these wins look suspicious:"}
 EXAMPLES = 3  # example rollouts kept per cluster
 
 _CATEGORY_WORDS = {
@@ -118,9 +119,11 @@ def parse_clusters(answer: str, n: int) -> list[tuple[str, list[int]]]:
         if not isinstance(cluster, dict) or not isinstance(cluster.get("label"), str):
             continue
         label = " ".join(cluster["label"].split())[:80]
-        members = [m - 1 for m in cluster.get("members") or [] if isinstance(m, int) and not isinstance(m, bool)
-                   and 1 <= m <= n and m - 1 not in seen]
-        seen.update(members)
+        members = []
+        for m in cluster.get("members") or []:
+            if isinstance(m, int) and not isinstance(m, bool) and 1 <= m <= n and m - 1 not in seen:
+                seen.add(m - 1)
+                members.append(m - 1)
         if label and members:
             out.append((label, members))
     if not out:
@@ -133,14 +136,14 @@ class ClusterBatch(JudgeBatch):
 
     cluster_config = ClusterConfig()
 
-    def _ask(self, system: str, items: list[str]) -> list[tuple[str, list[int]]]:
+    def _ask(self, system: str, heading: str, items: list[str]) -> list[tuple[str, list[int]]]:
         if self.init_error:
             raise ValueError(self.init_error)
         self.pacer.wait()
         config = self.cluster_config
         answer = self.complete([{"role": "system", "content": system.replace("{max_clusters}",
                                                                              str(config.max_clusters))},
-                                {"role": "user", "content": _numbered(items, config.reason_chars)}])
+                                {"role": "user", "content": f"{heading}\n{_numbered(items, config.reason_chars)}"}])
         return parse_clusters(answer, len(items))
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -149,7 +152,8 @@ class ClusterBatch(JudgeBatch):
         for group in GROUPS:
             members = [r for r in rows if r["cluster_group"] == group and (r["judge_reason"] or "").strip()]
             try:
-                named = self._ask(CLUSTER_SYSTEM, [r["judge_reason"] for r in members]) if members else []
+                named = (self._ask(CLUSTER_SYSTEM, HEADINGS[group], [r["judge_reason"] for r in members])
+                         if members else [])
             except Exception:  # the judge's answer was not usable: these rows keep their rules clusters
                 named = []
             assigned = set()
@@ -159,9 +163,10 @@ class ClusterBatch(JudgeBatch):
             left += [r for r in rows if r["cluster_group"] == group and id(r) not in assigned]
         return pa.Table.from_pylist(out + _by_rules(left), schema=CLUSTER_ROW_SCHEMA)
 
-    def merge(self, labels: list[str]) -> list[tuple[str, list[int]]]:
-        """The judge's merge of `labels` into at most max_clusters; ValueError when its answer is unusable."""
-        return self._ask(MERGE_SYSTEM, labels)
+    def merge(self, group: str, labels: list[str]) -> list[tuple[str, list[int]]]:
+        """The judge's merge of a group's `labels` into at most max_clusters; ValueError when its answer is
+        unusable."""
+        return self._ask(MERGE_SYSTEM, f"Cluster labels ({HEADINGS[group][:-1].lower()}):", labels)
 
 
 CLUSTER_ROW_SCHEMA = pa.schema([pa.field("group", pa.string()), pa.field("label", pa.string()),
@@ -233,7 +238,7 @@ def merge_labels(judge: ClusterBatch, rows: list[dict], max_clusters: int) -> tu
         if len(labels) <= 1:
             continue
         try:
-            for label, indices in judge.merge(labels):
+            for label, indices in judge.merge(group, labels):
                 mapping.update({labels[i]: label for i in indices})
         except Exception as e:
             failed.append(f"{group}: {type(e).__name__}: {' '.join(str(e).split())[:160]}")
