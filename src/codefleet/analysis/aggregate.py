@@ -9,7 +9,8 @@ two-level aggregation:
    1-2-5 bins, for the plots), "sketch:<column>" (log bins 2% wide, for quantiles), "tool"
    (tool-use mix), "parallel" (turns that made k tool calls) — via
    pyarrow's `group_by().aggregate()`, plus the batch's candidate rows for the tables
-   (worst failures, suspicious wins, judge errors; JSON in `row`, sort key in `n`).
+   (worst failures, suspicious wins, the browse sample's candidates, judge errors; JSON in
+   `row`, sort key in `n`) and its rules clusters (clusters.py; counts and examples per label).
 2. The partials are summed by (dim, key): by default in the driver (`combine_partials`; a
    few hundred rows per batch), or with `shuffle_aggregate=True` by a Ray Data
    `groupby(["dim", "key"]).sum(...)`, which is what a cluster with many batches wants.
@@ -139,11 +140,12 @@ def _partials(batch: pa.Table) -> pa.Table:
     return partials.append_column("row", pa.nulls(partials.num_rows, pa.string()))
 
 
-def _candidates(batch: pa.Table, k_worst: int, k_wins: int, k_browse: int) -> pa.Table:
+def _candidates(batch: pa.Table, k_worst: int, k_wins: int, k_browse: int, browse_below: float) -> pa.Table:
     """The batch's table candidates and rules cluster rows as partial-shaped rows: dim = table name (or
     "cluster"), n = sort key, row = JSON."""
-    rows = _tables(batch, k_worst, k_wins, k_browse).to_pylist()
-    rows += [{"table": "cluster", "sort_score": 0.0, **r} for r in rules_cluster_rows(batch)]
+    keys = sample_key(batch)
+    rows = _tables(batch, k_worst, k_wins, k_browse, keys, browse_below).to_pylist()
+    rows += [{"table": "cluster", "sort_score": 0.0, **r} for r in rules_cluster_rows(batch, keys)]
     zeros = {c: pa.array(np.zeros(len(rows))) for c in SUMMED}
     return pa.table({"dim": pa.array([r["table"] for r in rows], pa.string()),
                      "key": pa.array([str(i) for i in range(len(rows))], pa.string()),
@@ -152,9 +154,9 @@ def _candidates(batch: pa.Table, k_worst: int, k_wins: int, k_browse: int) -> pa
                                                  default=str) for r in rows], pa.string())})
 
 
-def batch_summary(batch: pa.Table, k_worst: int, k_wins: int, k_browse: int) -> pa.Table:
+def batch_summary(batch: pa.Table, k_worst: int, k_wins: int, k_browse: int, browse_below: float) -> pa.Table:
     """The map_batches function: partial sums and table candidates of one batch."""
-    return pa.concat_tables([_partials(batch), _candidates(batch, k_worst, k_wins, k_browse)])
+    return pa.concat_tables([_partials(batch), _candidates(batch, k_worst, k_wins, k_browse, browse_below)])
 
 
 def combine_partials(rows: list[dict], sums: dict | None = None) -> dict[str, dict[str, dict]]:
@@ -167,10 +169,11 @@ def combine_partials(rows: list[dict], sums: dict | None = None) -> dict[str, di
     return sums
 
 
-def _tables(batch: pa.Table, k_worst: int, k_wins: int, k_browse: int) -> pa.Table:
+def _tables(batch: pa.Table, k_worst: int, k_wins: int, k_browse: int, keys: np.ndarray,
+            browse_below: float) -> pa.Table:
     """A batch's k worst failures (lowest judge score, rule score when unjudged, then longest),
-    first k suspicious wins, k rollouts with the lowest sample keys (a uniform sample to browse) and
-    first 3 judge errors, tagged by `table`."""
+    first k suspicious wins, up to k rollouts with the lowest sample keys `keys` under `browse_below`
+    (candidates for the uniform sample to browse) and first 3 judge errors, tagged by `table`."""
     failed = batch.filter(pc.equal(batch.column("success"), 0.0))
     failed = failed.append_column("sort_score", pc.coalesce(failed.column("judge_score"), failed.column("rule_score")))
     worst = failed.sort_by([("sort_score", "ascending"), ("wall_s", "descending")]).slice(0, k_worst)
@@ -178,7 +181,7 @@ def _tables(batch: pa.Table, k_worst: int, k_wins: int, k_browse: int) -> pa.Tab
     wins = wins.append_column("sort_score", wins.column("judge_score"))
     errors = batch.filter(pc.is_valid(batch.column("judge_error"))).slice(0, 3)
     errors = errors.append_column("sort_score", errors.column("judge_score"))
-    sampled = batch.append_column("sort_score", pa.array(sample_key(batch.column("rollout_id").to_pylist())))
+    sampled = batch.append_column("sort_score", pa.array(keys)).filter(pa.array(keys < browse_below))
     sampled = sampled.sort_by([("sort_score", "ascending")]).slice(0, k_browse)
     parts = [t.select(TABLE_COLUMNS + ["sort_score"]).append_column("table", pa.array([name] * t.num_rows, pa.string()))
              for name, t in zip(TABLES, (worst, wins, sampled, errors))]
@@ -196,8 +199,13 @@ def _clean(value):
 def summarise(judgments, config) -> tuple[dict, dict]:
     """(summary, tables) from the judgments dataset (see the module docstring)."""
     k_worst, k_wins, k_browse = config.worst_failures, config.suspicious_wins, config.browse_rows
+    # the sample's candidates: rows whose key is under 4x the share to show (about 4 x k_browse rows, so that
+    # fewer than k_browse is out of reach: 30 standard deviations away), every row when all fit
+    rows = judgments.count()
+    browse_below = 1.0 if rows <= k_browse else min(1.0, 4.0 * k_browse / rows)
     partials = judgments.map_batches(batch_summary, fn_kwargs={"k_worst": k_worst, "k_wins": k_wins,
-                                                               "k_browse": k_browse}, batch_format="pyarrow")
+                                                               "k_browse": k_browse, "browse_below": browse_below},
+                                     batch_format="pyarrow")
     if config.shuffle_aggregate:
         partials = partials.materialize()
         candidates = partials.filter(fn=lambda r: r["row"] is not None).take_all()

@@ -27,11 +27,11 @@ Labels are the judge's words: escaped where shown, never interpreted.
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from codefleet.analysis.judge import JudgeBatch, first_json_object
 from codefleet.analysis.rules import SUSPICIOUS_KINDS
@@ -77,9 +77,18 @@ class ClusterConfig:
     reason_chars: int = 300  # each reason cut to this many characters in the prompt
 
 
-def sample_key(ids: list[str]) -> np.ndarray:
-    """A deterministic pseudo-random number in [0, 1) per rollout id: the lowest keys are a uniform sample."""
-    return np.array([zlib.crc32(i.encode()) for i in ids], dtype=np.float64) / 2 ** 32
+def sample_key(table: pa.Table) -> np.ndarray:
+    """A deterministic pseudo-random number in [0, 1) per row, from its step, group and attempt (splitmix64):
+    the rows with the lowest keys are a uniform sample, whatever batches they arrive in."""
+    x = np.zeros(table.num_rows, np.uint64)
+    with np.errstate(over="ignore"):
+        for column in ("step", "group", "attempt"):
+            x ^= pc.fill_null(table.column(column), 0).to_numpy(zero_copy_only=False).astype(np.uint64)
+            x += np.uint64(0x9E3779B97F4A7C15)
+            x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+            x ^= x >> np.uint64(31)
+    return (x >> np.uint64(11)).astype(np.float64) / 2.0 ** 53
 
 
 def rule_label(category: str | None, stop_reason: str | None, findings: list[str] | None,
@@ -91,8 +100,11 @@ def rule_label(category: str | None, stop_reason: str | None, findings: list[str
         return "suspicious_wins", _FINDING_WORDS.get(kind, kind)
     if category == "solved":
         return None
-    label = _CATEGORY_WORDS.get(category or "", category or "uncategorised")
-    return "failures", f"{label} (stop: {stop_reason or 'none'})"
+    return "failures", _failure_label(category or "", stop_reason or "")
+
+
+def _failure_label(category: str, stop_reason: str) -> str:
+    return f"{_CATEGORY_WORDS.get(category, category or 'uncategorised')} (stop: {stop_reason or 'none'})"
 
 
 def rule_clusters(batch: pa.Table) -> tuple[list[str | None], list[str | None]]:
@@ -184,16 +196,36 @@ def cluster_inputs(batch: pa.Table) -> pa.Table:
     """The rows to cluster (failures and suspicious wins) with their rules label and sample key: a map_batches
     function over judgments."""
     groups, labels = rule_clusters(batch)
-    ids = batch.column("rollout_id").to_pylist()
-    table = pa.table({"rollout_id": pa.array(ids, pa.string()), "cluster_group": pa.array(groups, pa.string()),
+    table = pa.table({"rollout_id": batch.column("rollout_id"), "cluster_group": pa.array(groups, pa.string()),
                       "rule_label": pa.array(labels, pa.string()), "judge_reason": batch.column("judge_reason"),
-                      "sample_key": pa.array(sample_key(ids))})
+                      "sample_key": pa.array(sample_key(batch))})
     return table.filter(pa.array([g is not None for g in groups], pa.bool_()))
 
 
-def rules_cluster_rows(batch: pa.Table) -> list[dict]:
-    """Cluster rows (CLUSTER_ROW_SCHEMA dicts) by rules for a batch of judgments."""
-    return _by_rules(cluster_inputs(batch).to_pylist())
+def rules_cluster_rows(batch: pa.Table, keys: np.ndarray) -> list[dict]:
+    """Cluster rows (CLUSTER_ROW_SCHEMA dicts) by rules for a batch of judgments whose sample keys are `keys`.
+    Failures are labelled per (category, stop reason) pair, not per row: this runs in the aggregation pass."""
+    keyed = batch.select(["rollout_id", "category", "stop_reason", "findings", "suspicious"]).append_column(
+        "sample_key", pa.array(keys)).sort_by("sample_key")
+    category = pc.fill_null(keyed.column("category"), "")
+    failed = keyed.filter(pc.not_equal(category, "solved"))
+    pairs = pc.binary_join_element_wise(pc.fill_null(failed.column("category"), ""),
+                                        pc.fill_null(failed.column("stop_reason"), ""), "|").to_pylist()
+    by_pair: dict[str, list] = {}
+    for pair, rollout_id, key in zip(pairs, failed.column("rollout_id").to_pylist(),
+                                     failed.column("sample_key").to_pylist()):
+        found = by_pair.setdefault(pair, [0, [], []])
+        found[0] += 1
+        if len(found[1]) < EXAMPLES:  # sorted by key: the first are the sample
+            found[1].append(rollout_id)
+            found[2].append(key)
+    rows = [{"group": "failures", "label": _failure_label(*pair.split("|", 1)), "source": "rules", "count": n,
+             "examples": ids, "keys": ks} for pair, (n, ids, ks) in by_pair.items()]
+    wins = keyed.filter(pc.fill_null(keyed.column("suspicious"), False))
+    inputs = [{"rollout_id": r["rollout_id"], "cluster_group": "suspicious_wins", "sample_key": r["sample_key"],
+               "rule_label": rule_label(r["category"], r["stop_reason"], r["findings"], True)[1]}
+              for r in wins.to_pylist()]
+    return rows + _by_rules(inputs)
 
 
 def _by_rules(rows: list[dict]) -> list[dict]:

@@ -7,7 +7,9 @@ machine the issue targets) and a 1 GiB object store, runs `codefleet analyze`
 with the `rules` judge and reports:
 
 - `rows_per_s`: rollouts / seconds of `analyze()` (scan, read, rules, write
-  judgments, aggregate, report), Ray start-up and data generation excluded;
+  judgments, aggregate, clusters, report with its transcript pages), Ray
+  start-up and data generation excluded; `report_s` and `report_pages`: the
+  report's share of that and how many transcript pages it wrote;
 - `peak_rss_mb`: the peak, sampled every 0.25 s while `analyze()` runs, of the
   summed resident memory of the driver and every process it started (Ray's
   GCS, raylet, dashboard agents and all worker processes), i.e. everything the
@@ -142,6 +144,8 @@ def run(quick: bool, log: Log) -> dict:
         return {"rollouts": s["rollouts"], "rows_per_s": round(s["rollouts"] / analyze_s, 1),
                 "analyze_s": round(analyze_s, 2), "judge_stage_s": round(result.timings_s["judge_s"], 2),
                 "aggregate_s": round(result.timings_s["aggregate_s"], 2),
+                "report_s": round(result.timings_s.get("report_s", 0.0), 2),
+                "report_pages": len(os.listdir(os.path.join(result.out_dir, "rollouts"))),
                 "peak_rss_mb": round(sampler.peak_rss_mb, 1), "peak_pss_mb": round(sampler.peak_pss_mb, 1),
                 "idle_rss_mb": round(idle_rss_mb, 1), "idle_pss_mb": round(idle_pss_mb, 1),
                 "peak_process_rss_mb": round(sampler.peak_process_rss_mb, 1), "peak_processes": sampler.peak_processes,
@@ -161,6 +165,7 @@ def run(quick: bool, log: Log) -> dict:
 def _table(r: dict) -> str:
     rows = [("rollouts", r["rollouts"]), ("rows/s", r["rows_per_s"]), ("analyze s", r["analyze_s"]),
             ("  judgments stage s", r["judge_stage_s"]), ("  aggregates s", r["aggregate_s"]),
+            (f"  report s ({r['report_pages']} transcript pages)", r["report_s"]),
             ("peak RSS MB (driver + Ray)", r["peak_rss_mb"]), ("peak PSS MB", r["peak_pss_mb"]),
             ("idle RSS MB (Ray up, before)", r["idle_rss_mb"]), ("driver RSS MB", r["peak_driver_rss_mb"]),
             (f"largest process RSS MB ({r['peak_process_name']})", r["peak_process_rss_mb"]),
