@@ -86,8 +86,9 @@ def _filter(page, table_id: str) -> dict:
     return {"category": category, "shown": expected, "of": len(categories), "count_text": count}
 
 
-def _open_transcript(page, report_url: str, table_id: str) -> str:
-    """Open the rollout links of `table_id` in order until a transcript with a tool call; returns its URL."""
+def _open_transcript(page, report_url: str, table_id: str, need_tool_call: bool) -> str:
+    """Open the rollout links of `table_id` in order until a transcript with a tool call (the first transcript
+    when `need_tool_call` is false); returns its URL."""
     hrefs = page.eval_on_selector_all(f"#{table_id} a.rollout", "links => links.map(a => a.getAttribute('href'))")
     assert hrefs, f"no rollout in table {table_id} links to a transcript"
     for index in range(min(len(hrefs), 10)):
@@ -98,12 +99,12 @@ def _open_transcript(page, report_url: str, table_id: str) -> str:
         assert page.url.endswith(hrefs[index]), (page.url, hrefs[index])
         task = page.locator("h2:text-is('Task') + pre")
         assert task.count() == 1 and task.inner_text().strip(), "the transcript page shows no task"
-        if page.locator(".call .tool").count():
+        if page.locator(".call .tool").count() or not need_tool_call:
             return page.url
     raise AssertionError(f"none of the first {min(len(hrefs), 10)} transcripts of {table_id} shows a tool call")
 
 
-def check_report_in_browser(out_dir: str, shots_dir: str) -> dict:
+def check_report_in_browser(out_dir: str, shots_dir: str, need_tool_call: bool = True) -> dict:
     """Check report.html and a transcript page in headless Chromium (see the module docstring); returns what it
     saw: the sorted column, the filter, the transcript opened and the screenshots."""
     from playwright.sync_api import sync_playwright  # optional: the `browser` extra
@@ -133,7 +134,7 @@ def check_report_in_browser(out_dir: str, shots_dir: str) -> dict:
             page.click("#f-reset")
             rows = page.locator(f"#{table_id} tbody tr:visible").count()
             assert page.locator(f'.count[data-for="{table_id}"]').inner_text() == f"{rows} of {rows} rows shown"
-            transcript_url = _open_transcript(page, report_url, table_id)
+            transcript_url = _open_transcript(page, report_url, table_id, need_tool_call)
             details = page.locator("details").first
             details.locator("summary").click()
             assert details.evaluate("d => d.open"), "a <details> did not open on click"

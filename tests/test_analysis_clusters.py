@@ -53,3 +53,7 @@ def test_overview_reads_the_figures():
     assert text == ("10 rollouts over steps 0–1; 4 solved (40%). Success went from 20% at step 0 to 60% at step 1. "
                     "It won most on calc (50% of 6) and least on dates (25% of 4). Why the rest failed, largest causes "
                     "first: wrong fix (6, 100%). 1 of the 4 wins look suspicious: skips checks (1).")
+    # nothing moved: no trend and no best family to name
+    flat = {**summary, "per_step": [{"step": s, "rollouts": 5, "success_rate": 0.0} for s in (0, 1)],
+            "per_family": {f: {"rollouts": 5, "success_rate": 0.0} for f in ("calc", "dates")}}
+    assert "Success stayed at 0% from step 0 to step 1." in overview(flat) and "won most" not in overview(flat)

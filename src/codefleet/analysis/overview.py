@@ -22,12 +22,17 @@ def _trend(per_step: list[dict]) -> str:
     def rate(part: list[dict]) -> float:
         return sum(s["success_rate"] * s["rollouts"] for s in part) / sum(s["rollouts"] for s in part)
 
-    def span(part: list[dict]) -> str:
+    def named(part: list[dict]) -> str:
         a, b = part[0]["step"], part[-1]["step"]
-        return f"at step {a}" if a == b else f"over steps {a}–{b}"
+        return f"step {a}" if a == b else f"steps {a}–{b}"
+
+    def where(part: list[dict]) -> str:
+        return ("at " if len(part) == 1 else "over ") + named(part)
 
     first, last = steps[:k], steps[-k:]
-    return f" Success went from {_pct(rate(first))} {span(first)} to {_pct(rate(last))} {span(last)}."
+    if _pct(rate(first)) == _pct(rate(last)):
+        return f" Success stayed at {_pct(rate(first))} from {named(first)} to {named(last)}."
+    return f" Success went from {_pct(rate(first))} {where(first)} to {_pct(rate(last))} {where(last)}."
 
 
 def _families(per_family: dict) -> str:
@@ -35,6 +40,8 @@ def _families(per_family: dict) -> str:
     if len(ranked) < 2:
         return ""
     (best, b), (worst, w) = ranked[0], ranked[-1]
+    if _pct(b["success_rate"]) == _pct(w["success_rate"]):
+        return ""  # no family stands out
     return (f" It won most on {best} ({_pct(b['success_rate'])} of {b['rollouts']}) and least on {worst} "
             f"({_pct(w['success_rate'])} of {w['rollouts']}).")
 
