@@ -26,8 +26,10 @@ def test_cli_analyze_writes_summary_judgments_and_report(ray_session, tmp_path, 
     for i in range(0, 600, 100):
         writer.append(records[i:i + 100])
     assert main(["analyze", str(run_dir)]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert "600 rollouts" in out and f"wrote {run_dir}/analysis/summary.json" in out
+    assert "judging" in captured.err and "600/600" in captured.err  # its own bar over the rows judged
     judged = pq.read_table(str(run_dir / "analysis" / "judgments.parquet")).to_pylist()
     assert len(judged) == 600
     planted = {(r["step"], r["group"], r["attempt"]): planted_category(r) for r in records}

@@ -174,15 +174,22 @@ def _tables(batch: pa.Table, k_worst: int, k_wins: int, k_browse: int, keys: np.
     """A batch's k worst failures (lowest judge score, rule score when unjudged, then longest),
     first k suspicious wins, up to k rollouts with the lowest sample keys `keys` under `browse_below`
     (candidates for the uniform sample to browse) and first 3 judge errors, tagged by `table`."""
-    failed = batch.filter(pc.equal(batch.column("success"), 0.0))
-    failed = failed.append_column("sort_score", pc.coalesce(failed.column("judge_score"), failed.column("rule_score")))
-    worst = failed.sort_by([("sort_score", "ascending"), ("wall_s", "descending")]).slice(0, k_worst)
+    # only the shown columns are copied, and only for the rows chosen: sorts run on small key tables (a batch can be
+    # a whole dataset of 40 columns)
+    batch = batch.select(list(dict.fromkeys([*TABLE_COLUMNS, "success", "rule_score"])))
+    failed = pc.fill_null(pc.equal(batch.column("success"), 0.0), False)
+    score = pc.coalesce(batch.column("judge_score"), batch.column("rule_score"))
+    order = pc.sort_indices(pa.table({"other": pc.invert(failed), "score": score, "wall_s": batch.column("wall_s")}),
+                            sort_keys=[("other", "ascending"), ("score", "ascending"), ("wall_s", "descending")])
+    chosen = order.slice(0, min(k_worst, pc.sum(failed.cast(pa.int64())).as_py() or 0))
+    worst = batch.take(chosen).append_column("sort_score", score.take(chosen))
     wins = batch.filter(pc.fill_null(batch.column("suspicious"), False)).slice(0, k_wins)
     wins = wins.append_column("sort_score", wins.column("judge_score"))
     errors = batch.filter(pc.is_valid(batch.column("judge_error"))).slice(0, 3)
     errors = errors.append_column("sort_score", errors.column("judge_score"))
-    sampled = batch.append_column("sort_score", pa.array(keys)).filter(pa.array(keys < browse_below))
-    sampled = sampled.sort_by([("sort_score", "ascending")]).slice(0, k_browse)
+    below = np.flatnonzero(keys < browse_below)
+    below = below[np.argsort(keys[below], kind="stable")][:k_browse]
+    sampled = batch.take(pa.array(below, pa.int64())).append_column("sort_score", pa.array(keys[below]))
     parts = [t.select(TABLE_COLUMNS + ["sort_score"]).append_column("table", pa.array([name] * t.num_rows, pa.string()))
              for name, t in zip(TABLES, (worst, wins, sampled, errors))]
     return pa.concat_tables(parts)
@@ -196,12 +203,13 @@ def _clean(value):
     return value
 
 
-def summarise(judgments, config) -> tuple[dict, dict]:
-    """(summary, tables) from the judgments dataset (see the module docstring)."""
+def summarise(judgments, config, rows: int | None = None) -> tuple[dict, dict]:
+    """(summary, tables) from the judgments dataset (see the module docstring); `rows`: how many it holds, when
+    known (else counted)."""
     k_worst, k_wins, k_browse = config.worst_failures, config.suspicious_wins, config.browse_rows
     # the sample's candidates: rows whose key is under 4x the share to show (about 4 x k_browse rows, so that
     # fewer than k_browse is out of reach: 30 standard deviations away), every row when all fit
-    rows = judgments.count()
+    rows = judgments.count() if rows is None else rows
     browse_below = 1.0 if rows <= k_browse else min(1.0, 4.0 * k_browse / rows)
     partials = judgments.map_batches(batch_summary, fn_kwargs={"k_worst": k_worst, "k_wins": k_wins,
                                                                "k_browse": k_browse, "browse_below": browse_below},

@@ -14,7 +14,7 @@ Two sources of labels, one shape:
 - **The judge** (a model backend). A second Ray Data stage over the judgments of
   failures and suspicious wins that carry a judge reason: each batch of
   `batch_rows` reasons goes to the judge in one request, which names at most
-  `max_clusters` clusters and puts every reason in one (`ClusterBatch`, on the
+  `max_clusters` clusters and puts every reason in one (`ClusterBatch` in cluster_stage.py, on the
   judge's actor pool settings). The stage returns one row per (batch, label) with
   its count and examples, never one per rollout. The driver then asks the judge
   once to merge the batches' labels into at most `max_clusters` (`merge_labels`),
@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from codefleet.analysis.judge import JudgeBatch, first_json_object
+from codefleet.analysis.answers import first_json_object
 from codefleet.analysis.rules import SUSPICIOUS_KINDS
 
 GROUPS = ("failures", "suspicious_wins")
@@ -115,7 +115,7 @@ def rule_clusters(batch: pa.Table) -> tuple[list[str | None], list[str | None]]:
     return [x[0] if x else None for x in labelled], [x[1] if x else None for x in labelled]
 
 
-def _numbered(texts: list[str], max_chars: int) -> str:
+def numbered(texts: list[str], max_chars: int) -> str:
     return "\n".join(f"{i + 1}. {' '.join(t.split())[:max_chars]}" for i, t in enumerate(texts))
 
 
@@ -143,50 +143,12 @@ def parse_clusters(answer: str, n: int) -> list[tuple[str, list[int]]]:
     return out
 
 
-class ClusterBatch(JudgeBatch):
-    """The cluster stage's actor: one judge request per batch of reasons (see the module docstring)."""
-
-    cluster_config = ClusterConfig()
-
-    def _ask(self, system: str, heading: str, items: list[str]) -> list[tuple[str, list[int]]]:
-        if self.init_error:
-            raise ValueError(self.init_error)
-        self.pacer.wait()
-        config = self.cluster_config
-        answer = self.complete([{"role": "system", "content": system.replace("{max_clusters}",
-                                                                             str(config.max_clusters))},
-                                {"role": "user", "content": f"{heading}\n{_numbered(items, config.reason_chars)}"}])
-        return parse_clusters(answer, len(items))
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        rows = batch.to_pylist()
-        out, left = [], []
-        for group in GROUPS:
-            members = [r for r in rows if r["cluster_group"] == group and (r["judge_reason"] or "").strip()]
-            try:
-                named = (self._ask(CLUSTER_SYSTEM, HEADINGS[group], [r["judge_reason"] for r in members])
-                         if members else [])
-            except Exception:  # the judge's answer was not usable: these rows keep their rules clusters
-                named = []
-            assigned = set()
-            for label, indices in named:
-                assigned.update(id(members[i]) for i in indices)
-                out.append(_cluster_row(group, label, "judge", [members[i] for i in indices]))
-            left += [r for r in rows if r["cluster_group"] == group and id(r) not in assigned]
-        return pa.Table.from_pylist(out + _by_rules(left), schema=CLUSTER_ROW_SCHEMA)
-
-    def merge(self, group: str, labels: list[str]) -> list[tuple[str, list[int]]]:
-        """The judge's merge of a group's `labels` into at most max_clusters; ValueError when its answer is
-        unusable."""
-        return self._ask(MERGE_SYSTEM, f"Cluster labels ({HEADINGS[group][:-1].lower()}):", labels)
-
-
 CLUSTER_ROW_SCHEMA = pa.schema([pa.field("group", pa.string()), pa.field("label", pa.string()),
                                 pa.field("source", pa.string()), pa.field("count", pa.int64()),
                                 pa.field("examples", pa.list_(pa.string())), pa.field("keys", pa.list_(pa.float64()))])
 
 
-def _cluster_row(group: str, label: str, source: str, rows: list[dict]) -> dict:
+def cluster_row(group: str, label: str, source: str, rows: list[dict]) -> dict:
     chosen = sorted(rows, key=lambda r: r["sample_key"])[:EXAMPLES]
     return {"group": group, "label": label, "source": source, "count": len(rows),
             "examples": [r["rollout_id"] for r in chosen], "keys": [r["sample_key"] for r in chosen]}
@@ -225,17 +187,17 @@ def rules_cluster_rows(batch: pa.Table, keys: np.ndarray) -> list[dict]:
     inputs = [{"rollout_id": r["rollout_id"], "cluster_group": "suspicious_wins", "sample_key": r["sample_key"],
                "rule_label": rule_label(r["category"], r["stop_reason"], r["findings"], True)[1]}
               for r in wins.to_pylist()]
-    return rows + _by_rules(inputs)
+    return rows + by_rules(inputs)
 
 
-def _by_rules(rows: list[dict]) -> list[dict]:
+def by_rules(rows: list[dict]) -> list[dict]:
     out = []
     for group in GROUPS:
         by_rule: dict[str, list[dict]] = {}
         for r in rows:
             if r["cluster_group"] == group:
                 by_rule.setdefault(r["rule_label"], []).append(r)
-        out += [_cluster_row(group, label, "rules", rs) for label, rs in by_rule.items()]
+        out += [cluster_row(group, label, "rules", rs) for label, rs in by_rule.items()]
     return out
 
 
@@ -259,38 +221,3 @@ def combine(rows: list[dict], max_clusters: int, merged: dict[str, str] | None =
         out[group] = [{"label": c["label"], "count": c["count"],
                        "examples": [i for _, i in sorted(c["examples"])[:EXAMPLES]]} for c in clusters]
     return out
-
-
-def merge_labels(judge: ClusterBatch, rows: list[dict], max_clusters: int) -> tuple[dict[str, str], str | None]:
-    """{batch label: merged label} from the judge, per group; and a note when a merge answer was unusable
-    (those labels stay as they are, equal ones summed)."""
-    mapping, failed = {}, []
-    for group in GROUPS:
-        labels = sorted({r["label"] for r in rows if r["group"] == group and r["source"] == "judge"})
-        if len(labels) <= 1:
-            continue
-        try:
-            for label, indices in judge.merge(group, labels):
-                mapping.update({labels[i]: label for i in indices})
-        except Exception as e:
-            failed.append(f"{group}: {type(e).__name__}: {' '.join(str(e).split())[:160]}")
-    note = f"the judge could not merge the batches' labels ({'; '.join(failed)})" if failed else None
-    return mapping, note
-
-
-def judge_clusters(judgments, judge_class: type[ClusterBatch], config: ClusterConfig, compute, num_cpus: float
-                   ) -> dict:
-    """summary["clusters"] from the judge (module docstring): the cluster stage over `judgments` (a Ray Dataset),
-    then the merge in the driver."""
-    rows = (judgments.map_batches(cluster_inputs, batch_format="pyarrow")
-            .map_batches(judge_class, batch_format="pyarrow", batch_size=config.batch_rows, compute=compute,
-                         num_cpus=num_cpus).take_all())
-    rows = [dict(r, examples=list(r["examples"]), keys=list(r["keys"])) for r in rows]
-    mapping, note = merge_labels(judge_class(), rows, config.max_clusters)
-    by_rules = sum(r["count"] for r in rows if r["source"] == "rules")
-    total = sum(r["count"] for r in rows)
-    notes = [f"{by_rules} of {total} rows are grouped by rules: the judge gave no reason for them, left them "
-             "out of its clusters, or its answer about their batch was not usable"] if by_rules else []
-    source = "judge" if any(r["source"] == "judge" for r in rows) else "rules"
-    return {"source": source, "note": "; ".join(notes + ([note] if note else [])) or None,
-            **combine(rows, config.max_clusters, mapping)}

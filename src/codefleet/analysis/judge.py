@@ -22,9 +22,7 @@ its retries, or the answer was not a verdict — the row gets `judge_error`
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +32,7 @@ from importlib import resources
 import openai
 import pyarrow as pa
 
-from codefleet.agent.clients.local_engine import LocalEnginePolicy
+from codefleet.analysis.answers import first_json_object
 
 JUDGE_FIELDS = [
     pa.field("judge_backend", pa.string()),
@@ -83,9 +81,12 @@ class JudgeConfig:
         return resources.files("codefleet.analysis").joinpath("rubric.md").read_text(encoding="utf-8")
 
 
-def rules_verdict(batch: pa.Table) -> pa.Table:
-    """The `rules` backend: the rule score and reason as the judgment (a map_batches function)."""
+def rules_verdict(batch: pa.Table, counter=None) -> pa.Table:
+    """The `rules` backend: the rule score and reason as the judgment (a map_batches function); `counter`: an actor
+    told how many rows were judged (the progress bar)."""
     n = batch.num_rows
+    if counter is not None:
+        counter.add.remote(n)
     return (batch.append_column(JUDGE_FIELDS[0], pa.array(["rules"] * n, pa.string()))
             .append_column(JUDGE_FIELDS[1], batch.column("rule_score"))
             .append_column(JUDGE_FIELDS[2], batch.column("rule_reason"))
@@ -111,19 +112,6 @@ def judge_messages(row: dict, rubric: str, config: JudgeConfig) -> list[dict]:
             f"Transcript (JSON messages):\n{_cut(row.get('transcript') or '[]', config.max_transcript_chars)}\n\n"
             'Answer with one JSON object: {"score": <number from 0 to 1>, "reason": "<one or two sentences>"}')
     return [{"role": "system", "content": rubric}, {"role": "user", "content": body}]
-
-
-def first_json_object(text: str):
-    """The first JSON object in a model's answer (fences and text around it ignored); ValueError if none."""
-    text = text or ""
-    cleaned = re.sub(r"^```(json)?|```$", "", text.strip()).strip()
-    start, end = cleaned.find("{"), cleaned.rfind("}")
-    if start < 0 or end <= start:
-        raise ValueError(f"no JSON object in the answer: {text[:120]!r}")
-    try:  # the first JSON object; a judge may write more after it
-        return json.JSONDecoder().raw_decode(cleaned[start:end + 1])[0]
-    except json.JSONDecodeError as e:
-        raise ValueError(f"answer is not valid JSON ({e.msg}): {text[:120]!r}") from e
 
 
 def parse_verdict(text: str) -> tuple[float, str]:
@@ -163,9 +151,10 @@ def _error(e: BaseException) -> str:
 class JudgeBatch:
     """One judge actor (see the module docstring). Never raises for a judge failure."""
 
-    def __init__(self, config: JudgeConfig, rubric: str):
+    def __init__(self, config: JudgeConfig, rubric: str, counter=None):
         self.config = config
         self.rubric = rubric
+        self.counter = counter  # an actor told how many rows were judged (the progress bar), or None
         self.init_error: str | None = None
         self.complete = None
         self.pacer = _Pacer(config.rate_limit_per_s / max(1, config.actors))
@@ -176,14 +165,14 @@ class JudgeBatch:
             self.init_error = f"judge {config.backend} unavailable: {_error(e)}"
 
     @classmethod
-    def configured(cls, config: JudgeConfig, rubric: str) -> type[JudgeBatch]:
-        """This class with `config` and `rubric` built in, for Ray Data's actor pool: they travel with the class's
-        definition instead of as constructor arguments in the object store, where an actor restarted after its
-        node died might not find them any more."""
+    def configured(cls, config: JudgeConfig, rubric: str, counter=None) -> type[JudgeBatch]:
+        """This class with `config`, `rubric` and `counter` built in, for Ray Data's actor pool: they travel with
+        the class's definition instead of as constructor arguments in the object store, where an actor restarted
+        after its node died might not find them any more."""
 
         class ConfiguredJudgeBatch(cls):
             def __init__(self):
-                super().__init__(config, rubric)
+                super().__init__(config, rubric, counter)
 
         return ConfiguredJudgeBatch
 
@@ -209,6 +198,10 @@ class JudgeBatch:
         return complete
 
     def _local(self):
+        # here, not at the top: every Ray Data task that runs the rules or the aggregates imports this module, and
+        # the engine brings torch (seconds of CPU per worker)
+        from codefleet.agent.clients.local_engine import LocalEnginePolicy
+
         policy = LocalEnginePolicy(self.config.backend.removeprefix("local:"), max_tokens=self.config.max_tokens,
                                    temperature=0.0)
         return lambda messages: policy.generate(messages, []).text
@@ -235,4 +228,6 @@ class JudgeBatch:
                    [v[2] for v in verdicts]]
         for field, values in zip(JUDGE_FIELDS, columns):
             batch = batch.append_column(field, pa.array(values, field.type))
+        if self.counter is not None:
+            self.counter.add.remote(n)
         return batch

@@ -13,8 +13,8 @@ Stages (all streaming; the driver never holds the rollouts):
                         read whole and upgraded (schema.upgrade_table) in map_batches
       -> map_batches(categorise)       rules: category, findings, tool statistics (rules.py)
       -> map_batches(judge)            rules verdict (a task), or JudgeBatch on an actor pool
-      -> the driver     OUT/judgments.parquet/ (a directory of Parquet files: one dataset), written as
-                        batches stream in, with a progress bar over rows
+      -> write_parquet  OUT/judgments.parquet/ (a directory of Parquet files: one dataset); the judge
+                        stage counts its rows in a RowCounter actor, which the driver's bar reads
     read judgments back -> aggregate (aggregate.py): summary.json, the report's tables, rules clusters
       -> map_batches(ClusterBatch)     with a model judge: the reasons of failures and suspicious wins
                         grouped into labelled clusters (clusters.py)
@@ -44,6 +44,7 @@ import fcntl
 import os
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,14 +58,15 @@ from tqdm import tqdm
 
 from codefleet.analysis import rules
 from codefleet.analysis.aggregate import summarise, write_summary
-from codefleet.analysis.clusters import ClusterBatch, ClusterConfig, judge_clusters
+from codefleet.analysis.cluster_stage import ClusterBatch, judge_clusters
+from codefleet.analysis.clusters import ClusterConfig
 from codefleet.analysis.details import fetch_details, with_rollout_id
-from codefleet.analysis.judge import JUDGE_COLUMNS, JUDGE_FIELDS, JudgeBatch, JudgeConfig, rules_verdict
+from codefleet.analysis.judge import JUDGE_COLUMNS, JudgeBatch, JudgeConfig, rules_verdict
 from codefleet.analysis.overview import overview
 from codefleet.analysis.report import write_report
 from codefleet.fleet.ray_init import init_ray
 from codefleet.store.parquet import StoreScan, find_store, partition_values, scan_store
-from codefleet.store.schema import COLUMNS, SCHEMA, file_columns, from_file_table, upgrade_table
+from codefleet.store.schema import COLUMNS, file_columns, from_file_table, upgrade_table
 
 # store columns carried into judgments.parquet
 KEEP_COLUMNS = ["run", "step", "task_id", "family", "group", "attempt", "split", "policy_version_min",
@@ -72,8 +74,6 @@ KEEP_COLUMNS = ["run", "step", "task_id", "family", "group", "attempt", "split",
                 "n_tool_calls", "tool_calls_per_turn", "prompt_tokens", "completion_tokens", "model_s", "tool_s",
                 "wall_s", "infra_retries", "error"]
 JUDGMENT_COLUMNS = ["rollout_id"] + KEEP_COLUMNS + rules.JUDGMENT_RULE_COLUMNS + JUDGE_COLUMNS
-JUDGMENT_SCHEMA = pa.schema([pa.field("rollout_id", pa.string())] + [SCHEMA.field(c) for c in KEEP_COLUMNS]
-                            + rules.RULE_FIELDS + JUDGE_FIELDS)
 
 
 class NoRollouts(Exception):
@@ -202,8 +202,9 @@ def unreadable_bodies(scan: StoreScan) -> list[str]:
     return messages
 
 
-def judgments_dataset(scan: StoreScan, config: AnalyzeConfig):
-    """The lazy pipeline from the store to one judgment row per rollout (JUDGMENT_COLUMNS)."""
+def judgments_dataset(scan: StoreScan, config: AnalyzeConfig, counter=None):
+    """The lazy pipeline from the store to one judgment row per rollout (JUDGMENT_COLUMNS); the judge stage tells
+    `counter` (a RowCounter) how many rows it judged."""
     kind = config.judge.kind
     needs_text = kind != "rules"
     columns = list(dict.fromkeys(KEEP_COLUMNS + rules.INPUT_COLUMNS + (["transcript"] if needs_text else [])))
@@ -212,9 +213,10 @@ def judgments_dataset(scan: StoreScan, config: AnalyzeConfig):
     ds = ds.map_batches(rules.categorise, fn_kwargs={"drop": drop}, batch_format="pyarrow",
                         batch_size=config.batch_rows, num_cpus=config.task_num_cpus)
     if kind == "rules":
-        ds = ds.map_batches(rules_verdict, batch_format="pyarrow", num_cpus=config.task_num_cpus)
+        ds = ds.map_batches(rules_verdict, fn_kwargs={"counter": counter} if counter else None,
+                            batch_format="pyarrow", num_cpus=config.task_num_cpus)
     else:
-        ds = ds.map_batches(JudgeBatch.configured(config.judge, config.judge.rubric()), batch_format="pyarrow",
+        ds = ds.map_batches(JudgeBatch.configured(config.judge, config.judge.rubric(), counter), batch_format="pyarrow",
                             batch_size=config.judge.batch_rows,
                             compute=ActorPoolStrategy(min_size=1, max_size=max(1, config.judge.actors)),
                             num_cpus=config.judge.actor_num_cpus)
@@ -279,23 +281,47 @@ def output_lock(out_dir: str, log: Callable[[str], None]):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def write_judgments(scan: StoreScan, config: AnalyzeConfig, path: str, progress_to: TextIO | None) -> int:
-    """Run the pipeline and write its judgments to `path`/ (one Parquet file) as batches arrive, with a bar over
-    the rows on `progress_to`; the rows written."""
-    os.makedirs(path)
-    bar = tqdm(total=scan.rows, unit="rows", desc="judging", file=progress_to, disable=progress_to is None,
-               mininterval=0.5, dynamic_ncols=True)
-    written = 0
+@ray.remote(num_cpus=0)
+class RowCounter:
+    """How many rows the judge stage has finished: its tasks and actors add, the driver's progress bar reads."""
+
+    def __init__(self):
+        self.rows = 0
+
+    def add(self, n: int) -> None:
+        self.rows += n
+
+    def get(self) -> int:
+        return self.rows
+
+
+def write_judgments(scan: StoreScan, config: AnalyzeConfig, path: str, progress_to: TextIO | None) -> None:
+    """Run the pipeline and write its judgments to `path`/ (Ray Data's write_parquet: the workers write), with a
+    bar over the rows judged on `progress_to` (a RowCounter the judge stage adds to, read every half second)."""
+    if progress_to is None:
+        judgments_dataset(scan, config).write_parquet(path)
+        return
+    counter = RowCounter.remote()
+    failed: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            judgments_dataset(scan, config, counter).write_parquet(path)
+        except BaseException as e:  # raised again in the caller's thread
+            failed.append(e)
+
+    writer = threading.Thread(target=write, name="codefleet-analyze-write", daemon=True)
+    bar = tqdm(total=scan.rows, unit="rows", desc="judging", file=progress_to, mininterval=0.5, dynamic_ncols=True)
     try:
-        with pq.ParquetWriter(os.path.join(path, "part-00000.parquet"), JUDGMENT_SCHEMA) as writer:
-            for batch in judgments_dataset(scan, config).iter_batches(batch_format="pyarrow", batch_size=None):
-                if batch.num_rows:
-                    writer.write_table(batch.select(JUDGMENT_SCHEMA.names).cast(JUDGMENT_SCHEMA))
-                    written += batch.num_rows
-                    bar.update(batch.num_rows)
+        writer.start()
+        while writer.is_alive():
+            writer.join(timeout=0.5)
+            bar.update(ray.get(counter.get.remote()) - bar.n)
     finally:
         bar.close()
-    return written
+        ray.kill(counter)
+    if failed:
+        raise failed[0]
 
 
 def _analyze_scan(scan: StoreScan, store: str, out_dir: str, config: AnalyzeConfig, log: Callable[[str], None],
@@ -305,7 +331,6 @@ def _analyze_scan(scan: StoreScan, store: str, out_dir: str, config: AnalyzeConf
 
     judgments_path = os.path.join(out_dir, "judgments.parquet")
     _remove(judgments_path)
-    os.makedirs(out_dir, exist_ok=True)
     try:
         write_judgments(scan, config, judgments_path, progress_to)
     except Exception as e:  # a file whose footer reads but whose pages do not: find it, leave it out, go again
@@ -321,7 +346,7 @@ def _analyze_scan(scan: StoreScan, store: str, out_dir: str, config: AnalyzeConf
         write_judgments(scan, config, judgments_path, progress_to)
     timings["judge_s"] = time.perf_counter() - started
     judgments = ray.data.read_parquet(judgments_path, partitioning=None)
-    summary, tables = summarise(judgments, config)
+    summary, tables = summarise(judgments, config, rows=scan.rows)
     if config.judge.kind != "rules":
         summary["clusters"] = judge_clusters(
             judgments, ClusterBatch.configured(config.judge, config.judge.rubric()), config.clusters,
