@@ -208,12 +208,14 @@ def test_a_model_judge_groups_the_reasons_into_merged_clusters(ray_session, tmp_
     with OpenAIStub([judge] * 200) as stub:
         config = AnalyzeConfig(judge=JudgeConfig(backend=stub.base_url, model="m", max_retries=0, actors=1),
                                report=False)
-        config.clusters.batch_rows = 8
+        config.clusters.batch_rows, config.clusters.max_clusters = 8, 5
         result = analyze(run_dir, config, log=lambda msg: None)
     rows = pq.read_table(f"{run_dir}/analysis/judgments.parquet").to_pylist()
     failures = [r for r in rows if r["category"] != "solved"]
     clusters = result.summary["clusters"]
     assert clusters["source"] == "judge" and judge.cluster_requests >= 4
+    assert all("at most 5 clusters" in r["messages"][0]["content"] for r in stub.requests
+               if r["messages"][0]["content"].startswith("You group"))  # the analysis's own settings
     by_label = {c["label"]: c for c in clusters["failures"]}
     # the two wordings merged into one cluster; the batch answered with prose kept its rows' rules clusters
     assert "edge cases were missed" not in by_label and "missed edge cases" in by_label

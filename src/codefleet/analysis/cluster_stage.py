@@ -31,7 +31,7 @@ from codefleet.analysis.judge import JudgeBatch
 class ClusterBatch(JudgeBatch):
     """The cluster stage's actor: one judge request per batch of reasons (see the module docstring)."""
 
-    cluster_config = ClusterConfig()
+    cluster_config = ClusterConfig()  # judge_clusters sets the analysis's own
 
     def _ask(self, system: str, heading: str, items: list[str]) -> list[tuple[str, list[int]]]:
         if self.init_error:
@@ -87,15 +87,16 @@ def judge_clusters(judgments, judge_class: type[ClusterBatch], config: ClusterCo
                    ) -> dict:
     """summary["clusters"] from the judge (module docstring): the cluster stage over `judgments` (a Ray Dataset),
     then the merge in the driver."""
+    stage = type("ClusterStage", (judge_class,), {"cluster_config": config})  # travels with the class, as its judge
     rows = (judgments.map_batches(cluster_inputs, batch_format="pyarrow")
-            .map_batches(judge_class, batch_format="pyarrow", batch_size=config.batch_rows, compute=compute,
+            .map_batches(stage, batch_format="pyarrow", batch_size=config.batch_rows, compute=compute,
                          num_cpus=num_cpus).take_all())
     rows = [dict(r, examples=list(r["examples"]), keys=list(r["keys"])) for r in rows]
-    mapping, note = merge_labels(judge_class(), rows, config.max_clusters)
-    by_rules = sum(r["count"] for r in rows if r["source"] == "rules")
+    mapping, note = merge_labels(stage(), rows, config.max_clusters)
+    grouped_by_rules = sum(r["count"] for r in rows if r["source"] == "rules")
     total = sum(r["count"] for r in rows)
-    notes = [f"{by_rules} of {total} rows are grouped by rules: the judge gave no reason for them, left them "
-             "out of its clusters, or its answer about their batch was not usable"] if by_rules else []
+    notes = [f"{grouped_by_rules} of {total} rows are grouped by rules: the judge gave no reason for them, left "
+             "them out of its clusters, or its answer about their batch was not usable"] if grouped_by_rules else []
     source = "judge" if any(r["source"] == "judge" for r in rows) else "rules"
     return {"source": source, "note": "; ".join(notes + ([note] if note else [])) or None,
             **combine(rows, config.max_clusters, mapping)}
