@@ -91,10 +91,11 @@ def test_a_rollout_trained_without_an_accepted_group_is_caught(tmp_path):
 
 def test_leaks_see_a_sandbox_process_tree_and_a_mount_under_the_state_dir(tmp_path):
     state = str(tmp_path / "state")
-    os.makedirs(f"{state}/owner/sb/x")
+    owner = "4242-99-abcdef"  # a sandbox owner's directory: <pid>-<start ticks>-<hex>
+    os.makedirs(f"{state}/{owner}/sb/x")
     assert invariants.leaks(state, []).ok
     # as a sandbox's bwrap: argv[0] bwrap, its directory on the command line, a process under it
-    fake = subprocess.Popen(["bwrap", "-c", "sleep 60 & wait", "sh", f"{state}/owner/sb/x"], executable="/bin/bash")
+    fake = subprocess.Popen(["bwrap", "-c", "sleep 60 & wait", "sh", f"{state}/{owner}/sb/x"], executable="/bin/bash")
     try:
         for _ in range(50):
             if faults.sandbox_roots(state) and faults.descendants(fake.pid):
@@ -106,12 +107,13 @@ def test_leaks_see_a_sandbox_process_tree_and_a_mount_under_the_state_dir(tmp_pa
     finally:
         fake.kill()
         fake.wait()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "none", f"{state}/owner/sb/x"], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "none", f"{state}/{owner}/sb/x"], check=True)
     try:
-        leak = invariants.leaks(state, [])
-        assert not leak.ok and f"mount {state}/owner/sb/x" in leak.detail
+        leak = invariants.leaks(state, [], whose=lambda pid: f"SandboxHost pid {pid}, hit by fault sandbox_host")
+        assert not leak.ok and (f"1 mount(s) of owner {owner}; SandboxHost pid 4242, hit by fault sandbox_host: "
+                                f"{owner}/sb/x") in leak.detail
     finally:
-        subprocess.run(["umount", f"{state}/owner/sb/x"], check=True)
+        subprocess.run(["umount", f"{state}/{owner}/sb/x"], check=True)
     assert invariants.leaks(state, []).ok
 
 

@@ -243,3 +243,31 @@ def test_host_core_accounting_without_ray(repo, config):
     assert core.stats().live == 0
     with pytest.raises(SandboxClosedError, match="shut down"):
         core.create(repo, config)
+
+
+def _mounts_of_owner(state_dir: str, pid: int) -> list[str]:
+    """Mount points of the sandbox owner whose process had `pid` (owner directories are named `<pid>-…`)."""
+    from codefleet.sandbox import layers
+
+    root = state_dir.rstrip("/") + "/"
+    return [m for m in layers.mounts_under(root) if m[len(root):].startswith(f"{pid}-")]
+
+
+def test_a_host_killed_with_its_sandboxes_live_leaves_no_mounts_after_shutdown(ray_session, repo, config):
+    """SIGKILL a host while its sandboxes (one forked, so with a frozen layer) are live, then shut the fleet down
+    at once, as a run does at its end: nothing else starts on that node again, so the shutdown itself must reap the
+    dead host's mounts, and the node's state is clean afterwards."""
+    fleet = SandboxFleet.start(namespace="codefleet-test-reap")
+    try:
+        sb = fleet.create(repo, config)
+        sb.exec("echo changed > README.md")
+        sb.fork(2)
+        old_pid = fleet.stats()[sb.node_id].pid
+        assert _mounts_of_owner(config.state_dir, old_pid), "the host's sandboxes should be mounted while it lives"
+        os.kill(old_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{old_pid}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        fleet.shutdown()
+    assert _mounts_of_owner(config.state_dir, old_pid) == []

@@ -20,6 +20,7 @@ import glob
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import yaml
@@ -118,14 +119,27 @@ def run_checks(facts: RunFacts, store_root: str) -> list[Check]:
     return checks
 
 
-def leaks(state_dir: str, live_actors: list[str]) -> Check:
-    """Sandbox processes, mounts under `state_dir`, and codefleet actors (`live_actors`, described) still there."""
+def leaks(state_dir: str, live_actors: list[str], whose: Callable[[int], str] | None = None) -> Check:
+    """Sandbox processes, mounts under `state_dir`, and codefleet actors (`live_actors`, described) still there.
+    `whose(pid)` says what the sandbox owner with that pid was (a host, the fault that hit it): each leaked mount is
+    grouped under its owner (`<state_dir>/<pid>-…/`), so that a leak says where it came from."""
     found = []
     for root in sandbox_roots(state_dir):
         found.append(f"sandbox process tree {root} ({1 + len(descendants(root))} processes: {cmdline(root)[:80]})")
+    prefix = state_dir.rstrip("/") + "/"
+    by_owner: dict[str, list[str]] = {}
     with open("/proc/self/mountinfo") as f:
-        mounts = [line.split()[4] for line in f if line.split()[4].startswith(state_dir.rstrip("/") + "/")]
-    found += [f"mount {m}" for m in mounts]
+        for line in f:
+            point = line.split()[4]
+            if point.startswith(prefix):
+                by_owner.setdefault(point[len(prefix):].split("/", 1)[0], []).append(point)
+    for owner, points in by_owner.items():
+        pid = _OWNER_PID.match(owner)
+        said = f"; {whose(int(pid[1]))}" if pid and whose else ""
+        found.append(f"{len(points)} mount(s) of owner {owner}{said}: " + ", ".join(p[len(prefix):] for p in points[:4]))
     found += [f"actor {a}" for a in live_actors]
     return Check("no_leaks", not found, "no sandbox process, mount or actor left" if not found else
                  f"{len(found)} left: " + "; ".join(found[:8]))
+
+
+_OWNER_PID = re.compile(r"(\d+)-")  # a sandbox owner's directory: <pid>-<start ticks>-<hex> (sandbox/state.py)

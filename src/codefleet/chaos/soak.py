@@ -207,12 +207,14 @@ def _soak(cfg: SoakConfig, log: Callable[[str], None]) -> dict:
         dashboard_url = context.dashboard_url
         run = _Run(cfg, cluster.cluster.address, env)
         log(f"cluster: head + {cfg.worker_nodes} worker nodes; run {run.run_dir}, log {run.log_path}")
-        report = _drive(cfg, plan, rng, cluster, run, dashboard_url, state_dir, log)
+        hosts_seen: dict[int, str] = {}  # SandboxHost pid -> node id, for the leak report
+        report = _drive(cfg, plan, rng, cluster, run, dashboard_url, state_dir, log, hosts_seen)
         time.sleep(2)  # actors of the finished driver are being torn down
         deadline = time.monotonic() + 60
         while (left := _live_codefleet_actors(dashboard_url)) and time.monotonic() < deadline:
             time.sleep(1)
-        leak_check = invariants.leaks(state_dir, left)
+        whose = _whose(plan, hosts_seen)
+        leak_check = invariants.leaks(state_dir, left, whose)
     finally:
         if run is not None and run.proc.poll() is None:  # the soak itself failed: the run goes with it
             run.proc.kill()
@@ -223,7 +225,7 @@ def _soak(cfg: SoakConfig, log: Callable[[str], None]) -> dict:
         os.environ.update(saved_env)
     facts = invariants.read_run(run.run_dir)
     checks = invariants.run_checks(facts, os.path.join(run.run_dir, "rollouts")) + [leak_check]
-    after = invariants.leaks(state_dir, [])  # the cluster is gone: nothing of it may be left either
+    after = invariants.leaks(state_dir, [], whose)  # the cluster is gone: nothing of it may be left either
     checks.append(invariants.Check("no_leaks_after_shutdown", after.ok, after.detail))
     if all(c.ok for c in checks):
         shutil.rmtree(state_dir, ignore_errors=True)
@@ -258,6 +260,26 @@ def _rl_steps(run_dir: str) -> int:
         return int(yaml.safe_load(f)["rl"]["steps"])
 
 
+def _whose(plan: list[Fault], hosts_seen: dict[int, str]) -> Callable[[int], str]:
+    """What the sandbox owner with a pid was, and which fault hit it, for the leak report."""
+    def whose(pid: int) -> str:
+        node = hosts_seen.get(pid)
+        what = f"SandboxHost pid {pid} on node {node[:8]}" if node else f"pid {pid}, not a SandboxHost the soak saw"
+        for f in plan:
+            if f.injected_s is not None and f.gone == str(pid):
+                return f"{what}, killed by fault {f.kind} at {f.injected_s:g} s"
+            if f.injected_s is not None and node and f.gone == node:
+                return f"{what}, on the node fault {f.kind} removed at {f.injected_s:g} s"
+        return f"{what}, hit by no fault"
+    return whose
+
+
+def _note_hosts(hosts_seen: dict[int, str], dashboard_url: str) -> None:
+    for a in faults.alive_actors(ACTOR_CLASS["sandbox_host"], dashboard_url):
+        if a.pid:
+            hosts_seen[a.pid] = a.node_id
+
+
 def _check_restored(plan: list[Fault], now_s: float, dashboard_url: str) -> None:
     """Set restored_s of the faults whose kind is back to its count of live actors from before them."""
     waiting = [f for f in plan if f.injected_s is not None and f.alive_before is not None and f.restored_s is None]
@@ -267,7 +289,7 @@ def _check_restored(plan: list[Fault], now_s: float, dashboard_url: str) -> None
 
 
 def _drive(cfg: SoakConfig, plan: list[Fault], rng: random.Random, cluster: _Cluster, run: _Run,
-           dashboard_url: str, state_dir: str, log) -> dict:
+           dashboard_url: str, state_dir: str, log, hosts_seen: dict[int, str]) -> dict:
     """Wait for RL, inject the plan, follow the run to its end; fills in each fault's outcome."""
     t0 = time.monotonic()
     while not _rl_started(run.run_dir):
@@ -295,6 +317,7 @@ def _drive(cfg: SoakConfig, plan: list[Fault], rng: random.Random, cluster: _Clu
         if now >= next_restore_check:
             next_restore_check = now + 2.0
             _check_restored(plan, now, dashboard_url)
+            _note_hosts(hosts_seen, dashboard_url)
         if code is not None:
             break
         cluster.replace_due(now)
@@ -306,6 +329,7 @@ def _drive(cfg: SoakConfig, plan: list[Fault], rng: random.Random, cluster: _Clu
             pending.clear()
         for fault in [f for f in pending if f.at_s <= now]:
             try:
+                _note_hosts(hosts_seen, dashboard_url)  # who was there just before (a node's hosts die with it)
                 if fault.kind in faults.RESTORES:
                     fault.alive_before = faults.count_alive(faults.RESTORES[fault.kind], dashboard_url)
                 hit = _inject(fault, rng, cluster, dashboard_url, state_dir, now)

@@ -43,6 +43,7 @@ from codefleet.fleet.sandbox_host import (
     SandboxCapacityError,
     SandboxHost,
     host_name,
+    reap_node,
     sandbox_nodes,
 )
 from codefleet.sandbox import SandboxConfig, SandboxDeadError, SandboxUnavailableError
@@ -290,12 +291,15 @@ class SandboxFleet:
         for node_id, ref in refs.items():
             _get(ref, node_id)
 
-    def shutdown(self) -> None:
-        """Close every sandbox on every host, then stop the hosts. A managed fleet also stops the hosts in its
-        namespace that another copy of it started (a rollout worker's, on a node that joined later): left to Ray
-        at the job's end they would be killed with their sandboxes' mounts still in place."""
+    def shutdown(self, reap_timeout_s: float = 60.0) -> None:
+        """Close every sandbox on every host, stop the hosts, then reap every node: what a host killed earlier left
+        (mounts, processes, cgroups) is cleaned up now, since nothing else may start there again. A managed fleet
+        also stops the hosts in its namespace that another copy of it started (a rollout worker's, on a node that
+        joined later): left to Ray at the job's end they would be killed with their sandboxes' mounts in place."""
+        nodes = set(self.hosts)
         if self.namespace is not None:
-            for node_id in sandbox_nodes():
+            nodes |= set(sandbox_nodes())
+            for node_id in nodes:
                 if node_id not in self.hosts:
                     try:
                         self.hosts[node_id] = ray.get_actor(host_name(node_id), namespace=self.namespace)
@@ -310,6 +314,29 @@ class SandboxFleet:
         for host in self.hosts.values():
             ray.kill(host)
         self.hosts = {}
+        _reap_nodes(nodes, reap_timeout_s)
+
+
+def _reap_nodes(node_ids: set[str], timeout_s: float) -> None:
+    """Run `reap_node` on every live node of `node_ids`; a node that does not answer in time is said, not raised."""
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    refs = {reap_node.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(): node_id
+            for node_id in node_ids & alive}
+    if not refs:
+        return
+    done, late = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    for ref in done:
+        try:
+            reaped = ray.get(ref)
+        except ray.exceptions.RayError as e:
+            log.warning("codefleet: reaping dead sandbox hosts' state on node %s failed: %s", refs[ref], e)
+            continue
+        if reaped:
+            log.warning("codefleet: reaped %d dead sandbox host(s) on node %s: %s", len(reaped), refs[ref],
+                        ", ".join(reaped))
+    for ref in late:
+        log.warning("codefleet: reaping dead sandbox hosts' state on node %s did not finish in %g s; the next host "
+                    "that starts there reaps it", refs[ref], timeout_s)
 
 
 def most_free_first(stats: dict[str, HostStats]) -> list[str]:

@@ -306,13 +306,11 @@ class SandboxHost:
 
     async def shutdown(self) -> None:
         await self._run(self._core.shutdown)
-        # a host killed on this node while this one ran (its mounts outlive it) is cleaned up now, not by whichever
-        # sandbox starts here next
-        await self._run(self._reap_dead)
 
-    @staticmethod
-    def _reap_dead() -> None:
-        try:
-            state.owner_for(None).reap_dead()
-        except OSError as e:
-            log.warning("codefleet: reaping dead sandbox hosts' state failed: %s", e)
+
+@ray.remote(num_cpus=0)
+def reap_node() -> list[str]:
+    """Clean up after every dead sandbox owner on the node this task runs on (pin it there): the mounts, processes,
+    cgroups and state that a host killed by any means (SIGKILL, the OOM killer, its node's raylet gone) left, whoever
+    started it; the owners' names reaped."""
+    return state.reap_dead_owners()

@@ -41,7 +41,8 @@ def _mode() -> str:
 class CgroupTree:
     """The `codefleet/<owner>` subtree(s) of one host process."""
 
-    def __init__(self, owner: str):
+    def __init__(self, owner: str, create: bool = True):
+        """`create=False`: only a view of the owners' cgroups (for a reaper that owns none), nothing made."""
         self.owner = owner
         self.mode = _mode()
         self.bases: dict[str, str] = {}  # controller ("" on v2) -> directory of codefleet/<owner>
@@ -50,7 +51,7 @@ class CgroupTree:
                 self.bases[c] = os.path.join(ROOT, c, _own_path(c).lstrip("/"), "codefleet", owner)
         elif self.mode == "v2":
             self.bases[""] = os.path.join(ROOT, _own_path(None).lstrip("/"), "codefleet", owner)
-        self.ok = self._prepare()
+        self.ok = self._prepare() if create else False
 
     def _prepare(self) -> bool:
         if not self.bases:

@@ -6,7 +6,8 @@ its sandboxes' directories (mount points) and its frozen fork layers, and
 the cgroups `codefleet/<owner>/...`. Sandboxes are tied to their owner by
 bwrap's --die-with-parent, so when an owner dies (even by SIGKILL) their
 processes die with it; what is left — mounts, cgroups, directories — is
-reaped by the next owner that starts on the machine: an owner directory
+reaped by the next owner that starts on the machine (or by `reap_dead_owners`,
+which a sandbox fleet's shutdown runs on every node): an owner directory
 whose lock nobody holds belongs to a dead process. Not quite all die: an
 owner killed while it starts a sandbox can leave that sandbox's bwrap (PID 1
 of its namespace) running, before its pids were recorded; the reaper kills
@@ -83,7 +84,7 @@ class Owner:
         """Clean up after every dead owner this one can see (its state directory, and what owners hold on the whole
         machine); the names reaped. Run when the owner starts, and again by a sandbox host that shuts down, for an
         owner that died while this one was running."""
-        return reap(self.state_dir, self.cgroups) + reap_orphans(self.cgroups)
+        return _reap_all(self.state_dir, self.cgroups)
 
     def let_through(self, gid: int) -> None:
         """Let group `gid` (the sandbox user's) walk through the state directory, and nobody else."""
@@ -114,6 +115,23 @@ class Owner:
             layers.remove_tree(self.dir)
         finally:
             os.close(self._lock_fd)
+
+
+def reap_dead_owners(state_dir: str | None = None) -> list[str]:
+    """Clean up after every dead owner on this machine: those under `state_dir` (default: this process's), and
+    those found by what they hold anywhere (Owner.reap_dead), without becoming an owner; the names reaped. For a
+    process that starts no sandbox of its own: a fleet's shutdown, on a node whose host was killed."""
+    state_dir = os.path.abspath(state_dir or default_state_dir())
+    if not os.path.isdir(state_dir):
+        return reap_orphans(cgroups.CgroupTree(_REAPER, create=False))
+    return _reap_all(state_dir, cgroups.CgroupTree(_REAPER, create=False))
+
+
+_REAPER = "reaper"  # the cgroup view of a reaper that is no owner (not an owner's name: never reaped itself)
+
+
+def _reap_all(state_dir: str, tree: cgroups.CgroupTree) -> list[str]:
+    return reap(state_dir, tree) + reap_orphans(tree)
 
 
 def reap(state_dir: str, tree: cgroups.CgroupTree) -> list[str]:
