@@ -152,3 +152,4 @@ def test_a_training_run_survives_every_kind_of_fault(tmp_path):
     assert "starting a new trainer group from" in log, log[-3000:]  # recovered from the last checkpoint by itself
     assert trainer["restored_s"] is not None
     assert "faults injected 7, survived 7, rollouts lost 0" in proc.stdout
+    print(next(line for line in proc.stdout.splitlines() if line.startswith("faults injected")))  # pytest -rP shows it
