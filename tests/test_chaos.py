@@ -84,7 +84,7 @@ def test_each_invariant_fails_on_the_run_that_breaks_it(tmp_path, broken, kwargs
 
 def test_a_rollout_trained_without_an_accepted_group_is_caught(tmp_path):
     root = _run_dir(tmp_path)
-    os.unlink(os.path.join(root, "accepted", "group-00000003.pkl"))
+    os.unlink(os.path.join(root, "accepted", "group-00000003.json"))
     checks = _checks(root)
     assert not checks["trained_were_accepted"].ok and "3/0" in checks["trained_were_accepted"].detail
 

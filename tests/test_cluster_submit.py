@@ -19,7 +19,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import pickle
 import shutil
 import signal
 import socket
@@ -181,10 +180,10 @@ def _check_run(run: str, name: str) -> set[str]:
     assert open(os.path.join(run, "checkpoints", "LATEST")).read().strip() == "rl-step-000004"
     trained = [i for path in glob.glob(os.path.join(run, "trained", "step-*.json")) for i in json.load(open(path))]
     accepted, tasks = set(), set()
-    for path in glob.glob(os.path.join(run, "accepted", "group-*.pkl")):
-        for rollout in pickle.load(open(path, "rb")).rollouts:
-            accepted.add(rollout.rollout_id)
-            tasks.add(rollout.trajectory.task_id)
+    for path in glob.glob(os.path.join(run, "accepted", "group-*.json")):
+        for rollout in json.load(open(path))["rollouts"]:
+            accepted.add(rollout["rollout_id"])
+            tasks.add(rollout["trajectory"]["task_id"])
     assert len(trained) == 4 * 2 and set(trained) <= accepted
     assert glob.glob(os.path.join(run, "rollouts", f"run={name}", "step=*", "*.parquet"))
     assert json.load(open(os.path.join(run, "results.json")))["results"]["rl"]["tasks"] == 1

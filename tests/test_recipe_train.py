@@ -8,7 +8,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import pickle
 import shutil
 import signal
 import subprocess
@@ -33,9 +32,9 @@ def _cli(*args: str) -> list[str]:
 
 def _accepted_ids(run: str) -> set[str]:
     ids = set()
-    for path in glob.glob(os.path.join(run, "accepted", "*.pkl")):
-        with open(path, "rb") as f:
-            ids |= {r.rollout_id for r in pickle.load(f).rollouts}
+    for path in glob.glob(os.path.join(run, "accepted", "*.json")):
+        with open(path, "rb") as f:  # plain JSON: any reader sees the rollouts
+            ids |= {r["rollout_id"] for r in json.load(f)["rollouts"]}
     return ids
 
 
@@ -197,7 +196,7 @@ def test_a_resumed_run_takes_changes_to_where_it_runs_how_long_rl_goes_and_its_e
     with pytest.raises(RunError, match="rl.lr cannot change when a run resumes"):
         resumed_config(str(tmp_path), ["rl.lr=1e-3"])
     (tmp_path / "run.json").write_text('{"format": 0}')
-    with pytest.raises(RunError, match=r"\(format 0, this one reads format 1\)"):
+    with pytest.raises(RunError, match=r"\(format 0, this one reads format 2\)"):
         resumed_config(str(tmp_path))
     RunDir(str(tmp_path)).write_format()
     out = subprocess.run(_cli("train", "--resume", str(tmp_path), "--out", str(tmp_path)), capture_output=True,
@@ -354,14 +353,14 @@ def test_a_damaged_accepted_group_is_reported_and_the_others_are_queued_again(tm
     run = _committed_run(tmp_path)
     for gid in (0, 1, 2):
         run.save_group(Group(Ticket(gid, 1, 2, 1), [Rollout(f"{gid}/0", gid, 1, 1.0)]))
-    path = os.path.join(run.root, "accepted", "group-00000002.pkl")
+    path = os.path.join(run.root, "accepted", "group-00000002.json")
     with open(path, "rb") as f:
         data = f.read()
     with open(path, "wb") as f:
         f.write(data[: len(data) // 2])
     step, state = resume_state(run, run.latest(), batch_groups=1)
     assert step == 2 and [t.group_id for t, _ in state["ready"]] == [1]  # 0 was trained, 2 is unreadable
-    assert "group-00000002.pkl" in capsys.readouterr().err
+    assert "group-00000002.json" in capsys.readouterr().err
 
 
 def test_two_processes_cannot_work_in_one_run_at_once(tmp_path):

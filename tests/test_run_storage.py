@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import shutil
 import socket
 import subprocess
@@ -242,7 +241,7 @@ def test_groups_and_checkpoints_are_written_through_and_a_torn_commit_resumes_fr
     run.check_format()
     for gid in (0, 1, 2):
         run.save_group(_group(gid))
-    assert storage.listdir(run.durable("accepted")) == [f"group-0000000{g}.pkl" for g in (0, 1, 2)]
+    assert storage.listdir(run.durable("accepted")) == [f"group-0000000{g}.json" for g in (0, 1, 2)]
     assert not os.path.exists(run.path("accepted"))  # nothing of it in the staging directory
     again = RunDir(run.url, staging=str(tmp_path / "elsewhere"))  # another machine, nothing local
     groups, bad = again.load_groups()
@@ -401,12 +400,12 @@ def test_train_into_a_file_url_and_resume_it_with_nothing_local(ray_session, tmp
     assert len(ids) == len(set(ids)) == 3 * 2  # nothing trained twice across the resume
     accepted = set()
     for name in storage.listdir(f"{url}/accepted"):
-        accepted |= {r.rollout_id for r in pickle.loads(storage.read_bytes(f"{url}/accepted/{name}")).rollouts}
+        accepted |= {r["rollout_id"] for r in json.loads(storage.read_bytes(f"{url}/accepted/{name}"))["rollouts"]}
     assert set(ids) <= accepted
     rows = [json.loads(line) for line in storage.read_bytes(f"{url}/metrics.jsonl").decode().splitlines()]
     assert sorted(r["step"] for r in rows if r["stage"] == "rl") == [1, 2, 3]  # appended across the resume
     assert not storage.exists(f"{url}/{LEASE_FILE}")  # given back
-    for name in ("run.json", "config.yaml", "demos.pkl", "sft.done", "results.json", "eval/sft.json",
+    for name in ("run.json", "config.yaml", "demos.json", "sft.done", "results.json", "eval/sft.json",
                  "eval/rl.json", "metrics.png", "checkpoints/sft/config.json", "checkpoints/rl-start/config.json",
                  "tasks/train", "tasks/eval"):
         assert storage.exists(f"{url}/{name}"), name

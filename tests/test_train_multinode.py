@@ -11,7 +11,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import pickle
 import subprocess
 import sys
 import textwrap
@@ -41,7 +40,7 @@ SCRIPT = textwrap.dedent("""
     proc = subprocess.Popen([python, "-m", "codefleet.cli", "train", "--out", run, "--no-progress",
                              "--address", cluster.address, *overrides], stderr=open(run + ".log", "w"))
     deadline = time.time() + 600
-    while not glob.glob(os.path.join(run, "accepted", "*.pkl")) and proc.poll() is None and time.time() < deadline:
+    while not glob.glob(os.path.join(run, "accepted", "*.json")) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.2)
     removed = proc.poll() is None
     if removed:
@@ -81,8 +80,8 @@ def test_training_continues_when_a_worker_node_is_removed(tmp_path, engines_on_w
         trained += json.load(open(path))
     assert len(trained) == len(set(trained)) == (10 if engines_on_workers else 4) * 2
     accepted = set()
-    for path in glob.glob(os.path.join(run, "accepted", "*.pkl")):
-        accepted |= {r.rollout_id for r in pickle.load(open(path, "rb")).rollouts}
+    for path in glob.glob(os.path.join(run, "accepted", "*.json")):
+        accepted |= {r["rollout_id"] for r in json.load(open(path))["rollouts"]}
     assert set(trained) <= accepted
     assert json.load(open(os.path.join(run, "results.json")))["results"]["rl"]["tasks"] == 1
     if engines_on_workers:

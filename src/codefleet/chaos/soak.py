@@ -114,7 +114,7 @@ def _latest_step(run_dir: str) -> int:
 
 def _rl_started(run_dir: str) -> bool:
     accepted = os.path.join(run_dir, "accepted")
-    return os.path.isdir(accepted) and any(n.endswith(".pkl") for n in os.listdir(accepted))
+    return os.path.isdir(accepted) and any(n.endswith(".json") for n in os.listdir(accepted))
 
 
 def _free_port() -> int:

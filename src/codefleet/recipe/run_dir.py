@@ -10,21 +10,21 @@
       checkpoints/rl-step-NNNNNN.controller.json   consumed rollout ids, lags, next group id
       checkpoints/LATEST          name of the newest complete RL checkpoint (the commit point)
       trained/step-NNNNNN.json    the rollout ids each committed step trained on
-      accepted/group-NNNNNNNN.pkl every accepted group (rollouts + token samples), written
+      accepted/group-NNNNNNNN.json every accepted group (rollouts + token samples), written
                                   atomically before the trainer can see the group
       rollouts/                   every finished rollout, Parquet (codefleet.store.parquet)
       tb/                         TensorBoard event files
       metrics.jsonl, metrics.png  one line per step; reward / success / turns over steps
       eval/sft.json, eval/rl.json held-out evaluation of each checkpoint
       eval/sft-rollouts/, ...     its episodes, Parquet (split "eval", run NAME-sft / NAME-rl)
-      demos.pkl, sft.done         cached expert demonstrations; SFT finished
+      demos.json, sft.done        cached expert demonstrations; SFT finished
       .lock                       held (flock) by the one `codefleet train` working in the run
       .lease                      (a URL run) who holds the run, and when they last said so
 
-Resume invariant. A group is durable once its pickle exists (written before
+Resume invariant. A group is durable once its record exists (written before
 it enters the buffer). A checkpoint is complete once LATEST names it (the
 trainer state and the controller state are written first). On resume the
-trainer loads LATEST; the groups to train are the accepted pickles whose
+trainer loads LATEST; the groups to train are the accepted records whose
 rollouts are not in that checkpoint's consumed ids — so an accepted rollout
 is never lost, and one trained before the checkpoint is never trained again.
 Groups that were in flight at the crash are simply regenerated. Two processes in one run would
@@ -37,10 +37,10 @@ storage. `durable(name)` is where a record lives (the URL, or the path itself fo
 `path(name)` is this process's local copy: for a URL a staging directory on the driver's node
 (`$CODEFLEET_CACHE/runs/NAME-HASH`), which holds what only the driver works on (TensorBoard, the plot, the
 generated tasks' repositories) and may be deleted at any time: a resume reads everything from the URL.
-Records are written through when they are made: an accepted group's pickle is PUT before `save_group`
+Records are written through when they are made: an accepted group's record is PUT before `save_group`
 returns (so before the trainer sees the group); `commit_checkpoint` runs after the trainer workers uploaded
 the checkpoint directory (`storage.staged_dir`), then PUTs the trained ids, the controller state and LATEST
-last; run.json, config.yaml, demos.pkl, sft.done, tasks/, metrics.jsonl (on every step), eval/*.json and
+last; run.json, config.yaml, demos.json, sft.done, tasks/, metrics.jsonl (on every step), eval/*.json and
 results.json when written; tb/ and metrics.png when the metrics close. `latest()`, `load_groups()` and
 `check_format()` read the URL. A PUT is atomic, so a torn write is still impossible; a checkpoint uploaded
 without its LATEST (a crash between the two) is not complete, and the run resumes from the one before.
@@ -60,7 +60,6 @@ import fcntl
 import hashlib
 import json
 import os
-import pickle
 import shutil
 import socket
 import sys
@@ -73,11 +72,13 @@ from torch.utils.tensorboard import SummaryWriter
 
 from codefleet.fleet.staleness import Group
 from codefleet.model.checkpoint import CONFIG_FILE
-from codefleet.store import storage
+from codefleet.store import records, storage
 
 # The layout above, as a number: a run directory written in another layout is refused on --resume with one
-# sentence, never half-read. Raise it when the layout or the pickled groups change.
-FORMAT = 1
+# sentence, never half-read. Raise it when the layout or the records change.
+# Records are JSON read by their declared types (store/records.py), never pickles: a run directory is shared
+# storage, and unpickling runs whatever code the file names (docs/security.md).
+FORMAT = 2
 FORMAT_FILE = "run.json"
 LEASE_FILE = ".lease"
 LEASE_S = 120.0  # a URL run's lease not renewed for this long is a dead holder's
@@ -263,7 +264,7 @@ class RunDir:
     # -- accepted groups -----------------------------------------------------------------
 
     def save_group(self, group: Group) -> None:
-        self.write(f"accepted/group-{group.group_id:08d}.pkl", pickle.dumps(group))
+        self.write(f"accepted/group-{group.group_id:08d}.json", records.dumps(group))
 
     def load_groups(self) -> tuple[list[Group], list[str]]:
         """Every accepted group, and the files that could not be read (a torn write cannot happen; a
@@ -271,10 +272,10 @@ class RunDir:
         groups, bad = [], []
         folder = self.durable("accepted")
         for name in storage.listdir(folder):
-            if not name.endswith(".pkl"):
+            if not name.endswith(".json"):
                 continue
             try:
-                groups.append(pickle.loads(storage.read_bytes(storage.join(folder, name))))
+                groups.append(records.loads(storage.read_bytes(storage.join(folder, name)), Group))
             except Exception as e:  # noqa: BLE001 - report and go on
                 bad.append(f"{name}: {type(e).__name__}: {e}")
         return groups, bad

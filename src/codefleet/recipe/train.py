@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import pickle
 import random
 import time
 
@@ -53,14 +52,14 @@ from codefleet.model.transformer import Transformer
 from codefleet.recipe.augment import fresh_names
 from codefleet.recipe.config import TrainRunConfig, episode_config, policy_usage
 from codefleet.recipe.curriculum import MODES as SAMPLING_MODES
-from codefleet.recipe.demos import expert_demos
+from codefleet.recipe.demos import Demos, expert_demos
 from codefleet.recipe.evaluate import EvalConfig, compare, evaluate
 from codefleet.recipe.run_dir import Metrics, RunDir, RunError, log
 from codefleet.recipe.train_rl import check_run_gpus, describe, reinforce
 from codefleet.rl import sharded as _sharded  # noqa: F401  (registers the "fsdp2" and "fsdp2_ep" trainers)
 from codefleet.rl.advantages import ESTIMATORS
 from codefleet.rl.trainer import TrainConfig
-from codefleet.store import storage
+from codefleet.store import records, storage
 from codefleet.store.parquet import RolloutWriter, rollout_record
 from codefleet.tasks.families import FAMILIES
 from codefleet.tasks.generate import generate_tasks
@@ -183,14 +182,14 @@ def init_model(run: RunDir, config: TrainRunConfig, tokenizer) -> str:
 
 
 def demonstrations(run: RunDir, config: TrainRunConfig, tasks, tokenizer):
-    if (saved := run.read("demos.pkl")) is not None:
-        return pickle.loads(saved)
+    if (saved := run.read("demos.json")) is not None:
+        return records.loads(saved, Demos)
     started = time.perf_counter()
     expert = dataclasses.replace(episode_config(config), budgets=None)  # the task's own budgets, not RL's
     demos = expert_demos(tasks, tokenizer, config.model.max_seq_len, config.sandbox, expert,
                          explore_fraction=config.sft.explore_fraction, chain_fraction=config.sft.chain_fraction,
                          seed=config.tasks.seed, all_habits=True)
-    run.write("demos.pkl", pickle.dumps(demos))
+    run.write("demos.json", records.dumps(demos))
     took_s = time.perf_counter() - started
     habits = (f", {sum(len({id(c) for c in v.values()}) for v in demos.variants)} episodes of their habits"
               if demos.variants else "")
