@@ -258,3 +258,31 @@ def test_template_format_pickles(hf):
     again = pickle.loads(pickle.dumps(tok))
     assert isinstance(of(again), TemplateFormat) and of(again).render(conversations()[0][0]) == fmt.render(
         conversations()[0][0])
+
+
+@pytest.mark.parametrize("payload", [
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ messages.__class__.__init__.__globals__ }}",
+    "{% set ns = namespace() %}{% set ns.__class__ = 1 %}",
+    "{{ cycler.__init__.__globals__.os.system('touch CANARY') }}",
+    "{{ raise_exception.__globals__ }}",
+])
+def test_a_hostile_chat_template_cannot_reach_python(tmp_path, hf_dir, payload):
+    """A checkpoint's chat template is code from whoever made the checkpoint: it renders in Jinja's immutable
+    sandbox, where Python's internals are out of reach and nothing on the host runs (docs/security.md)."""
+    hostile = str(tmp_path / "hostile")
+    shutil.copytree(hf_dir, hostile)
+    canary = tmp_path / "canary"
+    with open(os.path.join(hostile, "chat_template.jinja"), "w") as f:
+        f.write(payload.replace("CANARY", str(canary)) + CHAT_TEMPLATE)
+    config = json.load(open(os.path.join(hostile, "tokenizer_config.json")))
+    config.pop("chat_template", None)
+    json.dump(config, open(os.path.join(hostile, "tokenizer_config.json"), "w"))
+    try:
+        _, fmt = for_checkpoint(hostile)
+        rendered = fmt.render([{"role": "user", "content": "hi"}])
+    except ValueError as e:  # refused in one sentence naming the checkpoint
+        assert "refused the conversation" in str(e) and hostile in str(e)
+        rendered = ""
+    assert "subclasses" not in rendered and "<class" not in rendered and "function" not in rendered
+    assert not canary.exists()
