@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: setup demo test test-slow test-vllm test-vm test-chaos test-report bench sdists mined-tasks clean
+.PHONY: setup demo test test-slow test-unprivileged test-vllm test-vm test-chaos test-report bench sdists mined-tasks clean
 
 setup:
 	@bash scripts/setup.sh
@@ -20,6 +20,11 @@ test: setup
 
 test-slow: setup
 	$(PY) -m pytest -m slow -q
+
+# The sandbox, environment and agent-toolchain suites again as an unprivileged host user (scripts/test_unprivileged.sh
+# makes the user, a copy of the checkout it owns and a venv it may read): isolation must hold whoever runs codefleet.
+test-unprivileged: setup
+	@bash scripts/test_unprivileged.sh
 
 # vLLM as the engine backend (model/vllm_engine.py), in its own environment: .venv-vllm (scripts/setup_vllm.sh).
 test-vllm:
