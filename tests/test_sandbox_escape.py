@@ -190,7 +190,8 @@ _DEV_NULL_COPY = """
 @root_only
 def test_the_hosts_device_nodes_cannot_be_changed_from_inside(open_tmp):
     seen = in_private_mounts(_DEV_NULL_COPY, str(open_tmp))
-    assert seen["said"].count("Operation not permitted") >= 3, seen["said"]
+    refused = seen["said"].count("Operation not permitted") + seen["said"].count("Read-only file system")
+    assert refused >= 3, seen["said"]  # EROFS: as root the nodes are bound from the owner's read-only view
     assert seen["said"].endswith("written\n")
     assert seen["mode_same"] and seen["times_same"]
 

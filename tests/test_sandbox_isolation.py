@@ -233,6 +233,54 @@ def test_the_sandboxs_pid_1_does_not_hold_the_host_environment(make_sandbox, mon
     assert "PATH=" in seen
 
 
+# What a command reads about its own sandbox: bwrap's environment and command line (PID 1's), its own
+# environment, and the mount table, which names each bind mount's source and an overlay's layers.
+_WHAT_IT_READS = ("tr '\\0' '\\n' </proc/1/environ; env; tr '\\0' ' ' </proc/1/cmdline; echo; "
+                  "cat /proc/self/mountinfo /proc/mounts")
+
+
+def _host_values(config, repo: str) -> set[str]:
+    """Paths and values of the host that nothing in a sandbox has a use for: the state directory, the
+    repository's path, home and working directories, the host PATH's entries outside the sandbox's own."""
+    from codefleet.sandbox.bwrap import PATH as SANDBOX_PATH
+
+    ours = set(SANDBOX_PATH.split(":")) | {"", "/", "/tmp", "/var/tmp", "/usr", "/bin", "/etc", "/workspace"}
+    found = {os.path.abspath(config.state_dir), repo, os.path.expanduser("~"), os.getcwd()}
+    found |= {entry.rstrip("/") for entry in os.environ.get("PATH", "").split(":")}
+    return {value for value in found if value not in ours}
+
+
+def _leaks(text: str, values: set[str], allowed: tuple[str, ...] = ()) -> list[str]:
+    """The lines of `text` naming one of `values` once the paths in `allowed` are taken out."""
+    lines = []
+    for line in text.splitlines():
+        rest = line
+        for path in allowed:
+            rest = rest.replace(path, "")
+        if any(value in rest for value in values):
+            lines.append(line)
+    return lines
+
+
+def test_no_host_path_or_environment_value_shows_inside(make_sandbox, config, repo):
+    """bwrap's environment is the sandbox's PATH, its options come through a memfd, and (as root) the owner's
+    files are bound through an overlay named by file descriptors: none names the host. What still does is
+    the sandbox's own workspace (test below)."""
+    sb = make_sandbox()
+    seen = run_ok(sb, _WHAT_IT_READS)
+    allowed = (sb.dir,) if os.geteuid() == 0 else (sb.dir, sb.owner.dir)  # unprivileged: no overlay of its own
+    assert _leaks(seen, _host_values(config, repo), allowed) == []
+    assert "PATH=/usr/local/sbin:" in seen and " /etc/passwd " in seen and " /run/codefleet/shell " in seen
+
+
+@pytest.mark.xfail(strict=True, reason="the workspace overlay's options name its layers' host paths (layers.py "
+                   "mounts it by path), and bwrap's --bind of it stays on its command line, where the reaper finds "
+                   "a dead owner's bwraps (state.py)")
+def test_not_even_the_workspace_names_a_host_path(make_sandbox, config, repo):
+    sb = make_sandbox()
+    assert _leaks(run_ok(sb, _WHAT_IT_READS), _host_values(config, repo)) == []
+
+
 def test_dev_is_read_only_and_dev_shm_is_bounded_like_tmp(make_sandbox):
     """/dev is bwrap's tmpfs, as large as half the host's memory: nothing may be written there
     but /dev/shm, a tmpfs of tmp_mb like /tmp (or a memory hog lands outside every limit that

@@ -5,15 +5,24 @@ Backend 'auto' falls back to 'local' only where namespace sandboxes can never
 work on this host (`never_works_here`: no bubblewrap, user namespaces off in
 the kernel), never after a failure that a sandbox could cause.
 
-Each owner (state.py) makes, once, in its directory: a passwd and group naming
-the sandbox user `agent`, the execute-only copy of bash the persistent shell
-runs from (identity.py; for a sandbox with an environment, a copy of the
-environment's own bash, whose /usr, /lib* and /etc replace the host's:
-environments.py), and, as root, its own copies of the device nodes
+Each owner (state.py) makes, once, in its directory's `files/`: a passwd and
+group naming the sandbox user `agent`, the execute-only copy of bash the
+persistent shell runs from (identity.py; for a sandbox with an environment, a
+copy of the environment's own bash, whose /usr, /lib* and /etc replace the
+host's: environments.py), and, as root, its own copies of the device nodes
 bwrap's --dev would bind from the host, so that not even their times are the
 host's. bwrap, running as the sandbox user, reaches them through the state
 directory's group: a state directory it cannot walk to is refused once, with
 the `chmod` that fixes it.
+
+Nothing of the host's paths or environment is given to what runs inside. bwrap's
+own environment and command line stay those of the sandbox's PID 1, which every
+command reads (/proc/1/environ, /proc/1/cmdline): its environment is the
+sandbox's fixed PATH, and its options travel through a memfd (--args), which
+bwrap reads and closes. A bind mount shows its source's path within its
+filesystem in /proc/self/mountinfo, so as root the owner's files are bound
+through a read-only overlay of their directory mounted per sandbox
+(`mount_view`), whose options name file descriptors (/proc/self/fd/N), not paths.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from dataclasses import dataclass
 from codefleet.sandbox.base import SandboxConfig, SandboxUnavailableError
 from codefleet.sandbox.environments import resolve_inside, rootfs_of
 from codefleet.sandbox.identity import Identity, host_identity, write_exec_only_shell
+from codefleet.sandbox.layers import MS_NOSUID, mount
 from codefleet.sandbox.state import Owner
 
 SANDBOX_UID = 1000
@@ -83,8 +93,9 @@ def _can_disable_userns() -> bool:
 
 @dataclass(frozen=True)
 class OwnerFiles:
-    """What an owner's sandboxes bind from its directory."""
+    """What an owner's sandboxes bind from its directory's `files/` (`directory`)."""
 
+    directory: str
     passwd: str
     group: str
     shell: str
@@ -104,7 +115,9 @@ def owner_files(owner: Owner, ident: Identity) -> OwnerFiles:
         return _made[owner.dir]
 
 
-def _make_owner_files(directory: str) -> OwnerFiles:
+def _make_owner_files(owner_dir: str) -> OwnerFiles:
+    directory = os.path.join(owner_dir, "files")
+    os.mkdir(directory, 0o755)
     passwd, group = os.path.join(directory, "passwd"), os.path.join(directory, "group")
     with open(passwd, "w") as f:
         f.write(f"root:x:0:0:root:/root:/bin/sh\nagent:x:{SANDBOX_UID}:{SANDBOX_UID}:agent:/tmp:/bin/bash\n"
@@ -118,13 +131,32 @@ def _make_owner_files(directory: str) -> OwnerFiles:
         for name in _DEVICES:
             os.mknod(os.path.join(devices, name), 0o666 | stat.S_IFCHR, os.stat(f"/dev/{name}").st_rdev)
             os.chmod(os.path.join(devices, name), 0o666)
-    return OwnerFiles(passwd, group, write_exec_only_shell(os.path.join(directory, "shell")), devices)
+    return OwnerFiles(directory, passwd, group, write_exec_only_shell(os.path.join(directory, "shell")), devices)
 
 
-def host_args(config: SandboxConfig, files: OwnerFiles, ro_sources: dict[str, str] | None = None) -> list[str]:
-    """The bwrap arguments of a sandbox with this config, up to its workspace. `ro_sources`: where bwrap binds an
-    `ro_binds` path from, when not from itself (a staged bind mount the sandbox user can reach)."""
-    args = ["bwrap", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
+def mount_view(files: OwnerFiles, empty: str, at: str) -> None:
+    """Mount at `at` (an empty directory) a read-only view of the owner's files that a sandbox binds from, so that
+    its mountinfo names no host path: an overlay of their directory (and `empty`: an overlay without an upper
+    layer needs two) given as /proc/self/fd/N, which the kernel shows as given. Root only; the caller unmounts it.
+    Not MS_RDONLY per mount (the overlay is read-only as a whole): bwrap's --dev-bind keeps its binds writable."""
+    fds = [os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for path in (files.directory, empty)]
+    try:
+        mount("overlay", at, "overlay", "lowerdir=" + ":".join(f"/proc/self/fd/{fd}" for fd in fds), MS_NOSUID)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def host_args(config: SandboxConfig, files: OwnerFiles, ro_sources: dict[str, str] | None = None,
+              view: str | None = None) -> list[str]:
+    """The bwrap options of a sandbox with this config, up to its workspace. `ro_sources`: where bwrap binds an
+    `ro_binds` path from, when not from itself (a staged bind mount the sandbox user can reach); `view`: where
+    the owner's files are bound from when not from their directory (`mount_view`)."""
+
+    def seen(path: str) -> str:
+        return os.path.join(view, os.path.relpath(path, files.directory)) if view else path
+
+    args = ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
             "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net", "--unshare-cgroup-try",
             "--hostname", "sandbox", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
     if _can_disable_userns():
@@ -136,8 +168,8 @@ def host_args(config: SandboxConfig, files: OwnerFiles, ro_sources: dict[str, st
         rootfs = rootfs_of(config.environment)  # an archive is imported once per node
         shell = environment_shell(rootfs, files)
         args += userland_args(rootfs, _IMAGE_USERLAND)
-    args += ["--ro-bind", files.passwd, "/etc/passwd", "--ro-bind", files.group, "/etc/group",
-             "--ro-bind", shell, SHELL_PATH]
+    args += ["--ro-bind", seen(files.passwd), "/etc/passwd", "--ro-bind", seen(files.group), "/etc/group",
+             "--ro-bind", seen(shell), SHELL_PATH]
     # /proc/sys read-only even to a sandbox user that some sysctl would let write (bwrap itself covers
     # it only when it finds it writable as a directory, which it never is).
     args += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys",
@@ -153,7 +185,7 @@ def host_args(config: SandboxConfig, files: OwnerFiles, ro_sources: dict[str, st
     args += ["--dev", "/dev"]
     if files.devices:
         for name in _DEVICES:
-            args += ["--dev-bind", os.path.join(files.devices, name), f"/dev/{name}"]
+            args += ["--dev-bind", seen(os.path.join(files.devices, name)), f"/dev/{name}"]
     args += ["--size", str(config.tmp_mb << 20), "--tmpfs", "/dev/shm",
              "--size", str(config.tmp_mb << 20), "--tmpfs", "/tmp",
              "--size", str(config.tmp_mb << 20), "--tmpfs", "/var/tmp",
@@ -258,6 +290,24 @@ def closed_ancestor(path: str, ident: Identity) -> str | None:
     return None
 
 
+@functools.cache
+def bwrap_binary() -> str:
+    """Where bubblewrap is, found once on the host's PATH (bwrap itself runs with the sandbox's)."""
+    return shutil.which("bwrap") or "bwrap"
+
+
 def bwrap_env() -> dict[str, str]:
-    """The environment bwrap itself runs with: only what finds it."""
-    return {"PATH": os.environ.get("PATH", PATH)}
+    """The environment bwrap itself runs with, which stays its PID 1's: the sandbox's own PATH, nothing of the
+    host's (the host's PATH names its home directories)."""
+    return {"PATH": PATH}
+
+
+def options_fd(options: list[str]) -> int:
+    """A descriptor for bwrap's `--args`: `options`, NUL-separated, in a memfd that bwrap reads and closes (its
+    command line, /proc/1/cmdline inside, then shows none of them). The caller closes its own copy."""
+    fd = os.memfd_create("bwrap-options", os.MFD_CLOEXEC)
+    data = b"".join(os.fsencode(option) + b"\0" for option in options)
+    while data:
+        data = data[os.write(fd, data):]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd

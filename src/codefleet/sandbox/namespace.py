@@ -58,9 +58,12 @@ from codefleet.sandbox.base import (
 )
 from codefleet.sandbox.bwrap import (
     SHELL_PATH,
+    bwrap_binary,
     bwrap_env,
     closed_ancestor,
     host_args,
+    mount_view,
+    options_fd,
     owner_files,
     unavailable_reason,
 )
@@ -129,11 +132,17 @@ class NamespaceSandbox(ShellSandbox):
         try:
             ro_sources = self._stage_ro_binds(config)
             self.workspace.mount()
+            view = None
+            if self.workspace.strategy == "overlay":  # root: in the workspace's tmpfs, unmounted (or reaped) with it
+                view = os.path.join(self.workspace.rw, "view")
+                os.mkdir(view, 0o755)
+                mount_view(files, _empty_dir(self.owner), view)
             self.cgroup = self.owner.cgroups.create(sandbox_id, config.memory_mb, config.max_processes,
                                                     config.cpu_cores)
-            # Last, once every mount point exists: the sandbox's own root and /dev become read-only.
-            self._base_args = host_args(config, files, ro_sources) + ["--bind", self.workspace.merged, WORKSPACE,
-                                                          "--remount-ro", "/dev", "--remount-ro", "/"]
+            self._options = host_args(config, files, ro_sources, view)  # through a memfd: see bwrap.py
+            # Last, once every mount point exists: the sandbox's own root and /dev become read-only. The workspace
+            # stays on bwrap's command line: the reaper finds a dead owner's bwraps by their sb/ path (state.py).
+            self._base_args = ["--bind", self.workspace.merged, WORKSPACE, "--remount-ro", "/dev", "--remount-ro", "/"]
             self._start(_replay)
         except BaseException:
             self._closed = True
@@ -156,8 +165,10 @@ class NamespaceSandbox(ShellSandbox):
         `keep_fds` reach argv (not bwrap's PID 1) with their numbers; the caller closes them."""
         info_r, info_w = os.pipe2(os.O_CLOEXEC)
         block_r, block_w = os.pipe2(os.O_CLOEXEC)
-        args = self._base_args + ["--chdir", WORKSPACE, "--info-fd", str(info_w), "--block-fd", str(block_r)]
-        pass_fds = [info_w, block_r]
+        options = options_fd(self._options)
+        args = ["bwrap", "--args", str(options), *self._base_args, "--chdir", WORKSPACE, "--info-fd", str(info_w),
+                "--block-fd", str(block_r)]
+        pass_fds = [options, info_w, block_r]
         seccomp_r = seccomp.filter_fd()
         if seccomp_r is not None:
             args += ["--seccomp", str(seccomp_r)]
@@ -165,9 +176,9 @@ class NamespaceSandbox(ShellSandbox):
         try:
             # bwrap's own environment stays the environment of the sandbox's PID 1, which any command
             # reads in /proc/1/environ (--clearenv clears only the command's): the host's is not passed.
-            proc = procs.spawner.popen(args + argv, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
-                                       pass_fds=pass_fds + list(keep_fds), start_new_session=True,
-                                       env=bwrap_env(), cwd="/", **self.ident.popen_kwargs())
+            proc = procs.spawner.popen(args + argv, executable=bwrap_binary(), stdin=subprocess.DEVNULL,
+                                       stdout=stdout, stderr=stderr, pass_fds=pass_fds + list(keep_fds),
+                                       start_new_session=True, env=bwrap_env(), cwd="/", **self.ident.popen_kwargs())
         finally:
             for fd in pass_fds:
                 os.close(fd)
@@ -201,12 +212,16 @@ class NamespaceSandbox(ShellSandbox):
         _wait_or_kill(proc)
         said = _bwrap_output(proc)
         if not said:
+            options = options_fd(self._options)
             try:
-                said = subprocess.run(self._base_args + ["true"], stdin=subprocess.DEVNULL, capture_output=True,
-                                      timeout=20, cwd="/", **self.ident.popen_kwargs()
-                                      ).stderr.decode(errors="replace").strip()
+                said = subprocess.run(["bwrap", "--args", str(options), *self._base_args, "true"],
+                                      executable=bwrap_binary(), stdin=subprocess.DEVNULL, capture_output=True,
+                                      timeout=20, pass_fds=[options], env=bwrap_env(), cwd="/",
+                                      **self.ident.popen_kwargs()).stderr.decode(errors="replace").strip()
             except subprocess.TimeoutExpired:
                 said = ""
+            finally:
+                os.close(options)
         said = said[:300] or f"exit status {proc.returncode}"
         return SandboxUnavailableError(f"bwrap failed to start the sandbox ({said}); check the host paths the "
                                        "sandbox config names (ro_binds, state_dir)")
