@@ -49,6 +49,7 @@ from codefleet.sandbox.base import (
 )
 from codefleet.sandbox.identity import SANDBOX_USER
 from codefleet.sandbox.state import owner_for
+from codefleet.sandbox.vm_answers import MalformedAnswerError, answer_of
 from codefleet.sandbox.vm_qemu import AgentLink, Qemu, accel, qemu_binary, user_exists
 from codefleet.types import ExecResult, FileEntry, SandboxInfo, SearchMatch
 
@@ -259,10 +260,15 @@ class VMSandbox:
         self._call("hello", self._boot_timeout(), entropy=base64.b64encode(os.urandom(64)).decode())
 
     def _call(self, op: str, wait_s: float, **args: object) -> object:
+        """The agent's answer to `op`, checked and as the host's types (`answer_of`). A malformed answer breaks
+        the link: this and every later call raise SandboxDeadError, and alive() is False."""
         if self._closed:
             raise SandboxClosedError(f"sandbox {self.id} is closed; create a new one")
         try:
-            return self.link.call(op, wait_s, **args)
+            return answer_of(op, self.link.call(op, wait_s, **args), args, self.config.output_limit_bytes)
+        except MalformedAnswerError as e:
+            self.link.fail(str(e))
+            raise MalformedAnswerError(f"sandbox {self.id}: {e}; close it and create a new sandbox") from None
         except SandboxDeadError as e:
             if self._closing:
                 raise SandboxClosedError(f"sandbox {self.id} was closed while it ran {op!r}") from None
@@ -273,35 +279,30 @@ class VMSandbox:
     def exec(self, command: str, timeout_s: float | None = None) -> ExecResult:
         timeout_s = self.config.timeout_s if timeout_s is None else timeout_s
         with self._lock:
-            return _exec_result(self._call("exec", timeout_s + RPC_GRACE_S, command=command, timeout_s=timeout_s))
+            return self._call("exec", timeout_s + RPC_GRACE_S, command=command, timeout_s=timeout_s)
 
     def run_oneoff(self, argv: list[str], timeout_s: float | None = None) -> ExecResult:
         timeout_s = self.config.timeout_s if timeout_s is None else timeout_s
-        return _exec_result(self._call("oneoff", timeout_s + RPC_GRACE_S, argv=list(argv), timeout_s=timeout_s))
+        return self._call("oneoff", timeout_s + RPC_GRACE_S, argv=list(argv), timeout_s=timeout_s)
 
     def read_file(self, path: str, start_line: int | None = None, end_line: int | None = None) -> str:
-        text = self._call("read", RPC_GRACE_S, path=path, start_line=start_line, end_line=end_line)
-        if not isinstance(text, str):
-            raise SandboxError(f"sandbox {self.id}: the agent answered a read with {type(text).__name__}")
-        return text
+        return self._call("read", RPC_GRACE_S, path=path, start_line=start_line, end_line=end_line)
 
     def write_file(self, path: str, content: str | bytes) -> None:
         data = content.encode() if isinstance(content, str) else bytes(content)
         self._call("write", RPC_GRACE_S, path=path, content=base64.b64encode(data).decode())
 
     def list_dir(self, path: str = ".", recursive: bool = False) -> list[FileEntry]:
-        rows = self._call("list", RPC_GRACE_S, path=path, recursive=recursive)
-        return [FileEntry(str(r["path"]), str(r["kind"]), int(r["size_bytes"])) for r in _rows(rows)]
+        return self._call("list", RPC_GRACE_S, path=path, recursive=recursive)
 
     def search(self, pattern: str, path: str = ".", max_matches: int = 200) -> list[SearchMatch]:
-        rows = self._call("search", RPC_GRACE_S + 30, pattern=pattern, path=path, max_matches=max_matches)
-        return [SearchMatch(str(r["path"]), int(r["line_number"]), str(r["line"])) for r in _rows(rows)]
+        return self._call("search", RPC_GRACE_S + 30, pattern=pattern, path=path, max_matches=max_matches)
 
     def alive(self) -> bool:
         if self._closed or self.vm is None or self.vm.proc.poll() is not None or self.link.broken:
             return False
         try:
-            return self._call("alive", 10) is True
+            return self._call("alive", 10)
         except SandboxError:
             return False
 
@@ -377,20 +378,6 @@ def _config_dict(config: SandboxConfig) -> dict:
     return {k: getattr(config, k) for k in ("timeout_s", "output_limit_bytes", "memory_mb", "max_processes",
                                              "cpu_cores", "cpu_time_s", "workspace_mb", "tmp_mb", "max_file_mb",
                                              "env")}
-
-
-def _rows(rows: object) -> list[dict]:
-    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-        raise SandboxError("the VM's agent answered with something that is not a list of entries")
-    return rows
-
-
-def _exec_result(raw: object) -> ExecResult:
-    if not isinstance(raw, dict):
-        raise SandboxError("the VM's agent answered a command with something that is not a result")
-    return ExecResult(str(raw.get("output", "")), int(raw.get("exit_code", -1)), bool(raw.get("timed_out")),
-                      bool(raw.get("truncated")), float(raw.get("duration_s", 0.0)), int(raw.get("cut_bytes", 0)),
-                      bool(raw.get("shell_restarted")))
 
 
 def _copy_sparse(src: str, dst: str) -> None:

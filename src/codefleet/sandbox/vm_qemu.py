@@ -29,6 +29,7 @@ from codefleet.sandbox.files import FileTooLargeError
 from codefleet.sandbox.identity import SANDBOX_USER
 
 MAX_RESPONSE = 64 << 20  # an agent's answer larger than this is a broken (or hostile) guest
+MAX_ERROR_MESSAGE = 2000  # vm_agent.Agent.handle cuts an error's message to this
 _ERRORS = {"PathEscapeError": PathEscapeError, "FileNotFoundError": FileNotFoundError,
            "IsADirectoryError": IsADirectoryError, "NotADirectoryError": NotADirectoryError,
            "FileExistsError": FileExistsError, "PermissionError": PermissionError,
@@ -330,7 +331,7 @@ class AgentLink:
         try:
             self.sock.sendall(struct.pack(">I", len(data)) + data)
         except OSError as e:
-            self._fail(f"the VM's agent connection broke ({e})")
+            self.fail(f"the VM's agent connection broke ({e})")
         try:
             reply = future.result(wait_s)
         except TimeoutError:
@@ -338,9 +339,9 @@ class AgentLink:
         finally:
             with self._lock:
                 self._waiting.pop(rid, None)
-        if reply.get("ok") is True:
-            return reply.get("result")
-        error, message = str(reply.get("error")), str(reply.get("message"))[:2000]
+        if reply["ok"]:
+            return reply["result"]
+        error, message = reply["error"], reply["message"]
         raise _ERRORS.get(error, SandboxError)(message if error in _ERRORS else f"{error}: {message}")
 
     def _read(self) -> None:
@@ -349,26 +350,30 @@ class AgentLink:
             while True:
                 chunk = self.sock.recv(1 << 20)
                 if not chunk:
-                    return self._fail("the VM's agent closed its port (the VM died or powered off)")
+                    return self.fail("the VM's agent closed its port (the VM died or powered off)")
                 buf += chunk
                 while len(buf) >= 4:
                     (size,) = struct.unpack(">I", buf[:4])
                     if size > MAX_RESPONSE:
-                        return self._fail(f"the VM's agent sent a {size}-byte answer; it is broken or hostile")
+                        return self.fail(f"the VM's agent sent a {size}-byte answer; it is broken or hostile")
                     if len(buf) < 4 + size:
                         break
                     frame, buf = buf[4:4 + size], buf[4 + size:]
                     try:
                         reply = json.loads(frame)
-                        future = self._waiting.get(reply["id"]) if isinstance(reply, dict) else None
-                    except (ValueError, KeyError, TypeError):
-                        return self._fail("the VM's agent sent an answer that is not JSON; it is broken or hostile")
+                    except (ValueError, RecursionError):  # not UTF-8, not JSON, digits beyond int's, too deep
+                        return self.fail("the VM's agent sent an answer that is not JSON; it is broken or hostile")
+                    wrong = _envelope_problem(reply)
+                    if wrong:
+                        return self.fail(f"the VM's agent sent a malformed answer ({wrong}); it is broken or hostile")
+                    future = self._waiting.get(reply["id"])  # none: an answer that came after its call gave up
                     if future is not None and not future.done():
                         future.set_result(reply)
         except OSError as e:
-            self._fail(f"the VM's agent connection broke ({e})")
+            self.fail(f"the VM's agent connection broke ({e})")
 
-    def _fail(self, why: str) -> None:
+    def fail(self, why: str) -> None:
+        """Mark the link broken: every call waiting, and every later one, raises SandboxDeadError(why)."""
         with self._lock:
             self.broken = self.broken or why
             waiting = list(self._waiting.values())
@@ -382,3 +387,20 @@ class AgentLink:
         except OSError:
             pass
         self.sock.close()
+
+
+def _envelope_problem(reply: object) -> str | None:
+    """What is wrong with an answer's envelope, or None: `{"id": int, "ok": true, "result": ...}` or
+    `{"id": int, "ok": false, "error": name, "message": text}`, as vm_agent.Agent sends them."""
+    if type(reply) is not dict or type(reply.get("id")) is not int or type(reply.get("ok")) is not bool:
+        return "not an object with an integer id and a boolean ok"
+    if reply["ok"]:
+        return None if sorted(reply) == ["id", "ok", "result"] else "ok, but not exactly id, ok and result"
+    if sorted(reply) != ["error", "id", "message", "ok"]:
+        return "an error, but not exactly id, ok, error and message"
+    error, message = reply["error"], reply["message"]
+    if type(error) is not str or not error.isidentifier() or len(error) > 100:
+        return "an error whose name is not an identifier"
+    if type(message) is not str or len(message) > MAX_ERROR_MESSAGE:
+        return f"an error whose message is not a string of at most {MAX_ERROR_MESSAGE} characters"
+    return None
