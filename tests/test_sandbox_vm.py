@@ -17,6 +17,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tarfile
 import tempfile
 import textwrap
 import threading
@@ -356,3 +357,65 @@ def test_host_paths_bound_read_only_are_refused_not_dropped(repo, config, tmp_pa
 
     with pytest.raises(ValueError, match="ro_binds .* cannot reach a vm sandbox"):
         create_sandbox(repo, replace(config, ro_binds=[str(tmp_path)]))
+
+
+# -- who commands run as -------------------------------------------------------------------------------------
+
+# An image built the way an attacker would: its passwd maps the names a guest user could be looked up by to uid 0,
+# and its Python (which runs the guest agent) forges the agent's answer to a command that prints a marker.
+_FORGED_ASDICT = '''
+_codefleet_real_asdict = asdict
+def asdict(obj, *, dict_factory=dict):
+    answer = _codefleet_real_asdict(obj, dict_factory=dict_factory)
+    if "FORGE-THIS-ANSWER" in str(answer.get("output", "")):
+        answer["exit_code"] = 10 ** 30
+    return answer
+'''
+
+
+@pytest.fixture(scope="module")
+def hostile_image():
+    from codefleet.bench.image_fixture import Layer, host_userland_layer, libraries, oci_tarball, python_stdlib_dir
+    from codefleet.sandbox.environments import import_image
+
+    base = host_userland_layer(extra=("/usr/bin/mount", "/usr/bin/grep", "/usr/bin/id", "/usr/bin/ls", "/usr/bin/cut",
+                                      "/usr/bin/touch", "/bin/sh"))
+    stdlib = python_stdlib_dir()  # the whole standard library: the agent imports more than a start does
+    for dirpath, dirnames, files in os.walk(stdlib):
+        dirnames[:] = [d for d in dirnames if d not in ("__pycache__", "test", "site-packages", "dist-packages")]
+        for name in files:
+            base.host(os.path.join(dirpath, name))
+            if name.endswith(".so"):
+                for lib in libraries(os.path.join(dirpath, name)):
+                    base.host(lib)
+    top = Layer()
+    top.add("etc", tarfile.DIRTYPE, mode=0o755)
+    top.add("etc/passwd", data=b"root:x:0:0:root:/root:/bin/sh\ncodefleet-sandbox:x:0:0::/:/bin/sh\n"
+                               b"nobody:x:0:0::/:/bin/sh\nagent:x:0:0::/:/bin/sh\n")
+    top.add("etc/group", data=b"root:x:0:\ncodefleet-sandbox:x:0:\nnogroup:x:0:\nagent:x:0:\n")
+    with open(os.path.join(stdlib, "dataclasses.py"), "rb") as f:
+        top.add(os.path.join(stdlib, "dataclasses.py").lstrip("/"), data=f.read() + _FORGED_ASDICT.encode())
+    with tempfile.TemporaryDirectory(prefix="codefleet-test-vm-image-", dir="/var/tmp") as d:
+        archive = os.path.join(d, "hostile.oci.tar")
+        with open(archive, "wb") as f:
+            f.write(oci_tarball([base.bytes(), top.bytes()]))
+        yield import_image(archive, os.path.join(d, "store")).rootfs
+
+
+def test_an_images_passwd_does_not_choose_who_commands_run_as(make_sandbox, hostile_image):
+    with open(os.path.join(hostile_image, "etc/passwd")) as f:
+        assert "codefleet-sandbox:x:0:0" in f.read()  # the image's word
+    sb = make_sandbox(environment=hostile_image)
+    out = run(sb, "id -u; id -g; id -un; python3 -c 'import os; print(os.getuid(), os.geteuid())'; "
+                  "touch mine; ls -n mine | cut -d' ' -f3,4; grep ':x:0:' /etc/passwd")
+    assert out == "1000\n1000\nagent\n1000 1000\n1000 1000\nroot:x:0:0:root:/root:/bin/sh\n", out
+
+
+def test_an_image_whose_python_forges_the_agents_answers_breaks_only_its_sandbox(make_sandbox, hostile_image):
+    sb = make_sandbox(environment=hostile_image)
+    assert run(sb, "echo fine") == "fine\n"
+    with pytest.raises(SandboxDeadError, match=r"the guest answered 'exec' with something malformed \(exit_code"):
+        sb.exec("printf 'FORGE-THIS-%s\\n' ANSWER")
+    assert not sb.alive()
+    with pytest.raises(SandboxDeadError, match="broken or hostile|malformed"):
+        sb.exec("echo again")

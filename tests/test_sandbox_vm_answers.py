@@ -1,12 +1,13 @@
-"""What the host takes from a vm guest, without a VM: the agent's answers (vm_answers.answer_of) and the frames
-on its port (vm_qemu.AgentLink, driven by a scripted hostile guest over a socketpair). A guest that became root,
-or an image whose python3 runs the agent, can send anything; each case here must end in one SandboxDeadError
-that says the guest answered something malformed, never a ValueError, KeyError or OverflowError, and never a
-wait."""
+"""What the host takes from a vm guest, without a VM: the agent's answers (vm_answers.answer_of), the frames on
+its port (vm_qemu.AgentLink, driven by a scripted hostile guest over a socketpair) and the guest's identity
+(vm_agent: a fixed uid, its own passwd and group). A guest that became root, or an image whose python3 runs the
+agent, can send anything; each case here must end in one SandboxDeadError that says the guest answered
+something malformed, never a ValueError, KeyError or OverflowError, and never a wait."""
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import struct
 import threading
@@ -16,8 +17,9 @@ from dataclasses import asdict
 import pytest
 
 from codefleet.sandbox import SandboxDeadError, SandboxError
+from codefleet.sandbox.bwrap import SANDBOX_UID
 from codefleet.sandbox.files import MAX_READ_BYTES
-from codefleet.sandbox.vm_agent import Agent
+from codefleet.sandbox.vm_agent import GUEST_GID, GUEST_UID, GUEST_USER, Agent, _write_identity
 from codefleet.sandbox.vm_answers import _ANSWERS, MalformedAnswerError, answer_of
 from codefleet.sandbox.vm_qemu import MAX_RESPONSE, AgentLink
 from codefleet.types import ExecResult, FileEntry, SearchMatch
@@ -165,3 +167,32 @@ def test_a_well_formed_error_is_the_error_it_names_and_the_link_lives_on():
     finally:
         link.close()
         guest.close()
+
+
+# -- the guest's identity --------------------------------------------------------------------------------------
+
+
+def test_the_guest_user_is_fixed_and_is_a_namespace_sandboxs():
+    assert (GUEST_UID, GUEST_GID) == (SANDBOX_UID, SANDBOX_UID) and GUEST_UID != 0
+    assert GUEST_USER == "agent"
+
+
+def test_the_guest_writes_its_own_passwd_and_group_never_through_the_images(tmp_path):
+    outside = tmp_path / "outside"
+    outside.write_text("untouched\n")
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    (etc / "passwd").symlink_to(outside)  # an image's /etc/passwd pointing at what the agent must not write
+    (etc / "group").mkdir()
+    _write_identity(str(etc))
+    assert outside.read_text() == "untouched\n"
+    passwd = (etc / "passwd").read_text()
+    assert f"{GUEST_USER}:x:{GUEST_UID}:{GUEST_GID}:" in passwd
+    assert [line.split(":")[0] for line in passwd.splitlines() if line.split(":")[2] == "0"] == ["root"]
+    assert (etc / "group").is_file() and f"{GUEST_USER}:x:{GUEST_GID}:" in (etc / "group").read_text()
+    linked = tmp_path / "linked-etc"
+    linked.symlink_to(tmp_path / "elsewhere", target_is_directory=True)  # /etc itself a symlink: replaced
+    (tmp_path / "elsewhere").mkdir()
+    _write_identity(str(linked))
+    assert not linked.is_symlink() and (linked / "passwd").is_file()
+    assert os.listdir(tmp_path / "elsewhere") == []

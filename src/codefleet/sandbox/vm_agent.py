@@ -2,10 +2,11 @@
 
 It runs codefleet's own persistent shell and file API inside the guest (`GuestSandbox`, a `ShellSandbox`
 like the local backend's, over /workspace), so a command, its timeout, its output cap and a path's
-confinement behave exactly as in a namespace sandbox. Commands run as an unprivileged user (the
-`codefleet-sandbox` account where the environment has one, else `nobody`): they cannot touch the agent,
-its port or the guest's mounts. The VM is the boundary; what comes back from here is treated by the
-host as untrusted data (vm_qemu.AgentLink bounds and checks it).
+confinement behave exactly as in a namespace sandbox. Commands run as an unprivileged user fixed here
+(`agent`, uid and gid 1000, as in a namespace sandbox), never looked up in the environment's /etc/passwd,
+which an image controls: PID 1 writes the guest's passwd and group before anything runs. Commands cannot
+touch the agent, its port or the guest's mounts. The VM is the boundary; what comes back from here is
+treated by the host as untrusted data (vm_qemu.AgentLink and vm_answers.answer_of check it).
 
 Protocol: frames of a 4-byte big-endian length and a JSON object. The host sends `{"id", "op", ...}`;
 the agent answers `{"id", "ok": true, "result"}` or `{"id", "ok": false, "error", "message"}`, requests
@@ -24,7 +25,6 @@ import ctypes
 import fcntl
 import json
 import os
-import pwd
 import shutil
 import signal
 import struct
@@ -47,14 +47,14 @@ PORT_NAME = "codefleet.0"
 SHELL_PATH = "/run/codefleet/shell"
 
 
-def _sandbox_user() -> tuple[int, int, str]:
-    for name in ("codefleet-sandbox", "nobody"):
-        try:
-            entry = pwd.getpwnam(name)
-            return entry.pw_uid, entry.pw_gid, name
-        except KeyError:
-            continue
-    return 65534, 65534, "nobody"
+# Who commands run as: the uid and name of a namespace sandbox's commands (bwrap.SANDBOX_UID). Fixed: an
+# image's passwd may map any name to 0. The guest's passwd and group say so (vm_image's host disk has the same).
+GUEST_UID = GUEST_GID = 1000
+GUEST_USER = "agent"
+PASSWD = ("root:x:0:0:root:/root:/bin/sh\n"
+          f"{GUEST_USER}:x:{GUEST_UID}:{GUEST_GID}:{GUEST_USER}:/workspace:/bin/bash\n"
+          "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
+GROUP = f"root:x:0:\n{GUEST_USER}:x:{GUEST_GID}:\nnogroup:x:65534:\n"
 
 
 class GuestSandbox(ShellSandbox):
@@ -70,7 +70,7 @@ class GuestSandbox(ShellSandbox):
 
     def _env(self) -> dict[str, str]:
         return {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/workspace",
-                "LANG": "C.UTF-8", "TERM": "dumb", "PAGER": "cat", "GIT_PAGER": "cat", "USER": _sandbox_user()[2],
+                "LANG": "C.UTF-8", "TERM": "dumb", "PAGER": "cat", "GIT_PAGER": "cat", "USER": GUEST_USER,
                 "TMPDIR": "/tmp"}
 
     def _drop(self) -> None:
@@ -168,7 +168,7 @@ class Agent:
     def __init__(self, port: int):
         self.port = port
         self.box: GuestSandbox | None = None
-        self.uid, self.gid, _ = _sandbox_user()
+        self.uid, self.gid = GUEST_UID, GUEST_GID
         self._send_lock = threading.Lock()
 
     def serve(self) -> None:
@@ -315,10 +315,30 @@ def _lock_down() -> None:
     os.chmod(SHELL_PATH, 0o111)
 
 
+def _write_identity(etc: str = "/etc") -> None:
+    """The guest's passwd and group (PASSWD, GROUP) in place of the environment's, written in the root's
+    overlay, never through what the image put there: a symlink /etc, passwd or group is replaced, not
+    followed."""
+    if os.path.islink(etc) or not os.path.isdir(etc):
+        if os.path.lexists(etc):
+            os.unlink(etc)
+        os.mkdir(etc, 0o755)
+    for name, text in (("passwd", PASSWD), ("group", GROUP)):
+        path = os.path.join(etc, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            os.unlink(path)
+        with open(path, "x") as f:  # O_EXCL: created here, never an existing file or a symlink's target
+            f.write(text)
+        os.chmod(path, 0o644)
+
+
 def main() -> None:
     """PID 1: mount, fork the agent, reap orphans; when the agent dies the VM powers off."""
     if os.getpid() == 1:
         _mounts()
+        _write_identity()
         _lock_down()
         agent_pid = os.fork()
         if agent_pid:
