@@ -359,7 +359,91 @@ def test_host_paths_bound_read_only_are_refused_not_dropped(repo, config, tmp_pa
         create_sandbox(repo, replace(config, ro_binds=[str(tmp_path)]))
 
 
-# -- who commands run as -------------------------------------------------------------------------------------
+# -- the environment's disk and who commands run as ----------------------------------------------------------------
+
+ETC_NAMES = {"passwd", "group", "hosts", "nsswitch.conf", "mtab", "os-release", "ld.so.cache", "ld.so.conf",
+             "ld.so.conf.d", "services", "protocols", "alternatives"}  # at most; the host may lack some
+HOST_SECRETS = ("etc/shadow", "etc/gshadow", "etc/ssh", "etc/ssl", "etc/machine-id", "etc/resolv.conf", "etc/sudoers",
+                "etc/gitconfig", "etc/pip.conf", "usr/etc", "usr/local/etc", "root", "home", "var")
+
+
+def _extract(disk: str, into: str) -> str:
+    subprocess.run(["fsck.erofs", f"--extract={into}", disk], check=True, capture_output=True)
+    return into
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="plants canary secrets in the host's /etc")
+def test_the_host_disk_holds_the_allow_list_and_an_etc_of_its_own_and_no_host_secret(tmp_path, monkeypatch):
+    from codefleet.sandbox.vm_image import DISK_MODE, environment_disk
+
+    monkeypatch.setenv("CODEFLEET_VM_DIR", str(tmp_path / "vm"))
+    userland = ("usr/sbin", "sbin")  # small, to build in a second; the real disk's /etc is the same code's
+    token = secrets.token_hex(8)
+    canary_dir, canary_alt = f"/etc/codefleet-test-secret-{token}", f"/etc/alternatives/codefleet-test-secret-{token}"
+    new_alt = f"/etc/alternatives/codefleet-test-alt-{token}"
+    before_canaries = environment_disk(userland=userland)
+    try:
+        os.mkdir(canary_dir, 0o700)
+        with open(os.path.join(canary_dir, "server.key"), "w") as f:
+            f.write(f"-----BEGIN PRIVATE KEY-----\n{token}\n-----END PRIVATE KEY-----\n")
+        with open(canary_alt, "w") as f:  # a file where only symlinks are taken
+            f.write(token)
+        disk = environment_disk(userland=userland)
+        assert disk == before_canaries  # what the allow-list leaves out is not in the fingerprint: no rebuild
+        os.unlink(disk)  # built again now, with the canaries on the host
+        disk = environment_disk(userland=userland)
+        assert oct(os.stat(disk).st_mode & 0o777) == oct(DISK_MODE) == "0o600"  # its owner's alone
+        assert os.stat(os.path.dirname(disk)).st_mode & 0o077 == 0
+        root = _extract(disk, str(tmp_path / "x"))
+        assert sorted(os.listdir(root)) == ["etc", "sbin", "usr"] and os.listdir(os.path.join(root, "usr")) == ["sbin"]
+        assert sorted(os.listdir(os.path.join(root, "usr/sbin"))) == sorted(os.listdir("/usr/sbin"))
+        assert set(os.listdir(os.path.join(root, "etc"))) <= ETC_NAMES
+        assert [p for p in HOST_SECRETS if os.path.lexists(os.path.join(root, p))] == []
+        for dirpath, _, files in os.walk(os.path.join(root, "etc")):
+            for name in files:
+                path = os.path.join(dirpath, name)
+                assert token not in name and not name.endswith((".key", ".pem"))
+                if not os.path.islink(path):
+                    with open(path, "rb") as f:
+                        data = f.read()
+                    assert token.encode() not in data and b"PRIVATE KEY" not in data, path
+        alternatives = os.path.join(root, "etc/alternatives")
+        assert all(os.path.islink(os.path.join(alternatives, n)) for n in os.listdir(alternatives))
+        with open(os.path.join(root, "etc/passwd")) as f:
+            assert [line.split(":")[0] for line in f if line.split(":")[2] == "0"] == ["root"]
+        # A change in what the disk holds is a new disk: the generated /etc, or the allow-list.
+        os.symlink("/usr/bin/true", new_alt)
+        with_alt = environment_disk(userland=userland)
+        assert with_alt != disk and os.path.islink(os.path.join(_extract(with_alt, str(tmp_path / "y")),
+                                                                new_alt.lstrip("/")))
+        assert not os.path.exists(disk)  # the stale one is dropped
+        assert environment_disk(userland=("usr/sbin", "sbin", "usr/libexec")) != with_alt
+    finally:
+        for path in (os.path.join(canary_dir, "server.key"), canary_alt, new_alt):
+            if os.path.lexists(path):
+                os.unlink(path)
+        if os.path.isdir(canary_dir):
+            os.rmdir(canary_dir)
+
+
+def test_the_guest_has_no_host_secret_and_its_tools_work(sandbox):
+    assert os.stat(sandbox.env_disk).st_mode & 0o777 == 0o600
+    out = run(sandbox, "cat /etc/shadow; echo rc=$?; ls -A /etc; ls -d /usr/local/etc /usr/etc /root/* 2>&1 | wc -l")
+    assert out.startswith("cat: /etc/shadow: No such file or directory\nrc=1\n"), out
+    assert set(out.splitlines()[2:-1]) <= ETC_NAMES and "passwd" in out
+    assert out.splitlines()[-1] == "3"  # three "No such file" lines
+    assert run(sandbox, "id -un; id -u; id -g") == "agent\n1000\n1000\n"
+    assert "nosuid" in run(sandbox, "grep -E '^root / ' /proc/mounts").split()[3].split(",")  # no setuid way to root
+    sandbox.write_file("test_ok.py", "def test_ok():\n    assert 1 + 1 == 2\n")
+    tools = sandbox.exec("bash -c 'echo bash ok'; python3 -c 'import ssl, sqlite3, json; print(\"python ok\")'; "
+                         "python3 -m pytest -q -p no:cacheprovider test_ok.py | tail -1; "
+                         "git init -q g && git -C g -c user.name=a -c user.email=a@b commit -q --allow-empty -m x && "
+                         "git -C g log --oneline | wc -l; grep -c ok test_ok.py; awk 'BEGIN { print \"awk ok\" }'",
+                         timeout_s=120)
+    lines = tools.output.splitlines()
+    assert tools.exit_code == 0 and lines[:2] == ["bash ok", "python ok"], tools.output
+    assert lines[2].startswith("1 passed") and lines[3:] == ["1", "1", "awk ok"], tools.output
+
 
 # An image built the way an attacker would: its passwd maps the names a guest user could be looked up by to uid 0,
 # and its Python (which runs the guest agent) forges the agent's answer to a command that prints a marker.
