@@ -6,7 +6,8 @@
     codefleet tasks import-swebench --jsonl FILE --repos DIR --out DIR [--setup CMD ...] [--check-command CMD]
                                     [--env IMAGE] [--images DIR]
     codefleet tasks mine SOURCE [SOURCE ...] --out DIR [--seed S] [--max-per-function K] [--max-tasks N]
-                         [--kinds a,b] [--set KEY=VALUE ...]
+                         [--kinds a,b] [--index-url URL] [--max-unpacked-mb M] [--max-files F] [--set KEY=VALUE ...]
+    codefleet tasks fetch [NAME==VERSION ...] [-r FILE] --dest DIR [--index-url URL] [--max-mb M]
 
 `register(subparsers)` adds the `tasks` group to the main parser (the lead
 wires it into codefleet/cli.py); `main(argv)` runs it standalone. `check`
@@ -24,10 +25,12 @@ from codefleet.config import ConfigError, load_config
 from codefleet.sandbox import SandboxConfig
 from codefleet.tasks.checks import check_tasks
 from codefleet.tasks.families import FAMILIES
+from codefleet.tasks.fetch import FetchError, download_sdist, parse_requirement, read_requirements
 from codefleet.tasks.generate import generate_tasks
 from codefleet.tasks.mine import KINDS, MineError, mine_library
 from codefleet.tasks.spec import TaskSpecError, load_task, save_tasks, task_paths
 from codefleet.tasks.swebench import DEFAULT_CHECK_COMMAND, load_swebench
+from codefleet.tasks.unpack import UnpackLimits
 
 
 def _cannot_write(action: str, e: OSError, out: str) -> int:
@@ -109,6 +112,11 @@ def _import_swebench(args: argparse.Namespace) -> int:
 
 def _mine(args: argparse.Namespace) -> int:
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()] if args.kinds else None
+    if args.max_unpacked_mb < 1 or args.max_files < 1:
+        print(f"codefleet tasks mine: --max-unpacked-mb and --max-files must be at least 1, got "
+              f"{args.max_unpacked_mb} and {args.max_files}", file=sys.stderr)
+        return 2
+    limits = UnpackLimits(max_bytes=args.max_unpacked_mb << 20, max_files=args.max_files)
     try:
         config = load_config(SandboxConfig, None, list(args.set or []))
     except ConfigError as e:
@@ -119,7 +127,8 @@ def _mine(args: argparse.Namespace) -> int:
         try:
             report = mine_library(source, args.out, seed=args.seed, max_per_function=args.max_per_function,
                                   max_tasks=args.max_tasks, kinds=kinds, config=config, jobs=args.jobs,
-                                  cache_dir=args.cache)
+                                  cache_dir=args.cache, limits=limits,
+                                  index_urls=[args.index_url] if args.index_url else None)
         except MineError as e:
             print(f"codefleet tasks mine: {e}", file=sys.stderr)
             return 2
@@ -133,6 +142,29 @@ def _mine(args: argparse.Namespace) -> int:
         tasks += report.tasks
     save_tasks(tasks, args.out)  # one index over every library's tasks
     print(f"mined {len(tasks)} tasks into {args.out} in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    try:
+        requirements = read_requirements(args.requirements) if args.requirements else []
+        for text in args.requirements_given:
+            requirement = parse_requirement(text)
+            if requirement is None:
+                raise FetchError(f"{text!r} is not NAME==VERSION [--hash=sha256:HEX]")
+            requirements.append(requirement)
+        if not requirements:
+            raise FetchError("nothing to fetch: name NAME==VERSION or pass -r FILE")
+        for requirement in requirements:
+            print(download_sdist(requirement, args.dest, [args.index_url] if args.index_url else None,
+                                 args.max_mb << 20))
+    except FetchError as e:
+        print(f"codefleet tasks fetch: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"codefleet tasks fetch: cannot {'read' if e.filename == args.requirements else 'write'} "
+              f"{e.filename or args.dest!r} ({e.strerror or e}); check -r and --dest", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -187,7 +219,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                           description="Run each library's own tests, mutate the functions they cover, and keep "
                           "the mutants some test notices as checked bug-fix tasks (docs/tasks.md, Mined tasks).")
     mine.add_argument("sources", nargs="+", metavar="SOURCE",
-                      help="a .tar.gz sdist, an unpacked source directory, or NAME==VERSION (pip download)")
+                      help="a .tar.gz (or .zip) sdist, an unpacked source directory, or NAME==VERSION "
+                           "[--hash=sha256:HEX] (its sdist from pip's index; nothing of it runs on this machine)")
     mine.add_argument("--out", required=True, metavar="DIR", help="task directory to write")
     mine.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
     mine.add_argument("--max-per-function", type=int, default=2, metavar="K", help="tasks per function (default 2)")
@@ -196,8 +229,29 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     mine.add_argument("--jobs", type=int, default=2, metavar="J", help="sandboxes at once (default 2)")
     mine.add_argument("--cache", metavar="DIR", help="where NAME==VERSION downloads are kept "
                                                       "(default ~/.cache/codefleet/sdists)")
+    mine.add_argument("--index-url", metavar="URL", help="the simple index (PEP 503/691) NAME==VERSION comes from "
+                                                         "(default: pip's index-url, then its extra-index-urls)")
+    mine.add_argument("--max-unpacked-mb", type=int, default=UnpackLimits.max_bytes >> 20, metavar="M",
+                      help="the most a source may unpack to, and a download may weigh (default %(default)s)")
+    mine.add_argument("--max-files", type=int, default=UnpackLimits.max_files, metavar="F",
+                      help="the most files, directories and links a source may hold (default %(default)s)")
     mine.add_argument("--set", action="append", metavar="KEY=VALUE", help="sandbox config override, repeatable")
     mine.set_defaults(func=_mine)
+
+    fetch = sub.add_parser("fetch", help="download sdists from the index as data, hash-checked, running nothing",
+                           description="Download the source distribution of each NAME==VERSION into DIR, "
+                           "reading pip's index through its simple API: the sdist's sha256 is checked against "
+                           "the index and against any --hash=sha256: pin, and none of its code runs (unlike "
+                           "pip download, which builds its metadata).")
+    fetch.add_argument("requirements_given", nargs="*", metavar="NAME==VERSION",
+                       help="a requirement, optionally with ' --hash=sha256:HEX' in the same argument")
+    fetch.add_argument("-r", "--requirements", metavar="FILE",
+                       help="a requirements file of NAME==VERSION [--hash=sha256:HEX] lines (all pinned, or none)")
+    fetch.add_argument("--dest", required=True, metavar="DIR", help="where the sdists go (kept if there)")
+    fetch.add_argument("--index-url", metavar="URL", help="the simple index to read (default: pip's)")
+    fetch.add_argument("--max-mb", type=int, default=UnpackLimits.max_bytes >> 20, metavar="M",
+                       help="the most one download may weigh (default %(default)s)")
+    fetch.set_defaults(func=_fetch)
     return tasks
 
 

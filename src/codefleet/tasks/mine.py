@@ -3,9 +3,10 @@
     report = mine_library("attrs-23.1.0.tar.gz", out_dir="tasks/mined", seed=0)   # or an unpacked tree
     tasks = report.tasks                                                         # saved, checked, sound
 
-For one source distribution (a `.tar.gz`/`.tar` sdist or a directory), mining
+For one source distribution (a `.tar.gz`/`.tar`/`.zip` sdist or a directory), mining
 
-1. unpacks it and runs its own test suite once in a sandbox (pytest from the
+1. unpacks it (unpack.py: capped in size and entries, nothing written outside the tree or through a
+   symlink, no symlink out of it kept) and runs its own test suite once in a sandbox (pytest from the
    sandbox's `python3`; `PYTHONPATH=src` for a src layout): the tests that
    pass are the PASS set. A suite that does not collect, or where nothing
    passes, is one `MineError`.
@@ -32,8 +33,13 @@ seeded order, and for each one its candidate mutations are shuffled by
 kind; rounds take one candidate per function, so `--max-tasks` spreads over
 functions and kinds instead of exhausting the first file.
 
-`PACKAGE==VERSION` is fetched with `pip download --no-binary :all:` into a
-cache (the only step that needs the network; tests never take it).
+`PACKAGE==VERSION [--hash=sha256:HEX]` is fetched from pip's index as data (fetch.py: the simple API,
+the sdist's sha256 checked, never `pip download`, which would run the package's build backend here) into a
+cache; the only step that needs the network.
+
+Nothing of the library runs on the host: its tests, its conftest.py and its setup.py run only in
+sandboxes; here its files are only read (PKG-INFO, pyproject.toml, and the modules that `ast` parses),
+never through a symlink.
 """
 
 from __future__ import annotations
@@ -42,9 +48,6 @@ import os
 import random
 import re
 import shutil
-import subprocess
-import sys
-import tarfile
 import tempfile
 import tomllib
 from collections import Counter
@@ -53,9 +56,11 @@ from dataclasses import dataclass, field
 
 from codefleet.sandbox import Sandbox, SandboxConfig, create_sandbox
 from codefleet.tasks.checks import check_tasks, run_checks
+from codefleet.tasks.fetch import FetchError, fetch_sdist, parse_requirement
 from codefleet.tasks.mutations import KINDS, Mutation, file_mutations
 from codefleet.tasks.patch import make_unified_diff
 from codefleet.tasks.spec import save_tasks
+from codefleet.tasks.unpack import ARCHIVE_SUFFIXES, UnpackError, UnpackLimits, unpack_source
 from codefleet.types import HiddenChecks, Task
 
 PYTEST = "python3 -m pytest -q -p no:cacheprovider"
@@ -69,67 +74,54 @@ class MineError(RuntimeError):
 # -- the source tree ------------------------------------------------------------------
 
 
-def fetch_sdist(requirement: str, cache_dir: str) -> str:
-    """`NAME==VERSION` from PyPI as a source distribution, downloaded once into `cache_dir/NAME-VERSION/`."""
-    name, _, version = requirement.partition("==")
-    target = os.path.join(cache_dir, f"{name.strip().lower()}-{version.strip()}")
-    if not os.path.isdir(target) or not os.listdir(target):
-        os.makedirs(target, exist_ok=True)
-        result = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                                 requirement, "-d", target], capture_output=True, text=True, timeout=600)
-        if result.returncode != 0:
-            shutil.rmtree(target, ignore_errors=True)
-            raise MineError(f"could not download the source distribution of {requirement} (pip download failed: "
-                            f"{result.stderr.strip().splitlines()[-1:] or result.returncode}); check the name, "
-                            "the version and the network, or pass a local .tar.gz")
-    return os.path.join(target, sorted(os.listdir(target))[0])
-
-
-def _unpack(source: str, work_dir: str) -> str:
-    if os.path.isdir(source):
-        root = os.path.join(work_dir, "src")
-        shutil.copytree(source, root, symlinks=True, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".git"))
-        return root
-    if not os.path.isfile(source) or not re.search(r"\.(tar\.gz|tgz|tar)$", source):
-        raise MineError(f"{source!r} is not a source distribution: pass a .tar.gz sdist, an unpacked source "
-                        "directory or NAME==VERSION")
-    try:
-        with tarfile.open(source) as tar:
-            tar.extractall(os.path.join(work_dir, "src"), filter="data")
-    except (tarfile.TarError, OSError) as e:
-        raise MineError(f"{source!r} is not a readable tarball ({e}); download the sdist again") from None
+def _unpack(source: str, work_dir: str, limits: UnpackLimits | None) -> str:
+    if not os.path.isdir(source) and (not os.path.isfile(source) or not source.endswith(ARCHIVE_SUFFIXES)):
+        raise MineError(f"{source!r} is not a source distribution: pass a .tar.gz (or .zip) sdist, an unpacked "
+                        "source directory or NAME==VERSION")
     root = os.path.join(work_dir, "src")
+    try:
+        unpack_source(source, root, limits)
+    except UnpackError as e:
+        raise MineError(str(e)) from None
     entries = [e for e in os.listdir(root) if not e.startswith(".")]
-    if len(entries) == 1 and os.path.isdir(os.path.join(root, entries[0])):  # sdists hold NAME-VERSION/
+    if len(entries) == 1 and os.path.isdir(os.path.join(root, entries[0])) \
+            and not os.path.islink(os.path.join(root, entries[0])):  # sdists hold NAME-VERSION/
         root = os.path.join(root, entries[0])
-    for dirpath, dirnames, _ in os.walk(root):
-        if "__pycache__" in dirnames:
-            shutil.rmtree(os.path.join(dirpath, "__pycache__"))
-            dirnames.remove("__pycache__")
     return root
+
+
+def _open(root: str, rel: str, mode: str = "r", **kwargs):
+    """A file of the unpacked tree, never opened through a symlink (_source_files lists no symlinks)."""
+    return os.fdopen(os.open(os.path.join(root, rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), mode, **kwargs)
 
 
 def _name_version(root: str, source: str) -> tuple[str, str]:
     fields: dict[str, str] = {}
-    if os.path.isfile(os.path.join(root, "PKG-INFO")):
-        with open(os.path.join(root, "PKG-INFO"), encoding="utf-8", errors="replace") as f:
+    if _is_file(root, "PKG-INFO"):
+        with _open(root, "PKG-INFO", encoding="utf-8", errors="replace") as f:
             for line in f:
                 key, sep, value = line.partition(":")
                 if sep and key in ("Name", "Version") and key.lower() not in fields:
                     fields[key.lower()] = value.strip()
-    if len(fields) < 2 and os.path.isfile(os.path.join(root, "pyproject.toml")):
+    if len(fields) < 2 and _is_file(root, "pyproject.toml"):
         try:
-            with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+            with _open(root, "pyproject.toml", "rb") as f:
                 project = tomllib.load(f).get("project", {})
             fields.setdefault("name", str(project.get("name", "")))
             fields.setdefault("version", str(project.get("version", "")))
-        except tomllib.TOMLDecodeError:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError, AttributeError, RecursionError):
             pass
-    base = re.sub(r"\.(tar\.gz|tgz|tar)$", "", os.path.basename(os.path.normpath(source)))
+    base = os.path.basename(os.path.normpath(source))
+    base = next((base[:-len(s)] for s in ARCHIVE_SUFFIXES if base.endswith(s)), base)
     guess = re.match(r"^(.+?)-(\d[\w.]*)$", base)
     name = fields.get("name") or (guess.group(1) if guess else base)
     version = fields.get("version") or (guess.group(2) if guess else "0")
     return name, version
+
+
+def _is_file(root: str, rel: str) -> bool:
+    path = os.path.join(root, rel)
+    return os.path.isfile(path) and not os.path.islink(path)
 
 
 def _is_test_file(rel: str) -> bool:
@@ -146,8 +138,8 @@ def _source_files(root: str) -> tuple[list[str], list[str]]:
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "__pycache__")
         for name in filenames:
             rel = os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/")
-            if not name.endswith(".py"):
-                continue
+            if not name.endswith(".py") or os.path.islink(os.path.join(dirpath, name)):
+                continue  # a symlink is left alone: never read, never mutated
             if _is_test_file(rel):
                 tests.append(rel)
             elif name not in ("setup.py", "conftest.py", "noxfile.py") and not set(rel.split("/")[:-1]) & _SKIP_DIRS:
@@ -246,9 +238,11 @@ def _schedule(per_function: dict[str, list[Mutation]], seed: int) -> list[list[M
 
 def mine_library(source: str, out_dir: str, seed: int = 0, max_per_function: int = 2, max_tasks: int | None = None,
                  kinds: list[str] | None = None, config: SandboxConfig | None = None, jobs: int = 2,
-                 check: bool = True, cache_dir: str | None = None) -> MineReport:
-    """Mine one source (a directory, a .tar.gz/.tar sdist, or NAME==VERSION fetched into `cache_dir`) into
-    tasks under `out_dir` (saved with their index); see the module docstring."""
+                 check: bool = True, cache_dir: str | None = None, limits: UnpackLimits | None = None,
+                 index_urls: list[str] | None = None) -> MineReport:
+    """Mine one source (a directory, a .tar.gz/.zip sdist, or NAME==VERSION [--hash=sha256:HEX] fetched from
+    `index_urls` (default: pip's) into `cache_dir`) into tasks under `out_dir` (saved with their index), its
+    tree within `limits` (also the most a download may weigh); see the module docstring."""
     kinds = list(kinds or KINDS)
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
@@ -256,11 +250,16 @@ def mine_library(source: str, out_dir: str, seed: int = 0, max_per_function: int
     if max_per_function < 1 or (max_tasks is not None and max_tasks < 1):
         raise MineError(f"--max-per-function and --max-tasks must be at least 1, got {max_per_function} and "
                         f"{max_tasks}")
-    if not os.path.exists(source) and re.fullmatch(r"[A-Za-z0-9][\w.-]*==[\w.!+-]+", source):
-        source = fetch_sdist(source, cache_dir or os.path.expanduser("~/.cache/codefleet/sdists"))
+    try:
+        requirement = None if os.path.exists(source) else parse_requirement(source)
+        if requirement is not None:
+            source = fetch_sdist(requirement, cache_dir or os.path.expanduser("~/.cache/codefleet/sdists"),
+                                 index_urls, (limits or UnpackLimits()).max_bytes)
+    except FetchError as e:
+        raise MineError(str(e)) from None
     with tempfile.TemporaryDirectory(prefix="codefleet-mine-") as work_dir:
         os.chmod(work_dir, 0o755)  # the sandbox user reads the tree through it
-        root = _unpack(source, work_dir)
+        root = _unpack(source, work_dir, limits)
         name, version = _name_version(root, source)
         report = MineReport(name, version)
         modules, test_files = _source_files(root)
@@ -272,12 +271,12 @@ def mine_library(source: str, out_dir: str, seed: int = 0, max_per_function: int
         sources = {}
         per_function: dict[str, list[Mutation]] = {}
         for rel in modules:
-            with open(os.path.join(root, rel), "rb") as f:
+            with _open(root, rel, "rb") as f:
                 sources[rel] = f.read()
             try:
                 found = file_mutations(sources[rel], rel, _module_name(rel, src_layout))
-            except (SyntaxError, ValueError, UnicodeDecodeError):
-                continue  # a file this Python cannot parse is left alone
+            except (SyntaxError, ValueError, UnicodeDecodeError, RecursionError, MemoryError):
+                continue  # a file this Python cannot parse (or nested too deep to) is left alone
             per_function.update({k: [m for m in v if m.kind in kinds] for k, v in found.items()})
         report.functions = len(per_function)
         base = create_sandbox(root, config)
@@ -294,7 +293,7 @@ def mine_library(source: str, out_dir: str, seed: int = 0, max_per_function: int
             base.close()
         tests = {}
         for rel in test_files:
-            with open(os.path.join(root, rel), encoding="utf-8", errors="replace") as f:
+            with _open(root, rel, encoding="utf-8", errors="replace") as f:
                 tests[rel] = f.read()
         slug = re.sub(r"[^A-Za-z0-9._-]", "-", f"{name}-{version}")
         tasks = []
