@@ -49,11 +49,12 @@ import shlex
 import shutil
 import tarfile
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
-from codefleet.sandbox import Sandbox, SandboxConfig, create_sandbox
+from codefleet.sandbox import Sandbox, SandboxClosedError, SandboxConfig, create_sandbox
 from codefleet.tasks.spec import validate_task
 from codefleet.types import CheckResult, Task
 
@@ -354,8 +355,33 @@ def _check_runs(runs: int) -> None:
                          f"got {runs!r}")
 
 
+class InFlight:
+    """The sandboxes that checks running in worker threads hold, so that the main thread, interrupted (Ctrl-C,
+    SIGTERM), closes them all at once and its threads return, instead of waiting for every check to end.
+    A sandbox added after that is closed at once."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._open: list[Sandbox] = []
+        self._closed = False
+
+    def add(self, sandbox: Sandbox) -> None:
+        with self._lock:
+            if not self._closed:
+                self._open.append(sandbox)
+                return
+        sandbox.close()
+        raise SandboxClosedError("the checks were interrupted")
+
+    def close_all(self) -> None:
+        with self._lock:
+            self._closed, opened = True, list(self._open)
+        for sandbox in opened:
+            sandbox.close()
+
+
 def check_task(task: Task, config: SandboxConfig | None = None, cache_dir: str | None = None,
-               runs: int = 2) -> TaskCheckReport:
+               runs: int = 2, in_flight: InFlight | None = None) -> TaskCheckReport:
     """Prove `task` sound (see TaskCheckReport). One prepared sandbox is forked
     into the untouched and the patched state; both run their checks `runs`
     times, side by side."""
@@ -375,6 +401,8 @@ def check_task(task: Task, config: SandboxConfig | None = None, cache_dir: str |
         sandboxes.append(base)
         plain, patched = base.fork(2)
         sandboxes += [plain, patched]
+        for sandbox in sandboxes if in_flight else ():
+            in_flight.add(sandbox)
         try:
             apply_patch(patched, task.reference_patch)
         except PatchApplyError as e:
@@ -400,11 +428,18 @@ def check_tasks(tasks: list[Task], config: SandboxConfig | None = None, jobs: in
     `on_report(report)` is called as each one finishes (for progress lines)."""
     _check_runs(runs)
     reports: dict[str, TaskCheckReport] = {}
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = {pool.submit(check_task, task, config, cache_dir, runs): task for task in tasks}
+    in_flight = InFlight()
+    pool = ThreadPoolExecutor(max_workers=max(1, jobs))
+    try:
+        futures = {pool.submit(check_task, task, config, cache_dir, runs, in_flight): task for task in tasks}
         for future in as_completed(futures):
             report = future.result()
             reports[futures[future].id] = report
             if on_report:
                 on_report(report)
+    except BaseException:
+        in_flight.close_all()  # Ctrl-C, SIGTERM: the checks in flight end now, not when their tests do
+        raise
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
     return [reports[task.id] for task in tasks]

@@ -348,7 +348,8 @@ def _mutants_that_fail(workers: list[Sandbox], per_function: dict[str, list[Muta
     kept_per_function: Counter = Counter()
     found: list[tuple[Mutation, list[str], str]] = []
     tries_left = {id(q): 3 * max_per_function for q in queues}  # a function whose mutants nobody notices is left
-    with ThreadPoolExecutor(max_workers=len(workers)) as pool:
+    pool = ThreadPoolExecutor(max_workers=len(workers))
+    try:
         while queues and (max_tasks is None or len(found) < max_tasks):
             round_ = []
             for queue in queues:
@@ -368,4 +369,8 @@ def _mutants_that_fail(workers: list[Sandbox], per_function: dict[str, list[Muta
                             and kept_per_function[mutation.function] < max_per_function:
                         kept_per_function[mutation.function] += 1
                         found.append((mutation, failing, output))
+    finally:
+        # not waiting here: interrupted (Ctrl-C, SIGTERM), the caller closes the workers, which ends the runs in
+        # flight at once; waiting first would keep the command alive until their tests had finished
+        pool.shutdown(wait=False, cancel_futures=True)
     return found
