@@ -11,7 +11,6 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import uuid
 
@@ -31,7 +30,7 @@ def _venv(path: str, with_pytest: bool = False) -> str:
     """A real virtual environment at `path` (no pip: nothing is downloaded); with pytest copied from ours."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", path], check=True)
     if with_pytest:
-        ours = sysconfig.get_paths()["purelib"]
+        ours = os.path.dirname(os.path.dirname(pytest.__file__))  # where pytest and its dependencies are
         theirs = subprocess.run([os.path.join(path, "bin", "python"), "-c",
                                  "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                 capture_output=True, text=True, check=True).stdout.strip()
@@ -60,7 +59,7 @@ def test_the_repositorys_venv_then_an_active_one_is_found(tmp_path):
     found = toolchain.find_venv(str(repo), {})
     assert found.path == str(repo / ".venv")
     prefix = sys.base_prefix  # the installation the venv was made from
-    if prefix.startswith("/usr/"):
+    if prefix == "/usr" or prefix.startswith("/usr/"):
         assert found.installation == ()
     else:  # what an interpreter needs of it, never the installation as a whole
         version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
@@ -106,7 +105,7 @@ def test_a_bind_the_sandbox_user_cannot_walk_to_is_staged_and_unmounted(tmp_path
                     f"cat {tmp_path}/secret.txt 2>/dev/null || echo hidden; "
                     f"touch {venv.path}/x 2>/dev/null || echo read-only")
         assert r.output.splitlines() == [venv.path, venv.path, "hidden", "read-only"], r.output
-        if not sys.base_prefix.startswith("/usr/"):  # of the base installation, only what the interpreter needs
+        if not (sys.base_prefix + "/").startswith("/usr/"):  # of the base installation, only what the interpreter needs
             names = sb.exec(f"ls -A {sys.base_prefix} {sys.base_prefix}/bin").output.split()
             assert set(names) - {f"{sys.base_prefix}:", f"{sys.base_prefix}/bin:", "bin", "lib", "include"} <= {
                 "python", "python3", f"python{sys.version_info[0]}.{sys.version_info[1]}"}, names
