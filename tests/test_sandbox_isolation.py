@@ -273,6 +273,24 @@ def test_no_host_path_or_environment_value_shows_inside(make_sandbox, config, re
     assert "PATH=/usr/local/sbin:" in seen and " /etc/passwd " in seen and " /run/codefleet/shell " in seen
 
 
+def test_an_images_userland_names_no_host_path_either(make_sandbox, config, repo, open_tmp):
+    """An environment's /usr, /etc, ... come from its root filesystem in the image store: as root through
+    the same kind of view as the owner's files."""
+    from codefleet.bench.image_fixture import HOST_PYTHON, host_userland_layer, oci_tarball
+    from codefleet.sandbox.environments import import_image
+
+    if not os.path.exists(HOST_PYTHON):
+        pytest.skip(f"builds its image from the host's {HOST_PYTHON}")
+    archive = open_tmp / "image.tar"
+    archive.write_bytes(oci_tarball([host_userland_layer().bytes()]))
+    rootfs = import_image(str(archive), str(open_tmp / "store")).rootfs
+    sb = make_sandbox(environment=rootfs)
+    seen = run_ok(sb, _WHAT_IT_READS)
+    allowed = (sb.dir,) if os.geteuid() == 0 else (sb.dir, sb.owner.dir, rootfs)
+    assert _leaks(seen, _host_values(config, repo) | {str(open_tmp)}, allowed) == []
+    assert " /usr " in seen and " /etc " in seen
+
+
 @pytest.mark.xfail(strict=True, reason="the workspace overlay's options name its layers' host paths (layers.py "
                    "mounts it by path), and bwrap's --bind of it stays on its command line, where the reaper finds "
                    "a dead owner's bwraps (state.py)")

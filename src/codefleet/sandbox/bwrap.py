@@ -20,9 +20,10 @@ own environment and command line stay those of the sandbox's PID 1, which every
 command reads (/proc/1/environ, /proc/1/cmdline): its environment is the
 sandbox's fixed PATH, and its options travel through a memfd (--args), which
 bwrap reads and closes. A bind mount shows its source's path within its
-filesystem in /proc/self/mountinfo, so as root the owner's files are bound
-through a read-only overlay of their directory mounted per sandbox
-(`mount_view`), whose options name file descriptors (/proc/self/fd/N), not paths.
+filesystem in /proc/self/mountinfo, so as root the owner's files (and an
+environment's userland) are bound through a read-only overlay of their directory
+mounted per sandbox (`mount_view`), whose options name file descriptors
+(/proc/self/fd/N), not paths.
 """
 
 from __future__ import annotations
@@ -134,12 +135,12 @@ def _make_owner_files(owner_dir: str) -> OwnerFiles:
     return OwnerFiles(directory, passwd, group, write_exec_only_shell(os.path.join(directory, "shell")), devices)
 
 
-def mount_view(files: OwnerFiles, empty: str, at: str) -> None:
-    """Mount at `at` (an empty directory) a read-only view of the owner's files that a sandbox binds from, so that
-    its mountinfo names no host path: an overlay of their directory (and `empty`: an overlay without an upper
-    layer needs two) given as /proc/self/fd/N, which the kernel shows as given. Root only; the caller unmounts it.
-    Not MS_RDONLY per mount (the overlay is read-only as a whole): bwrap's --dev-bind keeps its binds writable."""
-    fds = [os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for path in (files.directory, empty)]
+def mount_view(directory: str, empty: str, at: str) -> None:
+    """Mount at `at` (an empty directory) a read-only view of `directory` for a sandbox to bind from, so that its
+    mountinfo names no host path: an overlay of `directory` (and `empty`: an overlay without an upper layer needs
+    two) given as /proc/self/fd/N, which the kernel shows as given. Root only; the caller unmounts it. Not
+    MS_RDONLY per mount (the overlay is read-only as a whole): bwrap's --dev-bind keeps its binds writable."""
+    fds = [os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for path in (directory, empty)]
     try:
         mount("overlay", at, "overlay", "lowerdir=" + ":".join(f"/proc/self/fd/{fd}" for fd in fds), MS_NOSUID)
     finally:
@@ -148,10 +149,11 @@ def mount_view(files: OwnerFiles, empty: str, at: str) -> None:
 
 
 def host_args(config: SandboxConfig, files: OwnerFiles, ro_sources: dict[str, str] | None = None,
-              view: str | None = None) -> list[str]:
+              view: str | None = None, userland: str | None = None) -> list[str]:
     """The bwrap options of a sandbox with this config, up to its workspace. `ro_sources`: where bwrap binds an
-    `ro_binds` path from, when not from itself (a staged bind mount the sandbox user can reach); `view`: where
-    the owner's files are bound from when not from their directory (`mount_view`)."""
+    `ro_binds` path from, when not from itself (a staged bind mount the sandbox user can reach); `view` and
+    `userland`: where the owner's files and the environment's root filesystem are bound from, when not from
+    their own directories (`mount_view`)."""
 
     def seen(path: str) -> str:
         return os.path.join(view, os.path.relpath(path, files.directory)) if view else path
@@ -167,7 +169,7 @@ def host_args(config: SandboxConfig, files: OwnerFiles, ro_sources: dict[str, st
     else:
         rootfs = rootfs_of(config.environment)  # an archive is imported once per node
         shell = environment_shell(rootfs, files)
-        args += userland_args(rootfs, _IMAGE_USERLAND)
+        args += userland_args(userland or rootfs, _IMAGE_USERLAND)
     args += ["--ro-bind", seen(files.passwd), "/etc/passwd", "--ro-bind", seen(files.group), "/etc/group",
              "--ro-bind", seen(shell), SHELL_PATH]
     # /proc/sys read-only even to a sandbox user that some sysctl would let write (bwrap itself covers

@@ -68,6 +68,7 @@ from codefleet.sandbox.bwrap import (
     unavailable_reason,
 )
 from codefleet.sandbox.cgroups import Cgroup
+from codefleet.sandbox.environments import rootfs_of
 from codefleet.sandbox.identity import Identity, host_identity
 from codefleet.sandbox.layers import (
     MS_BIND,
@@ -132,14 +133,15 @@ class NamespaceSandbox(ShellSandbox):
         try:
             ro_sources = self._stage_ro_binds(config)
             self.workspace.mount()
-            view = None
+            view = userland = None
             if self.workspace.strategy == "overlay":  # root: in the workspace's tmpfs, unmounted (or reaped) with it
-                view = os.path.join(self.workspace.rw, "view")
-                os.mkdir(view, 0o755)
-                mount_view(files, _empty_dir(self.owner), view)
+                view = self._mount_view(files.directory, "view")
+                rootfs = None if config.environment is None else rootfs_of(config.environment)
+                if rootfs is not None and os.path.isdir(rootfs):  # else host_args says what is wrong with it
+                    userland = self._mount_view(rootfs, "userland")
             self.cgroup = self.owner.cgroups.create(sandbox_id, config.memory_mb, config.max_processes,
                                                     config.cpu_cores)
-            self._options = host_args(config, files, ro_sources, view)  # through a memfd: see bwrap.py
+            self._options = host_args(config, files, ro_sources, view, userland)  # through a memfd: see bwrap.py
             # Last, once every mount point exists: the sandbox's own root and /dev become read-only. The workspace
             # stays on bwrap's command line: the reaper finds a dead owner's bwraps by their sb/ path (state.py).
             self._base_args = ["--bind", self.workspace.merged, WORKSPACE, "--remount-ro", "/dev", "--remount-ro", "/"]
@@ -358,6 +360,13 @@ class NamespaceSandbox(ShellSandbox):
             mount("", stage, "", "", MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
             sources[path] = stage
         return sources
+
+    def _mount_view(self, directory: str, name: str) -> str:
+        """bwrap.mount_view of `directory` at the workspace's rw/`name`; its path."""
+        at = os.path.join(self.workspace.rw, name)
+        os.mkdir(at, 0o755)
+        mount_view(directory, _empty_dir(self.owner), at)
+        return at
 
     def _release(self) -> None:
         for stage in self._ro_stages:  # before remove_tree, which must not walk into them
