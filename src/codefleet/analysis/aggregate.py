@@ -31,13 +31,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from codefleet.analysis.clusters import combine, rules_cluster_rows, sample_key
+from codefleet.store import safe_files
 
 TABLE_COLUMNS = ["rollout_id", "run", "step", "task_id", "family", "group", "attempt", "category", "stop_reason",
                  "reward", "checks_passed", "checks_total", "turns", "n_tool_calls", "wall_s", "findings", "suspicious",
@@ -279,9 +279,8 @@ def summarise(judgments, config, rows: int | None = None) -> tuple[dict, dict]:
     return summary, tables
 
 
-def write_summary(path: str, summary: dict) -> None:
-    """summary.json, written atomically (a reader never sees half of it)."""
-    directory = os.path.dirname(path) or "."
-    with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as f:
-        json.dump(summary, f, indent=2, default=str)
-    os.replace(f.name, path)
+def write_summary(path: str, summary: dict, root: str | None = None) -> None:
+    """summary.json, written atomically (a reader never sees half of it); `root`: the directory the user named
+    (default: `path`'s own), below which no link is followed."""
+    text = json.dumps(summary, indent=2, default=str)
+    safe_files.write_file_beneath(root or os.path.dirname(path) or ".", path, text)

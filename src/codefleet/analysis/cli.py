@@ -10,21 +10,23 @@ defaults to RUN_DIR/analysis) and prints where they are; Ray's own output goes
 to OUT/ray.log. Exit status: 0 when
 the analysis was written (even if some files were skipped or some rows could
 not be judged: those are reported), 1 when there was nothing to analyse,
-2 for bad arguments.
+2 for bad arguments or a link under RUN_DIR (or OUT) where codefleet would
+write: nothing is ever written, appended or removed through one (docs/security.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-import shutil
 import sys
 
 import ray
 
 from codefleet.analysis.judge import JudgeConfig
-from codefleet.analysis.pipeline import AnalyzeConfig, NoRollouts, analyze, output_dir
+from codefleet.analysis.pipeline import AnalyzeConfig, NoRollouts, analyze, output_dir, output_root
 from codefleet.fleet.ray_init import ray_output_to
+from codefleet.store import safe_files
 
 
 def register(subparsers) -> None:
@@ -69,23 +71,26 @@ def run(args: argparse.Namespace) -> int:
     config = AnalyzeConfig(out_dir=args.out, judge=judge, report=not args.no_report, progress=args.progress,
                            num_cpus=args.num_cpus, object_store_mb=args.object_store_mb)
     try:
-        out_dir = output_dir(args.run_dir, config)
-        created = not os.path.exists(out_dir)
-        os.makedirs(out_dir, exist_ok=True)
+        # the directory the user named (OUT, or RUN_DIR for RUN_DIR/analysis): nothing below it is reached
+        # through a link (codefleet.store.safe_files, docs/security.md)
+        root, out_dir = output_root(args.run_dir, config), output_dir(args.run_dir, config)
+        created = not safe_files.lexists_beneath(root, out_dir) if out_dir != root else not os.path.exists(root)
+        safe_files.makedirs_beneath(root, out_dir)
         # Ray's own lines (start-up, library warnings, its workers' logs) go to OUT/ray.log, not to the terminal
         ray_was_up = ray.is_initialized()  # a caller's Ray (a test session's) is left running
-        with ray_output_to(os.path.join(out_dir, "ray.log")) as terminal:
+        with ray_output_to(os.path.join(out_dir, "ray.log"), root=root) as terminal:
             try:
                 result = analyze(args.run_dir, config, log=lambda msg: print(msg, file=terminal, flush=True),
                                  progress_to=terminal)
             except BaseException:
                 if created:  # nothing was analysed: leave no output directory behind
-                    shutil.rmtree(out_dir, ignore_errors=True)
+                    with contextlib.suppress(OSError):
+                        safe_files.remove_beneath(root, out_dir)
                 raise
             finally:
                 if not ray_was_up:
                     ray.shutdown()  # inside: what Ray prints as it stops goes to the log too
-    except FileNotFoundError as e:
+    except (FileNotFoundError, safe_files.LinkRefused) as e:
         print(f"codefleet analyze: {e}", file=sys.stderr)
         return 2
     except NoRollouts as e:

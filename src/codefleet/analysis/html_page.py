@@ -11,7 +11,8 @@ from __future__ import annotations
 import html
 import math
 import os
-import tempfile
+
+from codefleet.store import safe_files
 
 CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'"
 
@@ -89,9 +90,7 @@ def page(title: str, body: str, script: str = "") -> str:
             f"<title>{esc(title)}</title><style>{STYLE}</style></head><body>{body}{script_html}</body></html>")
 
 
-def write_atomic(path: str, text: str) -> None:
-    """Write `text` to `path` through a temporary file and os.replace: a reader sees the old file or the new one."""
-    with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(path) or ".", prefix=".", suffix=".tmp", delete=False,
-                                     encoding="utf-8") as f:
-        f.write(text)
-    os.replace(f.name, path)
+def write_atomic(path: str, text: str, root: str | None = None) -> None:
+    """Write `text` to `path` through a temporary file and os.replace: a reader sees the old file or the new one.
+    `root`: the directory the user named (default: `path`'s own directory); no link below it is followed."""
+    safe_files.write_file_beneath(root or os.path.dirname(path) or ".", path, text)

@@ -42,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import shutil
 import sys
 import threading
 import time
@@ -63,8 +62,9 @@ from codefleet.analysis.clusters import ClusterConfig
 from codefleet.analysis.details import fetch_details, with_rollout_id
 from codefleet.analysis.judge import JUDGE_COLUMNS, JudgeBatch, JudgeConfig, rules_verdict
 from codefleet.analysis.overview import overview
-from codefleet.analysis.report import write_report
+from codefleet.analysis.report import PAGES_DIR, write_report
 from codefleet.fleet.ray_init import init_ray
+from codefleet.store import safe_files
 from codefleet.store.parquet import StoreScan, find_store, partition_values, scan_store
 from codefleet.store.schema import COLUMNS, file_columns, from_file_table, upgrade_table
 
@@ -230,12 +230,20 @@ def ensure_ray(num_cpus: int | None = None, object_store_mb: int | None = None) 
     init_ray(num_cpus or max(2, min(os.cpu_count() or 2, 8)), object_store_mb=object_store_mb)
 
 
+def output_root(path: str, config: AnalyzeConfig) -> str:
+    """The directory the user named for the analysis of `path`: config.out_dir, else the run directory. Nothing
+    below it is reached through a link (codefleet.store.safe_files). FileNotFoundError when there is no store."""
+    if config.out_dir:
+        return config.out_dir
+    store = find_store(path)
+    return os.path.dirname(store) if os.path.basename(os.path.normpath(store)) == "rollouts" else store
+
+
 def output_dir(path: str, config: AnalyzeConfig) -> str:
     """Where the analysis of `path` (a run directory or its store) goes: config.out_dir, else RUN_DIR/analysis.
     FileNotFoundError when there is no store."""
-    store = find_store(path)
-    run_dir = os.path.dirname(store) if os.path.basename(os.path.normpath(store)) == "rollouts" else store
-    return config.out_dir or os.path.join(run_dir, "analysis")
+    root = output_root(path, config)
+    return root if config.out_dir else os.path.join(root, "analysis")
 
 
 def analyze(path: str, config: AnalyzeConfig | None = None, log: Callable[[str], None] | None = None,
@@ -245,7 +253,7 @@ def analyze(path: str, config: AnalyzeConfig | None = None, log: Callable[[str],
     config = config or AnalyzeConfig()
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     _ = config.judge.kind  # an unknown backend fails here, before any work
-    store, out_dir = find_store(path), output_dir(path, config)
+    store, root, out_dir = find_store(path), output_root(path, config), output_dir(path, config)
     timings: dict[str, float] = {}
     started = time.perf_counter()
     scan = scan_store(store)
@@ -258,17 +266,19 @@ def analyze(path: str, config: AnalyzeConfig | None = None, log: Callable[[str],
     if not scan.rows:
         raise NoRollouts(f"no rollouts under {store}: its {len(scan.files)} Parquet file(s) hold no rows; "
                          "analyse the run once it has finished rollouts")
+    # a link where the outputs go is refused now, before the judge's work, not after it
+    safe_files.makedirs_beneath(root, os.path.join(out_dir, PAGES_DIR) if config.report else out_dir)
     ensure_ray(config.num_cpus, config.object_store_mb)
-    with ray_data_settings(config), output_lock(out_dir, log):
-        return _analyze_scan(scan, store, out_dir, config, log, problems, timings, started, progress_to)
+    with ray_data_settings(config), output_lock(out_dir, log, root):
+        return _analyze_scan(scan, store, root, out_dir, config, log, problems, timings, started, progress_to)
 
 
 @contextlib.contextmanager
-def output_lock(out_dir: str, log: Callable[[str], None]):
+def output_lock(out_dir: str, log: Callable[[str], None], root: str | None = None):
     """Hold OUT/.analyze.lock: a second analysis into the same directory waits for the first instead of
-    deleting its judgments mid-write or adding its own files to them (doubling every count)."""
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, ".analyze.lock"), "a") as lock:
+    deleting its judgments mid-write or adding its own files to them (doubling every count). `root`: the
+    directory the user named (default out_dir), below which no link is followed."""
+    with safe_files.append_beneath(root or out_dir, os.path.join(out_dir, ".analyze.lock")) as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -324,13 +334,15 @@ def write_judgments(scan: StoreScan, config: AnalyzeConfig, path: str, progress_
         raise failed[0]
 
 
-def _analyze_scan(scan: StoreScan, store: str, out_dir: str, config: AnalyzeConfig, log: Callable[[str], None],
-                  problems: list[str], timings: dict[str, float], started: float,
+def _analyze_scan(scan: StoreScan, store: str, root: str, out_dir: str, config: AnalyzeConfig,
+                  log: Callable[[str], None], problems: list[str], timings: dict[str, float], started: float,
                   progress_to: TextIO | None) -> AnalysisResult:
-    """analyze() from the scan on (holding OUT's lock): judgments, then aggregates, clusters, report, summary."""
+    """analyze() from the scan on (holding OUT's lock): judgments, then aggregates, clusters, report, summary.
+    Ray Data writes judgments.parquet/ by path in its workers: the entry is removed (a link unlinked, never
+    followed) and made again as a directory through safe_files just before."""
 
     judgments_path = os.path.join(out_dir, "judgments.parquet")
-    _remove(judgments_path)
+    _fresh_dir(root, judgments_path)
     try:
         write_judgments(scan, config, judgments_path, progress_to)
     except Exception as e:  # a file whose footer reads but whose pages do not: find it, leave it out, go again
@@ -342,7 +354,7 @@ def _analyze_scan(scan: StoreScan, store: str, out_dir: str, config: AnalyzeConf
         problems += broken
         if not scan.rows:
             raise NoRollouts(f"no readable rollouts under {store}: every file with rows failed to read") from e
-        _remove(judgments_path)
+        _fresh_dir(root, judgments_path)
         write_judgments(scan, config, judgments_path, progress_to)
     timings["judge_s"] = time.perf_counter() - started
     judgments = ray.data.read_parquet(judgments_path, partitioning=None)
@@ -363,19 +375,18 @@ def _analyze_scan(scan: StoreScan, store: str, out_dir: str, config: AnalyzeConf
     timings["aggregate_s"] = time.perf_counter() - started - timings["judge_s"]
     if config.report:
         shown = {r["rollout_id"]: r for name in ("worst_failures", "suspicious_wins", "rollouts") for r in tables[name]}
-        write_report(out_dir, summary, tables, fetch_details(scan, list(shown.values())))
+        write_report(out_dir, summary, tables, fetch_details(scan, list(shown.values())), root)
         timings["report_s"] = time.perf_counter() - started - timings["judge_s"] - timings["aggregate_s"]
     timings["total_s"] = time.perf_counter() - started
     summary["timings_s"] = {k: round(v, 3) for k, v in timings.items()}
-    write_summary(os.path.join(out_dir, "summary.json"), summary)
+    write_summary(os.path.join(out_dir, "summary.json"), summary, root)
     return AnalysisResult(out_dir, summary, problems, timings)
 
 
-def _remove(path: str) -> None:
-    if os.path.isdir(path):
-        shutil.rmtree(path)
-    elif os.path.exists(path):
-        os.unlink(path)
+def _fresh_dir(root: str, path: str) -> None:
+    """An empty directory at `path` beneath `root`, whatever was there (a link is removed, never followed)."""
+    safe_files.remove_beneath(root, path)
+    safe_files.makedirs_beneath(root, path)
 
 
 __all__ = ["AnalyzeConfig", "AnalysisResult", "NoRollouts", "analyze", "ensure_ray", "judgments_dataset",

@@ -19,7 +19,9 @@ placed inside the script, and every text is escaped (html_page.esc), so a transc
 
 Each file is written atomically (temporary file + os.replace). Pages are written first, then report.html, then
 the pages an earlier analysis left in rollouts/ that this one did not write are removed: the directory always
-holds exactly the pages the current report links to once write_report returns.
+holds exactly the pages the current report links to once write_report returns. Every write and removal goes
+through codefleet.store.safe_files beneath `root` (the directory the user named: OUT, or RUN_DIR for the default
+RUN_DIR/analysis): a link planted anywhere below it (analysis/, rollouts/, a page) is refused, never followed.
 """
 
 from __future__ import annotations
@@ -27,13 +29,13 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import shutil
 from collections.abc import Iterable
 from importlib import resources
 
 from codefleet.analysis.html_page import as_list, esc, fmt, number, page, write_atomic
 from codefleet.analysis.report_plots import plots
 from codefleet.analysis.transcript import render_transcript
+from codefleet.store import safe_files
 
 PAGES_DIR = "rollouts"
 # (row key, header, "num" | "str"): the columns of the three tables, in order.
@@ -188,28 +190,27 @@ def render(summary: dict, tables: dict, pages: set[str]) -> str:
     return page("codefleet analysis", body, script)
 
 
-def _remove_stale(page_dir: str, keep: set[str]) -> None:
-    for name in os.listdir(page_dir):
+def _remove_stale(root: str, page_dir: str, keep: set[str]) -> None:
+    for name in safe_files.listdir_beneath(root, page_dir):
         if name not in keep:
-            path = os.path.join(page_dir, name)
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            else:
-                os.remove(path)
+            safe_files.remove_beneath(root, os.path.join(page_dir, name))
 
 
-def write_report(out_dir: str, summary: dict, tables: dict, details: Iterable[dict]) -> None:
-    """Write out_dir/report.html and a transcript page per rollout in `details` (see the module docstring)."""
+def write_report(out_dir: str, summary: dict, tables: dict, details: Iterable[dict], root: str | None = None) -> None:
+    """Write out_dir/report.html and a transcript page per rollout in `details` (see the module docstring).
+    `root`: the directory the user named, out_dir or one above it (default out_dir); nothing below it is
+    reached through a link."""
+    root = root or out_dir
     page_dir = os.path.join(out_dir, PAGES_DIR)
-    os.makedirs(page_dir, exist_ok=True)
+    safe_files.makedirs_beneath(root, page_dir)
     pages, files = set(), set()
     for detail in details:
         if not isinstance(detail, dict) or detail.get("rollout_id") is None:
             continue  # nothing to name its page by
         rollout_id = str(detail["rollout_id"])
         relative = transcript_path(rollout_id)
-        write_atomic(os.path.join(out_dir, relative), render_transcript(detail))
+        write_atomic(os.path.join(out_dir, relative), render_transcript(detail), root)
         pages.add(rollout_id)
         files.add(os.path.basename(relative))
-    write_atomic(os.path.join(out_dir, "report.html"), render(summary, tables, pages))
-    _remove_stale(page_dir, files)
+    write_atomic(os.path.join(out_dir, "report.html"), render(summary, tables, pages), root)
+    _remove_stale(root, page_dir, files)

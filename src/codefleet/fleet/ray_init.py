@@ -20,6 +20,8 @@ from typing import TextIO
 
 import ray
 
+from codefleet.store import safe_files
+
 
 def init_ray(num_cpus: float = 2, resources: dict[str, float] | None = None, address: str = "",
              object_store_mb: int | None = None) -> bool:
@@ -38,15 +40,16 @@ def init_ray(num_cpus: float = 2, resources: dict[str, float] | None = None, add
 
 
 @contextlib.contextmanager
-def ray_output_to(path: str) -> Iterator[TextIO]:
+def ray_output_to(path: str, root: str | None = None) -> Iterator[TextIO]:
     """Send this process's standard output and error (file descriptors 1 and 2) to the file `path` while the block
     runs, and yield a stream to the terminal's standard error for the command's own lines. Ray writes to those
     descriptors from its own threads and processes: its start-up lines, the warnings of its libraries, and the
-    last log lines of every node that dies, which it prints to each driver."""
+    last log lines of every node that dies, which it prints to each driver. `root`: the directory the user named
+    (default: `path`'s own); `path` is appended to without following any link below it (safe_files.LinkRefused)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    saved = {fd: os.dup(fd) for fd in (1, 2)}
-    with open(path, "ab") as f:
+    with safe_files.append_beneath(root or os.path.dirname(path) or ".", path) as f:
+        saved = {fd: os.dup(fd) for fd in (1, 2)}
         for fd in saved:
             os.dup2(f.fileno(), fd)
     try:
