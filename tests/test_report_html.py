@@ -167,3 +167,13 @@ def test_a_summary_without_overview_clusters_or_browse_renders(tmp_path):
     assert 'class="overview"' not in report and "Reasons, grouped" not in report
     assert len(_rows_of(report, "worst_failures")) == 2 and "href=" not in report  # no pages: plain text
     assert os.listdir(tmp_path / "rollouts") == []
+
+
+def test_labels_matplotlib_would_read_as_math_text_are_drawn_as_typed(tmp_path):
+    """A tool or family name is the rollout's to choose: `$\\foo$` (bad math text) must not cost the run its report."""
+    summary = sample.summary()
+    summary["tool_mix"] = {r"$\foo$": 3, r"$x^{$": 2, "run": 1, r"\$$\frac{1}{0$": 1}
+    summary["per_family"] = {**summary["per_family"], r"$\bar$": summary["per_family"]["calc"]}
+    write_report(str(tmp_path), summary, sample.tables(), [])
+    report = (tmp_path / "report.html").read_text(encoding="utf-8")
+    assert len(re.findall(r'<img alt="" src="data:image/png;base64,[A-Za-z0-9+/=]{200,}">', report)) == 7

@@ -2,7 +2,9 @@
 
 Success over steps, success per family (stacked by failure category), turn / wall-clock / token distributions
 (the summary's fixed 1-2-5 bins, log x axis), the tool-use mix and parallel calls per turn. They read only the
-summary's aggregates, never a rollout.
+summary's aggregates, never a rollout. Their labels (family, tool and category names) come from rollouts, so they
+are drawn as plain text (`PLAIN_TEXT`): a tool named `$\\foo$` is shown as typed, never parsed as math text, whose
+parse error would leave the run with no report.
 """
 
 from __future__ import annotations
@@ -10,9 +12,12 @@ from __future__ import annotations
 import base64
 import io
 
+import matplotlib
 from matplotlib.figure import Figure
 
 from codefleet.analysis.rules import CATEGORIES
+
+PLAIN_TEXT = {"text.parse_math": False, "text.usetex": False}  # labels from rollouts: never math, never TeX
 
 
 def _png(fig: Figure) -> str:
@@ -24,6 +29,11 @@ def _png(fig: Figure) -> str:
 
 def plots(summary: dict) -> list[str]:
     """The report's plots as <img> tags (see the module docstring)."""
+    with matplotlib.rc_context(PLAIN_TEXT):  # read when each text is made and when the figure is drawn
+        return _plots(summary)
+
+
+def _plots(summary: dict) -> list[str]:
     images = []
     steps = [s for s in summary["per_step"] if s["step"] is not None]  # rows without a step: in the totals only
     fig = Figure(figsize=(5, 3.2))
