@@ -485,3 +485,21 @@ def test_serve_on_port_0_prints_the_real_port_and_a_port_in_use_is_one_line_and_
     errors = [line for line in taken.stderr.splitlines() if "codefleet serve:" in line]
     assert len(errors) == 1 and f"cannot listen on 127.0.0.1:{port}" in errors[0] and "in use" in errors[0], taken.stderr
     assert "Traceback" not in taken.stderr
+
+
+def test_a_body_nested_too_deep_or_with_a_huge_integer_is_a_400_not_a_500(server, client):
+    """A hostile body (100,000 nested `[`, an integer of 5,000 digits) is the client's mistake, answered as OpenAI
+    answers one: a 400 with an invalid_request_error the real `openai` client raises as BadRequestError."""
+    hostile = [b"[" * 100_000, b'{"model": "x", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+               b'{"a": ' * 100_000 + b"1" + b"}" * 100_000,
+               b'{"model": "' + NAME.encode() + b'", "messages": [], "max_tokens": ' + b"9" * 5000 + b"}"]
+    for body in hostile:
+        status, got = post(server, body)
+        assert status == 400, got
+        assert got["error"]["type"] == "invalid_request_error" and got["error"]["code"] == "invalid_json"
+        assert set(got["error"]) == {"message", "type", "param", "code"} and got["error"]["message"]
+        with pytest.raises(openai.BadRequestError, match="too deeply|not valid JSON") as e:
+            client.post("/chat/completions", cast_to=object, content=body,
+                        options={"headers": {"Content-Type": "application/json"}})
+        assert e.value.status_code == 400 and e.value.code == "invalid_json"
+    assert client.chat.completions.create(model=NAME, messages=USER, max_tokens=2).usage.completion_tokens >= 1

@@ -371,13 +371,23 @@ class ChatServer:
                                                   created))
 
     def _parse(self, raw: bytes) -> ChatRequest:
+        """The request in `raw`; RequestError (a 400) for any body that is not one, however malformed: JSON that
+        does not parse, nests deeper than the parser recurses (100,000 `[`), or holds an integer of more digits
+        than Python converts."""
         try:
             body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except RecursionError:
+            raise RequestError("the request body nests arrays or objects too deeply to read; send a JSON object "
+                               "with \"model\" and \"messages\"", code="invalid_json") from None
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer over Python's digit limit
             raise RequestError(f"the request body is not valid JSON ({e}); send a JSON object with \"model\" and "
                                "\"messages\"", code="invalid_json") from None
-        return parse_request(body, self.engine, self.tokenizer, self.model_name, self.default_max_tokens,
-                             self.prompt, self.tool_grammar)
+        try:
+            return parse_request(body, self.engine, self.tokenizer, self.model_name, self.default_max_tokens,
+                                 self.prompt, self.tool_grammar)
+        except RecursionError:  # a tool schema or message parsed, but too deep to render or compile
+            raise RequestError("the request nests its values too deeply to process; flatten the tool schemas or "
+                               "messages", code="invalid_value") from None
 
     async def _stream(self, request: web.Request, req: ChatRequest, completion_id: str, created: int
                       ) -> web.StreamResponse:
