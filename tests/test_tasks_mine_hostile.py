@@ -239,7 +239,8 @@ def test_an_archive_bomb_is_refused_at_the_cap_and_leaves_nothing(kind, tmp_path
         data, flags, cap = gzip_bomb("bomb-1.0/x", 64, tarfile.XHDTYPE), ["--max-unpacked-mb", "8"], "8 MiB"
         kind = "tar.gz"
     else:
-        data, flags, cap = zip_bytes({"bomb-1.0/minilib/zeros.bin": bytes(48 << 20)}), ["--max-unpacked-mb", "8"], "8 MiB"
+        data, flags, cap = zip_bytes({"bomb-1.0/minilib/zeros.bin": bytes(48 << 20)}), ["--max-unpacked-mb", "8"], \
+            "8 MiB"
     assert len(data) < 1 << 20
     source = tmp_path / f"bomb-1.0.{kind}"
     source.write_bytes(data)
@@ -353,3 +354,17 @@ def test_a_requirement_that_is_not_on_the_index_is_one_clear_error(index, tmp_pa
     with pytest.raises(MineError, match="no source distribution .* of minilib==9.9"):
         mine_library("minilib==9.9", str(tmp_path / "out"), cache_dir=str(tmp_path / "cache"),
                      index_urls=[index.url])
+
+
+def test_mining_refuses_a_backend_that_does_not_isolate(tmp_path):
+    """The library's tests are the attacker's code: with the `local` backend they would run on this machine."""
+    canary = tmp_path / "canary"
+    folder = tmp_path / "lib"
+    for name, content in library("lib", "1.0", hostile_files("setup.py", str(canary))).items():
+        path = folder / name.split("/", 1)[1]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(content)
+    with pytest.raises(MineError, match="needs a sandbox that isolates"):
+        mine_library(str(folder), str(tmp_path / "out"), max_tasks=1, check=False,
+                     config=SandboxConfig(backend="local", state_dir=str(tmp_path / "state")))
+    assert not canary.exists()

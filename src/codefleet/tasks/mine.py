@@ -38,8 +38,9 @@ the sdist's sha256 checked, never `pip download`, which would run the package's 
 cache; the only step that needs the network.
 
 Nothing of the library runs on the host: its tests, its conftest.py and its setup.py run only in
-sandboxes; here its files are only read (PKG-INFO, pyproject.toml, and the modules that `ast` parses),
-never through a symlink.
+sandboxes (never the `local` backend, which does not isolate: mining refuses it, also where `auto` would
+fall back to it); here its files are only read (PKG-INFO, pyproject.toml, and the modules that `ast`
+parses), never through a symlink.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from codefleet.sandbox import Sandbox, SandboxConfig, create_sandbox
+from codefleet.sandbox import Sandbox, SandboxConfig, create_sandbox, resolve_backend
 from codefleet.tasks.checks import check_tasks, run_checks
 from codefleet.tasks.fetch import FetchError, fetch_sdist, parse_requirement
 from codefleet.tasks.mutations import KINDS, Mutation, file_mutations
@@ -250,6 +251,11 @@ def mine_library(source: str, out_dir: str, seed: int = 0, max_per_function: int
     if max_per_function < 1 or (max_tasks is not None and max_tasks < 1):
         raise MineError(f"--max-per-function and --max-tasks must be at least 1, got {max_per_function} and "
                         f"{max_tasks}")
+    backend = (config or SandboxConfig()).backend
+    if resolve_backend(backend) == "local":
+        raise MineError(f"mining runs the library's own tests, code nobody has checked, so it needs a sandbox that "
+                        f"isolates; backend {backend!r} is 'local' here, which runs them on this machine: install "
+                        "bubblewrap and enable user namespaces (docs/sandbox.md), or --set backend=vm")
     try:
         requirement = None if os.path.exists(source) else parse_requirement(source)
         if requirement is not None:
