@@ -135,7 +135,9 @@ def pip_indexes() -> tuple[list[str], str | None]:
 def _shown(url: str) -> str:
     """A URL without any user:password in it, for messages."""
     parts = urllib.parse.urlsplit(url)
-    return parts._replace(netloc=parts.hostname or "").geturl() if parts.password or parts.username else url
+    if not (parts.username or parts.password):
+        return url
+    return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
 
 
 # -- reading the index ----------------------------------------------------------------
