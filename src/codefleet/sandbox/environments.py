@@ -179,7 +179,7 @@ def _store_image(image_dir: str, config_hex: str, layer_dirs: list[str], archive
 
 def merge_layers(layer_dirs: list[str], rootfs: str) -> None:
     """Make `rootfs` (it must not exist) the layers merged, bottom first: hard links to their files, their
-    directories' modes and times."""
+    directories' owners, modes and times."""
     os.mkdir(rootfs, 0o700)
     modes: dict[str, os.stat_result] = {}
     for layer in layer_dirs:
@@ -187,6 +187,8 @@ def merge_layers(layer_dirs: list[str], rootfs: str) -> None:
     for rel in sorted(modes, key=lambda r: r.count("/"), reverse=True):
         path = os.path.join(rootfs, rel)
         if _is_dir(path):  # not removed by a layer above since
+            if (modes[rel].st_uid, modes[rel].st_gid) != (os.geteuid(), os.getegid()):  # a build step's owner
+                os.chown(path, modes[rel].st_uid, modes[rel].st_gid)
             os.chmod(path, stat.S_IMODE(modes[rel].st_mode))
             os.utime(path, ns=(modes[rel].st_mtime_ns, modes[rel].st_mtime_ns))
     os.chmod(rootfs, 0o755)
