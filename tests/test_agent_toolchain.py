@@ -95,6 +95,28 @@ def test_a_venv_whose_interpreter_would_expose_a_home_directory_is_refused(tmp_p
         toolchain.with_venv(SandboxConfig(environment="/nonexistent"), toolchain.Venv("/x", None))
 
 
+def test_of_an_installers_python_only_what_an_interpreter_needs_is_bound(tmp_path):
+    """A pyenv-style installation: its python executables, stdlib, libpython and headers; never its other
+    programs, other libraries, or a python* entry that leads out of its directory."""
+    prefix = str(tmp_path / ".pyenv" / "versions" / "3.12.1")
+    _fake_installation(prefix, "3.12")
+    os.symlink("python3.12", f"{prefix}/bin/python3")
+    os.symlink(str(tmp_path / "elsewhere"), f"{prefix}/bin/python3.1")  # leads out: left out
+    os.makedirs(f"{prefix}/include/python3.12")
+    for name in ("bin/pip", "lib/libpython3.12.so.1.0", "lib/libssl.so.3", str(tmp_path / "elsewhere")):
+        open(os.path.join(prefix, name), "w").close()
+    venv = tmp_path / "v"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "pyvenv.cfg").write_text(f"home = {prefix}/bin\nimplementation = CPython\nversion_info = 3.12.1\n")
+    os.symlink(f"{prefix}/bin/python3", venv / "bin" / "python")
+    assert toolchain.venv_at(str(venv)).installation == (
+        f"{prefix}/lib/python3.12", f"{prefix}/bin/python3", f"{prefix}/bin/python3.12",
+        f"{prefix}/lib/libpython3.12.so.1.0", f"{prefix}/include/python3.12")
+    os.remove(f"{prefix}/lib/python3.12/os.py")  # no longer a Python installation
+    with pytest.raises(toolchain.ToolchainError, match="not the bin directory of a Python 3.12 installation"):
+        toolchain.venv_at(str(venv))
+
+
 def test_a_bind_the_sandbox_user_cannot_walk_to_is_staged_and_unmounted(tmp_path, state_dir):
     """tmp_path lies in root's 0700 /tmp/pytest-of-root: the sandbox user could not open it itself."""
     venv = toolchain.venv_at(_venv(str(tmp_path / "proj" / ".venv")))

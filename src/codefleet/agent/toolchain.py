@@ -47,8 +47,9 @@ _INSTALLED = re.compile(r"(/[^/]+)*(/\.pyenv/versions"          # pyenv: ~/.pyen
                         r"|/\.asdf/installs/python"              # asdf: ~/.asdf/installs/python/3.12.3
                         r"|/hostedtoolcache/Python/[^/]+"        # GitHub Actions: .../Python/3.12.3/x64
                         r"|/(ana|mini)conda3?/envs|/miniforge3/envs|/mambaforge/envs|/conda/envs"  # conda envs
-                        r"|/opt)/[^/.][^/]*"                     # /opt/python3.12, /opt/conda
-                        r"|(/[^/]+)*/((ana|mini)conda3?|miniforge3|mambaforge)")  # conda's base: ~/miniconda3
+                        r")/[^/.][^/]*"
+                        r"|(/[^/]+)*/((ana|mini)conda3?|miniforge3|mambaforge)"  # conda's base: ~/miniconda3
+                        r"|/opt/[^/.][^/]*")                     # /opt/python3.12, /opt/conda
 _EXECUTABLE = re.compile(r"python(\d+(\.\d+)?)?")
 _VERSION = re.compile(r"(\d+)\.(\d+)")
 
