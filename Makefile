@@ -50,11 +50,12 @@ test-report: setup
 	CODEFLEET_REQUIRE_BROWSER=1 $(PY) -m pytest -m browser -q
 
 # Tasks mined from real libraries (docs/tasks.md, "Mined tasks"): their pinned source distributions are fetched
-# from PyPI once (install time) into .cache/sdists, which the slow mining test also reads.
+# from the index once into .cache/sdists as data, hash-checked (never `pip download`, which runs a package's build
+# backend), and the slow mining test reads them too.
 SDISTS ?= .cache/sdists
 MINED_DIR ?= tasks/mined
 sdists: setup
-	$(PY) -m pip download -q --no-deps --no-binary :all: --require-hashes -r scripts/mined-libraries.txt -d $(SDISTS)
+	$(VENV)/bin/codefleet tasks fetch -r scripts/mined-libraries.txt --dest $(SDISTS)
 
 mined-tasks: sdists
 	$(VENV)/bin/codefleet tasks mine $(SDISTS)/*.tar.gz --out $(MINED_DIR) --seed 0 --max-tasks 8

@@ -155,3 +155,52 @@ def test_a_row_that_names_its_image_runs_in_that_saved_archive(fixture, tmp_path
     assert [(t.id, t.environment) for t in tasks] == [("acme__clampy-1", str(images / "acme_clampy_1.0.tar")),
                                                       ("b3", "sha256:abcd")]  # no image named: every task's
     assert [e.line for e in errors] == [2] and "'acme/other' is not saved in" in errors[0].reason
+
+
+@pytest.mark.parametrize("member, says", [("../outside.txt", "outside the tree"),
+                                           ("/etc/codefleet-planted", "outside the tree")])
+def test_a_task_repo_tarball_that_leaves_its_tree_is_refused_at_set_up(tmp_path, member, says):
+    """A task directory is anyone's: its repository tarball unpacks under the same caps and rules as a mined
+    archive, so a member outside the tree is a set-up error naming the task's repo, and nothing lands outside."""
+    import io
+    import tarfile
+
+    from codefleet.tasks.checks import TaskSetupError, materialize_repo
+
+    archive = tmp_path / "repo.tar"
+    with tarfile.open(archive, "w") as tar:
+        data = b"planted\n"
+        info = tarfile.TarInfo(member)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    cache = tmp_path / "cache"
+    with pytest.raises(TaskSetupError, match=f"task repo '{archive}'.*{says}"):
+        materialize_repo(str(archive), cache_dir=str(cache))
+    assert not (cache / "outside.txt").exists() and not os.path.exists("/etc/codefleet-planted")
+    assert not (cache / "task-repos").exists() or os.listdir(cache) == []
+
+
+def test_a_task_repo_tarball_bomb_is_refused_at_its_cap(tmp_path):
+    """300 MiB of zeros in a tarball of a few hundred KiB: refused at the unpacking cap, nothing kept."""
+    import tarfile
+
+    from codefleet.tasks.checks import TaskSetupError, materialize_repo
+
+    class Zeros:
+        def __init__(self, n):
+            self.left = n
+
+        def read(self, size=-1):
+            size = self.left if size < 0 else min(size, self.left)
+            self.left -= size
+            return b"\0" * size
+
+    archive = tmp_path / "repo.tar.gz"
+    with tarfile.open(archive, "w:gz", compresslevel=1) as tar:
+        info = tarfile.TarInfo("big")
+        info.size = 300 << 20
+        tar.addfile(info, Zeros(info.size))
+    assert archive.stat().st_size < 2 << 20
+    with pytest.raises(TaskSetupError, match="task repo .*MiB"):
+        materialize_repo(str(archive), cache_dir=str(tmp_path / "cache"))
+    assert os.listdir(tmp_path / "cache") == []

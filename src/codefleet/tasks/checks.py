@@ -47,7 +47,6 @@ import re
 import secrets
 import shlex
 import shutil
-import tarfile
 import tempfile
 import threading
 import time
@@ -56,6 +55,7 @@ from dataclasses import dataclass, field
 
 from codefleet.sandbox import Sandbox, SandboxClosedError, SandboxConfig, create_sandbox
 from codefleet.tasks.spec import validate_task
+from codefleet.tasks.unpack import UnpackError, unpack_source
 from codefleet.types import CheckResult, Task
 
 BASELINE_REF = "refs/codefleet/baseline"
@@ -106,14 +106,14 @@ def materialize_repo(repo: str, cache_dir: str | None = None) -> str:
     os.makedirs(cache_dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".extract-", dir=cache_dir)
     try:
-        with tarfile.open(repo) as tar:
-            tar.extractall(tmp, filter="data")
-        os.rename(tmp, target)
+        # a task directory is anyone's (docs/security.md): capped, nothing outside the tree, no special files
+        unpack_source(repo, os.path.join(tmp, "repo"))
+        os.rename(os.path.join(tmp, "repo"), target)
     except OSError:
         if not os.path.isdir(target):  # lost a race with another extractor: theirs is as good
             raise
-    except tarfile.TarError as e:
-        raise TaskSetupError(f"task repo {repo!r} is not a readable tarball: {e}") from None
+    except UnpackError as e:
+        raise TaskSetupError(f"task repo {repo!r}: {e}") from None
     finally:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
