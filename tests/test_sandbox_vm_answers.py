@@ -44,7 +44,7 @@ HOSTILE = {
     "exec": [None, [], {}, "output", {k: v for k, v in GOOD_EXEC.items() if k != "exit_code"},
              _exec(extra=1), _exec(output=5), _exec(output="x" * (LIMIT + 5000)),
              _exec(output="lone \ud800 surrogate"), _exec(output="escaped \udcff byte"), _exec(exit_code="0"),
-             _exec(exit_code=True), _exec(exit_code=10**30), _exec(exit_code=-(10**30)), _exec(exit_code=-5),
+             _exec(exit_code=True), _exec(exit_code=10**30), _exec(exit_code=-(10**30)), _exec(exit_code=-65),
              _exec(exit_code=256), _exec(exit_code=1.0), _exec(duration_s=float("nan")),
              _exec(duration_s=float("inf")), _exec(duration_s=-1.0), _exec(duration_s="1"), _exec(duration_s=10**400),
              _exec(cut_bytes=-1), _exec(cut_bytes=1 << 64), _exec(timed_out=1), _exec(truncated=None),
@@ -75,6 +75,7 @@ def test_what_the_agent_really_sends_is_taken_as_the_hosts_types():
     assert answer_of("exec", GOOD_EXEC, {}, LIMIT) == ExecResult("hi\n", 0, duration_s=0.01)
     assert answer_of("oneoff", killed, {}, LIMIT).exit_code == 137
     assert answer_of("exec", _exec(exit_code=-1, output="\ufffd replaced"), {}, LIMIT).exit_code == -1
+    assert answer_of("exec", _exec(exit_code=-9), {}, LIMIT).exit_code == -9  # the shell itself was killed
     # a name that is not UTF-8 keeps its bytes as surrogates, as files.list gives it (and takes it back)
     listed = [asdict(FileEntry("caf\udce9.txt", "file", 3)), asdict(FileEntry("sub", "dir", 4096))]
     assert answer_of("list", listed, {}, LIMIT) == [FileEntry("caf\udce9.txt", "file", 3), FileEntry("sub", "dir", 4096)]

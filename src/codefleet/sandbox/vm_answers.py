@@ -4,7 +4,7 @@ The guest is the untrusted side of the vm backend: a command that became root in
 exploit, an image's setuid program) can kill the agent and answer in its place. So nothing it sends is
 taken on trust. vm_qemu.AgentLink checks the frame (its size, that it is JSON, its envelope) and
 `answer_of` checks the answer to each op: its keys, the type of each value (a bool is not an int), the
-range of each number (no NaN, no exit status of 10**300), the size of each text (a command's output
+range of each number (no NaN, no exit status of 10**30), the size of each text (a command's output
 within its cap) and that text is Unicode (no lone surrogates, which fail later, far from here, when
 encoded). Anything else is one MalformedAnswerError, a SandboxDeadError: the sandbox is broken,
 close it and create another.
@@ -25,6 +25,7 @@ class MalformedAnswerError(SandboxDeadError):
 
 _KINDS = ("file", "dir", "symlink", "other")  # FileEntry.kind
 _MAX_INT = (1 << 63) - 1
+_MIN_STATUS = -64  # a shell killed by signal N answers -N (SIGRTMAX is 64); -1: no status at all
 _NOTES_CHARS = 4096  # what the agent adds to a command's capped output: the cut marker, codefleet's notes
 _MAX_LIST = 10_000  # files.list's max_entries
 
@@ -85,7 +86,7 @@ def _exec_answer(raw: object, args: dict, output_limit_bytes: int) -> ExecResult
     duration = r["duration_s"]
     _expect(type(duration) in (int, float) and 0 <= duration <= 1e7, "duration_s is not a duration")  # NaN fails
     return ExecResult(_text(r["output"], output_limit_bytes + _NOTES_CHARS, "the output"),
-                      _int(r["exit_code"], -1, 255, "exit_code"), _bool(r["timed_out"], "timed_out"),
+                      _int(r["exit_code"], _MIN_STATUS, 255, "exit_code"), _bool(r["timed_out"], "timed_out"),
                       _bool(r["truncated"], "truncated"), float(duration), _int(r["cut_bytes"], 0, _MAX_INT, "cut_bytes"),
                       _bool(r["shell_restarted"], "shell_restarted"))
 
