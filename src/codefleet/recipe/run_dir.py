@@ -52,15 +52,20 @@ refuses, in one sentence, while another holder's lease is fresh (renewed in the 
 that holder is on this host and its process is gone; a lease older than that is a dead holder's and is
 taken over. After writing its lease a process reads it back `LEASE_SETTLE_S` later and refuses if another
 token is there (two started at the same moment: the later writer wins). `unlock()` removes the lease.
+
+Links. The run directory may have been prepared by someone else, and `train` may run as root: what RunDir
+writes, appends or removes below the directory the user named is never reached through a symlink (a link at
+`checkpoints/` or `accepted/`, or planted as a record, is refused in one sentence: codefleet.store.safe_files,
+docs/security.md). The user's own directory may be a link.
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import io
 import json
 import os
-import shutil
 import socket
 import sys
 import threading
@@ -72,7 +77,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from codefleet.fleet.staleness import Group
 from codefleet.model.checkpoint import CONFIG_FILE
-from codefleet.store import records, storage
+from codefleet.store import records, safe_files, storage
 
 # The layout above, as a number: a run directory written in another layout is refused on --resume with one
 # sentence, never half-read. Raise it when the layout or the records change.
@@ -129,8 +134,8 @@ class RunDir:
     # -- records -------------------------------------------------------------------------
 
     def write(self, name: str, data: bytes) -> None:
-        """The record `name` ("eval/rl.json"), written atomically where it lives."""
-        storage.put_file_atomic(self.durable(name), data)
+        """The record `name` ("eval/rl.json"), written atomically where it lives (no link below the run followed)."""
+        storage.put_file_atomic(self.durable(name), data, root=self.location)
 
     def read(self, name: str) -> bytes | None:
         """The record `name`, or None when there is none."""
@@ -147,9 +152,9 @@ class RunDir:
         if self.url and os.path.exists(self.path(name)):
             local = self.path(name)
             if os.path.isdir(local):
-                storage.upload_dir(local, self.durable(name))
+                storage.upload_dir(local, self.durable(name), root=self.location)
             else:
-                storage.upload_file(local, self.durable(name))
+                storage.upload_file(local, self.durable(name), root=self.location)
 
     def fetch(self, name: str) -> bool:
         """A URL run: make the local copy of `name` what the URL holds (nothing, if it holds nothing). Whether
@@ -158,13 +163,13 @@ class RunDir:
             return os.path.exists(self.path(name))
         durable = self.durable(name)
         if storage.isdir(durable):
-            shutil.rmtree(self.path(name), ignore_errors=True)
+            storage.remove(self.path(name), root=self.root)
             storage.download_dir(durable, self.path(name))
             return True
         if storage.exists(durable):
             storage.download_file(durable, self.path(name))
             return True
-        storage.remove(self.path(name))  # the URL is the truth: a copy left from another session goes
+        storage.remove(self.path(name), root=self.root)  # the URL is the truth: a copy left from another session goes
         return False
 
     def write_format(self) -> None:
@@ -188,7 +193,7 @@ class RunDir:
         """Take the run's lock for as long as this process lives (or `unlock()`); RunError if another holds it.
         A URL run also takes its lease (the module docstring)."""
         os.makedirs(self.root, exist_ok=True)
-        fd = os.open(self.path(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = safe_files.open_beneath(self.root, ".lock", os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -214,7 +219,7 @@ class RunDir:
             lease["thread"].join()
             try:
                 if self._lease_holder() == lease["token"]:
-                    storage.remove(self.durable(LEASE_FILE))
+                    storage.remove(self.durable(LEASE_FILE), root=self.location)
             except OSError as e:  # it ages out on its own
                 log(f"could not remove the lease of {self.location} ({type(e).__name__}: {e})")
         fd = getattr(self, "_lock_fd", None)
@@ -283,7 +288,11 @@ class RunDir:
     # -- checkpoints ---------------------------------------------------------------------
 
     def checkpoint(self, name: str) -> str:
-        """Where the checkpoint `name` (init, sft, rl-start, rl-step-NNNNNN) lives: a URL for a URL run."""
+        """Where the checkpoint `name` (init, sft, rl-start, rl-step-NNNNNN) lives: a URL for a URL run. The trainer
+        workers write there by path, so a local run's checkpoints/ is made here first, through safe_files: a link
+        planted as checkpoints/ is refused before any weights could be written through it."""
+        if not self.url:
+            safe_files.makedirs_beneath(self.root, "checkpoints")
         return self.durable("checkpoints", name)
 
     def rl_checkpoint(self, step: int) -> str:
@@ -340,13 +349,13 @@ class RunDir:
         folder = self.durable("checkpoints")
         for name in storage.listdir(folder):
             if name.startswith("rl-step-") and (".tmp-" in name or ".old-" in name):  # left by a crash
-                storage.remove(storage.join(folder, name))
+                storage.remove(storage.join(folder, name), root=self.location)
                 continue
             if name.startswith("rl-step-") and not name.endswith(".json"):
                 step = int(name.rsplit("-", 1)[1])
                 if step < keep_step:
-                    storage.remove(storage.join(folder, name))
-                    storage.remove(storage.join(folder, name + ".controller.json"))
+                    storage.remove(storage.join(folder, name), root=self.location)
+                    storage.remove(storage.join(folder, name + ".controller.json"), root=self.location)
 
 
 def _lease_live(held: dict) -> bool:
@@ -379,11 +388,16 @@ def _lease_refusal(location: str, held: dict) -> RunError:
 class Metrics:
     """One line per step in metrics.jsonl, the same scalars in TensorBoard, and a plot. A URL run keeps them in
     its staging directory: metrics.jsonl is uploaded on every line (and read back from the URL first), tb/ and
-    metrics.png when the metrics close."""
+    metrics.png when the metrics close. TensorBoard writes its event file by name: tb/ is made through
+    safe_files and any link found in it removed first, so a link planted there is never written through."""
 
     def __init__(self, run: RunDir):
         self.run = run
         run.fetch("metrics.jsonl")
+        safe_files.makedirs_beneath(run.root, "tb")
+        for name in safe_files.listdir_beneath(run.root, "tb"):
+            if os.path.islink(run.path("tb", name)):
+                safe_files.remove_beneath(run.root, os.path.join("tb", name))
         self.writer = SummaryWriter(run.path("tb"))
 
     def log(self, stage: str, step: int, values: dict) -> None:
@@ -391,8 +405,8 @@ class Metrics:
         for key, value in scalars.items():
             self.writer.add_scalar(f"{stage}/{key}", value, step)
         self.writer.flush()
-        with open(self.run.path("metrics.jsonl"), "a") as f:
-            f.write(json.dumps({"stage": stage, "step": step, **scalars}) + "\n")
+        with safe_files.append_beneath(self.run.root, "metrics.jsonl") as f:
+            f.write((json.dumps({"stage": stage, "step": step, **scalars}) + "\n").encode())
         self.run.publish("metrics.jsonl")
 
     def rows(self, stage: str) -> list[dict]:
@@ -416,8 +430,10 @@ class Metrics:
             ax.set_title(title)
             ax.set_xlabel("step")
         fig.tight_layout()
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=80)
         out = self.run.path("metrics.png")
-        fig.savefig(out, dpi=80)
+        safe_files.write_file_beneath(self.run.root, out, png.getvalue(), mode=0o644)
         self.run.publish("metrics.png")
         return out
 

@@ -53,7 +53,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from codefleet.store import storage
+from codefleet.store import safe_files, storage
 from codefleet.store.schema import (
     COLUMNS,
     FILE_COLUMNS,
@@ -144,12 +144,14 @@ def records_to_table(records: list[dict]) -> pa.Table:
 
 class RolloutWriter:
     """Appends rollouts to a store directory (normally RUN_DIR/rollouts) or URL; safe while readers scan it.
-    Several writers (processes) may append to the same store: file names are unique."""
+    Several writers (processes) may append to the same store: file names are unique. `beneath`: the directory
+    the user named (default: the store's parent, RUN_DIR); no link below it is followed (safe_files)."""
 
-    def __init__(self, root: str, compression: str = "zstd"):
+    def __init__(self, root: str, compression: str = "zstd", beneath: str | None = None):
         self.root = root
         self.compression = compression
-        storage.makedirs(root)
+        self.beneath = beneath or storage.parent(storage.absolute(root))
+        storage.makedirs(root, root=self.beneath)
 
     def append(self, records: list[dict]) -> str:
         """Write `records` as one new file per (run, step) partition; returns the path(s) written,
@@ -168,16 +170,11 @@ class RolloutWriter:
                 paths.append(self._put(rows, run, step))
                 continue
             directory = os.path.join(self.root, f"run={run_directory_name(run)}", f"step={step}")
-            os.makedirs(directory, exist_ok=True)
-            name = f"part-{uuid.uuid4().hex}.parquet"
-            tmp = os.path.join(directory, f".{name}.tmp")
-            try:
-                pq.write_table(to_file_table(records_to_table(rows)), tmp, compression=self.compression)
-                os.replace(tmp, os.path.join(directory, name))
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-            paths.append(os.path.join(directory, name))
+            path = os.path.join(directory, f"part-{uuid.uuid4().hex}.parquet")
+            table = to_file_table(records_to_table(rows))
+            safe_files.write_file_beneath(self.beneath, path, lambda f, table=table: pq.write_table(
+                table, f, compression=self.compression), mode=0o644)
+            paths.append(path)
         return ", ".join(paths)
 
     def _put(self, rows: list[dict], run: str, step: int) -> str:
@@ -186,7 +183,7 @@ class RolloutWriter:
         pq.write_table(to_file_table(records_to_table(rows)), buffer, compression=self.compression)
         url = storage.join(self.root, f"run={run_directory_name(run)}", f"step={step}",
                            f"part-{uuid.uuid4().hex}.parquet")
-        storage.put_file_atomic(url, buffer.getvalue().to_pybytes())
+        storage.put_file_atomic(url, buffer.getvalue().to_pybytes(), root=self.beneath)
         return url
 
 
@@ -329,7 +326,8 @@ def upgrade_store(root: str, on_problem: Callable[[str], None] | None = None) ->
     number of files rewritten. Rows are unchanged as codefleet reads them. Not while a run writes the store
     (a reader could count a rewritten file twice for a moment)."""
     report = on_problem or (lambda msg: print(f"rollout store: {msg}", file=sys.stderr))
-    scan = scan_store(find_store(root))
+    store = find_store(root)
+    scan = scan_store(store)
     rewritten = 0
     for store_file in scan.files:
         if store_file.current:
@@ -342,15 +340,10 @@ def upgrade_store(root: str, on_problem: Callable[[str], None] | None = None) ->
         except Exception as e:  # a body that does not read: leave the file as it is
             report(f"{store_file.path}: could not be read ({type(e).__name__}: {e}); left as it is")
             continue
-        directory, name = os.path.split(store_file.path)
-        final = os.path.join(directory, f"part-{uuid.uuid4().hex}.parquet")
-        tmp = os.path.join(directory, f".{os.path.basename(final)}.tmp")
-        try:
-            pq.write_table(table, tmp, compression="zstd")
-            os.replace(tmp, final)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        os.unlink(store_file.path)
+        final = os.path.join(os.path.dirname(store_file.path), f"part-{uuid.uuid4().hex}.parquet")
+        # nothing below the store is followed: a link planted in it is refused, never written or removed through
+        safe_files.write_file_beneath(store, final, lambda f, table=table: pq.write_table(table, f, compression="zstd"),
+                                      mode=0o644)
+        safe_files.remove_beneath(store, store_file.path)
         rewritten += 1
     return rewritten

@@ -33,6 +33,13 @@ error (the old contents at the URL removed first when `replace`).
 
 The fsspec instances are cached per process and some (s3fs) cache listings: every listing here
 invalidates that cache first, so a file another process wrote is seen.
+
+Links. A run directory may have been prepared by someone else (docs/security.md). The writers here
+(`put_file_atomic`, `upload_file`, `upload_dir`, `remove`, `makedirs`) take `root`, the directory the user
+named (a run directory); on a local filesystem (a path or `file://`) nothing below `root` is followed when it
+is a symlink (codefleet.store.safe_files: a link on the way, or as the file written, is refused; removing a link
+removes the link). Without `root` that holds from the target's own directory down. Object stores (s3://,
+gs://, az://, memory://) have no symlinks: a key is a name, so there is nothing to follow there.
 """
 
 from __future__ import annotations
@@ -50,6 +57,8 @@ import uuid
 from collections.abc import Iterator
 
 import fsspec
+
+from codefleet.store import safe_files
 
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
@@ -81,6 +90,21 @@ def _fs(url: str):
 
 def _is_local(fs) -> bool:
     return "file" in (fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,))
+
+
+def _local_path(path: str) -> str | None:
+    """The local path of a plain path or a file:// URL; None for a URL of an object store (no links there)."""
+    if not is_url(path):
+        return path
+    fs, p = _fs(path)
+    return p if _is_local(fs) else None
+
+
+def _local_root(root: str | None, local: str) -> str:
+    """The directory below which nothing is followed for the local path `local`: `root`'s local path, else
+    `local`'s own directory."""
+    found = _local_path(root) if root else None
+    return found or os.path.dirname(local) or "."
 
 
 def join(base: str, *parts: str) -> str:
@@ -140,22 +164,26 @@ def read_bytes(path: str) -> bytes:
     return fs.cat_file(p)
 
 
-def makedirs(path: str) -> None:
-    """The directory `path` (an object store has no directories: nothing to do there)."""
-    if not is_url(path):
-        os.makedirs(path, exist_ok=True)
+def makedirs(path: str, root: str | None = None) -> None:
+    """The directory `path` (an object store has no directories: nothing to do there); with `root`, none of the
+    directories below `root` is reached through a link."""
+    local = _local_path(path)
+    if local is not None:
+        if root:
+            safe_files.makedirs_beneath(_local_root(root, local), local)
+        else:
+            os.makedirs(local, exist_ok=True)
         return
     fs, p = _fs(path)
     fs.makedirs(p, exist_ok=True)
 
 
-def remove(path: str) -> None:
-    """Remove the file or directory tree `path`; nothing there is fine."""
-    if not is_url(path):
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        elif os.path.lexists(path):
-            os.unlink(path)
+def remove(path: str, root: str | None = None) -> None:
+    """Remove the file or directory tree `path`; nothing there is fine. Locally, nothing below `root` (default:
+    `path`'s directory) is followed: a link is removed itself, a tree never descended through one."""
+    local = _local_path(path)
+    if local is not None:
+        safe_files.remove_beneath(_local_root(root, local), local, ignore_errors=True)
         return
     fs, p = _fs(path)
     fs.invalidate_cache(p)
@@ -163,44 +191,31 @@ def remove(path: str) -> None:
         fs.rm(p, recursive=True)
 
 
-def _local_atomic(path: str, write) -> None:
-    """`write(file)` into a temporary file beside `path`, flushed to disk, then renamed onto `path`."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+def _local_atomic(path: str, write, root: str | None = None) -> None:
+    """`write(file)` into a temporary file beside `path`, flushed to disk, then renamed onto `path`; no link
+    below `root` (default: `path`'s directory) followed, a link at `path` refused (safe_files)."""
+    safe_files.write_file_beneath(_local_root(root, path), path, write, fsync=True)
 
 
-def put_file_atomic(path: str, data: bytes) -> None:
-    """Write `data` as the file `path`: readers see the old file or the whole new one, never part of it."""
-    if not is_url(path):
-        _local_atomic(path, lambda f: f.write(data))
+def put_file_atomic(path: str, data: bytes, root: str | None = None) -> None:
+    """Write `data` as the file `path`: readers see the old file or the whole new one, never part of it. `root`:
+    the run directory `path` is in (nothing below it is followed locally, see the module docstring)."""
+    local = _local_path(path)
+    if local is not None:
+        _local_atomic(local, lambda f: f.write(data), root)
         return
     fs, p = _fs(path)
-    if _is_local(fs):
-        _local_atomic(p, lambda f: f.write(data))
-    else:
-        fs.pipe_file(p, data)  # one PUT
+    fs.pipe_file(p, data)  # one PUT
 
 
-def upload_file(local: str, path: str) -> None:
+def upload_file(local: str, path: str, root: str | None = None) -> None:
     """Copy the local file `local` to `path`, atomically as `put_file_atomic` (without reading it into memory)."""
-    if not is_url(path):
-        _local_atomic(path, lambda f: _copy_into(local, f))
+    target = _local_path(path)
+    if target is not None:
+        _local_atomic(target, lambda f: _copy_into(local, f), root)
         return
     fs, p = _fs(path)
-    if _is_local(fs):
-        _local_atomic(p, lambda f: _copy_into(local, f))
-    else:
-        fs.put_file(local, p)  # one (multipart) upload: the object appears when it completes
+    fs.put_file(local, p)  # one (multipart) upload: the object appears when it completes
 
 
 def _copy_into(local: str, f) -> None:
@@ -216,13 +231,14 @@ def _local_files(local: str) -> list[str]:
     return sorted(out)
 
 
-def upload_dir(local: str, path: str, last: tuple[str, ...] = ()) -> None:
+def upload_dir(local: str, path: str, last: tuple[str, ...] = (), root: str | None = None) -> None:
     """Every file under the local directory `local` to the same names under `path` (files already there and
     not in `local` stay); the files named in `last` (relative names, e.g. "config.json") go after the rest,
-    so a reader that waits for them sees the others whole."""
+    so a reader that waits for them sees the others whole. `root`: as for `put_file_atomic`."""
     files = _local_files(local)
+    rooted = (root,) if root else ()
     for rel in sorted(files, key=lambda rel: (rel in last, rel)):
-        upload_file(os.path.join(local, rel), join(path, rel))
+        upload_file(os.path.join(local, rel), join(path, rel), *rooted)
 
 
 def _remote_files(path: str) -> dict[str, dict]:
@@ -351,7 +367,7 @@ def staged_dir(dest: str, replace: bool = True, last: tuple[str, ...] = ()) -> I
         local = os.path.join(scratch, "dir")
         yield local
         if os.path.isdir(local):
-            upload_dir(local, dest, last)
+            upload_dir(local, dest, last, root=dest)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -372,6 +388,6 @@ def editing(dest: str, fetch: tuple[str, ...] = ()) -> Iterator[str]:
             with contextlib.suppress(FileNotFoundError):
                 download_file(join(dest, name), os.path.join(local, name))
         yield local
-        upload_dir(local, dest)
+        upload_dir(local, dest, root=dest)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
