@@ -43,6 +43,7 @@ from ray.cluster_utils import Cluster
 from codefleet.chaos import faults, invariants
 from codefleet.chaos.faults import ACTOR_CLASS, Fault, NoTarget
 from codefleet.fleet.ray_init import ray_output_to
+from codefleet.store import safe_files
 
 RUN_TIMEOUT_S = 3600.0  # a run that has not finished in this long after the window closes is stuck
 
@@ -250,8 +251,8 @@ def _soak(cfg: SoakConfig, log: Callable[[str], None]) -> dict:
         "state_dir": state_dir,
         "config": {**asdict(cfg), "kinds": list(cfg.kinds)},
     })
-    with open(os.path.join(cfg.out, "chaos-report.json"), "w") as f:
-        json.dump(report, f, indent=2)
+    # OUT may be shared storage: a link planted as the report is refused, never written through (docs/security.md)
+    safe_files.write_file_beneath(cfg.out, "chaos-report.json", json.dumps(report, indent=2), mode=0o644)
     return report
 
 

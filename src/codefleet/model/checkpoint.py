@@ -17,6 +17,12 @@ Extra metadata (JSON-serialisable) goes to `metadata.json`, and with it how
 the policy is meant to be used (`usage`: its prompt style, tool grammar and
 run); `describe` also puts the tokenizer beside the weights, so that a
 checkpoint copied anywhere is served and run the way it was trained.
+
+Checkpoints live in run directories, which someone else may have prepared
+(docs/security.md): `save` makes the directory `path` and writes its files
+through codefleet.store.safe_files, so a link planted as `path`, as one of
+its files or below it is refused, never written through; `swap_in` renames
+and removes without following links.
 """
 
 from __future__ import annotations
@@ -24,16 +30,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
+from collections.abc import Callable
+from typing import BinaryIO
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
 
 from codefleet.model import hf
 from codefleet.model.config import ModelConfig
 from codefleet.model.tokenizer import Tokenizer
 from codefleet.model.transformer import Transformer
+from codefleet.store import safe_files
 
 WEIGHTS_FILE, CONFIG_FILE, METADATA_FILE = "model.safetensors", "config.json", "metadata.json"
 # the endings of a checkpoint's tensor files (weights, optimizer, DCP shards): what a reader of its tokenizer,
@@ -48,23 +57,34 @@ def _tied_keys(config: ModelConfig) -> set[str]:
 def save(model: Transformer, path: str, config: ModelConfig | None = None, metadata: dict | None = None) -> None:
     """Write the weights, the config (default: `model.config`) and optional metadata into directory `path`."""
     config = config or model.config
-    os.makedirs(path, exist_ok=True)
+    make_dir(path)
     if config.architecture != "codefleet":
         hf.save(model, path, config)
         _write_metadata(path, metadata)
         return
     skip = _tied_keys(model.config)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k not in skip}
-    save_file(state, os.path.join(path, WEIGHTS_FILE), metadata={"format": "pt", "codefleet": "1"})
-    with open(os.path.join(path, CONFIG_FILE), "w") as f:
-        f.write(config.to_json())
+    write_file(path, WEIGHTS_FILE, safetensors_bytes(state, metadata={"format": "pt", "codefleet": "1"}))
+    write_file(path, CONFIG_FILE, config.to_json())
     _write_metadata(path, metadata)
+
+
+def make_dir(path: str) -> None:
+    """The checkpoint directory `path` (and its parents): `path` itself a directory, never a link to one."""
+    parent, name = os.path.split(os.path.abspath(path))
+    safe_files.makedirs_beneath(parent, name)
+
+
+def write_file(path: str, name: str, data: bytes | str | Callable[[BinaryIO], None]) -> None:
+    """The file `name` in the checkpoint directory `path` (bytes, text, or a function writing into the binary file
+    it is given), atomically, neither `path` nor `name` a link."""
+    parent, directory = os.path.split(os.path.abspath(path))
+    safe_files.write_file_beneath(parent, os.path.join(directory, name), data, mode=0o644)
 
 
 def _write_metadata(path: str, metadata: dict | None) -> None:
     if metadata is not None:
-        with open(os.path.join(path, METADATA_FILE), "w") as f:
-            json.dump(metadata, f, indent=2, sort_keys=True)
+        write_file(path, METADATA_FILE, json.dumps(metadata, indent=2, sort_keys=True))
 
 
 def load_config(path: str) -> ModelConfig:
@@ -149,10 +169,7 @@ def write_usage(path: str, **settings: str) -> None:
     if unknown:
         raise ValueError(f"unknown usage setting(s) {sorted(unknown)}; known: {sorted(USAGE_DEFAULTS)}")
     meta = {**read_metadata(path), **settings}
-    tmp = os.path.join(path, METADATA_FILE + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(meta, f, indent=2, sort_keys=True)
-    os.replace(tmp, os.path.join(path, METADATA_FILE))
+    write_file(path, METADATA_FILE, json.dumps(meta, indent=2, sort_keys=True))
 
 
 def describe(path: str, tokenizer: Tokenizer, text_from: str = "", **settings: str) -> None:
@@ -161,7 +178,7 @@ def describe(path: str, tokenizer: Tokenizer, text_from: str = "", **settings: s
     anywhere then loads, prompts and serves the same, with nothing read from the run that made it.
     `text_from`: a Hugging Face directory the model comes from; its tokenizer, chat template and generation
     config files are copied instead (`hf.copy_text_files`), so the checkpoint is a whole HF directory."""
-    os.makedirs(path, exist_ok=True)
+    make_dir(path)
     if text_from and hf.is_hf_dir(text_from):
         hf.copy_text_files(text_from, path)
     else:
@@ -199,9 +216,10 @@ def _digest(digest, named) -> str:
 def swap_in(tmp: str, path: str, old: str) -> None:
     """Replace directory `path` by the finished directory `tmp`: the previous one is moved to `old` first and
     removed last, so a crash at any point leaves a whole checkpoint at `path` or at `old` (RunDir.prune clears
-    `old`)."""
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(path):
-        os.replace(path, old)
-    os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
+    `old`). The three are siblings; nothing is followed through a link (a link at `path` is moved, then removed)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    safe_files.remove_beneath(parent, old, ignore_errors=True)
+    if safe_files.lexists_beneath(parent, path):
+        safe_files.replace_beneath(parent, path, old)
+    safe_files.replace_beneath(parent, tmp, path)
+    safe_files.remove_beneath(parent, old, ignore_errors=True)

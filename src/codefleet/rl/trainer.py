@@ -65,7 +65,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -79,6 +78,7 @@ from codefleet.rl.batch import Sample, collate, rl_loss
 from codefleet.rl.logprobs import forward_logprobs
 from codefleet.rl.losses import LossConfig
 from codefleet.rl.sft import pad_batch, sft_step_loss
+from codefleet.store import safe_files
 
 TRAINER_FILE, REFERENCE_DIR = "trainer.pt", "reference"
 Example = tuple[list[int], list[int]]  # (token ids, mask 1 on the assistant's tokens)
@@ -387,11 +387,13 @@ class Trainer:
         """Weights, optimizer, RNG, version (and the KL reference), written atomically into directory `path`."""
         path = os.path.abspath(path)
         tmp, old = f"{path}.tmp-{os.getpid()}", f"{path}.old-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
+        # a run directory may be prepared by someone else: a link planted at tmp (its name is predictable) is
+        # removed, never followed, and every file goes in through safe_files (checkpoint.write_file)
+        safe_files.remove_beneath(os.path.dirname(path), tmp, ignore_errors=True)
         checkpoint.save(self.model, tmp, metadata={"policy_version": self.version,
                                                    "train_config": json.loads(json.dumps(asdict(self.config)))})
-        torch.save({"optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state(), "version": self.version},
-                   os.path.join(tmp, TRAINER_FILE))
+        state = {"optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state(), "version": self.version}
+        checkpoint.write_file(tmp, TRAINER_FILE, lambda f: torch.save(state, f))
         if self.reference is not None:
             checkpoint.save(self.reference, os.path.join(tmp, REFERENCE_DIR))
         checkpoint.swap_in(tmp, path, old)
