@@ -88,6 +88,19 @@ def test_a_failed_step_keeps_nothing_and_says_which(work):
         load_spec(os.path.join(work, "bad.yaml"))
 
 
+@pytest.mark.parametrize("text, match", [
+    ("run: " + "[" * 100_000 + "]" * 100_000 + "\n", "nests too deep to read"),
+    ("base: base.tar\nrun:\n" + "  - echo x\n" * 200_000, "longer than 1048576 characters"),
+    ("base: base.tar\nrun: [{command: ls, network: yes please}]\n", "run: a list of commands"),
+])
+def test_a_hostile_build_spec_is_refused_in_one_sentence(tmp_path, text, match):
+    path = str(tmp_path / "bad.yaml")
+    with open(path, "w") as f:
+        f.write(text)
+    with pytest.raises(ImageError, match=match):
+        load_spec(path)
+
+
 # -- a build step is nobody on the host ------------------------------------------------------------------
 
 TOOLS = ("/usr/bin/id", "/usr/bin/mknod", "/usr/bin/mount", "/usr/bin/stat", "/usr/bin/chown", "/usr/bin/chmod",

@@ -55,6 +55,7 @@ STEP_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _SPEC_KEYS = ("base", "apt", "python", "run")
 _PYTHON_KEYS = ("venv", "requirements", "find_links")
 _RUN_KEYS = ("command", "network")
+_MAX_SPEC_CHARS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -100,9 +101,14 @@ def load_spec(path: str) -> BuildSpec:
     """A build spec from YAML (or JSON); ImageError naming every problem."""
     try:
         with open(path) as f:
-            data = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError) as e:
+            text = f.read(_MAX_SPEC_CHARS + 1)
+        if len(text) > _MAX_SPEC_CHARS:
+            raise ImageError(f"the build spec {path} is longer than {_MAX_SPEC_CHARS} characters; a spec is a few lines")
+        data = yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise ImageError(f"cannot read the build spec {path}: {e}") from None
+    except RecursionError:
+        raise ImageError(f"the build spec {path} nests too deep to read; a spec is a few lines") from None
     problems = []
     if not isinstance(data, dict):
         raise ImageError(f"the build spec {path} is not a mapping of {', '.join(_SPEC_KEYS)}")
