@@ -8,6 +8,7 @@ these tests use few VMs, of one shape where they can (helpers.VM_SHAPE), and gen
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import pwd
@@ -29,7 +30,7 @@ from helpers import VM_SHAPE, assert_released, footprint, processes_with, runnin
 from codefleet.sandbox import SandboxClosedError, SandboxDeadError, procs
 from codefleet.sandbox.identity import SANDBOX_USER
 from codefleet.sandbox.vm import vm_unavailable_reason
-from codefleet.sandbox.vm_image import kernel_dir
+from codefleet.sandbox.vm_image import kernel_dir, vm_dir
 
 REASON = vm_unavailable_reason()
 pytestmark = [
@@ -374,13 +375,16 @@ def _extract(disk: str, into: str) -> str:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="plants canary secrets in the host's /etc")
 def test_the_host_disk_holds_the_allow_list_and_an_etc_of_its_own_and_no_host_secret(tmp_path, monkeypatch):
+    """Nothing planted here is on the real allow-list: the host's own disk, which other processes may be
+    fingerprinting meanwhile, stays the same."""
+    from codefleet.sandbox import vm_image
     from codefleet.sandbox.vm_image import DISK_MODE, environment_disk
 
     monkeypatch.setenv("CODEFLEET_VM_DIR", str(tmp_path / "vm"))
     userland = ("usr/sbin", "sbin")  # small, to build in a second; the real disk's /etc is the same code's
     token = secrets.token_hex(8)
     canary_dir, canary_alt = f"/etc/codefleet-test-secret-{token}", f"/etc/alternatives/codefleet-test-secret-{token}"
-    new_alt = f"/etc/alternatives/codefleet-test-alt-{token}"
+    new_etc = f"/etc/codefleet-test-etc-{token}"
     before_canaries = environment_disk(userland=userland)
     try:
         os.mkdir(canary_dir, 0o700)
@@ -411,15 +415,20 @@ def test_the_host_disk_holds_the_allow_list_and_an_etc_of_its_own_and_no_host_se
         assert all(os.path.islink(os.path.join(alternatives, n)) for n in os.listdir(alternatives))
         with open(os.path.join(root, "etc/passwd")) as f:
             assert [line.split(":")[0] for line in f if line.split(":")[2] == "0"] == ["root"]
-        # A change in what the disk holds is a new disk: the generated /etc, or the allow-list.
-        os.symlink("/usr/bin/true", new_alt)
-        with_alt = environment_disk(userland=userland)
-        assert with_alt != disk and os.path.islink(os.path.join(_extract(with_alt, str(tmp_path / "y")),
-                                                                new_alt.lstrip("/")))
+        # A change in what the disk holds is a new disk: any byte of the generated /etc, or the allow-list.
+        with open(new_etc, "w") as f:
+            f.write("one\n")
+        monkeypatch.setattr(vm_image, "ETC_COPIED", (*vm_image.ETC_COPIED, os.path.basename(new_etc)))
+        with_file = environment_disk(userland=userland)
+        with open(os.path.join(_extract(with_file, str(tmp_path / "y")), new_etc.lstrip("/"))) as f:
+            assert with_file != disk and f.read() == "one\n"
         assert not os.path.exists(disk)  # the stale one is dropped
-        assert environment_disk(userland=("usr/sbin", "sbin", "usr/libexec")) != with_alt
+        with open(new_etc, "w") as f:
+            f.write("two\n")
+        assert environment_disk(userland=userland) not in (disk, with_file)
+        assert environment_disk(userland=("usr/sbin", "sbin", "usr/libexec")) not in (disk, with_file)
     finally:
-        for path in (os.path.join(canary_dir, "server.key"), canary_alt, new_alt):
+        for path in (os.path.join(canary_dir, "server.key"), canary_alt, new_etc):
             if os.path.lexists(path):
                 os.unlink(path)
         if os.path.isdir(canary_dir):
@@ -483,7 +492,13 @@ def hostile_image():
         archive = os.path.join(d, "hostile.oci.tar")
         with open(archive, "wb") as f:
             f.write(oci_tarball([base.bytes(), top.bytes()]))
-        yield import_image(archive, os.path.join(d, "store")).rootfs
+        rootfs = import_image(archive, os.path.join(d, "store")).rootfs
+        yield rootfs
+        for source in glob.glob(os.path.join(vm_dir(), "disks", "*.erofs.source")):  # its disk, built by the tests
+            with open(source) as f:
+                if f.read() == rootfs:
+                    os.unlink(source[:-len(".source")])
+                    os.unlink(source)
 
 
 def test_an_images_passwd_does_not_choose_who_commands_run_as(make_sandbox, hostile_image):

@@ -308,8 +308,8 @@ def _regular_file(path: str) -> bytes | None:
 def environment_disk(rootfs: str | None = None, userland: tuple[str, ...] = HOST_USERLAND) -> str:
     """The erofs image of `rootfs` (an environment's root filesystem, its IMAGE_TOPS), or when None of the host's
     `userland` with the guest's own /etc (`guest_etc`). Built once per fingerprint: the allow-list, every byte of
-    the generated /etc, and the userland's package state (its directories', dpkg's status and Python packages'
-    times and sizes), never reread whole. The file is its owner's alone (DISK_MODE)."""
+    the generated /etc, and the userland's package state (its top directories', dpkg's status and Python
+    packages' times and sizes), never reread whole. The file is its owner's alone (DISK_MODE)."""
     if shutil.which("mkfs.erofs") is None:
         raise SandboxUnavailableError("the vm backend needs mkfs.erofs; install Debian's erofs-utils")
     source = rootfs or "/"
@@ -323,10 +323,10 @@ def environment_disk(rootfs: str | None = None, userland: tuple[str, ...] = HOST
         stamp.update(repr((userland, etc)).encode())
     else:
         present = [t for t in IMAGE_TOPS if os.path.lexists(os.path.join(source, t))]
-    # /etc is not stamped by time: the host's changes with every user added or file edited, and a rebuild costs
-    # a minute per 5 GB; packages (dpkg's status, /usr/local, Python's packages) are what a command needs fresh.
-    for t in [p for p in present if p != "etc"] + ["var/lib/dpkg/status", "usr/local/bin",
-                                                 "usr/lib/python3/dist-packages"]:
+    # Stamped by time: the top directories, dpkg's status, /usr/local/bin and Python's packages, what a command
+    # needs fresh; not every directory (a file made and removed in /usr/local/share would cost a minute per 5 GB).
+    tops = sorted({p.split("/")[0] for p in present} - {"etc"})
+    for t in tops + ["var/lib/dpkg/status", "usr/local/bin", "usr/lib/python3/dist-packages"]:
         try:
             st = os.lstat(os.path.join(source, t))
         except OSError:
