@@ -294,10 +294,10 @@ def _write(tmp_path, data: bytes) -> str:
 def test_a_layer_that_would_fill_the_disk_is_refused(tmp_path, monkeypatch):
     """A few kB of gzip can expand to gigabytes: an import stops short of the disk's free space less a
     reserve (here the reserve is set to leave only 1 MB of room)."""
-    from codefleet.sandbox import oci
+    from codefleet.sandbox import oci_layer
 
     disk = os.statvfs(tmp_path)
-    monkeypatch.setattr(oci, "DISK_RESERVE_BYTES", disk.f_bavail * disk.f_frsize - (1 << 20))
+    monkeypatch.setattr(oci_layer, "DISK_RESERVE_BYTES", disk.f_bavail * disk.f_frsize - (1 << 20))
     bomb = ("etc/zeros", tarfile.REGTYPE, {"data": b"\0" * (32 << 20)})  # 32 MB of zeros: ~32 kB gzipped
     _refused(tmp_path, oci_tarball([_small_layer(bomb)]), "does not fit on the disk")
 

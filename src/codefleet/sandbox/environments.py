@@ -25,7 +25,7 @@ below hold in its directory. An image is keyed by its config's digest, which
 names its layers: the same image imported from either kind of archive is one
 rootfs.
 
-An image is hostile input. oci.py reads the archive and unpacks each layer,
+An image is hostile input. oci.py reads the archive, oci_layer.py unpacks each layer,
 refusing what would land outside the root; here every blob is checked
 against its sha256 digest and every layer against its diff id, and a refused
 import leaves nothing in the store: each layer and each rootfs is made in a
@@ -47,7 +47,8 @@ import zlib
 from dataclasses import dataclass
 
 from codefleet.sandbox.layers import remove_tree
-from codefleet.sandbox.oci import Archive, ImageError, open_archive, unpack_layer
+from codefleet.sandbox.oci import Archive, ImageError, open_archive
+from codefleet.sandbox.oci_layer import unpack_layer
 
 _WHITEOUT = ".wh."
 _OPAQUE = ".wh..wh..opq"
