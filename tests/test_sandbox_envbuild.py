@@ -30,6 +30,8 @@ STEPS = ["echo built > /etc/built", "rm /etc/image-release", "rm -rf /opt/data &
 
 @pytest.fixture
 def work():
+    if os.geteuid() != 0:
+        pytest.skip("codefleet env build needs root (test_an_unprivileged_user_is_refused_in_one_sentence)")
     with tempfile.TemporaryDirectory(prefix="codefleet-test-build-", dir="/var/tmp") as d:
         os.chmod(d, 0o755)
         with open(os.path.join(d, "base.tar"), "wb") as f:
@@ -279,3 +281,11 @@ def test_the_store_keeps_a_block_of_host_ids_no_one_has_and_refuses_when_someone
     subuid.write_text("root:300000:65536\n")
     subgid.write_text("root:400000:65536\n")
     assert store_ids(str(other), str(subuid), str(subgid)) == HostIds(300000, 400000)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="what a user who is not root is told")
+def test_an_unprivileged_user_is_refused_in_one_sentence(tmp_path):
+    (tmp_path / "base.tar").write_bytes(oci_tarball(image_layers()))
+    spec = _spec(str(tmp_path), ["true"])
+    with pytest.raises(ImageError, match="codefleet env build needs root.*run it as root"):
+        build(load_spec(spec), str(tmp_path / "store"))
