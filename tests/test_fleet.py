@@ -271,3 +271,22 @@ def test_a_host_killed_with_its_sandboxes_live_leaves_no_mounts_after_shutdown(r
     finally:
         fleet.shutdown()
     assert _mounts_of_owner(config.state_dir, old_pid) == []
+
+
+def test_shutdown_closes_the_sandboxes_of_a_host_another_copy_of_the_fleet_started_in_place_of_a_dead_one(
+        ray_session, repo, config):
+    """The driver's fleet still holds a host that a fault killed; a rollout worker's copy replaced it, and the
+    replacement holds sandboxes (a killed worker's, never closed). The driver's shutdown must find the replacement
+    by its name and close them, or Ray kills it at the job's end with their mounts in place (CI's chaos soak)."""
+    drivers = SandboxFleet.start(namespace="codefleet-test-replaced")
+    node_id = next(iter(drivers.hosts))
+    old_pid = drivers.stats()[node_id].pid
+    os.kill(old_pid, signal.SIGKILL)
+    workers = SandboxFleet({}, namespace="codefleet-test-replaced")  # a rollout worker's copy
+    workers.refresh()
+    sb = workers.create(repo, config)  # it finds the dead host and starts the replacement
+    new_pid = workers.stats()[node_id].pid
+    assert new_pid != old_pid and _mounts_of_owner(config.state_dir, new_pid)
+    drivers.shutdown()  # it only knows the dead host
+    assert not sb.alive()
+    assert _mounts_of_owner(config.state_dir, new_pid) == [] and _mounts_of_owner(config.state_dir, old_pid) == []

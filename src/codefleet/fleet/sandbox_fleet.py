@@ -296,22 +296,25 @@ class SandboxFleet:
         (mounts, processes, cgroups) is cleaned up now, since nothing else may start there again. A managed fleet
         also stops the hosts in its namespace that another copy of it started (a rollout worker's, on a node that
         joined later): left to Ray at the job's end they would be killed with their sandboxes' mounts in place."""
-        nodes = set(self.hosts)
+        nodes, hosts = set(self.hosts), list(self.hosts.values())
         if self.namespace is not None:
             nodes |= set(sandbox_nodes())
+            # the host that has the name now, besides the handle this copy holds: another copy (a rollout
+            # worker's) may have replaced a host this one still knows as dead, and that replacement holds sandboxes
             for node_id in nodes:
-                if node_id not in self.hosts:
-                    try:
-                        self.hosts[node_id] = ray.get_actor(host_name(node_id), namespace=self.namespace)
-                    except ValueError:  # no host there
-                        pass
-        refs = [host.shutdown.remote() for host in self.hosts.values()]
+                try:
+                    named = ray.get_actor(host_name(node_id), namespace=self.namespace)
+                except ValueError:  # no host there
+                    continue
+                if named not in hosts:  # handles compare by actor id
+                    hosts.append(named)
+        refs = [host.shutdown.remote() for host in hosts]
         for ref in refs:
             try:
                 ray.get(ref)
             except RayActorError:
                 pass
-        for host in self.hosts.values():
+        for host in hosts:
             ray.kill(host)
         self.hosts = {}
         _reap_nodes(nodes, reap_timeout_s)
