@@ -23,6 +23,12 @@ set-user-ID and set-group-ID bits are not carried into it.
 Strategies, best first: a kernel overlay mount (root), fuse-overlayfs
 (unprivileged, if installed), or a plain copy of the repository (last
 resort, slow for big repositories).
+
+A kernel overlay's options are in every mount table that shows it, the
+sandbox's own /proc/self/mountinfo included, exactly as they were given. So
+its layers are given as /proc/self/fd/N (`mount_overlay`), never by path:
+inside, a workspace reads `lowerdir=/proc/self/fd/7:...,upperdir=...`, not
+the state directory. A FUSE mount's table entry names no layer at all.
 """
 
 from __future__ import annotations
@@ -86,6 +92,32 @@ def _escape(path: str) -> str:
     return path.replace("\\", "\\\\").replace(":", "\\:").replace(",", "\\,")
 
 
+def mount_overlay(target: str, lowers: list[str], upper: str | None = None, work: str | None = None,
+                  flags: int = MS_NOSUID | MS_NODEV) -> None:
+    """Mount at `target` an overlay of `lowers` (top first), writable through `upper` and `work` if given,
+    naming each directory as /proc/self/fd/N of a descriptor held only for the mount: the kernel records and
+    shows the options as given, so no mount table, not even a sandbox's, names their host paths."""
+    writable = [upper, work] if upper is not None and work is not None else []
+    fds: list[int] = []
+    try:
+        for path in lowers + writable:
+            fds.append(os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
+        named = [f"/proc/self/fd/{fd}" for fd in fds]
+        lowerdir = ":".join(named[:len(lowers)])
+        _check_lowerdir(lowerdir, len(lowers))
+        options = f"lowerdir={lowerdir}" + (f",upperdir={named[-2]},workdir={named[-1]}" if writable else "")
+        mount("overlay", target, "overlay", options, flags)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _check_lowerdir(lowerdir: str, layers: int) -> None:
+    if len(lowerdir) > _MAX_LOWERDIR_CHARS:
+        raise SandboxError(f"too many stacked fork layers ({layers}) for one overlay mount; "
+                           "fork from a fresh sandbox instead of a fork of a fork of ...")
+
+
 def choose_strategy() -> str:
     """'overlay' as root, 'fuse-overlayfs' if installed and usable, else 'copy'."""
     if os.geteuid() == 0:
@@ -122,8 +154,9 @@ class Workspace:
             return
         if self.strategy == "overlay":
             mount("tmpfs", self.rw, "tmpfs", f"size={self.size_mb}m,mode=0755")
+        work = os.path.join(self.rw, "work")
         os.makedirs(self.upper, exist_ok=True)
-        os.makedirs(os.path.join(self.rw, "work"), exist_ok=True)
+        os.makedirs(work, exist_ok=True)
         lowers = self.lowers
         if self.ident is not None:
             os.chown(self.upper, self.ident.uid, self.ident.gid)
@@ -131,17 +164,13 @@ class Workspace:
             os.mkdir(view)
             mount_idmapped(lowers[-1], view, self.ident)
             lowers = lowers[:-1] + [view]
-        lowerdir = ":".join(_escape(p) for p in lowers)
-        if len(lowerdir) > _MAX_LOWERDIR_CHARS:
-            raise SandboxError(
-                f"too many stacked fork layers ({len(self.lowers)}) for one overlay mount; "
-                "fork from a fresh sandbox instead of a fork of a fork of ...")
-        opts = f"lowerdir={lowerdir},upperdir={_escape(self.upper)},workdir={_escape(os.path.join(self.rw, 'work'))}"
         if self.strategy == "overlay":
-            mount("overlay", self.merged, "overlay", opts)
-        else:
-            subprocess.run(["fuse-overlayfs", "-o", opts, self.merged], check=True,
-                           capture_output=True, timeout=30)
+            mount_overlay(self.merged, lowers, self.upper, work)
+            return
+        lowerdir = ":".join(_escape(p) for p in lowers)
+        _check_lowerdir(lowerdir, len(lowers))
+        options = f"lowerdir={lowerdir},upperdir={_escape(self.upper)},workdir={_escape(work)}"
+        subprocess.run(["fuse-overlayfs", "-o", options, self.merged], check=True, capture_output=True, timeout=30)
 
     def unmount(self) -> None:
         for point in mounts_under(self.root):
