@@ -17,6 +17,12 @@ chat template written in Jinja (`CODEFLEET_TEMPLATE`, which renders what
 of a turn. A model that has no Hugging Face architecture (the copy head, the
 previous-token embeddings, shared experts, a sigmoid router) is refused with
 the reason and the settings that train one that exports.
+
+OUT is the user's to name (it may itself be a link), but nothing in it is
+reached through one: every file goes in through codefleet.store.safe_files,
+so a config.json, tokenizer file or weights shard planted in OUT as a link is
+refused (a stale shard that is a link is removed as a link), never written
+through.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import sys
 
 from codefleet.model import chat, checkpoint, hf
 from codefleet.model.tokenizer import Tokenizer, default_tokenizer
+from codefleet.store import safe_files
 
 # codefleet's chat template (chat.py) as transformers renders templates (trim_blocks, lstrip_blocks): the
 # tools block after the leading system messages, each tool call as its JSON with "<|" escaped inside strings
@@ -74,9 +81,9 @@ def export(src: str, out: str, max_shard_bytes: int = hf.MAX_SHARD_BYTES) -> str
     config = checkpoint.check(src)
     architecture = hf.export_architecture(config)  # refuses before anything is read or written
     model = checkpoint.load(src)
-    hf.save(model, out, max_shard_bytes=max_shard_bytes)
+    hf.save(model, out, max_shard_bytes=max_shard_bytes, root=out)  # OUT may be the user's link; nothing in it
     if hf.is_hf_dir(src):
-        hf.copy_text_files(src, out)
+        hf.copy_text_files(src, out, root=out)
     else:
         write_codefleet_text_files(out, Tokenizer.load(src) if os.path.isfile(os.path.join(src, "tokenizer.json"))
                                    else default_tokenizer())
@@ -84,16 +91,16 @@ def export(src: str, out: str, max_shard_bytes: int = hf.MAX_SHARD_BYTES) -> str
 
 
 def write_codefleet_text_files(out: str, tokenizer: Tokenizer) -> None:
-    """codefleet's tokenizer, its chat template and stop tokens, as Hugging Face tokenizer files."""
-    tokenizer.save(out)
+    """codefleet's tokenizer, its chat template and stop tokens, as Hugging Face tokenizer files (no link in
+    `out` followed)."""
+    tokenizer.save(out, root=out)
     end, eos = (tokenizer.special_id(t) for t in (chat.END, chat.EOS))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": chat.BOS, "eos_token": chat.END,
               "pad_token": chat.EOS, "chat_template": CODEFLEET_TEMPLATE, "model_max_length": 1 << 30,
               "clean_up_tokenization_spaces": False}
     generation = {"bos_token_id": tokenizer.special_id(chat.BOS), "eos_token_id": [end, eos], "pad_token_id": eos}
     for name, body in (("tokenizer_config.json", config), ("generation_config.json", generation)):
-        with open(os.path.join(out, name), "w") as f:
-            json.dump(body, f, indent=2, sort_keys=True)
+        safe_files.write_file_beneath(out, name, json.dumps(body, indent=2, sort_keys=True), mode=0o644)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -58,11 +58,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save as safetensors_bytes
 
 from codefleet.model.config import ModelConfig
 from codefleet.model.copying import CopyConfig
 from codefleet.model.transformer import Transformer
+from codefleet.store import safe_files
 
 CONFIG_FILE, INDEX_FILE, SINGLE_FILE = "config.json", "model.safetensors.index.json", "model.safetensors"
 SUPPORTED = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM")
@@ -485,9 +486,14 @@ def hf_config(config: ModelConfig, architecture: str) -> dict:
 
 
 def save(model: Transformer, path: str, config: ModelConfig | None = None,
-         max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+         max_shard_bytes: int = MAX_SHARD_BYTES, root: str | None = None) -> None:
     """Write `model` into `path` as a Hugging Face directory: config.json and the weights in safetensors shards
-    of at most `max_shard_bytes` with their index (one model.safetensors when they fit in one shard)."""
+    of at most `max_shard_bytes` with their index (one model.safetensors when they fit in one shard).
+
+    `root`: the directory the user named (default: `path`'s parent, so `path` itself is never a link); nothing
+    below it is reached through a link (codefleet.store.safe_files): a planted config.json or index link is
+    refused, a stale shard that is a link is removed as a link. Each file is encoded in memory
+    (safetensors' bytes API, one shard at a time) and written atomically through safe_files, never by path."""
     config = config or model.config
     architecture = export_architecture(config)
     if config.n_moe_layers and config.balance == "bias":
@@ -500,7 +506,9 @@ def save(model: Transformer, path: str, config: ModelConfig | None = None,
         if piece.index is not None:
             t = t[piece.index]
         tensors[piece.hf_name] = (t.t() if piece.transpose else t).detach().to("cpu").contiguous()
-    os.makedirs(path, exist_ok=True)
+    path = os.path.abspath(path)
+    root = os.path.abspath(root) if root else os.path.dirname(path)
+    safe_files.makedirs_beneath(root, path)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in tensors.items():
@@ -510,31 +518,43 @@ def save(model: Transformer, path: str, config: ModelConfig | None = None,
             size = 0
         shards[-1][name] = t
         size += nbytes
-    for stale in os.listdir(path):  # a previous save's shards would confuse the index
+    for stale in safe_files.listdir_beneath(root, path):  # a previous save's shards would confuse the index
         if stale.startswith("model") and stale.endswith((".safetensors", ".safetensors.index.json")):
-            os.remove(os.path.join(path, stale))
+            safe_files.remove_beneath(root, os.path.join(path, stale))
+
+    def write(name: str, data: bytes | str) -> None:
+        safe_files.write_file_beneath(root, os.path.join(path, name), data, mode=0o644)
+
     meta = {"format": "pt"}
     if len(shards) == 1:
-        save_file(shards[0], os.path.join(path, SINGLE_FILE), metadata=meta)
+        write(SINGLE_FILE, safetensors_bytes(shards[0], metadata=meta))
     else:
         weight_map = {}
         for i, shard in enumerate(shards, 1):
             name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, os.path.join(path, name), metadata=meta)
+            write(name, safetensors_bytes(shard, metadata=meta))
             weight_map.update(dict.fromkeys(shard, name))
         total = sum(t.numel() * t.element_size() for t in tensors.values())
-        with open(os.path.join(path, INDEX_FILE), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
-    with open(os.path.join(path, CONFIG_FILE), "w") as f:
-        json.dump(hf_config(exported, architecture), f, indent=2, sort_keys=True)
+        write(INDEX_FILE, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2,
+                                     sort_keys=True))
+    write(CONFIG_FILE, json.dumps(hf_config(exported, architecture), indent=2, sort_keys=True))
 
 
-def copy_text_files(src: str, dst: str) -> list[str]:
+def copy_text_files(src: str, dst: str, root: str | None = None) -> list[str]:
     """Copy the tokenizer, chat template and generation config files of `src` (those of TEXT_FILES it has) into
-    `dst`; the names copied."""
+    `dst`; the names copied. `root`: as for `save` (default `dst`'s parent): no link below it is followed in
+    `dst`, a planted link as one of the files is refused."""
     copied = []
+    dst = os.path.abspath(dst)
+    root = os.path.abspath(root) if root else os.path.dirname(dst)
     for name in TEXT_FILES:
-        if os.path.isfile(os.path.join(src, name)) and os.path.abspath(src) != os.path.abspath(dst):
-            shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
+        if os.path.isfile(os.path.join(src, name)) and os.path.abspath(src) != dst:
+            safe_files.write_file_beneath(root, os.path.join(dst, name),
+                                          lambda f, name=name: _copy_into(os.path.join(src, name), f), mode=0o644)
             copied.append(name)
     return copied
+
+
+def _copy_into(file: str, out) -> None:
+    with open(file, "rb") as f:
+        shutil.copyfileobj(f, out, 1 << 20)

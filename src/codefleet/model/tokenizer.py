@@ -51,6 +51,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from codefleet.model import chat
+from codefleet.store import safe_files
 
 DEFAULT_VOCAB_SIZE = 4096
 DEFAULT_MIN_FREQUENCY = 2
@@ -130,12 +131,18 @@ class Tokenizer:
         hf.train_from_iterator(texts, trainer)
         return cls(hf)
 
-    def save(self, directory: str) -> str:
-        """Write `directory/tokenizer.json`; returns its path."""
-        os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, TOKENIZER_FILE)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(self.to_json())
+    def save(self, directory: str, root: str | None = None) -> str:
+        """Write `directory/tokenizer.json`; returns its path. `root`: the directory the user named (default:
+        `directory`'s parent, so `directory` itself is never a link); nothing below it is reached through a
+        link, and a link planted as one of the files is refused (codefleet.store.safe_files)."""
+        return self._save_file(directory, root, TOKENIZER_FILE, self.to_json())
+
+    @staticmethod
+    def _save_file(directory: str, root: str | None, name: str, text: str) -> str:
+        directory = os.path.abspath(directory)
+        path = os.path.join(directory, name)
+        safe_files.write_file_beneath(os.path.abspath(root) if root else os.path.dirname(directory), path, text,
+                                      mode=0o644)
         return path
 
     def to_json(self) -> str:
@@ -254,13 +261,12 @@ class HFTokenizer(Tokenizer):
                     files[name] = f.read()
         return cls(tokenizers.Tokenizer.from_file(file), files, source=file)
 
-    def save(self, directory: str) -> str:
+    def save(self, directory: str, root: str | None = None) -> str:
         """Write tokenizer.json and the other tokenizer files (chat template included); returns tokenizer.json's
-        path."""
-        path = super().save(directory)
+        path. `root`: as for `Tokenizer.save`."""
+        path = super().save(directory, root)
         for name, text in self.files.items():
-            with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
-                f.write(text)
+            self._save_file(directory, root, name, text)
         return path
 
     def config(self, name: str) -> dict:
@@ -301,13 +307,16 @@ def default_tokenizer() -> Tokenizer:
 
 
 def write(directory: str, tok: Tokenizer, meta: dict) -> None:
-    """Write `tok` and its recipe `meta` into `directory`, replacing both files at once."""
-    tmp = f"{directory}.tmp{os.getpid()}"
+    """Write `tok` and its recipe `meta` into `directory`, replacing both files at once. Both are made in a
+    sibling temporary directory first; that, `directory` and their files are reached without following a link
+    below `directory`'s parent (a link planted at the temporary name, whose name is predictable, is removed)."""
+    directory = os.path.abspath(directory)
+    parent, tmp = os.path.dirname(directory), f"{directory}.tmp{os.getpid()}"
+    safe_files.remove_beneath(parent, tmp)
     tok.save(tmp)
-    with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
-        json.dump(meta, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.makedirs(directory, exist_ok=True)
+    safe_files.write_file_beneath(parent, os.path.join(tmp, META_FILE), json.dumps(meta, indent=2, sort_keys=True)
+                                  + "\n", mode=0o644)
+    safe_files.makedirs_beneath(parent, directory)
     for name in (TOKENIZER_FILE, META_FILE):
-        os.replace(os.path.join(tmp, name), os.path.join(directory, name))
-    os.rmdir(tmp)
+        safe_files.replace_beneath(parent, os.path.join(tmp, name), os.path.join(directory, name))
+    safe_files.remove_beneath(parent, tmp)
