@@ -23,6 +23,7 @@ import time
 
 from codefleet.config import ConfigError, load_config
 from codefleet.sandbox import SandboxConfig
+from codefleet.store.safe_files import LinkRefused
 from codefleet.tasks.checks import check_tasks
 from codefleet.tasks.families import FAMILIES
 from codefleet.tasks.fetch import FetchError, download_sdist, parse_requirement, read_requirements
@@ -34,6 +35,9 @@ from codefleet.tasks.unpack import UnpackLimits
 
 
 def _cannot_write(action: str, e: OSError, out: str) -> int:
+    if isinstance(e, LinkRefused):  # a link planted in --out: its own sentence says which
+        print(f"codefleet tasks {action}: {e}", file=sys.stderr)
+        return 2
     print(f"codefleet tasks {action}: cannot write {e.filename or out!r} ({e.strerror or e}); pass --out a "
           "directory you can write", file=sys.stderr)
     return 2
@@ -102,6 +106,8 @@ def _import_swebench(args: argparse.Namespace) -> int:
         for error in errors:
             print(f"skipped {error}", file=sys.stderr)
         save_tasks(tasks, args.out)
+    except LinkRefused as e:
+        return _cannot_write("import-swebench", e, args.out)
     except OSError as e:
         print(f"codefleet tasks import-swebench: cannot {'read' if e.filename == args.jsonl else 'write'} "
               f"{e.filename or args.out!r} ({e.strerror or e}); check the --jsonl and --out paths", file=sys.stderr)

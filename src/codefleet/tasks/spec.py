@@ -12,6 +12,12 @@ absolute. Validation collects every problem (`checks.command: must contain
 {tests}`) and raises one `TaskSpecError` naming the file and all of them, so
 a hand-written task is fixed in one go. Unknown keys are errors: a typo must
 not silently drop a field.
+
+A task directory may be written into storage someone else prepared (a run
+directory's tasks/, `tasks generate --out`), by root: `save_task` and
+`save_tasks` write through codefleet.store.safe_files, so nothing below the
+directory the user named (`root`, default the task directory) is reached
+through a symlink; a link planted as a task.json or the index is refused.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import math
 import os
 import re
 
+from codefleet.store import safe_files
 from codefleet.tasks.patch import PatchError, parse_unified_diff
 from codefleet.types import TASK_SPEC_VERSION, Budgets, HiddenChecks, Task
 
@@ -225,20 +232,19 @@ def load_task(path: str) -> Task:
     return task
 
 
-def save_task(task: Task, out_dir: str) -> str:
+def save_task(task: Task, out_dir: str, root: str | None = None) -> str:
     """Write `out_dir/<id>/task.json` (repo and environment made relative when
-    they lie inside that directory) and return its path. Raises TaskSpecError if invalid."""
+    they lie inside that directory) and return its path. Raises TaskSpecError if invalid.
+    `root`: the directory the user named (default `out_dir`); no link below it is followed."""
     errors = validate_task(task)
     if errors:
         raise TaskSpecError(errors, f"task {task.id!r}")
-    task_dir = os.path.join(out_dir, task.id)
-    os.makedirs(task_dir, exist_ok=True)
+    task_dir = os.path.join(os.path.abspath(out_dir), task.id)
     stored = dataclasses.replace(task, repo=_relative_if_inside(task.repo, task_dir))
     if task.environment and not task.environment.startswith("sha256:"):
         stored.environment = _relative_if_inside(task.environment, task_dir)
     path = os.path.join(task_dir, TASK_FILE)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(dumps_task(stored))
+    safe_files.write_file_beneath(os.path.abspath(root or out_dir), path, dumps_task(stored), mode=0o644)
     return path
 
 
@@ -254,13 +260,18 @@ def _relative_if_inside(path: str, task_dir: str) -> str:
     return os.path.relpath(path, task_dir) if inside else path
 
 
-def save_tasks(tasks: list[Task], out_dir: str) -> list[str]:
-    """Save every task and write the tasks.jsonl index; paths of the task files."""
-    os.makedirs(out_dir, exist_ok=True)
-    paths = [save_task(task, out_dir) for task in tasks]
-    with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:
-        f.writelines(index_line(task) + "\n" for task in tasks)
+def save_tasks(tasks: list[Task], out_dir: str, root: str | None = None) -> list[str]:
+    """Save every task and write the tasks.jsonl index; paths of the task files. `root`: as for `save_task`."""
+    root = os.path.abspath(root or out_dir)
+    paths = [save_task(task, out_dir, root) for task in tasks]
+    write_index(tasks, out_dir, root)
     return paths
+
+
+def write_index(tasks: list[Task], out_dir: str, root: str | None = None) -> None:
+    """`out_dir/tasks.jsonl`, one line per task, written atomically with no link below `root` followed."""
+    safe_files.write_file_beneath(os.path.abspath(root or out_dir), os.path.join(os.path.abspath(out_dir), INDEX_FILE),
+                                  "".join(index_line(task) + "\n" for task in tasks), mode=0o644)
 
 
 def task_paths(task_dir: str) -> list[str]:

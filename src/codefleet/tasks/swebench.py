@@ -19,7 +19,9 @@ Choices:
   `export_dir/<instance_id>/repo.tar`: one file per task, no checkout or
   worktree written into the user's repository, extracted once into a cache
   by `prepare_sandbox`, which then records its own git baseline. (Submodules
-  and `export-ignore` paths are not in the archive.)
+  and `export-ignore` paths are not in the archive.) git writes the archive
+  into a descriptor codefleet.store.safe_files opened: no link below
+  `export_dir` is followed (a planted one is refused, `LinkRefused`).
 - **test_patch becomes `checks.files`.** It is applied in memory to the
   base versions of the files it touches, and the resulting whole files are
   written over the workspace at check time — what SWE-bench's harness does
@@ -41,6 +43,7 @@ import os
 import re
 import subprocess
 
+from codefleet.store import safe_files
 from codefleet.tasks.patch import PatchError, apply_file_diff, parse_unified_diff
 from codefleet.tasks.spec import ID_RE, validate_task
 from codefleet.types import HiddenChecks, Task
@@ -125,11 +128,18 @@ def _check_files(checkout: str, base: str, test_patch: str) -> dict[str, str]:
     return files
 
 
-def _export(checkout: str, base: str, target: str) -> None:
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    tmp = target + ".part"
-    _git(checkout, "archive", "--format=tar", "-o", os.path.abspath(tmp), base)
-    os.replace(tmp, target)
+def _export(checkout: str, base: str, target: str, root: str) -> None:
+    """`base` of `checkout` as the tar file `target`, written atomically beneath `root` (the export directory the
+    user named) without following a link below it: git writes into a descriptor safe_files opened."""
+    safe_files.write_file_beneath(root, target, lambda f: _git_archive(checkout, base, f), mode=0o644)
+
+
+def _git_archive(checkout: str, base: str, out) -> None:
+    result = subprocess.run(["git", "-C", checkout, "archive", "--format=tar", base], check=False, stdout=out,
+                            stderr=subprocess.PIPE, timeout=600)
+    if result.returncode != 0:
+        raise _RowError(f"`git archive --format=tar {base}` failed in {checkout}: "
+                        f"{result.stderr.decode(errors='replace').strip()[:300]}")
 
 
 def _row_task(row: object, repos_dir: str, export_dir: str, setup_commands: list[str], check_command: str,
@@ -159,8 +169,8 @@ def _row_task(row: object, repos_dir: str, export_dir: str, setup_commands: list
         raise _RowError(f"base_commit {base} is not in {checkout} (fetch it: git -C {checkout} fetch origin "
                         f"{base})") from None
     files = _check_files(checkout, base, row["test_patch"])
-    target = os.path.join(export_dir, instance_id, "repo.tar")
-    _export(checkout, base, target)
+    target = os.path.join(os.path.abspath(export_dir), instance_id, "repo.tar")
+    _export(checkout, base, target, os.path.abspath(export_dir))
     metadata: dict[str, str | int | float] = {"family": "swebench", "template": repo, "source_repo": repo,
                                               "base_commit": base}
     metadata.update({k: str(row[k]) for k in _OPTIONAL_META if row.get(k) not in (None, "")})
@@ -220,6 +230,8 @@ def load_swebench(jsonl_path: str, repos_dir: str, export_dir: str, setup_comman
             except _RowError as e:
                 errors.append(LoadError(number, str(e), instance_id))
                 continue
+            except safe_files.LinkRefused:  # a link planted in export_dir: not this row's fault, every row's
+                raise
             except (OSError, subprocess.SubprocessError) as e:
                 errors.append(LoadError(number, f"could not read the checkout: {e}", instance_id))
                 continue
