@@ -1,5 +1,7 @@
 """`codefleet train` and `codefleet eval`. Run directories, checkpoints, task directories and `eval --out` may be
-fsspec URLs (`s3://bucket/run`, codefleet.store.storage; docs/training.md)."""
+fsspec URLs (`s3://bucket/run`, codefleet.store.storage; docs/training.md). Nothing below `train --out` or
+`eval --out` is written through a symlink (codefleet.store.safe_files): a planted one is refused in one sentence,
+before the evaluation starts where it is already there."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from codefleet.recipe.run_dir import RunDir
 from codefleet.recipe.train import RunError, results_table, resumed_config, train
 from codefleet.store import storage
 from codefleet.store.parquet import RolloutWriter, rollout_record
+from codefleet.store.safe_files import LinkRefused
 from codefleet.tasks.spec import load_tasks
 from codefleet.types import Budgets
 
@@ -96,7 +99,7 @@ def _train(args: argparse.Namespace) -> int:
     run_dir = args.resume or args.out
     try:
         summary = train(config, run_dir, resume=bool(args.resume), progress=not args.no_progress)
-    except RunError as e:
+    except (RunError, LinkRefused) as e:
         print(f"codefleet train: {e}", file=sys.stderr)
         return 2
     except ControllerError as e:  # the RL loop stopped, saying why; the traceback is for a bug report
@@ -166,8 +169,11 @@ def _eval(args: argparse.Namespace) -> int:
         return 2
     on_task = None
     if args.out:
-
-        writer = RolloutWriter(storage.join(args.out, "rollouts"))
+        try:  # the store beneath --out, no link below it followed: a planted one is refused before the evaluation
+            writer = RolloutWriter(storage.join(args.out, "rollouts"), beneath=args.out)
+        except OSError as e:
+            print(f"codefleet eval: cannot write the rollout store in {args.out}: {e}", file=sys.stderr)
+            return 2
         run_name = storage.basename(storage.absolute(args.checkpoint)) if args.checkpoint else args.model_name or "model"
 
         def on_task(task, trajectories):
@@ -187,7 +193,7 @@ def _eval(args: argparse.Namespace) -> int:
                                           on_task=on_task)
         else:
             report, _ = evaluate(args.checkpoint, tasks, config, episode_config=episode, on_task=on_task)
-    except PolicyError as e:
+    except (PolicyError, LinkRefused) as e:
         print(f"codefleet eval: {e}", file=sys.stderr)
         return 2
     if not args.json:

@@ -59,7 +59,7 @@ from codefleet.recipe.train_rl import check_run_gpus, describe, reinforce
 from codefleet.rl import sharded as _sharded  # noqa: F401  (registers the "fsdp2" and "fsdp2_ep" trainers)
 from codefleet.rl.advantages import ESTIMATORS
 from codefleet.rl.trainer import TrainConfig
-from codefleet.store import records, storage
+from codefleet.store import records, safe_files, storage
 from codefleet.store.parquet import RolloutWriter, rollout_record
 from codefleet.tasks.families import FAMILIES
 from codefleet.tasks.generate import generate_tasks
@@ -150,12 +150,12 @@ def make_tasks(run: RunDir, config: TrainRunConfig):
                                "generate` or `codefleet tasks import`")
         elif not n:
             sets[name] = []
-        elif run.fetch(f"tasks/{name}") and os.listdir(folder):
+        elif run.fetch(f"tasks/{name}") and safe_files.listdir_beneath(run.root, folder):  # a link: refused
             sets[name] = load_tasks(folder)
         else:  # new instances for RL are never a demonstrated task drawn again
             demonstrated = frozenset(task.instruction for task in sets["train"]) if name == "rl-fresh" else frozenset()
             sets[name] = generate_tasks(folder, n=n, seed=seed, families=t.families, difficulty=t.difficulty,
-                                        split=split, more_domains=False, exclude=demonstrated)
+                                        split=split, more_domains=False, exclude=demonstrated, root=run.root)
             run.publish(f"tasks/{name}")
     return sets["train"], sets["rl-fresh"] if fresh else sets["train"], sets["eval"]
 
@@ -283,8 +283,10 @@ def evaluate_checkpoints(run: RunDir, config: TrainRunConfig, eval_tasks, checkp
                 continue
         log(f"evaluating the {label} checkpoint on {len(eval_tasks)} held-out tasks")
         store = run.durable("eval", f"{label}-rollouts")
-        storage.remove(store)  # an evaluation a crash cut short starts over
-        writer = RolloutWriter(store)
+        # an evaluation a crash cut short starts over; neither the removal nor the store follows a link below the
+        # run directory (a planted eval/ or eval/LABEL-rollouts is refused or removed as a link, never entered)
+        storage.remove(store, root=run.location)
+        writer = RolloutWriter(store, beneath=run.location)
         index = {t.id: i for i, t in enumerate(eval_tasks)}
 
         def on_task(task, trajectories, label=label, writer=writer):

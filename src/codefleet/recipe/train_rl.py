@@ -54,11 +54,13 @@ def _rl_start(src: str, dst: str) -> str:
     if not storage.exists(storage.join(dst, checkpoint.CONFIG_FILE)):  # the config is written last
         src = storage.local_copy(src)
         with storage.staged_dir(dst, last=(checkpoint.CONFIG_FILE,)) as out:
-            os.makedirs(out, exist_ok=True)
+            # checkpoints/rl-start is made, and every file written in, through safe_files (checkpoint.make_dir,
+            # write_file): a link planted there or as one of its files is refused, never written through
+            checkpoint.make_dir(out)
             state_file = os.path.join(src, TRAINER_FILE)
             if os.path.isfile(state_file):
-                state = torch.load(state_file, weights_only=True)
-                torch.save({**state, "version": 0}, os.path.join(out, TRAINER_FILE))
+                state = {**torch.load(state_file, weights_only=True), "version": 0}
+                checkpoint.write_file(out, TRAINER_FILE, lambda f: torch.save(state, f))
             has_own = os.path.isfile(os.path.join(src, TOKENIZER_FILE))
             checkpoint.describe(out, Tokenizer.load(src) if has_own else default_tokenizer(), text_from=src,
                                 **checkpoint.usage(src))
