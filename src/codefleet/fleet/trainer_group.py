@@ -34,7 +34,11 @@ whose nodes share nothing else: every worker reads its node's
 `storage.staged_dir`, a local directory uploaded to the URL before `save`
 returns. A sharded save then has every rank write its DCP shards into a
 directory of its own node and upload them, rank 0 with the `.metadata` and the
-whole weights, so the URL holds the union a shared filesystem would.
+whole weights, so the URL holds the union a shared filesystem would. A run
+directory may be prepared by someone else: the sharded save's temporary
+directory (a predictable name beside the checkpoint) is made afresh through
+codefleet.store.safe_files before any rank writes (`fresh_dir`), and renamed
+without following links.
 
 GPUs: a worker given one builds its trainer on it (`cuda`, the GPU Ray gave
 the actor), its batches go there, and the process group uses NCCL; weights
@@ -72,7 +76,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import time
 import warnings
@@ -111,7 +114,7 @@ from codefleet.rl.trainer import (
     loss_units,
     sft_units,
 )
-from codefleet.store import storage
+from codefleet.store import safe_files, storage
 
 SHARDED_STATE = "sharded"  # a sharded backend's checkpoint: its DCP state (for resuming) in this subdirectory
 SUMMED = ("loss", "tokens", "loss_units", "sequences", "micro_batches")  # metrics that add up across workers
@@ -148,6 +151,17 @@ def merge_metrics(per_worker: list[dict[str, float]]) -> dict[str, float]:
 def is_sharded(backend: str) -> bool:
     """Whether TRAINERS' `backend` is a sharded trainer (`rl.sharded`): built, saved and read by all ranks at once."""
     return issubclass(TRAINERS.get(backend), ShardedTrainer)
+
+
+def fresh_dir(path: str) -> None:
+    """The empty directory `path` (a checkpoint's temporary sibling, whose name is predictable): whatever is there
+    is removed first, a link as the link itself, and `path` is made through safe_files, with no link below its
+    parent followed. Rank 0 does it before the first barrier of the save, so no rank writes into a planted link;
+    the sharded trainer's own save then prepares its directory inside the same way (rl.sharded)."""
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    safe_files.remove_beneath(parent, path, ignore_errors=True)
+    safe_files.makedirs_beneath(parent, path)
 
 
 def _save_whole(trainer: ShardedTrainer, state: dict[str, torch.Tensor], path: str) -> None:
@@ -314,15 +328,16 @@ class TrainerWorker:
         with storage.staged_dir(path, replace=self.rank == 0, last=last) as local:
             tmp = local + tmp_suffix
             if self.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
+                fresh_dir(tmp)
             self.trainer.save(os.path.join(tmp, SHARDED_STATE))  # collectives, with barriers
             state = self.trainer.weights(clone=False)  # a collective too
             if self.rank == 0:
                 _save_whole(self.trainer, state, tmp)
                 checkpoint.swap_in(tmp, local, f"{local}.old-{os.getpid()}")  # as Trainer.save
             dist.barrier()
-            if os.path.isdir(tmp):  # not rank 0's disk (a URL's staging): this rank's shards are its part
-                os.replace(tmp, local)
+            # not rank 0's disk (a URL's staging): this rank's shards are its part
+            if os.path.isdir(tmp) and not os.path.islink(tmp):
+                safe_files.replace_beneath(os.path.dirname(os.path.abspath(local)), tmp, local)
 
     def load(self, path: str) -> int:
         self.trainer = self._build(path, None)

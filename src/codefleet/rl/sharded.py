@@ -46,7 +46,10 @@ renames into place after every rank is done, so a rank killed mid-save
 leaves the previous checkpoint whole. Where a rank's disk is not rank 0's
 (each rank saving into a directory of its own node, to upload it:
 fleet.trainer_group), that rank renames its own temporary directory, which
-holds its part of the checkpoint. `load(path)` resumes from it on any
+holds its part of the checkpoint. The temporary directory is made afresh
+through codefleet.store.safe_files (a link planted at its predictable name
+is removed, never written into; `save` says what DCP's own writes leave).
+`load(path)` resumes from it on any
 number of ranks (DCP reshards), or starts from a plain or HF checkpoint with
 a fresh optimizer. `consolidate(sharded_dir, out_dir)` reads the DCP
 directory in one process into a whole `Transformer` and writes it with
@@ -76,7 +79,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shutil
 from dataclasses import asdict
 
 import torch
@@ -103,6 +105,7 @@ from codefleet.rl.batch import Sample
 from codefleet.rl.logprobs import forward_logprobs
 from codefleet.rl.sft import pad_batch, sft_step_loss
 from codefleet.rl.trainer import Example, TrainConfig, Trainer, _to_device, loss_units, pack, sft_units
+from codefleet.store import safe_files
 
 MODEL_CONFIG_FILE, METADATA_FILE, REFERENCE_DIR = "model_config.json", "metadata.json", "reference"
 
@@ -303,25 +306,35 @@ class ShardedTrainer(Trainer):
         torch.set_rng_state(state["rng"])
 
     def save(self, path: str) -> None:
-        """A DCP checkpoint in directory `path`, written atomically (a collective; see the module docstring)."""
+        """A DCP checkpoint in directory `path`, written atomically (a collective; see the module docstring).
+
+        `path` is in a run directory someone else may have prepared, and its temporary sibling has a predictable
+        name: rank 0 removes whatever is at `TMP` (a link as the link itself) and makes `TMP` and `TMP/reference`
+        afresh through codefleet.store.safe_files, never following a link below `path`'s parent, before any rank
+        writes. DCP then writes its shards by path into that directory: what remains is a race, a link swapped
+        in at `TMP` by someone who can write `path`'s parent while the shards are written. The config and the
+        metadata go in through safe_files, and the rename into place moves links, never what they point to."""
         path = os.path.abspath(path)
-        tmp = f"{path}.tmp"
+        parent, tmp = os.path.dirname(path), f"{path}.tmp"
         if dist.get_rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            safe_files.remove_beneath(parent, tmp, ignore_errors=True)
+            safe_files.makedirs_beneath(parent, tmp)
+            if self.reference is not None:
+                safe_files.makedirs_beneath(parent, os.path.join(tmp, REFERENCE_DIR))
         dist.barrier()
         dcp.save(self._state(), checkpoint_id=tmp)
         if self.reference is not None:
             dcp.save({"model": self._model_state(self.reference)}, checkpoint_id=os.path.join(tmp, REFERENCE_DIR))
         if dist.get_rank() == 0:
-            with open(os.path.join(tmp, MODEL_CONFIG_FILE), "w") as f:
-                json.dump(self.model.config.to_dict(), f, indent=1)
-            with open(os.path.join(tmp, METADATA_FILE), "w") as f:
-                json.dump({"policy_version": self.version, "sharded": True,
-                           "train_config": json.loads(json.dumps(asdict(self.config)))}, f, indent=1)
+            metadata = {"policy_version": self.version, "sharded": True,
+                        "train_config": json.loads(json.dumps(asdict(self.config)))}
+            for name, value in ((MODEL_CONFIG_FILE, self.model.config.to_dict()), (METADATA_FILE, metadata)):
+                safe_files.write_file_beneath(parent, os.path.join(tmp, name), json.dumps(value, indent=1), mode=0o644)
             checkpoint.swap_in(tmp, path, f"{path}.old")
         dist.barrier()
-        if os.path.isdir(tmp) and not os.path.exists(path):  # a disk rank 0 does not share: this rank's own shards
-            os.replace(tmp, path)
+        # a disk rank 0 does not share: this rank's own shards (a directory, not a link to one)
+        if os.path.isdir(tmp) and not os.path.islink(tmp) and not os.path.lexists(path):
+            safe_files.replace_beneath(parent, tmp, path)
 
     @classmethod
     def load(cls, path: str, config: TrainConfig | None = None,
