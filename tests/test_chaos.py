@@ -17,6 +17,7 @@ from codefleet.chaos import faults, invariants
 from codefleet.fleet.staleness import Group, Rollout, Ticket
 from codefleet.model.checkpoint import CONFIG_FILE
 from codefleet.recipe.run_dir import RunDir
+from codefleet.sandbox.state import process_name
 from codefleet.store.parquet import RolloutWriter, rollout_record
 from codefleet.types import Trajectory
 
@@ -94,19 +95,25 @@ def test_leaks_see_a_sandbox_process_tree_and_a_mount_under_the_state_dir(tmp_pa
     owner = "4242-99-abcdef"  # a sandbox owner's directory: <pid>-<start ticks>-<hex>
     os.makedirs(f"{state}/{owner}/sb/x")
     assert invariants.leaks(state, []).ok
-    # as a sandbox's bwrap: argv[0] bwrap, its directory on the command line, a process under it
-    fake = subprocess.Popen(["bwrap", "-c", "sleep 60 & wait", "sh", f"{state}/{owner}/sb/x"], executable="/bin/bash")
+    # as a sandbox's bwrap: argv[0] its owner's process name, a process under it; not one of another state
+    # directory's owner, nor a process that names this state directory (a bwrap's command line never does)
+    fake = subprocess.Popen([process_name(owner), "-c", "sleep 60 & wait"], executable="/bin/bash")
+    others = [subprocess.Popen([process_name("4243-99-abcdef"), "-c", "sleep 60 & wait"], executable="/bin/bash"),
+              subprocess.Popen(["bwrap", "-c", "sleep 60 & wait", "sh", f"{state}/{owner}/sb/x"],
+                               executable="/bin/bash")]
     try:
         for _ in range(50):
-            if faults.sandbox_roots(state) and faults.descendants(fake.pid):
+            if (faults.sandbox_roots(state) and faults.descendants(fake.pid)
+                    and all(faults.cmdline(p.pid) and faults.descendants(p.pid) for p in others)):
                 break
             time.sleep(0.1)
         assert faults.sandbox_roots(state) == [fake.pid]
         leak = invariants.leaks(state, ["EngineActor pid 7"])
         assert not leak.ok and "sandbox process tree" in leak.detail and "EngineActor pid 7" in leak.detail
     finally:
-        fake.kill()
-        fake.wait()
+        for proc in [fake, *others]:
+            proc.kill()
+            proc.wait()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "none", f"{state}/{owner}/sb/x"], check=True)
     try:
         leak = invariants.leaks(state, [], whose=lambda pid: f"SandboxHost pid {pid}, hit by fault sandbox_host")

@@ -262,14 +262,20 @@ def _leaks(text: str, values: set[str], allowed: tuple[str, ...] = ()) -> list[s
     return lines
 
 
+def _bound_by_path(sb) -> tuple[str, ...]:
+    """Where a sandbox still names the host: made by another user than root, who cannot mount, it binds the
+    owner's files by path (and the workspace too, where that is a copy, not a FUSE overlay)."""
+    if os.geteuid() == 0:
+        return ()
+    return (os.path.join(sb.owner.dir, "files"),) + ((sb.dir,) if sb.workspace.strategy == "copy" else ())
+
+
 def test_no_host_path_or_environment_value_shows_inside(make_sandbox, config, repo):
     """bwrap's environment is the sandbox's PATH, its options come through a memfd, and (as root) the owner's
-    files are bound through an overlay named by file descriptors: none names the host. What still does is
-    the sandbox's own workspace (test below)."""
+    files are bound through an overlay named by file descriptors: none names the host."""
     sb = make_sandbox()
     seen = run_ok(sb, _WHAT_IT_READS)
-    allowed = (sb.dir,) if os.geteuid() == 0 else (sb.dir, sb.owner.dir)  # unprivileged: no overlay of its own
-    assert _leaks(seen, _host_values(config, repo), allowed) == []
+    assert _leaks(seen, _host_values(config, repo), _bound_by_path(sb)) == []
     assert "PATH=/usr/local/sbin:" in seen and " /etc/passwd " in seen and " /run/codefleet/shell " in seen
 
 
@@ -286,17 +292,40 @@ def test_an_images_userland_names_no_host_path_either(make_sandbox, config, repo
     rootfs = import_image(str(archive), str(open_tmp / "store")).rootfs
     sb = make_sandbox(environment=rootfs)
     seen = run_ok(sb, _WHAT_IT_READS)
-    allowed = (sb.dir,) if os.geteuid() == 0 else (sb.dir, sb.owner.dir, rootfs)
+    allowed = _bound_by_path(sb) + ((rootfs,) if os.geteuid() != 0 else ())
     assert _leaks(seen, _host_values(config, repo) | {str(open_tmp)}, allowed) == []
     assert " /usr " in seen and " /etc " in seen
 
 
-@pytest.mark.xfail(strict=True, reason="the workspace overlay's options name its layers' host paths (layers.py "
-                   "mounts it by path), and bwrap's --bind of it stays on its command line, where the reaper finds "
-                   "a dead owner's bwraps (state.py)")
 def test_not_even_the_workspace_names_a_host_path(make_sandbox, config, repo):
+    """The workspace is an overlay whose layers (the repository's view, a fork's frozen layers, the upper layer)
+    are named by file descriptors, bwrap binds it through its memfd and runs under its owner's process name,
+    and its cgroup namespace is rooted at its own cgroup: in the shell, in a one-off, and in a fork of a fork,
+    nothing names the state directory or the owner (whose name holds codefleet's host pid)."""
     sb = make_sandbox()
-    assert _leaks(run_ok(sb, _WHAT_IT_READS), _host_values(config, repo)) == []
+    run_ok(sb, "echo one > first")
+    child = sb.fork(1)[0]
+    try:
+        run_ok(child, "echo two > second")
+        grandchild = child.fork(1)[0]
+        try:
+            assert run_ok(grandchild, "cat first second") == "one\ntwo\n"
+            reads = _WHAT_IT_READS + "; echo '-- cgroup'; cat /proc/self/cgroup"
+            seen = {"shell": (sb, run_ok(sb, reads)),
+                    "one-off": (sb, sb.run_oneoff(["sh", "-c", reads], timeout_s=20).output),
+                    "fork of a fork": (grandchild, run_ok(grandchild, reads))}
+        finally:
+            grandchild.close()
+    finally:
+        child.close()
+    values = _host_values(config, repo) | {sb.owner.name}
+    for where, (box, text) in seen.items():
+        assert _leaks(text, values, _bound_by_path(box)) == [], where
+        assert text.count(" /workspace ") == 2, (where, text)  # in mountinfo and in /proc/mounts
+        cgroups_seen = {line.split(":", 2)[2] for line in text.split("-- cgroup\n", 1)[1].splitlines()}
+        assert cgroups_seen == {"/"}, (where, cgroups_seen)  # each hierarchy's path, from the sandbox's own cgroup
+    if sb.workspace.strategy == "overlay":
+        assert "lowerdir=/proc/self/fd/" in seen["fork of a fork"][1]
 
 
 def test_dev_is_read_only_and_dev_shm_is_bounded_like_tmp(make_sandbox):

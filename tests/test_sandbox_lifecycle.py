@@ -119,7 +119,8 @@ def test_dead_owner_in_an_abandoned_state_dir_is_reaped(config, open_tmp):
 def test_a_sandbox_process_its_owner_never_recorded_is_killed_by_the_reaper(config, open_tmp):
     """An owner SIGKILLed while starting a sandbox dies before it writes the sandbox's pids.json, and
     the sandbox's bwrap, PID 1 of its namespace, outlived --die-with-parent (seen with a kill -9 during
-    a create/fork/close loop). Every bwrap of an owner names a path under its sb/ directory."""
+    a create/fork/close loop). Every bwrap of an owner runs under the owner's process name (its argv[0]),
+    which names no host path: the reaper kills what runs under it, and nothing that only mentions it."""
     owner = state.owner_for(config.state_dir)
     gone = subprocess.Popen(["true"])
     gone.wait()
@@ -127,24 +128,38 @@ def test_a_sandbox_process_its_owner_never_recorded_is_killed_by_the_reaper(conf
     dead_dir = os.path.join(state_dir, f"{gone.pid}-1-abcdef")
     os.makedirs(os.path.join(dead_dir, "sb", "sb-0123456789"))
     open(os.path.join(dead_dir, "lock"), "w").close()  # nobody holds it: a dead owner
-    stray = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
-                              os.path.join(dead_dir, "sb", "sb-0123456789", "merged")])
-    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", dead_dir + "-not-sb"])
+    dead_name = state.process_name(os.path.basename(dead_dir))
+    sleep = ["-c", "import time; time.sleep(60)"]
+    stray = subprocess.Popen([dead_name, *sleep], executable=sys.executable)
+    bystanders = [subprocess.Popen([sys.executable, *sleep, dead_name]),  # names it, but as an argument
+                  subprocess.Popen([state.process_name(f"{gone.pid}-1-abcdee"), *sleep], executable=sys.executable)]
 
     def shows_its_arguments(proc) -> bool:  # a process mid-exec reads as an empty command line for a moment
         with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
-            return dead_dir.encode() in f.read()
+            return b"time.sleep(60)" in f.read()
 
     try:
-        assert wait_for(lambda: shows_its_arguments(stray) and shows_its_arguments(bystander), timeout_s=30)
+        assert wait_for(lambda: all(shows_its_arguments(p) for p in [stray, *bystanders]), timeout_s=30)
         assert state.reap(state_dir, owner.cgroups) == [os.path.basename(dead_dir)]
         assert stray.wait(timeout=10) == -9
-        assert bystander.poll() is None  # only what names the dead owner's sandboxes
+        assert [p.poll() for p in bystanders] == [None, None]  # only what runs under the dead owner's name
         assert not os.path.exists(dead_dir)
     finally:
-        for proc in (stray, bystander):
+        for proc in (stray, *bystanders):
             proc.kill()
             proc.wait()
+
+
+def test_a_sandboxs_bwrap_runs_under_its_owners_process_name(make_sandbox):
+    """What the reaper finds a dead owner's bwraps by: the sandbox's outer bwrap and its PID 1 carry the name as
+    argv[0]: a digest of the owner's name, naming no host path."""
+    sb = make_sandbox()
+    name = sb.owner.process_name
+    assert name == state.process_name(sb.owner.name) and name.startswith("bwrap-") and "/" not in name
+    outer = sb._pids[0][0]
+    with open(f"/proc/{outer}/cmdline", "rb") as f:
+        assert f.read().split(b"\0")[0] == name.encode()
+    assert sb.exec("tr '\\0' '\\n' </proc/1/cmdline | head -1").output == name + "\n"
 
 
 def test_owner_liveness_comes_from_the_process_table_not_file_times():

@@ -19,8 +19,9 @@ is tried again every quarter second, while the later faults go on at their times
 its target never appears it is listed as not injected, with the reason.
 
 Targets are found through Ray's state API (actors by class name and their PIDs) and `/proc` (sandbox processes:
-the bwraps whose command line names this soak's sandbox state directory, and their descendants). Processes
-are signalled from this machine, so every node must be local: the soak's cluster is `ray.cluster_utils`.
+the bwraps running under the process name of an owner in this soak's sandbox state directory, and their
+descendants). Processes are signalled from this machine, so every node must be local: the soak's cluster is
+`ray.cluster_utils`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import ray
 from ray.util.state import list_actors
 
 from codefleet.fleet.sandbox_host import host_name, sandbox_nodes
+from codefleet.sandbox.state import process_name
 
 KINDS = ("rollout_worker", "sandbox_host", "engine", "trainer_worker", "sandbox_processes", "sandbox_disk",
          "worker_node")
@@ -126,9 +128,14 @@ def cmdline(pid: int) -> str:
 
 
 def sandbox_roots(state_dir: str) -> list[int]:
-    """PIDs of the outermost bwrap of every live sandbox under `state_dir` (its command line names its directory)."""
+    """PIDs of the outermost bwrap of every live sandbox of the owners under `state_dir` (each runs under its owner's
+    process name, sandbox/state.py; its command line names no host path)."""
+    try:
+        names = {process_name(owner) for owner in os.listdir(state_dir)}
+    except FileNotFoundError:
+        return []
     pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    bwraps = {p for p in pids if state_dir in cmdline(p) and "bwrap" in cmdline(p).split(" ", 1)[0]}
+    bwraps = {p for p in pids if cmdline(p).split(" ", 1)[0] in names}
     children = _children()
     inner = {c for p in bwraps for c in children.get(p, [])}
     return sorted(bwraps - inner)

@@ -18,12 +18,14 @@ the `chmod` that fixes it.
 Nothing of the host's paths or environment is given to what runs inside. bwrap's
 own environment and command line stay those of the sandbox's PID 1, which every
 command reads (/proc/1/environ, /proc/1/cmdline): its environment is the
-sandbox's fixed PATH, and its options travel through a memfd (--args), which
-bwrap reads and closes. A bind mount shows its source's path within its
-filesystem in /proc/self/mountinfo, so as root the owner's files (and an
-environment's userland) are bound through a read-only overlay of their directory
-mounted per sandbox (`mount_view`), whose options name file descriptors
-(/proc/self/fd/N), not paths.
+sandbox's fixed PATH, its name (argv[0]) its owner's process name
+(state.process_name, by which the reaper finds it), and its options, the
+workspace's bind included, come through a memfd (--args) that bwrap reads and
+closes. A bind mount shows its source's path within its filesystem in
+/proc/self/mountinfo, so as root the owner's files (and an environment's
+userland) are bound through a read-only overlay of their directory mounted per
+sandbox (`mount_view`), whose options name file descriptors (/proc/self/fd/N),
+not paths, as the workspace's own overlay does (layers.py).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from dataclasses import dataclass
 from codefleet.sandbox.base import SandboxConfig, SandboxUnavailableError
 from codefleet.sandbox.environments import resolve_inside, rootfs_of
 from codefleet.sandbox.identity import Identity, host_identity, write_exec_only_shell
-from codefleet.sandbox.layers import MS_NOSUID, mount
+from codefleet.sandbox.layers import MS_NOSUID, mount_overlay
 from codefleet.sandbox.state import Owner
 
 SANDBOX_UID = 1000
@@ -140,17 +142,12 @@ def mount_view(directory: str, empty: str, at: str) -> None:
     mountinfo names no host path: an overlay of `directory` (and `empty`: an overlay without an upper layer needs
     two) given as /proc/self/fd/N, which the kernel shows as given. Root only; the caller unmounts it. Not
     MS_RDONLY per mount (the overlay is read-only as a whole): bwrap's --dev-bind keeps its binds writable."""
-    fds = [os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for path in (directory, empty)]
-    try:
-        mount("overlay", at, "overlay", "lowerdir=" + ":".join(f"/proc/self/fd/{fd}" for fd in fds), MS_NOSUID)
-    finally:
-        for fd in fds:
-            os.close(fd)
+    mount_overlay(at, [directory, empty], flags=MS_NOSUID)
 
 
 def host_args(config: SandboxConfig, files: OwnerFiles, ro_sources: dict[str, str] | None = None,
               view: str | None = None, userland: str | None = None) -> list[str]:
-    """The bwrap options of a sandbox with this config, up to its workspace. `ro_sources`: where bwrap binds an
+    """The bwrap options of a sandbox with this config, but for its workspace. `ro_sources`: where bwrap binds an
     `ro_binds` path from, when not from itself (a staged bind mount the sandbox user can reach); `view` and
     `userland`: where the owner's files and the environment's root filesystem are bound from, when not from
     their own directories (`mount_view`)."""

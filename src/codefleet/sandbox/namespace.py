@@ -33,8 +33,12 @@ through /proc. What stays possible is documented in docs/sandbox.md.
 
 bwrap's own PID 1 reaps zombies; its death takes the whole PID namespace
 with it. bwrap is started with --die-with-parent from the spawner thread
-(procs.py), and blocked on --block-fd until the host has moved it into the
-sandbox's cgroup, so no process of the sandbox ever runs outside its limits.
+(procs.py), under its owner's process name (state.py), and waits on a gate
+until the host has moved it into the sandbox's cgroup: its first --args is an
+empty pipe, which bwrap reads to its end before it makes any namespace, and
+which the host closes once bwrap is in the cgroup. So no process of the
+sandbox ever runs outside its limits, and the sandbox's cgroup namespace is
+rooted at its own cgroup: /proc/self/cgroup reads `/`, not the owner's name.
 """
 
 from __future__ import annotations
@@ -141,10 +145,11 @@ class NamespaceSandbox(ShellSandbox):
                     userland = self._mount_view(rootfs, "userland")
             self.cgroup = self.owner.cgroups.create(sandbox_id, config.memory_mb, config.max_processes,
                                                     config.cpu_cores)
-            self._options = host_args(config, files, ro_sources, view, userland)  # through a memfd: see bwrap.py
-            # Last, once every mount point exists: the sandbox's own root and /dev become read-only. The workspace
-            # stays on bwrap's command line: the reaper finds a dead owner's bwraps by their sb/ path (state.py).
-            self._base_args = ["--bind", self.workspace.merged, WORKSPACE, "--remount-ro", "/dev", "--remount-ro", "/"]
+            # bwrap's options (through a memfd: see bwrap.py); last, once every mount point exists, the sandbox's
+            # own root and /dev become read-only
+            self._options = host_args(config, files, ro_sources, view, userland) + [
+                "--bind", self.workspace.merged, WORKSPACE, "--remount-ro", "/dev", "--remount-ro", "/",
+                "--chdir", WORKSPACE]
             self._start(_replay)
         except BaseException:
             self._closed = True
@@ -163,14 +168,13 @@ class NamespaceSandbox(ShellSandbox):
 
     def _spawn(self, argv: list[str], stdout: int, stderr: int, keep_fds: tuple[int, ...] = ()
                ) -> tuple[subprocess.Popen, int]:
-        """Start bwrap + argv blocked, move it into the cgroup, let it go; (proc, init pid).
+        """Start bwrap + argv at its gate, move it into the cgroup, open the gate; (proc, init pid).
         `keep_fds` reach argv (not bwrap's PID 1) with their numbers; the caller closes them."""
+        gate_r, gate_w = os.pipe2(os.O_CLOEXEC)
         info_r, info_w = os.pipe2(os.O_CLOEXEC)
-        block_r, block_w = os.pipe2(os.O_CLOEXEC)
         options = options_fd(self._options)
-        args = ["bwrap", "--args", str(options), *self._base_args, "--chdir", WORKSPACE, "--info-fd", str(info_w),
-                "--block-fd", str(block_r)]
-        pass_fds = [options, info_w, block_r]
+        args = [self.owner.process_name, "--args", str(gate_r), "--args", str(options), "--info-fd", str(info_w)]
+        pass_fds = [gate_r, options, info_w]
         seccomp_r = seccomp.filter_fd()
         if seccomp_r is not None:
             args += ["--seccomp", str(seccomp_r)]
@@ -181,21 +185,24 @@ class NamespaceSandbox(ShellSandbox):
             proc = procs.spawner.popen(args + argv, executable=bwrap_binary(), stdin=subprocess.DEVNULL,
                                        stdout=stdout, stderr=stderr, pass_fds=pass_fds + list(keep_fds),
                                        start_new_session=True, env=bwrap_env(), cwd="/", **self.ident.popen_kwargs())
+        except BaseException:
+            os.close(gate_w)
+            os.close(info_r)
+            raise
         finally:
             for fd in pass_fds:
                 os.close(fd)
         try:
-            info = _read_info(info_r)
-            if info is None:
-                raise self._start_failure(proc)
-            init_pid = info["child-pid"]
             try:
                 if self.cgroup is not None:
                     self.cgroup.add(proc.pid)
-                    self.cgroup.add(init_pid)
-                os.write(block_w, b"1")
-            except (ProcessLookupError, BrokenPipeError):  # bwrap gave up while setting the sandbox up
+            except ProcessLookupError:  # bwrap gave up before it read its options
                 raise self._start_failure(proc) from None
+            finally:
+                os.close(gate_w)  # the gate opens: bwrap reads its options and makes the sandbox in its cgroup
+            info = _read_info(info_r)
+            if info is None:
+                raise self._start_failure(proc)
         except BaseException:
             proc.kill()
             proc.wait()
@@ -204,8 +211,7 @@ class NamespaceSandbox(ShellSandbox):
             raise
         finally:
             os.close(info_r)
-            os.close(block_w)
-        return proc, init_pid
+        return proc, info["child-pid"]
 
     def _start_failure(self, proc: subprocess.Popen) -> SandboxUnavailableError:
         """The error for a bwrap that exited while setting the sandbox up, in bwrap's words.
@@ -216,7 +222,7 @@ class NamespaceSandbox(ShellSandbox):
         if not said:
             options = options_fd(self._options)
             try:
-                said = subprocess.run(["bwrap", "--args", str(options), *self._base_args, "true"],
+                said = subprocess.run([self.owner.process_name, "--args", str(options), "true"],
                                       executable=bwrap_binary(), stdin=subprocess.DEVNULL, capture_output=True,
                                       timeout=20, pass_fds=[options], env=bwrap_env(), cwd="/",
                                       **self.ident.popen_kwargs()).stderr.decode(errors="replace").strip()

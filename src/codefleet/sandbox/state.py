@@ -11,8 +11,9 @@ which a sandbox fleet's shutdown runs on every node): an owner directory
 whose lock nobody holds belongs to a dead process. Not quite all die: an
 owner killed while it starts a sandbox can leave that sandbox's bwrap (PID 1
 of its namespace) running, before its pids were recorded; the reaper kills
-every process whose command line names the dead owner's sb/ directory, as
-each of its bwraps does.
+every process running under the dead owner's process name (`process_name`),
+the argv[0] of each of its bwraps: a digest of the owner's name, so that what
+a sandbox reads as its PID 1's command line names no host path and no pid.
 
 A dead owner's state directory may never be visited again: a test run's
 private one, deleted since around the mounts it could not delete (lock file
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -71,6 +73,7 @@ class Owner:
         started = procs.start_time(self.pid)
         self.name = f"{self.pid}-{'' if started is None else f'{started}-'}{os.urandom(3).hex()}"
         self.dir = os.path.join(self.state_dir, self.name)
+        self.process_name = process_name(self.name)
         os.makedirs(os.path.join(self.dir, "sb"))
         os.makedirs(os.path.join(self.dir, "layers"))
         self._lock_fd = os.open(os.path.join(self.dir, "lock"), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
@@ -238,8 +241,8 @@ def _reap_owner(owner_dir: str, name: str, tree: cgroups.CgroupTree) -> None:
         except (OSError, ValueError):
             pass
     # a bwrap whose owner died before recording its pids (killed while starting a sandbox) outlives
-    # --die-with-parent as its PID namespace's init; every bwrap of the owner binds a path under sb/
-    procs.kill_mentioning(os.path.join(owner_dir, "sb") + os.sep)
+    # --die-with-parent as its PID namespace's init; every bwrap of the owner runs under its process name
+    _kill_named(process_name(name))
     for group in tree.stale_groups(name):
         group.remove(timeout_s=1.0)
     for point in layers.mounts_under(owner_dir):
@@ -248,6 +251,26 @@ def _reap_owner(owner_dir: str, name: str, tree: cgroups.CgroupTree) -> None:
         except OSError as e:
             log.warning("codefleet: could not unmount %s: %s", point, e)
     layers.remove_tree(owner_dir)
+
+
+def process_name(owner_name: str) -> str:
+    """The argv[0] of every bwrap of the owner called `owner_name`, which its sandboxes read as their PID 1's:
+    "bwrap-" and 16 hex digits of a digest of the name, unique to the owner like its name, naming no path or pid."""
+    return "bwrap-" + hashlib.sha256(owner_name.encode()).hexdigest()[:16]
+
+
+def _kill_named(argv0: str) -> None:
+    """SIGKILL every process whose argv[0] is `argv0`."""
+    needle = os.fsencode(argv0) + b"\0"
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if f.read(len(needle)) == needle:
+                    os.kill(int(entry), 9)
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
 
 
 _owners: dict[str, Owner] = {}
