@@ -212,6 +212,28 @@ def test_mounts_under_a_non_ascii_state_dir_are_found_and_released(repo, config,
     assert mounts_under(cfg.state_dir) == []
 
 
+_SLOW_SHELL_OWNER = textwrap.dedent("""
+    import sys
+    from codefleet.sandbox import SandboxConfig, SandboxUnavailableError, create_sandbox, shell
+    ready = shell.ShellSession.wait_ready  # a loaded machine, made certain: the shell misses its start timeout
+    shell.ShellSession.wait_ready = lambda self, script, timeout_s=10.0: ready(self, script, 0.0005)
+    try:
+        create_sandbox(sys.argv[2], SandboxConfig(backend="namespace", state_dir=sys.argv[1]))
+    except SandboxUnavailableError as e:
+        print("refused:", e)
+""")
+
+
+def test_a_shell_that_misses_its_start_timeout_interrupts_nothing_of_the_host(config, repo):
+    """A sandbox's shell that does not answer its set-up in time is interrupted like a timed-out command. Before
+    its pid was known that SIGINT went to pid 0, codefleet's own process group: under load (200 sandboxes at once
+    beside a chaos soak) it interrupted the test run, and would interrupt `codefleet train`."""
+    child = subprocess.run([sys.executable, "-c", _SLOW_SHELL_OWNER, config.state_dir, repo], capture_output=True,
+                           text=True, timeout=60, start_new_session=True)  # its own process group: ours is safe
+    assert child.returncode == 0 and "KeyboardInterrupt" not in child.stderr, child.stderr[-2000:]
+    assert child.stdout.startswith("refused: bwrap failed to start the sandbox"), child.stdout
+
+
 def test_close_does_not_wait_for_a_command_running_in_another_thread(make_sandbox):
     """What SIGTERM to `codefleet agent run` does: the main thread closes the sandboxes that its
     attempts' threads are running commands in."""

@@ -271,7 +271,11 @@ class NamespaceSandbox(ShellSandbox):
                 return 255
             return 128 - code if code < 0 else code
 
-        session = ShellSession(proc.stdin.fileno(), proc.stdout.fileno(), 0, list_procs, exit_status,
+        # Until the shell is known, the sandbox's init stands in for it, never pid 0: a set-up that outlasts
+        # wait_ready's timeout is interrupted with SIGINT to the shell, and os.kill(0, SIGINT) interrupted
+        # codefleet's own process group. The init ignores SIGINT (a PID namespace's init without a handler
+        # does), and SIGKILL, the last resort, ends the sandbox.
+        session = ShellSession(proc.stdin.fileno(), proc.stdout.fileno(), init_pid, list_procs, exit_status,
                                self.config.output_limit_bytes)
         try:
             session.wait_ready(setup_script(self.config, WORKSPACE, self._ulimits(), replay))
@@ -283,7 +287,7 @@ class NamespaceSandbox(ShellSandbox):
             proc.stdout.close()
             raise error from None
         kids = procs.children(init_pid)
-        session.shell_pid = shell_pid_box[0] = kids[0] if kids else 0
+        session.shell_pid = shell_pid_box[0] = kids[0] if kids else init_pid
         return proc, session
 
     def _spawn_oneoff(self, argv: list[str]) -> subprocess.Popen:
