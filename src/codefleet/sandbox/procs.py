@@ -70,23 +70,6 @@ def kill_if_same(pid: int, started: int | None, sig: int = 9) -> None:
             pass
 
 
-def kill_mentioning(text: str, sig: int = 9) -> list[int]:
-    """Signal every process whose command line contains `text`; the pids signalled."""
-    needle, hit = text.encode(), []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if needle not in f.read():
-                    continue
-            os.kill(int(entry), sig)
-            hit.append(int(entry))
-        except (OSError, ProcessLookupError):  # gone meanwhile, or not ours to read
-            continue
-    return hit
-
-
 def rss_kb(pid: int) -> tuple[int, int]:
     """(RSS, PSS) of a process in KiB, (0, 0) if it is gone."""
     try:
