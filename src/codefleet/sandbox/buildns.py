@@ -29,16 +29,13 @@ lower layer is a view.)
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import grp
 import os
 import pwd
 import shutil
-import subprocess
-import time
 from dataclasses import dataclass
 
+from codefleet.sandbox.identity import IdmapUnsupported, bind_idmapped, make_userns
 from codefleet.sandbox.oci import ImageError
 
 IDS = 65536  # uids and gids 0..65535 inside, as a Debian userland uses them (nobody is 65534)
@@ -161,9 +158,12 @@ class StepNamespace:
         self.ids = ids
         self.fd = self.view_fd = -1
         try:
-            self.fd = _make_userns(f"0 {ids.uid} {IDS}\n", f"0 {ids.gid} {IDS}\n")
-            self.view_fd = _make_userns(f"0 {ids.uid} 1\n{ids.uid + 1} {ids.uid + 1} {IDS - 1}\n",
-                                        f"0 {ids.gid} 1\n{ids.gid + 1} {ids.gid + 1} {IDS - 1}\n")
+            self.fd = make_userns(f"0 {ids.uid} {IDS}\n", f"0 {ids.gid} {IDS}\n")
+            self.view_fd = make_userns(f"0 {ids.uid} 1\n{ids.uid + 1} {ids.uid + 1} {IDS - 1}\n",
+                                       f"0 {ids.gid} 1\n{ids.gid + 1} {ids.gid + 1} {IDS - 1}\n")
+        except OSError as e:
+            self.close()
+            raise _refusal(str(e)) from None
         except BaseException:
             self.close()
             raise
@@ -191,25 +191,13 @@ class StepNamespace:
 
     def idmapped_view(self, source: str, target: str) -> None:
         """Bind `source` read-only (nosuid, nodev) on `target`, seen with the view's mapping."""
-        tree = _libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, os.fsencode(source), _OPEN_TREE_CLONE | os.O_CLOEXEC)
-        if tree < 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"open_tree {source}: {os.strerror(err)}")
         try:
-            attr = _MountAttr(_MOUNT_ATTR_IDMAP | _MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV, 0, 0,
-                              self.view_fd)
-            if _libc.syscall(_SYS_MOUNT_SETATTR, tree, b"", _AT_EMPTY_PATH, ctypes.byref(attr),
-                             ctypes.sizeof(attr)) < 0:
-                err = ctypes.get_errno()
-                raise ImageError(f"codefleet env build shows a step the layers below it through an idmapped mount, "
-                                 f"which {source!r} cannot have ({os.strerror(err)}): it needs Linux 5.19 or later "
-                                 "and the store on ext4, xfs, btrfs or tmpfs; choose such a store (--store or "
-                                 "CODEFLEET_ENV_DIR)")
-            if _libc.syscall(_SYS_MOVE_MOUNT, tree, b"", _AT_FDCWD, os.fsencode(target), _MOVE_MOUNT_F_EMPTY_PATH) < 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"move_mount {target}: {os.strerror(err)}")
-        finally:
-            os.close(tree)
+            bind_idmapped(source, target, self.view_fd)
+        except IdmapUnsupported as e:
+            raise ImageError(f"codefleet env build shows a step the layers below it through an idmapped mount, "
+                             f"which {source!r} cannot have ({e.strerror}): it needs Linux 5.19 or later and the "
+                             "store on ext4, xfs, btrfs or tmpfs; choose such a store (--store or "
+                             "CODEFLEET_ENV_DIR)") from None
 
 
 def shift_tree(path: str, ids: HostIds) -> None:
@@ -224,46 +212,3 @@ def shift_tree(path: str, ids: HostIds) -> None:
             owner = one(st.st_uid, ids.uid), one(st.st_gid, ids.gid)
             if owner != (st.st_uid, st.st_gid):
                 os.lchown(entry, *owner)
-
-
-def _make_userns(uid_map: str, gid_map: str) -> int:
-    """A descriptor of a new user namespace with these maps: a child unshares it and waits on its stdin while
-    we write its maps from outside (as root: any range), then we keep the namespace by its descriptor."""
-    child = subprocess.Popen(["unshare", "--user", "cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE)
-    try:
-        ours = os.readlink("/proc/self/ns/user")
-        deadline = time.monotonic() + 10
-        while True:  # until the child has unshared
-            try:
-                if os.readlink(f"/proc/{child.pid}/ns/user") != ours:
-                    break
-            except FileNotFoundError:
-                pass
-            if child.poll() is not None or time.monotonic() > deadline:
-                raise _refusal(f"`unshare --user`: {child.stderr.read().decode(errors='replace').strip()[:200]}")
-            time.sleep(0.001)
-        for name, text in (("uid_map", uid_map), ("gid_map", gid_map)):
-            with open(f"/proc/{child.pid}/{name}", "w") as f:
-                f.write(text)
-        return os.open(f"/proc/{child.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
-    finally:
-        child.stdin.close()
-        child.wait()
-        child.stderr.close()
-
-
-# -- idmapped mounts (the new mount API; the same syscall numbers on every architecture) -----------------
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.syscall.restype = ctypes.c_long
-_SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_MOUNT_SETATTR = 428, 429, 442
-_OPEN_TREE_CLONE = 1
-_AT_FDCWD, _AT_EMPTY_PATH = -100, 0x1000
-_MOUNT_ATTR_RDONLY, _MOUNT_ATTR_NOSUID, _MOUNT_ATTR_NODEV, _MOUNT_ATTR_IDMAP = 0x1, 0x2, 0x4, 0x100000
-_MOVE_MOUNT_F_EMPTY_PATH = 0x4
-
-
-class _MountAttr(ctypes.Structure):
-    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
-                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]

@@ -123,11 +123,18 @@ class _MappingNamespaces:
         key = (disk_uid, disk_gid, ident.uid, ident.gid)
         with self._lock:
             if key not in self._fds:
-                self._fds[key] = _make_userns(f"{disk_uid} {ident.uid} 1\n", f"{disk_gid} {ident.gid} 1\n")
+                try:
+                    self._fds[key] = make_userns(f"{disk_uid} {ident.uid} 1\n", f"{disk_gid} {ident.gid} 1\n")
+                except OSError as e:
+                    raise SandboxUnavailableError("could not create a user namespace for the workspace's idmapped "
+                                                  f"view ({e})") from None
             return self._fds[key]
 
 
-def _make_userns(uid_map: str, gid_map: str) -> int:
+def make_userns(uid_map: str, gid_map: str) -> int:
+    """A descriptor of a new user namespace with these maps: a child unshares it and waits on its stdin while we
+    write its maps from outside (as root: any range), then we keep the namespace by its descriptor. OSError with
+    what `unshare` said when the host cannot make one."""
     child = subprocess.Popen(["unshare", "--user", "cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE)
     try:
@@ -140,18 +147,37 @@ def _make_userns(uid_map: str, gid_map: str) -> int:
             except FileNotFoundError:
                 pass
             if child.poll() is not None or time.monotonic() > deadline:
-                raise SandboxUnavailableError("could not create a user namespace for the workspace's idmapped "
-                                              f"view (`unshare --user`: {child.stderr.read().decode()[:200]!r})")
+                raise OSError(f"`unshare --user`: {child.stderr.read().decode(errors='replace').strip()[:200]}")
             time.sleep(0.001)
-        with open(f"/proc/{child.pid}/uid_map", "w") as f:
-            f.write(uid_map)
-        with open(f"/proc/{child.pid}/gid_map", "w") as f:
-            f.write(gid_map)
+        for name, text in (("uid_map", uid_map), ("gid_map", gid_map)):
+            with open(f"/proc/{child.pid}/{name}", "w") as f:
+                f.write(text)
         return os.open(f"/proc/{child.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
     finally:
         child.stdin.close()
         child.wait()
         child.stderr.close()
+
+
+class IdmapUnsupported(OSError):
+    """The filesystem (or the kernel) cannot give an idmapped mount."""
+
+
+def bind_idmapped(source: str, target: str, userns_fd: int) -> None:
+    """Bind `source` read-only, nosuid and nodev on `target`, its ids seen through the mapping of the user namespace
+    `userns_fd`. IdmapUnsupported where the filesystem cannot be idmapped; OSError naming the step otherwise."""
+    tree = _check(_libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, os.fsencode(source), _OPEN_TREE_CLONE | _OPEN_TREE_CLOEXEC),
+                  "open_tree", source)
+    try:
+        attr = _MountAttr(_MOUNT_ATTR_IDMAP | _MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV, 0, 0,
+                          userns_fd)
+        if _libc.syscall(_SYS_MOUNT_SETATTR, tree, b"", _AT_EMPTY_PATH, ctypes.byref(attr), ctypes.sizeof(attr)) < 0:
+            err = ctypes.get_errno()
+            raise IdmapUnsupported(err, f"mount_setattr {source}: {os.strerror(err)}")
+        _check(_libc.syscall(_SYS_MOVE_MOUNT, tree, b"", _AT_FDCWD, os.fsencode(target), _MOVE_MOUNT_F_EMPTY_PATH),
+               "move_mount", target)
+    finally:
+        os.close(tree)
 
 
 _namespaces = _MappingNamespaces()
@@ -160,22 +186,13 @@ _namespaces = _MappingNamespaces()
 def mount_idmapped(source: str, target: str, ident: Identity) -> None:
     """Bind `source` read-only on `target`, its owner's files seen as `ident`'s (and nothing else changed)."""
     st = os.stat(source)
-    userns_fd = _namespaces.fd(st.st_uid, st.st_gid, ident)
-    tree = _check(_libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, os.fsencode(source), _OPEN_TREE_CLONE | _OPEN_TREE_CLOEXEC),
-                  "open_tree", source)
     try:
-        attr = _MountAttr(_MOUNT_ATTR_IDMAP | _MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV, 0, 0,
-                          userns_fd)
-        if _libc.syscall(_SYS_MOUNT_SETATTR, tree, b"", _AT_EMPTY_PATH, ctypes.byref(attr), ctypes.sizeof(attr)) < 0:
-            err = ctypes.get_errno()
-            raise SandboxUnavailableError(
-                f"cannot make an idmapped view of the repository {source!r} ({os.strerror(err)}): sandboxes started "
-                "as root need Linux 5.19 or later and the repository on a filesystem with idmapped mounts (ext4, "
-                "xfs, btrfs, tmpfs; not NFS or overlayfs); copy it to such a filesystem")
-        _check(_libc.syscall(_SYS_MOVE_MOUNT, tree, b"", _AT_FDCWD, os.fsencode(target), _MOVE_MOUNT_F_EMPTY_PATH),
-               "move_mount", target)
-    finally:
-        os.close(tree)
+        bind_idmapped(source, target, _namespaces.fd(st.st_uid, st.st_gid, ident))
+    except IdmapUnsupported as e:
+        raise SandboxUnavailableError(
+            f"cannot make an idmapped view of the repository {source!r} ({e.strerror}): sandboxes started "
+            "as root need Linux 5.19 or later and the repository on a filesystem with idmapped mounts (ext4, "
+            "xfs, btrfs, tmpfs; not NFS or overlayfs); copy it to such a filesystem") from None
 
 
 def write_exec_only_shell(path: str) -> str:
