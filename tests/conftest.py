@@ -21,6 +21,18 @@ def state_dir():
 
 
 @pytest.fixture
+def canary(tmp_path):
+    """A directory standing for /etc in tests of hostile links: files and a subdirectory that must survive
+    whatever the test does."""
+    etc = tmp_path / "canary"
+    (etc / "sub").mkdir(parents=True)
+    (etc / "passwd").write_text("root:x:0:0\n")
+    (etc / "sub" / "shadow").write_text("secret\n")
+    (etc / "report.html").write_text("the canary's own\n")
+    return etc
+
+
+@pytest.fixture
 def open_tmp():
     """A temporary directory the sandbox user may enter, for state directories and ro_binds
     (tmp_path is inside root's 0700 /tmp/pytest-of-root)."""

@@ -46,16 +46,6 @@ def refused(path: str, why: str = REFUSED) -> str:
     return re.escape(f"refusing to write {path}: {why}")
 
 
-@pytest.fixture
-def canary(tmp_path):
-    """A directory standing for /etc: files and a subdirectory that must survive whatever the test does."""
-    etc = tmp_path / "canary"
-    (etc / "sub").mkdir(parents=True)
-    (etc / "passwd").write_text("root:x:0:0\n")
-    (etc / "sub" / "shadow").write_text("secret\n")
-    (etc / "report.html").write_text("the canary's own\n")
-    return etc
-
 
 def _tiny_model(vocab_size: int = 64) -> Transformer:
     """A codefleet MoE that has a Hugging Face architecture (no copy head, no previous-token embeddings)."""

@@ -30,16 +30,6 @@ from codefleet.store.safe_files import LinkRefused
 REFUSED = "it is a symlink; a run directory's contents are never reached through links (docs/security.md)"
 
 
-@pytest.fixture
-def canary(tmp_path):
-    """A directory standing for /etc: a file and a subdirectory that must survive whatever the test does."""
-    etc = tmp_path / "canary"
-    (etc / "sub").mkdir(parents=True)
-    (etc / "passwd").write_text("root:x:0:0\n")
-    (etc / "sub" / "shadow").write_text("secret\n")
-    (etc / "report.html").write_text("the canary's own\n")
-    return etc
-
 
 def _store(run) -> None:
     rng = random.Random(3)
