@@ -24,7 +24,9 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 MAX_DEPTH = 64
-_SCALARS = (str, int, float, bool, type(None))  # far deeper than any record codefleet writes; a deeper file is hostile or corrupt
+_SCALARS = (str, int, float, bool, type(None))
+_PLAIN = (int, float, str, bool)
+_PLAIN_SET = set(_PLAIN)  # far deeper than any record codefleet writes; a deeper file is hostile or corrupt
 
 
 class RecordError(ValueError):
@@ -32,7 +34,18 @@ class RecordError(ValueError):
 
 
 def dumps(obj: Any) -> bytes:
-    return json.dumps(_encode(obj), separators=(",", ":"), allow_nan=True).encode()
+    try:  # json walks the lists (most of a trajectory) itself; only dataclasses and enums come back to us
+        return json.dumps(obj, default=_shallow, separators=(",", ":"), allow_nan=True).encode()
+    except TypeError:  # a dict whose keys are not strings: the full walk writes it as pairs
+        return json.dumps(_encode(obj), separators=(",", ":"), allow_nan=True).encode()
+
+
+def _shallow(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    raise TypeError(f"cannot write a {type(obj).__name__} into a record; give it a dataclass or a plain type")
 
 
 def loads(data: bytes | str, cls: type[T]) -> T:
@@ -53,6 +66,8 @@ def _encode(obj: Any) -> Any:
             return {k: _encode(v) for k, v in obj.items()}
         return {"__pairs__": [[_encode(k), _encode(v)] for k, v in obj.items()]}
     if isinstance(obj, (list, tuple)):
+        if set(map(type, obj)) <= _PLAIN_SET:  # token ids, logprobs: most of a trajectory, kept as they are
+            return obj
         return [_encode(v) for v in obj]
     if obj is None or isinstance(obj, (str, bool, int, float)):
         return obj
@@ -64,10 +79,15 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls, vars(sys.modules[cls.__module__]))
 
 
+@cache
+def _shape(tp: Any) -> tuple[Any, tuple]:
+    return typing.get_origin(tp), typing.get_args(tp)
+
+
 def _decode(raw: Any, tp: Any, where: str, depth: int) -> Any:
     if depth > MAX_DEPTH:
         raise RecordError(f"{where}: nested deeper than {MAX_DEPTH}")
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    origin, args = _shape(tp)
     if tp is Any:
         return _plain(raw, where, depth)
     if origin in (typing.Union, types.UnionType):
@@ -105,6 +125,12 @@ def _decode(raw: Any, tp: Any, where: str, depth: int) -> Any:
         if not isinstance(raw, list):
             raise RecordError(f"{where}: expected a list, got {type(raw).__name__}")
         item = args[0] if args else Any
+        if item in _PLAIN and (kinds := set(map(type, raw))) <= ({float, int} if item is float else {item}):
+            return list(map(float, raw)) if int in kinds else raw  # the common case, checked in C
+        inner = _shape(item)
+        if inner[0] is list and inner[1] and inner[1][0] in (int, str, bool) and all(
+                type(row) is list and set(map(type, row)) <= {inner[1][0]} for row in raw):
+            return raw  # routed experts: a list of ids per token
         return [_decode(v, item, f"{where}[{i}]", depth + 1) for i, v in enumerate(raw)]
     if origin is tuple or tp is tuple:
         if not isinstance(raw, list):
