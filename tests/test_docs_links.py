@@ -51,8 +51,13 @@ def test_every_relative_link_in_the_docs_reaches_its_file_and_heading():
 
 
 def test_every_doc_page_that_code_or_docs_mention_exists():
-    files = [ROOT / name for name in MENTION_FILES] + [path for folder in MENTION_DIRS if (ROOT / folder).exists()
-                                                       for path in sorted((ROOT / folder).rglob("*")) if path.is_file()]
+    files = [ROOT / name for name in MENTION_FILES] + [
+        path
+        for folder in MENTION_DIRS
+        if (ROOT / folder).exists()
+        for path in sorted((ROOT / folder).rglob("*"))
+        if path.is_file()
+    ]
     files += markdown_files()
     missing = {}
     for path in files:
@@ -78,8 +83,9 @@ def test_the_index_lists_every_page_outside_the_experiments():
 
 def test_the_link_checker_finds_a_broken_link_and_a_missing_heading(tmp_path):
     (tmp_path / "a.md").write_text("# A page\n\n## The part\n\nSee [b](b.md), [part](#the-part).\n")
-    (tmp_path / "c.md").write_text("[ok](a.md#the-part) [gone](a.md#no-such-part) [none](nowhere.md)\n"
-                                   "```\n[in code](ignored.md)\n```\n")
+    (tmp_path / "c.md").write_text(
+        "[ok](a.md#the-part) [gone](a.md#no-such-part) [none](nowhere.md)\n```\n[in code](ignored.md)\n```\n"
+    )
     assert broken_links(tmp_path / "a.md") == ["b.md: no such file"]
     assert [bad.split(":")[0] for bad in broken_links(tmp_path / "c.md")] == ["a.md#no-such-part", "nowhere.md"]
     assert slug("Scale: `codefleet bench scale`") == "scale-codefleet-bench-scale"
