@@ -8,7 +8,7 @@ writes `run-volume.yaml` (the ReadWriteMany PersistentVolumeClaim of the run dir
 the cluster down). Several values files merge left to right, maps key by key, so a small overlay
 (deploy/values-gpu.yaml) changes only what it names.
 
-Placement is by Ray logical resources, as everywhere in codefleet (docs/scaling.md): every worker
+Placement is by Ray logical resources, as everywhere in codefleet (docs/distributed-training.md): every worker
 group advertises one resource through `rayStartParams.resources`, and the RayJob's entrypoint asks
 for exactly those through `cluster.*_resources` overrides, so the two cannot disagree:
 

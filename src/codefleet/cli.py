@@ -143,7 +143,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="group", required=True)
 
     sandbox = sub.add_parser("sandbox", help="isolated copy-on-write sandboxes",
-                             description="Isolated copy-on-write sandboxes (docs/sandbox.md).")
+                             description="Isolated copy-on-write sandboxes (docs/sandboxes/choosing-a-backend.md).")
     sandbox_sub = sandbox.add_subparsers(dest="action", required=True)
     run = sandbox_sub.add_parser("run", help="run one command in a fresh sandbox over a repository",
                                  description="Run CMD in a fresh sandbox's shell with the workspace (a "
@@ -158,10 +158,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     run.set_defaults(func=_sandbox_run)
     vm_setup = sandbox_sub.add_parser("vm-setup", help="fetch the guest kernel and build the disks vm sandboxes boot",
-                                      description="Set up the vm backend (docs/sandbox.md): extract the guest kernel "
-                                      "from Debian's kernel package (downloaded with apt unless --deb names one), "
-                                      "build the initramfs and the host userland's read-only disk, and boot one VM "
-                                      "to save its snapshot. Idempotent.")
+                                      description="Set up the vm backend (docs/sandboxes/vm.md): extract the guest "
+                                      "kernel from Debian's kernel package (downloaded with apt unless --deb names "
+                                      "one), build the initramfs and the host userland's read-only disk, and boot one "
+                                      "VM to save its snapshot. Idempotent.")
     vm_setup.add_argument("--deb", default=None, metavar="FILE", help="a linux-image-*.deb to take the kernel from")
     vm_setup.add_argument("--no-snapshot", action="store_true", help="build the files only; boot nothing")
     vm_setup.set_defaults(func=_sandbox_vm_setup)

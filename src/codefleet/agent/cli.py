@@ -65,7 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--timeout-s", type=float, default=300.0, help="per model request (default 300)")
     run.add_argument("--max-retries", type=int, default=3, help="retries of a failed model request (default 3)")
     run.add_argument("--backend", choices=["auto", "namespace", "vm", "local"], default=None,
-                     help="sandbox backend (vm: a microVM per sandbox, docs/sandbox.md)")
+                     help="sandbox backend (vm: a microVM per sandbox, docs/sandboxes/vm.md)")
     run.add_argument("--prompt", choices=["full", "bare"], default=None,
                      help="'full' sends the system prompt and tool schemas; 'bare' the task alone, for a policy "
                      "trained without them (default: full, or for --model local:DIR the style the checkpoint's "

@@ -47,7 +47,7 @@ accounted for: every one started either finished on its node, was cancelled ther
 before it began (`never_began`).
 
 The target: `controller_ms_per_rollout` ≤ 1 ms at every C and flat (16k within 1.5× of 1k), so that
-100,000 sandboxes need no bigger driver than about one core (docs/scale.md).
+100,000 sandboxes need no bigger driver than about one core (docs/capacity.md).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ builds it. Presets:
 - `ModelConfig.tiny()`: ~11M parameters (~4.4M active per token), trains in
   minutes on 2 CPU cores; the default everywhere.
 - `ModelConfig.small()`, `ModelConfig.medium()`: documented larger shapes
-  (docs/model.md) for a GPU.
+  (docs/models/codefleet-moe.md) for a GPU.
 
 `vocab_size` is a placeholder until the tokenizer is known: build the config
 with `dataclasses.replace(cfg, vocab_size=tokenizer.vocab_size)`.

@@ -19,7 +19,7 @@ lookup direct instead of something a small model must first grow:
   and losses are unchanged. With a cache, `cache.copy_context` keeps each
   position's copy key and token.
 
-docs/model.md has what each measured.
+docs/models/codefleet-moe.md says what each does, and docs/experiments/ what each measured.
 """
 
 from __future__ import annotations

@@ -51,15 +51,16 @@ class TasksSection:
 class ModelSection:
     size: str = "tiny"  # the ModelConfig preset of a fresh model: "tiny" | "small" | "medium"
     # start from this checkpoint instead of a fresh `size` model: a Hugging Face model directory (Qwen3,
-    # Qwen3-MoE, Llama; docs/models.md) or a codefleet checkpoint. Its tokenizer and chat template are used, and
-    # `size`, `seed`'s initialisation and `copy` are ignored
+    # Qwen3-MoE, Llama; docs/models/hugging-face.md) or a codefleet checkpoint. Its tokenizer and chat template
+    # are used, and `size`, `seed`'s initialisation and `copy` are ignored
     init: str = ""
     max_seq_len: int = 4096  # context per episode, prompt and every turn
     seed: int = 0  # initialisation and SFT's data order
     # "bare": the policy sees the task alone and learns the tools from the demonstrations (a policy trained on
     # this harness from scratch); "full": the system prompt and tool schemas, what the product sends any model
     prompt: str = "bare"
-    # copying names from the context: previous-token embeddings and the pointer-generator head (docs/model.md)
+    # copying names from the context: previous-token embeddings and the pointer-generator head
+    # (docs/models/codefleet-moe.md)
     copy: CopyConfig = field(default_factory=lambda: CopyConfig(head=True, scope="prompt", match=True))
     # "auto": the engine samples only tool calls that parse and fit the tools' schemas (model.grammar), in RL's
     # rollouts and the evaluations; "required": and every turn calls a tool; "off": the tokens as drawn

@@ -8,7 +8,7 @@
 
 Backends, registered by name in `codefleet.contracts.SANDBOXES`: `namespace`
 (bubblewrap + overlayfs; the default on Linux), `vm` (a QEMU microVM per
-sandbox, restored from a snapshot; docs/sandboxes.md) and `local` (no isolation,
+sandbox, restored from a snapshot; docs/sandboxes/vm.md) and `local` (no isolation,
 opt-in: it says so on stderr). `auto` picks namespace
 unless this host cannot have it at all (resolve_backend).
 """

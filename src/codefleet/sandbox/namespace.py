@@ -29,7 +29,7 @@ as extra descriptors, not as its standard streams: bwrap's own PID 1 closes
 them, so nothing in the sandbox reaches them through /proc/1/fd. The shell
 runs from an execute-only copy of bash, so it is not dumpable: the commands
 it runs cannot read its memory (the protocol's nonce) or its descriptors
-through /proc. What stays possible is documented in docs/sandbox.md.
+through /proc. What stays possible is documented in docs/sandboxes/namespace.md.
 
 bwrap's own PID 1 reaps zombies; its death takes the whole PID namespace
 with it. bwrap is started with --die-with-parent from the spawner thread

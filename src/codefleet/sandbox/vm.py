@@ -187,7 +187,7 @@ class VMSandbox:
                              "(docs/environments.md) or use backend 'namespace'")
         if os.geteuid() == 0 and not user_exists(SANDBOX_USER):
             raise SandboxUnavailableError(f"as root, vm sandboxes run QEMU as the user {SANDBOX_USER}, which does not "
-                                          "exist; create it with scripts/setup.sh (docs/sandbox.md)")
+                                          "exist; create it with scripts/setup.sh (docs/sandboxes/namespace.md)")
         self.config = config
         self.owner = owner_for(config.state_dir)
         self.id = "vm-" + os.urandom(5).hex()

@@ -1,6 +1,6 @@
 """The host's side of one microVM: the QEMU process and its QMP monitor (`Qemu`), the guest agent's port
 (`AgentLink`), the watchdog that kills a dead owner's VMs, and the choice of accelerator (`accel`).
-vm.py builds sandboxes from these; docs/sandboxes.md says how the whole works.
+vm.py builds sandboxes from these; docs/sandboxes/vm.md says how the whole works.
 """
 
 from __future__ import annotations

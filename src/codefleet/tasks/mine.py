@@ -255,7 +255,7 @@ def mine_library(source: str, out_dir: str, seed: int = 0, max_per_function: int
     if resolve_backend(backend) == "local":
         raise MineError(f"mining runs the library's own tests, code nobody has checked, so it needs a sandbox that "
                         f"isolates; backend {backend!r} is 'local' here, which runs them on this machine: install "
-                        "bubblewrap and enable user namespaces (docs/sandbox.md), or --set backend=vm")
+                        "bubblewrap and enable user namespaces (docs/sandboxes/namespace.md), or --set backend=vm")
     try:
         requirement = None if os.path.exists(source) else parse_requirement(source)
         if requirement is not None:
