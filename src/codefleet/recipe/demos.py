@@ -121,7 +121,7 @@ def expert_demos(tasks: list[Task], tokenizer, max_seq_len: int, sandbox_config=
 
     demos = Demos(prompt=(episode_config or EpisodeConfig()).prompt)
     with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="demo") as pool:
-        for task, made in zip(tasks, pool.map(one, tasks)):
+        for task, made in zip(tasks, pool.map(one, tasks), strict=True):
             if made is None:
                 demos.no_patch.append(task.id)
                 continue
