@@ -69,7 +69,7 @@ def details(huge_output: bool = True) -> list[dict]:
         if r["task_id"] == "no-page-task":
             continue
         if r["task_id"] == "old-task":
-            out.append({"rollout_id": r["rollout_id"], "transcript": None, "metadata": '{"reward.correctness": 0.25}',
+            out.append({"rollout_id": r["rollout_id"], "transcript": None, "metadata": {"reward.correctness": 0.25},
                         "per_test": np.array([{"test": "t_old", "passed": False}], dtype=object),
                         "findings": "tests_edited: tests/test_old.py", "diff": None,
                         "tool_calls": [{"turn": 1, "name": "run", "arguments": '{"command": "pytest"}',

@@ -130,10 +130,10 @@ def test_bench_engine_prefills_every_timed_prompt(monkeypatch, small_qwen3_moe):
 
 
 def test_sandbox_bench_alternates_a_figure_with_its_peer():
-    from codefleet.bench.sandbox_bench import _alternated
+    from codefleet.bench.sandbox_bench import alternated
 
     calls: list[str] = []
-    times = _alternated({"exec": (lambda: calls.append("e"), 6), "subprocess": (lambda: calls.append("s"), 3)},
+    times = alternated({"exec": (lambda: calls.append("e"), 6), "subprocess": (lambda: calls.append("s"), 3)},
                         rounds=3)
     assert "".join(calls) == "ees" * 3  # each round calls both, so a burst of load hits both sides
     assert len(times["exec"]) == 6 and len(times["subprocess"]) == 3

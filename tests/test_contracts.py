@@ -7,7 +7,7 @@ import pytest
 import codefleet.sandbox  # noqa: F401  (registers the sandbox backends)
 from codefleet.agent.clients import OpenAIConfig, OpenAIPolicy
 from codefleet.agent.clients.scripted import ScriptedExpert
-from codefleet.contracts import SANDBOXES, TRAINERS, Policy, Registry, Sandbox, Trainer
+from codefleet.contracts import SANDBOXES, TRAINERS, ExactBytes, Policy, Registry, Sandbox, Trainer
 from codefleet.rl.trainer import TrainConfig
 from codefleet.sandbox import SandboxConfig, create_sandbox
 from codefleet.tasks import generate_tasks
@@ -27,7 +27,9 @@ def test_an_unknown_name_is_one_sentence_naming_the_known_ones():
 def test_the_shipped_sandboxes_keep_the_sandbox_contract():
     assert {"namespace", "local"} <= set(SANDBOXES.names())
     with create_sandbox(None, SandboxConfig(backend="local")) as sb:
-        assert isinstance(sb, Sandbox)
+        assert isinstance(sb, Sandbox) and isinstance(sb, ExactBytes)  # the shell backends give exact bytes too
+        sb.write_file("latin.txt", b"caf\xe9\n")
+        assert sb.read_bytes("latin.txt") == b"caf\xe9\n" and sb.read_file("latin.txt") == "caf\ufffd\n"
 
 
 def test_the_shipped_policies_keep_the_policy_contract(tmp_path):

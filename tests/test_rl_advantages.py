@@ -6,9 +6,14 @@ import pytest
 import torch
 
 from codefleet.agent.reward import RewardConfig
-from codefleet.rl.advantages import (compute_advantages, grpo_advantages, rloo_advantages, weigh_negatives,
-                                     zero_variance_groups)
-from codefleet.rl.rewards import group_rewards, speed_bonus
+from codefleet.rl.advantages import (
+    compute_advantages,
+    grpo_advantages,
+    rloo_advantages,
+    weigh_negatives,
+    zero_variance_groups,
+)
+from codefleet.rl.rewards import speed_bonus
 from codefleet.types import CheckResult, Trajectory, Turn
 
 
@@ -55,18 +60,6 @@ def test_bad_estimator_and_too_small_groups_say_what_to_do():
         compute_advantages(torch.tensor([1.0, 0.0]), "ppo")
     with pytest.raises(ValueError, match="at least 2"):
         rloo_advantages(torch.tensor([[1.0]]))
-
-
-def test_group_rewards_use_the_agent_reward():
-    def traj(all_passed: bool, turns: int) -> Trajectory:
-        checks = CheckResult(passed=int(all_passed), total=1, all_passed=all_passed)
-        return Trajectory("t", [], [Turn(i, "") for i in range(turns)], "submit", checks=checks)
-
-    groups = [[traj(True, 2), traj(False, 1)], [traj(True, 4), traj(True, 1)]]
-    r = group_rewards(groups, RewardConfig(cost_per_turn=0.1))
-    torch.testing.assert_close(r, torch.tensor([[0.8, -0.1], [0.6, 0.9]]))
-    with pytest.raises(ValueError, match="same number"):
-        group_rewards([[traj(True, 1)], []])
 
 
 def test_weigh_negatives_scales_only_the_attempts_below_their_group():

@@ -90,6 +90,15 @@ class Sandbox(Protocol):
 
 
 @runtime_checkable
+class ExactBytes(Protocol):
+    """A sandbox that also gives a file's exact bytes, as read_file would find them (same path checks, same
+    size cap). The shell backends (namespace, local) do; a sandbox without it gives text only, where bytes
+    that are not UTF-8 read as \ufffd."""
+
+    def read_bytes(self, path: str) -> bytes: ...
+
+
+@runtime_checkable
 class Policy(Protocol):
     """A model that writes assistant turns.
 

@@ -27,7 +27,7 @@ import shlex
 import time
 from dataclasses import dataclass
 
-from codefleet.contracts import Sandbox
+from codefleet.contracts import ExactBytes, Sandbox
 from codefleet.sandbox.base import SandboxError
 from codefleet.sandbox.files import FileTooLargeError
 from codefleet.types import ToolCall, ToolResult
@@ -348,10 +348,9 @@ def read_exact(sandbox: Sandbox, path: str) -> str | None:
     text = sandbox.read_file(path)
     if "\ufffd" not in text:
         return text
-    files = getattr(sandbox, "files", None)  # the backends' WorkspaceFiles: bytes, with the same path checks
-    if files is None or not hasattr(files, "read_bytes"):
+    if not isinstance(sandbox, ExactBytes):
         return None
-    return files.read_bytes(path).decode("utf-8", "surrogateescape")
+    return sandbox.read_bytes(path).decode("utf-8", "surrogateescape")
 
 
 def _describe(entry, indent: str) -> str:

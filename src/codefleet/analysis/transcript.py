@@ -10,8 +10,9 @@ findings and the judge's score, reason and error.
 Sizes are bounded: a long text shows its first PREVIEW_CHARS characters and keeps the rest inside a collapsed
 <details>, up to TEXT_CAP_BYTES and half of what the page has left (so one huge output leaves room for the turns
 after it); the whole page stays under PAGE_CAP_BYTES, and whatever did not fit is replaced by a line saying what
-was cut. Any field may be missing or None (stores written by older versions): it is shown as absent, never an
-error. Nothing from the rollout is interpreted as HTML (html_page.esc); the page needs no script.
+was cut. Any field may be missing or None (a rollout no longer in the store, a trajectory that kept no messages,
+a column the store's schema upgrade filled with null): it is shown as absent, never an error. Nothing from the
+rollout is interpreted as HTML (html_page.esc); the page needs no script.
 """
 
 from __future__ import annotations
@@ -105,13 +106,8 @@ def content_text(content: object) -> str:
 
 
 def metadata_of(d: dict) -> dict:
-    """The detail's metadata as a dict (a JSON string from an older store is parsed; anything else is {})."""
+    """The detail's metadata (details.fetch_details parses the store's JSON), {} when it has none."""
     meta = d.get("metadata")
-    if isinstance(meta, str):
-        try:
-            meta = json.loads(meta)
-        except ValueError:
-            return {}
     return meta if isinstance(meta, dict) else {}
 
 

@@ -31,7 +31,7 @@ import time
 
 from codefleet.bench.image_fixture import BASELINE_TOOLS, Layer, host_userland_layer, oci_tarball
 from codefleet.bench.report import report
-from codefleet.bench.sandbox_bench import _alternated, _make_repo, _pct
+from codefleet.bench.sandbox_bench import alternated, make_repo, percentile
 from codefleet.sandbox import SandboxConfig, create_sandbox
 from codefleet.sandbox.envbuild import BuildSpec, build
 from codefleet.sandbox.environments import import_image
@@ -120,7 +120,7 @@ def run(quick: bool = False, log=print) -> dict:
         state = os.path.join(work, "state")
         configs = {"host": SandboxConfig(backend="namespace", state_dir=state),
                    "image": SandboxConfig(backend="namespace", state_dir=state, environment=env.rootfs)}
-        repo = _make_repo(work)
+        repo = make_repo(work)
         for config in configs.values():  # warm up: owner dir, reaper, the image's /etc
             create_sandbox(repo, config).close()
 
@@ -138,7 +138,8 @@ def run(quick: bool = False, log=print) -> dict:
         parents = {side: create_sandbox(repo, config) for side, config in configs.items()}
         try:
             for side, sb in parents.items():  # changes in the workspace for fork to carry (bash and the image's tools)
-                setup = sb.exec("mkdir -p build && for i in {1..50}; do echo $i > build/f$i.txt; done && rm pkg0/mod0.py")
+                setup = sb.exec("mkdir -p build && for i in {1..50}; do echo $i > build/f$i.txt; done "
+                                "&& rm pkg0/mod0.py")
                 if not setup.ok:
                     raise RuntimeError(f"the {side} sandbox could not make its changes: {setup.output.strip()}")
             for i in range(cfg["fork_rounds"]):
@@ -154,7 +155,7 @@ def run(quick: bool = False, log=print) -> dict:
             for sb in parents.values():
                 for _ in range(50):
                     sb.exec("true")
-            execs = _alternated({side: (lambda sb=sb: sb.exec("true"), cfg["exec_per_side"])
+            execs = alternated({side: (lambda sb=sb: sb.exec("true"), cfg["exec_per_side"])
                                  for side, sb in parents.items()}, rounds=20)
         finally:
             for sb in parents.values():
@@ -164,7 +165,7 @@ def run(quick: bool = False, log=print) -> dict:
 
     for what, times in (("create", created), ("fork", forked), ("exec", execs)):
         for side in ("image", "host"):
-            results[f"{what}_ms_p50_{side}"] = _pct(times[side], 0.5)
+            results[f"{what}_ms_p50_{side}"] = percentile(times[side], 0.5)
     results = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in results.items()}
     for what in ("create", "fork"):  # from the rounded figures, so the printed delta is their difference
         results[f"{what}_delta_ms"] = round(results[f"{what}_ms_p50_image"] - results[f"{what}_ms_p50_host"], 4)
@@ -202,6 +203,5 @@ def table(r: dict) -> str:
 
 
 def run_cli(quick: bool = False, as_json: bool = False) -> int:
-    return report(lambda log: run(quick=quick, log=log),
-                  lambda r: f"codefleet bench env (namespace backend, image vs host userland{', quick' if quick else ''})",
-                  table, as_json, name="env")
+    title = f"codefleet bench env (namespace backend, image vs host userland{', quick' if quick else ''})"
+    return report(lambda log: run(quick=quick, log=log), lambda r: title, table, as_json, name="env")

@@ -97,7 +97,8 @@ VM_MEMORY_MB = 256  # the issue's nominal VM size; every vm figure uses it
 VM_RESERVE_MB = 4096  # the live phase stops starting VMs when MemAvailable falls below this (room for the rest)
 
 
-def _pct(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
+    """The sorted `values`' item at index int(q * n), the last for q = 1 (no interpolation)."""
     ordered = sorted(values)
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
 
@@ -111,7 +112,7 @@ def _timed(fn, n: int) -> list[float]:
     return out
 
 
-def _alternated(timed: dict[str, tuple[Callable[[], object], int]], rounds: int = 10) -> dict[str, list[float]]:
+def alternated(timed: dict[str, tuple[Callable[[], object], int]], rounds: int = 10) -> dict[str, list[float]]:
     """Milliseconds of each of `n` calls per named function, run in `rounds` alternating blocks (round i calls
     every function its share of times before round i + 1 starts), so load bursts hit every function alike."""
     out: dict[str, list[float]] = {name: [] for name in timed}
@@ -122,7 +123,7 @@ def _alternated(timed: dict[str, tuple[Callable[[], object], int]], rounds: int 
     return out
 
 
-def _make_repo(root: str, files: int = 40) -> str:
+def make_repo(root: str, files: int = 40) -> str:
     repo = os.path.join(root, "repo")
     for i in range(files):
         d = os.path.join(repo, f"pkg{i % 4}")
@@ -206,8 +207,8 @@ def _cold_boots(repo: str, config: SandboxConfig, n: int, root: str, log) -> tup
                                "VMSandbox's snapshot shape changed (update _cold_boots in bench/sandbox_bench.py), "
                                "or the guest's code changed during the run")
         log(f"  cold boot {i + 1}/{n}: {boots[-1]:.0f} ms (boot to agent {to_agent[-1]:.0f} ms)")
-    return {"boot_ms_p50": _pct(boots, 0.5), "boot_ms_p99": _pct(boots, 0.99),
-            "boot_to_agent_ms_p50": _pct(to_agent, 0.5)}, tdir
+    return {"boot_ms_p50": percentile(boots, 0.5), "boot_ms_p99": percentile(boots, 0.99),
+            "boot_to_agent_ms_p50": percentile(to_agent, 0.5)}, tdir
 
 
 def _hold_live(repo: str, config: SandboxConfig, sizes: Sizes, log) -> tuple[list, str]:
@@ -249,7 +250,7 @@ def _run_backend(backend: str, quick: bool, log) -> dict:
     config = SandboxConfig(backend=backend, state_dir=os.path.join(work, "state"))
     if backend == "vm":
         config = SandboxConfig(backend=backend, state_dir=config.state_dir, memory_mb=VM_MEMORY_MB, tmp_mb=64)
-    repo = _make_repo(work)
+    repo = make_repo(work)
     results: dict = {"backend": backend, "quick": quick}
     saved_templates = os.environ.get("CODEFLEET_VM_TEMPLATES")
     snapshots = tdir = ""
@@ -259,7 +260,9 @@ def _run_backend(backend: str, quick: bool, log) -> dict:
             argv = ["bwrap", "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net",
                     "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",
                     "--symlink", "usr/lib64", "/lib64", "--proc", "/proc", "--dev", "/dev", "true"]
-            bwrap = lambda: subprocess.run(argv, check=True)
+
+            def bwrap():
+                return subprocess.run(argv, check=True)
 
         if backend == "vm":
             results["accel"] = vm.accel()
@@ -280,10 +283,10 @@ def _run_backend(backend: str, quick: bool, log) -> dict:
             sb.close()
             if bwrap:
                 bwrap_true += _timed(bwrap, 1)
-        results["create_ms_p50"] = _pct(created, 0.5)
-        results["create_ms_p99"] = _pct(created, 0.99)
+        results["create_ms_p50"] = percentile(created, 0.5)
+        results["create_ms_p99"] = percentile(created, 0.99)
         if backend == "vm":
-            results["restore_ms_p50"] = _pct(restored, 0.5)
+            results["restore_ms_p50"] = percentile(restored, 0.5)
         if bwrap:
             results["bwrap_true_ms_p50"] = statistics.median(bwrap_true)
 
@@ -305,11 +308,11 @@ def _run_backend(backend: str, quick: bool, log) -> dict:
                 subprocess.run(["true"], check=True)
             timed = {"exec": (lambda: sb.exec("true"), sizes.n_exec),
                      "subprocess": (lambda: subprocess.run(["true"], check=True), 100 if quick else 300)}
-            times = _alternated(timed, rounds=20)
+            times = alternated(timed, rounds=20)
             execs = times["exec"]
             results["subprocess_ms_p50"] = statistics.median(times["subprocess"])
-            results["exec_ms_p50"] = _pct(execs, 0.5)
-            results["exec_ms_p99"] = _pct(execs, 0.99)
+            results["exec_ms_p50"] = percentile(execs, 0.5)
+            results["exec_ms_p99"] = percentile(execs, 0.99)
             externals = _timed(lambda: sb.exec("/bin/true"), sizes.n_exec // 5)
             results["exec_external_ms_p50"] = statistics.median(externals)
 
@@ -432,7 +435,7 @@ def _cell(v: object) -> str:
 def _aligned(rows: list[tuple[str, ...]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) if i in (0, len(row) - 1) else c.rjust(w)
-                               for i, (c, w) in enumerate(zip(row, widths))).rstrip() for row in rows)
+                               for i, (c, w) in enumerate(zip(row, widths, strict=False))).rstrip() for row in rows)
 
 
 def table(r: dict) -> str:

@@ -1,14 +1,18 @@
-"""The Ray layer: the sandbox fleet (one `SandboxHost` actor per node,
-`SandboxFleet` to reach them), the asynchronous RL controller (`controller`:
-groups of attempts streamed under a staleness bound while the trainer steps)
-and its pure core (`staleness`: admission by staleness bound, group assembly,
-the rollout buffer), engine actors (`inference`), rollout workers running the
-agent harness (`rollouts`), the data-parallel trainer (`trainer_group`), and
-the training run itself (`train`, `run_dir`, `evaluate`: `codefleet train`
-and `codefleet eval`).
+"""The Ray layer, and the only package (with the top-floor commands) that imports Ray.
 
-Names are imported lazily, so the pure modules (e.g. `codefleet.fleet.staleness`)
-load without importing Ray.
+    sandbox_fleet, sandbox_host  one `SandboxHost` actor per node, `SandboxFleet` to reach them
+    controller, controller_api   the asynchronous RL controller (groups of attempts streamed under a staleness
+                                 bound while the trainer steps), its config and the reports it gives back
+    staleness                    the controller's pure core: admission by staleness bound, group assembly, the
+                                 rollout buffer
+    inference                    engine actors (codefleet or vLLM) and the client the agent loop uses
+    rollouts                     rollout workers running the agent harness
+    trainer_group                the trainer workers (data-parallel, FSDP2, expert-parallel) as one group
+    weight_sync                  weights from trainer to engines, in buckets
+    placement, gpus, ray_init    placement groups, GPUs, starting or joining Ray
+
+The training application that composes these (`codefleet train` and `codefleet eval`) is `codefleet.recipe`.
+Names are imported lazily, so the pure modules (e.g. `codefleet.fleet.staleness`) load without importing Ray.
 """
 
 from __future__ import annotations

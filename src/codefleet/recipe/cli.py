@@ -67,7 +67,8 @@ def register(subparsers) -> None:
                          "the conversation rendered again, as a server would)")
     ev.add_argument("--tool-grammar", nargs="?", const="auto", default=None, choices=("off", "auto", "required"),
                     help="the engine samples only tool calls that parse and fit their schemas (constrained decoding); "
-                    "'required': and every turn calls a tool (default: what the checkpoint's metadata.json says, else off)")
+                    "'required': and every turn calls a tool (default: what the checkpoint's metadata.json says, "
+                    "else off)")
     ev.add_argument("--prompt", choices=PROMPTS, default=None,
                     help="what the policy is shown: 'full' the system prompt and tool schemas, 'bare' the task alone "
                          "(default: the style the checkpoint's metadata.json says it was trained on, else full; with "
@@ -120,66 +121,20 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Refused(Exception):
+    """An input `codefleet eval` cannot use; the message says what to do instead."""
+
+
 def _eval(args: argparse.Namespace) -> int:
-    if args.model and not args.model.startswith(("http://", "https://")):
-        print(f"codefleet eval: --model {args.model!r} is not a URL; give an OpenAI-compatible base URL such as "
-              "http://localhost:8000/v1, or a checkpoint directory with --checkpoint", file=sys.stderr)
-        return 2
-    if args.model and args.tool_grammar not in (None, "off"):
-        print("codefleet eval: --tool-grammar constrains codefleet's own engine, used with --checkpoint; an endpoint "
-              "constrains its own decoding (`codefleet serve --tool-grammar`)", file=sys.stderr)
-        return 2
-    if args.model and args.exact_tokens:
-        print("codefleet eval: --exact-tokens needs codefleet's own engine in process; use it with --checkpoint",
-              file=sys.stderr)
-        return 2
-    local = {}  # a URL's copy in this node's download cache
-    for path, what in ((args.checkpoint, "--checkpoint"), (args.tasks, "--tasks")):
-        try:
-            local[what] = storage.local_copy(path) if path is not None else None
-        except (OSError, ValueError) as e:
-            print(f"codefleet eval: {what} {path!r} cannot be read: {e}", file=sys.stderr)
-            return 2
-        if path is not None and not os.path.isdir(local[what]):
-            print(f"codefleet eval: {what} {path!r} is not a directory", file=sys.stderr)
-            return 2
-    bad = [f"{flag} {value}" for flag, value, ok in (
-        ("--attempts", args.attempts, args.attempts >= 1), ("--jobs", args.jobs, args.jobs >= 1),
-        ("--max-turns", args.max_turns, args.max_turns >= 1), ("--max-tokens", args.max_tokens, args.max_tokens >= 1),
-        ("--wall-clock", args.wall_clock, args.wall_clock > 0), ("--temperature", args.temperature,
-                                                                  args.temperature >= 0)) if not ok]
-    if bad:
-        print(f"codefleet eval: {', '.join(bad)}: counts must be at least 1, --wall-clock above 0 and --temperature "
-              f"at least 0", file=sys.stderr)
-        return 2
     try:
-        if args.checkpoint:
-            checkpoint.check(local["--checkpoint"])
-    except (OSError, ValueError) as e:
-        print(f"codefleet eval: --checkpoint {args.checkpoint} cannot be evaluated: {e}", file=sys.stderr)
+        _check_eval_flags(args)
+        local = _local_inputs(args)
+        _check_eval_counts(args)
+        tasks = _eval_tasks(args, local)
+        on_task = _rollout_recorder(args)
+    except _Refused as e:
+        print(f"codefleet eval: {e}", file=sys.stderr)
         return 2
-    try:
-        tasks = load_tasks(local["--tasks"])
-    except (OSError, ValueError) as e:
-        print(f"codefleet eval: cannot read the tasks in {args.tasks}: {e}", file=sys.stderr)
-        return 2
-    if not tasks:
-        print(f"codefleet eval: {args.tasks} holds no tasks; make some with `codefleet tasks generate`",
-              file=sys.stderr)
-        return 2
-    on_task = None
-    if args.out:
-        try:  # the store beneath --out, no link below it followed: a planted one is refused before the evaluation
-            writer = RolloutWriter(storage.join(args.out, "rollouts"), beneath=args.out)
-        except OSError as e:
-            print(f"codefleet eval: cannot write the rollout store in {args.out}: {e}", file=sys.stderr)
-            return 2
-        run_name = storage.basename(storage.absolute(args.checkpoint)) if args.checkpoint else args.model_name or "model"
-
-        def on_task(task, trajectories):
-            writer.append([rollout_record(t, run=run_name, step=0, group=0, attempt=i, split="eval")
-                           for i, t in enumerate(trajectories)])
-
     usage = checkpoint.usage(local["--checkpoint"]) if args.checkpoint else dict(checkpoint.USAGE_DEFAULTS)
     episode = EpisodeConfig(budgets=Budgets(max_turns=args.max_turns, max_tool_calls=4 * args.max_turns,
                                             wall_clock_s=args.wall_clock),
@@ -202,3 +157,71 @@ def _eval(args: argparse.Namespace) -> int:
         print(f"codefleet eval: {warning}", file=sys.stderr)
     print(report_json(report))
     return 0
+
+
+def _check_eval_flags(args: argparse.Namespace) -> None:
+    """Refuse flags that do not go together."""
+    if args.model and not args.model.startswith(("http://", "https://")):
+        raise _Refused(f"--model {args.model!r} is not a URL; give an OpenAI-compatible base URL such as "
+                       "http://localhost:8000/v1, or a checkpoint directory with --checkpoint")
+    if args.model and args.tool_grammar not in (None, "off"):
+        raise _Refused("--tool-grammar constrains codefleet's own engine, used with --checkpoint; an endpoint "
+                       "constrains its own decoding (`codefleet serve --tool-grammar`)")
+    if args.model and args.exact_tokens:
+        raise _Refused("--exact-tokens needs codefleet's own engine in process; use it with --checkpoint")
+
+
+def _check_eval_counts(args: argparse.Namespace) -> None:
+    bad = [f"{flag} {value}" for flag, value, ok in (
+        ("--attempts", args.attempts, args.attempts >= 1), ("--jobs", args.jobs, args.jobs >= 1),
+        ("--max-turns", args.max_turns, args.max_turns >= 1), ("--max-tokens", args.max_tokens, args.max_tokens >= 1),
+        ("--wall-clock", args.wall_clock, args.wall_clock > 0), ("--temperature", args.temperature,
+                                                                  args.temperature >= 0)) if not ok]
+    if bad:
+        raise _Refused(f"{', '.join(bad)}: counts must be at least 1, --wall-clock above 0 and --temperature "
+                       f"at least 0")
+
+
+def _local_inputs(args: argparse.Namespace) -> dict[str, str | None]:
+    """--checkpoint and --tasks as local directories (a URL's copy in this node's download cache), or None."""
+    local = {}
+    for path, what in ((args.checkpoint, "--checkpoint"), (args.tasks, "--tasks")):
+        try:
+            local[what] = storage.local_copy(path) if path is not None else None
+        except (OSError, ValueError) as e:
+            raise _Refused(f"{what} {path!r} cannot be read: {e}") from None
+        if path is not None and not os.path.isdir(local[what]):
+            raise _Refused(f"{what} {path!r} is not a directory")
+    return local
+
+
+def _eval_tasks(args: argparse.Namespace, local: dict[str, str | None]) -> list:
+    """The tasks to evaluate on, once the checkpoint (if one is given) has passed its check."""
+    try:
+        if args.checkpoint:
+            checkpoint.check(local["--checkpoint"])
+    except (OSError, ValueError) as e:
+        raise _Refused(f"--checkpoint {args.checkpoint} cannot be evaluated: {e}") from None
+    try:
+        tasks = load_tasks(local["--tasks"])
+    except (OSError, ValueError) as e:
+        raise _Refused(f"cannot read the tasks in {args.tasks}: {e}") from None
+    if not tasks:
+        raise _Refused(f"{args.tasks} holds no tasks; make some with `codefleet tasks generate`")
+    return tasks
+
+
+def _rollout_recorder(args: argparse.Namespace):
+    """With --out, a function that appends each task's attempts to the rollout store beneath it; else None."""
+    if not args.out:
+        return None
+    try:  # the store beneath --out, no link below it followed: a planted one is refused before the evaluation
+        writer = RolloutWriter(storage.join(args.out, "rollouts"), beneath=args.out)
+    except OSError as e:
+        raise _Refused(f"cannot write the rollout store in {args.out}: {e}") from None
+    run_name = storage.basename(storage.absolute(args.checkpoint)) if args.checkpoint else args.model_name or "model"
+
+    def on_task(task, trajectories):
+        writer.append([rollout_record(t, run=run_name, step=0, group=0, attempt=i, split="eval")
+                       for i, t in enumerate(trajectories)])
+    return on_task

@@ -87,10 +87,9 @@ class Demos:
                      chain_fraction: float = 0.5) -> list[dict]:
         """Example j's messages: with `rng` and recorded variants, those of a habit drawn now (explore with
         `explore_fraction`, chain the tests with `chain_fraction`); otherwise the habit drawn when recorded."""
-        recorded = getattr(self, "variants", ())  # demonstrations pickled before variants existed have none
-        if rng is None or j >= len(recorded) or not recorded[j]:
+        if rng is None or j >= len(self.variants) or not self.variants[j]:
             return self.conversations[j]
-        return recorded[j][(rng.random() < explore_fraction, rng.random() < chain_fraction)]
+        return self.variants[j][(rng.random() < explore_fraction, rng.random() < chain_fraction)]
 
 
 def expert_demos(tasks: list[Task], tokenizer, max_seq_len: int, sandbox_config=None, episode_config=None,
@@ -122,7 +121,7 @@ def expert_demos(tasks: list[Task], tokenizer, max_seq_len: int, sandbox_config=
 
     demos = Demos(prompt=(episode_config or EpisodeConfig()).prompt)
     with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="demo") as pool:
-        for task, made in zip(tasks, pool.map(one, tasks)):
+        for task, made in zip(tasks, pool.map(one, tasks), strict=True):
             if made is None:
                 demos.no_patch.append(task.id)
                 continue

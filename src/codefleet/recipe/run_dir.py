@@ -100,11 +100,6 @@ def log(message: str) -> None:
     print(f"[codefleet train] {message}", file=sys.stderr, flush=True)
 
 
-def atomic_write(path: str, data: bytes) -> None:
-    """`data` as the local file `path`, written to a temporary name, flushed to disk and renamed."""
-    storage.put_file_atomic(path, data)
-
-
 def staging_dir(url: str) -> str:
     """This machine's local directory for the run at `url` (the same for every process that opens it)."""
     digest = hashlib.sha256(storage.absolute(url).encode()).hexdigest()[:12]
@@ -426,7 +421,7 @@ class Metrics:
                                      (axes[3], "turns_mean", rl, "RL turns / rollout")):
             pts = [(r["step"], r[key]) for r in rows if key in r]
             if pts:
-                ax.plot(*zip(*pts), marker=".")
+                ax.plot(*zip(*pts, strict=True), marker=".")
             ax.set_title(title)
             ax.set_xlabel("step")
         fig.tight_layout()

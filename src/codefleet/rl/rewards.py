@@ -1,9 +1,9 @@
-"""Rewards of groups of trajectories, as the tensor the advantage estimators take.
+"""What only a group of attempts can add to their rewards: which of its solved attempts was fast.
 
 The reward of one episode is `codefleet.agent.reward.compute_reward` (hidden
 checks 1/0 or passing fraction, minus the configured costs per turn, second
-and token); this module arranges it per group, and adds what only a group
-can say: which of its solved attempts was fast.
+and token); the bonus here is added per group, on the tensor the advantage
+estimators take.
 
 `speed_bonus` is Kimi k1.5's length reward (Kimi Team 2025, section 2.3.3)
 on turns instead of tokens: among a group's solved attempts, the one with
@@ -19,17 +19,6 @@ a bonus of 0.5 (and no cost) they get +1.22 and +0.41.
 from __future__ import annotations
 
 import torch
-
-from codefleet.agent.reward import RewardConfig, compute_reward
-from codefleet.types import Trajectory
-
-
-def group_rewards(groups: list[list[Trajectory]], config: RewardConfig | None = None) -> torch.Tensor:
-    """[n_groups, G] rewards; every group must hold the same number G of attempts."""
-    sizes = {len(g) for g in groups}
-    if len(sizes) != 1:
-        raise ValueError(f"groups must all have the same number of attempts, got sizes {sorted(sizes)}")
-    return torch.tensor([[compute_reward(t, config) for t in g] for g in groups], dtype=torch.float32)
 
 
 def speed_bonus(turns_NG: torch.Tensor, solved_NG: torch.Tensor, weight: float) -> torch.Tensor:

@@ -104,7 +104,7 @@ from codefleet.model.transformer import Transformer
 from codefleet.rl.batch import Sample
 from codefleet.rl.logprobs import forward_logprobs
 from codefleet.rl.sft import pad_batch, sft_step_loss
-from codefleet.rl.trainer import Example, TrainConfig, Trainer, _to_device, loss_units, pack, sft_units
+from codefleet.rl.trainer import Example, TrainConfig, Trainer, loss_units, pack, sft_units, to_device
 from codefleet.store import safe_files
 
 MODEL_CONFIG_FILE, METADATA_FILE, REFERENCE_DIR = "model_config.json", "metadata.json", "reference"
@@ -209,7 +209,7 @@ class ShardedTrainer(Trainer):
 
     def _dummy_pass(self, rl: bool) -> None:
         """The forwards and the backward of one micro-batch on one token, contributing exactly 0."""
-        batch = _to_device(pad_batch([([0, 0], [0, 1])]), self.device)
+        batch = to_device(pad_batch([([0, 0], [0, 1])]), self.device)
         if rl and self.config.loss.off_policy != "none":
             self._logprobs(self.model, batch.tokens_BT, batch.loss_mask_BT)
         if rl and self.reference is not None:

@@ -186,7 +186,7 @@ def pack(lengths: Sequence[int], max_tokens: int, overhead: int = 256) -> list[l
     return batches[::-1]
 
 
-def _to_device(batch, device: torch.device):
+def to_device(batch, device: torch.device):
     """A batch dataclass with its tensors (and lists of tensors) on `device`."""
     def move(x):
         if isinstance(x, list):
@@ -250,7 +250,7 @@ class Trainer:
         mean, loss_sum = _MetricMean(), 0.0
         micro = pack([len(ids) - 1 for ids, _ in examples], self.config.micro_batch_tokens)
         for idx in micro:
-            batch = _to_device(pad_batch([examples[i] for i in idx]), self.device)
+            batch = to_device(pad_batch([examples[i] for i in idx]), self.device)
             weight = sum(units[i] for i in idx) / total
             loss, metrics = sft_step_loss(self.model, batch)
             (loss * weight).backward()
@@ -271,7 +271,7 @@ class Trainer:
         mean, loss_sum, replayed = _MetricMean(), 0.0, 0
         micro = pack([len(s.tokens) for s in samples], cfg.micro_batch_tokens)
         for idx in micro:
-            batch = _to_device(collate([samples[i] for i in idx], mcfg.n_moe_layers, mcfg.top_k), self.device)
+            batch = to_device(collate([samples[i] for i in idx], mcfg.n_moe_layers, mcfg.top_k), self.device)
             replay = cfg.routing_replay and batch.routing_replay is not None
             routing = batch.routing_replay if replay else None
             prox = self._score(self.model, batch, routing) if cfg.loss.off_policy != "none" else None
@@ -305,7 +305,7 @@ class Trainer:
         mcfg = self.model.config
         out: list[list[float]] = [[] for _ in samples]
         for idx in pack([len(s.tokens) for s in samples], self.config.micro_batch_tokens):
-            batch = _to_device(collate([samples[i] for i in idx], mcfg.n_moe_layers, mcfg.top_k), self.device)
+            batch = to_device(collate([samples[i] for i in idx], mcfg.n_moe_layers, mcfg.top_k), self.device)
             routing = batch.routing_replay if self.config.routing_replay else None
             logprobs_BT = self._score(self.model, batch, routing).cpu()
             for row, i in enumerate(idx):

@@ -6,6 +6,7 @@ child workspace and how to tear down.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -84,10 +85,8 @@ def collect_until_exit(proc: subprocess.Popen, limit_bytes: int, deadline: float
                 return out, True
             out.feed(chunk)
         elif _exited(proc):
-            try:  # the process is a zombie, not reaped yet: its group id cannot have been reused
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # a zombie: its group id is not reused yet
                 os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
             while time.perf_counter() < deadline:  # what it wrote before it exited
                 try:
                     chunk = os.read(fd, 1 << 20)
@@ -142,7 +141,7 @@ class ShellSandbox(ABC):
         """Kill every process of the sandbox (shell, jobs, one-offs)."""
 
     @abstractmethod
-    def _make_children(self, n: int, replay: str) -> list["ShellSandbox"]:
+    def _make_children(self, n: int, replay: str) -> list[ShellSandbox]:
         """n new sandboxes whose workspaces start from this one's current state."""
 
     @abstractmethod
@@ -249,6 +248,11 @@ class ShellSandbox(ABC):
         self._check_open()
         return self.files.read_text(path, start_line, end_line)
 
+    def read_bytes(self, path: str) -> bytes:
+        """The exact bytes of `path` (contracts.ExactBytes), with read_file's path checks and size cap."""
+        self._check_open()
+        return self.files.read_bytes(path)
+
     def write_file(self, path: str, content: str | bytes) -> None:
         self._check_open()
         self.files.write(path, content)
@@ -305,7 +309,7 @@ class ShellSandbox(ABC):
             lines.append("{ " + exports.rstrip("\n") + "\n} 2>/dev/null")
         return "\n".join(lines + ["builtin true"])
 
-    def fork(self, n: int) -> list["ShellSandbox"]:
+    def fork(self, n: int) -> list[ShellSandbox]:
         """n sandboxes whose workspaces start from this one's current filesystem
         state (copy-on-write), with this shell's cwd and exported variables."""
         if n < 1:
@@ -344,7 +348,7 @@ class ShellSandbox(ABC):
                 self._proc.kill()
                 self._proc.wait()
 
-    def __enter__(self) -> "ShellSandbox":
+    def __enter__(self) -> ShellSandbox:
         return self
 
     def __exit__(self, *exc: object) -> None:

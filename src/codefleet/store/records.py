@@ -91,71 +91,20 @@ def _decode(raw: Any, tp: Any, where: str, depth: int) -> Any:
     if tp is Any:
         return _plain(raw, where, depth)
     if origin in (typing.Union, types.UnionType):
-        if raw is None and type(None) in args:
-            return None
-        if all(a in _SCALARS for a in args):
-            # metadata's str | int | float also carries lists in practice: plain JSON is as safe as declared scalars
-            return _plain(raw, where, depth)
-        errors = []
-        for arm in (a for a in args if a is not type(None)):
-            try:
-                return _decode(raw, arm, where, depth)
-            except RecordError as e:
-                errors.append(str(e))
-        raise RecordError(errors[0] if len(errors) == 1 else f"{where}: matches none of {tp}")
+        return _decode_union(raw, tp, args, where, depth)
     if dataclasses.is_dataclass(tp):
-        if not isinstance(raw, dict):
-            raise RecordError(f"{where}: expected an object for {tp.__name__}, got {type(raw).__name__}")
-        hints, fields = _hints(tp), {f.name: f for f in dataclasses.fields(tp)}
-        unknown = set(raw) - set(fields)
-        if unknown:
-            raise RecordError(f"{where}: {tp.__name__} has no field {sorted(unknown)[0]!r}")
-        kwargs = {name: _decode(value, hints[name], f"{where}.{name}", depth + 1) for name, value in raw.items()
-                  if fields[name].init}
-        try:
-            return tp(**kwargs)
-        except TypeError as e:
-            raise RecordError(f"{where}: {e}") from None
+        return _decode_dataclass(raw, tp, where, depth)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         try:
             return tp(raw)
         except ValueError:
             raise RecordError(f"{where}: {raw!r} is not a {tp.__name__}") from None
     if origin is list or tp is list:
-        if not isinstance(raw, list):
-            raise RecordError(f"{where}: expected a list, got {type(raw).__name__}")
-        item = args[0] if args else Any
-        if item in _PLAIN and (kinds := set(map(type, raw))) <= ({float, int} if item is float else {item}):
-            return list(map(float, raw)) if int in kinds else raw  # the common case, checked in C
-        inner = _shape(item)
-        if inner[0] is list and inner[1] and inner[1][0] in (int, str, bool) and all(
-                type(row) is list and set(map(type, row)) <= {inner[1][0]} for row in raw):
-            return raw  # routed experts: a list of ids per token
-        return [_decode(v, item, f"{where}[{i}]", depth + 1) for i, v in enumerate(raw)]
+        return _decode_list(raw, args, where, depth)
     if origin is tuple or tp is tuple:
-        if not isinstance(raw, list):
-            raise RecordError(f"{where}: expected a list for a tuple, got {type(raw).__name__}")
-        if args and args[-1] is not Ellipsis:
-            if len(args) != len(raw):
-                raise RecordError(f"{where}: expected {len(args)} items, got {len(raw)}")
-            return tuple(_decode(v, a, f"{where}[{i}]", depth + 1) for i, (v, a) in enumerate(zip(raw, args)))
-        item = args[0] if args else Any
-        return tuple(_decode(v, item, f"{where}[{i}]", depth + 1) for i, v in enumerate(raw))
+        return _decode_tuple(raw, args, where, depth)
     if origin is dict or tp is dict:
-        key_t, value_t = args if args else (Any, Any)
-        if isinstance(raw, dict) and set(raw) == {"__pairs__"} and isinstance(raw["__pairs__"], list):
-            pairs = raw["__pairs__"]
-        elif isinstance(raw, dict):
-            pairs = list(raw.items())
-        else:
-            raise RecordError(f"{where}: expected an object, got {type(raw).__name__}")
-        out = {}
-        for i, pair in enumerate(pairs):
-            if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
-                raise RecordError(f"{where}: entry {i} is not a [key, value] pair")
-            out[_decode(pair[0], key_t, f"{where}<key {i}>", depth + 1)] = _decode(pair[1], value_t,
-                                                                                    f"{where}[{pair[0]!r}]", depth + 1)
-        return out
+        return _decode_dict(raw, args, where, depth)
     if tp is float:
         if isinstance(raw, (int, float)) and not isinstance(raw, bool):
             return float(raw)
@@ -165,6 +114,77 @@ def _decode(raw: Any, tp: Any, where: str, depth: int) -> Any:
             return raw
         raise RecordError(f"{where}: expected {getattr(tp, '__name__', tp)}, got {type(raw).__name__}")
     raise RecordError(f"{where}: records cannot hold a {tp!r}")
+
+
+def _decode_union(raw: Any, tp: Any, args: tuple, where: str, depth: int) -> Any:
+    if raw is None and type(None) in args:
+        return None
+    if all(a in _SCALARS for a in args):
+        # metadata's str | int | float also carries lists in practice: plain JSON is as safe as declared scalars
+        return _plain(raw, where, depth)
+    errors = []
+    for arm in (a for a in args if a is not type(None)):
+        try:
+            return _decode(raw, arm, where, depth)
+        except RecordError as e:
+            errors.append(str(e))
+    raise RecordError(errors[0] if len(errors) == 1 else f"{where}: matches none of {tp}")
+
+
+def _decode_dataclass(raw: Any, tp: type, where: str, depth: int) -> Any:
+    if not isinstance(raw, dict):
+        raise RecordError(f"{where}: expected an object for {tp.__name__}, got {type(raw).__name__}")
+    hints, fields = _hints(tp), {f.name: f for f in dataclasses.fields(tp)}
+    unknown = set(raw) - set(fields)
+    if unknown:
+        raise RecordError(f"{where}: {tp.__name__} has no field {sorted(unknown)[0]!r}")
+    kwargs = {name: _decode(value, hints[name], f"{where}.{name}", depth + 1) for name, value in raw.items()
+              if fields[name].init}
+    try:
+        return tp(**kwargs)
+    except TypeError as e:
+        raise RecordError(f"{where}: {e}") from None
+
+
+def _decode_list(raw: Any, args: tuple, where: str, depth: int) -> list:
+    if not isinstance(raw, list):
+        raise RecordError(f"{where}: expected a list, got {type(raw).__name__}")
+    item = args[0] if args else Any
+    if item in _PLAIN and (kinds := set(map(type, raw))) <= ({float, int} if item is float else {item}):
+        return list(map(float, raw)) if int in kinds else raw  # the common case, checked in C
+    inner = _shape(item)
+    if inner[0] is list and inner[1] and inner[1][0] in (int, str, bool) and all(
+            type(row) is list and set(map(type, row)) <= {inner[1][0]} for row in raw):
+        return raw  # routed experts: a list of ids per token
+    return [_decode(v, item, f"{where}[{i}]", depth + 1) for i, v in enumerate(raw)]
+
+
+def _decode_tuple(raw: Any, args: tuple, where: str, depth: int) -> tuple:
+    if not isinstance(raw, list):
+        raise RecordError(f"{where}: expected a list for a tuple, got {type(raw).__name__}")
+    if args and args[-1] is not Ellipsis:
+        if len(args) != len(raw):
+            raise RecordError(f"{where}: expected {len(args)} items, got {len(raw)}")
+        return tuple(_decode(v, a, f"{where}[{i}]", depth + 1) for i, (v, a) in enumerate(zip(raw, args, strict=True)))
+    item = args[0] if args else Any
+    return tuple(_decode(v, item, f"{where}[{i}]", depth + 1) for i, v in enumerate(raw))
+
+
+def _decode_dict(raw: Any, args: tuple, where: str, depth: int) -> dict:
+    key_t, value_t = args if args else (Any, Any)
+    if isinstance(raw, dict) and set(raw) == {"__pairs__"} and isinstance(raw["__pairs__"], list):
+        pairs = raw["__pairs__"]
+    elif isinstance(raw, dict):
+        pairs = list(raw.items())
+    else:
+        raise RecordError(f"{where}: expected an object, got {type(raw).__name__}")
+    out = {}
+    for i, pair in enumerate(pairs):
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
+            raise RecordError(f"{where}: entry {i} is not a [key, value] pair")
+        out[_decode(pair[0], key_t, f"{where}<key {i}>", depth + 1)] = _decode(pair[1], value_t,
+                                                                                f"{where}[{pair[0]!r}]", depth + 1)
+    return out
 
 
 def _plain(raw: Any, where: str, depth: int) -> Any:

@@ -175,12 +175,17 @@ def _fetch(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add `tasks generate|check|import-swebench|mine` to a parser's subcommands."""
-
+    """Add `tasks generate|check|import-swebench|mine|fetch` to a parser's subcommands."""
     tasks = subparsers.add_parser("tasks", help="coding task sets: generate, check, import",
                                   description="Coding task sets (format: docs/tasks.md).")
     sub = tasks.add_subparsers(dest="tasks_action", required=True)
+    for add in (_add_generate, _add_check, _add_import_swebench, _add_mine, _add_fetch):
+        add(sub)
+    return tasks
 
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    """`tasks generate`: procedural tasks from the bundled families."""
     gen = sub.add_parser("generate", help="write N procedural tasks to DIR",
                          description="Write N tasks from the bundled families (deterministic by seed).")
     gen.add_argument("--out", required=True, metavar="DIR", help="task directory to write")
@@ -196,6 +201,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                           "codefleet train leaves them out, see tasks.more_domains)")
     gen.set_defaults(func=_generate)
 
+
+def _add_check(sub: argparse._SubParsersAction) -> None:
+    """`tasks check`: prove every task in a directory sound."""
     check = sub.add_parser("check", help="prove every task in DIR sound",
                            description="For every task: the reference patch passes all hidden checks, the "
                            "untouched repo fails every FAIL_TO_PASS and passes every PASS_TO_PASS, and repeated "
@@ -206,6 +214,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     check.add_argument("--set", action="append", metavar="KEY=VALUE", help="sandbox config override, repeatable")
     check.set_defaults(func=_check)
 
+
+def _add_import_swebench(sub: argparse._SubParsersAction) -> None:
+    """`tasks import-swebench`: tasks from a SWE-bench-style JSONL and local checkouts."""
     imp = sub.add_parser("import-swebench", help="convert SWE-bench-style JSONL + local checkouts into tasks",
                          description="Read a SWE-bench-style JSONL; export each base_commit from "
                          "REPOS/<owner>__<name> as a tarball; write one task per good row. Bad rows are "
@@ -221,6 +232,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                                                      "that name theirs (image_name, docker_image)")
     imp.set_defaults(func=_import_swebench)
 
+
+def _add_mine(sub: argparse._SubParsersAction) -> None:
+    """`tasks mine`: bug-fix tasks mined from real libraries by mutation."""
     mine = sub.add_parser("mine", help="bug-fix tasks mined from real libraries by mutation",
                           description="Run each library's own tests, mutate the functions they cover, and keep "
                           "the mutants some test notices as checked bug-fix tasks (docs/tasks.md, Mined tasks).")
@@ -244,6 +258,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     mine.add_argument("--set", action="append", metavar="KEY=VALUE", help="sandbox config override, repeatable")
     mine.set_defaults(func=_mine)
 
+
+def _add_fetch(sub: argparse._SubParsersAction) -> None:
+    """`tasks fetch`: sdists downloaded as data, hash-checked."""
     fetch = sub.add_parser("fetch", help="download sdists from the index as data, hash-checked, running nothing",
                            description="Download the source distribution of each NAME==VERSION into DIR, "
                            "reading pip's index through its simple API: the sdist's sha256 is checked against "
@@ -258,7 +275,6 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     fetch.add_argument("--max-mb", type=int, default=UnpackLimits.max_bytes >> 20, metavar="M",
                        help="the most one download may weigh (default %(default)s)")
     fetch.set_defaults(func=_fetch)
-    return tasks
 
 
 def main(argv: list[str] | None = None) -> int:

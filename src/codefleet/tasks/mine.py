@@ -244,25 +244,8 @@ def mine_library(source: str, out_dir: str, seed: int = 0, max_per_function: int
     """Mine one source (a directory, a .tar.gz/.zip sdist, or NAME==VERSION [--hash=sha256:HEX] fetched from
     `index_urls` (default: pip's) into `cache_dir`) into tasks under `out_dir` (saved with their index), its
     tree within `limits` (also the most a download may weigh); see the module docstring."""
-    kinds = list(kinds or KINDS)
-    unknown = sorted(set(kinds) - set(KINDS))
-    if unknown:
-        raise MineError(f"unknown mutation kind(s) {', '.join(unknown)}; choose from {', '.join(KINDS)}")
-    if max_per_function < 1 or (max_tasks is not None and max_tasks < 1):
-        raise MineError(f"--max-per-function and --max-tasks must be at least 1, got {max_per_function} and "
-                        f"{max_tasks}")
-    backend = (config or SandboxConfig()).backend
-    if resolve_backend(backend) == "local":
-        raise MineError(f"mining runs the library's own tests, code nobody has checked, so it needs a sandbox that "
-                        f"isolates; backend {backend!r} is 'local' here, which runs them on this machine: install "
-                        "bubblewrap and enable user namespaces (docs/sandboxes/namespace.md), or --set backend=vm")
-    try:
-        requirement = None if os.path.exists(source) else parse_requirement(source)
-        if requirement is not None:
-            source = fetch_sdist(requirement, cache_dir or os.path.expanduser("~/.cache/codefleet/sdists"),
-                                 index_urls, (limits or UnpackLimits()).max_bytes)
-    except FetchError as e:
-        raise MineError(str(e)) from None
+    kinds = _checked_arguments(kinds, max_per_function, max_tasks, config)
+    source = _local_source(source, cache_dir, index_urls, limits)
     with tempfile.TemporaryDirectory(prefix="codefleet-mine-") as work_dir:
         os.chmod(work_dir, 0o755)  # the sandbox user reads the tree through it
         root = _unpack(source, work_dir, limits)
@@ -274,16 +257,7 @@ def mine_library(source: str, out_dir: str, seed: int = 0, max_per_function: int
                             f"module(s) and {len(test_files)} test file(s) (tests/, test_*.py)")
         src_layout = os.path.isdir(os.path.join(root, "src"))
         command = ("PYTHONPATH=src " if src_layout else "") + PYTEST + " {tests}"
-        sources = {}
-        per_function: dict[str, list[Mutation]] = {}
-        for rel in modules:
-            with _open(root, rel, "rb") as f:
-                sources[rel] = f.read()
-            try:
-                found = file_mutations(sources[rel], rel, _module_name(rel, src_layout))
-            except (SyntaxError, ValueError, UnicodeDecodeError, RecursionError, MemoryError):
-                continue  # a file this Python cannot parse (or nested too deep to) is left alone
-            per_function.update({k: [m for m in v if m.kind in kinds] for k, v in found.items()})
+        sources, per_function = _candidate_mutations(root, modules, src_layout, kinds)
         report.functions = len(per_function)
         base = create_sandbox(root, config)
         try:
@@ -301,39 +275,99 @@ def mine_library(source: str, out_dir: str, seed: int = 0, max_per_function: int
         for rel in test_files:
             with _open(root, rel, encoding="utf-8", errors="replace") as f:
                 tests[rel] = f.read()
-        slug = re.sub(r"[^A-Za-z0-9._-]", "-", f"{name}-{version}")
-        tasks = []
-        for index, (mutation, failing, output) in enumerate(candidates):
-            task_id = f"mined-{slug}-s{seed}-{index:04d}"
-            repo = os.path.join(out_dir, task_id, "repo")
-            if os.path.exists(repo):
-                shutil.rmtree(repo)
-            shutil.copytree(root, repo, symlinks=True)
-            with open(os.path.join(repo, mutation.path), "w", encoding="utf-8", newline="") as f:
-                f.write(mutation.apply(sources[mutation.path]))
-            original = sources[mutation.path].decode("utf-8")
-            tasks.append(Task(
-                id=task_id, repo=os.path.abspath(repo),
-                instruction=_issue_text(name, failing, output, command.replace(" {tests}", "")),
-                checks=HiddenChecks(command, failing, [t for t in passing if t not in failing], dict(tests)),
-                test_command=command.replace(" {tests}", ""),
-                metadata={"family": "mined", "template": name, "library": name, "version": version,
-                          "mutation": mutation.kind, "function": mutation.function, "seed": seed, "index": index},
-                reference_patch=make_unified_diff({mutation.path: mutation.apply(sources[mutation.path])},
-                                                  {mutation.path: original})))
+        tasks = [_write_task(root, out_dir, index, candidate, sources, tests, name, version, seed, command, passing)
+                 for index, candidate in enumerate(candidates)]
     if check and tasks:
-        sound = []
-        for task, result in zip(tasks, check_tasks(tasks, config, jobs=jobs)):
-            if result.sound:
-                sound.append(task)
-            else:
-                report.unsound.append(f"{task.id}: {'; '.join(result.problems)}")
-                shutil.rmtree(os.path.join(out_dir, task.id), ignore_errors=True)
-        tasks = sound
+        tasks = _sound_tasks(tasks, out_dir, config, jobs, report)
     save_tasks(tasks, out_dir)
     report.tasks = tasks
     report.kept = Counter(str(t.metadata["mutation"]) for t in tasks)
     return report
+
+
+def _checked_arguments(kinds: list[str] | None, max_per_function: int, max_tasks: int | None,
+                       config: SandboxConfig | None) -> list[str]:
+    """The mutation kinds to try, once the caps and the sandbox backend have been checked."""
+    kinds = list(kinds or KINDS)
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        raise MineError(f"unknown mutation kind(s) {', '.join(unknown)}; choose from {', '.join(KINDS)}")
+    if max_per_function < 1 or (max_tasks is not None and max_tasks < 1):
+        raise MineError(f"--max-per-function and --max-tasks must be at least 1, got {max_per_function} and "
+                        f"{max_tasks}")
+    backend = (config or SandboxConfig()).backend
+    if resolve_backend(backend) == "local":
+        raise MineError(f"mining runs the library's own tests, code nobody has checked, so it needs a sandbox that "
+                        f"isolates; backend {backend!r} is 'local' here, which runs them on this machine: install "
+                        "bubblewrap and enable user namespaces (docs/sandboxes/namespace.md), or --set backend=vm")
+    return kinds
+
+
+def _local_source(source: str, cache_dir: str | None, index_urls: list[str] | None,
+                  limits: UnpackLimits | None) -> str:
+    """`source` itself if it is a path; for NAME==VERSION, its sdist fetched into the cache."""
+    try:
+        requirement = None if os.path.exists(source) else parse_requirement(source)
+        if requirement is not None:
+            source = fetch_sdist(requirement, cache_dir or os.path.expanduser("~/.cache/codefleet/sdists"),
+                                 index_urls, (limits or UnpackLimits()).max_bytes)
+    except FetchError as e:
+        raise MineError(str(e)) from None
+    return source
+
+
+def _candidate_mutations(root: str, modules: list[str], src_layout: bool,
+                         kinds: list[str]) -> tuple[dict[str, bytes], dict[str, list[Mutation]]]:
+    """Each library module's bytes, and each function's mutations of `kinds` (files Python cannot parse skipped)."""
+    sources = {}
+    per_function: dict[str, list[Mutation]] = {}
+    for rel in modules:
+        with _open(root, rel, "rb") as f:
+            sources[rel] = f.read()
+        try:
+            found = file_mutations(sources[rel], rel, _module_name(rel, src_layout))
+        except (SyntaxError, ValueError, UnicodeDecodeError, RecursionError, MemoryError):
+            continue  # a file this Python cannot parse (or nested too deep to) is left alone
+        per_function.update({k: [m for m in v if m.kind in kinds] for k, v in found.items()})
+    return sources, per_function
+
+
+def _write_task(root: str, out_dir: str, index: int, candidate: tuple[Mutation, list[str], str],
+                sources: dict[str, bytes], tests: dict[str, str], name: str, version: str, seed: int,
+                command: str, passing: list[str]) -> Task:
+    """Task `index`: the library with the mutant in place under out_dir, the tests that noticed it as checks."""
+    mutation, failing, output = candidate
+    slug = re.sub(r"[^A-Za-z0-9._-]", "-", f"{name}-{version}")
+    task_id = f"mined-{slug}-s{seed}-{index:04d}"
+    repo = os.path.join(out_dir, task_id, "repo")
+    if os.path.exists(repo):
+        shutil.rmtree(repo)
+    shutil.copytree(root, repo, symlinks=True)
+    with open(os.path.join(repo, mutation.path), "w", encoding="utf-8", newline="") as f:
+        f.write(mutation.apply(sources[mutation.path]))
+    original = sources[mutation.path].decode("utf-8")
+    return Task(
+        id=task_id, repo=os.path.abspath(repo),
+        instruction=_issue_text(name, failing, output, command.replace(" {tests}", "")),
+        checks=HiddenChecks(command, failing, [t for t in passing if t not in failing], dict(tests)),
+        test_command=command.replace(" {tests}", ""),
+        metadata={"family": "mined", "template": name, "library": name, "version": version,
+                  "mutation": mutation.kind, "function": mutation.function, "seed": seed, "index": index},
+        reference_patch=make_unified_diff({mutation.path: mutation.apply(sources[mutation.path])},
+                                          {mutation.path: original}))
+
+
+def _sound_tasks(tasks: list[Task], out_dir: str, config: SandboxConfig | None, jobs: int,
+                 report: MineReport) -> list[Task]:
+    """The tasks check_tasks finds sound; the others are recorded in the report and their directories removed."""
+    sound = []
+    for task, result in zip(tasks, check_tasks(tasks, config, jobs=jobs), strict=True):
+        if result.sound:
+            sound.append(task)
+        else:
+            report.unsound.append(f"{task.id}: {'; '.join(result.problems)}")
+            shutil.rmtree(os.path.join(out_dir, task.id), ignore_errors=True)
+    return sound
 
 
 def _mutants_that_fail(workers: list[Sandbox], per_function: dict[str, list[Mutation]], seed: int,
@@ -369,7 +403,7 @@ def _mutants_that_fail(workers: list[Sandbox], per_function: dict[str, list[Muta
                     break
                 batch = round_[start:start + len(workers)]
                 results = list(pool.map(run, workers, batch))
-                for mutation, (failing, output) in zip(batch, results):
+                for mutation, (failing, output) in zip(batch, results, strict=True):
                     report.tried[mutation.kind] += 1
                     if failing and (max_tasks is None or len(found) < max_tasks) \
                             and kept_per_function[mutation.function] < max_per_function:

@@ -17,6 +17,7 @@ caller, which runs both versions.
 from __future__ import annotations
 
 import ast
+import itertools
 import random
 from dataclasses import dataclass
 
@@ -39,9 +40,6 @@ class Mutation:
     def apply(self, source: str) -> str:
         assert source[self.start:self.end] == self.old, "mutation does not match the source"
         return source[:self.start] + self.new + source[self.end:]
-
-    def line_of(self, source: str) -> int:
-        return source.count("\n", 0, self.start) + 1
 
 
 def _offsets(source: str) -> list[int]:
@@ -95,11 +93,11 @@ def mutations(source: str, func_name: str) -> list[Mutation]:
                 between(node.target, node.value, (old, "-=" if old == "+=" else "+="), "operator")
             elif isinstance(node, ast.Compare):
                 operands = [node.left, *node.comparators]
-                for op, left, right in zip(node.ops, operands, operands[1:]):
+                for op, (left, right) in zip(node.ops, itertools.pairwise(operands), strict=True):
                     if type(op) in _CMPOPS:
                         between(left, right, _CMPOPS[type(op)], "comparison")
             elif isinstance(node, ast.BoolOp) and type(node.op) in _BOOLOPS:
-                for left, right in zip(node.values, node.values[1:]):
+                for left, right in itertools.pairwise(node.values):
                     between(left, right, _BOOLOPS[type(node.op)], "boolean")
             elif (isinstance(node, ast.Constant) and type(node.value) is int and id(node) not in inside_fstring):
                 a, b = pos(node.lineno, node.col_offset), pos(node.end_lineno, node.end_col_offset)
