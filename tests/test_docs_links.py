@@ -56,7 +56,7 @@ def test_every_doc_page_that_code_or_docs_mention_exists():
         for folder in MENTION_DIRS
         if (ROOT / folder).exists()
         for path in sorted((ROOT / folder).rglob("*"))
-        if path.is_file()
+        if path.is_file() and not any(part.endswith(".egg-info") or part == "__pycache__" for part in path.parts)
     ]
     files += markdown_files()
     missing = {}
