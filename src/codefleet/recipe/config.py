@@ -66,7 +66,7 @@ class ModelSection:
     # this harness from scratch); "full": the system prompt and tool schemas, what the product sends any model
     prompt: str = "bare"
     # copying names from the context: previous-token embeddings and the pointer-generator head (docs/model.md)
-    copy: CopyConfig = field(default_factory=lambda: CopyConfig(head=True, scope="prompt", match=True))
+    copy: CopyConfig = field(default_factory=CopyConfig)
     # "auto": the engine samples only tool calls that parse and fit the tools' schemas (model.grammar), in RL's
     # rollouts and the evaluations; "required": and every turn calls a tool; "off": the tokens as drawn
     tool_grammar: str = "off"
@@ -102,10 +102,9 @@ class RLSection:
     max_tokens: int = 256  # per turn
     max_turns: int = 6  # per episode
     # the policy loss: off-policy correction, reduction, KL anchor to the SFT policy (rl.losses)
-    loss: LossConfig = field(default_factory=lambda: LossConfig(off_policy="tis", reduction="seq_mean", kl_coef=0.05))
-    # the episode's reward: hidden checks minus costs; the costs count on solved episodes only
-    reward: RewardConfig = field(default_factory=lambda: RewardConfig(cost_per_turn=0.02, cost_per_tool_error=0.02,
-                                                                      costs_on="solved"))
+    loss: LossConfig = field(default_factory=LossConfig)
+    # the episode's reward: hidden checks minus costs (agent.reward)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     # Kimi k1.5's length reward on turns: among a group's solved attempts the one with the fewest turns gets
     # +speed_bonus/2, the one with the most -speed_bonus/2 (rl.rewards.speed_bonus); 0 = off
     speed_bonus: float = 0.0
@@ -162,7 +161,7 @@ class TrainRunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     cluster: ClusterSection = field(default_factory=ClusterSection)
     # the sandboxes of the demonstrations, RL's attempts and the evaluations
-    sandbox: SandboxConfig = field(default_factory=lambda: SandboxConfig(timeout_s=30.0, memory_mb=1024))
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
 
 def recipe_path(recipe: str) -> str:
