@@ -25,7 +25,8 @@ from browser_check import browser_missing, check_report_in_browser
 
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 TINY = ["tasks.n_train=4", "tasks.n_eval=2", "tasks.families=[bugfix, config]", "sft.epochs=1", "sft.batch_size=4",
-        "rl.steps=3", "rl.group_size=2", "rl.batch_groups=1", "rl.rollout_slots=4", "rl.eta=1", "rl.max_tokens=48",
+        "rl.steps=3", "controller.group_size=2", "controller.batch_groups=1", "controller.rollout_slots=4",
+        "controller.eta=1", "rl.max_tokens=48",
         "rl.max_turns=2", "eval.max_tokens=24", "eval.attempts=1", "cluster.num_cpus=4"]
 
 

@@ -34,7 +34,8 @@ import yaml
 BIN = os.path.dirname(sys.executable)  # the venv's bin: `ray` and `codefleet`
 # a run small enough for two cores; roles pinned to nodes by logical resources
 SMALL = {"tasks.n_eval": 1, "tasks.families": "[config]", "sft.epochs": 1, "sft.batch_size": 4, "rl.steps": 4,
-         "rl.group_size": 2, "rl.batch_groups": 1, "rl.rollout_slots": 4, "rl.max_tokens": 24, "rl.max_turns": 2,
+         "controller.group_size": 2, "controller.batch_groups": 1, "controller.rollout_slots": 4,
+         "rl.max_tokens": 24, "rl.max_turns": 2,
          "eval.max_tokens": 8, "eval.attempts": 1, "cluster.trainer_workers": 1, "cluster.rollout_workers": 2,
          "cluster.rollout_cpus": 0.1, "cluster.trainer_cpus": 0.5, "cluster.rollout_resources": "{rollout: 1}",
          "cluster.engine_resources": "{head: 1}", "cluster.trainer_resources": "{head: 1}"}

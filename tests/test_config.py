@@ -57,11 +57,13 @@ def test_exponents_are_floats_though_yaml_1_1_reads_them_as_text(tmp_path):
     assert load_config(SandboxConfig, None, ["state_dir=1e3"]).state_dir == "1e3"  # text where text is meant
 
 
-def test_unknown_keys_are_refused_with_the_known_ones(tmp_path):
-    with pytest.raises(ConfigError, match=r"unknown config key\(s\) \['memory'\].*memory_mb"):
+def test_an_unknown_key_is_one_sentence_naming_the_keys_it_may_mean(tmp_path):
+    with pytest.raises(ConfigError, match=r"^unknown config key 'memory': did you mean memory_mb\?$"):
         load_config(SandboxConfig, None, ["memory=512"])
-    with pytest.raises(ConfigError, match=r"unknown config key\(s\) \['timeout'\]"):
+    with pytest.raises(ConfigError, match=r"^unknown config key 'timeout': did you mean timeout_s\?$"):
         load_config(SandboxConfig, _yaml(tmp_path, "timeout: 3\n"))
+    with pytest.raises(ConfigError, match=r"^unknown config key 'zzz': the keys here are backend, .*memory_mb"):
+        load_config(SandboxConfig, None, ["zzz=1"])
 
 
 @pytest.mark.parametrize("override", ["memory_mb", "=5", " =5"])
@@ -100,19 +102,21 @@ def test_to_dict_round_trips():
     assert from_dict(SandboxConfig, to_dict(cfg)) == cfg
 
 
-def test_a_section_keeps_the_defaults_its_parent_gives_it(tmp_path):
-    """Setting one field of a nested section leaves its other fields as the parent's default has them, not as
-    the section class's own defaults (an override of the reward once turned the run's costs_on back to "all")."""
-    from codefleet.recipe.config import TrainRunConfig
+def test_a_section_keeps_the_values_the_layer_beneath_gives_it(tmp_path):
+    """Setting one field of a nested section leaves its other fields as the layer beneath (the recipe) has them,
+    not as the section class's own defaults (an override of the reward once turned the run's costs_on back to
+    "all")."""
+    from codefleet.recipe.config import load_train_config
 
     path = tmp_path / "run.yaml"
     path.write_text("sandbox:\n  cpu_cores: 1\n")
-    cfg = load_config(TrainRunConfig, str(path), ["rl.reward.cost_per_turn=0.1", "rl.loss.kl_coef=0.01"])
-    default = TrainRunConfig()
+    cfg = load_train_config(str(path), ["rl.reward.cost_per_turn=0.1", "rl.loss.kl_coef=0.01"])
+    demo = load_train_config()
     assert cfg.rl.reward.cost_per_turn == 0.1
-    assert cfg.rl.reward.costs_on == default.rl.reward.costs_on == "solved"
-    assert cfg.rl.reward.cost_per_tool_error == default.rl.reward.cost_per_tool_error > 0
-    assert cfg.rl.loss.kl_coef == 0.01 and cfg.rl.loss.off_policy == default.rl.loss.off_policy == "tis"
+    assert cfg.rl.reward.costs_on == demo.rl.reward.costs_on == "solved"
+    assert cfg.rl.reward.cost_per_tool_error == demo.rl.reward.cost_per_tool_error > 0
+    assert cfg.rl.loss.kl_coef == 0.01 and cfg.rl.loss.off_policy == demo.rl.loss.off_policy == "tis"
     assert cfg.sandbox.cpu_cores == 1.0
-    assert (cfg.sandbox.timeout_s, cfg.sandbox.memory_mb) == (default.sandbox.timeout_s, default.sandbox.memory_mb)
-    assert cfg.rl.steps == default.rl.steps and cfg.tasks == default.tasks
+    assert (cfg.sandbox.timeout_s, cfg.sandbox.memory_mb) == (demo.sandbox.timeout_s, demo.sandbox.memory_mb)
+    assert (demo.sandbox.timeout_s, demo.sandbox.memory_mb) != (SandboxConfig().timeout_s, SandboxConfig().memory_mb)
+    assert cfg.rl.steps == demo.rl.steps and cfg.tasks == demo.tasks

@@ -21,7 +21,8 @@ from codefleet.model import checkpoint, hf
 from codefleet.tasks.generate import generate_tasks
 
 TINY = ["tasks.n_train=3", "tasks.n_eval=1", "tasks.families=[config]", "sft.epochs=1", "sft.batch_size=3",
-        "rl.steps=2", "rl.group_size=2", "rl.batch_groups=1", "rl.rollout_slots=2", "rl.max_tokens=24",
+        "rl.steps=2", "controller.group_size=2", "controller.batch_groups=1", "controller.rollout_slots=2",
+        "rl.max_tokens=24",
         "rl.max_turns=2", "eval.max_tokens=24", "eval.attempts=1", "cluster.num_cpus=4", "model.prompt=full",
         "model.max_seq_len=4096"]
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}

@@ -22,7 +22,8 @@ from codefleet.recipe.config import RECIPES_DIR, load_train_config
 from codefleet.recipe.run_dir import RunDir
 
 TINY = ["tasks.n_train=4", "tasks.n_eval=2", "tasks.families=[bugfix, config]", "sft.epochs=1", "sft.batch_size=4",
-        "rl.steps=5", "rl.group_size=2", "rl.batch_groups=1", "rl.rollout_slots=4", "rl.eta=1", "rl.max_tokens=24",
+        "rl.steps=5", "controller.group_size=2", "controller.batch_groups=1", "controller.rollout_slots=4",
+        "controller.eta=1", "rl.max_tokens=24",
         "rl.max_turns=2", "eval.max_tokens=24", "eval.attempts=1", "cluster.num_cpus=4"]
 
 
@@ -154,11 +155,12 @@ def test_train_refuses_an_existing_run_and_a_missing_one(tmp_path):
     out = subprocess.run(_cli("train", "--out", str(tmp_path / "r2"), "rl.stepz=3"), capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and "stepz" in out.stderr
-    out = subprocess.run(_cli("train", "--out", str(tmp_path / "r3"), "rl.group_size=1", "rl.rollout_slots=0",
-                              "sft.threads=0", "cluster.engine_backend=vllm2"), capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 2 and "rl.group_size must be >= 2" in out.stderr and "rl.rollout_slots" in out.stderr
-    assert "sft.workers and sft.threads must be >= 1" in out.stderr and "cluster.engine_backend must be one of codefleet" in out.stderr
+    out = subprocess.run(_cli("train", "--out", str(tmp_path / "r3"), "controller.group_size=1",
+                              "controller.rollout_slots=0", "sft.threads=0", "cluster.engine_backend=vllm2"),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "controller.group_size must be >= 2" in out.stderr
+    assert "controller.rollout_slots" in out.stderr and "sft.workers and sft.threads must be >= 1" in out.stderr
+    assert "cluster.engine_backend must be one of codefleet" in out.stderr
     assert not (tmp_path / "r3").exists()
     (tmp_path / "r4").mkdir()
     RunDir(str(tmp_path / "r4")).write_format()

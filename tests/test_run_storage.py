@@ -361,7 +361,8 @@ def test_a_trainer_group_saves_to_a_url_and_a_new_group_resumes_from_it(ray_sess
 # -- `codefleet train` end to end into a file:// URL --------------------------------------------------------
 
 SMALL = ["tasks.n_train=4", "tasks.n_eval=2", "tasks.families=[bugfix, config]", "sft.epochs=1",
-         "sft.batch_size=4", "rl.steps=2", "rl.group_size=2", "rl.batch_groups=1", "rl.rollout_slots=2", "rl.eta=1",
+         "sft.batch_size=4", "rl.steps=2", "controller.group_size=2", "controller.batch_groups=1",
+         "controller.rollout_slots=2", "controller.eta=1",
          "rl.max_tokens=24", "rl.max_turns=2", "eval.max_tokens=24", "eval.attempts=1", "eval.jobs=2",
          "cluster.trainer_workers=1", "cluster.rollout_workers=1", "cluster.engines=1"]
 

@@ -29,10 +29,11 @@ SCRIPT = textwrap.dedent("""
     cluster.add_node(num_cpus=2, resources={"sandbox": 8, "rollout": 4})
     cluster.wait_for_nodes()
     overrides = ["tasks.n_train=3", "tasks.n_eval=1", "tasks.families=[config]", "sft.epochs=1",
-                 "sft.batch_size=3", "rl.steps=3", "rl.group_size=2", "rl.batch_groups=1", "rl.rollout_slots=2",
+                 "sft.batch_size=3", "rl.steps=3", "controller.group_size=2", "controller.batch_groups=1",
+                 "controller.rollout_slots=2",
                  "rl.max_tokens=24", "rl.max_turns=2", "eval.max_tokens=16", "eval.attempts=1",
                  "model.prompt=full", "model.max_seq_len=2048", f"model.init={init}", "rl.loss.kl_coef=0",
-                 "rl.routing_replay=false", "rl.eta=0", "rl.reward.costs_on=all", "rl.reward.cost_per_s=0.01",
+                 "rl.routing_replay=false", "controller.eta=0", "rl.reward.costs_on=all", "rl.reward.cost_per_s=0.01",
                  "cluster.trainer_workers=2", "sft.workers=2", "cluster.rollout_workers=1",
                  "cluster.rollout_cpus=0.1", "cluster.trainer_cpus=0.5", "cluster.rollout_resources={rollout: 1}",
                  "cluster.engine_resources={head: 1}", "cluster.trainer_resources={head: 1}", *backends]

@@ -28,7 +28,8 @@ SCRIPT = textwrap.dedent("""
     workers = [cluster.add_node(num_cpus=2, resources=node) for _ in range(2)]
     cluster.wait_for_nodes()
     overrides = ["tasks.n_train=4", "tasks.n_eval=1", "tasks.families=[config]", "sft.epochs=1",
-                 "sft.batch_size=4", "rl.steps=4", "rl.group_size=2", "rl.batch_groups=1", "rl.rollout_slots=4",
+                 "sft.batch_size=4", "rl.steps=4", "controller.group_size=2", "controller.batch_groups=1",
+                 "controller.rollout_slots=4",
                  "rl.max_tokens=24", "rl.max_turns=2", "eval.max_tokens=8", "eval.attempts=1",
                  "cluster.trainer_workers=1",
                  "cluster.rollout_workers=2", "cluster.rollout_cpus=0.1", "cluster.trainer_cpus=0.5",

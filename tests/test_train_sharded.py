@@ -105,11 +105,12 @@ def test_the_run_config_names_a_trainer_backend_and_a_weight_sync_that_exist():
 # ---- codefleet train end to end --------------------------------------------------------------
 
 TINY = ["tasks.n_train=3", "tasks.n_eval=1", "tasks.families=[config]", "sft.epochs=1", "sft.batch_size=3",
-        "rl.steps=3", "rl.group_size=2", "rl.batch_groups=1", "rl.rollout_slots=2", "rl.max_tokens=24",
+        "rl.steps=3", "controller.group_size=2", "controller.batch_groups=1", "controller.rollout_slots=2",
+        "rl.max_tokens=24",
         "rl.max_turns=2", "eval.max_tokens=24", "eval.attempts=1", "cluster.num_cpus=4", "model.prompt=full",
         "model.max_seq_len=4096", "rl.loss.kl_coef=0.05", "cluster.trainer_workers=2", "sft.workers=2",
         "cluster.weight_sync=buckets", "cluster.weight_sync_bucket_mb=1",
-        "rl.eta=0",  # nothing lags: the engine/trainer logprob gap is numerics alone
+        "controller.eta=0",  # nothing lags: the engine/trainer logprob gap is numerics alone
         "rl.reward.costs_on=all", "rl.reward.cost_per_s=0.01"]  # unsolved attempts differ too: steps train
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 

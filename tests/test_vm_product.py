@@ -43,7 +43,8 @@ def test_agent_run_on_vm_sandboxes_edits_runs_and_forks_attempts(repo, state_dir
 def test_a_short_training_runs_on_vm_sandboxes(tmp_path):
     run = str(tmp_path / "run")
     tiny = ["tasks.n_train=4", "tasks.n_eval=2", "tasks.families=[bugfix, config]", "sft.epochs=1",
-            "sft.batch_size=4", "rl.steps=2", "rl.group_size=2", "rl.batch_groups=1", "rl.rollout_slots=4", "rl.eta=1",
+            "sft.batch_size=4", "rl.steps=2", "controller.group_size=2", "controller.batch_groups=1",
+            "controller.rollout_slots=4", "controller.eta=1",
             "rl.max_tokens=24", "rl.max_turns=2", "eval.max_tokens=24", "eval.attempts=1", "cluster.num_cpus=4",
             "sandbox.backend=vm", "sandbox.memory_mb=512"]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}

@@ -11,6 +11,7 @@ with the field's name instead of silently doing nothing.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 import types
 import typing
@@ -37,13 +38,14 @@ def _set_path(tree: dict, dotted: str, value: Any) -> None:
     tree[keys[-1]] = value
 
 
-def _coerce(tp: Any, value: Any, where: str, default: Any = None) -> Any:
-    """`value` checked against the type `tp`; a section is merged into `default`, the field's default instance."""
+def _coerce(tp: Any, value: Any, where: str, default: Any = None, root: type | None = None) -> Any:
+    """`value` checked against the type `tp`; a section is merged into `default`, the field's default instance.
+    `root` is the outermost config class, whose keys an unknown key's error suggests."""
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a section (mapping), got {value!r}")
-        return from_dict(tp, value, where, default if isinstance(default, tp) else None)
+        return from_dict(tp, value, where, default if isinstance(default, tp) else None, root=root)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(tp)
         if value is None and type(None) in options:
@@ -52,7 +54,7 @@ def _coerce(tp: Any, value: Any, where: str, default: Any = None) -> Any:
             if opt is type(None):
                 continue
             try:
-                return _coerce(opt, value, where, default)
+                return _coerce(opt, value, where, default, root)
             except ConfigError:
                 continue
         raise ConfigError(f"{where}: {value!r} is not a {tp}")
@@ -88,23 +90,53 @@ def _field_default(f: dataclasses.Field) -> Any:
     return None if f.default is dataclasses.MISSING else f.default
 
 
-def from_dict(cls: type[T], data: dict, where: str = "", base: T | None = None) -> T:
+def dotted_keys(cls: type) -> list[str]:
+    """Every settable key of the config class `cls`, dotted (`rl.loss.kl_coef`), depth first."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        tp = typing.get_type_hints(cls)[f.name]
+        keys += [f"{f.name}.{k}" for k in dotted_keys(tp)] if dataclasses.is_dataclass(tp) else [f.name]
+    return keys
+
+
+def _unknown_key(name: str, where: str, fields: list[str], root: type | None) -> ConfigError:
+    """One sentence for the unknown key `name` of the section at `where`, naming the keys it may have meant: in
+    the same section, else anywhere in `root` (a key put in the wrong section), else the section's keys."""
+    prefix = f"{where}." if where else ""
+    close = [prefix + k for k in difflib.get_close_matches(name, fields, n=3)]
+    if not close and root is not None:
+        everywhere = dotted_keys(root)
+        close = [k for k in everywhere if k.rsplit(".", 1)[-1] == name]
+        close = close or difflib.get_close_matches(prefix + name, everywhere, n=3)
+    hint = (f"did you mean {' or '.join(close)}?" if close
+            else f"the keys {'of ' + where if where else 'here'} are {', '.join(sorted(fields))}")
+    return ConfigError(f"unknown config key {prefix + name!r}: {hint}")
+
+
+def from_dict(cls: type[T], data: dict, where: str = "", base: T | None = None, root: type | None = None) -> T:
     """`cls` with the fields in `data` set, the others as in `base` (or their defaults).
 
     A section keeps the defaults its parent gives it: `rl.reward.cost_per_turn=0.1` changes that one field of
-    the run's reward, not the other fields back to `RewardConfig()`'s.
+    the run's reward, not the other fields back to `RewardConfig()`'s. A key `cls` does not have is refused,
+    naming the keys of `root` (default `cls`) closest to it; a value a section's own check refuses is refused
+    naming the section.
     """
+    root = root or cls
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = set(data) - set(fields)
+    unknown = sorted(set(map(str, data)) - set(fields))
     if unknown:
-        raise ConfigError(f"unknown config key(s) {sorted(map(str, unknown))} in {where or cls.__name__}; "
-                          f"known: {sorted(fields)}")
+        raise _unknown_key(unknown[0], where, list(fields), root)
     kwargs = {}
     for k, v in data.items():
         default = getattr(base, k) if base is not None else _field_default(fields[k])
-        kwargs[k] = _coerce(hints[k], v, f"{where}.{k}" if where else k, default)
-    return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
+        kwargs[k] = _coerce(hints[k], v, f"{where}.{k}" if where else k, default, root)
+    try:
+        return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:  # the class's own check (__post_init__), or a required field missing
+        raise ConfigError(f"{where}: {e}" if where else str(e)) from None
 
 
 def read_config(path: str | None = None, overrides: list[str] | None = None) -> dict:

@@ -8,7 +8,7 @@ machine (`codefleet chaos`, docs/reliability.md).
   by its deadline (admission version + eta) or waits, so an accepted group missing from the trained steps past its
   deadline was lost; groups still inside their deadline when the run ended are counted, not failed.
 - `lag_within_eta`: every trained rollout's version lag (the step that trained it minus the version it was
-  sampled with) is at most `rl.eta`.
+  sampled with) is at most `controller.eta`.
 - `store_complete`: every accepted rollout has its row in the rollout store.
 - `no_leaks`: once the run is over, no sandbox process (a bwrap running under the name of an owner in the soak's state directory, and anything
   under it), no mount under the state directory, and no live codefleet actor in the cluster.

@@ -5,27 +5,32 @@ reports it gives back. `fleet/controller.py` is the machinery behind it; these n
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-import ray
+from typing import TYPE_CHECKING, Any, Protocol
 
 from codefleet.fleet.staleness import Batch, Rollout, Ticket
+
+if TYPE_CHECKING:  # only GroupRunner's annotations name Ray: the run's configuration loads without it
+    import ray
 
 
 @dataclass
 class ControllerConfig:
-    eta: int = 1  # staleness bound in policy versions; 0 = synchronous
-    rollout_slots: int = 8  # max attempts in flight
-    batch_groups: int = 2  # groups per trainer step
-    group_size: int = 4  # attempts per group (G)
-    rollout_timeout_s: float = 900.0  # per attempt; past it the attempt is cancelled and retried
-    max_infra_retries: int = 3  # per attempt; past it the whole group is abandoned
+    """The asynchronous RL controller: how many attempts run at once, how they are grouped and batched, how far
+    the trainer may run ahead of them, and how infrastructure failures are retried."""
+
+    eta: int = 1  # staleness bound: the most policy versions a trained token may lag (0 = synchronous)
+    rollout_slots: int = 8  # attempts running at once
+    batch_groups: int = 2  # groups per optimizer step
+    group_size: int = 4  # attempts per task, the group advantages are relative to (G)
+    # an attempt still running after this is an infrastructure failure: it is cancelled and retried
+    rollout_timeout_s: float = 900.0
+    max_infra_retries: int = 3  # infrastructure failures of one attempt before its whole group is abandoned
     # a failed attempt is started again this long after its failure, doubled for each further failure of it (up
     # to retry_backoff_max_s): an actor restarting after its node died answers "unavailable" at once for seconds
     retry_backoff_s: float = 2.0
-    retry_backoff_max_s: float = 30.0
+    retry_backoff_max_s: float = 30.0  # the longest wait before an attempt is started again
     max_abandoned_in_a_row: int = 8  # this many groups abandoned (or broken) with no success between: stop the run
-    drop_zero_variance: bool = False  # drop groups whose rewards are all equal (no GRPO signal)
+    drop_zero_variance: bool = False  # drop groups whose rewards are all equal (they carry no GRPO signal)
 
     def __post_init__(self) -> None:
         if self.rollout_timeout_s <= 0:

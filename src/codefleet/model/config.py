@@ -40,7 +40,7 @@ case `checkpoint.save` writes a Hugging Face directory (`hf.py`) and
 `hf_extra` holds the keys of its config.json that codefleet does not use
 (token ids, `model_type`, ...), written back unchanged.
 
-`copy`: how the model copies tokens from its context (`copying.CopyConfig`):
+`copy`: how the model copies tokens from its context (`copy_config.CopyConfig`):
 `prev_tokens` previous-token embeddings in each token's input (2 by
 default) and the optional copy head, a pointer-generator output (off by
 default; `codefleet train` turns it on) with its `scope`, `match` and
@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from codefleet.model.copying import CopyConfig
+from codefleet.model.copy_config import CopyConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -109,7 +109,7 @@ class ModelConfig:
             raise ValueError(f"ModelConfig: sizes must be positive integers (n_shared_experts may be 0), got "
                              f"{', '.join(bad)}; fix config.json or the overrides")
         if not isinstance(self.copy, CopyConfig):
-            raise TypeError(f"ModelConfig: copy must be a codefleet.model.copying.CopyConfig, got "
+            raise TypeError(f"ModelConfig: copy must be a codefleet.model.copy_config.CopyConfig, got "
                              f"{type(self.copy).__name__}")
         checks = [
             (self.router_score in ("softmax", "sigmoid"), "router_score must be 'softmax' or 'sigmoid'"),
@@ -154,7 +154,8 @@ class ModelConfig:
         """~1.7B total / ~0.31B active: 16 layers, d_model 1024, 64 experts top-6 + 1 shared, 1 dense layer."""
         base = {"vocab_size": 32768, "d_model": 1024, "n_layers": 16, "n_heads": 16, "n_kv_heads": 4, "head_dim": 64,
                     "n_experts": 64, "top_k": 6, "d_expert": 512, "n_shared_experts": 1, "d_shared": 1024,
-                    "router_score": "sigmoid", "balance": "bias", "first_dense_layers": 1, "d_dense": 4096, "dtype": "bfloat16"}
+                    "router_score": "sigmoid", "balance": "bias", "first_dense_layers": 1, "d_dense": 4096,
+                    "dtype": "bfloat16"}
         return cls(**{**base, **overrides})
 
     @classmethod
@@ -162,7 +163,8 @@ class ModelConfig:
         """~14.7B total / ~1.7B active: 24 layers, d_model 2048, 128 experts top-8 + 1 shared, 1 dense layer."""
         base = {"vocab_size": 65536, "d_model": 2048, "n_layers": 24, "n_heads": 16, "n_kv_heads": 4, "head_dim": 128,
                     "n_experts": 128, "top_k": 8, "d_expert": 768, "n_shared_experts": 1, "d_shared": 1536,
-                    "router_score": "sigmoid", "balance": "bias", "first_dense_layers": 1, "d_dense": 8192, "dtype": "bfloat16"}
+                    "router_score": "sigmoid", "balance": "bias", "first_dense_layers": 1, "d_dense": 8192,
+                    "dtype": "bfloat16"}
         return cls(**{**base, **overrides})
 
     # serialisation -------------------------------------------------------

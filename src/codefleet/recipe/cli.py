@@ -18,7 +18,8 @@ from codefleet.fleet.controller_api import ControllerError
 from codefleet.model import checkpoint
 from codefleet.model.chat import PROMPTS
 from codefleet.recipe.config import load_train_config
-from codefleet.recipe.evaluate import EvalConfig, comparison_line, evaluate, evaluate_endpoint, report_json
+from codefleet.recipe.eval_config import EvalConfig
+from codefleet.recipe.evaluate import comparison_line, evaluate, evaluate_endpoint, report_json
 from codefleet.recipe.run_dir import RunDir
 from codefleet.recipe.train import RunError, results_table, resumed_config, train
 from codefleet.store import storage
@@ -55,13 +56,15 @@ def register(subparsers) -> None:
     ev.add_argument("--model-name", default="", help="with --model: the model to ask for (default: the first one "
                     "the endpoint lists)")
     ev.add_argument("--tasks", required=True, help="task directory or URL (codefleet tasks generate)")
-    ev.add_argument("--attempts", type=int, default=1)
-    ev.add_argument("--jobs", type=int, default=4, help="tasks at once")
-    ev.add_argument("--max-tokens", type=int, default=384, help="per turn")
+    ev.add_argument("--attempts", type=int, default=EvalConfig.attempts, help="episodes per task")
+    ev.add_argument("--jobs", type=int, default=EvalConfig.jobs, help="tasks at once")
+    ev.add_argument("--max-tokens", type=int, default=EvalConfig.max_tokens, help="per turn")
     ev.add_argument("--max-turns", type=int, default=8)
     ev.add_argument("--wall-clock", type=float, default=1800.0,
                     help="seconds per episode (a weak policy's hanging command costs this much)")
-    ev.add_argument("--temperature", type=float, default=0.0)
+    ev.add_argument("--temperature", type=float, default=EvalConfig.temperature, help="0: greedy")
+    ev.add_argument("--threads", type=int, default=EvalConfig.threads,
+                    help="with --checkpoint: torch threads of the engine that serves it in this process")
     ev.add_argument("--exact-tokens", action="store_true",
                     help="each turn's prompt extends the exact tokens sampled before, as in RL's rollouts (default: "
                          "the conversation rendered again, as a server would)")
@@ -140,14 +143,14 @@ def _eval(args: argparse.Namespace) -> int:
                                             wall_clock_s=args.wall_clock),
                             prompt=args.prompt or usage["prompt"])
     config = EvalConfig(attempts=args.attempts, temperature=args.temperature, max_tokens=args.max_tokens,
-                        jobs=args.jobs, exact_tokens=args.exact_tokens,
-                        tool_grammar=args.tool_grammar or usage["tool_grammar"])
+                        jobs=args.jobs, threads=args.threads, exact_tokens=args.exact_tokens)
     try:
         if args.model:
             report, _ = evaluate_endpoint(args.model, tasks, config, args.model_name, episode_config=episode,
                                           on_task=on_task)
         else:
-            report, _ = evaluate(args.checkpoint, tasks, config, episode_config=episode, on_task=on_task)
+            report, _ = evaluate(args.checkpoint, tasks, config, episode_config=episode, on_task=on_task,
+                                 tool_grammar=args.tool_grammar or usage["tool_grammar"])
     except (PolicyError, LinkRefused) as e:
         print(f"codefleet eval: {e}", file=sys.stderr)
         return 2
@@ -174,9 +177,10 @@ def _check_eval_flags(args: argparse.Namespace) -> None:
 def _check_eval_counts(args: argparse.Namespace) -> None:
     bad = [f"{flag} {value}" for flag, value, ok in (
         ("--attempts", args.attempts, args.attempts >= 1), ("--jobs", args.jobs, args.jobs >= 1),
+        ("--threads", args.threads, args.threads >= 1),
         ("--max-turns", args.max_turns, args.max_turns >= 1), ("--max-tokens", args.max_tokens, args.max_tokens >= 1),
-        ("--wall-clock", args.wall_clock, args.wall_clock > 0), ("--temperature", args.temperature,
-                                                                  args.temperature >= 0)) if not ok]
+        ("--wall-clock", args.wall_clock, args.wall_clock > 0),
+        ("--temperature", args.temperature, args.temperature >= 0)) if not ok]
     if bad:
         raise _Refused(f"{', '.join(bad)}: counts must be at least 1, --wall-clock above 0 and --temperature "
                        f"at least 0")

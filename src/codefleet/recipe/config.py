@@ -1,9 +1,13 @@
-"""The configuration of a training run (`codefleet train`): one typed section per stage.
+"""The configuration of a training run (`codefleet train`), composed of the components' own configs.
 
-The sections compose the components' own configs (`SandboxConfig`, `CopyConfig`, `LossConfig`,
-`RewardConfig`). A run's settings are layered, each layer over the one before:
+A component's settings are declared once, next to the component, with one default: the controller's
+(`controller`: `fleet.controller_api.ControllerConfig`), the evaluation's (`eval`: `recipe.eval_config.EvalConfig`),
+the sandboxes' (`sandbox`: `SandboxConfig`), the loss's, the reward's and the copy head's (`rl.loss`, `rl.reward`,
+`model.copy`). The sections declared here hold what only the recipe has: its tasks, its model, its SFT and RL
+stages, its cluster. `tests/test_config_composed.py` fails when two config classes of a run declare the same
+setting. A run's settings are layered, each layer over the one before:
 
-1. the field defaults here: the platform's behaviour with no recipe tricks;
+1. the field defaults: each component's behaviour with no recipe tricks;
 2. the recipe file `recipe` names (`codefleet/recipe/configs/NAME.yaml`, or a path): the tricks that
    make a particular policy train well, e.g. `demo`, the tiny policy of `make demo`;
 3. `--config FILE`, then `key.sub=value` overrides from the command line.
@@ -20,8 +24,10 @@ from codefleet.agent.episode import EpisodeConfig
 from codefleet.agent.reward import RewardConfig
 from codefleet.agent.tools import ToolConfig
 from codefleet.config import ConfigError, from_dict, read_config
-from codefleet.model.copying import CopyConfig
-from codefleet.rl.losses import LossConfig
+from codefleet.fleet.controller_api import ControllerConfig
+from codefleet.model.copy_config import CopyConfig
+from codefleet.recipe.eval_config import EvalConfig
+from codefleet.rl.loss_config import LossConfig
 from codefleet.sandbox.base import SandboxConfig
 from codefleet.types import Budgets
 
@@ -61,7 +67,7 @@ class ModelSection:
     prompt: str = "bare"
     # copying names from the context: previous-token embeddings and the pointer-generator head
     # (docs/models/codefleet-moe.md)
-    copy: CopyConfig = field(default_factory=lambda: CopyConfig(head=True, scope="prompt", match=True))
+    copy: CopyConfig = field(default_factory=CopyConfig)
     # "auto": the engine samples only tool calls that parse and fit the tools' schemas (model.grammar), in RL's
     # rollouts and the evaluations; "required": and every turn calls a tool; "off": the tokens as drawn
     tool_grammar: str = "off"
@@ -87,14 +93,8 @@ class SFTSection:
 class RLSection:
     steps: int = 24  # optimizer steps of RL
     lr: float = 3e-4  # RL's learning rate (constant)
-    eta: int = 1  # staleness bound: the most policy versions a trained token may lag (0 = synchronous)
-    group_size: int = 4  # attempts per task, the group advantages are relative to
-    batch_groups: int = 4  # groups per optimizer step
-    rollout_slots: int = 16  # attempts running at once
-    rollout_timeout_s: float = 120.0  # an attempt still running after this is an infrastructure failure
     estimator: str = "grpo"  # the advantage estimator: "grpo" | "drgrpo" | "rloo"
     negative_weight: float = 1.0  # scales negative advantages (0: learn only from attempts that beat their group)
-    drop_zero_variance: bool = False  # drop groups whose rewards are all equal (they carry no GRPO signal)
     # which task next: "uniform" takes every task once per pass; "learnable" favours task families where a group
     # is likely to both succeed and fail (recipe.curriculum)
     task_sampling: str = "uniform"
@@ -103,22 +103,13 @@ class RLSection:
     max_tokens: int = 256  # per turn
     max_turns: int = 6  # per episode
     # the policy loss: off-policy correction, reduction, KL anchor to the SFT policy (rl.losses)
-    loss: LossConfig = field(default_factory=lambda: LossConfig(off_policy="tis", reduction="seq_mean", kl_coef=0.05))
-    # the episode's reward: hidden checks minus costs; the costs count on solved episodes only
-    reward: RewardConfig = field(default_factory=lambda: RewardConfig(cost_per_turn=0.02, cost_per_tool_error=0.02,
-                                                                      costs_on="solved"))
+    loss: LossConfig = field(default_factory=LossConfig)
+    # the episode's reward: hidden checks minus costs (agent.reward)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     # Kimi k1.5's length reward on turns: among a group's solved attempts the one with the fewest turns gets
     # +speed_bonus/2, the one with the most -speed_bonus/2 (rl.rewards.speed_bonus); 0 = off
     speed_bonus: float = 0.0
     routing_replay: bool = True  # train MoE layers on the experts the engine routed each token to (R3)
-
-
-@dataclass
-class EvalSection:
-    attempts: int = 8  # episodes per held-out task and checkpoint
-    temperature: float = 1.0  # sampling temperature (the policy RL trains samples at rl.temperature); 0 = greedy
-    max_tokens: int = 256  # per turn
-    jobs: int = 10  # tasks evaluated at once
 
 
 @dataclass
@@ -165,10 +156,13 @@ class TrainRunConfig:
     model: ModelSection = field(default_factory=ModelSection)
     sft: SFTSection = field(default_factory=SFTSection)
     rl: RLSection = field(default_factory=RLSection)
-    eval: EvalSection = field(default_factory=EvalSection)
+    # RL's asynchronous controller: attempts at once, groups, staleness bound, timeouts and retries
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    # the evaluations of the SFT and RL checkpoints on the held-out tasks (the tool grammar: model.tool_grammar)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     cluster: ClusterSection = field(default_factory=ClusterSection)
     # the sandboxes of the demonstrations, RL's attempts and the evaluations
-    sandbox: SandboxConfig = field(default_factory=lambda: SandboxConfig(timeout_s=30.0, memory_mb=1024))
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
 
 def recipe_path(recipe: str) -> str:
@@ -182,10 +176,24 @@ def recipe_path(recipe: str) -> str:
     raise ConfigError(f"recipe {recipe!r} is neither a recipe ({', '.join(known)}) nor a YAML file")
 
 
+# settings that moved to the component that owns them: {old dotted name: new}
+MOVED = {f"rl.{name}": f"controller.{name}" for name in
+         ("eta", "group_size", "batch_groups", "rollout_slots", "rollout_timeout_s", "drop_zero_variance")}
+
+
+def refuse_moved(data: dict, source: str) -> None:
+    """Refuse a key of `data` (read from `source`) that names a setting by its old place, saying the new one."""
+    for old, new in MOVED.items():
+        section, _, name = old.partition(".")
+        if isinstance(data.get(section), dict) and name in data[section]:
+            raise ConfigError(f"{old} is now {new}; rename it in {source}")
+
+
 def load_train_config(path: str | None = None, overrides: list[str] | None = None) -> TrainRunConfig:
     """A run's configuration: the defaults, the recipe it names (default `demo`), the file at `path`, then
     the `key.sub=value` overrides, each over the one before."""
     data = read_config(path, overrides)
+    refuse_moved(data, f"{path} or the command line" if path else "the command line")
     recipe = data.get("recipe", TrainRunConfig.recipe)
     if not isinstance(recipe, str):
         raise ConfigError(f"recipe: expected a recipe name or a path, got {recipe!r}")
@@ -194,6 +202,7 @@ def load_train_config(path: str | None = None, overrides: list[str] | None = Non
         recipe_data = read_config(recipe_path(recipe))
         if "recipe" in recipe_data:
             raise ConfigError(f"recipe {recipe!r} names another recipe; a recipe file holds settings only")
+        refuse_moved(recipe_data, f"the recipe {recipe_path(recipe)}")
         base = from_dict(TrainRunConfig, recipe_data, base=base)
     return from_dict(TrainRunConfig, data, base=base)
 
@@ -206,5 +215,5 @@ def policy_usage(config: TrainRunConfig) -> dict[str, str]:
 def episode_config(config: TrainRunConfig) -> EpisodeConfig:
     """The agent harness's settings for RL's rollouts, the demonstrations and the evaluations."""
     return EpisodeConfig(budgets=Budgets(max_turns=config.rl.max_turns, max_tool_calls=4 * config.rl.max_turns,
-                                         wall_clock_s=config.rl.rollout_timeout_s / 2),
+                                         wall_clock_s=config.controller.rollout_timeout_s / 2),
                          tools=ToolConfig(max_output_chars=4000), reward=config.rl.reward, prompt=config.model.prompt)

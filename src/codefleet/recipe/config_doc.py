@@ -2,9 +2,9 @@
 
 A field's meaning is the comment lines directly above it (joined) plus any trailing comment on its own
 lines, read from the class's source with `tokenize` (so a `#` inside a string is no comment). Defaults
-are those of `TrainRunConfig()`: a section's fields show what its parent's default_factory sets (e.g.
-`rl.loss.kl_coef` is 0.05, not LossConfig's 0.0). Each top-level section gets a table; a dataclass nested
-in it (`rl.loss`) gets a table of its own below, headed by its field's comment.
+are those of `TrainRunConfig()`, which are each component's own (a recipe's values are in its YAML file,
+printed at the end). Each top-level section gets a table; a dataclass nested in it (`rl.loss`) gets a table
+of its own below, headed by its field's comment.
 
     python -m codefleet.recipe.config_doc > docs/configuration.md
 
@@ -35,7 +35,8 @@ file whose nesting follows the dotted names, or on the command line:
     codefleet train --out runs/r1 --config my.yaml rl.steps=48 sandbox.memory_mb=2048
 
 Command-line values are read as YAML (`0.5`, `true`, `null`, `[a, b]`) and checked against the field's type.
-The defaults below are the dataclasses' (`TrainRunConfig()`); a recipe file (the field `recipe`), `--config`
+The defaults below are the components' own (`TrainRunConfig()`: each setting is declared once, next to the
+component it configures); a recipe file (the field `recipe`, default `demo`, shown at the end), `--config`
 and the overrides are layered over them, each over the one before.
 
 This file is generated from the dataclasses and the comments on their fields; do not edit it by hand. After
@@ -143,8 +144,8 @@ def render(config: typing.Any | None = None) -> str:
     lines = [HEADER, "## Top level", ""] + _table(rows)
     for name, section, comment in sections:
         lines += _section(name, section, comment, "##")
-    lines += ["## Recipes", "", "The recipe files shipped in `codefleet/recipe/configs/`, which `recipe: NAME` layers over the "
-              "defaults above:", ""]
+    lines += ["## Recipes", "", "The recipe files shipped in `codefleet/recipe/configs/`, which `recipe: NAME` layers "
+              "over the defaults above:", ""]
     for path in sorted(glob.glob(os.path.join(RECIPES_DIR, "*.yaml"))):
         with open(path) as f:
             text = f.read().rstrip("\n")

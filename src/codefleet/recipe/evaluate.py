@@ -45,23 +45,10 @@ from codefleet.agent.clients import OpenAIConfig, OpenAIPolicy
 from codefleet.agent.clients.local_engine import LocalEnginePolicy, grammar_options
 from codefleet.agent.reward import tool_errors
 from codefleet.model.engine import load_engine
+from codefleet.recipe.eval_config import EvalConfig
 from codefleet.store import storage
 from codefleet.tasks.checks import TaskSetupError
 from codefleet.types import Task, Trajectory
-
-
-@dataclass
-class EvalConfig:
-    attempts: int = 1
-    temperature: float = 0.0  # greedy
-    max_tokens: int = 384  # per turn
-    jobs: int = 4  # tasks at once
-    threads: int = 2  # torch threads of the engine
-    # each episode's prompts extend the exact sampled tokens, as RL's rollouts do, instead of the conversation
-    # rendered again as a server would (agent.attempts.run_task_attempts)
-    exact_tokens: bool = False
-    tool_grammar: str = "off"  # "auto"/"required": tool calls constrained to parse and fit their schemas (model.grammar)
-
 
 CLOCK_WARNING = 0.1  # EvalReport.clock_warning above this share of attempts stopped by the wall clock
 
@@ -172,9 +159,11 @@ def summarize(checkpoint: str, results: dict[str, list[Trajectory]], attempts: i
 
 
 def evaluate(checkpoint: str, tasks: list[Task], config: EvalConfig | None = None, sandbox_config=None,
-             episode_config=None, on_task=None) -> tuple[EvalReport, dict[str, list[Trajectory]]]:
+             episode_config=None, on_task=None,
+             tool_grammar: str = "off") -> tuple[EvalReport, dict[str, list[Trajectory]]]:
     """Run every task `attempts` times with the checkpoint (a directory or a URL, which labels the report); the
-    report and the trajectories by task id."""
+    report and the trajectories by task id. `tool_grammar` is how the checkpoint is meant to decode tool calls
+    ("auto"/"required": constrained to parse and fit their schemas, model.grammar; its metadata's `usage`)."""
     config = config or EvalConfig()
     if not tasks:
         raise ValueError("no tasks to evaluate: give a directory made by `codefleet tasks generate`")
@@ -183,7 +172,7 @@ def evaluate(checkpoint: str, tasks: list[Task], config: EvalConfig | None = Non
     engine = load_engine(storage.local_copy(checkpoint), max_batch=max(1, config.jobs * config.attempts))
     try:
         policy = LocalEnginePolicy(engine=engine, max_tokens=config.max_tokens, temperature=config.temperature,
-                                   seed=0, name=f"local:{checkpoint}", **grammar_options(config.tool_grammar))
+                                   seed=0, name=f"local:{checkpoint}", **grammar_options(tool_grammar))
         return evaluate_policy(policy, checkpoint, tasks, config, sandbox_config, episode_config, on_task, started)
     finally:
         engine.close()
@@ -225,7 +214,7 @@ def evaluate_policy(policy, label: str, tasks: list[Task], config: EvalConfig, s
         return trajectories
 
     with ThreadPoolExecutor(max_workers=config.jobs, thread_name_prefix="eval") as pool:
-        done = dict(zip([t.id for t in tasks], pool.map(one, tasks)))
+        done = dict(zip([t.id for t in tasks], pool.map(one, tasks), strict=True))
     results = {tid: r for tid, r in done.items() if not isinstance(r, TaskSetupError)}
     broken = {tid: str(r) for tid, r in done.items() if isinstance(r, TaskSetupError)}
     report = summarize(label, results, config.attempts, time.perf_counter() - started, broken)

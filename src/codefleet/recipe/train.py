@@ -53,7 +53,7 @@ from codefleet.recipe.augment import fresh_names
 from codefleet.recipe.config import TrainRunConfig, episode_config, policy_usage
 from codefleet.recipe.curriculum import MODES as SAMPLING_MODES
 from codefleet.recipe.demos import Demos, expert_demos
-from codefleet.recipe.evaluate import EvalConfig, compare, evaluate
+from codefleet.recipe.evaluate import compare, evaluate
 from codefleet.recipe.run_dir import Metrics, RunDir, RunError, log
 from codefleet.recipe.train_rl import check_run_gpus, describe, reinforce
 from codefleet.rl import sharded as _sharded  # noqa: F401  (registers the "fsdp2" and "fsdp2_ep" trainers)
@@ -69,7 +69,7 @@ from codefleet.tasks.spec import load_tasks
 def check_config(config: TrainRunConfig) -> None:
     """Refuse a configuration that would fail later (after minutes of SFT), with the field to change."""
 
-    t, r, cl = config.tasks, config.rl, config.cluster
+    t, r, ctl, cl = config.tasks, config.rl, config.controller, config.cluster
     problems = [
         (t.n_train >= 1 and t.n_eval >= 1, "tasks.n_train and tasks.n_eval must be >= 1"),
         (t.rl_tasks in ("train", "fresh"), f"tasks.rl_tasks must be train or fresh, got {t.rl_tasks!r}"),
@@ -77,11 +77,13 @@ def check_config(config: TrainRunConfig) -> None:
         (config.model.size in ("tiny", "small", "medium") and hasattr(ModelConfig, config.model.size),
          "model.size must be tiny, small or medium"),
         (r.estimator in ESTIMATORS, f"rl.estimator must be one of {', '.join(ESTIMATORS)}"),
-        (r.group_size >= 2, "rl.group_size must be >= 2: group-relative advantages need two attempts"),
+        (ctl.group_size >= 2, "controller.group_size must be >= 2: group-relative advantages need two attempts"),
         (0 <= r.negative_weight <= 1, "rl.negative_weight must be in [0, 1]"),
         (r.speed_bonus >= 0, "rl.speed_bonus must be >= 0 (0 turns it off)"),
-        (r.rollout_slots >= r.group_size, "rl.rollout_slots must hold at least one group (>= rl.group_size)"),
-        (r.steps >= 0 and r.eta >= 0 and r.batch_groups >= 1, "rl.steps, rl.eta >= 0 and rl.batch_groups >= 1"),
+        (ctl.rollout_slots >= ctl.group_size,
+         "controller.rollout_slots must hold at least one group (>= controller.group_size)"),
+        (r.steps >= 0 and ctl.eta >= 0 and ctl.batch_groups >= 1,
+         "rl.steps, controller.eta >= 0 and controller.batch_groups >= 1"),
         (cl.engine_backend in ENGINES, f"cluster.engine_backend must be one of {', '.join(ENGINES.names())}"),
         (cl.trainer_backend in TRAINERS, f"cluster.trainer_backend must be one of {', '.join(TRAINERS.names())}"),
         (cl.weight_sync in ("whole", "buckets", "collective") and cl.weight_sync_bucket_mb >= 1,
@@ -105,7 +107,6 @@ def check_config(config: TrainRunConfig) -> None:
         (r.temperature >= 0 and config.eval.temperature >= 0, "rl.temperature and eval.temperature must be >= 0"),
         (min(r.max_tokens, r.max_turns, config.eval.max_tokens, config.eval.attempts, config.eval.jobs) >= 1,
          "rl.max_tokens, rl.max_turns, eval.max_tokens, eval.attempts and eval.jobs must be >= 1"),
-        (r.rollout_timeout_s > 0, "rl.rollout_timeout_s must be > 0"),
         (config.cluster.engine_wait_s > 0, "cluster.engine_wait_s must be > 0"),
         (0 <= cl.engine_gpus <= 1 and 0 <= cl.trainer_gpus <= 1,
          "cluster.engine_gpus and cluster.trainer_gpus must be in [0, 1]: one actor uses one GPU at most"),
@@ -289,18 +290,16 @@ def evaluate_checkpoints(run: RunDir, config: TrainRunConfig, eval_tasks, checkp
         writer = RolloutWriter(store, beneath=run.location)
         index = {t.id: i for i, t in enumerate(eval_tasks)}
 
-        def on_task(task, trajectories, label=label, writer=writer):
+        def on_task(task, trajectories, label=label, writer=writer, index=index):
             writer.append([rollout_record(t, run=f"{config.name}-{label}", step=0, group=index[task.id],
                                           attempt=i, split="eval") for i, t in enumerate(trajectories)])
 
-        report, _ = evaluate(path, eval_tasks, EvalConfig(attempts=e.attempts, temperature=e.temperature,
-                                                          max_tokens=e.max_tokens, jobs=e.jobs,
-                                                          tool_grammar=config.model.tool_grammar),
-                             config.sandbox, episode_config(config), on_task=on_task)
+        report, _ = evaluate(path, eval_tasks, e, config.sandbox, episode_config(config), on_task=on_task,
+                             tool_grammar=grammar)
         solved_turns = sorted(a["turns"] for ts in report.per_task.values() for a in ts if a["solved"])
         results[label] = {**report.summary(), "settings": settings, "solved_turns": solved_turns}
         if warning := report.clock_warning():
-            log(f"{label}: {warning} (eval.jobs, eval.attempts, rl.rollout_timeout_s)")
+            log(f"{label}: {warning} (eval.jobs, eval.attempts, controller.rollout_timeout_s)")
         run.write(out, json.dumps(results[label], indent=2, sort_keys=True).encode())
     return results
 

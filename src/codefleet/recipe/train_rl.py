@@ -21,7 +21,7 @@ from ray.exceptions import RayActorError
 from tqdm import tqdm
 
 from codefleet.agent.reward import solved
-from codefleet.fleet.controller import Controller, ControllerConfig
+from codefleet.fleet.controller import Controller
 from codefleet.fleet.gpus import check_gpus
 from codefleet.fleet.inference import broadcast_weights, start_engines
 from codefleet.fleet.placement import Placement, Role
@@ -291,8 +291,8 @@ def task_sampler(run: RunDir, config: TrainRunConfig, tasks, skip: int):
     the accepted groups did."""
 
     c = config.rl
-    sampler = TaskSampler(tasks, seed=config.tasks.seed, mode=c.task_sampling, group_size=c.group_size,
-                          floor=c.task_sampling_floor, skip=skip)
+    sampler = TaskSampler(tasks, seed=config.tasks.seed, mode=c.task_sampling,
+                          group_size=config.controller.group_size, floor=c.task_sampling_floor, skip=skip)
     if skip and c.task_sampling != "uniform":
         for g in run.load_groups()[0]:
             _observe(sampler, g)
@@ -312,11 +312,11 @@ def check_run_gpus(cl: ClusterSection) -> None:
 
 def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, metrics: Metrics,
               progress: bool = True) -> str:
-    c, cl = config.rl, config.cluster
+    c, ctl, cl = config.rl, config.controller, config.cluster
     start = _rl_start(sft_ckpt, run.checkpoint("rl-start"))
     latest = run.latest()
     serving = latest[0] if latest else start
-    version, buffer_state = resume_state(run, latest, c.batch_groups)
+    version, buffer_state = resume_state(run, latest, ctl.batch_groups)
     if version >= c.steps:
         return serving
     train_config = TrainConfig(lr=c.lr, loss=c.loss, routing_replay=c.routing_replay, seed=config.model.seed,
@@ -336,7 +336,7 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
 
     group = new_group(serving)
     engines = start_engines(serving, cl.engines, num_cpus=ENGINE_CPUS, resources=cl.engine_resources,
-                            threads=cl.engine_threads, max_batch=max(c.rollout_slots, 1), version=version,
+                            threads=cl.engine_threads, max_batch=max(ctl.rollout_slots, 1), version=version,
                             restart_from=run.durable("checkpoints", "LATEST"), backend=cl.engine_backend,
                             record_routing=config.rl.routing_replay, num_gpus=cl.engine_gpus,
                             placement=placement.engines)
@@ -345,7 +345,7 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
                        max_tokens=c.max_tokens, temperature=c.temperature, max_seq_len=config.model.max_seq_len,
                        tool_grammar=config.model.tool_grammar)
     workers = start_workers(spec, engines, cl.rollout_workers,
-                            slots_per_worker=-(-c.rollout_slots // cl.rollout_workers), num_cpus=cl.rollout_cpus,
+                            slots_per_worker=-(-ctl.rollout_slots // cl.rollout_workers), num_cpus=cl.rollout_cpus,
                             resources=cl.rollout_resources)
     writer = RolloutWriter(run.durable("rollouts"))
 
@@ -367,10 +367,7 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
     bar = tqdm(total=c.steps, initial=version, desc="rl", unit="step", disable=not progress, file=sys.stderr)
     trainer = RLTrainer(group, engines, run, metrics, config, bar, sampler=tasks, new_group=new_group, start=start)
     controller = Controller(
-        ControllerConfig(eta=c.eta, rollout_slots=c.rollout_slots, batch_groups=c.batch_groups,
-                         group_size=c.group_size, rollout_timeout_s=c.rollout_timeout_s,
-                         drop_zero_variance=c.drop_zero_variance),
-        AgentGroupRunner(workers), trainer, tasks,
+        ctl, AgentGroupRunner(workers), trainer, tasks,
         start_version=version, buffer_state=buffer_state, on_group=on_group, on_broken=on_broken)
     trainer.controller = controller
     try:
