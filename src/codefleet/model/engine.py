@@ -68,7 +68,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from codefleet.contracts import ENGINES
 from codefleet.model import chat_format, checkpoint
 from codefleet.model.cache import SlotKVCache
 from codefleet.model.grammar import ToolCallGrammar, TurnMatcher, constrained_sample
@@ -169,6 +168,16 @@ class BackgroundSleep:
 class Engine(BackgroundSleep):
     """Continuous-batching generation for a codefleet Transformer. `sleep` pauses the background loop only:
     `generate()` steps in its caller's thread regardless."""
+
+    # Capabilities (codefleet.contracts.ENGINES)
+    tool_grammar = True  # constrained tool calls (SamplingParams.tools)
+    gpu = False  # an engine actor runs it on CPU
+    serve_options: dict = {}  # it records routed experts only for an MoE, at the cost of one drain pass
+
+    @classmethod
+    def load(cls, checkpoint_dir: str, max_batch: int = 32, max_seq_len: int | None = None, **options) -> Engine:
+        """The ENGINES loader: `load_engine`."""
+        return load_engine(checkpoint_dir, max_batch=max_batch, max_seq_len=max_seq_len, **options)
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, max_batch: int = 32, max_seq_len: int | None = None,
                  prefill_tokens: int = 8192, version: int = 0, record_routing: bool = True,
@@ -661,5 +670,3 @@ def load_engine(checkpoint_dir: str, max_batch: int = 32, max_seq_len: int | Non
     chat_format.check_vocab(tokenizer, model.config.vocab_size)
     return Engine(model, tokenizer, max_batch=max_batch, max_seq_len=max_seq_len, **engine_options)
 
-
-ENGINES.register("codefleet", load_engine)

@@ -6,6 +6,7 @@ child workspace and how to tear down.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -84,10 +85,8 @@ def collect_until_exit(proc: subprocess.Popen, limit_bytes: int, deadline: float
                 return out, True
             out.feed(chunk)
         elif _exited(proc):
-            try:  # the process is a zombie, not reaped yet: its group id cannot have been reused
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # a zombie, not reaped yet: its group
+                os.killpg(proc.pid, signal.SIGKILL)  # id cannot have been reused
             while time.perf_counter() < deadline:  # what it wrote before it exited
                 try:
                     chunk = os.read(fd, 1 << 20)
@@ -114,6 +113,10 @@ class ShellSandbox(ABC):
     one sandbox run one at a time; file operations and one-offs run alongside."""
 
     backend = "?"
+    # Capabilities (codefleet.contracts.SANDBOXES): a backend built on this class says what it offers.
+    isolated = False  # commands cannot reach the host's files, processes or network
+    environments = False  # it runs an image's userland (SandboxConfig.environment)
+    host_binds = True  # it can bind host paths read-only (SandboxConfig.ro_binds, e.g. a virtual environment)
 
     def __init__(self, sandbox_id: str, config: SandboxConfig, workspace_host_path: str,
                  file_owner: tuple[int, int] | None = None):
@@ -142,7 +145,7 @@ class ShellSandbox(ABC):
         """Kill every process of the sandbox (shell, jobs, one-offs)."""
 
     @abstractmethod
-    def _make_children(self, n: int, replay: str) -> list["ShellSandbox"]:
+    def _make_children(self, n: int, replay: str) -> list[ShellSandbox]:
         """n new sandboxes whose workspaces start from this one's current state."""
 
     @abstractmethod
@@ -305,7 +308,7 @@ class ShellSandbox(ABC):
             lines.append("{ " + exports.rstrip("\n") + "\n} 2>/dev/null")
         return "\n".join(lines + ["builtin true"])
 
-    def fork(self, n: int) -> list["ShellSandbox"]:
+    def fork(self, n: int) -> list[ShellSandbox]:
         """n sandboxes whose workspaces start from this one's current filesystem
         state (copy-on-write), with this shell's cwd and exported variables."""
         if n < 1:
@@ -344,7 +347,7 @@ class ShellSandbox(ABC):
                 self._proc.kill()
                 self._proc.wait()
 
-    def __enter__(self) -> "ShellSandbox":
+    def __enter__(self) -> ShellSandbox:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -55,6 +55,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from codefleet.contracts import SANDBOXES
 from codefleet.sandbox import Sandbox, SandboxConfig, create_sandbox, resolve_backend
 from codefleet.tasks.checks import check_tasks, run_checks
 from codefleet.tasks.fetch import FetchError, fetch_sdist, parse_requirement
@@ -252,9 +253,9 @@ def mine_library(source: str, out_dir: str, seed: int = 0, max_per_function: int
         raise MineError(f"--max-per-function and --max-tasks must be at least 1, got {max_per_function} and "
                         f"{max_tasks}")
     backend = (config or SandboxConfig()).backend
-    if resolve_backend(backend) == "local":
+    if not SANDBOXES.get(resolved := resolve_backend(backend)).isolated:
         raise MineError(f"mining runs the library's own tests, code nobody has checked, so it needs a sandbox that "
-                        f"isolates; backend {backend!r} is 'local' here, which runs them on this machine: install "
+                        f"isolates; backend {backend!r} is {resolved!r} here, which does not: install "
                         "bubblewrap and enable user namespaces (docs/sandbox.md), or --set backend=vm")
     try:
         requirement = None if os.path.exists(source) else parse_requirement(source)
@@ -323,7 +324,7 @@ def mine_library(source: str, out_dir: str, seed: int = 0, max_per_function: int
                                                   {mutation.path: original})))
     if check and tasks:
         sound = []
-        for task, result in zip(tasks, check_tasks(tasks, config, jobs=jobs)):
+        for task, result in zip(tasks, check_tasks(tasks, config, jobs=jobs), strict=False):
             if result.sound:
                 sound.append(task)
             else:
@@ -369,7 +370,7 @@ def _mutants_that_fail(workers: list[Sandbox], per_function: dict[str, list[Muta
                     break
                 batch = round_[start:start + len(workers)]
                 results = list(pool.map(run, workers, batch))
-                for mutation, (failing, output) in zip(batch, results):
+                for mutation, (failing, output) in zip(batch, results, strict=False):
                     report.tried[mutation.kind] += 1
                     if failing and (max_tasks is None or len(found) < max_tasks) \
                             and kept_per_function[mutation.function] < max_per_function:
