@@ -106,8 +106,8 @@ class VLLMEngine(BackgroundSleep):
     @classmethod
     def load(cls, checkpoint_dir: str, max_batch: int = 32, max_seq_len: int | None = None,
              **options) -> VLLMEngine:
-        """The ENGINES loader: `load_vllm_engine`."""
-        return load_vllm_engine(checkpoint_dir, max_batch=max_batch, max_seq_len=max_seq_len, **options)
+        """A vLLM engine over a Hugging Face checkpoint directory (the ENGINES loader)."""
+        return cls(checkpoint_dir, max_batch=max_batch, max_seq_len=max_seq_len, **options)
 
     def __init__(self, checkpoint_dir: str, max_batch: int = 32, max_seq_len: int | None = None, version: int = 0,
                  record_routing: bool = True, kv_cache_bytes: int | None = None, dtype: str | None = None,
@@ -450,6 +450,6 @@ def _repack_cpu_lm_head(worker) -> None:
 
 def load_vllm_engine(checkpoint_dir: str, max_batch: int = 32, max_seq_len: int | None = None,
                      **options) -> VLLMEngine:
-    """A vLLM engine over a Hugging Face checkpoint directory (`VLLMEngine.load`, the ENGINES loader)."""
+    """A vLLM engine over a Hugging Face checkpoint directory (`VLLMEngine.load`)."""
     return VLLMEngine(checkpoint_dir, max_batch=max_batch, max_seq_len=max_seq_len, **options)
 

@@ -108,7 +108,7 @@ def check_config(config: TrainRunConfig) -> None:
         (0 <= cl.engine_gpus <= 1 and 0 <= cl.trainer_gpus <= 1,
          "cluster.engine_gpus and cluster.trainer_gpus must be in [0, 1]: one actor uses one GPU at most"),
         (cl.engine_gpus == 0 or cl.engine_backend not in ENGINES or ENGINES.get(cl.engine_backend).gpu,
-         f"cluster.engine_gpus > 0 needs an engine that runs on a GPU (cluster.engine_backend=vllm): the "
+         f"cluster.engine_gpus > 0 needs cluster.engine_backend=vllm (an engine that runs on a GPU): the "
          f"{cl.engine_backend} engine runs on CPU only"),
         (cl.trainer_gpus in (0, 1) or max(cl.trainer_workers, config.sft.workers) == 1,
          "cluster.trainer_gpus below 1 lets trainer workers share a GPU, which NCCL refuses: use 1 with several "
