@@ -131,8 +131,8 @@ def test_a_package_cannot_take_a_built_in_name_and_a_broken_one_is_one_sentence(
 
 
 def test_every_built_in_backend_loads_by_name_and_declares_its_capabilities():
-    flags = {SANDBOXES: ("isolated", "environments", "host_binds"), ENGINES: ("tool_grammar", "gpu"),
-             TRAINERS: ("sharded",)}
+    flags = {SANDBOXES: ("isolated", "environments", "host_binds"),
+             ENGINES: ("tool_grammar", "gpu", "omp_threads_from_env"), TRAINERS: ("sharded",)}
     for registry, names in flags.items():
         for name in registry.names():
             backend = registry.get(name)

@@ -235,7 +235,8 @@ SANDBOXES: Registry[Any] = Registry("sandbox backend", "codefleet.sandboxes", {
 })
 # name -> an Engine class with `Backend.load(checkpoint_dir, max_batch=..., max_seq_len=..., **options) -> Engine`.
 # It declares: `tool_grammar` (it samples only tool calls that fit their schemas, SamplingParams.tools), `gpu` (it
-# can run on a GPU), `serve_options` (the `load` options for serving and agent runs, which need no routed experts).
+# can run on a GPU), `serve_options` (the `load` options for serving and agent runs, which need no routed experts),
+# `omp_threads_from_env` (each thread that steps it takes its OpenMP thread count from OMP_NUM_THREADS).
 ENGINES: Registry[Any] = Registry("engine backend", "codefleet.engines", {
     "codefleet": "codefleet.model.engine:Engine",
     "vllm": "codefleet.model.vllm_engine:VLLMEngine",

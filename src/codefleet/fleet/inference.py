@@ -226,7 +226,7 @@ def start_engines(checkpoint: str, n: int = 1, *, num_cpus: float = 1.0, resourc
                          "cluster.engine_backend=vllm on GPUs, or cluster.engine_gpus=0")
     check_gpus({f"{n} engines x {num_gpus:g} GPU": n * num_gpus})
     options = dict(**actor_options(num_cpus, resources, num_gpus), max_concurrency=1000)
-    if backend == "vllm":
+    if engine.omp_threads_from_env:
         # OpenMP's thread count is per thread and starts from OMP_NUM_THREADS (Ray sets 1): vLLM's CPU attention
         # checks that the thread running a step has as many as the one that set it up, so every thread gets `threads`
         options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": str(threads)}}

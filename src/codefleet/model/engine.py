@@ -173,6 +173,7 @@ class Engine(BackgroundSleep):
     tool_grammar = True  # constrained tool calls (SamplingParams.tools)
     gpu = False  # an engine actor runs it on CPU
     serve_options: dict = {}  # served as RL loads it
+    omp_threads_from_env = False  # torch.set_num_threads is enough
 
     @classmethod
     def load(cls, checkpoint_dir: str, max_batch: int = 32, max_seq_len: int | None = None,

@@ -102,6 +102,7 @@ class VLLMEngine(BackgroundSleep):
     tool_grammar = False  # constrained tool calls are codefleet's own grammar
     gpu = True
     serve_options = {"record_routing": False}  # no routed experts on CPU, and serving needs none
+    omp_threads_from_env = True  # every thread that steps it needs OMP_NUM_THREADS threads (its CPU attention checks)
 
     @classmethod
     def load(cls, checkpoint_dir: str, max_batch: int = 32, max_seq_len: int | None = None,

@@ -245,18 +245,7 @@ def mine_library(source: str, out_dir: str, seed: int = 0, max_per_function: int
     """Mine one source (a directory, a .tar.gz/.zip sdist, or NAME==VERSION [--hash=sha256:HEX] fetched from
     `index_urls` (default: pip's) into `cache_dir`) into tasks under `out_dir` (saved with their index), its
     tree within `limits` (also the most a download may weigh); see the module docstring."""
-    kinds = list(kinds or KINDS)
-    unknown = sorted(set(kinds) - set(KINDS))
-    if unknown:
-        raise MineError(f"unknown mutation kind(s) {', '.join(unknown)}; choose from {', '.join(KINDS)}")
-    if max_per_function < 1 or (max_tasks is not None and max_tasks < 1):
-        raise MineError(f"--max-per-function and --max-tasks must be at least 1, got {max_per_function} and "
-                        f"{max_tasks}")
-    backend = (config or SandboxConfig()).backend
-    if not SANDBOXES.get(resolved := resolve_backend(backend)).isolated:
-        raise MineError(f"mining runs the library's own tests, code nobody has checked, so it needs a sandbox that "
-                        f"isolates; backend {backend!r} is {resolved!r} here, which does not: install "
-                        "bubblewrap and enable user namespaces (docs/sandbox.md), or --set backend=vm")
+    kinds = _check_request(kinds, max_per_function, max_tasks, config)
     try:
         requirement = None if os.path.exists(source) else parse_requirement(source)
         if requirement is not None:
@@ -323,18 +312,42 @@ def mine_library(source: str, out_dir: str, seed: int = 0, max_per_function: int
                 reference_patch=make_unified_diff({mutation.path: mutation.apply(sources[mutation.path])},
                                                   {mutation.path: original})))
     if check and tasks:
-        sound = []
-        for task, result in zip(tasks, check_tasks(tasks, config, jobs=jobs), strict=False):
-            if result.sound:
-                sound.append(task)
-            else:
-                report.unsound.append(f"{task.id}: {'; '.join(result.problems)}")
-                shutil.rmtree(os.path.join(out_dir, task.id), ignore_errors=True)
-        tasks = sound
+        tasks = _sound(tasks, config, jobs, out_dir, report)
     save_tasks(tasks, out_dir)
     report.tasks = tasks
     report.kept = Counter(str(t.metadata["mutation"]) for t in tasks)
     return report
+
+
+def _check_request(kinds: list[str] | None, max_per_function: int, max_tasks: int | None,
+                   config: SandboxConfig | None) -> list[str]:
+    """The mutation kinds to mine (all by default); a MineError for a bad count, an unknown kind or a sandbox
+    backend that does not isolate (`isolated`: the library's tests are code nobody has checked)."""
+    kinds = list(kinds or KINDS)
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        raise MineError(f"unknown mutation kind(s) {', '.join(unknown)}; choose from {', '.join(KINDS)}")
+    if max_per_function < 1 or (max_tasks is not None and max_tasks < 1):
+        raise MineError(f"--max-per-function and --max-tasks must be at least 1, got {max_per_function} and "
+                        f"{max_tasks}")
+    backend = (config or SandboxConfig()).backend
+    if not SANDBOXES.get(resolved := resolve_backend(backend)).isolated:
+        raise MineError(f"mining runs the library's own tests, code nobody has checked, so it needs a sandbox that "
+                        f"isolates; backend {backend!r} is {resolved!r} here, which does not: install "
+                        "bubblewrap and enable user namespaces (docs/sandbox.md), or --set backend=vm")
+    return kinds
+
+
+def _sound(tasks: list[Task], config: SandboxConfig | None, jobs: int, out_dir: str, report: MineReport) -> list[Task]:
+    """The tasks whose checks hold (`check_tasks`); the others are removed from `out_dir` and named in `report`."""
+    sound = []
+    for task, result in zip(tasks, check_tasks(tasks, config, jobs=jobs), strict=False):
+        if result.sound:
+            sound.append(task)
+        else:
+            report.unsound.append(f"{task.id}: {'; '.join(result.problems)}")
+            shutil.rmtree(os.path.join(out_dir, task.id), ignore_errors=True)
+    return sound
 
 
 def _mutants_that_fail(workers: list[Sandbox], per_function: dict[str, list[Mutation]], seed: int,
