@@ -48,7 +48,7 @@ class Registry(Generic[T]):
         self._plugins: dict[str, metadata.EntryPoint] | None = None  # read once, on first use
 
     def register(self, name: str, entry: T) -> T:
-        if name in self._builtins or name in self._entries and self._entries[name] is not entry:
+        if name in self._builtins or (name in self._entries and self._entries[name] is not entry):
             raise ValueError(f"{self.kind} {name!r} is registered twice")
         self._entries[name] = entry
         return entry
