@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-import codefleet.sandbox  # noqa: F401  (registers the sandbox backends)
 from codefleet.agent.clients import OpenAIConfig, OpenAIPolicy
 from codefleet.agent.clients.scripted import ScriptedExpert
 from codefleet.contracts import SANDBOXES, TRAINERS, ExactBytes, Policy, Registry, Sandbox, Trainer
@@ -20,12 +19,14 @@ def test_an_unknown_name_is_one_sentence_naming_the_known_ones():
         registry.get("b")
     with pytest.raises(ValueError, match="registered twice"):
         registry.register("a", int)
+    with pytest.raises(ValueError, match="registered twice"):  # a built-in name is taken too
+        Registry("widget backend", builtins={"b": "codefleet.types:Task"}).register("b", object)
     with pytest.raises(ValueError, match="unknown sandbox backend 'firecracker'.*choose one of local, namespace, vm"):
         create_sandbox(None, SandboxConfig(backend="firecracker"))
 
 
 def test_the_shipped_sandboxes_keep_the_sandbox_contract():
-    assert {"namespace", "local"} <= set(SANDBOXES.names())
+    assert {"namespace", "vm", "local"} <= set(SANDBOXES.names())
     with create_sandbox(None, SandboxConfig(backend="local")) as sb:
         assert isinstance(sb, Sandbox) and isinstance(sb, ExactBytes)  # the shell backends give exact bytes too
         sb.write_file("latin.txt", b"caf\xe9\n")

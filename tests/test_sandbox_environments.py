@@ -185,8 +185,8 @@ def test_an_environment_without_bash_or_etc_is_refused_in_one_sentence(image, en
         create_sandbox(repo, dataclasses.replace(env_config, environment=bare))
     with pytest.raises(ImageError, match="which does not exist here"):
         create_sandbox(repo, dataclasses.replace(env_config, environment=os.path.join(open_dir, "missing")))
-    with pytest.raises(ValueError, match="backend 'namespace'"):
-        SandboxConfig(backend="local", environment=bare)
+    with pytest.raises(ValueError, match="backend 'local' runs the host's own: use backend 'namespace'"):
+        create_sandbox(repo, SandboxConfig(backend="local", environment=bare))  # its `environments` flag is off
     # Backend 'auto' where namespaces cannot work: refused, never the host's userland instead.
     with pytest.raises(SandboxUnavailableError, match="needs namespace sandboxes"):
         LocalSandbox(repo, dataclasses.replace(env_config, backend="auto"))

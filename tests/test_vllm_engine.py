@@ -153,7 +153,7 @@ def test_an_moe_engine_for_routing_replay_is_refused_on_cpu(tmp_path):
 
     path = make_tiny_hf(str(tmp_path), arch="qwen3_moe", **SIZES)
     with pytest.raises(ValueError, match="rl.routing_replay=false"):
-        ENGINES.get("vllm")(path, max_batch=2, max_seq_len=64)
+        ENGINES.get("vllm").load(path, max_batch=2, max_seq_len=64)
 
 
 @pytest.mark.skipif(HAVE_VLLM, reason="vLLM is installed here")
@@ -162,4 +162,4 @@ def test_without_vllm_the_engine_says_how_to_install_it(tmp_path):
 
     path = make_tiny_hf(str(tmp_path), arch="qwen3", **SIZES)
     with pytest.raises(ImportError, match="scripts/setup_vllm.sh"):
-        ENGINES.get("vllm")(path, max_batch=2, max_seq_len=64)
+        ENGINES.get("vllm").load(path, max_batch=2, max_seq_len=64)

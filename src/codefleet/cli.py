@@ -31,6 +31,7 @@ import threading
 import time
 
 from codefleet.config import ConfigError, load_config
+from codefleet.contracts import SANDBOXES
 from codefleet.sandbox import SandboxConfig, SandboxError, create_sandbox, resolve_backend
 
 # command -> (the module whose `register(subparsers)` adds its parser, what it does in one line)
@@ -152,7 +153,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     run.add_argument("--repo", default=None, help="directory to work on (default: an empty workspace)")
     run.add_argument("--timeout", type=float, default=600.0, help="wall-clock limit in seconds (default 600)")
     run.add_argument("--memory-mb", type=int, default=None, help="memory limit in MB")
-    run.add_argument("--backend", choices=["auto", "namespace", "vm", "local"], default=None)
+    run.add_argument("--backend", choices=["auto", *SANDBOXES.names()], default=None,
+                     help="sandbox backend (default: SandboxConfig's, auto)")
     run.add_argument("--config", default=None, help="YAML file with SandboxConfig fields")
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a SandboxConfig field")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
@@ -171,8 +173,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     bench.add_argument("what", choices=sorted(_BENCHES))
     bench.add_argument("--quick", action="store_true", help="a smaller run (10-90 s, by benchmark and machine load)")
     bench.add_argument("--json", action="store_true", help="print only the JSON object")
-    bench.add_argument("--backend", choices=["auto", "namespace", "vm", "local", "both"], default="auto",
-                       help="sandbox backend (bench sandbox only)")
+    bench.add_argument("--backend", choices=["auto", *SANDBOXES.names(), "both"], default="auto",
+                       help="sandbox backend (bench sandbox only; both: namespace and vm)")
     bench.add_argument("--checkpoint", metavar="DIR", default=None,
                        help="Hugging Face model directory that codefleet's engine and transformers' generate() "
                        "both run (bench engine only; default: a tiny random Qwen3-MoE built with transformers)")

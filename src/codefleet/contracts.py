@@ -6,18 +6,28 @@ what a backend must guarantee; the data crossing them are the plain types of `co
 
 A backend is chosen by name from a `Registry`:
 
-    SANDBOXES.register("namespace", NamespaceSandbox)   # in the backend's package
     sandbox = SANDBOXES.get(config.backend)(repo, config)
+    if not SANDBOXES.get(name).isolated: ...          # a capability the backend declares
 
-The registries here are filled by the packages that own the backends (`codefleet.sandbox` its
-sandboxes, `codefleet.model` the codefleet engine, `codefleet.rl` the trainer), so a new backend (a
-microVM sandbox, a vLLM engine, a sharded trainer) plugs in by registering a name, without touching its
-callers.
+The registries load the backends themselves, so no caller has to import a backend's module first. The
+built-in backends are one line each below (`name: "module:attribute"`), imported on first `get`; a
+package installed beside codefleet adds its own through a Python entry point in the registry's group
+(`codefleet.sandboxes`, `codefleet.engines`, `codefleet.trainers`), e.g. in its pyproject.toml:
+
+    [project.entry-points."codefleet.sandboxes"]
+    firecracker = "codefleet_firecracker:FirecrackerSandbox"
+
+`names()` lists both without importing either, so a command's `--help` stays fast. What a caller may ask
+of a backend beyond its Protocol is a capability flag the backend declares as a class attribute (a
+sandbox's `isolated`, an engine's `tool_grammar`, a trainer's `sharded`; each registry's comment lists
+them), never its name or its base class.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import importlib
+from collections.abc import Iterator
+from importlib import metadata
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from codefleet.types import ExecResult, FileEntry, PolicyOutput, SandboxInfo, SearchMatch, Task
@@ -26,29 +36,62 @@ T = TypeVar("T")
 
 
 class Registry(Generic[T]):
-    """Backends of one kind by name. `get` of an unknown name is a ValueError naming the known ones."""
+    """Backends of one kind by name: the built-in ones (`builtins`, name -> "module:attribute", imported on
+    first `get`), the ones other packages declare as entry points of `group`, and any `register`ed in this
+    process. `get` of an unknown name is a ValueError naming the known ones."""
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, group: str | None = None, builtins: dict[str, str] | None = None):
         self.kind = kind
+        self.group = group
+        self._builtins = dict(builtins or {})
         self._entries: dict[str, T] = {}
+        self._plugins: dict[str, metadata.EntryPoint] | None = None  # read once, on first use
 
     def register(self, name: str, entry: T) -> T:
-        if name in self._entries and self._entries[name] is not entry:
+        if name in self._builtins or (name in self._entries and self._entries[name] is not entry):
             raise ValueError(f"{self.kind} {name!r} is registered twice")
         self._entries[name] = entry
         return entry
 
     def get(self, name: str) -> T:
-        try:
+        if name in self._entries:
             return self._entries[name]
-        except KeyError:
-            raise ValueError(f"unknown {self.kind} {name!r}; known: {', '.join(sorted(self._entries))}") from None
+        if name in self._builtins:
+            if name in self.plugins():
+                raise ValueError(f"{self.kind} {name!r} is built into codefleet and also declared by the package "
+                                 f"{_dist(self.plugins()[name])}; uninstall that package or give its backend "
+                                 "another name")
+            module, _, attribute = self._builtins[name].partition(":")
+            entry = getattr(importlib.import_module(module), attribute)
+        elif name in self.plugins():
+            point = self.plugins()[name]
+            try:
+                entry = point.load()
+            except (ImportError, AttributeError) as e:
+                raise ImportError(f"{self.kind} {name!r} (entry point {point.value!r} of the package "
+                                  f"{_dist(point)}) could not be loaded: {e}; reinstall that package") from e
+        else:
+            raise ValueError(f"unknown {self.kind} {name!r}; known: {', '.join(self.names())}")
+        self._entries[name] = entry
+        return entry
 
     def names(self) -> list[str]:
-        return sorted(self._entries)
+        """Every name `get` takes, without importing any backend."""
+        return sorted({*self._builtins, *self.plugins(), *self._entries})
+
+    def plugins(self) -> dict[str, metadata.EntryPoint]:
+        """The entry points other installed packages declare in this registry's group, by name."""
+        if self._plugins is None:
+            found = metadata.entry_points(group=self.group) if self.group else ()
+            self._plugins = {point.name: point for point in found}
+        return self._plugins
 
     def __contains__(self, name: object) -> bool:
-        return name in self._entries
+        return isinstance(name, str) and name in self.names()
+
+
+def _dist(point: metadata.EntryPoint) -> str:
+    return repr(point.dist.name) if point.dist is not None else "that declares it"
 
 
 @runtime_checkable
@@ -190,9 +233,27 @@ class TaskSource(Protocol):
     def __iter__(self) -> Iterator[Task]: ...
 
 
-# name -> a factory: (repo, SandboxConfig) -> Sandbox
-SANDBOXES: Registry[Callable[..., Sandbox]] = Registry("sandbox backend")
-# name -> a loader: (checkpoint_dir, max_batch=..., max_seq_len=..., **options) -> Engine
-ENGINES: Registry[Callable[..., Engine]] = Registry("engine backend")
-# name -> a Trainer class with `Trainer(model, config, device=...)` and `Trainer.load(path, config, device=...)`
-TRAINERS: Registry[Any] = Registry("trainer backend")
+# name -> a Sandbox class built as `Backend(repo, config)` (repo a directory or None, config a SandboxConfig). It
+# declares, as class attributes: `isolated` (commands cannot reach the host's files, processes or network),
+# `environments` (it runs an image's userland, SandboxConfig.environment), `host_binds` (it can bind host paths,
+# SandboxConfig.ro_binds, e.g. a virtual environment).
+SANDBOXES: Registry[Any] = Registry("sandbox backend", "codefleet.sandboxes", {
+    "namespace": "codefleet.sandbox.namespace:NamespaceSandbox",
+    "vm": "codefleet.sandbox.vm:VMSandbox",
+    "local": "codefleet.sandbox.local:LocalSandbox",
+})
+# name -> an Engine class with `Backend.load(checkpoint_dir, max_batch=..., max_seq_len=..., **options) -> Engine`.
+# It declares: `tool_grammar` (it samples only tool calls that fit their schemas, SamplingParams.tools), `gpu` (it
+# can run on a GPU), `serve_options` (the `load` options for serving and agent runs, which need no routed experts),
+# `omp_threads_from_env` (each thread that steps it takes its OpenMP thread count from OMP_NUM_THREADS).
+ENGINES: Registry[Any] = Registry("engine backend", "codefleet.engines", {
+    "codefleet": "codefleet.model.engine:Engine",
+    "vllm": "codefleet.model.vllm_engine:VLLMEngine",
+})
+# name -> a Trainer class with `Trainer(model, config, device=...)` and `Trainer.load(path, config, device=...)`. It
+# declares `sharded` (every rank holds a shard: all ranks build, save and load it together).
+TRAINERS: Registry[Any] = Registry("trainer backend", "codefleet.trainers", {
+    "dp": "codefleet.rl.trainer:Trainer",
+    "fsdp2": "codefleet.rl.sharded:ShardedTrainer",
+    "fsdp2_ep": "codefleet.rl.sharded:ExpertParallelTrainer",
+})

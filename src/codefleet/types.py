@@ -59,7 +59,7 @@ class SandboxInfo:
     """How a sandbox is built; reported so a user knows what protects them."""
 
     sandbox_id: str
-    backend: str  # "namespace" | "vm" | "local"
+    backend: str  # its name in codefleet.contracts.SANDBOXES: "namespace", "vm", "local", ...
     workspace: str  # path of the workspace inside the sandbox
     filesystem: str  # "overlay" | "fuse-overlayfs" | "copy"
     limits: dict[str, str] = field(default_factory=dict)

@@ -34,6 +34,7 @@ from codefleet.agent.clients import build_policy
 from codefleet.agent.clients.local_engine import grammar_options
 from codefleet.agent.loop import AgentLoop, Event
 from codefleet.config import ConfigError, load_config
+from codefleet.contracts import ENGINES, SANDBOXES
 from codefleet.model import checkpoint
 from codefleet.sandbox import SandboxConfig, SandboxError, create_sandbox, environments, resolve_backend
 from codefleet.types import Budgets
@@ -64,7 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help=f"wall-clock budget in seconds (default {Budgets().wall_clock_s:g})")
     run.add_argument("--timeout-s", type=float, default=300.0, help="per model request (default 300)")
     run.add_argument("--max-retries", type=int, default=3, help="retries of a failed model request (default 3)")
-    run.add_argument("--backend", choices=["auto", "namespace", "vm", "local"], default=None,
+    run.add_argument("--backend", choices=["auto", *SANDBOXES.names()], default=None,
                      help="sandbox backend (vm: a microVM per sandbox, docs/sandboxes/vm.md)")
     run.add_argument("--prompt", choices=["full", "bare"], default=None,
                      help="'full' sends the system prompt and tool schemas; 'bare' the task alone, for a policy "
@@ -72,9 +73,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      "metadata.json says it was trained on)")
     run.add_argument("--tool-grammar", choices=["off", "auto", "required"], default=None,
                      help="for --model local:...: the engine samples only tool calls that parse and fit their schemas "
-                     "('required': and every turn calls a tool; default: what the checkpoint's metadata.json says, else "
-                     "off). A server constrains its own decoding (codefleet serve --tool-grammar)")
-    run.add_argument("--engine", choices=["codefleet", "vllm"], default="codefleet",
+                     "('required': and every turn calls a tool; default: what the checkpoint's metadata.json says, "
+                     "else off). A server constrains its own decoding (codefleet serve --tool-grammar)")
+    run.add_argument("--engine", choices=ENGINES.names(), default="codefleet",
                      help="for --model local:...: the inference engine (vllm: a Hugging Face checkpoint, in the "
                      ".venv-vllm that scripts/setup_vllm.sh makes; default codefleet)")
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a SandboxConfig field")
@@ -183,12 +184,13 @@ def _with_toolchain(config: SandboxConfig, args: argparse.Namespace, err: TextIO
     venv = toolchain.find_venv(args.repo, dict(os.environ)) if args.venv == "auto" else toolchain.venv_at(args.venv)
     if venv is None:
         return config
-    if resolve_backend(config.backend) == "vm":  # a VM sees its environment's disk and the workspace, no host path
+    if not SANDBOXES.get(name := resolve_backend(config.backend)).host_binds:  # e.g. a VM: no host path
         if args.venv != "auto":
-            raise toolchain.ToolchainError(f"a vm sandbox cannot use this machine's virtual environment {venv.path}; "
-                                           "give the packages as an environment (--env), or use --backend namespace")
-        print(f"codefleet agent run: the vm sandbox does not see the virtual environment {venv.path}; its commands "
-              "use the environment's python3 (--env gives an image with the packages)", file=err)
+            raise toolchain.ToolchainError(f"a {name} sandbox cannot use this machine's virtual environment "
+                                           f"{venv.path}; give the packages as an environment (--env), or use "
+                                           "--backend namespace")
+        print(f"codefleet agent run: the {name} sandbox does not see the virtual environment {venv.path}; its "
+              "commands use the environment's python3 (--env gives an image with the packages)", file=err)
         return config
     print(f"codefleet agent run: the sandbox uses the virtual environment {venv.path} (read-only; --venv none "
           "to leave it out)", file=err)
@@ -204,55 +206,26 @@ def run_command(args: argparse.Namespace, stdin: TextIO | None = None, out: Text
                 err: TextIO | None = None) -> int:
     stdin = sys.stdin if stdin is None else stdin
     out, err = out or sys.stdout, err or sys.stderr
-    if args.attempts < 1:
-        print("codefleet agent run: --attempts must be at least 1", file=err)
-        return 2
-    if args.max_turns is not None and args.max_turns < 1:
-        print(f"codefleet agent run: --max-turns must be at least 1, got {args.max_turns}", file=err)
-        return 2
-    if args.max_wall_s is not None and not args.max_wall_s > 0:  # `not >`: NaN is refused too
-        print(f"codefleet agent run: --max-wall-s must be a positive number of seconds, got {args.max_wall_s:g}",
-              file=err)
-        return 2
-    if not os.path.isdir(args.repo):
-        print(f"codefleet agent run: --repo {args.repo!r} is not a directory", file=err)
+    problem = _bad_arguments(args)
+    if problem:
+        print(f"codefleet agent run: {problem}", file=err)
         return 2
     defaults = Budgets()
     budgets = Budgets(max_turns=defaults.max_turns if args.max_turns is None else args.max_turns,
                       wall_clock_s=defaults.wall_clock_s if args.max_wall_s is None else args.max_wall_s)
+    deadline = time.monotonic() + budgets.wall_clock_s  # no model request outlasts the wall clock
     try:
         overrides = list(args.set or []) + ([f"backend={args.backend}"] if args.backend else [])
         sandbox_config = _with_toolchain(load_config(SandboxConfig, None, overrides), args, err)
-        http = {"timeout_s": args.timeout_s, "max_retries": args.max_retries,
-                "deadline": time.monotonic() + budgets.wall_clock_s}  # no request outlasts the wall clock
-
-        def policy_for(spec: str, model_name: str, grammar: str | None = "off"):
-            if spec == "local" or spec.startswith("local:"):  # the HTTP options mean nothing to an in-process engine
-                options = grammar_options(grammar or _usage(spec)["tool_grammar"])
-                if args.engine == "vllm":
-                    if options["tool_grammar"]:
-                        raise ValueError("--tool-grammar constrains codefleet's own engine; with --engine vllm give "
-                                         "--tool-grammar off")
-                    from codefleet.model import vllm_engine  # registers ENGINES "vllm"; vLLM itself loads lazily
-
-                    options["engine"] = vllm_engine.load_vllm_engine(spec.partition(":")[2], max_batch=16,
-                                                                     record_routing=False)
-                return build_policy(spec, model_name, **options)
-            if grammar not in (None, "off"):
-                raise ValueError("--tool-grammar constrains codefleet's own engine (--model local:...); a server "
-                                 "constrains its own decoding (codefleet serve --tool-grammar)")
-            return build_policy(spec, model_name, **http)
-
-        policy = policy_for(args.model, args.model_name, args.tool_grammar)
+        policy = _policy(args, args.model, args.model_name, args.tool_grammar, deadline)
         prompt = args.prompt or _usage(args.model)["prompt"]
-        planner = policy_for(args.planner, args.planner_model_name) if args.planner else None  # it writes a plan
-    except (ConfigError, ValueError, NotImplementedError, OSError, ImportError, SandboxError) as e:  # no vLLM, bad --env
+        planner = _policy(args, args.planner, args.planner_model_name, "off", deadline) if args.planner else None
+    except (ConfigError, ValueError, NotImplementedError, OSError, ImportError, SandboxError) as e:  # --env, vLLM
         print(f"codefleet agent run: {e}", file=err)
         return 2
     corrections = Corrections()
     if _interactive(stdin):
         threading.Thread(target=corrections.read_from, args=(stdin, err), daemon=True, name="corrections").start()
-    sandboxes = []
     stopping = threading.Event()  # the first Ctrl-C: attempts stop and keep their diffs, printed, not applied
 
     def stop() -> None:
@@ -264,17 +237,7 @@ def run_command(args: argparse.Namespace, stdin: TextIO | None = None, out: Text
         if prompt == "bare":
             print("codefleet agent run: bare prompt: the model sees the task alone, without the system prompt and "
                   "tool schemas, as it was trained", file=err)
-        base = create_sandbox(args.repo, sandbox_config)
-        sandboxes.append(base)
-        for nested in workspace.snapshot(base):
-            print(f"codefleet agent run: warning: {nested}/ is a git repository of its own, so changes inside it "
-                  "will not be in the diff; run the agent on that directory to change it", file=err)
-        if args.attempts > 1:
-            sandboxes = base.fork(args.attempts) + [base]
-        attempts = run_attempts(sandboxes[:args.attempts], args.task, policy, planner=planner,
-                                test_command=args.test_command, budgets=budgets,
-                                on_event=_progress(args.attempts, err), on_loop=corrections.add_loop,
-                                on_interrupt=stop, prompt=prompt)
+        attempts = _run_attempts(args, sandbox_config, policy, planner, budgets, prompt, corrections, stop, err)
     except (SandboxError, workspace.WorkspaceDiffError, FileNotFoundError) as e:
         print(f"codefleet agent run: {e}", file=err)
         return 2
@@ -282,12 +245,66 @@ def run_command(args: argparse.Namespace, stdin: TextIO | None = None, out: Text
         print("codefleet agent run: interrupted; the repository was not changed", file=err)
         return 130
     finally:
-        for sb in sandboxes:
-            sb.close()
         for p in (policy, planner):
             engine = getattr(p, "engine", None)  # a local:CHECKPOINT policy's engine thread
             if engine is not None:
                 engine.close()
+    return _report(args, attempts, stopping.is_set(), out, err)
+
+
+def _bad_arguments(args: argparse.Namespace) -> str | None:
+    """What is wrong with the command line's numbers and --repo, in one sentence, or None."""
+    if args.attempts < 1:
+        return "--attempts must be at least 1"
+    if args.max_turns is not None and args.max_turns < 1:
+        return f"--max-turns must be at least 1, got {args.max_turns}"
+    if args.max_wall_s is not None and not args.max_wall_s > 0:  # `not >`: NaN is refused too
+        return f"--max-wall-s must be a positive number of seconds, got {args.max_wall_s:g}"
+    if not os.path.isdir(args.repo):
+        return f"--repo {args.repo!r} is not a directory"
+    return None
+
+
+def _policy(args: argparse.Namespace, spec: str, model_name: str, grammar: str | None, deadline: float):
+    """The policy `spec` names: an OpenAI-compatible URL, or `local:CHECKPOINT` on the engine `--engine` names
+    (codefleet.contracts.ENGINES), loaded in this process."""
+    if spec == "local" or spec.startswith("local:"):  # the HTTP options mean nothing to an in-process engine
+        options = grammar_options(grammar or _usage(spec)["tool_grammar"])
+        backend = ENGINES.get(args.engine)
+        if options["tool_grammar"] and not backend.tool_grammar:
+            raise ValueError(f"--tool-grammar constrains the tool calls of an engine that has a tool-call grammar, "
+                             f"which the {args.engine} engine has not; with --engine {args.engine} give "
+                             "--tool-grammar off")
+        if spec.partition(":")[2]:  # `local` alone: build_policy says it needs a checkpoint
+            options["engine"] = backend.load(spec.partition(":")[2], max_batch=16, **backend.serve_options)
+        return build_policy(spec, model_name, **options)
+    if grammar not in (None, "off"):
+        raise ValueError("--tool-grammar constrains codefleet's own engine (--model local:...); a server "
+                         "constrains its own decoding (codefleet serve --tool-grammar)")
+    return build_policy(spec, model_name, timeout_s=args.timeout_s, max_retries=args.max_retries, deadline=deadline)
+
+
+def _run_attempts(args: argparse.Namespace, sandbox_config: SandboxConfig, policy, planner, budgets: Budgets,
+                  prompt: str, corrections: Corrections, stop: Callable[[], None], err: TextIO) -> list[Attempt]:
+    """`--attempts` attempts at the task, each in its own fork of one sandbox over the repository; every sandbox
+    is closed on the way out."""
+    sandboxes = [create_sandbox(args.repo, sandbox_config)]
+    try:
+        for nested in workspace.snapshot(sandboxes[0]):
+            print(f"codefleet agent run: warning: {nested}/ is a git repository of its own, so changes inside it "
+                  "will not be in the diff; run the agent on that directory to change it", file=err)
+        if args.attempts > 1:
+            sandboxes = sandboxes[0].fork(args.attempts) + sandboxes
+        return run_attempts(sandboxes[:args.attempts], args.task, policy, planner=planner,
+                            test_command=args.test_command, budgets=budgets, on_event=_progress(args.attempts, err),
+                            on_loop=corrections.add_loop, on_interrupt=stop, prompt=prompt)
+    finally:
+        for sb in sandboxes:
+            sb.close()
+
+
+def _report(args: argparse.Namespace, attempts: list[Attempt], stopped: bool, out: TextIO, err: TextIO) -> int:
+    """Print the best attempt's diff (or `--json`'s object), apply it with `--apply`; the exit status."""
     best = best_attempt(attempts)
     result = {**_attempt_summary(best), "best_attempt": best.index, "applied": False,
               "attempts": [_attempt_summary(a) for a in attempts]}
@@ -300,7 +317,7 @@ def run_command(args: argparse.Namespace, stdin: TextIO | None = None, out: Text
     if "diff_error" in best.trajectory.metadata:
         result["diff_error"] = best.trajectory.metadata["diff_error"]
         code = 1
-    if stopping.is_set():
+    if stopped:
         code = 130
         if args.apply and best.diff.strip():
             print("codefleet agent run: interrupted, so the diff was not applied; it is in the output (`git apply` "

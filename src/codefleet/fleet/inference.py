@@ -47,8 +47,6 @@ from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayTa
 from codefleet.contracts import ENGINES
 from codefleet.fleet.gpus import actor_options, check_gpus
 from codefleet.fleet.weight_sync import BucketReceiver, Buckets, GroupReceiver, receive_buckets
-from codefleet.model import engine as _engine  # noqa: F401  (registers the codefleet engine)
-from codefleet.model import vllm_engine as _vllm_engine  # noqa: F401  (registers "vllm"; imports vllm only to build)
 from codefleet.model.checkpoint import CONFIG_FILE, METADATA_FILE
 from codefleet.store import storage
 from codefleet.types import Failure
@@ -72,8 +70,8 @@ class EngineActor:
             raise RuntimeError(f"this engine was given GPU {ray.get_gpu_ids()} but torch {torch.__version__} here "
                                "cannot use it: install the GPU builds of torch and vllm on the GPU nodes "
                                "(scripts/setup_vllm.sh does on a machine with an NVIDIA GPU)")
-        self.engine = ENGINES.get(backend)(storage.local_copy(checkpoint), max_batch=max_batch, max_seq_len=max_seq_len,
-                                           record_routing=record_routing, **gpu)
+        self.engine = ENGINES.get(backend).load(storage.local_copy(checkpoint), max_batch=max_batch,
+                                                max_seq_len=max_seq_len, record_routing=record_routing, **gpu)
         self.engine.version = version
         self.receiver = BucketReceiver()  # staging for bucketed updates, allocated by the first
         self.receiving = asyncio.Lock()  # one bucketed update at a time (they share the staging)
@@ -222,13 +220,13 @@ def start_engines(checkpoint: str, n: int = 1, *, num_cpus: float = 1.0, resourc
     names, if any (see the module docstring). `backend` names the engine (codefleet.contracts.ENGINES);
     `record_routing=False` when routing replay is off (a backend that cannot report routed experts refuses an MoE
     model otherwise). `placement`: a scheduling strategy per engine (`fleet.placement.Placement.engines`)."""
-    ENGINES.get(backend)  # an unknown name fails here, in one sentence, not in every actor
-    if num_gpus > 0 and backend == "codefleet":
-        raise ValueError(f"the codefleet engine runs on CPU only (native CPU kernels) but {num_gpus:g} GPU per engine "
-                         "was asked for: use cluster.engine_backend=vllm on GPUs, or cluster.engine_gpus=0")
+    engine = ENGINES.get(backend)  # an unknown name fails here, in one sentence, not in every actor
+    if num_gpus > 0 and not engine.gpu:
+        raise ValueError(f"the {backend} engine runs on CPU only but {num_gpus:g} GPU per engine was asked for: use "
+                         "cluster.engine_backend=vllm on GPUs, or cluster.engine_gpus=0")
     check_gpus({f"{n} engines x {num_gpus:g} GPU": n * num_gpus})
     options = dict(**actor_options(num_cpus, resources, num_gpus), max_concurrency=1000)
-    if backend == "vllm":
+    if engine.omp_threads_from_env:
         # OpenMP's thread count is per thread and starts from OMP_NUM_THREADS (Ray sets 1): vLLM's CPU attention
         # checks that the thread running a step has as many as the one that set it up, so every thread gets `threads`
         options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": str(threads)}}

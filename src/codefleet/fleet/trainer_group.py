@@ -150,7 +150,7 @@ def merge_metrics(per_worker: list[dict[str, float]]) -> dict[str, float]:
 
 def is_sharded(backend: str) -> bool:
     """Whether TRAINERS' `backend` is a sharded trainer (`rl.sharded`): built, saved and read by all ranks at once."""
-    return issubclass(TRAINERS.get(backend), ShardedTrainer)
+    return TRAINERS.get(backend).sharded
 
 
 def fresh_dir(path: str) -> None:

@@ -68,7 +68,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from codefleet.contracts import ENGINES
 from codefleet.model import chat_format, checkpoint
 from codefleet.model.cache import SlotKVCache
 from codefleet.model.grammar import ToolCallGrammar, TurnMatcher, constrained_sample
@@ -169,6 +168,23 @@ class BackgroundSleep:
 class Engine(BackgroundSleep):
     """Continuous-batching generation for a codefleet Transformer. `sleep` pauses the background loop only:
     `generate()` steps in its caller's thread regardless."""
+
+    # Capabilities (codefleet.contracts.ENGINES)
+    tool_grammar = True  # constrained tool calls (SamplingParams.tools)
+    gpu = False  # an engine actor runs it on CPU
+    serve_options: dict = {}  # served as RL loads it
+    omp_threads_from_env = False  # torch.set_num_threads is enough
+
+    @classmethod
+    def load(cls, checkpoint_dir: str, max_batch: int = 32, max_seq_len: int | None = None,
+             **engine_options) -> Engine:
+        """An engine over a saved checkpoint (the ENGINES loader); the tokenizer and chat format are the
+        checkpoint's own (`chat_format.for_checkpoint`: a Hugging Face directory's tokenizer.json and chat
+        template, a codefleet checkpoint's tokenizer.json, else the default tokenizer)."""
+        model = checkpoint.load(checkpoint_dir)
+        tokenizer, _ = chat_format.for_checkpoint(checkpoint_dir)
+        chat_format.check_vocab(tokenizer, model.config.vocab_size)
+        return cls(model, tokenizer, max_batch=max_batch, max_seq_len=max_seq_len, **engine_options)
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, max_batch: int = 32, max_seq_len: int | None = None,
                  prefill_tokens: int = 8192, version: int = 0, record_routing: bool = True,
@@ -653,13 +669,6 @@ def _settle(future: Future, result: Result | None = None, error: BaseException |
 
 
 def load_engine(checkpoint_dir: str, max_batch: int = 32, max_seq_len: int | None = None, **engine_options) -> Engine:
-    """An engine over a saved checkpoint; the tokenizer and chat format are the checkpoint's own
-    (`chat_format.for_checkpoint`: a Hugging Face directory's tokenizer.json and chat template, a codefleet
-    checkpoint's tokenizer.json, else the default tokenizer)."""
-    model = checkpoint.load(checkpoint_dir)
-    tokenizer, _ = chat_format.for_checkpoint(checkpoint_dir)
-    chat_format.check_vocab(tokenizer, model.config.vocab_size)
-    return Engine(model, tokenizer, max_batch=max_batch, max_seq_len=max_seq_len, **engine_options)
+    """An engine over a saved checkpoint (`Engine.load`)."""
+    return Engine.load(checkpoint_dir, max_batch=max_batch, max_seq_len=max_seq_len, **engine_options)
 
-
-ENGINES.register("codefleet", load_engine)

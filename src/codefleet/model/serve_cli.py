@@ -16,10 +16,9 @@ import sys
 
 import torch
 
+from codefleet.contracts import ENGINES
 from codefleet.model import checkpoint
-from codefleet.model.engine import load_engine
 from codefleet.model.server import run_server
-from codefleet.model.vllm_engine import load_vllm_engine
 
 
 def register(subparsers) -> None:
@@ -39,14 +38,16 @@ def register(subparsers) -> None:
     serve.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     serve.add_argument("--prompt", choices=("full", "bare"), default=None,
                        help="how requests are rendered: 'bare' leaves out system messages and tool schemas, for a "
-                       "policy trained without them (default: the style the checkpoint's metadata.json says, else full)")
+                       "policy trained without them (default: the style the checkpoint's metadata.json says, else "
+                       "full)")
     serve.add_argument("--tool-grammar", action="store_true", default=None,
                        help="constrain every request's tool calls to parse and fit their tools' schemas (default: "
                        "on for a checkpoint whose metadata.json says it was trained so; otherwise only tool_choice "
                        "\"required\", a named function or tools marked strict are)")
-    serve.add_argument("--engine", choices=("codefleet", "vllm"), default="codefleet",
-                       help="the inference engine (vllm: a Hugging Face checkpoint, in the .venv-vllm that "
-                       "scripts/setup_vllm.sh makes; no --tool-grammar; default codefleet)")
+    serve.add_argument("--engine", choices=ENGINES.names(), default="codefleet",
+                       help="the inference engine, by name (codefleet.contracts.ENGINES; vllm: a Hugging Face "
+                       "checkpoint, in the .venv-vllm that scripts/setup_vllm.sh makes; no --tool-grammar; default "
+                       "codefleet)")
     serve.set_defaults(func=run)
 
 
@@ -62,14 +63,20 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         print(f"codefleet serve: --port must be from 0 (a free one) to 65535, got {args.port}", file=sys.stderr)
         return 2
+    try:
+        backend = ENGINES.get(args.engine)
+    except ImportError as e:  # an installed package's engine that does not import
+        print(f"codefleet serve: {e}", file=sys.stderr)
+        return 2
+    if args.tool_grammar and not backend.tool_grammar:
+        print(f"codefleet serve: the {args.engine} engine has no tool-call grammar; leave out --tool-grammar, or use "
+              "--engine codefleet", file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        if args.engine == "vllm":  # serving needs no routed experts (vLLM has none on CPU)
-            engine = load_vllm_engine(args.checkpoint, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
-                                      record_routing=False)
-        else:
-            engine = load_engine(args.checkpoint, max_batch=args.max_batch, max_seq_len=args.max_seq_len)
+        engine = backend.load(args.checkpoint, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
+                              **backend.serve_options)
     except (OSError, ValueError, KeyError, ImportError) as e:  # ImportError: vLLM missing, says how to install it
         print(f"codefleet serve: could not load {args.checkpoint!r}: {e}", file=sys.stderr)
         return 2
@@ -77,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         usage = checkpoint.usage(args.checkpoint)
         run_server(engine, engine.tokenizer, args.host, args.port, name, args.prompt or usage["prompt"],
-                   tool_grammar=args.engine != "vllm" and (args.tool_grammar or usage["tool_grammar"] != "off"))
+                   tool_grammar=backend.tool_grammar and (args.tool_grammar or usage["tool_grammar"] != "off"))
     except OSError as e:  # before the line saying where it serves (model.server.run_server)
         print(f"codefleet serve: cannot listen on {args.host}:{args.port} ({e.strerror or e}); choose another "
               "--port, or --port 0 for a free one", file=sys.stderr)

@@ -60,7 +60,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from codefleet.contracts import ENGINES
 from codefleet.model import chat_format, checkpoint, hf
 from codefleet.model.engine import BackgroundSleep, Result, _settle
 from codefleet.model.sampling import MIN_TEMPERATURE, SamplingParams, per_prompt
@@ -98,6 +97,18 @@ class _Request:
 class VLLMEngine(BackgroundSleep):
     """Continuous-batching generation by vLLM, with codefleet's Engine surface (module docstring). `sleep` keeps
     vLLM's memory: its own sleep mode, which frees it, needs CUDA and no running requests."""
+
+    # Capabilities (codefleet.contracts.ENGINES)
+    tool_grammar = False  # constrained tool calls are codefleet's own grammar
+    gpu = True
+    serve_options = {"record_routing": False}  # no routed experts on CPU, and serving needs none
+    omp_threads_from_env = True  # every thread that steps it needs OMP_NUM_THREADS threads (its CPU attention checks)
+
+    @classmethod
+    def load(cls, checkpoint_dir: str, max_batch: int = 32, max_seq_len: int | None = None,
+             **options) -> VLLMEngine:
+        """A vLLM engine over a Hugging Face checkpoint directory (the ENGINES loader)."""
+        return cls(checkpoint_dir, max_batch=max_batch, max_seq_len=max_seq_len, **options)
 
     def __init__(self, checkpoint_dir: str, max_batch: int = 32, max_seq_len: int | None = None, version: int = 0,
                  record_routing: bool = True, kv_cache_bytes: int | None = None, dtype: str | None = None,
@@ -440,8 +451,6 @@ def _repack_cpu_lm_head(worker) -> None:
 
 def load_vllm_engine(checkpoint_dir: str, max_batch: int = 32, max_seq_len: int | None = None,
                      **options) -> VLLMEngine:
-    """A vLLM engine over a Hugging Face checkpoint directory (the ENGINES loader signature)."""
+    """A vLLM engine over a Hugging Face checkpoint directory (`VLLMEngine.load`)."""
     return VLLMEngine(checkpoint_dir, max_batch=max_batch, max_seq_len=max_seq_len, **options)
 
-
-ENGINES.register("vllm", load_vllm_engine)

@@ -44,7 +44,6 @@ from codefleet.fleet.placement import PLACEMENTS
 from codefleet.fleet.ray_init import init_ray
 from codefleet.fleet.trainer_group import TrainerGroup
 from codefleet.model import chat_format, checkpoint, kernels
-from codefleet.model import vllm_engine as _vllm_engine  # noqa: F401  (registers the "vllm" engine backend)
 from codefleet.model.chat import PROMPTS
 from codefleet.model.config import ModelConfig
 from codefleet.model.tokenizer import default_tokenizer
@@ -56,7 +55,6 @@ from codefleet.recipe.demos import Demos, expert_demos
 from codefleet.recipe.evaluate import compare, evaluate
 from codefleet.recipe.run_dir import Metrics, RunDir, RunError, log
 from codefleet.recipe.train_rl import check_run_gpus, describe, reinforce
-from codefleet.rl import sharded as _sharded  # noqa: F401  (registers the "fsdp2" and "fsdp2_ep" trainers)
 from codefleet.rl.advantages import ESTIMATORS
 from codefleet.rl.trainer import TrainConfig
 from codefleet.store import records, safe_files, storage
@@ -110,8 +108,9 @@ def check_config(config: TrainRunConfig) -> None:
         (config.cluster.engine_wait_s > 0, "cluster.engine_wait_s must be > 0"),
         (0 <= cl.engine_gpus <= 1 and 0 <= cl.trainer_gpus <= 1,
          "cluster.engine_gpus and cluster.trainer_gpus must be in [0, 1]: one actor uses one GPU at most"),
-        (cl.engine_gpus == 0 or cl.engine_backend != "codefleet",
-         "cluster.engine_gpus > 0 needs cluster.engine_backend=vllm: the codefleet engine runs on CPU only"),
+        (cl.engine_gpus == 0 or cl.engine_backend not in ENGINES or ENGINES.get(cl.engine_backend).gpu,
+         f"cluster.engine_gpus > 0 needs cluster.engine_backend=vllm (an engine that runs on a GPU): the "
+         f"{cl.engine_backend} engine runs on CPU only"),
         (cl.trainer_gpus in (0, 1) or max(cl.trainer_workers, config.sft.workers) == 1,
          "cluster.trainer_gpus below 1 lets trainer workers share a GPU, which NCCL refuses: use 1 with several "
          "workers (cluster.trainer_workers, sft.workers)"),

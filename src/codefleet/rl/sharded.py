@@ -96,7 +96,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from codefleet.contracts import TRAINERS
 from codefleet.model import checkpoint
 from codefleet.model.config import ModelConfig
 from codefleet.model.expert_parallel import ExpertParallelMoE, parallelize_experts
@@ -141,6 +140,7 @@ def shard_model(model: Transformer, mesh: DeviceMesh, expert_parallel: bool = Fa
 class ShardedTrainer(Trainer):
     """`Trainer` on an FSDP2-sharded model, one per rank of the default process group. See the module docstring."""
 
+    sharded = True  # capability (codefleet.contracts.TRAINERS): all ranks build, save and load it together
     expert_parallel = False  # `ExpertParallelTrainer`: the MoE experts split across the ranks
 
     def __init__(self, model: Transformer, config: TrainConfig | None = None, version: int = 0,
@@ -388,6 +388,3 @@ class ExpertParallelTrainer(ShardedTrainer):
 
     expert_parallel = True
 
-
-TRAINERS.register("fsdp2", ShardedTrainer)
-TRAINERS.register("fsdp2_ep", ExpertParallelTrainer)

@@ -71,7 +71,6 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from codefleet.contracts import TRAINERS
 from codefleet.model import checkpoint
 from codefleet.model.transformer import Transformer
 from codefleet.rl.batch import Sample, collate, rl_loss
@@ -213,6 +212,8 @@ class _MetricMean:
 
 class Trainer:
     """AdamW on a `Transformer`, with token-exact gradient accumulation. See the module docstring."""
+
+    sharded = False  # capability (codefleet.contracts.TRAINERS): each worker holds the whole model
 
     def __init__(self, model: Transformer, config: TrainConfig | None = None, version: int = 0):
         self.model = model.train()
@@ -418,5 +419,3 @@ class Trainer:
             torch.set_rng_state(state["rng"])
         return trainer
 
-
-TRAINERS.register("dp", Trainer)

@@ -1,17 +1,10 @@
-"""The sandbox backends by name (`codefleet.contracts.SANDBOXES`), and the one call that makes a sandbox."""
+"""The one call that makes a sandbox, from the backend its config names (`codefleet.contracts.SANDBOXES`)."""
 
 from __future__ import annotations
 
 from codefleet.contracts import SANDBOXES, Sandbox
 from codefleet.sandbox.base import SandboxConfig
 from codefleet.sandbox.bwrap import never_works_here
-from codefleet.sandbox.local import LocalSandbox
-from codefleet.sandbox.namespace import NamespaceSandbox
-from codefleet.sandbox.vm import VMSandbox
-
-SANDBOXES.register("namespace", NamespaceSandbox)
-SANDBOXES.register("local", LocalSandbox)
-SANDBOXES.register("vm", VMSandbox)
 
 
 def resolve_backend(name: str = "auto") -> str:
@@ -25,7 +18,17 @@ def resolve_backend(name: str = "auto") -> str:
     return name
 
 
+def backend_class(config: SandboxConfig) -> type:
+    """The class of the backend `config` selects, once its capabilities are checked against what `config` asks."""
+    name = resolve_backend(config.backend)
+    cls = SANDBOXES.get(name)
+    if config.environment is not None and not cls.environments:
+        raise ValueError(f"SandboxConfig.environment needs a backend that runs an image's userland, and sandbox "
+                         f"backend {name!r} runs the host's own: use backend 'namespace' (or 'vm')")
+    return cls
+
+
 def create_sandbox(repo: str | None = None, config: SandboxConfig | None = None) -> Sandbox:
     """A new sandbox over a copy-on-write view of `repo` (an empty workspace if None)."""
     config = config or SandboxConfig()
-    return SANDBOXES.get(resolve_backend(config.backend))(repo, config)
+    return backend_class(config)(repo, config)

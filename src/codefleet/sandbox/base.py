@@ -4,7 +4,8 @@ A sandbox is an isolated, stateful machine around a copy-on-write copy of a
 repository: a persistent shell (cwd, environment and background jobs survive
 between commands), a file API confined to the workspace, `fork(n)` for a
 group of attempts that start from one state, and `close()` that frees
-everything. Backends are siblings chosen by name (`namespace`, `vm`, `local`).
+everything. Backends are siblings chosen by name (`codefleet.contracts.SANDBOXES`:
+`namespace`, `vm`, `local`, and any a package installs).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class SandboxConfig:
     and by rlimits otherwise (`SandboxInfo.limits` says which).
     """
 
-    backend: str = "auto"  # "auto" | "namespace" | "vm" | "local"
+    backend: str = "auto"  # "auto" or a name in codefleet.contracts.SANDBOXES: "namespace", "vm", "local", ...
     timeout_s: float = 60.0  # default wall-clock limit per command
     output_limit_bytes: int = 64 * 1024  # head + tail kept from each command
     memory_mb: int = 2048  # memory of all its processes together (without cgroups: address space per process)
@@ -69,9 +70,6 @@ class SandboxConfig:
         if self.environment is not None and (not isinstance(self.environment, str) or not self.environment):
             raise ValueError(f"SandboxConfig.environment is {self.environment!r}; it must be a root filesystem, an "
                              "image archive or an imported image's id, or None for the host's userland")
-        if self.environment is not None and self.backend == "local":
-            raise ValueError("SandboxConfig.environment needs backend 'namespace'; backend 'local' runs the host's "
-                             "own userland and cannot use another")
 
 
 # The numeric fields of SandboxConfig: each must be above 0 (a limit of 0 or less would break the sandbox's

@@ -8,6 +8,7 @@ namespace backend works. rlimits bound processes, memory and CPU time.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -35,6 +36,9 @@ def _say_not_isolated() -> None:
 
 class LocalSandbox(ShellSandbox):
     backend = "local"
+    isolated = False  # commands run as this user on this host
+    environments = False  # the host's own userland only
+    host_binds = True
 
     def __init__(self, repo: str | None, config: SandboxConfig | None = None, *, _copy_from: str | None = None,
                  _replay: str = ""):
@@ -103,14 +107,10 @@ class LocalSandbox(ShellSandbox):
         if self._proc is None:
             return
         for pid in procs.descendants(self._proc.pid) | {self._proc.pid}:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self._proc.pid, signal.SIGKILL)  # background jobs that were re-parented
-        except (ProcessLookupError, PermissionError):
-            pass
 
     def _make_children(self, n: int, replay: str) -> list[ShellSandbox]:
         children: list[ShellSandbox] = []

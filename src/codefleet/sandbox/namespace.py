@@ -43,6 +43,7 @@ rooted at its own cgroup: /proc/self/cgroup reads `/`, not the owner's name.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -97,6 +98,9 @@ _FORK_THREADS = 4
 
 class NamespaceSandbox(ShellSandbox):
     backend = "namespace"
+    isolated = True
+    environments = True
+    host_binds = True
 
     def __init__(self, repo: str | None, config: SandboxConfig | None = None, *,
                  _lowers: list[str] | None = None, _layers: list[str] | None = None, _replay: str = ""):
@@ -253,7 +257,7 @@ class NamespaceSandbox(ShellSandbox):
             os.close(commands_r)
             os.close(output_w)
         # The host's ends of the protocol pipes, closed with the process like its own streams would be.
-        proc.stdin, proc.stdout = open(commands_w, "wb", buffering=0), open(output_r, "rb", buffering=0)
+        proc.stdin, proc.stdout = open(commands_w, "wb", buffering=0), open(output_r, "rb", buffering=0)  # noqa: SIM115
         self._init_pid = init_pid
         self._pids = [(proc.pid, procs.start_time(proc.pid)), (init_pid, procs.start_time(init_pid))]
         with open(os.path.join(self.dir, "pids.json"), "w") as f:
@@ -306,10 +310,8 @@ class NamespaceSandbox(ShellSandbox):
 
     def _kill_oneoff(self, proc: subprocess.Popen) -> None:
         for pid in procs.children(proc.pid):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         _wait_or_kill(proc)
 
     def _kill_processes(self) -> None:

@@ -113,6 +113,10 @@ class ShellSandbox(ABC):
     one sandbox run one at a time; file operations and one-offs run alongside."""
 
     backend = "?"
+    # Capabilities (codefleet.contracts.SANDBOXES): a backend built on this class says what it offers.
+    isolated = False  # commands cannot reach the host's files, processes or network
+    environments = False  # it runs an image's userland (SandboxConfig.environment)
+    host_binds = True  # it can bind host paths read-only (SandboxConfig.ro_binds, e.g. a virtual environment)
 
     def __init__(self, sandbox_id: str, config: SandboxConfig, workspace_host_path: str,
                  file_owner: tuple[int, int] | None = None):

@@ -27,6 +27,7 @@ cloud VMs) runs only PVM-built guests, so it gets TCG; `CODEFLEET_VM_ACCEL=kvm|t
 from __future__ import annotations
 
 import base64
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -88,7 +89,7 @@ class Template:
         self.state = os.path.join(self.dir, "state")
         self.boot_s: float | None = None
 
-    def ensure(self, boot_timeout_s: float) -> "Template":
+    def ensure(self, boot_timeout_s: float) -> Template:
         if os.path.isfile(self.state):
             return self
         os.makedirs(template_dir(), mode=0o700, exist_ok=True)
@@ -101,10 +102,8 @@ class Template:
 
     def used(self) -> None:
         """Mark this template as just used (pruning keeps the most recently used)."""
-        try:
+        with contextlib.suppress(OSError):
             os.utime(self.dir)
-        except OSError:
-            pass
 
 
 
@@ -172,6 +171,9 @@ class VMSandbox:
     """A sandbox that is a microVM (see the module docstring). Thread-safe like the shell backends."""
 
     backend = "vm"
+    isolated = True
+    environments = True  # as a read-only disk
+    host_binds = False  # it sees only its environment's disk and the workspace
 
     def __init__(self, repo: str | None, config: SandboxConfig | None = None, *, _fork: tuple | None = None):
         config = config or SandboxConfig()
@@ -306,7 +308,7 @@ class VMSandbox:
         except SandboxError:
             return False
 
-    def fork(self, n: int) -> list["VMSandbox"]:
+    def fork(self, n: int) -> list[VMSandbox]:
         """n sandboxes restored from a snapshot of this one taken now (memory, disk, shell and all)."""
         if n < 1:
             raise ValueError(f"fork needs n >= 1, got {n}")
@@ -330,10 +332,8 @@ class VMSandbox:
                 try:
                     self.vm.qmp("cont")
                 finally:
-                    try:
+                    with contextlib.suppress(FileNotFoundError):
                         os.unlink(stream)
-                    except FileNotFoundError:
-                        pass
             return children
 
     def close(self) -> None:
@@ -364,7 +364,7 @@ class VMSandbox:
                   "enforced_by": "vm", "accel": self.vm.accel if self.vm else accel()}
         return SandboxInfo(self.id, self.backend, "/workspace", "ext4", limits, isolated=True)
 
-    def __enter__(self) -> "VMSandbox":
+    def __enter__(self) -> VMSandbox:
         return self
 
     def __exit__(self, *exc: object) -> None:

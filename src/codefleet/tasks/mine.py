@@ -55,6 +55,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from codefleet.contracts import SANDBOXES
 from codefleet.sandbox import Sandbox, SandboxConfig, create_sandbox, resolve_backend
 from codefleet.tasks.checks import check_tasks, run_checks
 from codefleet.tasks.fetch import FetchError, fetch_sdist, parse_requirement
@@ -296,9 +297,9 @@ def _checked_arguments(kinds: list[str] | None, max_per_function: int, max_tasks
         raise MineError(f"--max-per-function and --max-tasks must be at least 1, got {max_per_function} and "
                         f"{max_tasks}")
     backend = (config or SandboxConfig()).backend
-    if resolve_backend(backend) == "local":
+    if not SANDBOXES.get(resolved := resolve_backend(backend)).isolated:
         raise MineError(f"mining runs the library's own tests, code nobody has checked, so it needs a sandbox that "
-                        f"isolates; backend {backend!r} is 'local' here, which runs them on this machine: install "
+                        f"isolates; backend {backend!r} is {resolved!r} here, which does not: install "
                         "bubblewrap and enable user namespaces (docs/sandboxes/namespace.md), or --set backend=vm")
     return kinds
 
