@@ -53,7 +53,7 @@ def test_config_json_round_trip_and_errors(tmp_path):
 @pytest.mark.parametrize("read", ["load", "check"])
 def test_a_corrupt_or_mismatched_checkpoint_is_a_value_error_naming_the_file(tmp_path, read):
     """`load` reads the weights; `check` only their header, and says the same."""
-    from codefleet.model.engine import load_engine
+    from codefleet.inference.engine import load_engine
 
     path = str(tmp_path / "ckpt")
     checkpoint.save(Transformer(_config()), path)

@@ -14,11 +14,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
+from codefleet.inference.engine import Engine
+from codefleet.inference.sampling import SamplingParams
 from codefleet.model import checkpoint, hf, kernels
 from codefleet.model.config import ModelConfig
 from codefleet.model.copying import CopyConfig
-from codefleet.model.engine import Engine
-from codefleet.model.sampling import SamplingParams
 from codefleet.model.transformer import Transformer, token_logprobs
 
 V = 300

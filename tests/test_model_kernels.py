@@ -4,8 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from codefleet.model import fast, kernels
-from codefleet.model.cache import SlotKVCache
+from codefleet.inference import fast
+from codefleet.inference.cache import SlotKVCache
+from codefleet.model import kernels
 from codefleet.model.config import ModelConfig
 from codefleet.model.copying import CopyConfig
 from codefleet.model.moe import MoE

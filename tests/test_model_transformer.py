@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from codefleet.model import fast
+from codefleet.inference import fast
 from codefleet.model.config import ModelConfig
 from codefleet.model.copying import CopyConfig, copy_ends
 from codefleet.model.rope import apply_rope, rope_cos_sin

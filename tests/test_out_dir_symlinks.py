@@ -19,13 +19,13 @@ import torch.distributed as dist
 from helpers import read_tree
 
 from codefleet.bench.tiny_hf import write_tokenizer
+from codefleet.chat import tokenizer as tokenizer_module
+from codefleet.chat.tokenizer import HFTokenizer, default_tokenizer
 from codefleet.cli import main
 from codefleet.fleet import trainer_group
 from codefleet.model import checkpoint, hf
-from codefleet.model import tokenizer as tokenizer_module
 from codefleet.model.config import ModelConfig
 from codefleet.model.copying import CopyConfig
-from codefleet.model.tokenizer import HFTokenizer, default_tokenizer
 from codefleet.model.transformer import Transformer
 from codefleet.recipe.config import TrainRunConfig
 from codefleet.recipe.run_dir import RunDir

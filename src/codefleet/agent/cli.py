@@ -233,7 +233,7 @@ def run_command(args: argparse.Namespace, stdin: TextIO | None = None, out: Text
                     if options["tool_grammar"]:
                         raise ValueError("--tool-grammar constrains codefleet's own engine; with --engine vllm give "
                                          "--tool-grammar off")
-                    from codefleet.model import vllm_engine  # registers ENGINES "vllm"; vLLM itself loads lazily
+                    from codefleet.inference import vllm_engine  # registers ENGINES "vllm"; vLLM itself loads lazily
 
                     options["engine"] = vllm_engine.load_vllm_engine(spec.partition(":")[2], max_batch=16,
                                                                      record_routing=False)

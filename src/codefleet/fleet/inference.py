@@ -3,7 +3,7 @@
     engines = start_engines(checkpoint_dir, n=1, num_cpus=1)
     policy = LocalEnginePolicy(engine=RemoteEngine(engines[0]), ...).for_episode()
 
-`EngineActor` is a thin async actor around `codefleet.model.engine.Engine`
+`EngineActor` is a thin async actor around `codefleet.inference.engine.Engine`
 (continuous batching in the engine's own thread): `generate(prompt, params)`
 awaits the engine's future, so every episode's turn joins the same decode
 steps; `update_weights(weights, version)` lands between two decode steps and
@@ -47,8 +47,8 @@ from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayTa
 from codefleet.contracts import ENGINES
 from codefleet.fleet.gpus import actor_options, check_gpus
 from codefleet.fleet.weight_sync import BucketReceiver, Buckets, GroupReceiver, receive_buckets
-from codefleet.model import engine as _engine  # noqa: F401  (registers the codefleet engine)
-from codefleet.model import vllm_engine as _vllm_engine  # noqa: F401  (registers "vllm"; imports vllm only to build)
+from codefleet.inference import engine as _engine  # noqa: F401  (registers the codefleet engine)
+from codefleet.inference import vllm_engine as _vllm_engine  # noqa: F401  (registers "vllm"; imports vllm to build)
 from codefleet.model.checkpoint import CONFIG_FILE, METADATA_FILE
 from codefleet.store import storage
 from codefleet.types import Failure

@@ -38,9 +38,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
+from codefleet.chat.tokenizer import Tokenizer
 from codefleet.model import hf
 from codefleet.model.config import ModelConfig
-from codefleet.model.tokenizer import Tokenizer
 from codefleet.model.transformer import Transformer
 from codefleet.store import safe_files
 
@@ -151,8 +151,8 @@ def check(path: str) -> ModelConfig:
 
 
 # How a policy checkpoint is meant to be used, and what a checkpoint that does not say is taken to mean:
-# the prompt style it was trained on (chat.PROMPTS), the grammar its tool calls were sampled under, and the
-# training run it comes from (its name; "" for a checkpoint made elsewhere).
+# the prompt style it was trained on (codefleet_template.PROMPTS), the grammar its tool calls were sampled under,
+# and the training run it comes from (its name; "" for a checkpoint made elsewhere).
 USAGE_DEFAULTS = {"prompt": "full", "tool_grammar": "off", "run": ""}
 
 

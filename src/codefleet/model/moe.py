@@ -44,7 +44,7 @@ on data still in cache; `codefleet bench moe` at 64 experts top-8 went from
 (docs/benchmarks.md). Without them (GPUs, no compiler) `_ExpertsFn` runs.
 
 With gradients off (the engine, reference logprobs) the layer runs through
-`fast.moe` instead (model/fast.py): the router in one native call where it
+`fast.moe` instead (inference/fast.py): the router in one native call where it
 can, the experts by the cheapest dispatch for the slot count (a native
 kernel, gathered weights, a padded `bmm`, or `MoE.experts` below), the
 shared expert's gate and up as one GEMM.

@@ -25,7 +25,7 @@
   "prompt", training passes the turns' mask `turn_mask_BT`).
 
 Fast paths: with gradients off (the engine, reference logprobs) the blocks
-and the LM head run through `fast.blocks` and `fast.lm_head` (model/fast.py:
+and the LM head run through `fast.blocks` and `fast.lm_head` (inference/fast.py:
 fused projections, a prepacked LM head, native kernels), the two calls marked
 in `forward`. They compute this math, bit-identical or equal to float
 rounding as fast.py says of each; training always runs the code here.
@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from codefleet.model import fast
+from codefleet.inference import fast
 from codefleet.model.config import ModelConfig
 from codefleet.model.copying import CopyHead, PrevTokenEmbeddings
 from codefleet.model.moe import MoE, MoEOutput, SwiGLU
@@ -209,7 +209,7 @@ class Transformer(nn.Module):
                              f"includes each token's {cfg.copy.prev_tokens} predecessors (config.copy.prev_tokens)")
         x_BTD = self.embed_input(tokens_BT, prev_BK)
         routed: list[torch.Tensor] | None = [] if return_routing else None
-        fast_paths = not torch.is_grad_enabled()  # the engine, reference logprobs: model/fast.py
+        fast_paths = not torch.is_grad_enabled()  # the engine, reference logprobs: inference/fast.py
         if fast_paths:
             x_BTD, aux, z = fast.blocks(self, x_BTD, positions_BT, cache, routing_replay, routed)
         else:

@@ -44,7 +44,7 @@ from codefleet.agent.attempts import run_task_attempts
 from codefleet.agent.clients import OpenAIConfig, OpenAIPolicy
 from codefleet.agent.clients.local_engine import LocalEnginePolicy, grammar_options
 from codefleet.agent.reward import tool_errors
-from codefleet.model.engine import load_engine
+from codefleet.inference.engine import load_engine
 from codefleet.store import storage
 from codefleet.tasks.checks import TaskSetupError
 from codefleet.types import Task, Trajectory

@@ -32,7 +32,7 @@ collectives line up. A rank with no examples at all takes part the same way.
 
 Scoring forwards (proximal and KL-reference logprobs) run with gradients
 *on* and are detached: with gradients off `Transformer.forward` takes
-`model/fast.py`'s fused paths, which read block weights directly and would
+`inference/fast.py`'s fused paths, which read block weights directly and would
 bypass FSDP2's per-block gathering (and would see one rank's experts under
 expert parallelism).
 

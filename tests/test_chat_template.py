@@ -9,7 +9,7 @@ import pytest
 
 from codefleet.agent.policy import parse_tool_call
 from codefleet.agent.tools import tool_schemas
-from codefleet.model.chat import (
+from codefleet.chat.codefleet_template import (
     CALL_CLOSE,
     CALL_OPEN,
     END,
@@ -20,7 +20,7 @@ from codefleet.model.chat import (
     render,
     stop_ids,
 )
-from codefleet.model.tokenizer import default_tokenizer
+from codefleet.chat.tokenizer import default_tokenizer
 
 TOOLS = tool_schemas()
 

@@ -50,7 +50,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
-    from codefleet.model.tokenizer import Tokenizer
+    from codefleet.chat.tokenizer import Tokenizer
 
 BOS = "<|bos|>"
 EOS = "<|eos|>"
@@ -116,7 +116,7 @@ def _call_json(call: dict) -> str:
         raw = "{}"
     text = f'{{"name": {json.dumps(function.get("name", ""), ensure_ascii=False)}, "arguments": {raw}}}'
     # "<|" can only occur inside JSON strings, where "<\u007c" means the same: a call that edits text holding
-    # "<|/tool_call|>" (codefleet's own chat.py, say) cannot end its block early.
+    # "<|/tool_call|>" (codefleet's own codefleet_template.py, say) cannot end its block early.
     return text.replace("<|", "<\\u007c")
 
 
@@ -254,7 +254,7 @@ def split_turn(text: str, opening: str, closing: str, stops, example: str,
     """A turn's text cut at the first of `stops`, split into its content and the call blocks between `opening`
     and `closing` markers; each block's body goes to `parse_call(body, number)` -> (name, arguments_json) or an
     error sentence. A stray or missing marker is one error naming `example`. Every tool-call format uses this
-    (`tool_parsers`); only the markers and the body's parser differ."""
+    (`tool_parser`); only the markers and the body's parser differ."""
     for stop in stops:
         text = text.split(stop, 1)[0]
     content: list[str] = []

@@ -28,7 +28,7 @@ Design:
   yields one, `allow_special=True` matches them all), and it keeps the
   directory's tokenizer_config.json, chat_template.jinja and
   generation_config.json, which `save` writes back, so the chat template
-  (`codefleet.model.chat_format`) travels with it. `fit(vocab_size)` sizes
+  (`codefleet.chat.formats`) travels with it. `fit(vocab_size)` sizes
   it to a model whose embedding is larger (ids past its own decode to
   nothing) and refuses one that is smaller.
 - Training is deterministic: the same texts in the same order give the same
@@ -50,7 +50,7 @@ from collections.abc import Iterable
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from codefleet.model import chat
+from codefleet.chat.codefleet_template import ASSISTANT, BOS, CALL_CLOSE, CALL_OPEN, END, EOS, SYSTEM, TOOL, TOOLS, USER
 from codefleet.store import safe_files
 
 DEFAULT_VOCAB_SIZE = 4096
@@ -66,8 +66,8 @@ ASSETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 
 # Order fixes the ids (0..15). Reserved slots let later work add tokens without changing the vocabulary.
 SPECIAL_TOKENS = [
-    "<|pad|>", chat.BOS, chat.EOS, chat.END, chat.SYSTEM, chat.USER, chat.ASSISTANT, chat.TOOL, chat.TOOLS,
-    chat.CALL_OPEN, chat.CALL_CLOSE, *[f"<|reserved_{i}|>" for i in range(5)],
+    "<|pad|>", BOS, EOS, END, SYSTEM, USER, ASSISTANT, TOOL, TOOLS,
+    CALL_OPEN, CALL_CLOSE, *[f"<|reserved_{i}|>" for i in range(5)],
 ]
 
 
@@ -96,7 +96,7 @@ class Tokenizer:
         missing = [t for t in SPECIAL_TOKENS if hf.token_to_id(t) is None]
         if missing:
             raise ValueError(f"tokenizer lacks the special tokens {missing}; train it with Tokenizer.train "
-                             "(or rebuild with `python -m codefleet.model.tokenizer build`)")
+                             "(or rebuild with `python -m codefleet.chat.tokenizer build`)")
         self.special: dict[str, int] = {t: hf.token_to_id(t) for t in SPECIAL_TOKENS}
         self.pad_id, self.bos_id, self.eos_id, self.end_id = (self.special[t] for t in SPECIAL_TOKENS[:4])
         self.system_id, self.user_id, self.assistant_id, self.tool_id = (self.special[t] for t in SPECIAL_TOKENS[4:8])
@@ -216,7 +216,7 @@ class HFTokenizer(Tokenizer):
     `special` maps every added token (special or not in tokenizer.json: Qwen's `<tool_call>` is not) to its
     id; `files` holds the text of the checkpoint's other tokenizer files by name."""
 
-    chat_format = None  # its chat_format.TemplateFormat, once built (chat_format.of)
+    chat_format = None  # its formats.TemplateFormat, once built (formats.of)
 
     def __init__(self, hf: tokenizers.Tokenizer, files: dict[str, str] | None = None, source: str = ""):
         self.source = source or "tokenizer.json"

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from codefleet.model import fast
+from codefleet.inference import fast
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
     parser = PARSERS["hermes"]
     turn = parser.parse("Reading it.\\n<tool_call>\\n{\\"name\\": \\"read_file\\", ...}\\n</tool_call>", "call_0_")
-    turn.content, turn.tool_calls, turn.errors          # chat.ParsedTurn
+    turn.content, turn.tool_calls, turn.errors          # codefleet_template.ParsedTurn
 
 A format writes each call as a JSON object `{"name": ..., "arguments": {...}}` between an opening and a
 closing marker; what differs is the markers:
@@ -10,7 +10,7 @@ closing marker; what differs is the markers:
 - `"codefleet"`: codefleet's own chat template, `<|tool_call|>{...}<|/tool_call|>` (`chat.parse_tool_calls`).
 - `"hermes"`: Hermes / Qwen checkpoints, `<tool_call>\\n{...}\\n</tool_call>`, several per turn.
 
-Which one a checkpoint uses is read from its chat template (`chat_format.for_checkpoint`). Every parser
+Which one a checkpoint uses is read from its chat template (`formats.for_checkpoint`). Every parser
 keeps `chat.parse_tool_calls`'s promises: it never raises, several calls per turn are allowed, and a
 malformed call (no closing marker, JSON that does not parse, no name, arguments that are not an object)
 becomes one sentence in `errors` that says what was wrong and how to write it, which the agent loop
@@ -23,8 +23,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from codefleet.model import chat
-from codefleet.model.chat import ParsedTurn
+from codefleet.chat import codefleet_template
+from codefleet.chat.codefleet_template import ParsedTurn
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class ToolCallFormat:
 
     def parse(self, text: str, id_prefix: str = "call_") -> ParsedTurn:
         if self.name == "codefleet":  # codefleet's own parser, unchanged
-            return chat.parse_tool_calls(text, id_prefix)
+            return codefleet_template.parse_tool_calls(text, id_prefix)
         return _parse(self, text, id_prefix)
 
     def with_stops(self, stops: tuple[str, ...]) -> ToolCallFormat:
@@ -53,7 +53,8 @@ class ToolCallFormat:
 
 PARSERS: dict[str, ToolCallFormat] = {
     # every codefleet marker starts with "<|"; its template writes "<\u007c" inside calls
-    "codefleet": ToolCallFormat("codefleet", chat.CALL_OPEN, chat.CALL_CLOSE, tuple(chat.STOP), ("<|",), ("<|",)),
+    "codefleet": ToolCallFormat("codefleet", codefleet_template.CALL_OPEN, codefleet_template.CALL_CLOSE,
+                                tuple(codefleet_template.STOP), ("<|",), ("<|",)),
     "hermes": ToolCallFormat("hermes", "<tool_call>", "</tool_call>", (), ("<tool_call>", "</tool_call>"),
                              ("</tool_call>",)),
 }
@@ -99,5 +100,5 @@ def _parse_call(fmt: ToolCallFormat, body: str, number: int) -> tuple[str, str] 
 
 
 def _parse(fmt: ToolCallFormat, text: str, id_prefix: str) -> ParsedTurn:
-    return chat.split_turn(text, fmt.call_open, fmt.call_close, fmt.stops, fmt.example(),
+    return codefleet_template.split_turn(text, fmt.call_open, fmt.call_close, fmt.stops, fmt.example(),
                            lambda body, number: _parse_call(fmt, body, number), id_prefix)

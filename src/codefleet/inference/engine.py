@@ -68,13 +68,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from codefleet.chat import formats
 from codefleet.contracts import ENGINES
-from codefleet.model import chat_format, checkpoint
-from codefleet.model.cache import SlotKVCache
-from codefleet.model.grammar import ToolCallGrammar, TurnMatcher, constrained_sample
-from codefleet.model.prefix_cache import Parked, PrefixCache
-from codefleet.model.sampling import SamplingParams, per_prompt, sample_next
-from codefleet.model.weight_swap import Staged, WeightSwap
+from codefleet.inference.cache import SlotKVCache
+from codefleet.inference.grammar import ToolCallGrammar, TurnMatcher, constrained_sample
+from codefleet.inference.prefix_cache import Parked, PrefixCache
+from codefleet.inference.sampling import SamplingParams, per_prompt, sample_next
+from codefleet.inference.weight_swap import Staged, WeightSwap
+from codefleet.model import checkpoint
 
 log = logging.getLogger(__name__)
 GRAMMARS_KEPT = 16  # compiled tool-call grammars the engine keeps (one per distinct tool list)
@@ -654,11 +655,11 @@ def _settle(future: Future, result: Result | None = None, error: BaseException |
 
 def load_engine(checkpoint_dir: str, max_batch: int = 32, max_seq_len: int | None = None, **engine_options) -> Engine:
     """An engine over a saved checkpoint; the tokenizer and chat format are the checkpoint's own
-    (`chat_format.for_checkpoint`: a Hugging Face directory's tokenizer.json and chat template, a codefleet
+    (`formats.for_checkpoint`: a Hugging Face directory's tokenizer.json and chat template, a codefleet
     checkpoint's tokenizer.json, else the default tokenizer)."""
     model = checkpoint.load(checkpoint_dir)
-    tokenizer, _ = chat_format.for_checkpoint(checkpoint_dir)
-    chat_format.check_vocab(tokenizer, model.config.vocab_size)
+    tokenizer, _ = formats.for_checkpoint(checkpoint_dir)
+    formats.check_vocab(tokenizer, model.config.vocab_size)
     return Engine(model, tokenizer, max_batch=max_batch, max_seq_len=max_seq_len, **engine_options)
 
 

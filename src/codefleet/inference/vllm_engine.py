@@ -28,7 +28,7 @@ version is the one served at the step that sampled it: tokens sampled before
 an update keep the old version. Stopping follows codefleet's engine: only
 `stop_token_ids` and `stop` strings end a request (the model's EOS does not,
 `ignore_eos`), the stop token is kept in `token_ids`, and `text` is decoded
-with the checkpoint's own tokenizer (`chat_format.for_checkpoint`), as
+with the checkpoint's own tokenizer (`formats.for_checkpoint`), as
 codefleet's engine does.
 
 Routed experts (routing replay, R3): vLLM returns them only with
@@ -60,10 +60,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from codefleet.chat import formats
 from codefleet.contracts import ENGINES
-from codefleet.model import chat_format, checkpoint, hf
-from codefleet.model.engine import BackgroundSleep, Result, _settle
-from codefleet.model.sampling import MIN_TEMPERATURE, SamplingParams, per_prompt
+from codefleet.inference.engine import BackgroundSleep, Result, _settle
+from codefleet.inference.sampling import MIN_TEMPERATURE, SamplingParams, per_prompt
+from codefleet.model import checkpoint, hf
 
 log = logging.getLogger(__name__)
 GPU_MEMORY_UTILIZATION = 0.9  # of a whole GPU, as vLLM's default: the rest is headroom for CUDA contexts and others
@@ -125,8 +126,8 @@ class VLLMEngine(BackgroundSleep):
                 "cluster.engine_backend=codefleet; to serve or sample without routing, load with record_routing=False")
         vllm = _import_vllm()
         self.checkpoint_dir = checkpoint_dir
-        self.tokenizer, _ = chat_format.for_checkpoint(checkpoint_dir)
-        chat_format.check_vocab(self.tokenizer, self.config.vocab_size)
+        self.tokenizer, _ = formats.for_checkpoint(checkpoint_dir)
+        formats.check_vocab(self.tokenizer, self.config.vocab_size)
         self.max_seq_len = int(max_seq_len or self.config.max_seq_len)
         self.max_batch = max_batch
         self.version = int(version)

@@ -16,10 +16,10 @@ import sys
 
 import torch
 
+from codefleet.inference.engine import load_engine
+from codefleet.inference.server import run_server
+from codefleet.inference.vllm_engine import load_vllm_engine
 from codefleet.model import checkpoint
-from codefleet.model.engine import load_engine
-from codefleet.model.server import run_server
-from codefleet.model.vllm_engine import load_vllm_engine
 
 
 def register(subparsers) -> None:
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m codefleet.model.serve_cli --checkpoint DIR --port P` (the same as `codefleet serve`)."""
+    """`python -m codefleet.inference.serve_cli --checkpoint DIR --port P` (the same as `codefleet serve`)."""
     parser = argparse.ArgumentParser(prog="codefleet")
     register(parser.add_subparsers(dest="group", required=True))
     args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])

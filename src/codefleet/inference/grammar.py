@@ -7,7 +7,7 @@ docs/experiments/). Each costs a turn. With a grammar the engine never samples a
 break the call being written.
 
 The grammar of one assistant turn, over the tokens of the checkpoint's chat format
-(`chat_format.of(tokenizer)`: codefleet's `<|tool_call|>...<|/tool_call|>`, or a Hugging Face
+(`formats.of(tokenizer)`: codefleet's `<|tool_call|>...<|/tool_call|>`, or a Hugging Face
 checkpoint's, e.g. Hermes's `<tool_call>...</tool_call>`; its call markers must be single tokens):
 
     turn := text (CALL_OPEN ws call ws CALL_CLOSE text)* STOP
@@ -47,8 +47,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from codefleet.model import chat_format
-from codefleet.model.sampling import TOOL_CHOICES
+from codefleet.chat import formats
+from codefleet.inference.sampling import TOOL_CHOICES
 
 MAX_REJECTIONS = 4  # single resamples before the full mask
 MASKS_KEPT = 4096  # full masks a grammar keeps, by matcher state
@@ -506,12 +506,12 @@ class ToolCallGrammar:
     @classmethod
     def build(cls, tokenizer, tools: list[dict], tool_choice: str = "auto", calls_only: bool = False,
               max_calls: int = 0, fmt=None) -> ToolCallGrammar:
-        """The grammar over `tokenizer`'s chat format (`fmt`, default `chat_format.of(tokenizer)`)."""
+        """The grammar over `tokenizer`'s chat format (`fmt`, default `formats.of(tokenizer)`)."""
         if tool_choice not in TOOL_CHOICES:
             raise ValueError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}, got {tool_choice!r}")
         if calls_only and tool_choice == "none":
             raise ValueError("calls_only asks for tool calls, which tool_choice \"none\" forbids; use one or the other")
-        fmt = fmt or chat_format.of(tokenizer)
+        fmt = fmt or formats.of(tokenizer)
         calls = fmt.tool_calls
         markers = []
         for marker in (calls.call_open, calls.call_close):

@@ -7,7 +7,7 @@
     GET  /health                200 when up
 
 Each request renders its messages with the checkpoint's chat format
-(`chat_format.of(tokenizer)`: codefleet's template, or a Hugging Face
+(`formats.of(tokenizer)`: codefleet's template, or a Hugging Face
 checkpoint's own chat template and tool-call format), is submitted to the engine (whose background thread batches all requests in
 flight into the same decode steps) and awaited without blocking the event
 loop. `tool_choice` "required" or a named function, a tool marked `"strict":
@@ -17,7 +17,7 @@ named function also make the turn tool calls alone: its first token opens a
 call (of the named function, and only one), so any model, a random one too,
 answers with a call rather than text until `max_tokens`. "none" offers no
 tools and the turn may not open a call. The completion is parsed with
-the format's tool-call parser (`tool_parsers`): tool calls come back as OpenAI `tool_calls` with ids
+the format's tool-call parser (`tool_parser`): tool calls come back as OpenAI `tool_calls` with ids
 unique to the response and `finish_reason: "tool_calls"`; otherwise "stop"
 (the turn ended) or "length" (max_tokens ran out). `logprobs` with
 `top_logprobs` (0 to 20) also returns the likeliest tokens at each step.
@@ -69,11 +69,11 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from codefleet.model import chat_format
-from codefleet.model.chat import check_prompt
-from codefleet.model.engine import Engine, Result
-from codefleet.model.grammar import call_node
-from codefleet.model.sampling import SamplingParams
+from codefleet.chat import formats
+from codefleet.chat.codefleet_template import check_prompt
+from codefleet.inference.engine import Engine, Result
+from codefleet.inference.grammar import call_node
+from codefleet.inference.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
@@ -122,7 +122,7 @@ def parse_request(body: object, engine: Engine, tokenizer, model_name: str, defa
     # OpenAI's "developer" role is the system prompt of newer models
     messages = [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
                 for m in messages]
-    fmt = chat_format.of(tokenizer)
+    fmt = formats.of(tokenizer)
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in fmt.roles:
             raise RequestError(f"messages[{i}] must be an object whose \"role\" is one of "
@@ -270,8 +270,8 @@ def build_completion(result: Result, request: ChatRequest, tokenizer, model_name
                      created: int) -> dict:
     """The chat.completion body for a finished engine result (tool calls parsed from its text)."""
     if request.tools:
-        parsed = chat_format.of(tokenizer).parse_tool_calls(result.text, id_prefix=f"call_{completion_id[-8:]}_")
-        content, calls = parsed.content, chat_format.openai_tool_calls(parsed.tool_calls)
+        parsed = formats.of(tokenizer).parse_tool_calls(result.text, id_prefix=f"call_{completion_id[-8:]}_")
+        content, calls = parsed.content, formats.openai_tool_calls(parsed.tool_calls)
     else:  # no tools offered: the turn is all content
         content, calls = result.text, []
     finish = result.finish_reason
@@ -412,7 +412,7 @@ class ChatServer:
             return f"data: {json.dumps(body)}\n\n".encode()
 
         stop_ids = set(req.params.stop_token_ids)
-        call_open = self.tokenizer.special.get(chat_format.of(self.tokenizer).tool_calls.call_open)
+        call_open = self.tokenizer.special.get(formats.of(self.tokenizer).tool_calls.call_open)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         held = False  # a tool call opened: hold the rest back until the turn is parsed
         sent = ""  # the content streamed so far
