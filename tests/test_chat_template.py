@@ -15,14 +15,14 @@ from codefleet.chat.codefleet_template import (
     END,
     encode_chat,
     encode_chat_with_mask,
-    openai_tool_calls,
-    parse_tool_calls,
     render,
     stop_ids,
 )
 from codefleet.chat.tokenizer import default_tokenizer
+from codefleet.chat.tool_parser import PARSERS, openai_tool_calls
 
 TOOLS = tool_schemas()
+parse_tool_calls = PARSERS["codefleet"].parse
 
 
 def call(id: str, name: str, **args) -> dict:

@@ -20,10 +20,10 @@ from codefleet.chat.codefleet_template import (
     USER,
     encode_chat,
     encode_chat_with_mask,
-    parse_tool_calls,
     stop_ids,
 )
 from codefleet.chat.tokenizer import default_tokenizer
+from codefleet.chat.tool_parser import PARSERS
 from codefleet.inference.engine import Engine
 from codefleet.inference.grammar import ToolCallGrammar, constrained_sample
 from codefleet.inference.sampling import SamplingParams, sample_next
@@ -118,7 +118,7 @@ def test_the_grammar_refuses_what_would_not_parse_or_fit_the_schema(tok, grammar
 ])
 def test_the_grammar_accepts_json_spelled_in_other_ways(tok, grammar, body):
     assert _call(grammar, tok, body)
-    assert not parse_tool_calls(f"{CALL_OPEN}{body}{CALL_CLOSE}").errors
+    assert not PARSERS["codefleet"].parse(f"{CALL_OPEN}{body}{CALL_CLOSE}").errors
 
 
 def test_markers_go_only_where_the_template_puts_them(tok, grammar):
@@ -247,7 +247,7 @@ def test_the_engine_samples_only_calls_that_parse(tok, caller):
         finally:
             engine.close()
         finished = [r for r in results if r.finish_reason == "stop"]
-        parsed = [parse_tool_calls(r.text) for r in finished]
+        parsed = [PARSERS["codefleet"].parse(r.text) for r in finished]
         outcomes[constrained] = (len(finished), sum(len(p.errors) for p in parsed),
                                  sum(len(p.tool_calls) for p in parsed), sum(r.refused for r in results))
         if constrained:  # a resampled token records the model's own logprob, as the trainer computes it

@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
+from codefleet.chat.tokenizer import is_hf_dir
 from codefleet.inference.engine import Engine
 from codefleet.inference.sampling import SamplingParams
 from codefleet.model import checkpoint, hf, kernels
@@ -151,7 +152,7 @@ def test_a_saved_checkpoint_is_a_directory_transformers_loads_with_equal_logits(
     kind, path, reference, model = pair
     out = str(tmp_path / "saved")
     checkpoint.save(model, out)
-    assert hf.is_hf_dir(out) and checkpoint.tensor_hash(out) == checkpoint.tensor_hash(path)
+    assert is_hf_dir(out) and checkpoint.tensor_hash(out) == checkpoint.tensor_hash(path)
     back = AutoModelForCausalLM.from_pretrained(out).eval()
     tokens, _ = padded_batch((20,))
     with torch.no_grad():
@@ -268,7 +269,7 @@ def test_a_codefleet_checkpoint_written_before_the_new_fields_still_loads(tmp_pa
     for name in ("qk_norm", "dense_layers", "rope_scaling", "architecture", "hf_extra"):
         del config[name]
     json.dump(config, open(tmp_path / "config.json", "w"))
-    assert not hf.is_hf_dir(str(tmp_path))
+    assert not is_hf_dir(str(tmp_path))
     assert checkpoint.load(str(tmp_path)).config == model.config
 
 

@@ -20,7 +20,7 @@ from helpers import read_tree
 
 from codefleet.bench.tiny_hf import write_tokenizer
 from codefleet.chat import tokenizer as tokenizer_module
-from codefleet.chat.tokenizer import HFTokenizer, default_tokenizer
+from codefleet.chat.tokenizer import HFTokenizer, default_tokenizer, is_hf_dir
 from codefleet.cli import main
 from codefleet.fleet import trainer_group
 from codefleet.model import checkpoint, hf
@@ -75,7 +75,7 @@ def test_an_hf_save_removes_a_planted_shard_link_and_refuses_a_planted_config_li
     assert read_tree(str(canary)) == before
     os.unlink(checkpoints / "sft" / hf.CONFIG_FILE)
     hf.save(model, str(checkpoints / "sft"))
-    assert checkpoint.tensor_hash(str(checkpoints / "sft")) and hf.is_hf_dir(str(checkpoints / "sft"))
+    assert checkpoint.tensor_hash(str(checkpoints / "sft")) and is_hf_dir(str(checkpoints / "sft"))
 
 
 def test_tokenizer_files_are_never_written_through_links(tmp_path, canary):

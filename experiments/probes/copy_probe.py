@@ -50,8 +50,9 @@ import torch
 from codefleet.agent.clients.scripted import rename_command, rename_step
 from codefleet.agent.prompts import build_messages
 from codefleet.agent.tools import tool_schemas
-from codefleet.chat.codefleet_template import encode_chat, encode_chat_with_mask, parse_tool_calls
+from codefleet.chat.codefleet_template import encode_chat, encode_chat_with_mask
 from codefleet.chat.tokenizer import default_tokenizer
+from codefleet.chat.tool_parser import PARSERS
 from codefleet.inference.engine import Engine
 from codefleet.inference.sampling import SamplingParams
 from codefleet.model.config import ModelConfig
@@ -115,7 +116,7 @@ def example(rng: random.Random, tokenizer, short: bool) -> tuple[list[int], list
 
 def copied_command(text: str) -> str | None:
     """The `command` of the first `run` call in a generated turn, as the harness would run it (JSON-decoded)."""
-    for call in parse_tool_calls(text).tool_calls:
+    for call in PARSERS["codefleet"].parse(text).tool_calls:
         if call["name"] == "run":
             try:
                 return json.loads(call["arguments_json"]).get("command")

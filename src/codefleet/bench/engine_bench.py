@@ -73,7 +73,7 @@ import torch
 
 from codefleet.bench.report import report
 from codefleet.bench.tiny_hf import make_tiny_hf
-from codefleet.chat.tokenizer import ASSETS_DIR, TOKENIZER_FILE
+from codefleet.chat.tokenizer import ASSETS_DIR, TOKENIZER_FILE, is_hf_dir
 from codefleet.inference import vllm_engine
 from codefleet.inference.engine import Engine
 from codefleet.inference.sampling import SamplingParams
@@ -318,7 +318,7 @@ def run(quick: bool = False, threads: int = 2, log=print, repeats: int | None = 
 
 
 def _run(path: str, label: str, quick: bool, threads: int, log, repeats: int | None, large: bool) -> dict:
-    if not hf.is_hf_dir(path):
+    if not is_hf_dir(path):
         raise ValueError(f"{path} is not a Hugging Face model directory (a config.json naming `architectures` "
                          "or `model_type`): bench engine runs transformers on the same checkpoint")
     hf.check(path)  # one clear sentence for a bad directory before anything is timed

@@ -5,7 +5,7 @@ its own tokenizer and chat template.
     tokenizer, fmt = for_checkpoint("runs/ckpt")          # or a Hugging Face directory (Qwen3, Llama, ...)
     ids = fmt.encode_chat(tokenizer, messages, tools)     # the prompt, ready for the engine
     ids, mask = fmt.encode_chat_with_mask(tokenizer, messages, tools)   # SFT: 1 on the assistant's tokens
-    turn = fmt.parse_tool_calls(result.text, "call_0_")   # codefleet_template.ParsedTurn(content, tool_calls, errors)
+    turn = fmt.parse_tool_calls(result.text, "call_0_")   # tool_parser.ParsedTurn(content, tool_calls, errors)
     fmt = of(tokenizer)                                   # the format a loaded tokenizer belongs to
 
 How the format is chosen (`for_checkpoint`): a directory with a `tokenizer_config.json` or a
@@ -52,7 +52,6 @@ from datetime import datetime
 from typing import Protocol
 
 from codefleet.chat import codefleet_template
-from codefleet.chat.codefleet_template import ParsedTurn
 from codefleet.chat.tokenizer import (
     HF_CHAT_TEMPLATE,
     HF_CHAT_TEMPLATE_JSON,
@@ -62,9 +61,9 @@ from codefleet.chat.tokenizer import (
     HFTokenizer,
     Tokenizer,
     default_tokenizer,
+    is_hf_dir,
 )
-from codefleet.chat.tool_parser import PARSERS, ToolCallFormat, choose
-from codefleet.model import hf
+from codefleet.chat.tool_parser import PARSERS, ParsedTurn, ToolCallFormat, choose
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -96,11 +95,6 @@ class ChatFormat(Protocol):
         """The ids that end an assistant turn; the first is the one the template closes a turn with."""
 
     def parse_tool_calls(self, text: str, id_prefix: str = "call_") -> ParsedTurn: ...
-
-
-def openai_tool_calls(calls: list[dict]) -> list[dict]:
-    """Parsed calls in the OpenAI message format (`message["tool_calls"]`), for every format."""
-    return codefleet_template.openai_tool_calls(calls)
 
 
 # -- codefleet's own format ---------------------------------------------------------------
@@ -140,7 +134,7 @@ class CodefleetFormat:
         return codefleet_template.stop_ids(tokenizer)
 
     def parse_tool_calls(self, text: str, id_prefix: str = "call_") -> ParsedTurn:
-        return codefleet_template.parse_tool_calls(text, id_prefix)
+        return self.tool_calls.parse(text, id_prefix)
 
 
 CODEFLEET = CodefleetFormat()
@@ -402,7 +396,7 @@ class TemplateFormat:
 def is_hf(path: str) -> bool:
     """Whether the directory `path` is a Hugging Face checkpoint (its config.json, or a tokenizer_config.json or
     chat template beside its tokenizer), whose own tokenizer and chat template are used."""
-    return hf.is_hf_dir(path) or any(os.path.isfile(os.path.join(path, f))
+    return is_hf_dir(path) or any(os.path.isfile(os.path.join(path, f))
                                      for f in (HF_TOKENIZER_CONFIG, HF_CHAT_TEMPLATE, HF_CHAT_TEMPLATE_JSON))
 
 

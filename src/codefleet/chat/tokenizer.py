@@ -59,6 +59,7 @@ TOKENIZER_FILE = "tokenizer.json"
 # what a Hugging Face checkpoint keeps beside tokenizer.json for its tokenizer and chat template
 HF_TOKENIZER_CONFIG, HF_CHAT_TEMPLATE, HF_CHAT_TEMPLATE_JSON, HF_GENERATION_CONFIG = (
     "tokenizer_config.json", "chat_template.jinja", "chat_template.json", "generation_config.json")
+HF_CONFIG = "config.json"  # a Hugging Face model directory's architecture (`is_hf_dir`)
 HF_FILES = (HF_TOKENIZER_CONFIG, HF_CHAT_TEMPLATE, HF_CHAT_TEMPLATE_JSON, HF_GENERATION_CONFIG,
             "special_tokens_map.json")
 META_FILE = "tokenizer.meta.json"
@@ -292,6 +293,19 @@ class HFTokenizer(Tokenizer):
 
     def __repr__(self) -> str:
         return f"HFTokenizer({self.source!r}, vocab_size={self.vocab_size})"
+
+
+def is_hf_dir(path: str) -> bool:
+    """Whether `path` holds a Hugging Face model directory (its config.json names `architectures` or a
+    `model_type`), rather than a codefleet checkpoint: its tokenizer and chat template are
+    its own (`formats.for_checkpoint`)."""
+    try:
+        with open(os.path.join(path, HF_CONFIG)) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and ("architectures" in config or "model_type" in config) \
+        and "d_model" not in config
 
 
 # -- the default tokenizer -----------------------------------------------------------------

@@ -69,7 +69,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from codefleet.chat import formats
+from codefleet.chat import formats, tool_parser
 from codefleet.chat.codefleet_template import check_prompt
 from codefleet.inference.engine import Engine, Result
 from codefleet.inference.grammar import call_node
@@ -271,7 +271,7 @@ def build_completion(result: Result, request: ChatRequest, tokenizer, model_name
     """The chat.completion body for a finished engine result (tool calls parsed from its text)."""
     if request.tools:
         parsed = formats.of(tokenizer).parse_tool_calls(result.text, id_prefix=f"call_{completion_id[-8:]}_")
-        content, calls = parsed.content, formats.openai_tool_calls(parsed.tool_calls)
+        content, calls = parsed.content, tool_parser.openai_tool_calls(parsed.tool_calls)
     else:  # no tools offered: the turn is all content
         content, calls = result.text, []
     finish = result.finish_reason

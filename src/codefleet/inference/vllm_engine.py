@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 import torch
 
 from codefleet.chat import formats
+from codefleet.chat.tokenizer import is_hf_dir
 from codefleet.contracts import ENGINES
 from codefleet.inference.engine import BackgroundSleep, Result, _settle
 from codefleet.inference.sampling import MIN_TEMPERATURE, SamplingParams, per_prompt
@@ -111,7 +112,7 @@ class VLLMEngine(BackgroundSleep):
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         if max_seq_len is not None and max_seq_len < 2:
             raise ValueError(f"max_seq_len must be at least 2 (a prompt token and a generated one), got {max_seq_len}")
-        if not hf.is_hf_dir(checkpoint_dir):
+        if not is_hf_dir(checkpoint_dir):
             raise ValueError(f"{checkpoint_dir!r} is not a Hugging Face checkpoint directory (config.json with "
                              "model_type + safetensors); vLLM loads only those: export a codefleet checkpoint with "
                              "codefleet.model.hf.save")

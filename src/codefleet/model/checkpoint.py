@@ -38,7 +38,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
-from codefleet.chat.tokenizer import Tokenizer
+from codefleet.chat.tokenizer import Tokenizer, is_hf_dir
 from codefleet.model import hf
 from codefleet.model.config import ModelConfig
 from codefleet.model.transformer import Transformer
@@ -88,7 +88,7 @@ def _write_metadata(path: str, metadata: dict | None) -> None:
 
 
 def load_config(path: str) -> ModelConfig:
-    if hf.is_hf_dir(path):
+    if is_hf_dir(path):
         return hf.model_config(hf.read_config(path), path)
     config_file = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(config_file):
@@ -108,7 +108,7 @@ def load_config(path: str) -> ModelConfig:
 def load(path: str, device: str | torch.device = "cpu") -> Transformer:
     """The model saved in `path`, in the config's dtype, on `device`. A truncated or corrupt weights file, or
     weights whose shapes do not match config.json, raise ValueError naming the file (`check`)."""
-    if hf.is_hf_dir(path):
+    if is_hf_dir(path):
         return hf.load_model(path, device)
     config = check(path)
     model = Transformer(config)
@@ -125,7 +125,7 @@ def check(path: str) -> ModelConfig:
     """`path`'s config, once its weights file's header is known to be whole and to match it, without
     reading the weights (what a command checks before it starts minutes of work). Raises
     FileNotFoundError or ValueError naming the file, as `load` would."""
-    if hf.is_hf_dir(path):
+    if is_hf_dir(path):
         return hf.check(path)
     config = load_config(path)
     weights_file = os.path.join(path, WEIGHTS_FILE)
@@ -179,7 +179,7 @@ def describe(path: str, tokenizer: Tokenizer, text_from: str = "", **settings: s
     `text_from`: a Hugging Face directory the model comes from; its tokenizer, chat template and generation
     config files are copied instead (`hf.copy_text_files`), so the checkpoint is a whole HF directory."""
     make_dir(path)
-    if text_from and hf.is_hf_dir(text_from):
+    if text_from and is_hf_dir(text_from):
         hf.copy_text_files(text_from, path)
     else:
         tokenizer.save(path)
@@ -198,7 +198,7 @@ def tensor_hash(path: str) -> str:
     """A short fingerprint of the checkpoint's weights: sha256 over every tensor's name, dtype, shape and
     bytes, in name order. Two checkpoints with the same hash hold the same weights, whatever their metadata."""
     digest = hashlib.sha256()
-    if hf.is_hf_dir(path):  # sharded: the same digest over the tensors of every shard
+    if is_hf_dir(path):  # sharded: the same digest over the tensors of every shard
         named = ((name, lambda info=info: hf.read_tensor(info)) for name, info in sorted(hf.tensor_index(path).items()))
         return _digest(digest, named)
     with safe_open(os.path.join(path, WEIGHTS_FILE), "pt") as f:

@@ -33,7 +33,7 @@ import os
 import sys
 
 from codefleet.chat.codefleet_template import BOS, END, EOS
-from codefleet.chat.tokenizer import Tokenizer, default_tokenizer
+from codefleet.chat.tokenizer import Tokenizer, default_tokenizer, is_hf_dir
 from codefleet.model import checkpoint, hf
 from codefleet.store import safe_files
 
@@ -84,7 +84,7 @@ def export(src: str, out: str, max_shard_bytes: int = hf.MAX_SHARD_BYTES) -> str
     architecture = hf.export_architecture(config)  # refuses before anything is read or written
     model = checkpoint.load(src)
     hf.save(model, out, max_shard_bytes=max_shard_bytes, root=out)  # OUT may be the user's link; nothing in it
-    if hf.is_hf_dir(src):
+    if is_hf_dir(src):
         hf.copy_text_files(src, out, root=out)
     else:
         write_codefleet_text_files(out, Tokenizer.load(src) if os.path.isfile(os.path.join(src, "tokenizer.json"))

@@ -5,7 +5,7 @@
     hf.save(model, "out/")                     # sharded safetensors + config.json that transformers loads
 
 `checkpoint.load` / `checkpoint.check` / `checkpoint.save` come here for a
-directory whose config.json is a Hugging Face one (`is_hf_dir`) and for a
+directory whose config.json is a Hugging Face one (`chat.tokenizer.is_hf_dir`) and for a
 model whose `config.architecture` is a Hugging Face class, so every command
 that takes a checkpoint takes these directories too.
 
@@ -94,18 +94,6 @@ class CheckpointError(ValueError):
 
 
 # ---- the directory --------------------------------------------------------------------------------------------
-
-def is_hf_dir(path: str) -> bool:
-    """Whether `path` holds a Hugging Face model directory (its config.json names `architectures` or a
-    `model_type`), rather than a codefleet checkpoint."""
-    try:
-        with open(os.path.join(path, CONFIG_FILE)) as f:
-            config = json.load(f)
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and ("architectures" in config or "model_type" in config) \
-        and "d_model" not in config
-
 
 def read_config(path: str) -> dict:
     config_file = os.path.join(path, CONFIG_FILE)
