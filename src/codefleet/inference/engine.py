@@ -70,6 +70,7 @@ import torch
 
 from codefleet.chat import formats
 from codefleet.contracts import ENGINES
+from codefleet.inference import fast
 from codefleet.inference.cache import SlotKVCache
 from codefleet.inference.grammar import ToolCallGrammar, TurnMatcher, constrained_sample
 from codefleet.inference.prefix_cache import Parked, PrefixCache
@@ -430,7 +431,7 @@ class Engine(BackgroundSleep):
             prev_BK = torch.tensor([s.before(i, cfg.copy.prev_tokens, cfg.vocab_size) for s, i in zip(seqs, starts)],
                                    device=self.device)
         return self.model(tokens_BT, positions_BT=positions_BT, cache=self.cache,
-                          return_routing=self.record_routing, logits_at_B=logits_at_B, prev_BK=prev_BK)
+                          return_routing=self.record_routing, logits_at_B=logits_at_B, prev_BK=prev_BK, fast=fast)
 
     def _copy_ends(self, seqs: list[_Sequence]) -> list[int] | None:
         """With copy scope "prompt" the copy head points only into each request's prompt."""
