@@ -63,7 +63,7 @@ import torch
 from codefleet.chat import formats
 from codefleet.chat.tokenizer import is_hf_dir
 from codefleet.contracts import ENGINES
-from codefleet.inference.engine import BackgroundSleep, Result, _settle
+from codefleet.inference.request import BackgroundSleep, Result, settle
 from codefleet.inference.sampling import MIN_TEMPERATURE, SamplingParams, per_prompt
 from codefleet.model import checkpoint, hf
 
@@ -291,7 +291,7 @@ class VLLMEngine(BackgroundSleep):
         result = Result(request.prompt, request.tokens, request.logprobs, request.versions, routing, prompt_routing,
                         finish, text, stop, prefill_s=(request.first_token_s or now) - request.submitted,
                         total_s=now - request.submitted, cached_tokens=cached, top_logprobs=request.top_logprobs)
-        _settle(request.future, result=result)
+        settle(request.future, result=result)
 
     def _routing(self, request: _Request, completion) -> tuple[list, list]:
         """The routed experts of the generated and of the prompt tokens, `[token][moe layer][top_k]`; vLLM's array
@@ -328,7 +328,7 @@ class VLLMEngine(BackgroundSleep):
             if failed:
                 self._engine.abort_request(list(failed))
         for request in failed.values():
-            _settle(request.future, error=error)
+            settle(request.future, error=error)
 
     # -- weights ---------------------------------------------------------------------------
 
