@@ -25,7 +25,8 @@ from codefleet.agent.clients import OpenAIConfig, OpenAIPolicy
 from codefleet.agent.tools import tool_schemas
 from codefleet.chat.codefleet_template import CALL_OPEN, END, encode_chat
 from codefleet.inference.engine import Result, load_engine
-from codefleet.inference.server import ChatRequest, ServerThread, build_completion
+from codefleet.inference.openai_request import ChatRequest
+from codefleet.inference.server import ServerThread, build_completion
 from codefleet.model import checkpoint
 from codefleet.model.config import ModelConfig
 from codefleet.model.transformer import Transformer

@@ -17,7 +17,8 @@ import pytest
 from codefleet.agent.tools import tool_schemas
 from codefleet.chat import formats
 from codefleet.inference.engine import Result, load_engine
-from codefleet.inference.server import ChatRequest, ServerThread, build_completion
+from codefleet.inference.openai_request import ChatRequest
+from codefleet.inference.server import ServerThread, build_completion
 
 pytest.importorskip("transformers")
 NAME = "tiny-qwen3-moe"

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3Mo
 from codefleet.chat.tokenizer import is_hf_dir
 from codefleet.inference.engine import Engine
 from codefleet.inference.sampling import SamplingParams
-from codefleet.model import checkpoint, hf, kernels
+from codefleet.model import checkpoint, hf, kernels, safetensors_io
 from codefleet.model.config import ModelConfig
 from codefleet.model.copying import CopyConfig
 from codefleet.model.transformer import Transformer, token_logprobs
@@ -175,7 +175,7 @@ def test_export_writes_codefleets_own_moe_as_its_hugging_face_architecture(qk_no
 
 def test_export_says_why_a_model_with_a_copy_head_has_no_hugging_face_architecture(tmp_path):
     model = Transformer(ModelConfig.tiny(vocab_size=V, n_layers=1, copy=CopyConfig(head=True)))
-    with pytest.raises(hf.CheckpointError, match="copy head.*previous tokens"):
+    with pytest.raises(safetensors_io.CheckpointError, match="copy head.*previous tokens"):
         hf.save(model, str(tmp_path))
 
 
@@ -193,17 +193,17 @@ def shards(path):
 
 def test_a_missing_shard_is_named(qwen_dir):
     os.remove(qwen_dir / shards(qwen_dir)[2])
-    with pytest.raises(hf.CheckpointError, match=f"{shards(qwen_dir)[1][:6]}.*is missing"):
+    with pytest.raises(safetensors_io.CheckpointError, match=f"{shards(qwen_dir)[1][:6]}.*is missing"):
         checkpoint.load(str(qwen_dir))
 
 
 def test_a_shard_that_lacks_what_the_index_puts_there_is_named(qwen_dir):
-    index = json.load(open(qwen_dir / hf.INDEX_FILE))
+    index = json.load(open(qwen_dir / safetensors_io.INDEX_FILE))
     name = "model.norm.weight"
     others = [s for s in shards(qwen_dir) if s != index["weight_map"][name]]
     index["weight_map"][name] = others[0]
-    json.dump(index, open(qwen_dir / hf.INDEX_FILE, "w"))
-    with pytest.raises(hf.CheckpointError, match=f"{others[0]} lacks tensor 'model.norm.weight'"):
+    json.dump(index, open(qwen_dir / safetensors_io.INDEX_FILE, "w"))
+    with pytest.raises(safetensors_io.CheckpointError, match=f"{others[0]} lacks tensor 'model.norm.weight'"):
         checkpoint.check(str(qwen_dir))
 
 
@@ -212,7 +212,7 @@ def test_a_truncated_or_corrupt_shard_is_named(qwen_dir, damage):
     shard = qwen_dir / shards(qwen_dir)[0]
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) - 100] if damage == "truncated" else data[:8] + b"{not json" + data[17:])
-    with pytest.raises(hf.CheckpointError, match=f"{shard.name} is not a readable safetensors file"):
+    with pytest.raises(safetensors_io.CheckpointError, match=f"{shard.name} is not a readable safetensors file"):
         checkpoint.load(str(qwen_dir))
 
 
@@ -220,7 +220,7 @@ def test_a_tensor_whose_shape_does_not_fit_the_config_is_named(qwen_dir):
     config = json.load(open(qwen_dir / "config.json"))
     config["moe_intermediate_size"] = 48
     json.dump(config, open(qwen_dir / "config.json", "w"))
-    with pytest.raises(hf.CheckpointError, match=r"holds model\.layers\.0\.mlp\.experts\.0\..* of shape"):
+    with pytest.raises(safetensors_io.CheckpointError, match=r"holds model\.layers\.0\.mlp\.experts\.0\..* of shape"):
         checkpoint.load(str(qwen_dir))
 
 
@@ -233,7 +233,7 @@ def test_a_tensor_whose_shape_does_not_fit_the_config_is_named(qwen_dir):
 def test_what_codefleet_cannot_compute_is_refused_with_one_error(qwen_dir, edit, message):
     config = {**json.load(open(qwen_dir / "config.json")), **edit}
     json.dump(config, open(qwen_dir / "config.json", "w"))
-    with pytest.raises(hf.CheckpointError, match=message):
+    with pytest.raises(safetensors_io.CheckpointError, match=message):
         checkpoint.check(str(qwen_dir))
 
 

@@ -39,7 +39,7 @@ from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
 from codefleet.chat.tokenizer import Tokenizer, is_hf_dir
-from codefleet.model import hf
+from codefleet.model import hf, safetensors_io
 from codefleet.model.config import ModelConfig
 from codefleet.model.transformer import Transformer
 from codefleet.store import safe_files
@@ -199,7 +199,8 @@ def tensor_hash(path: str) -> str:
     bytes, in name order. Two checkpoints with the same hash hold the same weights, whatever their metadata."""
     digest = hashlib.sha256()
     if is_hf_dir(path):  # sharded: the same digest over the tensors of every shard
-        named = ((name, lambda info=info: hf.read_tensor(info)) for name, info in sorted(hf.tensor_index(path).items()))
+        named = ((name, lambda info=info: safetensors_io.read_tensor(info))
+                 for name, info in sorted(safetensors_io.tensor_index(path).items()))
         return _digest(digest, named)
     with safe_open(os.path.join(path, WEIGHTS_FILE), "pt") as f:
         return _digest(digest, ((name, lambda name=name: f.get_tensor(name)) for name in sorted(f.keys())))
