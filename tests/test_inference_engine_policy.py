@@ -12,6 +12,7 @@ from codefleet.agent.clients import LocalEnginePolicy, LocalEngineUnavailableErr
 from codefleet.agent.tools import tool_schemas
 from codefleet.chat import codefleet_template
 from codefleet.chat.tokenizer import default_tokenizer
+from codefleet.chat.tool_parser import PARSERS
 from codefleet.inference.engine import Engine
 from codefleet.model import checkpoint
 from codefleet.model.config import ModelConfig
@@ -42,7 +43,7 @@ def test_a_turn_carries_the_exact_tokens_logprobs_versions_and_routing(engine):
     assert all(len(r) == moe_layers * config.top_k and all(0 <= e < config.n_experts for e in r)
                for r in out.routed_experts) and len(out.routed_experts) == n
     ids = out.token_ids[:-1] if out.token_ids[-1] in codefleet_template.stop_ids(engine.tokenizer) else out.token_ids
-    assert out.text == codefleet_template.parse_tool_calls(engine.tokenizer.decode(ids)).content
+    assert out.text == PARSERS["codefleet"].parse(engine.tokenizer.decode(ids)).content
     assert out.finish_reason in ("stop", "length", "tool_calls")
 
 
