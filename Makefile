@@ -26,10 +26,10 @@ test-slow: setup
 test-unprivileged: setup
 	@bash scripts/test_unprivileged.sh
 
-# vLLM as the engine backend (model/vllm_engine.py), in its own environment: .venv-vllm (scripts/setup_vllm.sh).
+# vLLM as the engine backend (inference/vllm_engine.py), in its own environment: .venv-vllm (scripts/setup_vllm.sh).
 test-vllm:
 	@bash scripts/setup_vllm.sh
-	.venv-vllm/bin/python -m pytest -m vllm -q tests/test_vllm_engine.py tests/test_gpu_check.py tests/test_scale_out.py
+	.venv-vllm/bin/python -m pytest -m vllm -q tests/test_inference_vllm.py tests/test_gpu_check.py tests/test_scale_out.py
 
 # The vm backend (sandbox/vm.py): QEMU, the guest kernel and the disks (scripts/setup_vm.sh), then the sandbox
 # suite against microVMs. Under TCG (no usable KVM) it takes ~10 min on 2 cores.

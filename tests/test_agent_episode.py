@@ -170,9 +170,9 @@ def test_exact_token_attempts_each_run_on_their_own_episode_view_of_the_engine(t
     import torch
 
     from codefleet.agent.clients import LocalEnginePolicy
+    from codefleet.chat.tokenizer import default_tokenizer
+    from codefleet.inference.engine import Engine
     from codefleet.model.config import ModelConfig
-    from codefleet.model.engine import Engine
-    from codefleet.model.tokenizer import default_tokenizer
     from codefleet.model.transformer import Transformer
 
     torch.manual_seed(0)

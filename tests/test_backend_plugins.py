@@ -34,7 +34,7 @@ class ToySandbox(LocalSandbox):
 TOY_ENGINE = '''"""codefleet's engine without its tool-call grammar, saying on stderr what it loads."""
 import sys
 
-from codefleet.model.engine import Engine
+from codefleet.inference.engine import Engine
 
 
 class ToyEngine(Engine):

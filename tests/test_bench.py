@@ -109,7 +109,7 @@ def test_bench_engine_prefills_every_timed_prompt(monkeypatch, small_qwen3_moe):
     """The engine parks finished sequences in its prefix cache; a timed prompt seen before (in the warm-up or an
     earlier repeat) would skip its prefill on the engine's side only, while HF prefills every prompt."""
     from codefleet.bench import engine_bench
-    from codefleet.model.engine import Engine
+    from codefleet.inference.engine import Engine
 
     reused: list[int] = []
     generate = Engine.generate

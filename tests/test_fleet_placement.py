@@ -12,12 +12,12 @@ import torch
 from ray.util import placement_group_table
 from test_rl_trainer import _cfg
 
+from codefleet.chat.tokenizer import default_tokenizer
 from codefleet.fleet import TrainerGroup
 from codefleet.fleet.inference import start_engines
 from codefleet.fleet.placement import Placement, Role
+from codefleet.inference.sampling import SamplingParams
 from codefleet.model import checkpoint
-from codefleet.model.sampling import SamplingParams
-from codefleet.model.tokenizer import default_tokenizer
 from codefleet.model.transformer import Transformer
 from codefleet.recipe.config import TrainRunConfig
 from codefleet.recipe.run_dir import RunError

@@ -8,13 +8,13 @@ import ray
 import torch
 
 from codefleet.agent.episode import EpisodeConfig
+from codefleet.chat.tokenizer import default_tokenizer
 from codefleet.fleet.controller import AttemptResult
 from codefleet.fleet.inference import broadcast_weights, start_engines
 from codefleet.fleet.rollouts import AgentGroupRunner, RolloutSpec, start_workers
 from codefleet.fleet.staleness import Ticket
 from codefleet.model import checkpoint
 from codefleet.model.config import ModelConfig
-from codefleet.model.tokenizer import default_tokenizer
 from codefleet.model.transformer import Transformer
 from codefleet.sandbox import SandboxConfig
 from codefleet.tasks.generate import generate_tasks
@@ -85,7 +85,7 @@ def test_an_engine_that_fails_a_request_is_an_infrastructure_error_and_keeps_ser
     """A request the engine fails (its step raised) is the engine's failure, not the agent's: the attempt
     becomes an InfraError (retried, never scored) through EngineFailedError, like a dead engine's."""
     from codefleet.fleet.inference import EngineFailedError, RemoteEngine
-    from codefleet.model.sampling import SamplingParams
+    from codefleet.inference.sampling import SamplingParams
 
     ckpt, _, _ = setup
     engine = start_engines(ckpt, 1, num_cpus=0, max_batch=2)[0]

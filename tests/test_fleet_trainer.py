@@ -7,15 +7,15 @@ import json
 import pytest
 import ray
 import torch
+from test_rl_trainer import _cfg, _examples, _model, _samples
 
 from codefleet.fleet import TrainerGroup, TrainerWorkerError
 from codefleet.fleet.trainer_group import merge_metrics, shard_by_tokens
-from codefleet.model.engine import Engine
-from codefleet.model.sampling import SamplingParams
+from codefleet.inference.engine import Engine
+from codefleet.inference.sampling import SamplingParams
 from codefleet.rl.logprobs import forward_logprobs
 from codefleet.rl.trainer import TrainConfig, Trainer
 from codefleet.types import TokenSequence, Trajectory
-from test_rl_trainer import _cfg, _examples, _model, _samples
 
 CONFIG = TrainConfig(lr=3e-3, micro_batch_tokens=40)
 CPUS = 0.25  # per worker: other tests share the session's 2 CPUs
@@ -185,16 +185,15 @@ def test_an_attempt_with_no_tokens_is_scored_but_not_trained_on():
 def test_a_trainer_worker_that_dies_mid_run_is_replaced_and_the_step_redone(ray_session, tmp_path):
     """RL's trainer (train_rl.RLTrainer) on real actors: a worker killed before a step is an infrastructure
     failure; a new group starts from the last commit, the same batch is trained once, committed and published."""
+    from codefleet.chat.tokenizer import default_tokenizer
     from codefleet.fleet.controller import Controller, ControllerConfig
     from codefleet.fleet.inference import start_engines
-    from codefleet.recipe.run_dir import Metrics, RunDir
     from codefleet.fleet.staleness import Group, Rollout
-    from codefleet.recipe.config import TrainRunConfig
-    from codefleet.recipe.train_rl import RLTrainer
     from codefleet.model import checkpoint
+    from codefleet.recipe.config import TrainRunConfig
+    from codefleet.recipe.run_dir import Metrics, RunDir
+    from codefleet.recipe.train_rl import RLTrainer
     from codefleet.types import Trajectory
-
-    from codefleet.model.tokenizer import default_tokenizer
 
     model = _model(vocab_size=default_tokenizer().vocab_size)
     start = str(tmp_path / "run" / "checkpoints" / "rl-start")

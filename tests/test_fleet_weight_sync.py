@@ -11,6 +11,7 @@ import ray
 import torch
 from test_rl_trainer import _cfg
 
+from codefleet.chat.tokenizer import default_tokenizer
 from codefleet.fleet import TrainerGroup
 from codefleet.fleet.inference import broadcast_weights, start_engines
 from codefleet.fleet.weight_sync import (
@@ -25,9 +26,8 @@ from codefleet.fleet.weight_sync import (
     split_names,
     to_wire,
 )
+from codefleet.inference.sampling import SamplingParams
 from codefleet.model import checkpoint
-from codefleet.model.sampling import SamplingParams
-from codefleet.model.tokenizer import default_tokenizer
 from codefleet.model.transformer import Transformer
 from codefleet.rl.trainer import TrainConfig
 

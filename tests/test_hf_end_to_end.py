@@ -17,7 +17,8 @@ from openai import OpenAI
 from transformers import AutoModelForCausalLM
 
 from codefleet.bench.tiny_hf import make_tiny_hf
-from codefleet.model import checkpoint, hf
+from codefleet.chat.tokenizer import is_hf_dir
+from codefleet.model import checkpoint
 from codefleet.tasks.generate import generate_tasks
 
 TINY = ["tasks.n_train=3", "tasks.n_eval=1", "tasks.families=[config]", "sft.epochs=1", "sft.batch_size=3",
@@ -51,7 +52,7 @@ def test_a_qwen3_moe_directory_goes_through_train_serve_agent_eval_analyze_and_e
     _cli("train", "--out", run, "--no-progress", f"model.init={start}", *TINY, timeout=1200)
     sft, rl = os.path.join(run, "checkpoints", "sft"), os.path.join(run, "checkpoints", "rl-step-000002")
     for ckpt in (sft, rl):
-        assert hf.is_hf_dir(ckpt) and os.path.isfile(os.path.join(ckpt, "tokenizer_config.json")), ckpt
+        assert is_hf_dir(ckpt) and os.path.isfile(os.path.join(ckpt, "tokenizer_config.json")), ckpt
         _equal_to_transformers(ckpt)
     assert checkpoint.tensor_hash(rl) != checkpoint.tensor_hash(start)  # SFT and RL moved the weights
     results = json.load(open(os.path.join(run, "results.json")))["results"]

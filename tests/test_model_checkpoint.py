@@ -53,7 +53,7 @@ def test_config_json_round_trip_and_errors(tmp_path):
 @pytest.mark.parametrize("read", ["load", "check"])
 def test_a_corrupt_or_mismatched_checkpoint_is_a_value_error_naming_the_file(tmp_path, read):
     """`load` reads the weights; `check` only their header, and says the same."""
-    from codefleet.model.engine import load_engine
+    from codefleet.inference.engine import Engine
 
     path = str(tmp_path / "ckpt")
     checkpoint.save(Transformer(_config()), path)
@@ -82,7 +82,7 @@ def test_a_corrupt_or_mismatched_checkpoint_is_a_value_error_naming_the_file(tmp
     # a model whose vocabulary the tokenizer does not fill would sample ids the tokenizer cannot decode
     checkpoint.save(Transformer(ModelConfig.tiny(vocab_size=4160, n_layers=1)), path)
     with pytest.raises(ValueError, match="the tokenizer has 4096 tokens but the model's vocabulary is 4160"):
-        load_engine(path)
+        Engine.load(path)
 
 
 def test_config_sizes_must_be_positive():

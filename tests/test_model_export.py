@@ -10,11 +10,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from codefleet.chat import codefleet_template
+from codefleet.chat.tokenizer import default_tokenizer
 from codefleet.cli import main
-from codefleet.model import chat, checkpoint
+from codefleet.model import checkpoint
 from codefleet.model.config import ModelConfig
 from codefleet.model.copying import CopyConfig
-from codefleet.model.tokenizer import default_tokenizer
 from codefleet.model.transformer import Transformer
 
 TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file.",
@@ -66,9 +67,9 @@ def test_the_exported_chat_template_renders_what_codefleet_renders(exported, i, 
     hf_tok = AutoTokenizer.from_pretrained(str(out))
     messages = CONVERSATIONS[i]
     text = hf_tok.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=generation)
-    assert text == chat.render(messages, TOOLS, add_generation_prompt=generation)
+    assert text == codefleet_template.render(messages, TOOLS, add_generation_prompt=generation)
     no_tools = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
-    assert no_tools == chat.render(messages, None, add_generation_prompt=generation)
+    assert no_tools == codefleet_template.render(messages, None, add_generation_prompt=generation)
 
 
 def test_the_exported_tokenizer_gives_codefleets_ids_and_stops_at_the_end_of_a_turn(exported):
@@ -80,9 +81,9 @@ def test_the_exported_tokenizer_gives_codefleets_ids_and_stops_at_the_end_of_a_t
     tok = default_tokenizer()
     # message text that spells a special token renders as that text; the tokenizer then reads it as the special
     # id (as any HF server would): the ids agree with codefleet's once no message spells one
-    assert list(ids) == tok.encode(chat.render(messages, TOOLS), allow_special=True)
+    assert list(ids) == tok.encode(codefleet_template.render(messages, TOOLS), allow_special=True)
     generation = json.load(open(out / "generation_config.json"))
-    assert generation["eos_token_id"][0] == tok.special_id(chat.END)
+    assert generation["eos_token_id"][0] == tok.special_id(codefleet_template.END)
 
 
 def test_a_model_with_a_copy_head_is_refused_with_the_reason(tmp_path, capsys):

@@ -14,11 +14,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
-from codefleet.model import checkpoint, hf, kernels
+from codefleet.chat.tokenizer import is_hf_dir
+from codefleet.inference.engine import Engine
+from codefleet.inference.sampling import SamplingParams
+from codefleet.model import checkpoint, hf, kernels, safetensors_io
 from codefleet.model.config import ModelConfig
 from codefleet.model.copying import CopyConfig
-from codefleet.model.engine import Engine
-from codefleet.model.sampling import SamplingParams
 from codefleet.model.transformer import Transformer, token_logprobs
 
 V = 300
@@ -151,7 +152,7 @@ def test_a_saved_checkpoint_is_a_directory_transformers_loads_with_equal_logits(
     kind, path, reference, model = pair
     out = str(tmp_path / "saved")
     checkpoint.save(model, out)
-    assert hf.is_hf_dir(out) and checkpoint.tensor_hash(out) == checkpoint.tensor_hash(path)
+    assert is_hf_dir(out) and checkpoint.tensor_hash(out) == checkpoint.tensor_hash(path)
     back = AutoModelForCausalLM.from_pretrained(out).eval()
     tokens, _ = padded_batch((20,))
     with torch.no_grad():
@@ -174,7 +175,7 @@ def test_export_writes_codefleets_own_moe_as_its_hugging_face_architecture(qk_no
 
 def test_export_says_why_a_model_with_a_copy_head_has_no_hugging_face_architecture(tmp_path):
     model = Transformer(ModelConfig.tiny(vocab_size=V, n_layers=1, copy=CopyConfig(head=True)))
-    with pytest.raises(hf.CheckpointError, match="copy head.*previous tokens"):
+    with pytest.raises(safetensors_io.CheckpointError, match="copy head.*previous tokens"):
         hf.save(model, str(tmp_path))
 
 
@@ -192,17 +193,17 @@ def shards(path):
 
 def test_a_missing_shard_is_named(qwen_dir):
     os.remove(qwen_dir / shards(qwen_dir)[2])
-    with pytest.raises(hf.CheckpointError, match=f"{shards(qwen_dir)[1][:6]}.*is missing"):
+    with pytest.raises(safetensors_io.CheckpointError, match=f"{shards(qwen_dir)[1][:6]}.*is missing"):
         checkpoint.load(str(qwen_dir))
 
 
 def test_a_shard_that_lacks_what_the_index_puts_there_is_named(qwen_dir):
-    index = json.load(open(qwen_dir / hf.INDEX_FILE))
+    index = json.load(open(qwen_dir / safetensors_io.INDEX_FILE))
     name = "model.norm.weight"
     others = [s for s in shards(qwen_dir) if s != index["weight_map"][name]]
     index["weight_map"][name] = others[0]
-    json.dump(index, open(qwen_dir / hf.INDEX_FILE, "w"))
-    with pytest.raises(hf.CheckpointError, match=f"{others[0]} lacks tensor 'model.norm.weight'"):
+    json.dump(index, open(qwen_dir / safetensors_io.INDEX_FILE, "w"))
+    with pytest.raises(safetensors_io.CheckpointError, match=f"{others[0]} lacks tensor 'model.norm.weight'"):
         checkpoint.check(str(qwen_dir))
 
 
@@ -211,7 +212,7 @@ def test_a_truncated_or_corrupt_shard_is_named(qwen_dir, damage):
     shard = qwen_dir / shards(qwen_dir)[0]
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) - 100] if damage == "truncated" else data[:8] + b"{not json" + data[17:])
-    with pytest.raises(hf.CheckpointError, match=f"{shard.name} is not a readable safetensors file"):
+    with pytest.raises(safetensors_io.CheckpointError, match=f"{shard.name} is not a readable safetensors file"):
         checkpoint.load(str(qwen_dir))
 
 
@@ -219,7 +220,7 @@ def test_a_tensor_whose_shape_does_not_fit_the_config_is_named(qwen_dir):
     config = json.load(open(qwen_dir / "config.json"))
     config["moe_intermediate_size"] = 48
     json.dump(config, open(qwen_dir / "config.json", "w"))
-    with pytest.raises(hf.CheckpointError, match=r"holds model\.layers\.0\.mlp\.experts\.0\..* of shape"):
+    with pytest.raises(safetensors_io.CheckpointError, match=r"holds model\.layers\.0\.mlp\.experts\.0\..* of shape"):
         checkpoint.load(str(qwen_dir))
 
 
@@ -232,7 +233,7 @@ def test_a_tensor_whose_shape_does_not_fit_the_config_is_named(qwen_dir):
 def test_what_codefleet_cannot_compute_is_refused_with_one_error(qwen_dir, edit, message):
     config = {**json.load(open(qwen_dir / "config.json")), **edit}
     json.dump(config, open(qwen_dir / "config.json", "w"))
-    with pytest.raises(hf.CheckpointError, match=message):
+    with pytest.raises(safetensors_io.CheckpointError, match=message):
         checkpoint.check(str(qwen_dir))
 
 
@@ -268,7 +269,7 @@ def test_a_codefleet_checkpoint_written_before_the_new_fields_still_loads(tmp_pa
     for name in ("qk_norm", "dense_layers", "rope_scaling", "architecture", "hf_extra"):
         del config[name]
     json.dump(config, open(tmp_path / "config.json", "w"))
-    assert not hf.is_hf_dir(str(tmp_path))
+    assert not is_hf_dir(str(tmp_path))
     assert checkpoint.load(str(tmp_path)).config == model.config
 
 

@@ -4,8 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from codefleet.model import fast, kernels
-from codefleet.model.cache import SlotKVCache
+from codefleet.inference import fast
+from codefleet.inference.cache import SlotKVCache
+from codefleet.model import kernels
 from codefleet.model.config import ModelConfig
 from codefleet.model.copying import CopyConfig
 from codefleet.model.moe import MoE
@@ -120,14 +121,15 @@ def _decode_steps(model, slots, prompts, steps):
     logits, routing = [], []
     with torch.inference_mode():
         cache.begin(slots, [0] * len(slots), lengths, T)
-        model(tokens_BT, torch.arange(T).expand(len(slots), T), cache=cache, logits_at_B=torch.tensor(lengths) - 1)
+        model(tokens_BT, torch.arange(T).expand(len(slots), T), cache=cache, logits_at_B=torch.tensor(lengths) - 1,
+              fast=fast)
         cache.end()
         g = torch.Generator().manual_seed(5)
         for _ in range(steps):
             starts = [cache.lengths[s] for s in slots]
             cache.begin(slots, starts, [1] * len(slots), 1)
             out = model(torch.randint(16, cfg.vocab_size, (len(slots), 1), generator=g), torch.tensor(starts)[:, None],
-                        cache=cache, return_routing=True)
+                        cache=cache, return_routing=True, fast=fast)
             cache.end()
             logits.append(out.logits_BTV)
             routing.append(torch.stack(out.routed_experts))

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from codefleet.model import fast, kernels
+from codefleet.inference import fast
+from codefleet.model import kernels
 from codefleet.model.config import ModelConfig
 from codefleet.model.moe import MoE, _gmm_padded
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from codefleet.model import fast
+from codefleet.inference import fast
 from codefleet.model.config import ModelConfig
 from codefleet.model.copying import CopyConfig, copy_ends
 from codefleet.model.rope import apply_rope, rope_cos_sin
@@ -121,13 +121,13 @@ def test_cached_decode_equals_full_forward():
     cfg = _small()
     model = Transformer(cfg).eval()
     tokens_BT = torch.randint(0, 97, (3, 10))
-    with torch.no_grad():
-        full = model(tokens_BT, return_routing=True)
+    with torch.no_grad():  # the engine's path: cached, through the fast path
+        full = model(tokens_BT, return_routing=True, fast=fast)
         cache = RefCache(cfg.n_layers)
-        steps = [model(tokens_BT[:, :6], cache=cache, return_routing=True)]
+        steps = [model(tokens_BT[:, :6], cache=cache, return_routing=True, fast=fast)]
         for t in range(6, 10):
             steps.append(model(tokens_BT[:, t:t + 1], positions_BT=torch.full((3, 1), t), cache=cache,
-                               return_routing=True, prev_BK=tokens_BT[:, t - cfg.copy.prev_tokens:t]))
+                               return_routing=True, prev_BK=tokens_BT[:, t - cfg.copy.prev_tokens:t], fast=fast))
     logits_BTV = torch.cat([s.logits_BTV for s in steps], dim=1)
     torch.testing.assert_close(logits_BTV, full.logits_BTV, atol=1e-5, rtol=1e-5)
     routed = [torch.cat([s.routed_experts[i] for s in steps], dim=1) for i in range(cfg.n_moe_layers)]
@@ -193,8 +193,8 @@ def test_logits_at_one_position_per_row_equal_the_full_head():
 
 
 def test_inference_head_equals_the_training_head_and_follows_weight_updates():
-    """With gradients off the LM head runs on a prepacked copy of its weight (oneDNN on CPU): the same logits as
-    with gradients on, also after an in-place optimiser step and after load_state_dict replace the weight."""
+    """Through the fast path the LM head runs on a prepacked copy of its weight (oneDNN on CPU): the same logits as
+    the training path, also after an in-place optimiser step and after load_state_dict replace the weight."""
     torch.manual_seed(0)
     model = Transformer(_small())
     tokens_BT = torch.randint(0, 97, (2, 7))
@@ -202,14 +202,28 @@ def test_inference_head_equals_the_training_head_and_follows_weight_updates():
     for step in range(2):
         trained = model(tokens_BT).logits_BTV
         with torch.no_grad():
-            torch.testing.assert_close(model(tokens_BT).logits_BTV, trained, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(model(tokens_BT, fast=fast).logits_BTV, trained, atol=1e-5, rtol=1e-5)
         trained.square().mean().backward()  # moves every weight, the head's in place
         optimizer.step()
         optimizer.zero_grad()
     other = Transformer(_small())
     model.load_state_dict(other.state_dict())
     with torch.no_grad():
-        torch.testing.assert_close(model(tokens_BT).logits_BTV, other(tokens_BT).logits_BTV, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(model(tokens_BT, fast=fast).logits_BTV, other(tokens_BT).logits_BTV, atol=1e-5,
+                                   rtol=1e-5)
+
+
+def test_the_caller_chooses_the_fast_path_and_it_needs_gradients_off():
+    """Without `fast` a forward runs the model's own code with or without gradients (the same bits); `fast` is
+    refused where gradients are on, since its fused weights keep none."""
+    torch.manual_seed(0)
+    model = Transformer(_small()).eval()
+    tokens_BT = torch.randint(0, 97, (2, 7))
+    trained = model(tokens_BT).logits_BTV
+    with torch.no_grad():
+        assert torch.equal(model(tokens_BT).logits_BTV, trained)
+    with pytest.raises(ValueError, match="without gradients"):
+        model(tokens_BT, fast=fast)
 
 
 def test_a_continuing_forward_needs_the_tokens_before_it():

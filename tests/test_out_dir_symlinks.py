@@ -19,13 +19,13 @@ import torch.distributed as dist
 from helpers import read_tree
 
 from codefleet.bench.tiny_hf import write_tokenizer
+from codefleet.chat import tokenizer as tokenizer_module
+from codefleet.chat.tokenizer import HFTokenizer, default_tokenizer, is_hf_dir
 from codefleet.cli import main
 from codefleet.fleet import trainer_group
-from codefleet.model import checkpoint, hf
-from codefleet.model import tokenizer as tokenizer_module
+from codefleet.model import checkpoint, hf, safetensors_io
 from codefleet.model.config import ModelConfig
 from codefleet.model.copying import CopyConfig
-from codefleet.model.tokenizer import HFTokenizer, default_tokenizer
 from codefleet.model.transformer import Transformer
 from codefleet.recipe.config import TrainRunConfig
 from codefleet.recipe.run_dir import RunDir
@@ -60,14 +60,14 @@ def _tiny_model(vocab_size: int = 64) -> Transformer:
 def test_an_hf_save_removes_a_planted_shard_link_and_refuses_a_planted_config_link(tmp_path, canary):
     checkpoints = tmp_path / "run" / "checkpoints"
     (checkpoints / "sft").mkdir(parents=True)
-    os.symlink(canary / "passwd", checkpoints / "sft" / hf.SINGLE_FILE)  # a stale shard: removed as a link
+    os.symlink(canary / "passwd", checkpoints / "sft" / safetensors_io.SINGLE_FILE)  # a stale shard: removed as a link
     os.symlink(canary / "report.html", checkpoints / "sft" / hf.CONFIG_FILE)
     before = read_tree(str(canary))
     model = _tiny_model()
     with pytest.raises(LinkRefused, match=refused(f"{checkpoints}/sft/config.json")):
         hf.save(model, str(checkpoints / "sft"))
     assert read_tree(str(canary)) == before
-    assert not os.path.islink(checkpoints / "sft" / hf.SINGLE_FILE)  # the shard went in as a file of its own
+    assert not os.path.islink(checkpoints / "sft" / safetensors_io.SINGLE_FILE)  # the shard: a file of its own
     # the checkpoint directory itself a link: refused before anything is written
     os.symlink(canary, checkpoints / "rl")
     with pytest.raises(LinkRefused, match=refused(f"{checkpoints}/rl", "")):
@@ -75,7 +75,7 @@ def test_an_hf_save_removes_a_planted_shard_link_and_refuses_a_planted_config_li
     assert read_tree(str(canary)) == before
     os.unlink(checkpoints / "sft" / hf.CONFIG_FILE)
     hf.save(model, str(checkpoints / "sft"))
-    assert checkpoint.tensor_hash(str(checkpoints / "sft")) and hf.is_hf_dir(str(checkpoints / "sft"))
+    assert checkpoint.tensor_hash(str(checkpoints / "sft")) and is_hf_dir(str(checkpoints / "sft"))
 
 
 def test_tokenizer_files_are_never_written_through_links(tmp_path, canary):

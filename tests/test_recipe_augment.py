@@ -57,10 +57,10 @@ def test_a_conversation_without_names_is_returned_as_is():
 
 
 def test_sft_batches_show_demonstrations_and_first_turns_with_new_names():
-    from codefleet.recipe.train import sft_batch
+    from codefleet.chat.tokenizer import default_tokenizer
     from codefleet.recipe.config import SFTSection
-    from codefleet.model.tokenizer import default_tokenizer
     from codefleet.recipe.demos import Demos
+    from codefleet.recipe.train import sft_batch
 
     tokenizer = default_tokenizer()
     conversation = _rename_episode() + [{"role": "assistant", "content": "Done.", "tool_calls": [

@@ -24,7 +24,7 @@ def test_steady_timings_rewrites_the_durations_pytest_prints_in_tool_results_onl
 
 def test_two_runs_of_the_expert_give_the_same_demonstrations(tmp_path, config):
     from codefleet.agent.episode import EpisodeConfig
-    from codefleet.model.tokenizer import default_tokenizer
+    from codefleet.chat.tokenizer import default_tokenizer
     from codefleet.tasks.generate import generate_tasks
 
     tasks = generate_tasks(str(tmp_path / "tasks"), n=3, seed=2, families=["bugfix", "rename", "stub"], split="train")
@@ -41,7 +41,7 @@ def test_a_task_without_a_reference_patch_or_whose_set_up_fails_gets_no_demonstr
     import dataclasses
 
     from codefleet.agent.episode import EpisodeConfig
-    from codefleet.model.tokenizer import default_tokenizer
+    from codefleet.chat.tokenizer import default_tokenizer
     from codefleet.tasks.generate import generate_tasks
 
     tasks = generate_tasks(str(tmp_path / "tasks"), n=3, seed=2, families=["rename"], split="train")
@@ -56,9 +56,9 @@ def test_all_habits_records_each_habit_that_makes_another_episode_and_sft_draws_
     import random
 
     from codefleet.agent.episode import EpisodeConfig
-    from codefleet.recipe.train import sft_batch
+    from codefleet.chat.tokenizer import default_tokenizer
     from codefleet.recipe.config import SFTSection
-    from codefleet.model.tokenizer import default_tokenizer
+    from codefleet.recipe.train import sft_batch
     from codefleet.tasks.generate import generate_tasks
 
     tasks = generate_tasks(str(tmp_path / "tasks"), n=2, seed=2, families=["rename", "stub"], split="train")

@@ -4,9 +4,9 @@ tokens with positive advantage; collate pads and keeps the routing."""
 import pytest
 import torch
 
+from codefleet.inference.engine import Engine
+from codefleet.inference.sampling import SamplingParams
 from codefleet.model.config import ModelConfig
-from codefleet.model.engine import Engine
-from codefleet.model.sampling import SamplingParams
 from codefleet.model.transformer import Transformer
 from codefleet.rl.batch import Sample, collate, rl_loss
 from codefleet.rl.logprobs import forward_logprobs

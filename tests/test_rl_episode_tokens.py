@@ -12,10 +12,10 @@ from codefleet.agent.clients.episode_tokens import EpisodeTokens
 from codefleet.agent.policy import PolicyError
 from codefleet.agent.tools import tool_schemas
 from codefleet.bench.tiny_hf import make_tiny_hf
-from codefleet.model import chat
+from codefleet.chat import codefleet_template
+from codefleet.chat.tokenizer import default_tokenizer
+from codefleet.inference.engine import Engine
 from codefleet.model.config import ModelConfig
-from codefleet.model.engine import Engine, load_engine
-from codefleet.model.tokenizer import default_tokenizer
 from codefleet.model.transformer import Transformer
 from codefleet.rl.logprobs import forward_logprobs, routing_replay_tensors
 
@@ -58,7 +58,7 @@ def test_each_prompt_extends_the_exact_sampled_sequence(engine):
     for k in (1, 2):  # turn k's prompt starts with everything through turn k-1's sampled tokens
         assert sent[k][: tokens.turn_ends[k - 1]] == tokens.ids[: tokens.turn_ends[k - 1]]
         assert len(sent[k]) > tokens.turn_ends[k - 1]
-    assert sent[0] == chat.encode_chat(engine.tokenizer, [{"role": "system", "content": "You fix code."},
+    assert sent[0] == codefleet_template.encode_chat(engine.tokenizer, [{"role": "system", "content": "You fix code."},
                                                           {"role": "user", "content": "Make sub return a - b."}],
                                        tool_schemas())
     n = len(tokens.ids)
@@ -72,7 +72,7 @@ def test_each_prompt_extends_the_exact_sampled_sequence(engine):
 @pytest.fixture(scope="module")
 def qwen3_moe_engine(tmp_path_factory):
     """A tiny random Qwen3-MoE Hugging Face checkpoint on the engine, with its own tokenizer and template."""
-    e = load_engine(make_tiny_hf(str(tmp_path_factory.mktemp("qwen3-moe")), arch="qwen3_moe"), max_batch=4,
+    e = Engine.load(make_tiny_hf(str(tmp_path_factory.mktemp("qwen3-moe")), arch="qwen3_moe"), max_batch=4,
                     max_seq_len=2048)
     yield e
     e.close()

@@ -3,9 +3,9 @@ the trainer's logprobs (with and without replay) equal the engine's on the engin
 
 import torch
 
+from codefleet.inference.engine import Engine
+from codefleet.inference.sampling import SamplingParams
 from codefleet.model.config import ModelConfig
-from codefleet.model.engine import Engine
-from codefleet.model.sampling import SamplingParams
 from codefleet.model.transformer import Transformer, token_logprobs
 from codefleet.rl.logprobs import forward_logprobs, routing_replay_tensors
 

@@ -4,9 +4,9 @@ import math
 
 import torch
 
-from codefleet.model.chat import encode_chat_with_mask
+from codefleet.chat.codefleet_template import encode_chat_with_mask
+from codefleet.chat.tokenizer import default_tokenizer
 from codefleet.model.config import ModelConfig
-from codefleet.model.tokenizer import default_tokenizer
 from codefleet.model.transformer import Transformer
 from codefleet.rl.sft import pad_batch, sft_loss, sft_step_loss
 

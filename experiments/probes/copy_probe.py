@@ -50,15 +50,16 @@ import torch
 from codefleet.agent.clients.scripted import rename_command, rename_step
 from codefleet.agent.prompts import build_messages
 from codefleet.agent.tools import tool_schemas
-from codefleet.model import chat
+from codefleet.chat.codefleet_template import encode_chat, encode_chat_with_mask
+from codefleet.chat.tokenizer import default_tokenizer
+from codefleet.chat.tool_parser import PARSERS
+from codefleet.inference.engine import Engine
+from codefleet.inference.sampling import SamplingParams
 from codefleet.model.config import ModelConfig
 from codefleet.model.copying import CopyConfig
-from codefleet.model.engine import Engine
-from codefleet.model.sampling import SamplingParams
-from codefleet.model.tokenizer import default_tokenizer
 from codefleet.model.transformer import Transformer
 from codefleet.recipe.augment import identifier
-from codefleet.rl.trainer import Trainer, TrainConfig
+from codefleet.rl.trainer import TrainConfig, Trainer
 from codefleet.tasks.families.rename import _ASKS
 
 
@@ -109,13 +110,13 @@ def expert_answer(old: str, new: str) -> dict:
 
 def example(rng: random.Random, tokenizer, short: bool) -> tuple[list[int], list[int]]:
     messages, old, new = conversation(rng, short)
-    return chat.encode_chat_with_mask(tokenizer, messages + [expert_answer(old, new)],
+    return encode_chat_with_mask(tokenizer, messages + [expert_answer(old, new)],
                                       None if short else tool_schemas())
 
 
 def copied_command(text: str) -> str | None:
     """The `command` of the first `run` call in a generated turn, as the harness would run it (JSON-decoded)."""
-    for call in chat.parse_tool_calls(text).tool_calls:
+    for call in PARSERS["codefleet"].parse(text).tool_calls:
         if call["name"] == "run":
             try:
                 return json.loads(call["arguments_json"]).get("command")
@@ -159,11 +160,11 @@ def main() -> None:
     probes = []
     for _ in range(20):
         messages, old, new = conversation(held_out, args.short)
-        probes.append((chat.encode_chat(tokenizer, messages, None if args.short else tool_schemas()),
+        probes.append((encode_chat(tokenizer, messages, None if args.short else tool_schemas()),
                        rename_command(old, new)))
     # the metric must accept the expert's own answer, decoded as generated text is (until 2026-12-03 it compared
     # the raw command with the JSON-escaped text, which never matched: every earlier "0 of 20" was that)
-    ids, mask = chat.encode_chat_with_mask(tokenizer, [{"role": "user", "content": "x"}, expert_answer("a_b", "c_d")],
+    ids, mask = encode_chat_with_mask(tokenizer, [{"role": "user", "content": "x"}, expert_answer("a_b", "c_d")],
                                            None)
     assert copied_command(tokenizer.decode([t for t, m in zip(ids, mask) if m])) == rename_command("a_b", "c_d")
     started = time.perf_counter()

@@ -35,8 +35,9 @@ import torch
 
 from codefleet.agent.clients.scripted import ScriptedExpert
 from codefleet.agent.prompts import build_messages
-from codefleet.model import chat, checkpoint
-from codefleet.model.tokenizer import default_tokenizer
+from codefleet.chat.codefleet_template import encode_chat_with_mask
+from codefleet.chat.tokenizer import default_tokenizer
+from codefleet.model import checkpoint
 from codefleet.rl.logprobs import forward_logprobs
 from codefleet.tasks.spec import load_task
 
@@ -52,7 +53,7 @@ def first_turn(task, explore: bool, messages: list[dict] | None = None) -> dict:
 
 def opening_logprob(model, tokenizer, task, explore: bool, n_tokens: int) -> float:
     messages = build_messages(task.instruction, task.test_command, prompt="bare")
-    ids, mask = chat.encode_chat_with_mask(tokenizer, messages + [first_turn(task, explore, messages)], None)
+    ids, mask = encode_chat_with_mask(tokenizer, messages + [first_turn(task, explore, messages)], None)
     start = mask.index(1)
     mask = [1 if start <= i < start + n_tokens else 0 for i in range(len(mask))]
     with torch.no_grad():

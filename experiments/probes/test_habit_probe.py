@@ -17,9 +17,9 @@ def _probe():
 def test_the_probe_scores_only_tasks_with_two_habits_and_says_when_there_are_none(tmp_path, capsys):
     import torch
 
+    from codefleet.chat.tokenizer import default_tokenizer
     from codefleet.model import checkpoint
     from codefleet.model.config import ModelConfig
-    from codefleet.model.tokenizer import default_tokenizer
     from codefleet.model.transformer import Transformer
     from codefleet.tasks.generate import generate_tasks
 

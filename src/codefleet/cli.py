@@ -37,7 +37,7 @@ from codefleet.sandbox import SandboxConfig, SandboxError, create_sandbox, resol
 # command -> (the module whose `register(subparsers)` adds its parser, what it does in one line)
 COMMANDS = {
     "agent": ("codefleet.agent.cli", "run the coding agent on a repository"),
-    "serve": ("codefleet.model.serve_cli", "serve a checkpoint behind an OpenAI-compatible API"),
+    "serve": ("codefleet.inference.serve_cli", "serve a checkpoint behind an OpenAI-compatible API"),
     "train": ("codefleet.recipe.cli", "tasks -> expert demos -> SFT -> asynchronous RL on Ray -> held-out evaluation"),
     "eval": ("codefleet.recipe.cli", "evaluate a checkpoint or an OpenAI-compatible model on a task directory"),
     "analyze": ("codefleet.analysis.cli", "analyse a run's rollouts with Ray Data: summary.json, judgments.parquet, "

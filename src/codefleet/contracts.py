@@ -247,8 +247,8 @@ SANDBOXES: Registry[Any] = Registry("sandbox backend", "codefleet.sandboxes", {
 # can run on a GPU), `serve_options` (the `load` options for serving and agent runs, which need no routed experts),
 # `omp_threads_from_env` (each thread that steps it takes its OpenMP thread count from OMP_NUM_THREADS).
 ENGINES: Registry[Any] = Registry("engine backend", "codefleet.engines", {
-    "codefleet": "codefleet.model.engine:Engine",
-    "vllm": "codefleet.model.vllm_engine:VLLMEngine",
+    "codefleet": "codefleet.inference.engine:Engine",
+    "vllm": "codefleet.inference.vllm_engine:VLLMEngine",
 })
 # name -> a Trainer class with `Trainer(model, config, device=...)` and `Trainer.load(path, config, device=...)`. It
 # declares `sharded` (every rank holds a shard: all ranks build, save and load it together).

@@ -13,7 +13,7 @@ its episodes are ~2.3x shorter (the schemas alone are ~770 tokens).
 
 from __future__ import annotations
 
-from codefleet.model.chat import PROMPTS, check_prompt
+from codefleet.chat.codefleet_template import PROMPTS, check_prompt
 
 __all__ = ["PROMPTS", "check_prompt", "SYSTEM_PROMPT", "PLANNER_PROMPT", "build_messages", "task_message",
            "plan_message"]

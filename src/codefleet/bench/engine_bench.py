@@ -26,7 +26,7 @@ the whole call, prefill included:
   KV cache is probed twice on a short batch-32 run, and the two fastest are timed in full
   (`hf_setting_b1|b32` names the one that won, `hf_probe_tokens_per_s` has the probes).
 - `vllm_tokens_per_s_b1|b32`, `engine_over_vllm_b1|b32`, `vllm_version`: vLLM's engine
-  (model/vllm_engine.py, `record_routing=False`, EOS ignored: exactly `new_tokens` each) on the same
+  (inference/vllm_engine.py, `record_routing=False`, EOS ignored: exactly `new_tokens` each) on the same
   checkpoint, prompts and threads, where vLLM is importable (.venv-vllm, scripts/setup_vllm.sh); null
   otherwise, and `note` says why.
 - `load_s`, `load_peak_rss_mb`: wall time of `checkpoint.load(DIR)` and the peak RSS it adds above the
@@ -73,14 +73,15 @@ import torch
 
 from codefleet.bench.report import report
 from codefleet.bench.tiny_hf import make_tiny_hf
-from codefleet.model import checkpoint, hf, kernels, vllm_engine
+from codefleet.chat.tokenizer import ASSETS_DIR, TOKENIZER_FILE, is_hf_dir
+from codefleet.inference import vllm_engine
+from codefleet.inference.engine import Engine
+from codefleet.inference.sampling import SamplingParams
+from codefleet.model import checkpoint, hf, kernels
 from codefleet.model.config import ModelConfig
-from codefleet.model.engine import Engine
-from codefleet.model.sampling import SamplingParams
-from codefleet.model.tokenizer import ASSETS_DIR, TOKENIZER_FILE
 
 BUILT = "tiny-qwen3-moe (built)"
-TOKENIZER_SIZE = 4096  # codefleet's own tokenizer (model/assets), ModelConfig.tiny()'s vocabulary
+TOKENIZER_SIZE = 4096  # codefleet's own tokenizer (chat/assets), ModelConfig.tiny()'s vocabulary
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
                       "{% if add_generation_prompt %}<|assistant|>{% endif %}")  # in its special tokens
 
@@ -140,14 +141,14 @@ def hf_peer(path: str, dtype: torch.dtype):
 
 
 def vllm_peer(path: str, max_batch: int, max_seq_len: int):
-    """vLLM's engine (model/vllm_engine.py) on the checkpoint in `path` and vLLM's version, or (None, why) when
+    """vLLM's engine (inference/vllm_engine.py) on the checkpoint in `path` and vLLM's version, or (None, why) when
     vLLM is not importable in this Python."""
     if importlib.util.find_spec("vllm") is None:
         return None, f"no vLLM peer: {vllm_engine.INSTALL_HINT}"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     import vllm  # optional: scripts/setup_vllm.sh (.venv-vllm)
 
-    engine = vllm_engine.load_vllm_engine(path, max_batch=max_batch, max_seq_len=max_seq_len, record_routing=False)
+    engine = vllm_engine.VLLMEngine.load(path, max_batch=max_batch, max_seq_len=max_seq_len, record_routing=False)
     return engine, vllm.__version__
 
 
@@ -317,7 +318,7 @@ def run(quick: bool = False, threads: int = 2, log=print, repeats: int | None = 
 
 
 def _run(path: str, label: str, quick: bool, threads: int, log, repeats: int | None, large: bool) -> dict:
-    if not hf.is_hf_dir(path):
+    if not is_hf_dir(path):
         raise ValueError(f"{path} is not a Hugging Face model directory (a config.json naming `architectures` "
                          "or `model_type`): bench engine runs transformers on the same checkpoint")
     hf.check(path)  # one clear sentence for a bad directory before anything is timed

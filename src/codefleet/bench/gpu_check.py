@@ -47,7 +47,7 @@ from codefleet.fleet.gpus import check_gpus
 from codefleet.fleet.inference import broadcast_weights, start_engines
 from codefleet.fleet.ray_init import init_ray
 from codefleet.fleet.trainer_group import TrainerGroup
-from codefleet.model.sampling import SamplingParams
+from codefleet.inference.sampling import SamplingParams
 from codefleet.rl import sharded as _sharded  # noqa: F401  (registers the "fsdp2" trainer)
 from codefleet.rl.batch import Sample
 from codefleet.rl.trainer import TrainConfig

@@ -6,14 +6,14 @@
 The directory is what a real checkpoint of that family holds: config.json, the weights as sharded
 safetensors with their index (written by transformers' `save_pretrained`, random weights from `seed`),
 generation_config.json naming the stop tokens, tokenizer.json and tokenizer_config.json with a chat
-template. The tokenizer is codefleet's own byte-level BPE (model/assets/tokenizer.json) with Qwen's
+template. The tokenizer is codefleet's own byte-level BPE (chat/assets/tokenizer.json) with Qwen's
 added tokens appended (`ADDED_TOKENS`: `<|im_start|>`, `<|im_end|>`, `<|endoftext|>` special;
 `<tool_call>`, `<think>`... not special, as in Qwen's tokenizer). The chat template (`CHAT_TEMPLATE`) is
 written for codefleet in the Hermes/Qwen structure: a system turn with the tools' schemas in `<tools>`,
 assistant tool calls as `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`, tool results in a user
 turn inside `<tool_response>`, and the `<think>` reasoning of assistant turns before the last user
 message dropped (so a conversation with a second user message does not round-trip; see
-`model.chat_format`). The model's vocabulary is the tokenizer's rounded up to a multiple of 64, so the
+`chat.formats`). The model's vocabulary is the tokenizer's rounded up to a multiple of 64, so the
 embedding has rows no token uses, as real checkpoints do.
 
 transformers is imported only when a checkpoint is built (it is in the `bench` extra).
@@ -26,7 +26,7 @@ import os
 
 import tokenizers
 
-from codefleet.model.tokenizer import ASSETS_DIR, TOKENIZER_FILE
+from codefleet.chat.tokenizer import ASSETS_DIR, TOKENIZER_FILE
 
 SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 ADDED_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")

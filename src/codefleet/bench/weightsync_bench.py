@@ -44,6 +44,7 @@ import ray
 import torch
 
 from codefleet.bench.report import Log, report
+from codefleet.chat.tokenizer import default_tokenizer
 from codefleet.fleet.inference import broadcast_weights, start_engines
 from codefleet.fleet.ray_init import init_ray
 from codefleet.fleet.trainer_group import _SharedWeights
@@ -56,12 +57,11 @@ from codefleet.fleet.weight_sync import (
     specs_of,
     split_names,
 )
+from codefleet.inference.sampling import SamplingParams
 from codefleet.model import hf
 from codefleet.model.config import ModelConfig
 from codefleet.model.copying import CopyConfig
 from codefleet.model.export_cli import write_codefleet_text_files
-from codefleet.model.sampling import SamplingParams
-from codefleet.model.tokenizer import default_tokenizer
 from codefleet.model.transformer import Transformer
 
 BASE = dict(vocab_size=4096, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, d_expert=2048, top_k=2,

@@ -3,7 +3,7 @@
     engines = start_engines(checkpoint_dir, n=1, num_cpus=1)
     policy = LocalEnginePolicy(engine=RemoteEngine(engines[0]), ...).for_episode()
 
-`EngineActor` is a thin async actor around `codefleet.model.engine.Engine`
+`EngineActor` is a thin async actor around `codefleet.inference.engine.Engine`
 (continuous batching in the engine's own thread): `generate(prompt, params)`
 awaits the engine's future, so every episode's turn joins the same decode
 steps; `update_weights(weights, version)` lands between two decode steps and

@@ -42,11 +42,11 @@ import torch
 from codefleet.agent.clients.local_engine import LocalEnginePolicy, grammar_options
 from codefleet.agent.episode import EpisodeConfig, score, solve
 from codefleet.agent.policy import PolicyError
+from codefleet.chat import formats
 from codefleet.fleet.controller import AttemptResult
 from codefleet.fleet.inference import RemoteEngine, engine_state
 from codefleet.fleet.sandbox_fleet import SandboxFleet
 from codefleet.fleet.staleness import Rollout, Ticket
-from codefleet.model import chat_format
 from codefleet.model.checkpoint import TENSOR_SUFFIXES, load_config
 from codefleet.sandbox.base import SandboxConfig
 from codefleet.store import storage
@@ -97,7 +97,7 @@ class RolloutWorker:
         torch.set_num_threads(1)
         self.spec, self.engines = spec, engines
         checkpoint = storage.local_copy(spec.checkpoint, skip=TENSOR_SUFFIXES)  # a URL: its small files, here
-        self.tokenizer, _ = chat_format.for_checkpoint(checkpoint)  # and its chat template
+        self.tokenizer, _ = formats.for_checkpoint(checkpoint)  # and its chat template
         self.max_seq_len = spec.max_seq_len or load_config(checkpoint).max_seq_len
         self._groups: dict[int, _Prepared] = {}
         self._lock = threading.Lock()

@@ -1,5 +1,5 @@
-"""The mixture-of-experts policy: model, tokenizer and chat template, inference
-engine and OpenAI-compatible server.
+"""The model's math: codefleet's mixture-of-experts transformer and the Hugging Face architectures it
+loads (Qwen3, Qwen3-MoE, Llama), and checkpoints in and out.
 
 Seams between the parts (keep them stable):
 
@@ -12,13 +12,12 @@ Seams between the parts (keep them stable):
   `routing_replay` takes the same structure to force the experts (R3).
 - `cache`: an object with `attend(layer, q_BHTD, k_BHTD, v_BHTD) -> out_BHTD`
   that stores the new keys/values and attends over everything cached for
-  each sequence (engine.py owns it). Without a cache the model runs causal
-  SDPA over the given tokens (training).
-- `tokenizer.Tokenizer` (byte-level BPE, special tokens that user text can
-  never forge); `chat.render(messages, tools) -> str`,
-  `chat.encode_chat(tokenizer, messages, tools) -> ids` and
-  `chat.parse_tool_calls(text) -> ParsedTurn(content, tool_calls, errors)`.
-- `engine.Engine`: batched generation with continuous batching, results with
-  token ids, logprobs, policy versions and routed experts;
-  `update_weights(state_dict, version)` between decode steps.
+  each sequence (`codefleet.inference.cache` is the engine's). Without a cache
+  the model runs causal SDPA over the given tokens (training).
+- `checkpoint.save/load`: a self-describing directory (`hf.py` for the Hugging
+  Face layout); `expert_parallel.py` shards the experts across ranks;
+  `kernels.py` builds the native CPU kernels in `csrc/`.
+
+How the model is served (the engine, sampling, the server) is `codefleet.inference`; its text side
+(tokenizer, chat templates, tool-call parsing) is `codefleet.chat`.
 """

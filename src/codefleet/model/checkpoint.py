@@ -38,9 +38,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
-from codefleet.model import hf
+from codefleet.chat.tokenizer import Tokenizer, is_hf_dir
+from codefleet.model import hf, safetensors_io
 from codefleet.model.config import ModelConfig
-from codefleet.model.tokenizer import Tokenizer
 from codefleet.model.transformer import Transformer
 from codefleet.store import safe_files
 
@@ -88,7 +88,7 @@ def _write_metadata(path: str, metadata: dict | None) -> None:
 
 
 def load_config(path: str) -> ModelConfig:
-    if hf.is_hf_dir(path):
+    if is_hf_dir(path):
         return hf.model_config(hf.read_config(path), path)
     config_file = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(config_file):
@@ -108,7 +108,7 @@ def load_config(path: str) -> ModelConfig:
 def load(path: str, device: str | torch.device = "cpu") -> Transformer:
     """The model saved in `path`, in the config's dtype, on `device`. A truncated or corrupt weights file, or
     weights whose shapes do not match config.json, raise ValueError naming the file (`check`)."""
-    if hf.is_hf_dir(path):
+    if is_hf_dir(path):
         return hf.load_model(path, device)
     config = check(path)
     model = Transformer(config)
@@ -125,7 +125,7 @@ def check(path: str) -> ModelConfig:
     """`path`'s config, once its weights file's header is known to be whole and to match it, without
     reading the weights (what a command checks before it starts minutes of work). Raises
     FileNotFoundError or ValueError naming the file, as `load` would."""
-    if hf.is_hf_dir(path):
+    if is_hf_dir(path):
         return hf.check(path)
     config = load_config(path)
     weights_file = os.path.join(path, WEIGHTS_FILE)
@@ -151,8 +151,8 @@ def check(path: str) -> ModelConfig:
 
 
 # How a policy checkpoint is meant to be used, and what a checkpoint that does not say is taken to mean:
-# the prompt style it was trained on (chat.PROMPTS), the grammar its tool calls were sampled under, and the
-# training run it comes from (its name; "" for a checkpoint made elsewhere).
+# the prompt style it was trained on (codefleet_template.PROMPTS), the grammar its tool calls were sampled under,
+# and the training run it comes from (its name; "" for a checkpoint made elsewhere).
 USAGE_DEFAULTS = {"prompt": "full", "tool_grammar": "off", "run": ""}
 
 
@@ -179,7 +179,7 @@ def describe(path: str, tokenizer: Tokenizer, text_from: str = "", **settings: s
     `text_from`: a Hugging Face directory the model comes from; its tokenizer, chat template and generation
     config files are copied instead (`hf.copy_text_files`), so the checkpoint is a whole HF directory."""
     make_dir(path)
-    if text_from and hf.is_hf_dir(text_from):
+    if text_from and is_hf_dir(text_from):
         hf.copy_text_files(text_from, path)
     else:
         tokenizer.save(path)
@@ -198,8 +198,9 @@ def tensor_hash(path: str) -> str:
     """A short fingerprint of the checkpoint's weights: sha256 over every tensor's name, dtype, shape and
     bytes, in name order. Two checkpoints with the same hash hold the same weights, whatever their metadata."""
     digest = hashlib.sha256()
-    if hf.is_hf_dir(path):  # sharded: the same digest over the tensors of every shard
-        named = ((name, lambda info=info: hf.read_tensor(info)) for name, info in sorted(hf.tensor_index(path).items()))
+    if is_hf_dir(path):  # sharded: the same digest over the tensors of every shard
+        named = ((name, lambda info=info: safetensors_io.read_tensor(info))
+                 for name, info in sorted(safetensors_io.tensor_index(path).items()))
         return _digest(digest, named)
     with safe_open(os.path.join(path, WEIGHTS_FILE), "pt") as f:
         return _digest(digest, ((name, lambda name=name: f.get_tensor(name)) for name in sorted(f.keys())))

@@ -47,8 +47,7 @@ default; `codefleet train` turns it on) with its `scope`, `match` and
 `blocked`. `CopyConfig(prev_tokens=0)` is the plain Llama/Qwen model.
 
 `from_dict`/`from_json` take exactly the fields `to_dict` writes (`copy` as
-a nested object): a field unknown or missing is one error naming them (a
-checkpoint written before `OPTIONAL_FIELDS` existed gets their defaults).
+a nested object): a field unknown or missing is one error naming them.
 """
 
 from __future__ import annotations
@@ -175,8 +174,6 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """The config `to_dict` wrote; a field unknown or missing (here or in `copy`) is a ValueError."""
-        if isinstance(d, dict):
-            d = {**{k: v for k, v in _optional_defaults().items() if k not in d}, **d}
         fields = _exact_fields(cls, d, "")
         return cls(**{**fields, "copy": CopyConfig(**_exact_fields(CopyConfig, fields["copy"], "copy."))})
 
@@ -186,15 +183,6 @@ class ModelConfig:
     @classmethod
     def from_json(cls, text: str) -> ModelConfig:
         return cls.from_dict(json.loads(text))
-
-
-# fields added after checkpoints were first written: a config without them gets these defaults
-OPTIONAL_FIELDS = ("dense_layers", "qk_norm", "rope_scaling", "architecture", "hf_extra")
-
-
-def _optional_defaults() -> dict[str, Any]:
-    defaults = ModelConfig()
-    return {name: getattr(defaults, name) for name in OPTIONAL_FIELDS}
 
 
 def _exact_fields(cls: type, d: object, prefix: str) -> dict[str, Any]:

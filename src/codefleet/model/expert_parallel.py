@@ -37,10 +37,9 @@ equal to fp32 rounding (tests: 1e-5, forward and gradients, with and without
 replay). Every rank must run the same number of forwards and backwards (the
 all-to-alls are collectives), including a rank with no tokens.
 
-With gradients off, `Transformer.forward` takes `fast.py`'s paths, which
-read the MoE weights directly and would see only this rank's experts: score
-an EP model with gradients on (`rl.sharded` does); the engine never holds EP
-shards.
+The inference fast path (`codefleet.inference.fast`) reads the MoE weights
+directly and would see only this rank's experts: score an EP model through
+the model's own code (`rl.sharded` does); the engine never holds EP shards.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ dense one), the tokenizer, the chat template and generation_config.json.
 A checkpoint that came from a Hugging Face directory keeps its own tokenizer
 files and template. Codefleet's own models get codefleet's tokenizer and its
 chat template written in Jinja (`CODEFLEET_TEMPLATE`, which renders what
-`chat.render` renders in the "full" prompt style), with `<|end|>` as the end
+`codefleet_template.render` renders in the "full" prompt style), with `<|end|>` as the end
 of a turn. A model that has no Hugging Face architecture (the copy head, the
 previous-token embeddings, shared experts, a sigmoid router) is refused with
 the reason and the settings that train one that exports.
@@ -32,12 +32,14 @@ import json
 import os
 import sys
 
-from codefleet.model import chat, checkpoint, hf
-from codefleet.model.tokenizer import Tokenizer, default_tokenizer
+from codefleet.chat.codefleet_template import BOS, END, EOS
+from codefleet.chat.tokenizer import Tokenizer, default_tokenizer, is_hf_dir
+from codefleet.model import checkpoint, hf
 from codefleet.store import safe_files
 
-# codefleet's chat template (chat.py) as transformers renders templates (trim_blocks, lstrip_blocks): the
-# tools block after the leading system messages, each tool call as its JSON with "<|" escaped inside strings
+# codefleet's chat template (chat/codefleet_template.py) as transformers renders templates (trim_blocks,
+# lstrip_blocks): the tools block after the leading system messages, each tool call as its JSON with "<|" escaped
+# inside strings
 CODEFLEET_TEMPLATE = (
     "{%- macro text(content) -%}{%- if content is string -%}{{ content }}{%- elif content is iterable -%}"
     "{%- for part in content -%}{{ part.text if part.text is defined else '' }}{%- endfor -%}{%- endif -%}"
@@ -82,7 +84,7 @@ def export(src: str, out: str, max_shard_bytes: int = hf.MAX_SHARD_BYTES) -> str
     architecture = hf.export_architecture(config)  # refuses before anything is read or written
     model = checkpoint.load(src)
     hf.save(model, out, max_shard_bytes=max_shard_bytes, root=out)  # OUT may be the user's link; nothing in it
-    if hf.is_hf_dir(src):
+    if is_hf_dir(src):
         hf.copy_text_files(src, out, root=out)
     else:
         write_codefleet_text_files(out, Tokenizer.load(src) if os.path.isfile(os.path.join(src, "tokenizer.json"))
@@ -94,11 +96,11 @@ def write_codefleet_text_files(out: str, tokenizer: Tokenizer) -> None:
     """codefleet's tokenizer, its chat template and stop tokens, as Hugging Face tokenizer files (no link in
     `out` followed)."""
     tokenizer.save(out, root=out)
-    end, eos = (tokenizer.special_id(t) for t in (chat.END, chat.EOS))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": chat.BOS, "eos_token": chat.END,
-              "pad_token": chat.EOS, "chat_template": CODEFLEET_TEMPLATE, "model_max_length": 1 << 30,
+    end, eos = (tokenizer.special_id(t) for t in (END, EOS))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": END,
+              "pad_token": EOS, "chat_template": CODEFLEET_TEMPLATE, "model_max_length": 1 << 30,
               "clean_up_tokenization_spaces": False}
-    generation = {"bos_token_id": tokenizer.special_id(chat.BOS), "eos_token_id": [end, eos], "pad_token_id": eos}
+    generation = {"bos_token_id": tokenizer.special_id(BOS), "eos_token_id": [end, eos], "pad_token_id": eos}
     for name, body in (("tokenizer_config.json", config), ("generation_config.json", generation)):
         safe_files.write_file_beneath(out, name, json.dumps(body, indent=2, sort_keys=True), mode=0o644)
 

@@ -43,8 +43,8 @@ on data still in cache; `codefleet bench moe` at 64 experts top-8 went from
 0.75-0.77x to 0.89-1.03x (median 0.98x) a dense SwiGLU of equal active parameters
 (docs/benchmarks.md). Without them (GPUs, no compiler) `_ExpertsFn` runs.
 
-With gradients off (the engine, reference logprobs) the layer runs through
-`fast.moe` instead (model/fast.py): the router in one native call where it
+Where the caller passes the inference fast path (the engine, reference logprobs) the layer runs through
+`fast.moe` instead (codefleet.inference.fast): the router in one native call where it
 can, the experts by the cheapest dispatch for the slot count (a native
 kernel, gathered weights, a padded `bmm`, or `MoE.experts` below), the
 shared expert's gate and up as one GEMM.

@@ -24,11 +24,10 @@
   head, whose logits are the log of a pointer-generator mixture (with scope
   "prompt", training passes the turns' mask `turn_mask_BT`).
 
-Fast paths: with gradients off (the engine, reference logprobs) the blocks
-and the LM head run through `fast.blocks` and `fast.lm_head` (model/fast.py:
-fused projections, a prepacked LM head, native kernels), the two calls marked
-in `forward`. They compute this math, bit-identical or equal to float
-rounding as fast.py says of each; training always runs the code here.
+Fast paths: the caller chooses how the blocks and the LM head run. `forward(..., fast=None)` runs the
+code here (training always does); the engine and the trainer's scoring pass `fast=codefleet.inference.fast`,
+whose `blocks` and `lm_head` compute this math with gradients off (fused projections, a prepacked LM head,
+native kernels), bit-identical or equal to float rounding as fast.py says of each (`FastPath`).
 
 `forward` returns `ModelOutput(logits_BTV, routed_experts, aux_loss, z_loss)`:
 `routed_experts` is one `[B, T, top_k]` int64 tensor per MoE layer when
@@ -46,12 +45,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from codefleet.model import fast
 from codefleet.model.config import ModelConfig
 from codefleet.model.copying import CopyHead, PrevTokenEmbeddings
 from codefleet.model.moe import MoE, MoEOutput, SwiGLU
@@ -136,6 +135,16 @@ class Block(nn.Module):
         return x_BTD + out.y_ND.view(B, T, D), out
 
 
+class FastPath(Protocol):
+    """Another implementation of the blocks and the LM head, for gradients off (`codefleet.inference.fast`)."""
+
+    def blocks(self, model: Transformer, x_BTD: torch.Tensor, positions_BT: torch.Tensor, cache,
+               routing_replay: list[torch.Tensor] | None, routed: list[torch.Tensor] | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def lm_head(self, head: nn.Linear, h_BTD: torch.Tensor) -> torch.Tensor: ...
+
+
 @dataclass
 class ModelOutput:
     logits_BTV: torch.Tensor | None  # None when the forward was given targets_BT
@@ -186,7 +195,8 @@ class Transformer(nn.Module):
     def forward(self, tokens_BT: torch.Tensor, positions_BT: torch.Tensor | None = None, cache=None,
                 routing_replay: list[torch.Tensor] | None = None, return_routing: bool = False,
                 logits_at_B: torch.Tensor | None = None, prev_BK: torch.Tensor | None = None,
-                targets_BT: torch.Tensor | None = None, turn_mask_BT: torch.Tensor | None = None) -> ModelOutput:
+                targets_BT: torch.Tensor | None = None, turn_mask_BT: torch.Tensor | None = None,
+                fast: FastPath | None = None) -> ModelOutput:
         """`logits_at_B`: compute the logits only at that position of each row (`logits_BTV` is then
         [B, 1, V]); the engine's prefill needs only each prompt's last token, not a [B, T, V] head.
         `prev_BK`: the `prev_tokens` token ids before each row's first token, oldest first (`vocab_size`
@@ -195,7 +205,9 @@ class Transformer(nn.Module):
         `logits_BTV`; with a copy head this skips the `[B, T, V]` copy distribution (no cache).
         `turn_mask_BT`: True where the target is a token the model wrote in a turn (the loss mask); a forward
         without a cache needs it when the copy head's scope is "prompt" (the copy head of those positions sees
-        only the tokens before their turn, as the engine's did)."""
+        only the tokens before their turn, as the engine's did).
+        `fast`: run the blocks and the LM head through it (`codefleet.inference.fast`; gradients off), not the
+        code here."""
         cfg = self.config
         B, T = tokens_BT.shape
         if positions_BT is None:
@@ -207,10 +219,12 @@ class Transformer(nn.Module):
                 and bool((positions_BT[:, 0] > 0).any())):
             raise ValueError("this forward continues cached sequences, so it needs prev_BK: the model's input "
                              f"includes each token's {cfg.copy.prev_tokens} predecessors (config.copy.prev_tokens)")
+        if fast is not None and torch.is_grad_enabled():
+            raise ValueError("the fast path computes without gradients; call the model under torch.no_grad() or "
+                             "torch.inference_mode(), or leave fast unset to train")
         x_BTD = self.embed_input(tokens_BT, prev_BK)
         routed: list[torch.Tensor] | None = [] if return_routing else None
-        fast_paths = not torch.is_grad_enabled()  # the engine, reference logprobs: model/fast.py
-        if fast_paths:
+        if fast is not None:
             x_BTD, aux, z = fast.blocks(self, x_BTD, positions_BT, cache, routing_replay, routed)
         else:
             x_BTD, aux, z = self.blocks(x_BTD, positions_BT, cache, routing_replay, routed)
@@ -219,7 +233,7 @@ class Transformer(nn.Module):
         else:  # the copy head's keys: every position's final hidden state
             h_all_BTD = self.norm(x_BTD)
             h_BTD = h_all_BTD if logits_at_B is None else _at(h_all_BTD, logits_at_B)
-        logits_BTV = fast.lm_head(self.lm_head, h_BTD) if fast_paths else self.lm_head(h_BTD)
+        logits_BTV = fast.lm_head(self.lm_head, h_BTD) if fast is not None else self.lm_head(h_BTD)
         if targets_BT is not None:
             if cache is not None or logits_at_B is not None:
                 raise ValueError("targets_BT is for a full forward over whole sequences (training), not with "
@@ -238,7 +252,7 @@ class Transformer(nn.Module):
                run_block: Callable = Block.__call__) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every block over `x_BTD`; the residual stream after them and the summed aux and z losses (0 under
         inference_mode). Appends each MoE layer's experts `[B, T, top_k]` to `routed` if given.
-        `run_block(block, x_BTD, cos, sin, cache, replay_NK)` runs one block (`fast.block` with gradients off)."""
+        `run_block(block, x_BTD, cos, sin, cache, replay_NK)` runs one block (`inference.fast.block`)."""
         cfg = self.config
         B, T, _ = x_BTD.shape
         n = int(positions_BT.max()) + 1 if positions_BT.device.type == "cpu" else cfg.max_seq_len

@@ -13,10 +13,10 @@ import traceback
 
 from codefleet.agent.episode import EpisodeConfig
 from codefleet.agent.policy import PolicyError
+from codefleet.chat.codefleet_template import PROMPTS
 from codefleet.config import ConfigError
 from codefleet.fleet.controller_api import ControllerError
 from codefleet.model import checkpoint
-from codefleet.model.chat import PROMPTS
 from codefleet.recipe.config import load_train_config
 from codefleet.recipe.eval_config import EvalConfig
 from codefleet.recipe.evaluate import comparison_line, evaluate, evaluate_endpoint, report_json

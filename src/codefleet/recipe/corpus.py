@@ -8,7 +8,7 @@ Three kinds of documents, in this order:
    temporary directory (`tasks.generate_tasks`, split "all", fixed seed);
    every file of their repositories (deduplicated by content, sorted by
    path) and every reference patch becomes a document.
-2. Agent transcripts in the chat template (`chat.render`). For each of the
+2. Agent transcripts in the chat template (`codefleet_template.render`). For each of the
    first `n_transcripts` tasks the scripted expert solves the task turn by
    turn through the real `Toolbox`, run against an in-memory copy of the
    repository (`MemoryRepo`), so tool results have exactly the format the
@@ -41,8 +41,8 @@ from codefleet.agent.clients.scripted import ScriptedExpert
 from codefleet.agent.policy import assistant_message
 from codefleet.agent.prompts import build_messages
 from codefleet.agent.tools import Toolbox, tool_schemas
-from codefleet.model.chat import render
-from codefleet.model.tokenizer import (
+from codefleet.chat.codefleet_template import render
+from codefleet.chat.tokenizer import (
     ASSETS_DIR,
     DEFAULT_MIN_FREQUENCY,
     DEFAULT_VOCAB_SIZE,

@@ -5,7 +5,7 @@ real sandbox, exactly as a model would be run (same prompt style, same
 tools, same tool outputs), and only solved episodes are kept. The
 conversation is encoded with the checkpoint's chat format into `(ids, mask)`,
 mask 1 on the assistant's tokens (`Demos.encode`, `encode_chat_with_mask` of
-`chat_format.of(tokenizer)`: codefleet's template or a Hugging Face one),
+`formats.of(tokenizer)`: codefleet's template or a Hugging Face one),
 which is what `rl.sft` trains on; the conversations are kept too, so SFT can
 show them with fresh names (`recipe.augment`). Demonstrations longer than the
 model's context are dropped and counted, never truncated (a cut
@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from codefleet.agent.clients.scripted import ScriptedExpert
 from codefleet.agent.episode import EpisodeConfig, run_episode
 from codefleet.agent.tools import tool_schemas
-from codefleet.model import chat_format
+from codefleet.chat import formats
 from codefleet.tasks.checks import TaskSetupError
 from codefleet.types import Task
 
@@ -80,7 +80,7 @@ class Demos:
     def encode(self, tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
         """A conversation as SFT trains on it: ids and the assistant mask, with the tool schemas if "full"."""
 
-        fmt = chat_format.of(tokenizer)
+        fmt = formats.of(tokenizer)
         return fmt.encode_chat_with_mask(tokenizer, messages, tool_schemas() if self.prompt == "full" else None)
 
     def conversation(self, j: int, rng: random.Random | None = None, explore_fraction: float = 0.5,

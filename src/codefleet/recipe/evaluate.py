@@ -44,7 +44,7 @@ from codefleet.agent.attempts import run_task_attempts
 from codefleet.agent.clients import OpenAIConfig, OpenAIPolicy
 from codefleet.agent.clients.local_engine import LocalEnginePolicy, grammar_options
 from codefleet.agent.reward import tool_errors
-from codefleet.model.engine import load_engine
+from codefleet.inference.engine import Engine
 from codefleet.recipe.eval_config import EvalConfig
 from codefleet.store import storage
 from codefleet.tasks.checks import TaskSetupError
@@ -169,7 +169,7 @@ def evaluate(checkpoint: str, tasks: list[Task], config: EvalConfig | None = Non
         raise ValueError("no tasks to evaluate: give a directory made by `codefleet tasks generate`")
     torch.set_num_threads(config.threads)
     started = time.perf_counter()
-    engine = load_engine(storage.local_copy(checkpoint), max_batch=max(1, config.jobs * config.attempts))
+    engine = Engine.load(storage.local_copy(checkpoint), max_batch=max(1, config.jobs * config.attempts))
     try:
         policy = LocalEnginePolicy(engine=engine, max_tokens=config.max_tokens, temperature=config.temperature,
                                    seed=0, name=f"local:{checkpoint}", **grammar_options(tool_grammar))

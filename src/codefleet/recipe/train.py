@@ -38,15 +38,16 @@ import torch
 import yaml
 
 from codefleet.agent.clients.local_engine import TOOL_GRAMMARS
+from codefleet.chat import formats
+from codefleet.chat.codefleet_template import PROMPTS
+from codefleet.chat.tokenizer import default_tokenizer
 from codefleet.config import ConfigError, load_config, to_dict
 from codefleet.contracts import ENGINES, TRAINERS
 from codefleet.fleet.placement import PLACEMENTS
 from codefleet.fleet.ray_init import init_ray
 from codefleet.fleet.trainer_group import TrainerGroup
-from codefleet.model import chat_format, checkpoint, kernels
-from codefleet.model.chat import PROMPTS
+from codefleet.model import checkpoint, kernels
 from codefleet.model.config import ModelConfig
-from codefleet.model.tokenizer import default_tokenizer
 from codefleet.model.transformer import Transformer
 from codefleet.recipe.augment import fresh_names
 from codefleet.recipe.config import TrainRunConfig, episode_config, policy_usage
@@ -410,8 +411,8 @@ def _train(run: RunDir, config: TrainRunConfig, progress: bool) -> dict:
     started = time.perf_counter()
     phases = _Phases()
     _log_kernels()
-    # the start checkpoint's tokenizer and chat template (model.chat_format), else codefleet's
-    tokenizer = (chat_format.for_checkpoint(storage.local_copy(config.model.init, skip=checkpoint.TENSOR_SUFFIXES))[0]
+    # the start checkpoint's tokenizer and chat template (chat.formats), else codefleet's
+    tokenizer = (formats.for_checkpoint(storage.local_copy(config.model.init, skip=checkpoint.TENSOR_SUFFIXES))[0]
                  if config.model.init else default_tokenizer())
     train_tasks, rl_tasks, eval_tasks = make_tasks(run, config)
     init = init_model(run, config, tokenizer)

@@ -21,6 +21,8 @@ from ray.exceptions import RayActorError
 from tqdm import tqdm
 
 from codefleet.agent.reward import solved
+from codefleet.chat import formats
+from codefleet.chat.tokenizer import TOKENIZER_FILE, Tokenizer, default_tokenizer
 from codefleet.fleet.controller import Controller
 from codefleet.fleet.gpus import check_gpus
 from codefleet.fleet.inference import broadcast_weights, start_engines
@@ -30,8 +32,7 @@ from codefleet.fleet.sandbox_fleet import SandboxFleet
 from codefleet.fleet.staleness import Group
 from codefleet.fleet.trainer_group import TrainerGroup, TrainerWorkerError
 from codefleet.fleet.weight_sync import GroupSync, GroupSyncError
-from codefleet.model import chat_format, checkpoint
-from codefleet.model.tokenizer import TOKENIZER_FILE, Tokenizer, default_tokenizer
+from codefleet.model import checkpoint
 from codefleet.recipe.config import ClusterSection, TrainRunConfig, episode_config, policy_usage
 from codefleet.recipe.curriculum import TaskSampler
 from codefleet.recipe.run_dir import Metrics, RunDir, RunError, log
@@ -124,8 +125,8 @@ class RLTrainer:
                  sampler=None, new_group=None, start: str | None = None):
         self.group, self.engines, self.run, self.metrics = group, engines, run, metrics
         self.new_group, self.start = new_group, start
-        # written into every checkpoint beside the weights: the start checkpoint's own (model.chat_format)
-        self.tokenizer = (chat_format.for_checkpoint(storage.local_copy(start, skip=checkpoint.TENSOR_SUFFIXES))[0]
+        # written into every checkpoint beside the weights: the start checkpoint's own (chat.formats)
+        self.tokenizer = (formats.for_checkpoint(storage.local_copy(start, skip=checkpoint.TENSOR_SUFFIXES))[0]
                           if start else default_tokenizer())
         self.config, self.progress = config, progress
         self.controller = None  # set once the controller exists (its buffer state goes into checkpoints)

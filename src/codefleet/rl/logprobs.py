@@ -56,15 +56,16 @@ def routing_replay_tensors(per_token: list[list[list[int]] | list[list[list[int]
 
 
 def forward_logprobs(model, tokens_BT: torch.Tensor, mask_BT: torch.Tensor | None = None,
-                     routing_replay: list[torch.Tensor] | None = None) -> LogprobOutput:
-    """Logprob of each token given those before it (aligned with tokens_BT), and the model's router losses."""
+                     routing_replay: list[torch.Tensor] | None = None, fast=None) -> LogprobOutput:
+    """Logprob of each token given those before it (aligned with tokens_BT), and the model's router losses.
+    `fast`: the inference fast path to score through with gradients off (`Transformer.forward`)."""
     B, T = tokens_BT.shape
     positions_BT = torch.arange(T, device=tokens_BT.device).expand(B, T)
     next_BT = torch.cat([tokens_BT[:, 1:], tokens_BT[:, :1]], dim=1)  # the last column is never used
     # position t predicts token t + 1: the model wrote that target where mask_BT[t + 1] is 1
     turn_mask_BT = None if mask_BT is None else F.pad(mask_BT[:, 1:] > 0, (0, 1))
     out = model(tokens_BT, positions_BT=positions_BT, routing_replay=routing_replay, targets_BT=next_BT,
-                turn_mask_BT=turn_mask_BT)
+                turn_mask_BT=turn_mask_BT, fast=fast)
     first_B1 = torch.zeros(B, 1, device=tokens_BT.device)
     logprobs_BT = torch.cat([first_B1, out.target_logprobs_BT[:, :-1]], dim=1)
     if mask_BT is not None:

@@ -1,7 +1,7 @@
 """Supervised fine-tuning on expert trajectories: cross-entropy on the assistant's tokens only.
 
 A conversation is encoded by its checkpoint's chat format
-(`chat_format.of(tokenizer).encode_chat_with_mask`) into `(ids, mask)`, mask 1
+(`formats.of(tokenizer).encode_chat_with_mask`) into `(ids, mask)`, mask 1
 on the tokens the assistant wrote. `pad_batch` turns a list of them
 into a right-padded batch for next-token prediction:
 

@@ -30,11 +30,11 @@ fewer runs the rest on a one-token dummy batch whose loss is multiplied by 0
 (in eval mode, so the dummy counts no expert load): no gradient changes, the
 collectives line up. A rank with no examples at all takes part the same way.
 
-Scoring forwards (proximal and KL-reference logprobs) run with gradients
-*on* and are detached: with gradients off `Transformer.forward` takes
-`model/fast.py`'s fused paths, which read block weights directly and would
-bypass FSDP2's per-block gathering (and would see one rank's experts under
-expert parallelism).
+Scoring forwards (proximal and KL-reference logprobs) run the model's own
+code, not the inference fast path the data-parallel trainer passes
+(`codefleet.inference.fast` reads block weights directly and would bypass
+FSDP2's per-block gathering, and would see one rank's experts under expert
+parallelism), with gradients on as in training, and are detached.
 
 Checkpoints. `save(path)` writes one `torch.distributed.checkpoint` (DCP)
 directory: the model's and the optimizer's sharded state (each rank its own
@@ -226,8 +226,8 @@ class ShardedTrainer(Trainer):
 
     @staticmethod
     def _logprobs(model, tokens_BT, mask_BT, routing=None) -> torch.Tensor:
-        """Per-token logprobs in eval mode without keeping a graph, through the training path (gradients on:
-        see the module docstring)."""
+        """Per-token logprobs in eval mode without keeping a graph, through the training path (the module
+        docstring)."""
         was_training = model.training
         model.eval()
         try:

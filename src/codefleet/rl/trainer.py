@@ -42,8 +42,9 @@ workers (`all_reduce`) before `optim_step` moves the bias.
 Off-policy losses (`LossConfig.off_policy` "decoupled" / "tis") need the
 proximal policy's logprobs: the weights at the start of this step, i.e. the
 current weights, since they change only in `optim_step`. They are computed
-per micro-batch under `torch.no_grad()` (the model's inference path) in eval
-mode, so that the scoring forward does not count expert loads. KL
+per micro-batch under `torch.no_grad()` through the inference fast path
+(`codefleet.inference.fast`, as the engine computes them) in eval mode, so
+that the scoring forward does not count expert loads. KL
 (`LossConfig.kl_coef > 0`) is to a frozen copy of the weights the trainer
 started from (saved with the checkpoint, so a resumed run keeps its
 reference). Routing replay (R3) applies when `TrainConfig.routing_replay` is
@@ -71,6 +72,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
+from codefleet.inference import fast
 from codefleet.model import checkpoint
 from codefleet.model.transformer import Transformer
 from codefleet.rl.batch import Sample, collate, rl_loss
@@ -319,7 +321,7 @@ class Trainer:
         was_training = model.training
         model.eval()
         try:
-            return forward_logprobs(model, batch.tokens_BT, batch.mask_BT, routing).logprobs_BT
+            return forward_logprobs(model, batch.tokens_BT, batch.mask_BT, routing, fast=fast).logprobs_BT
         finally:
             model.train(was_training)
 

@@ -12,12 +12,12 @@ sequence grows like this:
                                                                  next generation prompt; mask 0)
     ...
 
-The continuation is what the checkpoint's chat format (`chat_format.of(tokenizer)`) renders for the
+The continuation is what the checkpoint's chat format (`formats.of(tokenizer)`) renders for the
 messages appended since the last assistant message (`ChatFormat.continuation`: codefleet's template
 pieces, or a Hugging Face template's text after the turn's end token); the assistant message itself
 is *not* re-rendered, its sampled ids stand for it. The engine is given exactly this sequence as each
 turn's prompt, so the trajectory's tokens are the tokens the model saw, also where the template would
-render an earlier turn differently (e.g. without its reasoning; `chat_format`'s docstring).
+render an earlier turn differently (e.g. without its reasoning; `formats`'s docstring).
 
 Routing for replay (R3): a generated token keeps the experts it was routed
 to when the engine processed it; a prompt token keeps the routing of the
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from codefleet.model import chat_format
+from codefleet.chat import formats
 from codefleet.types import TokenSequence
 
 
@@ -51,7 +51,7 @@ class EpisodeTokens:
     def prompt(self, tokenizer, messages: list[dict], tools: list[dict]) -> list[int]:
         """The ids to send for the next turn: the exact sequence so far plus the new messages' pieces."""
 
-        fmt = chat_format.of(tokenizer)
+        fmt = formats.of(tokenizer)
         if not self.ids:
             return fmt.encode_chat(tokenizer, messages, tools)
         if len(messages) <= self.n_messages or messages[self.n_messages - 1].get("role") != "assistant":

@@ -4,18 +4,18 @@
     policy = LocalEnginePolicy(engine=engine)           # share a running engine (RL workers)
 
 Token-in, token-out: the messages are rendered with the checkpoint's chat
-format (`chat_format.of(tokenizer)`: codefleet's template, or a Hugging Face
+format (`formats.of(tokenizer)`: codefleet's template, or a Hugging Face
 checkpoint's own), the engine generates, and the turn comes back with the
 exact sampled token ids (the turn's end token included), the model's logprob
 of each, the policy version that sampled each and the routed experts of each
 (`routed_experts[i]` is token i's experts, layer-major: the `top_k` experts of
 MoE layer 0, then layer 1, ...). The text is parsed with
-the format's tool-call parser (`tool_parsers`); a malformed tool-call block becomes a ToolCall with
+the format's tool-call parser (`tool_parser`); a malformed tool-call block becomes a ToolCall with
 its `error` set, so the loop tells the model what was wrong instead of ending
 the episode.
 
 With `tool_grammar=True` the engine samples only tool calls that parse and fit
-their tools' schemas (`codefleet.model.grammar`): the turn's tools, or the
+their tools' schemas (`codefleet.inference.grammar`): the turn's tools, or the
 harness's own (`agent.tools.tool_schemas`) when the prompt shows none (a policy
 trained on the bare prompt). `tool_choice="required"` also makes every turn
 call a tool.
@@ -36,9 +36,9 @@ from dataclasses import replace
 from codefleet.agent.clients.episode_tokens import EpisodeTokens, SequenceBroken, flat
 from codefleet.agent.policy import PolicyError, parse_tool_call
 from codefleet.agent.tools import tool_schemas
-from codefleet.model import chat_format
-from codefleet.model.engine import load_engine
-from codefleet.model.sampling import SamplingParams
+from codefleet.chat import formats
+from codefleet.inference.engine import Engine
+from codefleet.inference.sampling import SamplingParams
 from codefleet.types import PolicyOutput, ToolCall
 
 
@@ -47,7 +47,7 @@ class LocalEngineUnavailableError(NotImplementedError):
 
 
 class LocalEnginePolicy:
-    """A Policy over an in-process `codefleet.model.engine.Engine`."""
+    """A Policy over an in-process `codefleet.inference.engine.Engine`."""
 
     def __init__(self, checkpoint: str = "", engine=None, tokenizer=None, max_tokens: int = 1024,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
@@ -59,13 +59,13 @@ class LocalEnginePolicy:
                     "the local engine needs a checkpoint: use `local:DIR` (a directory written by "
                     "codefleet.model.checkpoint.save), or pass engine= to share a running engine")
 
-            engine = load_engine(checkpoint, max_batch=max_batch, max_seq_len=max_seq_len)
+            engine = Engine.load(checkpoint, max_batch=max_batch, max_seq_len=max_seq_len)
         self.engine = engine
         self.tokenizer = tokenizer or engine.tokenizer
         if self.tokenizer is None:
-            raise ValueError("the engine has no tokenizer; pass tokenizer= (codefleet.model.tokenizer)")
+            raise ValueError("the engine has no tokenizer; pass tokenizer= (codefleet.chat.tokenizer)")
         self.name = name or (f"local:{checkpoint}" if checkpoint else "local")
-        self._chat = chat_format.of(self.tokenizer)
+        self._chat = formats.of(self.tokenizer)
         self.params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                      stop_token_ids=self._chat.stop_ids(self.tokenizer), tool_choice=tool_choice)
         self.tool_grammar = tool_grammar

@@ -9,20 +9,20 @@ import pytest
 
 from codefleet.agent.policy import parse_tool_call
 from codefleet.agent.tools import tool_schemas
-from codefleet.model.chat import (
+from codefleet.chat.codefleet_template import (
     CALL_CLOSE,
     CALL_OPEN,
     END,
     encode_chat,
     encode_chat_with_mask,
-    openai_tool_calls,
-    parse_tool_calls,
     render,
     stop_ids,
 )
-from codefleet.model.tokenizer import default_tokenizer
+from codefleet.chat.tokenizer import default_tokenizer
+from codefleet.chat.tool_parser import PARSERS, openai_tool_calls
 
 TOOLS = tool_schemas()
+parse_tool_calls = PARSERS["codefleet"].parse
 
 
 def call(id: str, name: str, **args) -> dict:

@@ -7,17 +7,19 @@
     GET  /health                200 when up
 
 Each request renders its messages with the checkpoint's chat format
-(`chat_format.of(tokenizer)`: codefleet's template, or a Hugging Face
-checkpoint's own chat template and tool-call format), is submitted to the engine (whose background thread batches all requests in
-flight into the same decode steps) and awaited without blocking the event
+(`formats.of(tokenizer)`: codefleet's template, or a Hugging Face
+checkpoint's own chat template and tool-call format), is submitted to the
+engine (whose background thread batches all requests in flight into the same
+decode steps) and awaited without blocking the event
 loop. `tool_choice` "required" or a named function, a tool marked `"strict":
 true`, or a server started with `tool_grammar` constrain decoding so that
 every tool call parses and fits its schema (`grammar.py`). "required" and a
 named function also make the turn tool calls alone: its first token opens a
 call (of the named function, and only one), so any model, a random one too,
 answers with a call rather than text until `max_tokens`. "none" offers no
-tools and the turn may not open a call. The completion is parsed with
-the format's tool-call parser (`tool_parsers`): tool calls come back as OpenAI `tool_calls` with ids
+tools and the turn may not open a call (`openai_request.py` validates a
+request and chooses these). The completion is parsed with the format's
+tool-call parser (`tool_parser`): tool calls come back as OpenAI `tool_calls` with ids
 unique to the response and `finish_reason: "tool_calls"`; otherwise "stop"
 (the turn ended) or "length" (max_tokens ran out). `logprobs` with
 `top_logprobs` (0 to 20) also returns the likeliest tokens at each step.
@@ -65,213 +67,27 @@ import signal
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 
 from aiohttp import web
 
-from codefleet.model import chat_format
-from codefleet.model.chat import check_prompt
-from codefleet.model.engine import Engine, Result
-from codefleet.model.grammar import call_node
-from codefleet.model.sampling import SamplingParams
+from codefleet.chat import formats, tool_parser
+from codefleet.chat.codefleet_template import check_prompt
+from codefleet.inference.engine import Engine, Result
+from codefleet.inference.openai_request import ChatRequest, RequestError, parse_request
 
 log = logging.getLogger(__name__)
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
-
-
-class RequestError(Exception):
-    """A request the server refuses; becomes an OpenAI-style error response."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
-                 type_: str = "invalid_request_error"):
-        super().__init__(message)
-        self.message, self.param, self.code, self.status, self.type = message, param, code, status, type_
-
-
 def error_response(message: str, status: int = 400, param: str | None = None, code: str | None = None,
                    type_: str = "invalid_request_error") -> web.Response:
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
     return web.json_response(body, status=status)
 
 
-@dataclass
-class ChatRequest:
-    """A validated chat-completions request."""
-
-    prompt: list[int]
-    params: SamplingParams
-    tools: list[dict]
-    stream: bool
-    include_usage: bool
-    logprobs: bool
-
-
-def parse_request(body: object, engine: Engine, tokenizer, model_name: str, default_max_tokens: int,
-                  prompt: str = "full", tool_grammar: bool = False) -> ChatRequest:
-    """Validate an OpenAI chat-completions body; raises RequestError naming the bad field."""
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object with \"model\" and \"messages\"")
-    model = body.get("model")
-    if model is not None and model != model_name:
-        raise RequestError(f"the model {model!r} does not exist here; this server serves {model_name!r} "
-                           "(GET /v1/models)", param="model", code="model_not_found", status=404)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("\"messages\" must be a non-empty array of chat messages", param="messages",
-                           code="missing_required_parameter" if messages is None else "invalid_type")
-    # OpenAI's "developer" role is the system prompt of newer models
-    messages = [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
-                for m in messages]
-    fmt = chat_format.of(tokenizer)
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in fmt.roles:
-            raise RequestError(f"messages[{i}] must be an object whose \"role\" is one of "
-                               f"{', '.join(fmt.roles)} or developer", param=f"messages[{i}]",
-                               code="invalid_value")
-        content = m.get("content")
-        if content is not None and not isinstance(content, str | list):
-            raise RequestError(f"messages[{i}].content must be a string, an array of content parts or null",
-                               param=f"messages[{i}].content", code="invalid_type")
-    tools = body.get("tools") or []
-    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise RequestError("\"tools\" must be an array of {\"type\": \"function\", \"function\": {...}} objects",
-                           param="tools", code="invalid_type")
-    tools, grammar = _tool_choice(body.get("tool_choice"), tools, tool_grammar)
-    markers = (fmt.tool_calls.call_open, fmt.tool_calls.call_close)
-    if grammar and not all(m in tokenizer.special for m in markers):
-        raise RequestError(f"this model's tool-call markers {markers} are not single tokens, so its tool calls "
-                           "cannot be constrained; send tool_choice \"auto\" and tools not marked strict",
-                           param="tool_choice", code="invalid_value")
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1):
-        raise RequestError("only n=1 is supported; send several requests for several completions", param="n",
-                           code="invalid_value")
-    limit_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = body.get(limit_field)
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
-        raise RequestError("\"stop\" must be a string or an array of strings", param="stop", code="invalid_type")
-    params = SamplingParams(
-        max_tokens=_field(body, "max_tokens", max_tokens, int, default_max_tokens),
-        temperature=float(_field(body, "temperature", body.get("temperature"), (int, float), 1.0)),
-        top_p=float(_field(body, "top_p", body.get("top_p"), (int, float), 1.0)),
-        top_k=_field(body, "top_k", body.get("top_k"), int, 0),
-        seed=_field(body, "seed", body.get("seed"), int, None),
-        stop=[s for s in (stop or []) if s], stop_token_ids=fmt.stop_ids(tokenizer), **grammar)
-    logprobs = bool(body.get("logprobs"))
-    params.top_logprobs = _top_logprobs(body.get("top_logprobs"), logprobs)
-    if params.temperature > 2:
-        raise RequestError(f"temperature must be between 0 and 2, got {params.temperature}", param="temperature",
-                           code="invalid_value")
-    try:
-        params.validate()
-    except ValueError as e:
-        raise RequestError(str(e), param=str(e).split()[0], code="invalid_value") from None
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise RequestError("\"stream\" must be true or false", param="stream", code="invalid_type")
-    stream_options = body.get("stream_options") or {}
-    shown, shown_tools = messages, tools
-    if prompt == "bare":  # the policy was trained on the conversation alone (module docstring)
-        shown, shown_tools = [m for m in messages if m["role"] != "system"], None
-        if not shown:
-            raise RequestError("this model was trained without system prompts and sees none; send the task as a "
-                               "user message", param="messages", code="invalid_value")
-    try:
-        least = fmt.least_tokens(tokenizer, shown, shown_tools)
-        if least >= engine.max_seq_len:  # refused before tokenizing: its characters alone prove it too long
-            raise RequestError(f"the messages are at least {least} tokens but this model's context is "
-                               f"{engine.max_seq_len} tokens; shorten the messages", param="messages",
-                               code="context_length_exceeded")
-        ids = fmt.encode_chat(tokenizer, shown, shown_tools)
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise RequestError(f"the messages could not be rendered: {e}", param="messages", code="invalid_value") from None
-    room = engine.max_seq_len - len(ids)
-    if room < 1:
-        raise RequestError(f"the prompt has {len(ids)} tokens but this model's context is {engine.max_seq_len} "
-                           "tokens; shorten the messages", param="messages", code="context_length_exceeded")
-    if max_tokens is not None and params.max_tokens > room:  # OpenAI refuses it too; unsent, it is the room left
-        raise RequestError(f"{limit_field} is {params.max_tokens} but the prompt's {len(ids)} tokens leave {room} "
-                           f"of this model's context of {engine.max_seq_len}; lower {limit_field} or shorten the "
-                           "messages", param=limit_field, code="context_length_exceeded")
-    params.max_tokens = min(params.max_tokens, room)
-    return ChatRequest(ids, params, tools, bool(stream), bool(isinstance(stream_options, dict)
-                                                           and stream_options.get("include_usage")), logprobs)
-
-
-def _top_logprobs(value: object, logprobs: bool) -> int:
-    """OpenAI's `top_logprobs`: an integer from 0 to 20, sent only with `"logprobs": true`."""
-    if value is None:
-        return 0
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(f"\"top_logprobs\" must be an integer from 0 to {MAX_TOP_LOGPROBS}, got "
-                           f"{json.dumps(value)[:40]}", param="top_logprobs", code="invalid_type")
-    if not 0 <= value <= MAX_TOP_LOGPROBS:
-        raise RequestError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {value}",
-                           param="top_logprobs", code="invalid_value")
-    if not logprobs:
-        raise RequestError("top_logprobs needs \"logprobs\": true; send both, or leave top_logprobs out",
-                           param="top_logprobs", code="invalid_value")
-    return value
-
-
-def _tool_choice(tool_choice: object, tools: list[dict], tool_grammar: bool) -> tuple[list[dict], dict]:
-    """(the tools offered, the SamplingParams fields that constrain decoding: model.grammar) for OpenAI's
-    `tool_choice`. "none" hides the tools and the turn may not open a call; "required" makes the turn tool
-    calls alone, opening with one, and a named function makes it one call of that function; "auto"
-    constrains the calls to tools marked `"strict": true`, or to any tool on a server started with
-    tool_grammar."""
-    def name_of(tool: dict) -> object:
-        return (tool.get("function") or {}).get("name") if isinstance(tool.get("function"), dict) else tool.get("name")
-
-    if tool_choice == "none":
-        return [], {"tool_choice": "none"}
-    max_calls = 0
-    if isinstance(tool_choice, dict):  # {"type": "function", "function": {"name": ...}}
-        name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice.get("function"), dict) \
-            else None
-        tools = [t for t in tools if name_of(t) == name]
-        if not tools:
-            raise RequestError(f"tool_choice names the function {name!r}, which is not in \"tools\"",
-                               param="tool_choice", code="invalid_value")
-        tool_choice, max_calls = "required", 1  # OpenAI: call exactly this function
-    elif tool_choice not in (None, "auto", "required"):
-        raise RequestError("tool_choice must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
-                           "\"function\": {\"name\": ...}}", param="tool_choice", code="invalid_value")
-    if tool_choice == "required":
-        if not tools:
-            raise RequestError("tool_choice requires a tool call but \"tools\" is empty", param="tool_choice",
-                               code="invalid_value")
-        grammar = {"tools": tools, "tool_choice": "required", "calls_only": True, "max_calls": max_calls}
-    elif tools and (tool_grammar or any(isinstance(t.get("function"), dict) and t["function"].get("strict") is True
-                                        for t in tools)):
-        grammar = {"tools": tools, "tool_choice": "auto"}
-    else:
-        return tools, {}
-    try:
-        call_node(tools)
-    except ValueError as e:
-        raise RequestError(f"the tools cannot constrain decoding: {e}", param="tools", code="invalid_value") from None
-    return tools, grammar
-
-
-def _field(body: dict, name: str, value: object, types, default):
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, types):
-        kind = "an integer" if types is int else "a number"
-        raise RequestError(f"\"{name}\" must be {kind}, got {json.dumps(value)}", param=name, code="invalid_type")
-    return value
-
-
 def build_completion(result: Result, request: ChatRequest, tokenizer, model_name: str, completion_id: str,
                      created: int) -> dict:
     """The chat.completion body for a finished engine result (tool calls parsed from its text)."""
     if request.tools:
-        parsed = chat_format.of(tokenizer).parse_tool_calls(result.text, id_prefix=f"call_{completion_id[-8:]}_")
-        content, calls = parsed.content, chat_format.openai_tool_calls(parsed.tool_calls)
+        parsed = formats.of(tokenizer).parse_tool_calls(result.text, id_prefix=f"call_{completion_id[-8:]}_")
+        content, calls = parsed.content, tool_parser.openai_tool_calls(parsed.tool_calls)
     else:  # no tools offered: the turn is all content
         content, calls = result.text, []
     finish = result.finish_reason
@@ -397,56 +213,11 @@ class ChatServer:
                                     on_token=lambda *token: loop.call_soon_threadsafe(tokens.put_nowait, token))
         done = asyncio.wrap_future(future)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        unsent: list[dict] = []  # logprobs of the tokens since the last chunk (with req.logprobs)
-
-        def chunk(delta: dict, finish: str | None = None, usage: dict | None = None) -> bytes:
-            logprobs = None
-            if req.logprobs and usage is None:
-                logprobs = {"content": list(unsent)}
-                unsent.clear()
-            body = {"id": completion_id, "object": "chat.completion.chunk", "created": created,
-                    "model": self.model_name, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
-                                                           "logprobs": logprobs}]}
-            if usage is not None:
-                body["choices"], body["usage"] = [], usage
-            return f"data: {json.dumps(body)}\n\n".encode()
-
-        stop_ids = set(req.params.stop_token_ids)
-        call_open = self.tokenizer.special.get(chat_format.of(self.tokenizer).tool_calls.call_open)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        held = False  # a tool call opened: hold the rest back until the turn is parsed
-        sent = ""  # the content streamed so far
-        getter: asyncio.Future | None = None
+        chunk = _Chunks(completion_id, created, self.model_name, req.logprobs)
         try:
             await response.prepare(request)
             await response.write(chunk({"role": "assistant", "content": ""}))
-            while True:
-                getter = asyncio.ensure_future(tokens.get())
-                await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
-                if not getter.done():
-                    getter.cancel()
-                    if tokens.empty():
-                        break
-                    tok, lp, top = tokens.get_nowait()
-                else:
-                    tok, lp, top = getter.result()
-                if req.logprobs:
-                    unsent.append(_token_logprob(self.tokenizer, tok, lp, top))
-                if held or tok in stop_ids:
-                    continue
-                if tok == call_open and req.tools:
-                    held = True
-                    continue
-                piece = decoder.decode(self.tokenizer.token_bytes(tok))
-                if req.params.stop:  # never send text a stop string will cut
-                    continue
-                if piece:
-                    await response.write(chunk({"content": piece}))
-                    sent += piece
-            tail = decoder.decode(b"", final=True)
-            if tail and not held and not req.params.stop:
-                await response.write(chunk({"content": tail}))
-                sent += tail
+            sent = await self._stream_tokens(response, req, tokens, done, chunk)
             result = done.result()
             final = build_completion(result, req, self.tokenizer, self.model_name, completion_id, created)
             message = final["choices"][0]["message"]
@@ -473,10 +244,72 @@ class ChatServer:
                      "param": None, "code": None}
             with contextlib.suppress(ConnectionResetError):
                 await response.write(f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n".encode())
+        return response
+
+    async def _stream_tokens(self, response: web.StreamResponse, req: ChatRequest, tokens: asyncio.Queue,
+                             done: asyncio.Future, chunk: _Chunks) -> str:
+        """Send the content as the engine samples it, until the request is done; the content sent. Once a tool
+        call opens, the rest of the turn is held back (the caller sends it parsed), and with stop strings all of
+        it is (a stop string may cut it)."""
+        stop_ids = set(req.params.stop_token_ids)
+        call_open = self.tokenizer.special.get(formats.of(self.tokenizer).tool_calls.call_open)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        held = False  # a tool call opened: hold the rest back until the turn is parsed
+        sent = ""  # the content streamed so far
+        getter: asyncio.Future | None = None
+        try:
+            while True:
+                getter = asyncio.ensure_future(tokens.get())
+                await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    if tokens.empty():
+                        break
+                    tok, lp, top = tokens.get_nowait()
+                else:
+                    tok, lp, top = getter.result()
+                if req.logprobs:
+                    chunk.unsent.append(_token_logprob(self.tokenizer, tok, lp, top))
+                if held or tok in stop_ids:
+                    continue
+                if tok == call_open and req.tools:
+                    held = True
+                    continue
+                piece = decoder.decode(self.tokenizer.token_bytes(tok))
+                if req.params.stop:  # never send text a stop string will cut
+                    continue
+                if piece:
+                    await response.write(chunk({"content": piece}))
+                    sent += piece
         finally:
             if getter is not None:
                 getter.cancel()
-        return response
+        tail = decoder.decode(b"", final=True)
+        if tail and not held and not req.params.stop:
+            await response.write(chunk({"content": tail}))
+            sent += tail
+        return sent
+
+
+class _Chunks:
+    """The SSE chunks of one streamed completion; with logprobs, each carries those of the tokens generated since
+    the last one (`unsent`)."""
+
+    def __init__(self, completion_id: str, created: int, model_name: str, logprobs: bool):
+        self.completion_id, self.created, self.model_name, self.logprobs = completion_id, created, model_name, logprobs
+        self.unsent: list[dict] = []
+
+    def __call__(self, delta: dict, finish: str | None = None, usage: dict | None = None) -> bytes:
+        logprobs = None
+        if self.logprobs and usage is None:
+            logprobs = {"content": list(self.unsent)}
+            self.unsent.clear()
+        body = {"id": self.completion_id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model_name, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                                                       "logprobs": logprobs}]}
+        if usage is not None:
+            body["choices"], body["usage"] = [], usage
+        return f"data: {json.dumps(body)}\n\n".encode()
 
 
 # -- running it ---------------------------------------------------------------------------

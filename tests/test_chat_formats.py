@@ -16,11 +16,11 @@ import torch
 from codefleet.agent.clients.episode_tokens import EpisodeTokens
 from codefleet.agent.tools import tool_schemas
 from codefleet.bench.tiny_hf import CHAT_TEMPLATE, write_tokenizer
-from codefleet.model import chat_format
-from codefleet.model.chat_format import CODEFLEET, TemplateFormat, check_vocab, for_checkpoint, of
-from codefleet.model.grammar import ToolCallGrammar
-from codefleet.model.tokenizer import HFTokenizer, default_tokenizer
-from codefleet.model.tool_parsers import PARSERS, choose
+from codefleet.chat import tool_parser
+from codefleet.chat.formats import CODEFLEET, TemplateFormat, check_vocab, for_checkpoint, of
+from codefleet.chat.tokenizer import HFTokenizer, default_tokenizer
+from codefleet.chat.tool_parser import PARSERS, choose
+from codefleet.inference.grammar import ToolCallGrammar
 
 TOOLS = tool_schemas()
 
@@ -165,7 +165,7 @@ def _sampled(tok, fmt, text: str, turn: int):
     ids = tok.encode(text, allow_special=True) + [fmt.stop_ids(tok)[0]]
     parsed = fmt.parse_tool_calls(text, f"call_{turn}_")
     message = {"role": "assistant", "content": parsed.content,
-               "tool_calls": chat_format.openai_tool_calls(parsed.tool_calls) or None}
+               "tool_calls": tool_parser.openai_tool_calls(parsed.tool_calls) or None}
     result = SimpleNamespace(token_ids=ids, logprobs=[-1.0] * len(ids), versions=[0] * len(ids), routed_experts=[],
                              prompt_routed_experts=[])
     return result, message

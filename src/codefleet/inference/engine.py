@@ -1,168 +1,68 @@
 """The inference engine: continuous batching over a slot KV cache.
 
-Agent turns differ wildly in length, so requests join and leave the running
-batch independently. One `step()`:
+Agent turns differ wildly in length, so requests join and leave the running batch independently. One `step()`:
 
-1. applies a pending weight update (`update_weights`), so updates land
-   *between* steps and in-flight sequences simply continue under the new
-   weights;
-2. admits waiting requests into free cache slots and prefills them (prompts of
-   different lengths right-padded into one forward pass, bounded by
-   `prefill_tokens` per step), sampling each one's first token;
-3. runs one decode forward pass for every running sequence (`T = 1`, each
-   row at its own length) and samples the next token of each;
-4. finishes the sequences that sampled a stop token, completed a stop
-   string or reached `max_tokens`, frees their slots, and keeps the running
-   ones packed in the lowest slots (the cache then reads a view, no gather).
+1. applies a pending weight update (`update_weights`), so updates land *between* steps and in-flight sequences
+   simply continue under the new weights;
+2. admits waiting requests into free cache slots and prefills them (prompts of different lengths right-padded into
+   one forward pass, bounded by `prefill_tokens` per step), sampling each one's first token;
+3. runs one decode forward pass for every running sequence (`T = 1`, each row at its own length) and samples the
+   next token of each;
+4. finishes the sequences that sampled a stop token, completed a stop string or reached `max_tokens`, frees their
+   slots, and keeps the running ones packed in the lowest slots (the cache then reads a view, no gather).
 
-Prefix cache: a finished sequence's keys and values are *parked* in one of
-`prefix_slots` extra cache slots (least recently used evicted), with its
-tokens and their routing. A new request whose prompt starts with parked
-tokens (the next turn of an agent episode extends the previous prompt and
-completion; the attempts of a group share the system and task prompt) copies
-the longest common prefix into its running slot and prefills only the rest.
-Reuse is exact: the copied keys/values are what the same weights computed for
-the same tokens at the same positions, so tokens and logprobs do not change.
-A weight update drops every parked prefix (a prefix is reused only under the
-weights that computed it), and a sequence admitted before an update is not
-parked when it finishes (its keys/values span both weights). `prefix_hits`,
-`prefix_tokens_reused` and `prefill_tokens` count what it saved.
+Prefix cache: a finished sequence's keys and values are *parked* in one of `prefix_slots` extra cache slots (least
+recently used evicted), with its tokens and their routing. A new request whose prompt starts with parked tokens (the
+next turn of an agent episode extends the previous prompt and completion; the attempts of a group share the system
+and task prompt) copies the longest common prefix into its running slot and prefills only the rest. Reuse is exact:
+the copied keys/values are what the same weights computed for the same tokens at the same positions, so tokens and
+logprobs do not change. A weight update drops every parked prefix (a prefix is reused only under the weights that
+computed it), and a sequence admitted before an update is not parked when it finishes (its keys/values span both
+weights). `prefix_hits`, `prefix_tokens_reused` and `prefill_tokens` count what it saved.
 
-A finished sequence stays for one more pass ("drain"): its last token goes
-through the model once, so the routed experts of *every* generated token
-are known (a token's routing is decided when it is the model's input). Its
-logits are dropped.
+A finished sequence stays for one more pass ("drain"): its last token goes through the model once, so the routed
+experts of *every* generated token are known (a token's routing is decided when it is the model's input). Its logits
+are dropped.
 
-What a result carries, per generated token: the id, its logprob under the
-model at temperature 1 (`log_softmax` of the raw logits — exactly what the
-trainer's `token_logprobs` computes on a full forward over prompt +
-completion; temperature/top-k/top-p only choose the token), the policy
-version of the weights that sampled it, and the experts each MoE layer routed
-it to; with `SamplingParams.top_logprobs`, the likeliest tokens at that step
-and their logprobs (the same distribution).
+What a result carries, per generated token: the id, its logprob under the model at temperature 1 (`log_softmax` of
+the raw logits — exactly what the trainer's `token_logprobs` computes on a full forward over prompt + completion;
+temperature/top-k/top-p only choose the token), the policy version of the weights that sampled it, and the experts
+each MoE layer routed it to; with `SamplingParams.top_logprobs`, the likeliest tokens at that step and their
+logprobs (the same distribution).
 
-Constrained tool calls: a request whose `SamplingParams.tools` is set samples
-only turns whose tool calls parse and fit those schemas (`grammar.py`: a token
-the grammar refuses is masked and the row sampled again); `Result.refused`
-counts the tokens where the model's first choice was refused. The prompt's routing (from prefill) is kept too, for rollout routing
-replay over the whole sequence.
+Constrained tool calls: a request whose `SamplingParams.tools` is set samples only turns whose tool calls parse and
+fit those schemas (`grammar.py`: a token the grammar refuses is masked and the row sampled again); `Result.refused`
+counts the tokens where the model's first choice was refused. The prompt's routing (from prefill) is kept too, for
+rollout routing replay over the whole sequence.
 
-Two ways in: `generate(prompts, params)` runs steps in the caller's thread
-until its requests finish; `submit(prompt, params)` returns a
-`concurrent.futures.Future` and a background thread steps while there is
-work (the server uses this; concurrent requests share decode steps). Both are
-thread-safe; one lock serialises steps and weight updates.
-"""
+Two ways in: `generate(prompts, params)` runs steps in the caller's thread until its requests finish;
+`submit(prompt, params)` returns a `concurrent.futures.Future` and a background thread steps while there is work
+(the server uses this; concurrent requests share decode steps). Both are thread-safe; one lock serialises steps and
+weight updates."""
 
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, field
+from concurrent.futures import Future
 
 import torch
 
-from codefleet.model import chat_format, checkpoint
-from codefleet.model.cache import SlotKVCache
-from codefleet.model.grammar import ToolCallGrammar, TurnMatcher, constrained_sample
-from codefleet.model.prefix_cache import Parked, PrefixCache
-from codefleet.model.sampling import SamplingParams, per_prompt, sample_next
-from codefleet.model.weight_swap import Staged, WeightSwap
+from codefleet.chat import formats
+from codefleet.inference import fast
+from codefleet.inference.cache import SlotKVCache
+from codefleet.inference.grammar import GrammarCache, constrained_sample
+from codefleet.inference.prefix_cache import Parked, PrefixCache
+from codefleet.inference.request import BackgroundSleep, Request, Result, settle, top_logprobs
+from codefleet.inference.sampling import SamplingParams, per_prompt, sample_next
+from codefleet.inference.weight_swap import Update, WeightSwap
+from codefleet.model import checkpoint
 
 log = logging.getLogger(__name__)
-GRAMMARS_KEPT = 16  # compiled tool-call grammars the engine keeps (one per distinct tool list)
-
-
-@dataclass
-class Result:
-    """One finished request."""
-
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # sampled, stop token included
-    logprobs: list[float]  # model logprob (temperature 1) of each sampled token
-    versions: list[int]  # policy version that sampled each token
-    routed_experts: list[list[list[int]]]  # [token][moe layer][top_k] for each generated token
-    prompt_routed_experts: list[list[list[int]]]  # the same for each prompt token
-    finish_reason: str  # "stop" (stop token or string) | "length"
-    text: str = ""  # decoded completion, without the stop token and cut before a stop string
-    stop: int | str | None = None  # the stop token id or string that ended it
-    prefill_s: float = 0.0
-    total_s: float = 0.0
-    cached_tokens: int = 0  # prompt tokens whose keys/values the prefix cache supplied
-    refused: int = 0  # tokens whose first draw the tool-call grammar refused (SamplingParams.tools)
-    # per generated token, the SamplingParams.top_logprobs likeliest tokens as (id, logprob), likeliest first
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-
-
-@dataclass
-class _Sequence:
-    id: int
-    prompt: list[int]
-    params: SamplingParams
-    max_tokens: int
-    future: Future
-    on_token: Callable[[int, float, list[tuple[int, float]]], None] | None
-    generator: torch.Generator | None
-    submitted: float
-    slot: int = -1
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    routing: list[list[list[int]]] = field(default_factory=list)
-    prompt_routing: list[list[list[int]]] = field(default_factory=list)
-    finish_reason: str = ""
-    stop: int | str | None = None
-    text_cut: int | None = None
-    prefilled: float = 0.0
-    reused: int = 0  # prompt tokens whose keys/values came from the prefix cache
-    reuse_from: Parked | None = None
-    weight_loads: int = -1  # the engine's `weight_loads` at admission: the weights its keys/values come from
-    matcher: TurnMatcher | None = None  # where it stands in the tool-call grammar (SamplingParams.tools)
-    refused: int = 0
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt) + len(self.tokens)
-
-    def before(self, index: int, k: int, none: int) -> list[int]:
-        """The k token ids before position `index` of the sequence (prompt, then sampled), `none` before its start."""
-        n = len(self.prompt)
-        return [none if i < 0 else self.prompt[i] if i < n else self.tokens[i - n] for i in range(index - k, index)]
-
-
-@dataclass
-class _Update:
-    staged: Staged
-    version: int
-    done: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
-
-
-class BackgroundSleep:
-    """`sleep` / `wake` of an engine's background step loop, colocated with a trainer (fleet.placement): the
-    loop holds `_gate` through each iteration and steps only while not `_asleep`; `_wake` is the Event it
-    waits on when idle. Requests stay queued or running, weight updates still land, memory stays allocated."""
-
-    _asleep: bool
-    _gate: threading.Lock
-    _wake: threading.Event
-
-    def sleep(self) -> None:
-        """Stop stepping; returns once the step running now has ended."""
-        self._asleep = True
-        with self._gate:  # a loop iteration that began awake ends here
-            pass
-
-    def wake(self) -> None:
-        self._asleep = False
-        self._wake.set()
 
 
 class Engine(BackgroundSleep):
@@ -179,11 +79,11 @@ class Engine(BackgroundSleep):
     def load(cls, checkpoint_dir: str, max_batch: int = 32, max_seq_len: int | None = None,
              **engine_options) -> Engine:
         """An engine over a saved checkpoint (the ENGINES loader); the tokenizer and chat format are the
-        checkpoint's own (`chat_format.for_checkpoint`: a Hugging Face directory's tokenizer.json and chat
+        checkpoint's own (`formats.for_checkpoint`: a Hugging Face directory's tokenizer.json and chat
         template, a codefleet checkpoint's tokenizer.json, else the default tokenizer)."""
         model = checkpoint.load(checkpoint_dir)
-        tokenizer, _ = chat_format.for_checkpoint(checkpoint_dir)
-        chat_format.check_vocab(tokenizer, model.config.vocab_size)
+        tokenizer, _ = formats.for_checkpoint(checkpoint_dir)
+        formats.check_vocab(tokenizer, model.config.vocab_size)
         return cls(model, tokenizer, max_batch=max_batch, max_seq_len=max_seq_len, **engine_options)
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, max_batch: int = 32, max_seq_len: int | None = None,
@@ -198,7 +98,7 @@ class Engine(BackgroundSleep):
         self.model = model.eval()
         self.tokenizer = tokenizer
         config = model.config
-        self.max_seq_len = int(max_seq_len or getattr(config, "max_seq_len", 2048))
+        self.max_seq_len = int(max_seq_len or config.max_seq_len)
         self.max_batch = max_batch
         self.prefill_tokens = prefill_tokens
         prefix_slots = max_batch if prefix_slots is None else int(prefix_slots)
@@ -206,20 +106,17 @@ class Engine(BackgroundSleep):
         self.version = version
         param = next(model.parameters())
         self.device = param.device
-        n_heads = config.n_heads
-        head_dim = getattr(config, "head_dim", None) or config.d_model // n_heads
         # slots 0..max_batch-1 hold the running sequences (packed low), the rest hold parked prefixes
-        self.cache = SlotKVCache(config.n_layers, max_batch + prefix_slots,
-                                 getattr(config, "n_kv_heads", None) or n_heads, head_dim, self.max_seq_len,
-                                 dtype=param.dtype, device=self.device,
-                                 copy_dim=head_dim if config.copy.head else 0)
+        self.cache = SlotKVCache(config.n_layers, max_batch + prefix_slots, config.n_kv_heads, config.head_dim,
+                                 self.max_seq_len, dtype=param.dtype, device=self.device,
+                                 copy_dim=config.head_dim if config.copy.head else 0)
         model.rotary_table(self.max_seq_len, self.device)  # every position the cache holds: no per-step growth
-        self._waiting: deque[_Sequence] = deque()
-        self._running: list[_Sequence] = []  # index i holds slot i
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []  # index i holds slot i
         self._ids = itertools.count()
         self._queue_lock = threading.Lock()  # guards _waiting and _pending
         self._step_lock = threading.Lock()  # one step or weight update at a time
-        self._pending: _Update | None = None
+        self._pending: Update | None = None
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -234,7 +131,7 @@ class Engine(BackgroundSleep):
         self._asleep = False  # `sleep`: the background loop does not step
         self._gate = threading.Lock()  # held by each iteration of the background loop
         self._swap = WeightSwap(model)
-        self._grammars: dict[str, ToolCallGrammar] = {}  # by tools and tool choice, most recent last
+        self._grammars = GrammarCache()  # the compiled tool-call grammars, by tools and tool choice
 
     # -- requests ------------------------------------------------------------------------
 
@@ -265,7 +162,7 @@ class Engine(BackgroundSleep):
             self.step()
         return [s.future.result() for s in seqs]
 
-    def _make_sequence(self, prompt: list[int], params: SamplingParams, on_token) -> _Sequence:
+    def _make_sequence(self, prompt: list[int], params: SamplingParams, on_token) -> Request:
         if self._closed:
             raise RuntimeError("the engine is closed; create a new Engine")
         params.validate()
@@ -286,30 +183,13 @@ class Engine(BackgroundSleep):
             generator.manual_seed(params.seed)
         # the last token needs a cache position for its drain pass, hence max_seq_len - len(prompt)
         max_tokens = min(params.max_tokens, self.max_seq_len - len(prompt))
-        seq = _Sequence(next(self._ids), prompt, params, max_tokens, Future(), on_token, generator,
+        seq = Request(next(self._ids), prompt, params, max_tokens, Future(), on_token, generator,
                         time.perf_counter())
         if params.tools or params.tool_choice == "none":  # "none" needs no tools: it forbids every call
-            seq.matcher = self._grammar(params).start()
+            seq.matcher = self._grammars.get(self.tokenizer, params).start()
         return seq
 
-    def _grammar(self, params: SamplingParams) -> ToolCallGrammar:
-        if self.tokenizer is None:
-            raise ValueError("constrained tool calls (SamplingParams.tools) need the engine's tokenizer; "
-                             "create the Engine with tokenizer=")
-        key = json.dumps([params.tools, params.tool_choice, params.calls_only, params.max_calls], sort_keys=True,
-                         default=str)
-        with self._queue_lock:
-            grammar = self._grammars.pop(key, None)
-        if grammar is None:
-            grammar = ToolCallGrammar.build(self.tokenizer, params.tools or [], params.tool_choice, params.calls_only,
-                                            params.max_calls)
-        with self._queue_lock:
-            self._grammars[key] = grammar
-            while len(self._grammars) > GRAMMARS_KEPT:
-                self._grammars.pop(next(iter(self._grammars)))
-        return grammar
-
-    def _enqueue(self, seqs: list[_Sequence]) -> None:
+    def _enqueue(self, seqs: list[Request]) -> None:
         with self._queue_lock:
             self._waiting.extend(seqs)
         self._wake.set()
@@ -330,7 +210,7 @@ class Engine(BackgroundSleep):
         The copy into the engine's spare buffers (and the derived forms of the weights) happens here, in the
         caller's thread, while steps go on (`model.weight_swap`); between two steps the engine only swaps
         references. `pause_s`: how long the last swap kept steps from running."""
-        update = _Update(self._swap.stage(state_dict), int(version))
+        update = Update(self._swap.stage(state_dict), int(version))
         with self._queue_lock:
             if self._pending is not None:  # superseded before it landed
                 self._pending.done.set()
@@ -387,8 +267,8 @@ class Engine(BackgroundSleep):
         gone = [i for i, s in enumerate(self._running) if s.future.cancelled()]
         self._release(gone)
 
-    def _admit(self) -> list[_Sequence]:
-        admitted: list[_Sequence] = []
+    def _admit(self) -> list[Request]:
+        admitted: list[Request] = []
         with self._queue_lock:
             longest = 0
             while self._waiting and len(self._running) + len(admitted) < self.max_batch:
@@ -426,7 +306,7 @@ class Engine(BackgroundSleep):
     def _parked(self) -> list[Parked]:
         return self.prefix.entries
 
-    def _park(self, seq: _Sequence) -> None:
+    def _park(self, seq: Request) -> None:
         """Keep a finished sequence's keys/values (every token that went through the model) for reuse, unless
         a weight update landed while it ran (a prefix is reused only under the weights that computed it)."""
         if seq.future.cancelled() or seq.weight_loads != self.weight_loads:
@@ -436,7 +316,7 @@ class Engine(BackgroundSleep):
         if routing is None or len(routing) == n:  # routing replay needs every reused token's experts
             self.prefix.park(seq.slot, (seq.prompt + seq.tokens)[:n], routing)
 
-    def _forward(self, seqs: list[_Sequence], starts: list[int], tokens_BT: torch.Tensor, positions_BT: torch.Tensor,
+    def _forward(self, seqs: list[Request], starts: list[int], tokens_BT: torch.Tensor, positions_BT: torch.Tensor,
                  logits_at_B: torch.Tensor | None = None):
         """The model over each sequence's tokens from `starts[b]` on (the model's previous-token inputs included)."""
         cfg = self.model.config
@@ -445,13 +325,13 @@ class Engine(BackgroundSleep):
             prev_BK = torch.tensor([s.before(i, cfg.copy.prev_tokens, cfg.vocab_size) for s, i in zip(seqs, starts)],
                                    device=self.device)
         return self.model(tokens_BT, positions_BT=positions_BT, cache=self.cache,
-                          return_routing=self.record_routing, logits_at_B=logits_at_B, prev_BK=prev_BK)
+                          return_routing=self.record_routing, logits_at_B=logits_at_B, prev_BK=prev_BK, fast=fast)
 
-    def _copy_ends(self, seqs: list[_Sequence]) -> list[int] | None:
+    def _copy_ends(self, seqs: list[Request]) -> list[int] | None:
         """With copy scope "prompt" the copy head points only into each request's prompt."""
         return [len(s.prompt) for s in seqs] if self.model.config.copy.scope == "prompt" else None
 
-    def _prefill(self, seqs: list[_Sequence]) -> None:
+    def _prefill(self, seqs: list[Request]) -> None:
         """One forward pass over each prompt's tokens after its reused prefix (right-padded to the longest)."""
         suffixes = [s.prompt[s.reused:] for s in seqs]
         T = max(len(x) for x in suffixes)
@@ -501,21 +381,21 @@ class Engine(BackgroundSleep):
                 logits_BV = logits_BV[torch.tensor(active, device=self.device)]
             self._sample([running[i] for i in active], logits_BV)
         for i in drained:
-            self._resolve(running[i])
+            running[i].resolve(self.tokenizer)
         self._release(drained, park=True)
         if not self.record_routing:  # no drain pass: finish now
             done = [i for i, s in enumerate(self._running) if s.finish_reason]
             for i in done:
-                self._resolve(self._running[i])
+                self._running[i].resolve(self.tokenizer)
             self._release(done, park=True)
             return len(drained) + len(done)
         return len(drained)
 
-    def _sample(self, seqs: list[_Sequence], logits_BV: torch.Tensor) -> None:
+    def _sample(self, seqs: list[Request], logits_BV: torch.Tensor) -> None:
         tokens_B, logprobs_B = sample_next(logits_BV, [s.params for s in seqs], [s.generator for s in seqs],
                                            self._default_generator)
         tokens, logprobs = tokens_B.tolist(), logprobs_B.tolist()
-        tops = self._top_logprobs(seqs, logits_BV)
+        tops = top_logprobs(seqs, logits_BV)
         for i, s in enumerate(seqs):
             if s.matcher is None:
                 continue
@@ -536,62 +416,12 @@ class Engine(BackgroundSleep):
                     s.on_token(tok, lp, top)
                 except Exception:  # a broken stream must not stop the batch
                     log.exception("on_token callback failed")
-            self._check_finished(s)
+            s.check_finished(self.tokenizer)
 
-    @staticmethod
-    def _top_logprobs(seqs: list[_Sequence], logits_BV: torch.Tensor) -> list[list[tuple[int, float]]]:
-        """Each row's `params.top_logprobs` likeliest tokens as (id, logprob) under the model (temperature 1,
-        before any grammar, like the sampled token's logprob); [] for rows that asked for none."""
-        rows = [i for i, s in enumerate(seqs) if s.params.top_logprobs]
-        tops: list[list[tuple[int, float]]] = [[] for _ in seqs]
-        if not rows:
-            return tops
-        k = min(max(seqs[i].params.top_logprobs for i in rows), logits_BV.shape[-1])
-        picked_RV = logits_BV[torch.tensor(rows, device=logits_BV.device)].float()
-        values_RK, ids_RK = torch.log_softmax(picked_RV, dim=-1).topk(k, dim=-1)
-        for r, i in enumerate(rows):
-            n = seqs[i].params.top_logprobs
-            tops[i] = list(zip(ids_RK[r, :n].tolist(), values_RK[r, :n].tolist()))
-        return tops
-
-    def _resampler(self, s: _Sequence) -> Callable[[torch.Tensor], int]:
+    def _resampler(self, s: Request) -> Callable[[torch.Tensor], int]:
         def draw(logits_V: torch.Tensor) -> int:
             return int(sample_next(logits_V[None], [s.params], [s.generator], self._default_generator)[0][0])
         return draw
-
-    def _check_finished(self, s: _Sequence) -> None:
-        tok = s.tokens[-1]
-        if tok in s.params.stop_token_ids:
-            s.finish_reason, s.stop = "stop", tok
-        elif s.params.stop and self.tokenizer is not None and self._hit_stop_string(s):
-            s.finish_reason = "stop"
-        elif len(s.tokens) >= s.max_tokens:
-            s.finish_reason = "length"
-
-    def _hit_stop_string(self, s: _Sequence) -> bool:
-        # Only the tail can complete a stop string: a token is at least one byte, a character at most four.
-        window = 4 * max(len(x) for x in s.params.stop) + 4
-        tail_start = max(len(s.tokens) - window, 0)
-        tail = self.tokenizer.decode(s.tokens[tail_start:])
-        for stop in s.params.stop:
-            if stop and stop in tail:
-                text = self.tokenizer.decode(s.tokens)
-                s.stop, s.text_cut = stop, text.find(stop)
-                return True
-        return False
-
-    def _resolve(self, s: _Sequence) -> None:
-        if s.future.done():  # cancelled by its client (it may still be cancelled while this runs: see _settle)
-            return
-        ids = s.tokens[:-1] if s.stop is not None and not isinstance(s.stop, str) else s.tokens
-        text = self.tokenizer.decode(ids) if self.tokenizer is not None else ""
-        if s.text_cut is not None and s.text_cut >= 0:
-            text = text[: s.text_cut]
-        now = time.perf_counter()
-        result = Result(s.prompt, s.tokens, s.logprobs, s.versions, s.routing, s.prompt_routing, s.finish_reason,
-                        text, s.stop, prefill_s=s.prefilled - s.submitted, total_s=now - s.submitted,
-                        cached_tokens=s.reused, refused=s.refused, top_logprobs=s.top_logprobs)
-        _settle(s.future, result=result)
 
     def _release(self, indices: list[int], park: bool = False) -> None:
         """Free the slots of running[indices] and move the last sequences into the holes (keeps slots packed);
@@ -611,7 +441,7 @@ class Engine(BackgroundSleep):
     def _fail_all(self, error: Exception) -> int:
         failed = list(self._running)
         for s in failed:
-            _settle(s.future, error=error)
+            settle(s.future, error=error)
         self._release(list(range(len(self._running))))
         self.cache._step = None
         return len(failed)
@@ -646,7 +476,7 @@ class Engine(BackgroundSleep):
         with self._step_lock:
             error = RuntimeError("the engine was closed before the request finished")
             for s in list(self._waiting) + self._running:
-                _settle(s.future, error=error)
+                settle(s.future, error=error)
             self._waiting.clear()
             self._release(list(range(len(self._running))))
 
@@ -655,20 +485,4 @@ class Engine(BackgroundSleep):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _settle(future: Future, result: Result | None = None, error: BaseException | None = None) -> None:
-    """Resolve `future` unless it is already done: a client may cancel it from another thread at any moment."""
-    try:
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-    except InvalidStateError:  # cancelled (or resolved) since the caller looked
-        pass
-
-
-def load_engine(checkpoint_dir: str, max_batch: int = 32, max_seq_len: int | None = None, **engine_options) -> Engine:
-    """An engine over a saved checkpoint (`Engine.load`)."""
-    return Engine.load(checkpoint_dir, max_batch=max_batch, max_seq_len=max_seq_len, **engine_options)
 

@@ -8,11 +8,11 @@ import threading
 import pytest
 import torch
 
+from codefleet.chat.tokenizer import default_tokenizer
+from codefleet.inference.engine import Engine
+from codefleet.inference.sampling import SamplingParams
 from codefleet.model.config import ModelConfig
 from codefleet.model.copying import CopyConfig
-from codefleet.model.engine import Engine
-from codefleet.model.sampling import SamplingParams
-from codefleet.model.tokenizer import default_tokenizer
 from codefleet.model.transformer import Transformer, token_logprobs
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
@@ -117,7 +117,7 @@ def test_update_weights_from_another_thread_while_the_background_loop_serves(mod
 
 
 def test_stop_tokens_and_stop_strings_end_a_sequence(model):
-    from codefleet.model.tokenizer import default_tokenizer
+    from codefleet.chat.tokenizer import default_tokenizer
 
     tokenizer = default_tokenizer()
     engine = Engine(model, tokenizer, max_batch=2, max_seq_len=64)

@@ -10,10 +10,12 @@ import torch
 from codefleet.agent import AgentLoop, build_messages
 from codefleet.agent.clients import LocalEnginePolicy, LocalEngineUnavailableError, build_policy
 from codefleet.agent.tools import tool_schemas
-from codefleet.model import chat, checkpoint
+from codefleet.chat import codefleet_template
+from codefleet.chat.tokenizer import default_tokenizer
+from codefleet.chat.tool_parser import PARSERS
+from codefleet.inference.engine import Engine
+from codefleet.model import checkpoint
 from codefleet.model.config import ModelConfig
-from codefleet.model.engine import Engine
-from codefleet.model.tokenizer import default_tokenizer
 from codefleet.model.transformer import Transformer
 from codefleet.types import Budgets
 
@@ -33,15 +35,15 @@ def test_a_turn_carries_the_exact_tokens_logprobs_versions_and_routing(engine):
     out = policy.generate(USER, tool_schemas())
     n = out.completion_tokens
     assert 1 <= n <= 16 and len(out.token_ids) == len(out.logprobs) == len(out.policy_versions) == n
-    assert out.prompt_tokens == len(chat.encode_chat(engine.tokenizer, USER, tool_schemas()))
+    assert out.prompt_tokens == len(codefleet_template.encode_chat(engine.tokenizer, USER, tool_schemas()))
     assert out.policy_versions == [engine.version] * n and all(lp <= 0 for lp in out.logprobs)
     config = engine.model.config
     moe_layers = len(out.routed_experts[0]) // config.top_k
     assert 1 <= moe_layers <= config.n_layers
     assert all(len(r) == moe_layers * config.top_k and all(0 <= e < config.n_experts for e in r)
                for r in out.routed_experts) and len(out.routed_experts) == n
-    ids = out.token_ids[:-1] if out.token_ids[-1] in chat.stop_ids(engine.tokenizer) else out.token_ids
-    assert out.text == chat.parse_tool_calls(engine.tokenizer.decode(ids)).content
+    ids = out.token_ids[:-1] if out.token_ids[-1] in codefleet_template.stop_ids(engine.tokenizer) else out.token_ids
+    assert out.text == PARSERS["codefleet"].parse(engine.tokenizer.decode(ids)).content
     assert out.finish_reason in ("stop", "length", "tool_calls")
 
 

@@ -23,10 +23,12 @@ import torch
 
 from codefleet.agent.clients import OpenAIConfig, OpenAIPolicy
 from codefleet.agent.tools import tool_schemas
-from codefleet.model import chat, checkpoint
+from codefleet.chat.codefleet_template import CALL_OPEN, END, encode_chat
+from codefleet.inference.engine import Engine, Result
+from codefleet.inference.openai_request import ChatRequest
+from codefleet.inference.server import ServerThread, build_completion
+from codefleet.model import checkpoint
 from codefleet.model.config import ModelConfig
-from codefleet.model.engine import Result, load_engine
-from codefleet.model.server import ChatRequest, ServerThread, build_completion
 from codefleet.model.transformer import Transformer
 
 NAME = "tiny-test"
@@ -43,7 +45,7 @@ def checkpoint_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(checkpoint_dir):
-    engine = load_engine(checkpoint_dir, max_batch=8, max_seq_len=2048)
+    engine = Engine.load(checkpoint_dir, max_batch=8, max_seq_len=2048)
     with ServerThread(engine, engine.tokenizer, model_name=NAME) as s:
         yield s
     engine.close()
@@ -71,7 +73,7 @@ def test_openai_client_lists_the_model_and_gets_completions_with_usage_and_logpr
     assert r.object == "chat.completion" and r.model == NAME and r.id.startswith("chatcmpl-")
     assert choice.finish_reason in ("length", "stop") and choice.message.role == "assistant"
     assert isinstance(choice.message.content, str)
-    prompt = chat.encode_chat(server.server.tokenizer, USER, [])
+    prompt = encode_chat(server.server.tokenizer, USER, [])
     assert r.usage.prompt_tokens == len(prompt)
     assert 1 <= r.usage.completion_tokens <= 6 and r.usage.total_tokens == len(prompt) + r.usage.completion_tokens
     assert len(choice.logprobs.content) == r.usage.completion_tokens
@@ -235,7 +237,7 @@ def test_the_response_builder_turns_parsed_tool_calls_into_openai_tool_calls(ser
             '<|tool_call|>{"name": "run", "arguments": {"command": "pytest -q"}}<|/tool_call|>'
             '<|tool_call|>{"name": oops}<|/tool_call|>')
     ids = tokenizer.encode(text, allow_special=True)
-    end = tokenizer.special_id(chat.END)
+    end = tokenizer.special_id(END)
     result = Result([1, 2, 3], ids + [end], [-0.5] * (len(ids) + 1), [0] * (len(ids) + 1), [], [], "stop", text,
                     stop=end)
     request = ChatRequest([1, 2, 3], None, tool_schemas(), False, False, False)
@@ -259,7 +261,7 @@ def test_the_serve_command_runs_a_server_process(checkpoint_dir, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "codefleet.model.serve_cli", "--checkpoint", checkpoint_dir,
+    proc = subprocess.Popen([sys.executable, "-m", "codefleet.inference.serve_cli", "--checkpoint", checkpoint_dir,
                              "--port", str(port), "--max-seq-len", "512", "--threads", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     try:
@@ -278,12 +280,12 @@ def test_the_serve_command_runs_a_server_process(checkpoint_dir, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
-    missing = subprocess.run([sys.executable, "-m", "codefleet.model.serve_cli", "--checkpoint",
+    missing = subprocess.run([sys.executable, "-m", "codefleet.inference.serve_cli", "--checkpoint",
                               str(tmp_path / "nope"), "--port", "1"],
                              check=False, capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     for flag, value in (("--max-batch", "0"), ("--max-seq-len", "-5")):
-        bad = subprocess.run([sys.executable, "-m", "codefleet.model.serve_cli", "--checkpoint", checkpoint_dir,
+        bad = subprocess.run([sys.executable, "-m", "codefleet.inference.serve_cli", "--checkpoint", checkpoint_dir,
                               "--port", "1", flag, value], check=False, capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and f"{flag} must be at least" in bad.stderr and "Traceback" not in bad.stderr
 
@@ -292,17 +294,17 @@ def test_a_bare_prompt_policy_is_served_the_conversation_it_was_trained_on(check
     """A `codefleet train` policy (model.prompt=bare) never saw a system prompt or tool schemas: served so, a
     client sending the full prompt (as `codefleet agent run` does) gets the prompt the policy was trained on."""
     system = [{"role": "system", "content": "You are a fast, careful coding agent."}]
-    engine = load_engine(checkpoint_dir, max_batch=4, max_seq_len=2048)
+    engine = Engine.load(checkpoint_dir, max_batch=4, max_seq_len=2048)
     try:
         with ServerThread(engine, engine.tokenizer, model_name=NAME, prompt="bare") as bare, \
                 ServerThread(engine, engine.tokenizer, model_name=NAME) as full:
             body = {"messages": system + USER, "tools": tool_schemas(), "max_tokens": 2, "temperature": 0}
             status, served = post(bare, body)
             assert status == 200
-            assert served["usage"]["prompt_tokens"] == len(chat.encode_chat(engine.tokenizer, USER, None))
+            assert served["usage"]["prompt_tokens"] == len(encode_chat(engine.tokenizer, USER, None))
             status, as_sent = post(full, body)
             assert status == 200
-            assert as_sent["usage"]["prompt_tokens"] == len(chat.encode_chat(engine.tokenizer, system + USER,
+            assert as_sent["usage"]["prompt_tokens"] == len(encode_chat(engine.tokenizer, system + USER,
                                                                              tool_schemas()))
             status, error = post(bare, {"messages": system, "max_tokens": 2})
             assert status == 400 and "send the task as a user message" in error["error"]["message"]
@@ -315,7 +317,7 @@ def test_a_bare_prompt_policy_is_served_the_conversation_it_was_trained_on(check
 def test_the_serve_command_serves_a_checkpoint_in_the_prompt_style_it_says(checkpoint_dir, tmp_path):
     shutil.copytree(checkpoint_dir, tmp_path / "rl")
     checkpoint.write_usage(str(tmp_path / "rl"), prompt="bare")
-    proc = subprocess.Popen([sys.executable, "-m", "codefleet.model.serve_cli", "--checkpoint",
+    proc = subprocess.Popen([sys.executable, "-m", "codefleet.inference.serve_cli", "--checkpoint",
                              str(tmp_path / "rl"), "--port", "0", "--max-seq-len", "512",
                              "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -366,7 +368,7 @@ def test_tool_choice_required_or_a_named_function_makes_even_a_random_model_call
 @pytest.fixture(scope="module")
 def eager_caller(checkpoint_dir):
     """A client of the tiny model made to want a tool call at every step: the call marker's logit dwarfs the rest."""
-    engine = load_engine(checkpoint_dir, max_batch=2, max_seq_len=512)
+    engine = Engine.load(checkpoint_dir, max_batch=2, max_seq_len=512)
     model = engine.model
     assert not model.config.tie_embeddings
     with torch.no_grad():
@@ -381,12 +383,12 @@ def eager_caller(checkpoint_dir):
 def test_tool_choice_none_keeps_a_model_that_wants_to_call_from_opening_a_call(eager_caller):
     ask = {"model": NAME, "messages": USER, "max_tokens": 8, "temperature": 0, "logprobs": True}
     wants = eager_caller.chat.completions.create(**ask, tools=[WEATHER, CLOCK]).choices[0]  # "auto", unconstrained
-    assert wants.logprobs.content[0].token == chat.CALL_OPEN
+    assert wants.logprobs.content[0].token == CALL_OPEN
     for tools in ([WEATHER, CLOCK], None):
         kept = eager_caller.chat.completions.create(**ask, tool_choice="none", **({"tools": tools} if tools else {}))
         message = kept.choices[0].message
         assert not message.tool_calls and "<|" not in message.content
-        assert chat.CALL_OPEN not in [t.token for t in kept.choices[0].logprobs.content]
+        assert CALL_OPEN not in [t.token for t in kept.choices[0].logprobs.content]
 
 
 def test_logprobs_with_top_logprobs_return_the_likeliest_tokens_in_openais_shape(client):
@@ -440,11 +442,11 @@ def test_a_prompt_of_megabytes_is_refused_at_once_and_does_not_stall_other_clien
 
 
 def test_max_tokens_over_the_room_the_prompt_leaves_is_refused_as_openai_does(checkpoint_dir):
-    engine = load_engine(checkpoint_dir, max_batch=2, max_seq_len=64)
+    engine = Engine.load(checkpoint_dir, max_batch=2, max_seq_len=64)
     try:
         with ServerThread(engine, engine.tokenizer, model_name=NAME) as small:
             client = openai.OpenAI(base_url=small.base_url, api_key="unused", max_retries=0, timeout=60)
-            room = 64 - len(chat.encode_chat(engine.tokenizer, USER, []))
+            room = 64 - len(encode_chat(engine.tokenizer, USER, []))
             assert room > 8
             fits = client.chat.completions.create(model=NAME, messages=USER, max_tokens=room, temperature=0)
             assert 1 <= fits.usage.completion_tokens <= room
@@ -465,7 +467,7 @@ def test_max_tokens_over_the_room_the_prompt_leaves_is_refused_as_openai_does(ch
 
 
 def test_serve_on_port_0_prints_the_real_port_and_a_port_in_use_is_one_line_and_exit_2(checkpoint_dir):
-    command = [sys.executable, "-m", "codefleet.model.serve_cli", "--checkpoint", checkpoint_dir, "--max-seq-len",
+    command = [sys.executable, "-m", "codefleet.inference.serve_cli", "--checkpoint", checkpoint_dir, "--max-seq-len",
                "256", "--threads", "1"]
     proc = subprocess.Popen([*command, "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -28,7 +28,7 @@ Design:
   yields one, `allow_special=True` matches them all), and it keeps the
   directory's tokenizer_config.json, chat_template.jinja and
   generation_config.json, which `save` writes back, so the chat template
-  (`codefleet.model.chat_format`) travels with it. `fit(vocab_size)` sizes
+  (`codefleet.chat.formats`) travels with it. `fit(vocab_size)` sizes
   it to a model whose embedding is larger (ids past its own decode to
   nothing) and refuses one that is smaller.
 - Training is deterministic: the same texts in the same order give the same
@@ -50,7 +50,7 @@ from collections.abc import Iterable
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from codefleet.model import chat
+from codefleet.chat.codefleet_template import ASSISTANT, BOS, CALL_CLOSE, CALL_OPEN, END, EOS, SYSTEM, TOOL, TOOLS, USER
 from codefleet.store import safe_files
 
 DEFAULT_VOCAB_SIZE = 4096
@@ -59,6 +59,7 @@ TOKENIZER_FILE = "tokenizer.json"
 # what a Hugging Face checkpoint keeps beside tokenizer.json for its tokenizer and chat template
 HF_TOKENIZER_CONFIG, HF_CHAT_TEMPLATE, HF_CHAT_TEMPLATE_JSON, HF_GENERATION_CONFIG = (
     "tokenizer_config.json", "chat_template.jinja", "chat_template.json", "generation_config.json")
+HF_CONFIG = "config.json"  # a Hugging Face model directory's architecture (`is_hf_dir`)
 HF_FILES = (HF_TOKENIZER_CONFIG, HF_CHAT_TEMPLATE, HF_CHAT_TEMPLATE_JSON, HF_GENERATION_CONFIG,
             "special_tokens_map.json")
 META_FILE = "tokenizer.meta.json"
@@ -66,8 +67,8 @@ ASSETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 
 # Order fixes the ids (0..15). Reserved slots let later work add tokens without changing the vocabulary.
 SPECIAL_TOKENS = [
-    "<|pad|>", chat.BOS, chat.EOS, chat.END, chat.SYSTEM, chat.USER, chat.ASSISTANT, chat.TOOL, chat.TOOLS,
-    chat.CALL_OPEN, chat.CALL_CLOSE, *[f"<|reserved_{i}|>" for i in range(5)],
+    "<|pad|>", BOS, EOS, END, SYSTEM, USER, ASSISTANT, TOOL, TOOLS,
+    CALL_OPEN, CALL_CLOSE, *[f"<|reserved_{i}|>" for i in range(5)],
 ]
 
 
@@ -96,7 +97,7 @@ class Tokenizer:
         missing = [t for t in SPECIAL_TOKENS if hf.token_to_id(t) is None]
         if missing:
             raise ValueError(f"tokenizer lacks the special tokens {missing}; train it with Tokenizer.train "
-                             "(or rebuild with `python -m codefleet.model.tokenizer build`)")
+                             "(or rebuild with `python -m codefleet.chat.tokenizer build`)")
         self.special: dict[str, int] = {t: hf.token_to_id(t) for t in SPECIAL_TOKENS}
         self.pad_id, self.bos_id, self.eos_id, self.end_id = (self.special[t] for t in SPECIAL_TOKENS[:4])
         self.system_id, self.user_id, self.assistant_id, self.tool_id = (self.special[t] for t in SPECIAL_TOKENS[4:8])
@@ -216,7 +217,7 @@ class HFTokenizer(Tokenizer):
     `special` maps every added token (special or not in tokenizer.json: Qwen's `<tool_call>` is not) to its
     id; `files` holds the text of the checkpoint's other tokenizer files by name."""
 
-    chat_format = None  # its chat_format.TemplateFormat, once built (chat_format.of)
+    chat_format = None  # its formats.TemplateFormat, once built (formats.of)
 
     def __init__(self, hf: tokenizers.Tokenizer, files: dict[str, str] | None = None, source: str = ""):
         self.source = source or "tokenizer.json"
@@ -292,6 +293,19 @@ class HFTokenizer(Tokenizer):
 
     def __repr__(self) -> str:
         return f"HFTokenizer({self.source!r}, vocab_size={self.vocab_size})"
+
+
+def is_hf_dir(path: str) -> bool:
+    """Whether `path` holds a Hugging Face model directory (its config.json names `architectures` or a
+    `model_type`), rather than a codefleet checkpoint: its tokenizer and chat template are
+    its own (`formats.for_checkpoint`)."""
+    try:
+        with open(os.path.join(path, HF_CONFIG)) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and ("architectures" in config or "model_type" in config) \
+        and "d_model" not in config
 
 
 # -- the default tokenizer -----------------------------------------------------------------

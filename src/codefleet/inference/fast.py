@@ -1,8 +1,10 @@
 """Inference fast paths: the math of transformer.py and moe.py, computed faster with gradients off.
 
-`Transformer.forward` calls `blocks` and `lm_head` here instead of its own
-`blocks` and `lm_head` when gradients are off (the engine, reference
-logprobs); training never comes here. Every path computes the same function
+`Transformer.forward(..., fast=fast)` calls `blocks` and `lm_head` here
+instead of its own `blocks` and `lm_head`: the engine and the trainer's
+scoring forwards (proximal and reference logprobs, gradients off) pass this
+module; training never does (it needs gradients, which these paths do not
+keep). Every path computes the same function
 as the math it replaces. "Bit-identical" below means the same bits in fp32;
 "to float rounding" means the same sums in another order or blocking (~1e-6
 relative), which the parity tests bound (tests/test_model_*.py).

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from codefleet.inference.engine import Engine
+from codefleet.inference.sampling import SamplingParams
+from codefleet.inference.weight_swap import WeightSwap
 from codefleet.model.config import ModelConfig
-from codefleet.model.engine import Engine
-from codefleet.model.sampling import SamplingParams
 from codefleet.model.transformer import Transformer
-from codefleet.model.weight_swap import WeightSwap
 
 PROMPT = [[5, 9, 2, 7, 3, 11, 4]]
 

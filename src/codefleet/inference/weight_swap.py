@@ -21,17 +21,27 @@ A tensor shared by two names (tied embeddings) is staged and swapped once.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from codefleet.model import fast
+from codefleet.inference import fast
 
 
 @dataclass
 class Staged:
     tensors: dict[str, torch.Tensor]  # one name per distinct parameter or buffer
     derived: list[tuple[torch.nn.Module, str, object]]  # (owner, derived name, prebuilt value)
+
+
+@dataclass
+class Update:
+    """A staged update waiting for the engine to apply it between two steps; `done` is set once it landed."""
+
+    staged: Staged
+    version: int
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
 
 
 class WeightSwap:

@@ -11,13 +11,24 @@ import pytest
 import torch
 
 from codefleet.agent.tools import tool_schemas
-from codefleet.model import chat
+from codefleet.chat.codefleet_template import (
+    BOS,
+    CALL_CLOSE,
+    CALL_OPEN,
+    END,
+    EOS,
+    USER,
+    encode_chat,
+    encode_chat_with_mask,
+    stop_ids,
+)
+from codefleet.chat.tokenizer import default_tokenizer
+from codefleet.chat.tool_parser import PARSERS
+from codefleet.inference.engine import Engine
+from codefleet.inference.grammar import ToolCallGrammar, constrained_sample
+from codefleet.inference.sampling import SamplingParams, sample_next
+from codefleet.inference.server import ServerThread
 from codefleet.model.config import ModelConfig
-from codefleet.model.engine import Engine
-from codefleet.model.grammar import ToolCallGrammar, constrained_sample
-from codefleet.model.sampling import SamplingParams, sample_next
-from codefleet.model.server import ServerThread
-from codefleet.model.tokenizer import default_tokenizer
 from codefleet.model.transformer import Transformer, token_logprobs
 from codefleet.rl.sft import pad_batch, sft_step_loss
 
@@ -48,8 +59,8 @@ def _feed(matcher, tok, text: str, special: str | None = None) -> bool:
 
 def _call(grammar, tok, body: str, close: bool = True) -> bool:
     m = grammar.start()
-    assert _feed(m, tok, "Reading it.", chat.CALL_OPEN)
-    return _feed(m, tok, body, chat.CALL_CLOSE if close else None)
+    assert _feed(m, tok, "Reading it.", CALL_OPEN)
+    return _feed(m, tok, body, CALL_CLOSE if close else None)
 
 
 CALLS = [
@@ -70,7 +81,7 @@ def test_the_grammar_accepts_every_turn_the_template_renders(tok, grammar):
     for message in ([{"role": "assistant", "content": "Looking first.", "tool_calls": calls}],
                     [{"role": "assistant", "content": "", "tool_calls": calls[:1]}],
                     [{"role": "assistant", "content": "No call needed: done."}]):
-        ids, mask = chat.encode_chat_with_mask(tok, message, add_generation_prompt=False)
+        ids, mask = encode_chat_with_mask(tok, message, add_generation_prompt=False)
         turn = [t for t, m in zip(ids, mask) if m]
         m = grammar.start()
         for i, t in enumerate(turn):
@@ -107,32 +118,32 @@ def test_the_grammar_refuses_what_would_not_parse_or_fit_the_schema(tok, grammar
 ])
 def test_the_grammar_accepts_json_spelled_in_other_ways(tok, grammar, body):
     assert _call(grammar, tok, body)
-    assert not chat.parse_tool_calls(f"{chat.CALL_OPEN}{body}{chat.CALL_CLOSE}").errors
+    assert not PARSERS["codefleet"].parse(f"{CALL_OPEN}{body}{CALL_CLOSE}").errors
 
 
 def test_markers_go_only_where_the_template_puts_them(tok, grammar):
     m = grammar.start()
-    assert not m.allows(tok.special_id(chat.CALL_CLOSE))  # no call is open
-    assert not m.allows(tok.special_id(chat.USER)) and not m.allows(tok.special_id(chat.BOS))
+    assert not m.allows(tok.special_id(CALL_CLOSE))  # no call is open
+    assert not m.allows(tok.special_id(USER)) and not m.allows(tok.special_id(BOS))
     assert not _feed(grammar.start(), tok, "see <|end|>")
-    assert _feed(m, tok, "a < b |", chat.CALL_OPEN)
-    assert not m.allows(tok.special_id(chat.END))  # a call is open
-    assert not m.allows(tok.special_id(chat.CALL_OPEN))
-    assert _feed(m, tok, '{"name": "list_dir", "arguments": {}}', chat.CALL_CLOSE)
-    assert _feed(m, tok, "", chat.CALL_OPEN)  # a second call
-    assert _feed(m, tok, '{"name": "submit", "arguments": {}}', chat.CALL_CLOSE)
-    assert _feed(m, tok, "", chat.END) and m.done
+    assert _feed(m, tok, "a < b |", CALL_OPEN)
+    assert not m.allows(tok.special_id(END))  # a call is open
+    assert not m.allows(tok.special_id(CALL_OPEN))
+    assert _feed(m, tok, '{"name": "list_dir", "arguments": {}}', CALL_CLOSE)
+    assert _feed(m, tok, "", CALL_OPEN)  # a second call
+    assert _feed(m, tok, '{"name": "submit", "arguments": {}}', CALL_CLOSE)
+    assert _feed(m, tok, "", END) and m.done
     assert not m.allows(tok.encode("x")[0])
 
 
 def test_tool_choice_required_and_none(tok):
     required = ToolCallGrammar.build(tok, tool_schemas(), "required").start()
-    assert not required.allows(tok.special_id(chat.END)) and not required.allows(tok.special_id(chat.EOS))
-    assert _feed(required, tok, "", chat.CALL_OPEN)
-    assert _feed(required, tok, '{"name": "list_dir", "arguments": {}}', chat.CALL_CLOSE)
-    assert required.allows(tok.special_id(chat.END))
+    assert not required.allows(tok.special_id(END)) and not required.allows(tok.special_id(EOS))
+    assert _feed(required, tok, "", CALL_OPEN)
+    assert _feed(required, tok, '{"name": "list_dir", "arguments": {}}', CALL_CLOSE)
+    assert required.allows(tok.special_id(END))
     none = ToolCallGrammar.build(tok, tool_schemas(), "none").start()
-    assert not none.allows(tok.special_id(chat.CALL_OPEN)) and none.allows(tok.special_id(chat.END))
+    assert not none.allows(tok.special_id(CALL_OPEN)) and none.allows(tok.special_id(END))
     with pytest.raises(ValueError, match="tool_choice"):
         ToolCallGrammar.build(tok, tool_schemas(), "always")
     with pytest.raises(ValueError, match="at least one tool"):
@@ -140,15 +151,15 @@ def test_tool_choice_required_and_none(tok):
 
 
 def test_calls_only_opens_the_turn_with_a_call_and_max_calls_ends_it(tok):
-    call_open, end, eos = (tok.special_id(t) for t in (chat.CALL_OPEN, chat.END, chat.EOS))
+    call_open, end, eos = (tok.special_id(t) for t in (CALL_OPEN, END, EOS))
     only = ToolCallGrammar.build(tok, tool_schemas(), "required", calls_only=True).start()
     assert only.allowed_mask().nonzero().flatten().tolist() == [call_open]  # no text, no end: a call opens the turn
-    assert _feed(only, tok, "", chat.CALL_OPEN) and _feed(only, tok, '{"name": "list_dir", "arguments": {}}',
-                                                          chat.CALL_CLOSE)
+    assert _feed(only, tok, "", CALL_OPEN) and _feed(only, tok, '{"name": "list_dir", "arguments": {}}',
+                                                          CALL_CLOSE)
     assert set(only.allowed_mask().nonzero().flatten().tolist()) == {call_open, end, eos}  # another call or the end
     one = ToolCallGrammar.build(tok, tool_schemas(), "required", calls_only=True, max_calls=1).start()
-    assert _feed(one, tok, "", chat.CALL_OPEN) and _feed(one, tok, '{"name": "submit", "arguments": {}}',
-                                                         chat.CALL_CLOSE)
+    assert _feed(one, tok, "", CALL_OPEN) and _feed(one, tok, '{"name": "submit", "arguments": {}}',
+                                                         CALL_CLOSE)
     assert set(one.allowed_mask().nonzero().flatten().tolist()) == {end, eos}
     none = ToolCallGrammar.build(tok, [], "none").start()  # "none" needs no tools
     assert _feed(none, tok, "Plain text.") and not none.allows(call_open) and none.allows(end)
@@ -161,7 +172,7 @@ def test_the_full_mask_is_exactly_the_tokens_it_allows(tok, grammar):
                 '{"name": "read_file", "arguments": {"path": "a", ']
     for prefix in prefixes:
         m = grammar.start()
-        assert _feed(m, tok, "x", chat.CALL_OPEN) and _feed(m, tok, prefix)
+        assert _feed(m, tok, "x", CALL_OPEN) and _feed(m, tok, prefix)
         mask = m.allowed_mask()
         assert mask.tolist() == [m.allows(t) for t in range(len(tok))], prefix
         assert 0 < int(mask.sum()) < len(tok)
@@ -169,12 +180,12 @@ def test_the_full_mask_is_exactly_the_tokens_it_allows(tok, grammar):
 
 def test_constrained_sampling_draws_from_the_model_restricted_to_allowed_tokens(tok, grammar):
     m = grammar.start()
-    assert _feed(m, tok, "", chat.CALL_OPEN)
+    assert _feed(m, tok, "", CALL_OPEN)
     # after the opening marker only whitespace or "{" may come: give most mass to tokens it refuses
     brace, space = tok.encode("{")[0], tok.encode(" ")[0]
     logits_V = torch.full((len(tok),), -30.0)
     logits_V[tok.encode("hello")] = 8.0
-    logits_V[tok.special_id(chat.END)] = 9.0
+    logits_V[tok.special_id(END)] = 9.0
     logits_V[brace], logits_V[space] = 1.0, 1.0 - float(torch.log(torch.tensor(3.0)))  # 3 : 1
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=1.0)
@@ -211,7 +222,7 @@ def caller(tok):
         messages = [{"role": "user", "content": f"task {i}: use {name}"},
                     {"role": "assistant", "content": "On it.", "tool_calls": [
                         {"id": "c", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]}]
-        examples.append(chat.encode_chat_with_mask(tok, messages, add_generation_prompt=False))
+        examples.append(encode_chat_with_mask(tok, messages, add_generation_prompt=False))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for step in range(60):
         batch = pad_batch([examples[(step * 8 + j) % len(examples)] for j in range(8)])
@@ -223,9 +234,9 @@ def caller(tok):
 
 
 def test_the_engine_samples_only_calls_that_parse(tok, caller):
-    prompts = [chat.encode_chat(tok, [{"role": "user", "content": f"task {i}: use {n}"}])
+    prompts = [encode_chat(tok, [{"role": "user", "content": f"task {i}: use {n}"}])
                for i, (n, _) in enumerate(CALLS * 4)]
-    stop = chat.stop_ids(tok)
+    stop = stop_ids(tok)
     outcomes = {}
     for constrained in (False, True):
         engine = Engine(caller, tok, max_batch=32, max_seq_len=512)
@@ -236,7 +247,7 @@ def test_the_engine_samples_only_calls_that_parse(tok, caller):
         finally:
             engine.close()
         finished = [r for r in results if r.finish_reason == "stop"]
-        parsed = [chat.parse_tool_calls(r.text) for r in finished]
+        parsed = [PARSERS["codefleet"].parse(r.text) for r in finished]
         outcomes[constrained] = (len(finished), sum(len(p.errors) for p in parsed),
                                  sum(len(p.tool_calls) for p in parsed), sum(r.refused for r in results))
         if constrained:  # a resampled token records the model's own logprob, as the trainer computes it

@@ -1,11 +1,11 @@
 """Chat formats: how a checkpoint turns OpenAI messages and tools into token ids, and its turns back into
-tool calls. Codefleet's own models use codefleet's template (`chat.py`); a Hugging Face checkpoint uses
+tool calls. Codefleet's own models use codefleet's template (`codefleet_template.py`); a Hugging Face checkpoint uses
 its own tokenizer and chat template.
 
     tokenizer, fmt = for_checkpoint("runs/ckpt")          # or a Hugging Face directory (Qwen3, Llama, ...)
     ids = fmt.encode_chat(tokenizer, messages, tools)     # the prompt, ready for the engine
     ids, mask = fmt.encode_chat_with_mask(tokenizer, messages, tools)   # SFT: 1 on the assistant's tokens
-    turn = fmt.parse_tool_calls(result.text, "call_0_")   # chat.ParsedTurn(content, tool_calls, errors)
+    turn = fmt.parse_tool_calls(result.text, "call_0_")   # tool_parser.ParsedTurn(content, tool_calls, errors)
     fmt = of(tokenizer)                                   # the format a loaded tokenizer belongs to
 
 How the format is chosen (`for_checkpoint`): a directory with a `tokenizer_config.json` or a
@@ -14,7 +14,7 @@ How the format is chosen (`for_checkpoint`): a directory with a `tokenizer_confi
 of named templates: `"tool_use"` when the request has tools, else `"default"`, as transformers picks) or
 chat_template.jinja, its stop tokens the token that ends an assistant turn in that template, then
 generation_config.json's `eos_token_id` and tokenizer_config.json's `eos_token`. Its tool-call parser
-(`tool_parsers.PARSERS`: "codefleet", "hermes") is the one whose call marker the template writes,
+(`tool_parser.PARSERS`: "codefleet", "hermes") is the one whose call marker the template writes,
 unless the caller names one. A directory without those files is codefleet's: its `tokenizer.json`, or
 the default tokenizer, and codefleet's template. `of(tokenizer)` gives the format of a tokenizer
 loaded so, so code that is handed a tokenizer needs nothing else.
@@ -51,9 +51,8 @@ import re
 from datetime import datetime
 from typing import Protocol
 
-from codefleet.model import chat, hf
-from codefleet.model.chat import ParsedTurn
-from codefleet.model.tokenizer import (
+from codefleet.chat import codefleet_template
+from codefleet.chat.tokenizer import (
     HF_CHAT_TEMPLATE,
     HF_CHAT_TEMPLATE_JSON,
     HF_GENERATION_CONFIG,
@@ -62,8 +61,9 @@ from codefleet.model.tokenizer import (
     HFTokenizer,
     Tokenizer,
     default_tokenizer,
+    is_hf_dir,
 )
-from codefleet.model.tool_parsers import PARSERS, ToolCallFormat, choose
+from codefleet.chat.tool_parser import PARSERS, ParsedTurn, ToolCallFormat, choose
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -97,49 +97,44 @@ class ChatFormat(Protocol):
     def parse_tool_calls(self, text: str, id_prefix: str = "call_") -> ParsedTurn: ...
 
 
-def openai_tool_calls(calls: list[dict]) -> list[dict]:
-    """Parsed calls in the OpenAI message format (`message["tool_calls"]`), for every format."""
-    return chat.openai_tool_calls(calls)
-
-
 # -- codefleet's own format ---------------------------------------------------------------
 
 
 class CodefleetFormat:
-    """codefleet's chat template and tool-call format (`chat.py`), unchanged."""
+    """codefleet's chat template and tool-call format (`codefleet_template.py`), unchanged."""
 
     name = "codefleet"
     tool_calls = PARSERS["codefleet"]
-    roles = tuple(chat.ROLE_TOKENS)
+    roles = tuple(codefleet_template.ROLE_TOKENS)
 
     def render(self, messages, tools=None, add_generation_prompt=True) -> str:
-        return chat.render(messages, tools, add_generation_prompt)
+        return codefleet_template.render(messages, tools, add_generation_prompt)
 
-    def pieces(self, messages, tools=None, add_generation_prompt=True) -> list[chat.Piece]:
-        return chat.pieces(messages, tools, add_generation_prompt)
+    def pieces(self, messages, tools=None, add_generation_prompt=True) -> list[codefleet_template.Piece]:
+        return codefleet_template.pieces(messages, tools, add_generation_prompt)
 
     def encode_chat(self, tokenizer, messages, tools=None, add_generation_prompt=True) -> list[int]:
-        return chat.encode_chat(tokenizer, messages, tools, add_generation_prompt)
+        return codefleet_template.encode_chat(tokenizer, messages, tools, add_generation_prompt)
 
     def encode_chat_with_mask(self, tokenizer, messages, tools=None, add_generation_prompt=False):
-        return chat.encode_chat_with_mask(tokenizer, messages, tools, add_generation_prompt)
+        return codefleet_template.encode_chat_with_mask(tokenizer, messages, tools, add_generation_prompt)
 
     def continuation(self, tokenizer, messages, n_done, tools) -> list[int]:
-        done = len(chat.pieces(messages[:n_done], tools, add_generation_prompt=False))
+        done = len(codefleet_template.pieces(messages[:n_done], tools, add_generation_prompt=False))
         new: list[int] = []
-        for piece in chat.pieces(messages, tools, add_generation_prompt=True)[done:]:
+        for piece in codefleet_template.pieces(messages, tools, add_generation_prompt=True)[done:]:
             new += [tokenizer.special_id(piece.text)] if piece.special else tokenizer.encode(piece.text)
         return new
 
     def least_tokens(self, tokenizer, messages, tools=None) -> int:
         longest = tokenizer.max_token_bytes
-        return sum(1 if p.special else -(-len(p.text) // longest) for p in chat.pieces(messages, tools))
+        return sum(1 if p.special else -(-len(p.text) // longest) for p in codefleet_template.pieces(messages, tools))
 
     def stop_ids(self, tokenizer) -> list[int]:
-        return chat.stop_ids(tokenizer)
+        return codefleet_template.stop_ids(tokenizer)
 
     def parse_tool_calls(self, text: str, id_prefix: str = "call_") -> ParsedTurn:
-        return chat.parse_tool_calls(text, id_prefix)
+        return self.tool_calls.parse(text, id_prefix)
 
 
 CODEFLEET = CodefleetFormat()
@@ -401,7 +396,7 @@ class TemplateFormat:
 def is_hf(path: str) -> bool:
     """Whether the directory `path` is a Hugging Face checkpoint (its config.json, or a tokenizer_config.json or
     chat template beside its tokenizer), whose own tokenizer and chat template are used."""
-    return hf.is_hf_dir(path) or any(os.path.isfile(os.path.join(path, f))
+    return is_hf_dir(path) or any(os.path.isfile(os.path.join(path, f))
                                      for f in (HF_TOKENIZER_CONFIG, HF_CHAT_TEMPLATE, HF_CHAT_TEMPLATE_JSON))
 
 
@@ -420,7 +415,7 @@ def of(tokenizer, tool_parser: str | None = None) -> ChatFormat:
 
 def for_checkpoint(path: str, tool_parser: str | None = None) -> tuple[Tokenizer, ChatFormat]:
     """The tokenizer and chat format of the checkpoint directory `path` (module docstring); `tool_parser`
-    overrides the tool-call parser the template implies (a key of tool_parsers.PARSERS). A Hugging Face
+    overrides the tool-call parser the template implies (a key of tool_parser.PARSERS). A Hugging Face
     tokenizer is sized to config.json's `vocab_size` when it says one (`check_vocab`)."""
     if not is_hf(path):
         if os.path.isfile(os.path.join(path, TOKENIZER_FILE)):

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from codefleet.inference.engine import Engine
+from codefleet.inference.prefix_cache import common_prefix as _common_prefix
+from codefleet.inference.sampling import SamplingParams
 from codefleet.model.config import ModelConfig
 from codefleet.model.copying import CopyConfig
-from codefleet.model.engine import Engine
-from codefleet.model.prefix_cache import common_prefix as _common_prefix
-from codefleet.model.sampling import SamplingParams
 from codefleet.model.transformer import Transformer, token_logprobs
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0)

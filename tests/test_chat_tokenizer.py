@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from codefleet.model.tokenizer import (
+from codefleet.chat.tokenizer import (
     ASSETS_DIR,
     META_FILE,
     SPECIAL_TOKENS,
@@ -126,7 +126,7 @@ def test_training_is_deterministic_across_processes(small_corpus, tmp_path):
     assert Tokenizer.train(small_corpus, vocab_size=1024).to_json() == first.to_json()
     corpus_file = tmp_path / "corpus.json"
     corpus_file.write_text(json.dumps(small_corpus))
-    script = ("import json, sys; from codefleet.model.tokenizer import Tokenizer; "
+    script = ("import json, sys; from codefleet.chat.tokenizer import Tokenizer; "
               f"print(Tokenizer.train(json.load(open({str(corpus_file)!r})), vocab_size=1024).to_json())")
     for seed in ("1", "2"):
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
@@ -150,7 +150,7 @@ def test_the_shipped_asset_records_how_it_was_built(tok):
 
 
 def test_without_the_asset_the_default_tokenizer_says_how_to_rebuild_it(monkeypatch, tmp_path):
-    import codefleet.model.tokenizer as module
+    import codefleet.chat.tokenizer as module
 
     monkeypatch.setattr(module, "ASSETS_DIR", str(tmp_path / "no-assets"))
     with pytest.raises(FileNotFoundError, match="python -m codefleet.recipe.corpus build"):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from codefleet.model.cache import SlotKVCache
+from codefleet.inference.cache import SlotKVCache
 
 
 @dataclass

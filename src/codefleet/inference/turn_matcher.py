@@ -1,56 +1,15 @@
-"""Constrained decoding of tool calls: the engine samples only turns whose tool calls parse and fit
-their tools' schemas (OpenAI's strict function calling; vLLM and SGLang call it structured output).
+"""The recognizer of the tool-call grammar (grammar.py): where one sequence stands in its turn.
 
-A small policy trained for minutes writes many calls wrong: a closing marker without its opening
-one, a call left unclosed, JSON that does not parse, arguments its tool does not take (measured in
-docs/experiments/). Each costs a turn. With a grammar the engine never samples a token that would
-break the call being written.
-
-The grammar of one assistant turn, over the tokens of the checkpoint's chat format
-(`chat_format.of(tokenizer)`: codefleet's `<|tool_call|>...<|/tool_call|>`, or a Hugging Face
-checkpoint's, e.g. Hermes's `<tool_call>...</tool_call>`; its call markers must be single tokens):
-
-    turn := text (CALL_OPEN ws call ws CALL_CLOSE text)* STOP
-    call := {"name": NAME, "arguments": ARGS(NAME)}        ("name" first: the arguments depend on it)
-
-NAME is one of the request's tools; ARGS(NAME) is a JSON object that follows the tool's
-`parameters` schema: only its properties when `additionalProperties` is false, each at most once,
-every required one before the `}`, values of their declared `type` (string, with `enum` if given;
-integer; number; boolean; object; array) and any JSON value where the schema says nothing. Text
-never spells a marker in bytes the parser would read as one (`ToolCallFormat.text_guard`: "<|" for
-codefleet, whose template writes "<\\u007c" inside calls; the call markers for Hermes), nor does a
-string inside a call (`string_guard`). Special tokens other than the markers and stops are refused,
-except the added tokens a checkpoint marks as text (`<think>`). `tool_choice="required"` allows END only after a call, `"none"` allows no call (and
-needs no tools). `calls_only` drops the text: the turn opens with a call at once and holds calls alone,
-
-    turn := (CALL_OPEN ws call ws CALL_CLOSE)+ STOP        (at most `max_calls` calls, 0: any)
-
-which is how the server keeps OpenAI's promise for `tool_choice="required"` (one call or more) and
-a named function (`max_calls=1`, one call of the one tool offered) with any model, a random one
-included; the agent harness's "required" keeps the text, where its policy thinks before it calls.
-A call ends in bounded tokens only if its schema bounds it (a closed object, enums, booleans);
-a free string or number may still run to the token limit.
-
-How. `TurnMatcher` follows one sequence's sampled bytes with a small pushdown recognizer (a stack
-of frames). After the model samples a token, the engine asks `allows(token)`; a token the grammar
-refuses is masked and the row sampled again, which draws from the model's distribution restricted
-to the tokens not refused (temperature and top-k/top-p apply to what remains). After
-`MAX_REJECTIONS` refusals the engine masks every refused token at once (`allowed_mask`: a token is
-checked only if its first byte can follow). The logprob the engine records stays the model's own,
-unconstrained, which is what the trainer computes for the same token.
+`TurnMatcher` follows one sequence's sampled bytes with a small pushdown recognizer (a stack of frames:
+values, strings, numbers, literals, objects, arrays) over the schema nodes `grammar.call_node` builds.
+`allows(token)` asks without moving; `advance(token)` moves on; `allowed_mask()` gives every token the
+grammar accepts next, computed once per state and kept on the grammar (`MASKS_KEPT`).
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
-
 import torch
 
-from codefleet.model import chat_format
-from codefleet.model.sampling import TOOL_CHOICES
-
-MAX_REJECTIONS = 4  # single resamples before the full mask
 MASKS_KEPT = 4096  # full masks a grammar keeps, by matcher state
 # Whitespace between a call's JSON tokens: at most this many bytes in a row. Unbounded, a model that wants a
 # token the grammar refuses (an argument its tool does not take) writes spaces instead until its token limit.
@@ -64,58 +23,14 @@ _ESCAPES = frozenset(b'"\\/bfnrt')
 ANY = ("any",)
 
 
-def _node(schema: object) -> tuple:
-    """A JSON schema (the subset function parameters use) as a matcher node."""
-    if not isinstance(schema, dict):
-        return ANY
-    kind = schema.get("type")
-    if isinstance(kind, list):  # ["string", "null"] and the like: not narrowed
-        return ANY
-    if kind == "string":
-        enum = schema.get("enum")
-        if isinstance(enum, list) and enum and all(isinstance(e, str) and _plain(e) for e in enum):
-            return ("string", tuple(e.encode() for e in enum))
-        return ("string", None)
-    if kind in ("integer", "number", "boolean", "null"):
-        return (kind,)
-    if kind == "array":
-        return ("array", _node(schema.get("items")))
-    if kind == "object" or "properties" in schema:
-        properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-        required = frozenset(k for k in schema.get("required") or [] if k in properties)
-        closed = schema.get("additionalProperties") is False
-        return ("object", {k: _node(v) for k, v in properties.items()}, required, closed, None)
-    return ANY
-
-
-def _plain(text: str) -> bool:
-    """A string JSON writes without escapes (so an enum can be matched byte by byte)."""
-    return json.dumps(text, ensure_ascii=False)[1:-1] == text and "<|" not in text
-
-
-def call_node(tools: list[dict]) -> tuple:
-    """The node of one call, `{"name": NAME, "arguments": ARGS(NAME)}`, for OpenAI tool schemas."""
-    by_name: dict[str, tuple] = {}
-    for tool in tools:
-        function = tool.get("function", tool) if isinstance(tool, dict) else {}
-        name = function.get("name")
-        if not isinstance(name, str) or not name or not _plain(name):
-            raise ValueError(f"a tool needs a name of plain characters (no quotes or backslashes), got {name!r}")
-        node = _node(function.get("parameters") or {"type": "object"})
-        by_name[name] = node if node[0] == "object" else ("object", {}, frozenset(), False, None)
-    if not by_name:
-        raise ValueError("constrained tool calls need at least one tool")
-    properties = {"name": ("string", tuple(n.encode() for n in by_name)), "arguments": ("by_name", by_name)}
-    return ("object", properties, frozenset(properties), True, ("name", "arguments"))
-
-
 class TurnMatcher:
     """Where one sequence stands in the turn grammar. `advance` moves it on by a sampled token;
     `allows` asks without moving (it works on a copy)."""
 
     __slots__ = ("grammar", "in_call", "stack", "calls", "tail", "done", "ws_run")
 
-    def __init__(self, grammar: ToolCallGrammar):
+    def __init__(self, grammar):
+        """`grammar`: the ToolCallGrammar (grammar.py) of the request, compiled against its tokenizer."""
         self.grammar = grammar
         self.in_call = False
         self.stack: list[list] = []  # frames of the call being written; empty and in_call: the call is complete
@@ -481,86 +396,3 @@ def _number(frame: list, byte: int) -> bool | None:
         frame[2] = 8
         return True
     return True if digit else None  # exponent digits
-
-
-@dataclass(frozen=True)
-class ToolCallGrammar:
-    """The turn grammar for one request's tools and tool choice, compiled against a tokenizer."""
-
-    call: tuple | None  # None with tool_choice "none": no call to write
-    tool_choice: str
-    token_bytes: list[bytes]
-    special: frozenset[int]
-    call_open: int
-    call_close: int
-    stops: frozenset[int]
-    by_first_byte: dict[int, list[int]]
-    vocab_size: int
-    calls_only: bool = False  # the turn is tool calls alone, opening with one (module docstring)
-    max_calls: int = 0  # most calls in the turn; 0: no limit
-    text_guard: tuple[bytes, ...] = (b"<|",)  # text never spells these (ToolCallFormat.text_guard)
-    string_guard: tuple[bytes, ...] = (b"<|",)  # nor does a string inside a call
-    guard_bytes: frozenset[int] = frozenset(b"<")  # the first bytes of the guarded strings
-    masks: dict = field(default_factory=dict, compare=False)  # allowed_mask by state (TurnMatcher._state)
-
-    @classmethod
-    def build(cls, tokenizer, tools: list[dict], tool_choice: str = "auto", calls_only: bool = False,
-              max_calls: int = 0, fmt=None) -> ToolCallGrammar:
-        """The grammar over `tokenizer`'s chat format (`fmt`, default `chat_format.of(tokenizer)`)."""
-        if tool_choice not in TOOL_CHOICES:
-            raise ValueError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}, got {tool_choice!r}")
-        if calls_only and tool_choice == "none":
-            raise ValueError("calls_only asks for tool calls, which tool_choice \"none\" forbids; use one or the other")
-        fmt = fmt or chat_format.of(tokenizer)
-        calls = fmt.tool_calls
-        markers = []
-        for marker in (calls.call_open, calls.call_close):
-            if marker not in tokenizer.special:
-                raise ValueError(f"constrained tool calls need the call marker {marker!r} to be one token of the "
-                                 "checkpoint's tokenizer; it is not, so serve and run it without a tool grammar")
-            markers.append(tokenizer.special_id(marker))
-        vocab = len(tokenizer)
-        token_bytes = [tokenizer.token_bytes(i) for i in range(vocab)]
-        text_tokens = getattr(tokenizer, "text_tokens", set()) - {calls.call_open, calls.call_close}
-        # template tokens, and ids that stand for no text, never belong in a turn's text
-        special = frozenset(i for t, i in tokenizer.special.items() if t not in text_tokens)
-        special |= frozenset(i for i, data in enumerate(token_bytes) if not data)
-        by_first: dict[int, list[int]] = {}
-        for token, data in enumerate(token_bytes):
-            if token not in special and data:
-                by_first.setdefault(data[0], []).append(token)
-        stops = frozenset(fmt.stop_ids(tokenizer))
-        call = None if tool_choice == "none" else call_node(tools)
-        guards = (*calls.text_guard, *calls.string_guard)
-        return cls(call, tool_choice, token_bytes, special, markers[0], markers[1], stops, by_first, vocab,
-                   calls_only, max_calls, tuple(g.encode() for g in calls.text_guard),
-                   tuple(g.encode() for g in calls.string_guard), frozenset(g.encode()[0] for g in guards))
-
-    def start(self) -> TurnMatcher:
-        return TurnMatcher(self)
-
-
-def constrained_sample(matcher: TurnMatcher, logits_V: torch.Tensor, token: int, resample) -> tuple[int, int]:
-    """The token to keep for a row whose model sampled `token`: it, or a resample the grammar allows.
-    `resample(logits_V)` draws one token from (masked) logits with the row's sampling parameters.
-    Returns (token, refusals); a grammar with no token left (it cannot happen with a byte-level
-    vocabulary) keeps the model's token, and the parser reports what is wrong with the call."""
-    if matcher.allows(token):
-        return token, 0
-    logits_V = logits_V.clone()
-    logits_V[token] = float("-inf")
-    refused = 1
-    mask = matcher.known_mask()  # a state met before: mask at once
-    while mask is None and refused < MAX_REJECTIONS:
-        candidate = resample(logits_V)
-        if matcher.allows(candidate):
-            return candidate, refused
-        logits_V[candidate] = float("-inf")
-        refused += 1
-    mask = (mask if mask is not None else matcher.allowed_mask()).to(logits_V.device)
-    if not mask.any():
-        return token, refused
-    logits_V[~mask] = float("-inf")
-    if torch.isinf(logits_V).all():  # the model gives every allowed token zero probability
-        logits_V[mask] = 0.0
-    return resample(logits_V), refused

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from codefleet.model.cache import CacheFullError, SlotKVCache
-from codefleet.model.sampling import SamplingParams, sample_next
+from codefleet.inference.cache import CacheFullError, SlotKVCache
+from codefleet.inference.sampling import SamplingParams, sample_next
 
 H, HKV, D = 4, 2, 8
 

