@@ -72,7 +72,9 @@ class GroupRunner(Protocol):
 class TrainerClient(Protocol):
     def train(self, batch: Batch) -> dict[str, float]:
         """One trainer step on the batch, blocking; when it returns the policy is version
-        batch.trainer_version + 1 and the engines already serve it. Returns metrics."""
+        batch.trainer_version + 1 and the engines already serve it. Returns metrics. A trainer that checkpoints
+        saves `batch.buffer_state()` with the step (the controller's `buffer_state()`, this batch consumed), so
+        it needs no handle on the controller."""
         ...
 
 

@@ -33,7 +33,6 @@ import os
 import random
 import time
 
-import ray
 import torch
 import yaml
 
@@ -41,7 +40,7 @@ from codefleet.agent.clients.local_engine import TOOL_GRAMMARS
 from codefleet.config import ConfigError, load_config, to_dict
 from codefleet.contracts import ENGINES, TRAINERS
 from codefleet.fleet.placement import PLACEMENTS
-from codefleet.fleet.ray_init import init_ray
+from codefleet.fleet.ray_init import ray_running
 from codefleet.fleet.trainer_group import TrainerGroup
 from codefleet.model import chat_format, checkpoint, kernels
 from codefleet.model import vllm_engine as _vllm_engine  # noqa: F401  (registers the "vllm" engine backend)
@@ -289,7 +288,7 @@ def evaluate_checkpoints(run: RunDir, config: TrainRunConfig, eval_tasks, checkp
         writer = RolloutWriter(store, beneath=run.location)
         index = {t.id: i for i, t in enumerate(eval_tasks)}
 
-        def on_task(task, trajectories, label=label, writer=writer):
+        def on_task(task, trajectories, label=label, writer=writer, index=index):
             writer.append([rollout_record(t, run=f"{config.name}-{label}", step=0, group=index[task.id],
                                           attempt=i, split="eval") for i, t in enumerate(trajectories)])
 
@@ -422,25 +421,23 @@ def _train(run: RunDir, config: TrainRunConfig, progress: bool) -> dict:
     phases.done("demonstrations")
     metrics = Metrics(run)
     cl = config.cluster
-    own_ray = init_ray(cl.num_cpus, {"sandbox": cl.sandbox_slots}, cl.address)
-    phases.done("set-up")
-    try:
-        check_run_gpus(cl)
-        sft_ckpt = sft(run, config, demos, init, metrics, tokenizer)
-        phases.done("sft")
-        sft_hash = checkpoint.tensor_hash(storage.local_copy(sft_ckpt))
-        log(f"sft checkpoint {sft_ckpt}: tensor hash {sft_hash}")
-        rl_tasks = [t for t in rl_tasks if t.id not in demos.broken]
-        if not rl_tasks:
-            raise RunError(f"the set-up of every training task fails (e.g. {next(iter(demos.broken.values()))}); "
-                           "fix the tasks' setup commands and start a new run")
-        rl_ckpt = reinforce(run, config, rl_tasks, sft_ckpt, metrics, progress)
-        phases.done("rl")
-    finally:
-        metrics.plot()
-        metrics.close()
-        if own_ray:
-            ray.shutdown()
+    with ray_running(cl.num_cpus, {"sandbox": cl.sandbox_slots}, cl.address):
+        phases.done("set-up")
+        try:
+            check_run_gpus(cl)
+            sft_ckpt = sft(run, config, demos, init, metrics, tokenizer)
+            phases.done("sft")
+            sft_hash = checkpoint.tensor_hash(storage.local_copy(sft_ckpt))
+            log(f"sft checkpoint {sft_ckpt}: tensor hash {sft_hash}")
+            rl_tasks = [t for t in rl_tasks if t.id not in demos.broken]
+            if not rl_tasks:
+                raise RunError(f"the set-up of every training task fails (e.g. {next(iter(demos.broken.values()))}); "
+                               "fix the tasks' setup commands and start a new run")
+            rl_ckpt = reinforce(run, config, rl_tasks, sft_ckpt, metrics, progress)
+            phases.done("rl")
+        finally:
+            metrics.plot()
+            metrics.close()
     results = {}
     for label, path in (("sft", sft_ckpt), ("rl", rl_ckpt)):
         results.update(evaluate_checkpoints(run, config, eval_tasks, {label: path}))
