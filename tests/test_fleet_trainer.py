@@ -7,6 +7,7 @@ import json
 import pytest
 import ray
 import torch
+from test_rl_trainer import _cfg, _examples, _model, _samples
 
 from codefleet.fleet import TrainerGroup, TrainerWorkerError
 from codefleet.fleet.trainer_group import merge_metrics, shard_by_tokens
@@ -15,7 +16,6 @@ from codefleet.model.sampling import SamplingParams
 from codefleet.rl.logprobs import forward_logprobs
 from codefleet.rl.trainer import TrainConfig, Trainer
 from codefleet.types import TokenSequence, Trajectory
-from test_rl_trainer import _cfg, _examples, _model, _samples
 
 CONFIG = TrainConfig(lr=3e-3, micro_batch_tokens=40)
 CPUS = 0.25  # per worker: other tests share the session's 2 CPUs
@@ -189,14 +189,13 @@ def test_a_trainer_worker_that_dies_mid_run_is_replaced_and_the_step_redone(ray_
     from codefleet.fleet.controller import Controller, ControllerConfig
     from codefleet.fleet.inference import start_engines
     from codefleet.fleet.policy_actors import PolicyActors
-    from codefleet.recipe.run_dir import Metrics, RunDir
     from codefleet.fleet.staleness import Group, Rollout
-    from codefleet.recipe.config import TrainRunConfig
-    from codefleet.recipe.train_rl import RLTrainer
     from codefleet.model import checkpoint
-    from codefleet.types import Trajectory
-
     from codefleet.model.tokenizer import default_tokenizer
+    from codefleet.recipe.config import TrainRunConfig
+    from codefleet.recipe.run_dir import Metrics, RunDir
+    from codefleet.recipe.train_rl import RLTrainer
+    from codefleet.types import Trajectory
 
     model = _model(vocab_size=default_tokenizer().vocab_size)
     start = str(tmp_path / "run" / "checkpoints" / "rl-start")
@@ -229,7 +228,8 @@ def test_a_trainer_worker_that_dies_mid_run_is_replaced_and_the_step_redone(ray_
         assert len(made) == 2 and actors.group is made[1] and actors.group.version == 1
         assert any("starting a new trainer group from" in line and "redo step 0" in line for line in lines), lines
         assert m["rollouts"] == 2 and run.latest()[:2] == (run.rl_checkpoint(1), 1)
-        assert json.load(open(run.path("trained", "step-000001.json"))) == ["0/0", "0/1"]
+        with open(run.path("trained", "step-000001.json")) as f:
+            assert json.load(f) == ["0/0", "0/1"]
         assert ray.get(engines[0].info.remote())["version"] == 1
         assert run.latest()[2]["consumed_ids"] == ["0/0", "0/1"]  # the buffer's state, this batch consumed
     finally:
