@@ -227,6 +227,28 @@ def check_run_gpus(cl: ClusterSection) -> None:
         raise RunError(str(e)) from None
 
 
+def start_policy(run: RunDir, config: TrainRunConfig, serving: str, version: int, train_config: TrainConfig,
+                 placement: Placement) -> PolicyActors:
+    """The policy's actors of the RL stage: a trainer group and the engines on the checkpoint `serving` at
+    `version`, in `placement`; a trainer group that loses a worker is replaced from a checkpoint."""
+    c, cl = config.rl, config.cluster
+
+    def new_group(checkpoint: str) -> TrainerGroup:
+        return TrainerGroup(cl.trainer_workers, checkpoint=checkpoint, config=train_config,
+                            num_cpus_per_worker=cl.trainer_cpus, resources_per_worker=cl.trainer_resources,
+                            num_gpus_per_worker=cl.trainer_gpus, placement=placement.trainer)
+
+    group = new_group(serving)
+    engines = start_engines(serving, cl.engines, num_cpus=ENGINE_CPUS, resources=cl.engine_resources,
+                            threads=cl.engine_threads, max_batch=max(c.rollout_slots, 1), version=version,
+                            restart_from=run.durable("checkpoints", "LATEST"), backend=cl.engine_backend,
+                            record_routing=config.rl.routing_replay, num_gpus=cl.engine_gpus,
+                            placement=placement.engines)
+    return PolicyActors(group, engines, new_group=new_group, weight_sync=cl.weight_sync,
+                        bucket_mb=cl.weight_sync_bucket_mb, engine_wait_s=cl.engine_wait_s,
+                        colocated=cl.placement == "colocated", log=log)
+
+
 def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, metrics: Metrics,
               progress: bool = True) -> str:
     c, cl = config.rl, config.cluster
@@ -245,23 +267,12 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
                                       colocated=cl.placement == "colocated", timeout_s=cl.placement_wait_s)
     except ValueError as e:
         raise RunError(str(e)) from None
-
-    def new_group(checkpoint: str) -> TrainerGroup:
-        return TrainerGroup(cl.trainer_workers, checkpoint=checkpoint, config=train_config,
-                            num_cpus_per_worker=cl.trainer_cpus, resources_per_worker=cl.trainer_resources,
-                            num_gpus_per_worker=cl.trainer_gpus, placement=placement.trainer)
-
-    group = new_group(serving)
-    engines = start_engines(serving, cl.engines, num_cpus=ENGINE_CPUS, resources=cl.engine_resources,
-                            threads=cl.engine_threads, max_batch=max(c.rollout_slots, 1), version=version,
-                            restart_from=run.durable("checkpoints", "LATEST"), backend=cl.engine_backend,
-                            record_routing=config.rl.routing_replay, num_gpus=cl.engine_gpus,
-                            placement=placement.engines)
+    actors = start_policy(run, config, serving, version, train_config, placement)
     fleet = SandboxFleet.start()  # held for the run: a host whose last handle goes away is collected
     spec = RolloutSpec(checkpoint=serving, sandbox=config.sandbox, episode=episode_config(config),
                        max_tokens=c.max_tokens, temperature=c.temperature, max_seq_len=config.model.max_seq_len,
                        tool_grammar=config.model.tool_grammar)
-    workers = start_workers(spec, engines, cl.rollout_workers,
+    workers = start_workers(spec, actors.engines, cl.rollout_workers,
                             slots_per_worker=-(-c.rollout_slots // cl.rollout_workers), num_cpus=cl.rollout_cpus,
                             resources=cl.rollout_resources)
     writer = RolloutWriter(run.durable("rollouts"))
@@ -282,9 +293,6 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
         tasks.exclude(task.id)
 
     bar = tqdm(total=c.steps, initial=version, desc="rl", unit="step", disable=not progress, file=sys.stderr)
-    actors = PolicyActors(group, engines, new_group=new_group, weight_sync=cl.weight_sync,
-                          bucket_mb=cl.weight_sync_bucket_mb, engine_wait_s=cl.engine_wait_s,
-                          colocated=cl.placement == "colocated", log=log)
     trainer = RLTrainer(actors, run, metrics, config, bar, sampler=tasks, start=start)
     controller = Controller(
         ControllerConfig(eta=c.eta, rollout_slots=c.rollout_slots, batch_groups=c.batch_groups,
