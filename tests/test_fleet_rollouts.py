@@ -35,6 +35,18 @@ def _spec(ckpt, state_dir, prompt="full"):
                        episode=EpisodeConfig(prompt=prompt))
 
 
+def test_rollout_workers_get_no_arguments_in_the_object_store(setup, capfd):
+    """A restarted actor is created again from its first arguments; an argument in the object store (an actor
+    handle puts it there) may be gone by then (ray-project/ray#53727), and Ray warns about it when the actor is
+    created. Rollout workers get the engines' names instead. Ray warns once per process: this test comes first."""
+    ckpt, _, state_dir = setup
+    engines = start_engines(ckpt, 1, num_cpus=0, max_batch=2)
+    workers = start_workers(_spec(ckpt, state_dir), engines, 1, slots_per_worker=1, num_cpus=0)
+    assert "constructor arguments in the object store" not in capfd.readouterr().err
+    for actor in (*workers, *engines):
+        ray.kill(actor, no_restart=True)
+
+
 def test_an_attempt_runs_the_harness_and_returns_exact_tokens(setup):
     ckpt, task, state_dir = setup
     engines = start_engines(ckpt, 1, num_cpus=0, max_batch=4)
@@ -59,7 +71,7 @@ def test_an_attempt_runs_the_harness_and_returns_exact_tokens(setup):
     assert ray.get(engines[0].info.remote())["version"] == 3
     results = ray.get(runner.start(Ticket(8, 3, 4, 1), task, [0]), timeout=240)
     sequence = results[0].rollout.trajectory.sequence
-    assert {v for v, m in zip(sequence.versions, sequence.loss_mask) if m} == {3}
+    assert {v for v, m in zip(sequence.versions, sequence.loss_mask, strict=True) if m} == {3}
     assert results[0].rollout.policy_version == 3
 
     ray.kill(engines[0], no_restart=True)  # an engine that dies is an infrastructure failure, not a reward of 0
@@ -202,7 +214,7 @@ def test_an_engine_that_never_comes_back_is_routed_around_and_the_broadcast_goes
 
     ckpt, task, state_dir = setup
     up = start_engines(ckpt, 1, num_cpus=0, max_batch=2)[0]
-    nowhere = EngineActor.options(num_cpus=0, resources={"no-such-node": 1}).remote(ckpt)
+    nowhere = EngineActor.options(num_cpus=0, resources={"no-such-node": 1}, name="engine-nowhere").remote(ckpt)
     engines = [nowhere, up]
     workers = start_workers(_spec(ckpt, state_dir), engines, 1, slots_per_worker=1, num_cpus=0)
     (result,) = ray.get(AgentGroupRunner(workers).start(Ticket(0, 0, 1, 1), task, [0]), timeout=240)  # -> engine 0
@@ -223,12 +235,14 @@ def test_a_retry_goes_to_another_worker_when_one_never_answers(setup):
     """A rollout worker Ray cannot place (its node is gone, no room elsewhere) takes attempts that never start.
     The controller times such an attempt out; its retry goes to the next worker and the group completes."""
     from codefleet.fleet.controller import Controller, ControllerConfig
+    from codefleet.fleet.inference import actor_names
     from codefleet.fleet.rollouts import RolloutWorker
 
     ckpt, task, state_dir = setup
     engines = start_engines(ckpt, 1, num_cpus=0, max_batch=2)
     live = start_workers(_spec(ckpt, state_dir), engines, 1, slots_per_worker=2, num_cpus=0)[0]
-    nowhere = RolloutWorker.options(num_cpus=0, resources={"no-such-node": 1}).remote(_spec(ckpt, state_dir), engines)
+    nowhere = RolloutWorker.options(num_cpus=0, resources={"no-such-node": 1}).remote(_spec(ckpt, state_dir),
+                                                                                      actor_names(engines))
 
     class Recorder:  # the trainer: the edge of this test
         batches = []
@@ -246,3 +260,37 @@ def test_a_retry_goes_to_another_worker_when_one_never_answers(setup):
     assert sorted(r.rollout_id for r in group.rollouts) == ["0/0", "0/1"] and report.abandoned_groups == 0
     for actor in (live, nowhere, *engines):
         ray.kill(actor, no_restart=True)
+
+
+def test_a_rollout_worker_that_restarts_finds_its_engines_again_by_name(setup):
+    """A rollout worker is restarted by Ray with the arguments it was created with, which name the engines. The
+    restarted worker looks them up again and runs attempts; one whose engine is gone for good by then fails them
+    as infrastructure, saying so."""
+    import time
+
+    ckpt, task, state_dir = setup
+    engines = start_engines(ckpt, 1, num_cpus=0, max_batch=2)
+    (worker,) = start_workers(_spec(ckpt, state_dir), engines, 1, slots_per_worker=1, num_cpus=0)
+
+    def restart(worker) -> None:
+        pid = ray.get(worker.pid.remote())
+        ray.kill(worker, no_restart=False)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if ray.get(worker.pid.remote(), timeout=60) != pid:
+                    return
+            except ray.exceptions.RayActorError:  # restarting
+                pass
+            assert time.monotonic() < deadline, "the rollout worker did not restart"
+            time.sleep(0.3)
+
+    restart(worker)
+    (result,) = ray.get(AgentGroupRunner([worker]).start(Ticket(30, 0, 1, 1), task, [0]), timeout=240)
+    assert result.rollout is not None and result.rollout.trajectory.n_turns >= 1
+
+    ray.kill(engines[0], no_restart=True)
+    restart(worker)
+    with pytest.raises(ray.exceptions.RayTaskError, match="all 1 engines are dead for good"):
+        ray.get(AgentGroupRunner([worker]).start(Ticket(31, 0, 1, 1), task, [0])[0], timeout=240)
+    ray.kill(worker, no_restart=True)

@@ -183,13 +183,15 @@ def test_an_attempt_with_no_tokens_is_scored_but_not_trained_on():
 
 
 def test_a_trainer_worker_that_dies_mid_run_is_replaced_and_the_step_redone(ray_session, tmp_path):
-    """RL's trainer (train_rl.RLTrainer) on real actors: a worker killed before a step is an infrastructure
-    failure; a new group starts from the last commit, the same batch is trained once, committed and published."""
-    from codefleet.chat.tokenizer import default_tokenizer
+    """RL's trainer (train_rl.RLTrainer over fleet.policy_actors.PolicyActors) on real actors: a worker killed
+    before a step is an infrastructure failure; a new group starts from the last commit, the same batch is trained
+    once, committed and published."""
     from codefleet.fleet.controller import Controller, ControllerConfig
     from codefleet.fleet.inference import start_engines
+    from codefleet.fleet.policy_actors import PolicyActors
     from codefleet.fleet.staleness import Group, Rollout
     from codefleet.model import checkpoint
+    from codefleet.chat.tokenizer import default_tokenizer
     from codefleet.recipe.config import TrainRunConfig
     from codefleet.recipe.run_dir import Metrics, RunDir
     from codefleet.recipe.train_rl import RLTrainer
@@ -206,10 +208,13 @@ def test_a_trainer_worker_that_dies_mid_run_is_replaced_and_the_step_redone(ray_
 
     engines = start_engines(start, 1, num_cpus=0, max_batch=2)
     metrics = Metrics(run)
-    trainer = RLTrainer(new_group(start), engines, run, metrics, TrainRunConfig(), new_group=new_group, start=start)
+    config, lines = TrainRunConfig(), []
+    actors = PolicyActors(new_group(start), engines, new_group=new_group, weight_sync=config.cluster.weight_sync,
+                          bucket_mb=config.cluster.weight_sync_bucket_mb, engine_wait_s=config.cluster.engine_wait_s,
+                          colocated=False, log=lines.append)
+    trainer = RLTrainer(actors, run, metrics, config, start=start)
     controller = Controller(ControllerConfig(eta=1, rollout_slots=2, batch_groups=1, group_size=2), None, trainer,
                             iter(()))
-    trainer.controller = controller
     ticket = controller.admission.try_admit(0)
     rollouts = [Rollout(f"0/{i}", 0, 0, float(i), Trajectory(
         "t", [], [], "submit", reward=float(i),
@@ -218,12 +223,15 @@ def test_a_trainer_worker_that_dies_mid_run_is_replaced_and_the_step_redone(ray_
     controller.buffer.put(Group(ticket, rollouts))
     batch = controller.buffer.take_batch(1, 0)
     try:
-        ray.kill(trainer.group.workers[0], no_restart=True)
+        ray.kill(actors.group.workers[0], no_restart=True)
         m = trainer.train(batch)
-        assert len(made) == 2 and trainer.group is made[1] and trainer.group.version == 1
+        assert len(made) == 2 and actors.group is made[1] and actors.group.version == 1
+        assert any("starting a new trainer group from" in line and "redo step 0" in line for line in lines), lines
         assert m["rollouts"] == 2 and run.latest()[:2] == (run.rl_checkpoint(1), 1)
-        assert json.load(open(run.path("trained", "step-000001.json"))) == ["0/0", "0/1"]
+        with open(run.path("trained", "step-000001.json")) as f:
+            assert json.load(f) == ["0/0", "0/1"]
         assert ray.get(engines[0].info.remote())["version"] == 1
+        assert run.latest()[2]["consumed_ids"] == ["0/0", "0/1"]  # the buffer's state, this batch consumed
     finally:
         metrics.close()
         for g in made:

@@ -3,7 +3,8 @@ into the trainer's buffer while the trainer keeps stepping.
 
 The policy (who may start, which groups form a batch, why every trained rollout has lag ≤ η) is
 the pure core in `staleness.py`; this module only drives it with Ray and threads. The contract
-(ControllerConfig, GroupRunner, TrainerClient, AttemptResult, the reports) is in `controller_api.py`.
+(ControllerConfig, GroupRunner, TrainerClient, AttemptResult, the reports and what they measure) is in
+`controller_api.py`.
 
 Two threads.
 - The dispatcher is the thread that calls `run()`. It admits groups
@@ -30,9 +31,9 @@ resolves to `AttemptResult(rollout=None)`, or that runs past `rollout_timeout_s`
 attempt index is started again with `runner.start(ticket, item, [attempt])` once its back-off has passed
 (`retry_backoff_s`, doubled per further failure of that attempt, at most `retry_backoff_max_s`) and a slot is
 free (a retry that is due goes before new groups). The back-off matters when a node dies: its actors are
-restarted elsewhere, and until then every call to them fails at once. It is never scored as the agent's failure. An attempt that fails
-more than `max_infra_retries` times abandons its group: the group's other attempts are cancelled
-and its ticket is withdrawn, so the trainer does not wait for it.
+restarted elsewhere, and until then every call to them fails at once. It is never scored as the agent's
+failure. An attempt that fails more than `max_infra_retries` times abandons its group: the group's other
+attempts are cancelled and its ticket is withdrawn, so the trainer does not wait for it.
 
 Broken items. An attempt that resolves to `AttemptResult(None, task_error=why)` says the item itself
 cannot be attempted (a task whose set-up fails): retrying would fail the same way, and scoring it would
@@ -50,15 +51,6 @@ Errors. An exception in `trainer.train`, `on_step`, `on_group` or `on_broken`, a
 contract (see `GroupRunner`), or a stop rule (`max_abandoned_in_a_row`) stops the run the same way and
 `run()` raises a ControllerError (a RuntimeError) naming the step or group, with the original exception
 as its cause; Ctrl-C (KeyboardInterrupt) and SystemExit (the CLI's SIGTERM) leave as they are after clean-up.
-
-What is measured (RunReport, StepReport).
-- `rollouts_per_s`: rollouts trained in this `run()` / seconds from the start of `run()` to the end
-  of its last trainer step (start-up included).
-- `trainer_busy_fraction`: seconds inside `trainer.train()` / seconds from the moment the first
-  batch of this `run()` was handed to the trainer to the end of its last step. The wait for the
-  first batch (the pipeline filling) is excluded; every later wait for a batch counts as idle.
-- `waiting_s` (per step): seconds the trainer spent in `take_batch` before that step's batch.
-- version lags: trainer step minus the rollout's start version, for the rollouts trained in this run.
 """
 
 from __future__ import annotations
@@ -210,10 +202,7 @@ class Controller:
                              "n_steps is the version to reach, counted from 0")
         adm, buf = self.admission, self.buffer
         if n_steps == self._version:
-            return RunReport(steps=0, version=self._version, ended_by="steps", wall_s=0.0, trained_rollouts=0,
-                             rollouts_per_s=0.0, trainer_busy_s=0.0, trainer_busy_fraction=0.0, version_lag_p50=0.0,
-                             version_lag_p99=0.0, version_lag_max=0, infra_failures=0, abandoned_groups=0,
-                             dropped_groups=0)
+            return RunReport.nothing_to_do(self._version)
         self._running = True
         base = (adm.infra_failures, adm.abandoned_groups, buf.dropped_zero_variance, self._broken_groups)
         start_version = self._version
@@ -391,7 +380,7 @@ class Controller:
             raise _Fatal(f"GroupRunner.start returned {len(refs)} refs for {len(attempts)} attempts; "
                          "return one per attempt")
         deadline_s = time.monotonic() + self.config.rollout_timeout_s
-        for attempt, ref in zip(attempts, refs):
+        for attempt, ref in zip(attempts, refs, strict=True):
             token = next(self._tokens)
             self._pending[token] = _Attempt(token, g.ticket.group_id, attempt, ref, deadline_s)
             g.running[attempt] = token

@@ -77,7 +77,9 @@ class GroupRunner(Protocol):
 class TrainerClient(Protocol):
     def train(self, batch: Batch) -> dict[str, float]:
         """One trainer step on the batch, blocking; when it returns the policy is version
-        batch.trainer_version + 1 and the engines already serve it. Returns metrics."""
+        batch.trainer_version + 1 and the engines already serve it. Returns metrics. A trainer that checkpoints
+        saves `batch.buffer_state()` with the step (the controller's `buffer_state()`, this batch consumed), so
+        it needs no handle on the controller."""
         ...
 
 
@@ -97,6 +99,17 @@ class StepReport:
 
 @dataclass
 class RunReport:
+    """What one `Controller.run()` did. What is measured:
+
+    - `rollouts_per_s`: rollouts trained in this `run()` / seconds from the start of `run()` to the end
+      of its last trainer step (start-up included).
+    - `trainer_busy_fraction`: seconds inside `trainer.train()` / seconds from the moment the first
+      batch of this `run()` was handed to the trainer to the end of its last step. The wait for the
+      first batch (the pipeline filling) is excluded; every later wait for a batch counts as idle.
+    - `StepReport.waiting_s` (per step): seconds the trainer spent in `take_batch` before that step's batch.
+    - version lags: trainer step minus the rollout's start version, for the rollouts trained in this run.
+    """
+
     steps: int  # trainer steps done in this run()
     version: int  # policy version at the end
     ended_by: str  # "steps", "stop" or "no_more_items"
@@ -115,3 +128,10 @@ class RunReport:
     broken_groups: int = 0  # dropped because their item cannot be attempted (AttemptResult.task_error)
     last_task_error: str = ""
     lags: list[int] = field(default_factory=list, repr=False)  # one per trained rollout
+
+    @classmethod
+    def nothing_to_do(cls, version: int) -> RunReport:
+        """The report of a run() asked for the version the policy already has."""
+        return cls(steps=0, version=version, ended_by="steps", wall_s=0.0, trained_rollouts=0, rollouts_per_s=0.0,
+                   trainer_busy_s=0.0, trainer_busy_fraction=0.0, version_lag_p50=0.0, version_lag_p99=0.0,
+                   version_lag_max=0, infra_failures=0, abandoned_groups=0, dropped_groups=0)

@@ -36,9 +36,11 @@ an episode holds one RemoteEngine, so all its turns go to the same engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
+import uuid
 
 import ray
 import torch
@@ -126,8 +128,8 @@ class EngineActor:
                 return self.engine.version
             try:
                 self.receiver.begin(plans)
-                for plan, buckets in zip(plans, flats):
-                    for bucket, flat in zip(plan.buckets, buckets):
+                for plan, buckets in zip(plans, flats, strict=True):
+                    for bucket, flat in zip(plan.buckets, buckets, strict=True):
                         self.receiver.add(bucket, flat)
                 await self._apply(self.receiver.state_dict(), version)
             finally:
@@ -233,12 +235,28 @@ def start_engines(checkpoint: str, n: int = 1, *, num_cpus: float = 1.0, resourc
     strategies = placement or [None] * n
     if len(strategies) != n:
         raise ValueError(f"{len(strategies)} placements for {n} engines")
-    actors = [EngineActor.options(**options, **({"scheduling_strategy": where} if where else {})).remote(
+    prefix = f"codefleet-engine-{uuid.uuid4().hex[:8]}"  # named: rollout workers find them by name (fleet.rollouts)
+    actors = [EngineActor.options(**options, name=f"{prefix}-{i}",
+                                  **({"scheduling_strategy": where} if where else {})).remote(
         checkpoint, max_batch=max_batch, max_seq_len=max_seq_len, threads=threads, version=version,
         restart_from=restart_from, backend=backend, record_routing=record_routing, num_gpus=num_gpus)
-        for where in strategies]
+        for i, where in enumerate(strategies)]
     ray.get([a.info.remote() for a in actors])
     return actors
+
+
+def actor_names(actors: list) -> list[str]:
+    """The names of these actors in this job's namespace (start_engines names every engine), in order. ValueError
+    names an actor without one."""
+    named = {}
+    for name in ray.util.list_named_actors():
+        with contextlib.suppress(ValueError):  # gone since it was listed
+            named[ray.get_actor(name)] = name
+    missing = [a for a in actors if a not in named]
+    if missing:
+        raise ValueError(f"{missing[0]} has no name in this job's namespace; start engines with start_engines, "
+                         "which names them, or give the actor a name")
+    return [named[a] for a in actors]
 
 
 def engine_state(engine, timeout_s: float = 30.0) -> str:
@@ -280,7 +298,7 @@ def broadcast_weights(engines: list, weights_ref: ray.ObjectRef | Buckets, versi
         else:
             refs = [e.update_weights.remote([weights_ref], version) for e in pending]
         retry = []
-        for engine, ref in zip(pending, refs):
+        for engine, ref in zip(pending, refs, strict=True):
             try:
                 ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
                 serving.append(engine)

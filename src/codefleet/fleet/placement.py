@@ -17,7 +17,7 @@ instead of starting some ranks that then wait in a collective for the others.
 - Colocated (`cluster.placement=colocated`, as many engines as trainer workers): one group of bundles, each the
   sum of one engine's and one trainer worker's resources (e.g. 0.5 + 0.5 of a GPU: one GPU each pair); engine
   i and trainer rank i share bundle i. The engines sleep while the trainer steps (`EngineActor.sleep`,
-  `recipe.train_rl`), so the two take turns on the devices. Both keep their memory, so they must fit together.
+  `fleet.policy_actors`), so the two take turns on the devices. Both keep their memory, so they must fit together.
 """
 
 from __future__ import annotations

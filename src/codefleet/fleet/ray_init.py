@@ -1,6 +1,7 @@
 """Starting or joining Ray the same way everywhere (training, analytics, benchmarks).
 
     started = init_ray(num_cpus=4, resources={"sandbox": 64})   # False: Ray was already up here
+    with ray_running(num_cpus=4, resources={"sandbox": 64}):     # ... and stopped after, if it started it
 
 `address` (or RAY_ADDRESS) names a cluster to join; otherwise a fresh local
 Ray starts with *logical* resources given explicitly — never the machine's
@@ -37,6 +38,18 @@ def init_ray(num_cpus: float = 2, resources: dict[str, float] | None = None, add
                  object_store_memory=object_store_mb * 2**20 if object_store_mb else None, log_to_driver=False,
                  configure_logging=False)
     return True
+
+
+@contextlib.contextmanager
+def ray_running(num_cpus: float = 2, resources: dict[str, float] | None = None, address: str = "") -> Iterator[bool]:
+    """`init_ray` for the block, and `ray.shutdown()` after it when the block's own call started Ray (a caller that
+    already had Ray up keeps it). Yields whether it started Ray."""
+    started = init_ray(num_cpus, resources, address)
+    try:
+        yield started
+    finally:
+        if started:
+            ray.shutdown()
 
 
 @contextlib.contextmanager

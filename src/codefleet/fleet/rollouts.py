@@ -26,12 +26,19 @@ overflow, wrong fix, no submit) is an ordinary scored rollout.
 `AgentGroupRunner` is the controller's `GroupRunner` over a set of workers; a
 group's retries move on by one worker per infrastructure failure.
 
+A worker whose process or node dies is restarted by Ray with the arguments it was created with. So they are
+passed by value: the spec, and the engines by *name* (`start_engines` names them), which the worker looks up
+when it starts, and again when it restarts. Actor handles in the arguments would put them in the object
+store, where nothing keeps them for a restart (ray-project/ray#53727). An engine that is no longer there when
+the worker starts is dead for good to it.
+
 `RolloutSpec.checkpoint` may be an fsspec URL (a run directory on object storage): a worker reads the
 tokenizer, chat template and config from its node's `storage.local_copy` of it, without the tensor files.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,7 +51,7 @@ from codefleet.agent.episode import EpisodeConfig, score, solve
 from codefleet.agent.policy import PolicyError
 from codefleet.chat import formats
 from codefleet.fleet.controller import AttemptResult
-from codefleet.fleet.inference import RemoteEngine, engine_state
+from codefleet.fleet.inference import RemoteEngine, actor_names, engine_state
 from codefleet.fleet.sandbox_fleet import SandboxFleet
 from codefleet.fleet.staleness import Rollout, Ticket
 from codefleet.model.checkpoint import TENSOR_SUFFIXES, load_config
@@ -69,7 +76,7 @@ class RolloutSpec:
     temperature: float = 1.0
     top_p: float = 1.0
     max_seq_len: int | None = None
-    tool_grammar: str = "off"  # "auto"/"required": tool calls constrained to parse and fit their schemas (model.grammar)
+    tool_grammar: str = "off"  # "auto"/"required": tool calls constrained to parse and fit their schemas (grammar)
     use_fleet: bool = True  # sandboxes on the SandboxHost fleet; False: in the worker's process
     namespace: str = "codefleet"
 
@@ -93,16 +100,23 @@ class _Prepared:
 
 @ray.remote(max_restarts=-1, max_task_retries=0)
 class RolloutWorker:
-    def __init__(self, spec: RolloutSpec, engines: list):
+    def __init__(self, spec: RolloutSpec, engine_names: list[str]):
         torch.set_num_threads(1)
-        self.spec, self.engines = spec, engines
+        self.spec = spec
+        self.engines: list = []
+        self._gone: set[int] = set()  # indices of engines dead for good
+        for i, name in enumerate(engine_names):
+            try:
+                self.engines.append(ray.get_actor(name))
+            except ValueError:  # gone for good: no actor holds the name any more
+                self.engines.append(None)
+                self._gone.add(i)
         checkpoint = storage.local_copy(spec.checkpoint, skip=TENSOR_SUFFIXES)  # a URL: its small files, here
         self.tokenizer, _ = formats.for_checkpoint(checkpoint)  # and its chat template
         self.max_seq_len = spec.max_seq_len or load_config(checkpoint).max_seq_len
         self._groups: dict[int, _Prepared] = {}
         self._lock = threading.Lock()
         self._fleet = None
-        self._gone: set[int] = set()  # indices of engines dead for good
         self._away: dict[int, float] = {}  # engine index -> time.monotonic() until which it gets no episode
 
     def _create(self):
@@ -232,6 +246,10 @@ class RolloutWorker:
     def ping(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    def pid(self) -> int:
+        """This worker's process id: a new one after Ray restarted the worker."""
+        return os.getpid()
+
 
 class _Cancellable:
     """`ray.cancel` only flags a threaded actor's running call: check the flag before every turn (in the
@@ -268,8 +286,10 @@ class AgentGroupRunner:
 
 def start_workers(spec: RolloutSpec, engines: list, n: int, *, slots_per_worker: int, num_cpus: float = 0.25,
                   resources: dict | None = None) -> list:
+    """`n` rollout workers over the engine actors `engines` (named ones: `start_engines`); waits until they are up."""
+    names = actor_names(engines)
     workers = [RolloutWorker.options(num_cpus=num_cpus, resources=resources or {},
-                                     max_concurrency=slots_per_worker).remote(spec, engines) for _ in range(n)]
+                                     max_concurrency=slots_per_worker).remote(spec, names) for _ in range(n)]
     ray.get([w.ping.remote() for w in workers])
     return workers
 

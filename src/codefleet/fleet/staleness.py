@@ -87,6 +87,8 @@ class Batch:
     trainer_version: int
     groups: list[Group]
     lags: list[int] = field(default_factory=list)  # one per rollout
+    # the buffer's `state_dict` as of the call, to save with this step's checkpoint: this batch is consumed in it
+    buffer_state: Callable[[], dict] | None = field(default=None, repr=False, compare=False)
 
     @property
     def rollouts(self) -> list[Rollout]:
@@ -271,7 +273,7 @@ class RolloutBuffer:
                 if left is not None and left <= 0:
                     return None
                 adm.batch_cond.wait(left)
-            batch = Batch(trainer_version, picked)
+            batch = Batch(trainer_version, picked, buffer_state=self.state_dict)
             for g in picked:
                 del self.ready[g.group_id]
                 self._ready_deadlines[g.ticket.deadline] -= 1

@@ -33,7 +33,6 @@ import os
 import random
 import time
 
-import ray
 import torch
 import yaml
 
@@ -44,7 +43,7 @@ from codefleet.chat.tokenizer import default_tokenizer
 from codefleet.config import ConfigError, load_config, to_dict
 from codefleet.contracts import ENGINES, TRAINERS
 from codefleet.fleet.placement import PLACEMENTS
-from codefleet.fleet.ray_init import init_ray
+from codefleet.fleet.ray_init import ray_running
 from codefleet.fleet.trainer_group import TrainerGroup
 from codefleet.model import checkpoint, kernels
 from codefleet.model.config import ModelConfig
@@ -421,25 +420,23 @@ def _train(run: RunDir, config: TrainRunConfig, progress: bool) -> dict:
     phases.done("demonstrations")
     metrics = Metrics(run)
     cl = config.cluster
-    own_ray = init_ray(cl.num_cpus, {"sandbox": cl.sandbox_slots}, cl.address)
-    phases.done("set-up")
-    try:
-        check_run_gpus(cl)
-        sft_ckpt = sft(run, config, demos, init, metrics, tokenizer)
-        phases.done("sft")
-        sft_hash = checkpoint.tensor_hash(storage.local_copy(sft_ckpt))
-        log(f"sft checkpoint {sft_ckpt}: tensor hash {sft_hash}")
-        rl_tasks = [t for t in rl_tasks if t.id not in demos.broken]
-        if not rl_tasks:
-            raise RunError(f"the set-up of every training task fails (e.g. {next(iter(demos.broken.values()))}); "
-                           "fix the tasks' setup commands and start a new run")
-        rl_ckpt = reinforce(run, config, rl_tasks, sft_ckpt, metrics, progress)
-        phases.done("rl")
-    finally:
-        metrics.plot()
-        metrics.close()
-        if own_ray:
-            ray.shutdown()
+    with ray_running(cl.num_cpus, {"sandbox": cl.sandbox_slots}, cl.address):
+        phases.done("set-up")
+        try:
+            check_run_gpus(cl)
+            sft_ckpt = sft(run, config, demos, init, metrics, tokenizer)
+            phases.done("sft")
+            sft_hash = checkpoint.tensor_hash(storage.local_copy(sft_ckpt))
+            log(f"sft checkpoint {sft_ckpt}: tensor hash {sft_hash}")
+            rl_tasks = [t for t in rl_tasks if t.id not in demos.broken]
+            if not rl_tasks:
+                raise RunError(f"the set-up of every training task fails (e.g. {next(iter(demos.broken.values()))}); "
+                               "fix the tasks' setup commands and start a new run")
+            rl_ckpt = reinforce(run, config, rl_tasks, sft_ckpt, metrics, progress)
+            phases.done("rl")
+        finally:
+            metrics.plot()
+            metrics.close()
     results = {}
     for label, path in (("sft", sft_ckpt), ("rl", rl_ckpt)):
         results.update(evaluate_checkpoints(run, config, eval_tasks, {label: path}))

@@ -12,12 +12,8 @@ import dataclasses
 import os
 import sys
 import time
-from collections.abc import Callable
-from typing import TypeVar
 
-import ray
 import torch
-from ray.exceptions import RayActorError
 from tqdm import tqdm
 
 from codefleet.agent.reward import solved
@@ -25,13 +21,13 @@ from codefleet.chat import formats
 from codefleet.chat.tokenizer import TOKENIZER_FILE, Tokenizer, default_tokenizer
 from codefleet.fleet.controller import Controller
 from codefleet.fleet.gpus import check_gpus
-from codefleet.fleet.inference import broadcast_weights, start_engines
+from codefleet.fleet.inference import start_engines
 from codefleet.fleet.placement import Placement, Role
+from codefleet.fleet.policy_actors import PolicyActors
 from codefleet.fleet.rollouts import AgentGroupRunner, RolloutSpec, start_workers, stop_workers
 from codefleet.fleet.sandbox_fleet import SandboxFleet
 from codefleet.fleet.staleness import Group
-from codefleet.fleet.trainer_group import TrainerGroup, TrainerWorkerError
-from codefleet.fleet.weight_sync import GroupSync, GroupSyncError
+from codefleet.fleet.trainer_group import TrainerGroup
 from codefleet.model import checkpoint
 from codefleet.recipe.config import ClusterSection, TrainRunConfig, episode_config, policy_usage
 from codefleet.recipe.curriculum import TaskSampler
@@ -44,7 +40,6 @@ from codefleet.store import storage
 from codefleet.store.parquet import RolloutWriter, rollout_record
 
 ENGINE_CPUS = 1.0  # logical CPUs per engine actor (its threads are cluster.engine_threads)
-T = TypeVar("T")
 
 def _rl_start(src: str, dst: str) -> str:
     """Where RL starts: `src`'s weights as policy version 0, with `src`'s AdamW state.
@@ -93,8 +88,8 @@ def training_samples(groups: list[Group], advantages: list[list[float]]) -> tupl
     (an attempt that ended before the policy's first turn is scored, so its reward is in the group's
     advantages, but it has no sequence: training on it would fail the whole step)."""
     samples, empty = [], 0
-    for g, adv_G in zip(groups, advantages):
-        for r, adv in zip(g.rollouts, adv_G):
+    for g, adv_G in zip(groups, advantages, strict=True):
+        for r, adv in zip(g.rollouts, adv_G, strict=True):
             seq = r.trajectory.sequence
             if seq is None or not seq.ids:
                 empty += 1
@@ -114,71 +109,24 @@ def group_speed_bonus(groups: list[Group], rl):
 class RLTrainer:
     """The controller's TrainerClient: advantages, one RL step, weights to the engines, a checkpoint.
 
-    A trainer worker that dies mid-step (its process or node is lost) is an infrastructure failure, not a
-    reason to stop the run: `new_group(checkpoint)` starts a new
-    TrainerGroup from the last committed checkpoint (`start` before the first) and the step is redone on the
-    same batch, up to `MAX_TRAINER_RESTARTS` times in a row."""
+    The policy's actors (`fleet.policy_actors.PolicyActors`: the engines and the trainer group) do the work on
+    Ray: they put colocated engines to sleep and wake them, choose the weight sync and fall back from it, and
+    replace a trainer worker that dies mid-step, so the step is redone on the same batch. This class says what a
+    step is and what the run directory keeps of it."""
 
-    MAX_TRAINER_RESTARTS = 2
-
-    def __init__(self, group, engines, run: RunDir, metrics: Metrics, config: TrainRunConfig, progress=None,
-                 sampler=None, new_group=None, start: str | None = None):
-        self.group, self.engines, self.run, self.metrics = group, engines, run, metrics
-        self.new_group, self.start = new_group, start
+    def __init__(self, actors: PolicyActors, run: RunDir, metrics: Metrics, config: TrainRunConfig, progress=None,
+                 sampler=None, start: str | None = None):
+        self.actors, self.run, self.metrics, self.start = actors, run, metrics, start
         # written into every checkpoint beside the weights: the start checkpoint's own (chat.formats)
         self.tokenizer = (formats.for_checkpoint(storage.local_copy(start, skip=checkpoint.TENSOR_SUFFIXES))[0]
                           if start else default_tokenizer())
         self.config, self.progress = config, progress
-        self.controller = None  # set once the controller exists (its buffer state goes into checkpoints)
-        self.sampler = sampler  # the task sampler (recipe.curriculum): its per-family success estimates go into the metrics
-        self.away: dict = {}  # engines that did not take weights in time -> a call that returns once they are back
-        self.sync: GroupSync | None = None  # the weight-sync groups of cluster.weight_sync=collective, once formed
-        self.sync_fallbacks = 0  # versions that went through the object store because the groups failed
-        self.colocated = config.cluster.placement == "colocated"
+        self.sampler = sampler  # the task sampler (recipe.curriculum): its per-family success estimates, in metrics
         self.started = time.perf_counter()
         self.tokens = 0
 
-    def _engines_call(self, method: str, timeout_s: float = 60.0) -> None:
-        """`method` on every engine serving, waited for; an engine that is dead or restarting is left to its fate
-        (a restarted engine starts awake)."""
-        refs = [getattr(e, method).remote() for e in self.engines if e not in self.away]
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        for ref in done:
-            try:
-                ray.get(ref)
-            except RayActorError:
-                pass
-
-    def _sync_weights(self) -> tuple[list, dict, int]:
-        """The new weights to the engines (`cluster.weight_sync`): (serving, away, version), as `broadcast_weights`.
-
-        "collective" broadcasts over process groups formed with the engines once (`GroupSync`) while every engine
-        is up. A failure there sends this version through the object store instead, and the next one forms the
-        groups anew with the engines then serving."""
-        cl, version = self.config.cluster, self.group.version
-        if cl.weight_sync == "collective" and not self.away:
-            try:
-                if self.sync is None or self.sync.engines != self.engines:
-                    self.sync = GroupSync(self.group.workers, self.engines, min(cl.engine_wait_s, 120.0))
-                self.sync.send(self.group.bucket_plans(cl.weight_sync_bucket_mb), version)
-                return list(self.engines), {}, version
-            except GroupSyncError as e:
-                self.sync, self.sync_fallbacks = None, self.sync_fallbacks + 1
-                log(f"{e}; version {version} goes through the object store, and the groups are formed anew next time")
-        if cl.weight_sync == "whole":
-            weights, version = self.group.publish()
-        else:
-            weights = self.group.publish_buckets(cl.weight_sync_bucket_mb)
-        serving, away = broadcast_weights(self.engines, weights, version, cl.engine_wait_s, self.away)
-        return serving, away, version
-
-    def _publish(self, version: int) -> tuple[list, dict, int]:
-        """`_sync_weights` of the committed `version`; a trainer worker that dies after the commit (between the
-        step and the weights' publication) is replaced from that checkpoint and the weights are published again."""
-        return self._with_restarts(self._sync_weights, lambda: self.run.rl_checkpoint(version), version,
-                                   f"publish version {version}")
-
     def train(self, batch) -> dict[str, float]:
+        actors = self.actors
         rewards_NG = torch.tensor([[r.reward for r in g.rollouts] for g in batch.groups])
         if self.config.rl.speed_bonus:
             rewards_NG = rewards_NG + group_speed_bonus(batch.groups, self.config.rl)
@@ -186,27 +134,22 @@ class RLTrainer:
                                  self.config.rl.negative_weight)
         samples, empty = training_samples(batch.groups, adv_NG.tolist())
         step_started = time.perf_counter()
-        if self.colocated:  # the engines sleep while the trainer steps on their devices (fleet.placement)
-            self._engines_call("sleep")
-        m = self._step(samples, batch.trainer_version)
+        if actors.colocated:  # the engines sleep while the trainer steps on their devices (fleet.placement)
+            actors.sleep()
+        m = actors.train_step(samples, batch.trainer_version, self._save, self._last_commit)
         m.update(empty_samples=empty)
-        version = self.group.version
-        state = self.controller.buffer_state()
+        version = actors.version
+        state = batch.buffer_state()
         kept = {k: state[k] for k in ("consumed_ids", "lags", "next_group_id", "next_batch")}
         self.run.commit_checkpoint(version, kept, [r.rollout_id for r in batch.rollouts])
         # committed before the engines get the weights: an engine that restarts from now on loads them (LATEST)
         sync_started = time.perf_counter()
-        serving, away, version = self._publish(version)
-        m.update(sync_s=time.perf_counter() - sync_started, sync_fallbacks=self.sync_fallbacks)
-        if self.colocated:
-            self._engines_call("wake")
+        serving, away, version = actors.publish(self.run.rl_checkpoint(version))
+        m.update(sync_s=time.perf_counter() - sync_started, sync_fallbacks=actors.sync_fallbacks)
+        if actors.colocated:
+            actors.wake()
             m.update(engines_asleep_s=time.perf_counter() - step_started)
-        if len(serving) + len(away) < len(self.engines) or len(away) != len(self.away):
-            gone = len(self.engines) - len(serving) - len(away)
-            log(f"engines: {len(serving)} serve version {version}"
-                + (f", {len(away)} away (restarting, not waited for)" if away else "")
-                + (f", {gone} dead for good and left out" if gone else ""))
-        self.engines, self.away = [e for e in self.engines if e in serving or e in away], away
+        actors.keep(serving, away, version)
         self.run.prune(version)
         stats = rollout_stats(batch.groups)
         self.tokens += stats["completion_tokens"]
@@ -222,42 +165,16 @@ class RLTrainer:
             self.progress.update(1)
         return m
 
-    def _step(self, samples, step: int) -> dict:
-        """One RL step from version `step`, saved as rl_checkpoint(step + 1); redone on a new trainer group
-        from the last commit if a worker dies."""
+    def _save(self, group: TrainerGroup) -> None:
+        """The trainer's new version as rl_checkpoint(version), described before LATEST names it."""
+        saved = self.run.rl_checkpoint(group.version)
+        group.save(saved)
+        describe(saved, self.tokenizer, text_from=self.start, **policy_usage(self.config))
 
-        def train_and_save() -> dict:
-            m = dict(self.group.rl_step(samples))
-            saved = self.run.rl_checkpoint(self.group.version)
-            self.group.save(saved)
-            describe(saved, self.tokenizer, text_from=self.start, **policy_usage(self.config))  # before LATEST names it
-            return m
-
-        def last_commit() -> str:
-            latest = self.run.latest()
-            return latest[0] if latest else self.start
-
-        return self._with_restarts(train_and_save, last_commit, step, f"redo step {step}")
-
-    def _with_restarts(self, work: Callable[[], T], restart_from: Callable[[], str], version: int, what: str) -> T:
-        """`work()`; when a trainer worker died in it (not one that raised: a full disk would raise again), a new
-        trainer group starts from the checkpoint `restart_from()` names, which must be at `version`, and `work`
-        runs again, up to MAX_TRAINER_RESTARTS times in a row."""
-        for restarts in range(self.MAX_TRAINER_RESTARTS + 1):
-            try:
-                return work()
-            except TrainerWorkerError as e:
-                if not isinstance(e.__cause__, RayActorError) or self.new_group is None \
-                        or restarts == self.MAX_TRAINER_RESTARTS:
-                    raise
-                restart = restart_from()
-                log(f"{e}; starting a new trainer group from {restart} to {what}")
-                self.group.shutdown()
-                self.group, self.sync = self.new_group(restart), None  # collective groups held the old workers
-                if self.group.version != version:
-                    raise RuntimeError(f"the last checkpoint is at version {self.group.version}, not {version}: "
-                                       "resume the run instead") from e
-        raise AssertionError("the loop returns or raises")
+    def _last_commit(self) -> str:
+        """Where a new trainer group starts when a worker died mid-step: the last committed checkpoint."""
+        latest = self.run.latest()
+        return latest[0] if latest else self.start
 
 
 def resume_state(run: RunDir, latest: tuple[str, int, dict] | None, batch_groups: int) -> tuple[int, dict | None]:
@@ -311,6 +228,28 @@ def check_run_gpus(cl: ClusterSection) -> None:
         raise RunError(str(e)) from None
 
 
+def start_policy(run: RunDir, config: TrainRunConfig, serving: str, version: int, train_config: TrainConfig,
+                 placement: Placement) -> PolicyActors:
+    """The policy's actors of the RL stage: a trainer group and the engines on the checkpoint `serving` at
+    `version`, in `placement`; a trainer group that loses a worker is replaced from a checkpoint."""
+    cl = config.cluster
+
+    def new_group(checkpoint: str) -> TrainerGroup:
+        return TrainerGroup(cl.trainer_workers, checkpoint=checkpoint, config=train_config,
+                            num_cpus_per_worker=cl.trainer_cpus, resources_per_worker=cl.trainer_resources,
+                            num_gpus_per_worker=cl.trainer_gpus, placement=placement.trainer)
+
+    group = new_group(serving)
+    engines = start_engines(serving, cl.engines, num_cpus=ENGINE_CPUS, resources=cl.engine_resources,
+                            threads=cl.engine_threads, max_batch=max(config.controller.rollout_slots, 1), version=version,
+                            restart_from=run.durable("checkpoints", "LATEST"), backend=cl.engine_backend,
+                            record_routing=config.rl.routing_replay, num_gpus=cl.engine_gpus,
+                            placement=placement.engines)
+    return PolicyActors(group, engines, new_group=new_group, weight_sync=cl.weight_sync,
+                        bucket_mb=cl.weight_sync_bucket_mb, engine_wait_s=cl.engine_wait_s,
+                        colocated=cl.placement == "colocated", log=log)
+
+
 def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, metrics: Metrics,
               progress: bool = True) -> str:
     c, ctl, cl = config.rl, config.controller, config.cluster
@@ -329,23 +268,12 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
                                       colocated=cl.placement == "colocated", timeout_s=cl.placement_wait_s)
     except ValueError as e:
         raise RunError(str(e)) from None
-
-    def new_group(checkpoint: str) -> TrainerGroup:
-        return TrainerGroup(cl.trainer_workers, checkpoint=checkpoint, config=train_config,
-                            num_cpus_per_worker=cl.trainer_cpus, resources_per_worker=cl.trainer_resources,
-                            num_gpus_per_worker=cl.trainer_gpus, placement=placement.trainer)
-
-    group = new_group(serving)
-    engines = start_engines(serving, cl.engines, num_cpus=ENGINE_CPUS, resources=cl.engine_resources,
-                            threads=cl.engine_threads, max_batch=max(ctl.rollout_slots, 1), version=version,
-                            restart_from=run.durable("checkpoints", "LATEST"), backend=cl.engine_backend,
-                            record_routing=config.rl.routing_replay, num_gpus=cl.engine_gpus,
-                            placement=placement.engines)
+    actors = start_policy(run, config, serving, version, train_config, placement)
     fleet = SandboxFleet.start()  # held for the run: a host whose last handle goes away is collected
     spec = RolloutSpec(checkpoint=serving, sandbox=config.sandbox, episode=episode_config(config),
                        max_tokens=c.max_tokens, temperature=c.temperature, max_seq_len=config.model.max_seq_len,
                        tool_grammar=config.model.tool_grammar)
-    workers = start_workers(spec, engines, cl.rollout_workers,
+    workers = start_workers(spec, actors.engines, cl.rollout_workers,
                             slots_per_worker=-(-ctl.rollout_slots // cl.rollout_workers), num_cpus=cl.rollout_cpus,
                             resources=cl.rollout_resources)
     writer = RolloutWriter(run.durable("rollouts"))
@@ -366,39 +294,25 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
         tasks.exclude(task.id)
 
     bar = tqdm(total=c.steps, initial=version, desc="rl", unit="step", disable=not progress, file=sys.stderr)
-    trainer = RLTrainer(group, engines, run, metrics, config, bar, sampler=tasks, new_group=new_group, start=start)
+    trainer = RLTrainer(actors, run, metrics, config, bar, sampler=tasks, start=start)
     controller = Controller(
         ctl, AgentGroupRunner(workers), trainer, tasks,
         start_version=version, buffer_state=buffer_state, on_group=on_group, on_broken=on_broken)
-    trainer.controller = controller
     try:
         report = controller.run(c.steps)
         if report.ended_by == "no_more_items":
             raise RunError(f"RL stopped at step {report.version} of {c.steps}: every training task was left "
                            f"out because its set-up fails (last: {report.last_task_error})")
-        _log_prefix_cache(trainer.engines)
+        actors.prefix_cache_report()
         if c.task_sampling != "uniform":
             log("task families (attempts, success estimate): " + ", ".join(
                 f"{k} {v['attempts']}, {v['p']:.2f}" for k, v in tasks.stats().items()))
     finally:
         bar.close()
-        trainer.group.shutdown()  # the one in use: a worker that died was replaced
+        actors.shutdown()  # the trainer group in use: a worker that died was replaced
         stop_workers(workers)  # first: an episode still running would start sandboxes on a fleet shutting down
         fleet.shutdown()
         placement.remove()  # and with it the engines and trainer workers placed in it
     log(f"RL done: {report}")
     return run.latest()[0]
 
-
-def _log_prefix_cache(engines) -> None:
-    """How much prefill the engines' prefix cache saved over the run (the turns of an episode share it)."""
-
-    for i, engine in enumerate(engines):
-        try:
-            info = ray.get(engine.info.remote(), timeout=10)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
-            log(f"engine {i}: no prefix cache figures, it is not there ({type(e).__name__})")
-            continue
-        reused, computed = info["prefix_tokens_reused"], info["prefill_tokens"]
-        log(f"engine {i}: prefix cache supplied {reused} of {reused + computed} prompt tokens "
-             f"({reused / max(reused + computed, 1):.0%}, {info['prefix_hits']} hits)")
