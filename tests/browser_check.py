@@ -36,18 +36,20 @@ def assert_not_blank(png_path: str, min_colours: int = 8) -> None:
         colours = rgb.getcolors(maxcolors=1 << 20) or []
         spread = max(ImageStat.Stat(rgb).stddev)
     assert len(colours) >= min_colours and spread > 5.0, (
-        f"{png_path} looks blank: {len(colours)} colours, channel stddev {spread:.1f}")
+        f"{png_path} looks blank: {len(colours)} colours, channel stddev {spread:.1f}"
+    )
 
 
 def _numbers(page, table_id: str, column: int) -> list[float | None]:
-    values = page.eval_on_selector_all(f"#{table_id} tbody tr",
-                                       f"rows => rows.map(r => r.cells[{column}].getAttribute('data-v'))")
+    values = page.eval_on_selector_all(
+        f"#{table_id} tbody tr", f"rows => rows.map(r => r.cells[{column}].getAttribute('data-v'))"
+    )
     return [float(v) if v not in (None, "") else None for v in values]
 
 
 def _check_sorted(values: list[float | None], ascending: bool) -> None:
     known = [v for v in values if v is not None]
-    assert values[:len(known)] == known, f"empty cells are not last: {values}"
+    assert values[: len(known)] == known, f"empty cells are not last: {values}"
     assert known == sorted(known, reverse=not ascending), f"not sorted {'up' if ascending else 'down'}: {values}"
 
 
@@ -77,8 +79,9 @@ def _filter(page, table_id: str) -> dict:
     assert category, f"no row of table {table_id} has a category to filter by"
     page.select_option("#f-category", value=category)
     expected = sum(c == category for c in categories)
-    visible = page.eval_on_selector_all(f"#{table_id} tbody tr:not([hidden])",
-                                        "rows => rows.map(r => r.dataset.category)")
+    visible = page.eval_on_selector_all(
+        f"#{table_id} tbody tr:not([hidden])", "rows => rows.map(r => r.dataset.category)"
+    )
     assert visible == [category] * expected, f"filter {category!r} shows {visible}"
     assert page.locator(f"#{table_id} tbody tr:visible").count() == expected
     count = page.locator(f'.count[data-for="{table_id}"]').inner_text()
@@ -123,8 +126,14 @@ def check_report_in_browser(out_dir: str, shots_dir: str, need_tool_call: bool =
             page.on("dialog", lambda d: (problems.append(f"a script opened a dialog: {d.message}"), d.dismiss()))
             page.goto(report_url)
             page.screenshot(path=shots["report"], full_page=False)
-            table_id = next((t for t in ("rollouts", "worst_failures", "suspicious_wins")
-                             if page.locator(f"#{t} tbody tr").count()), None)
+            table_id = next(
+                (
+                    t
+                    for t in ("rollouts", "worst_failures", "suspicious_wins")
+                    if page.locator(f"#{t} tbody tr").count()
+                ),
+                None,
+            )
             assert table_id, f"{report_url} has no table with rows to sort, filter and open"
             page.locator(f"#{table_id}").scroll_into_view_if_needed()
             sorted_ = _sort(page, table_id)
@@ -145,6 +154,10 @@ def check_report_in_browser(out_dir: str, shots_dir: str, need_tool_call: bool =
     assert not problems, f"the browser reported: {problems}"
     for path in shots.values():
         assert_not_blank(path)
-    return {"table": table_id, "sorted": sorted_, "filtered": filtered, "transcript": transcript_url,
-            "screenshots": shots}
-
+    return {
+        "table": table_id,
+        "sorted": sorted_,
+        "filtered": filtered,
+        "transcript": transcript_url,
+        "screenshots": shots,
+    }

@@ -107,7 +107,13 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=2, resources={"sandbox": 64}, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)
+        ray.init(
+            address="local",
+            num_cpus=2,
+            resources={"sandbox": 64},
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
     yield ray
     ray.shutdown()

@@ -123,16 +123,20 @@ def sandbox_pids(sb) -> set[int]:
 def footprint(sb) -> dict:
     """Everything of `sb` on the host: directory, cgroups, processes (pid, start time)."""
     cgroup = getattr(sb, "cgroup", None)  # a vm sandbox has none: its VM is the limit
-    return {"dir": sb.dir, "cgroups": list(cgroup.paths.values()) if cgroup else [],
-            "procs": [(pid, procs.start_time(pid)) for pid in sandbox_pids(sb)]}
+    return {
+        "dir": sb.dir,
+        "cgroups": list(cgroup.paths.values()) if cgroup else [],
+        "procs": [(pid, procs.start_time(pid)) for pid in sandbox_pids(sb)],
+    }
 
 
 def needs_cgroup(sb) -> None:
     """Skip a test of cgroup limits where this user could make no cgroup (they are rlimits then). A vm
     sandbox needs none: its memory is the VM's."""
     if sb.backend != "vm" and sb.cgroup is None:
-        pytest.skip("no cgroup could be made here (an unprivileged user without a delegated cgroup): "
-                    "limits are rlimits")
+        pytest.skip(
+            "no cgroup could be made here (an unprivileged user without a delegated cgroup): limits are rlimits"
+        )
 
 
 def assert_released(prints: list[dict]) -> None:

@@ -79,8 +79,7 @@ class OpenAIStub:
         self.lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.02},
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
 
     @property
     def base_url(self) -> str:
@@ -90,7 +89,7 @@ class OpenAIStub:
         with self.lock:
             self.script.extend(items)
 
-    def __enter__(self) -> "OpenAIStub":
+    def __enter__(self) -> OpenAIStub:
         self._thread.start()
         return self
 
@@ -111,14 +110,22 @@ class OpenAIStub:
         message: dict = {"role": "assistant", "content": r.content or None}
         if r.tool_calls:
             message["tool_calls"] = r.tool_calls
-        prompt, completion = r.usage or (len(json.dumps(body.get("messages", []))) // 4,
-                                          len(json.dumps(message)) // 4)
-        return {"id": f"chatcmpl-{len(self.requests)}", "object": "chat.completion", "created": int(time.time()),
-                "model": body.get("model", self.model),
-                "choices": [{"index": 0, "message": message, "logprobs": None,
-                             "finish_reason": "tool_calls" if r.tool_calls else "stop"}],
-                "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
-                          "total_tokens": prompt + completion}}
+        prompt, completion = r.usage or (len(json.dumps(body.get("messages", []))) // 4, len(json.dumps(message)) // 4)
+        return {
+            "id": f"chatcmpl-{len(self.requests)}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.get("model", self.model),
+            "choices": [
+                {
+                    "index": 0,
+                    "message": message,
+                    "logprobs": None,
+                    "finish_reason": "tool_calls" if r.tool_calls else "stop",
+                }
+            ],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+        }
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         stub = self
@@ -139,8 +146,13 @@ class OpenAIStub:
 
             def do_GET(self) -> None:
                 if self.path.rstrip("/") == "/v1/models":
-                    self._send(200, {"object": "list", "data": [
-                        {"id": stub.model, "object": "model", "created": 0, "owned_by": "stub"}]})
+                    self._send(
+                        200,
+                        {
+                            "object": "list",
+                            "data": [{"id": stub.model, "object": "model", "created": 0, "owned_by": "stub"}],
+                        },
+                    )
                 else:
                     self._send(404, {"error": {"message": f"no route {self.path}", "type": "not_found"}})
 

@@ -10,26 +10,44 @@ import threading
 import time
 
 import pytest
+from helpers import read_tree
 from openai_stub import OpenAIStub, call, reply
 
 from codefleet.agent.cli import main
-from helpers import read_tree
 
 FIX = call("edit_file", {"path": "pkg/calc.py", "old_text": "return a - b", "new_text": "return a - b  # checked"})
 
 
 def run_cli(stub: OpenAIStub, repo: str, state_dir: str, *extra: str, stdin=None) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
-    code = main(["agent", "run", "--repo", repo, "--task", "Mark sub as checked.", "--model", stub.base_url,
-                 "--set", f"state_dir={state_dir}", *extra], stdin=stdin or io.StringIO(), out=out, err=err)
+    code = main(
+        [
+            "agent",
+            "run",
+            "--repo",
+            repo,
+            "--task",
+            "Mark sub as checked.",
+            "--model",
+            stub.base_url,
+            "--set",
+            f"state_dir={state_dir}",
+            *extra,
+        ],
+        stdin=stdin or io.StringIO(),
+        out=out,
+        err=err,
+    )
     return code, out.getvalue(), err.getvalue()
 
 
 def test_json_run_leaves_the_repository_untouched(repo, state_dir):
     before = read_tree(repo)
-    script = [reply("reading", call("read_file", {"path": "pkg/calc.py"}), call("list_dir", {})),
-              reply("", FIX, call("write_file", {"path": "NOTES.md", "content": "checked\n"})),
-              reply("", call("submit", {"summary": "marked"}))]
+    script = [
+        reply("reading", call("read_file", {"path": "pkg/calc.py"}), call("list_dir", {})),
+        reply("", FIX, call("write_file", {"path": "NOTES.md", "content": "checked\n"})),
+        reply("", call("submit", {"summary": "marked"})),
+    ]
     with OpenAIStub(script) as stub:
         code, out, err = run_cli(stub, repo, state_dir, "--json")
     assert code == 0
@@ -45,9 +63,15 @@ def test_json_run_leaves_the_repository_untouched(repo, state_dir):
 
 def test_apply_changes_the_repository_with_the_diff(repo, state_dir):
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
-    script = [reply("", FIX, call("write_file", {"path": "pkg/new.py", "content": "X = 1\n"}),
-                    call("run", {"command": "rm README.md"})),
-              reply("", call("submit", {}))]
+    script = [
+        reply(
+            "",
+            FIX,
+            call("write_file", {"path": "pkg/new.py", "content": "X = 1\n"}),
+            call("run", {"command": "rm README.md"}),
+        ),
+        reply("", call("submit", {})),
+    ]
     with OpenAIStub(script) as stub:
         code, out, err = run_cli(stub, repo, state_dir, "--apply")
     assert code == 0 and "applied the diff" in err
@@ -69,8 +93,9 @@ def test_attempts_run_in_parallel_and_the_one_whose_tests_pass_is_kept(repo, sta
             first_turns.append(1)
             good = len(first_turns) == 1
         new = "return a + b  # fine" if good else "return a * b"
-        return reply("", call("edit_file", {"path": "pkg/calc.py", "old_text": "return a + b", "new_text": new}),
-                     delay_s=0.8)
+        return reply(
+            "", call("edit_file", {"path": "pkg/calc.py", "old_text": "return a + b", "new_text": new}), delay_s=0.8
+        )
 
     test = "python3 -c 'from pkg.calc import add; assert add(2, 3) == 5'"
     with OpenAIStub([by_turn] * 4) as stub:
@@ -109,28 +134,52 @@ def test_an_unreachable_model_fails_with_the_url_in_the_message(repo, state_dir)
     with OpenAIStub() as stub:
         url = stub.base_url
     out, err = io.StringIO(), io.StringIO()
-    code = main(["agent", "run", "--repo", repo, "--task", "x", "--model", url, "--json", "--timeout-s", "2",
-                 "--max-retries", "0", "--set", f"state_dir={state_dir}"], stdin=io.StringIO(), out=out, err=err)
+    code = main(
+        [
+            "agent",
+            "run",
+            "--repo",
+            repo,
+            "--task",
+            "x",
+            "--model",
+            url,
+            "--json",
+            "--timeout-s",
+            "2",
+            "--max-retries",
+            "0",
+            "--set",
+            f"state_dir={state_dir}",
+        ],
+        stdin=io.StringIO(),
+        out=out,
+        err=err,
+    )
     result = json.loads(out.getvalue())
     assert code == 1 and result["stop_reason"] == "error" and url in result["error"]
     assert f"model error: PolicyError: could not connect to the model endpoint {url}" in err.getvalue()
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--repo", "/nonexistent/repo"], "is not a directory"),
-    (["--model", "ftp://x"], "OpenAI-compatible base URL"),
-    (["--attempts", "0"], "at least 1"),
-    (["--max-turns", "0"], "--max-turns must be at least 1, got 0"),
-    (["--max-turns", "-1"], "--max-turns must be at least 1, got -1"),
-    (["--max-wall-s", "0"], "--max-wall-s must be a positive number of seconds, got 0"),
-    (["--max-wall-s", "nan"], "--max-wall-s must be a positive number of seconds, got nan"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--repo", "/nonexistent/repo"], "is not a directory"),
+        (["--model", "ftp://x"], "OpenAI-compatible base URL"),
+        (["--attempts", "0"], "at least 1"),
+        (["--max-turns", "0"], "--max-turns must be at least 1, got 0"),
+        (["--max-turns", "-1"], "--max-turns must be at least 1, got -1"),
+        (["--max-wall-s", "0"], "--max-wall-s must be a positive number of seconds, got 0"),
+        (["--max-wall-s", "nan"], "--max-wall-s must be a positive number of seconds, got nan"),
+    ],
+)
 def test_bad_arguments_say_what_is_wrong(repo, argv, message):
     err = io.StringIO()
     base = {"--repo": repo, "--task": "x", "--model": "http://127.0.0.1:9/v1"}
     base.update(dict(zip(argv[::2], argv[1::2])))
-    code = main(["agent", "run", *[x for kv in base.items() for x in kv]], stdin=io.StringIO(), out=io.StringIO(),
-                err=err)
+    code = main(
+        ["agent", "run", *[x for kv in base.items() for x in kv]], stdin=io.StringIO(), out=io.StringIO(), err=err
+    )
     assert code == 2 and message in err.getvalue()
 
 
@@ -165,10 +214,15 @@ def test_files_git_tracks_despite_gitignore_and_non_utf8_bytes_reach_the_diff_an
     subprocess.run(["git", "add", "-f", "app.cfg"], cwd=repo, check=True)  # tracked, though ignored
     with open(os.path.join(repo, ".git", "info", "exclude"), "a") as f:
         f.write("*.local\n")  # ignored by this clone only
-    script = [reply("", call("edit_file", {"path": "app.cfg", "old_text": "false", "new_text": "true"}),
-                    call("edit_file", {"path": "latin.txt", "old_text": "price = 1", "new_text": "price = 2"}),
-                    call("write_file", {"path": "notes.local", "content": "scratch\n"})),
-              reply("", call("submit", {}))]
+    script = [
+        reply(
+            "",
+            call("edit_file", {"path": "app.cfg", "old_text": "false", "new_text": "true"}),
+            call("edit_file", {"path": "latin.txt", "old_text": "price = 1", "new_text": "price = 2"}),
+            call("write_file", {"path": "notes.local", "content": "scratch\n"}),
+        ),
+        reply("", call("submit", {})),
+    ]
     with OpenAIStub(script) as stub:
         code, out, err = run_cli(stub, repo, state_dir, "--apply")
     assert code == 0 and "applied the diff" in err and "+debug = true" in out and "+price = 2" in out
@@ -210,12 +264,31 @@ def test_the_first_ctrl_c_keeps_the_work_and_the_second_quits_at_once(repo, stat
     import signal
     import sys
 
-    cli = [sys.executable, "-m", "codefleet.cli", "agent", "run", "--repo", repo, "--task", "Mark sub as checked.",
-           "--set", f"state_dir={state_dir}", "--apply", "--test-command", "sleep 60"]
+    cli = [
+        sys.executable,
+        "-m",
+        "codefleet.cli",
+        "agent",
+        "run",
+        "--repo",
+        repo,
+        "--task",
+        "Mark sub as checked.",
+        "--set",
+        f"state_dir={state_dir}",
+        "--apply",
+        "--test-command",
+        "sleep 60",
+    ]
 
     def interrupt(stub: OpenAIStub, times: int) -> tuple[subprocess.CompletedProcess, float]:
-        proc = subprocess.Popen(cli + ["--model", stub.base_url], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        proc = subprocess.Popen(
+            cli + ["--model", stub.base_url],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
         # (a terminal's Ctrl-C, even where the tests run with SIGINT ignored, as under `nohup ... &`)
         deadline = time.monotonic() + 30
         while len(stub.requests) < 2 and time.monotonic() < deadline:  # the edit is made, the next answer is slow
@@ -252,21 +325,46 @@ def test_a_local_checkpoint_runs_in_process_and_a_missing_one_is_one_sentence(re
 
     torch.manual_seed(0)
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)  # a checkpoint that says how it is prompted
-    checkpoint.save(Transformer(ModelConfig.tiny()), str(tmp_path / "run" / "checkpoints" / "sft"),
-                    metadata={"prompt": "bare"})
+    checkpoint.save(
+        Transformer(ModelConfig.tiny()), str(tmp_path / "run" / "checkpoints" / "sft"), metadata={"prompt": "bare"}
+    )
     for extra, bare in (([], True), (["--prompt", "full"], False)):
         out, err = io.StringIO(), io.StringIO()
-        code = main(["agent", "run", "--repo", repo, "--task", "look around", "--model",
-                     f"local:{tmp_path / 'run' / 'checkpoints' / 'sft'}", "--max-turns", "1", "--json", "--set",
-                     f"state_dir={state_dir}", *extra], stdin=io.StringIO(), out=out, err=err)
+        code = main(
+            [
+                "agent",
+                "run",
+                "--repo",
+                repo,
+                "--task",
+                "look around",
+                "--model",
+                f"local:{tmp_path / 'run' / 'checkpoints' / 'sft'}",
+                "--max-turns",
+                "1",
+                "--json",
+                "--set",
+                f"state_dir={state_dir}",
+                *extra,
+            ],
+            stdin=io.StringIO(),
+            out=out,
+            err=err,
+        )
         result = json.loads(out.getvalue())
         assert code == 0 and result["turns"] == 1 and result["tokens"] > 0, err.getvalue()
         assert ("bare prompt: the model sees the task alone" in err.getvalue()) == bare  # the checkpoint's prompt
-    for model, extra, words in ((f"local:{tmp_path / 'missing'}", [], "is not a checkpoint directory"),
-                                ("http://127.0.0.1:9/v1", ["--tool-grammar", "auto"], "codefleet serve --tool-grammar")):
+    for model, extra, words in (
+        (f"local:{tmp_path / 'missing'}", [], "is not a checkpoint directory"),
+        ("http://127.0.0.1:9/v1", ["--tool-grammar", "auto"], "codefleet serve --tool-grammar"),
+    ):
         err = io.StringIO()
-        code = main(["agent", "run", "--repo", repo, "--task", "x", "--model", model, *extra],
-                    stdin=io.StringIO(), out=io.StringIO(), err=err)
+        code = main(
+            ["agent", "run", "--repo", repo, "--task", "x", "--model", model, *extra],
+            stdin=io.StringIO(),
+            out=io.StringIO(),
+            err=err,
+        )
         assert code == 2 and words in err.getvalue()
         assert "Traceback" not in err.getvalue() and len(err.getvalue().strip().splitlines()) == 1
 
@@ -277,9 +375,15 @@ def test_bytecode_the_tests_write_stays_out_of_the_diff_unless_git_tracks_it(rep
         f.write(b"\x00old")
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
     subprocess.run(["git", "add", "-A"], cwd=repo, check=True)  # this repository tracks one bytecode file
-    script = [reply("", FIX, call("run", {"command": "python3 -c 'import pkg.calc'"}),
-                    call("run", {"command": "printf '\\001new' > legacy/__pycache__/old.cpython-311.pyc"})),
-              reply("", call("submit", {}))]
+    script = [
+        reply(
+            "",
+            FIX,
+            call("run", {"command": "python3 -c 'import pkg.calc'"}),
+            call("run", {"command": "printf '\\001new' > legacy/__pycache__/old.cpython-311.pyc"}),
+        ),
+        reply("", call("submit", {})),
+    ]
     with OpenAIStub(script) as stub:
         code, out, err = run_cli(stub, repo, state_dir)
     assert code == 0 and "+    return a - b  # checked" in out

@@ -23,11 +23,20 @@ from codefleet.tasks.patch import make_unified_diff
 from codefleet.types import HiddenChecks, Task
 
 _STUB = "    # identity for now\n    return x\n"
-CALC = ("def add(a, b):\n    return a - b\n\n\ndef clamp(x, lo, hi):\n" + _STUB + "\n\ndef twice(x):\n" + _STUB
-        + "\n\ndef thrice(x):\n" + _STUB + "\n\ndef last():\n    return None\n")
-CALC_FIXED = (CALC.replace("a - b", "a + b")
-              .replace("hi):\n" + _STUB, "hi):\n    # identity for now\n    return max(lo, min(x, hi))\n")
-              .replace("twice(x):\n" + _STUB, "twice(x):\n    # identity for now\n    return 2 * x\n"))
+CALC = (
+    "def add(a, b):\n    return a - b\n\n\ndef clamp(x, lo, hi):\n"
+    + _STUB
+    + "\n\ndef twice(x):\n"
+    + _STUB
+    + "\n\ndef thrice(x):\n"
+    + _STUB
+    + "\n\ndef last():\n    return None\n"
+)
+CALC_FIXED = (
+    CALC.replace("a - b", "a + b")
+    .replace("hi):\n" + _STUB, "hi):\n    # identity for now\n    return max(lo, min(x, hi))\n")
+    .replace("twice(x):\n" + _STUB, "twice(x):\n    # identity for now\n    return 2 * x\n")
+)
 UNITS = "SCALE = 1\n"
 HIDDEN = """from pkg.calc import add, clamp, twice
 from pkg.units import SCALE
@@ -60,21 +69,35 @@ def test_legacy_removed():
 def task(tmp_path) -> Task:
     repo = tmp_path / "repo"
     (repo / "pkg").mkdir(parents=True)
-    before = {"pkg/__init__.py": "", "pkg/calc.py": CALC, "pkg/units.py": UNITS, "pkg/legacy.py": "OLD = 1\n",
-              "tests/test_visible.py": "from pkg.calc import thrice\n\n\ndef test_thrice():\n"
-                                       "    assert thrice(1) == 1\n"}
+    before = {
+        "pkg/__init__.py": "",
+        "pkg/calc.py": CALC,
+        "pkg/units.py": UNITS,
+        "pkg/legacy.py": "OLD = 1\n",
+        "tests/test_visible.py": "from pkg.calc import thrice\n\n\ndef test_thrice():\n    assert thrice(1) == 1\n",
+    }
     for path, text in before.items():
         (repo / path).parent.mkdir(parents=True, exist_ok=True)
         (repo / path).write_text(text)
     after = {**before, "pkg/calc.py": CALC_FIXED, "pkg/units.py": "SCALE = 10\n", "pkg/extra.py": "EXTRA = 1\n"}
     del after["pkg/legacy.py"]
-    tests = ["tests/test_hidden.py::" + t for t in ("test_add", "test_clamp", "test_twice", "test_units_scale",
-                                                   "test_legacy_removed")]
-    return Task(id="handmade-1", repo=str(repo), instruction="Fix `add`, `clamp` and `twice`; `SCALE` must be 10; "
-                "remove pkg/legacy.py.", test_command="python3 -m pytest -q tests/test_visible.py",
-                checks=HiddenChecks(command="python3 -m pytest -q -p no:cacheprovider {tests}", fail_to_pass=tests,
-                                    files={"tests/test_hidden.py": HIDDEN}),
-                reference_patch=make_unified_diff(before, after, context_lines=1), metadata={"family": "handmade"})
+    tests = [
+        "tests/test_hidden.py::" + t
+        for t in ("test_add", "test_clamp", "test_twice", "test_units_scale", "test_legacy_removed")
+    ]
+    return Task(
+        id="handmade-1",
+        repo=str(repo),
+        instruction="Fix `add`, `clamp` and `twice`; `SCALE` must be 10; remove pkg/legacy.py.",
+        test_command="python3 -m pytest -q tests/test_visible.py",
+        checks=HiddenChecks(
+            command="python3 -m pytest -q -p no:cacheprovider {tests}",
+            fail_to_pass=tests,
+            files={"tests/test_hidden.py": HIDDEN},
+        ),
+        reference_patch=make_unified_diff(before, after, context_lines=1),
+        metadata={"family": "handmade"},
+    )
 
 
 def test_scripted_expert_solves_the_task_like_an_agent(task, config):
@@ -90,7 +113,9 @@ def test_scripted_expert_solves_the_task_like_an_agent(task, config):
     edits = [c.arguments for c in trajectory.turns[2].tool_calls if c.name == "edit_file"]
     # "# identity for now / return x" occurs three times: the expert widened those edits until unique
     assert [("def clamp" in e["old_text"], "def twice" in e["old_text"]) for e in edits[1:3]] == [
-        (True, False), (False, True)]
+        (True, False),
+        (False, True),
+    ]
     assert all(not t.errors for t in trajectory.turns), [t.errors for t in trajectory.turns]
     assert "[exit code 0]" in trajectory.turns[3].tool_results[0].output  # the visible tests ran and passed
     # the final diff is the reference solution's effect, and the figures are filled in
@@ -118,10 +143,14 @@ def test_the_hidden_tests_are_not_in_the_agents_sandbox(task, config):
 
 
 def test_reward_modes_and_speed_costs(task, config):
-    half_done = [reply("", call("edit_file", {"path": "pkg/calc.py", "old_text": "return a - b",
-                                              "new_text": "return a + b"}),
-                       call("write_file", {"path": "pkg/units.py", "content": "SCALE = 10\n"})),
-                 reply("", call("submit", {}))]
+    half_done = [
+        reply(
+            "",
+            call("edit_file", {"path": "pkg/calc.py", "old_text": "return a - b", "new_text": "return a + b"}),
+            call("write_file", {"path": "pkg/units.py", "content": "SCALE = 10\n"}),
+        ),
+        reply("", call("submit", {})),
+    ]
     cost = RewardConfig(mode="fraction", cost_per_turn=0.01, cost_per_token=1e-6)
     with OpenAIStub(half_done) as stub:
         trajectory = run_episode(task, OpenAIPolicy(stub.base_url), config, config=EpisodeConfig(reward=cost))
@@ -149,8 +178,10 @@ def test_reward_modes_and_speed_costs(task, config):
 
 
 def test_tool_errors_cost_reward(task, config):
-    script = [reply("", call("read_file", {"path": "no/such.py"}), call("nonexistent_tool", {})),
-              reply("", call("submit", {}))]
+    script = [
+        reply("", call("read_file", {"path": "no/such.py"}), call("nonexistent_tool", {})),
+        reply("", call("submit", {})),
+    ]
     cost = RewardConfig(mode="fraction", cost_per_tool_error=0.05)
     with OpenAIStub(script) as stub:
         trajectory = run_episode(task, OpenAIPolicy(stub.base_url), config, config=EpisodeConfig(reward=cost))
@@ -188,5 +219,6 @@ def test_exact_token_attempts_each_run_on_their_own_episode_view_of_the_engine(t
     # one view per attempt, and each holds exactly the tokens its episode sampled
     assert len(views) == 2
     assert sorted(sum(v.tokens.mask) for v in views) == sorted(
-        sum(len(turn.token_ids) for turn in t.turns) for t in trajectories)
+        sum(len(turn.token_ids) for turn in t.turns) for t in trajectories
+    )
     assert all(sum(v.tokens.mask) > 0 for v in views)

@@ -36,13 +36,13 @@ def test_expert_renames_with_one_shell_command_and_can_skip_exploring(tmp_path, 
     from codefleet.agent.clients.scripted import pure_rename, rename_command
     from codefleet.tasks.patch import parse_unified_diff
 
-    rename, bugfix = (generate_tasks(str(tmp_path / f), n=1, seed=5, families=[f], split="all")[0]
-                      for f in ("rename", "bugfix"))
+    rename, bugfix = (
+        generate_tasks(str(tmp_path / f), n=1, seed=5, families=[f], split="all")[0] for f in ("rename", "bugfix")
+    )
     old, new = pure_rename(parse_unified_diff(rename.reference_patch))
     assert f"`{old}`" in rename.instruction and f"`{new}`" in rename.instruction
     assert pure_rename(parse_unified_diff(bugfix.reference_patch)) is None  # an operator change is no rename
-    trajectory = run_episode(rename, ScriptedExpert(rename, explore=False), config,
-                             config=EpisodeConfig(prompt="bare"))
+    trajectory = run_episode(rename, ScriptedExpert(rename, explore=False), config, config=EpisodeConfig(prompt="bare"))
     assert trajectory.checks.all_passed, trajectory.checks.output[-2000:]
     assert [m["role"] for m in trajectory.messages[:2]] == ["user", "assistant"]  # bare: the task alone
     calls = [(c.name, c.arguments.get("command")) for turn in trajectory.turns for c in turn.tool_calls]
@@ -53,11 +53,13 @@ def test_expert_chains_the_tests_into_a_rename_and_explores_when_the_task_names_
     from codefleet.agent.clients.scripted import pure_rename, rename_command
     from codefleet.tasks.patch import parse_unified_diff
 
-    rename, cfg = (generate_tasks(str(tmp_path / f), n=1, seed=5, families=[f], split="all")[0]
-                   for f in ("rename", "config"))
+    rename, cfg = (
+        generate_tasks(str(tmp_path / f), n=1, seed=5, families=[f], split="all")[0] for f in ("rename", "config")
+    )
     old, new = pure_rename(parse_unified_diff(rename.reference_patch))
-    trajectory = run_episode(rename, ScriptedExpert(rename, explore=False, chain_tests=True), config,
-                             config=EpisodeConfig(prompt="bare"))
+    trajectory = run_episode(
+        rename, ScriptedExpert(rename, explore=False, chain_tests=True), config, config=EpisodeConfig(prompt="bare")
+    )
     assert trajectory.checks.all_passed and trajectory.n_turns == 2  # rename + tests, then submit
     first = trajectory.turns[0].tool_calls[0]
     assert first.arguments["command"] == f"{rename_command(old, new)} && {rename.test_command}"

@@ -30,11 +30,15 @@ def tool_messages(request: dict) -> list[tuple[str, str]]:
 
 
 def test_parallel_calls_run_concurrently_and_come_back_in_call_order(sandbox):
-    script = [reply("two slow commands and a read at once",
-                    call("run", {"command": "sleep 0.5; echo first"}, id="a"),
-                    call("run", {"command": "sleep 0.5; echo second"}, id="b"),
-                    call("read_file", {"path": "pkg/calc.py", "end_line": 1}, id="c")),
-              reply("done", call("submit", {"summary": "looked around"}, id="d"))]
+    script = [
+        reply(
+            "two slow commands and a read at once",
+            call("run", {"command": "sleep 0.5; echo first"}, id="a"),
+            call("run", {"command": "sleep 0.5; echo second"}, id="b"),
+            call("read_file", {"path": "pkg/calc.py", "end_line": 1}, id="c"),
+        ),
+        reply("done", call("submit", {"summary": "looked around"}, id="d")),
+    ]
     with OpenAIStub(script) as stub:
         trajectory = AgentLoop(policy_for(stub), sandbox).run(build_messages("look around"))
     assert trajectory.stop_reason == "submit" and trajectory.n_turns == 2
@@ -42,10 +46,20 @@ def test_parallel_calls_run_concurrently_and_come_back_in_call_order(sandbox):
     assert first.tool_s < 0.9, first.tool_s  # 2 x 0.5 s in sequence would be >= 1 s
     assert [r.duration_s >= 0.5 for r in first.tool_results] == [True, True, False]
     # the model saw one tool message per call, in call order, with the right ids
-    assert tool_messages(stub.requests[1]) == [("a", "first\n[exit code 0]"), ("b", "second\n[exit code 0]"),
-                                               ("c", "     1\tdef add(a, b):")]
+    assert tool_messages(stub.requests[1]) == [
+        ("a", "first\n[exit code 0]"),
+        ("b", "second\n[exit code 0]"),
+        ("c", "     1\tdef add(a, b):"),
+    ]
     assert [t["function"]["name"] for t in stub.requests[0]["tools"]] == [
-        "search", "read_file", "edit_file", "write_file", "list_dir", "run", "submit"]
+        "search",
+        "read_file",
+        "edit_file",
+        "write_file",
+        "list_dir",
+        "run",
+        "submit",
+    ]
     assert stub.requests[0]["model"] == "stub-model"  # discovered from GET /v1/models
     assert first.prompt_tokens > 0 and first.completion_tokens > 0 and trajectory.tokens > 0
     assert trajectory.tool_s == pytest.approx(sum(t.tool_s for t in trajectory.turns))
@@ -54,6 +68,7 @@ def test_parallel_calls_run_concurrently_and_come_back_in_call_order(sandbox):
 
 def like_vllm(item):
     """`item`, unless the history holds tool-call arguments that are not JSON: then 400, as vLLM answers."""
+
     def answer(body: dict):
         for message in body["messages"]:
             for tc in message.get("tool_calls") or []:
@@ -62,20 +77,25 @@ def like_vllm(item):
                 except ValueError as e:
                     return fail(400, f"arguments are not JSON: {e}")
         return item
+
     return answer
 
 
 def test_malformed_output_becomes_error_observations_and_the_episode_goes_on(sandbox):
-    script = [reply("", call("read_file", '{"path": "pkg/calc.py"', id="bad_json"),
-                    call("delete_everything", {"path": "."}, id="unknown"),
-                    call("edit_file", {"path": "pkg/calc.py"}, id="missing"),
-                    call("read_file", {"path": "pkg/calc.py", "start_line": "one"}, id="mistyped"),
-                    call("write_file", {"path": "x.txt", "content": "x" * 300_000}, id="huge"),
-                    call("read_file", {"path": "README.md"}, id="fine"),
-                    call("list_dir", "", id="no_arguments")),
-              like_vllm(reply("", call("edit_file", {"path": "pkg/calc.py", "old_text": "a - b",
-                                                     "new_text": "b - a"}))),
-              like_vllm(reply("All done, nothing else to do."))]
+    script = [
+        reply(
+            "",
+            call("read_file", '{"path": "pkg/calc.py"', id="bad_json"),
+            call("delete_everything", {"path": "."}, id="unknown"),
+            call("edit_file", {"path": "pkg/calc.py"}, id="missing"),
+            call("read_file", {"path": "pkg/calc.py", "start_line": "one"}, id="mistyped"),
+            call("write_file", {"path": "x.txt", "content": "x" * 300_000}, id="huge"),
+            call("read_file", {"path": "README.md"}, id="fine"),
+            call("list_dir", "", id="no_arguments"),
+        ),
+        like_vllm(reply("", call("edit_file", {"path": "pkg/calc.py", "old_text": "a - b", "new_text": "b - a"}))),
+        like_vllm(reply("All done, nothing else to do.")),
+    ]
     with OpenAIStub(script) as stub:
         trajectory = AgentLoop(policy_for(stub), sandbox).run(build_messages("fix it"))
     assert trajectory.stop_reason == "no_tool_calls" and trajectory.n_turns == 3
@@ -99,12 +119,20 @@ def _looping(n: int, **reply_kwargs) -> list:
     return [reply(f"step {i}", call("run", {"command": f"echo {i}"}), **reply_kwargs) for i in range(n)]
 
 
-@pytest.mark.parametrize("budgets, script, reason, turns, calls", [
-    (Budgets(max_turns=2), _looping(5), "max_turns", 2, 2),
-    (Budgets(max_tool_calls=3), [reply("", call("run", {"command": "echo a"}), call("run", {"command": "echo b"}))
-                                 for _ in range(3)], "max_tool_calls", 2, 4),
-    (Budgets(max_tokens=2500), _looping(5, usage=(1000, 10)), "max_tokens", 3, 3),
-])
+@pytest.mark.parametrize(
+    "budgets, script, reason, turns, calls",
+    [
+        (Budgets(max_turns=2), _looping(5), "max_turns", 2, 2),
+        (
+            Budgets(max_tool_calls=3),
+            [reply("", call("run", {"command": "echo a"}), call("run", {"command": "echo b"})) for _ in range(3)],
+            "max_tool_calls",
+            2,
+            4,
+        ),
+        (Budgets(max_tokens=2500), _looping(5, usage=(1000, 10)), "max_tokens", 3, 3),
+    ],
+)
 def test_budgets_stop_the_episode_with_the_right_reason(sandbox, budgets, script, reason, turns, calls):
     with OpenAIStub(script) as stub:
         trajectory = AgentLoop(policy_for(stub), sandbox, budgets).run(build_messages("loop"))
@@ -160,8 +188,9 @@ def test_injected_correction_reaches_the_next_request(sandbox):
 def test_inject_is_thread_safe_under_concurrent_callers(sandbox):
     with OpenAIStub([reply("", call("run", {"command": "sleep 0.3"})), reply("ok")]) as stub:
         loop = AgentLoop(policy_for(stub), sandbox)
-        senders = [threading.Thread(target=lambda i=i: [loop.inject(f"note {i}-{j}") for j in range(25)])
-                   for i in range(4)]
+        senders = [
+            threading.Thread(target=lambda i=i: [loop.inject(f"note {i}-{j}") for j in range(25)]) for i in range(4)
+        ]
         for s in senders:
             s.start()
         for s in senders:
@@ -213,20 +242,34 @@ def test_unreachable_and_wrong_urls_name_what_to_check():
             OpenAIPolicy(OpenAIConfig(base_url=wrong, model="m", max_retries=0)).generate([], [])
     with pytest.raises(PolicyError, match=f"could not connect to the model endpoint {url}.*server is running"):
         OpenAIPolicy(OpenAIConfig(base_url=url, model="m", max_retries=0, timeout_s=2)).generate(
-            [{"role": "user", "content": "hi"}], [])
+            [{"role": "user", "content": "hi"}], []
+        )
 
 
 def _completion(**choice) -> dict:
-    return {"id": "x", "object": "chat.completion", "created": 0, "model": "m",
-            "choices": [{"index": 0, "finish_reason": "stop", **choice}],
-            "usage": {"prompt_tokens": "12", "completion_tokens": None}}
+    return {
+        "id": "x",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "m",
+        "choices": [{"index": 0, "finish_reason": "stop", **choice}],
+        "usage": {"prompt_tokens": "12", "completion_tokens": None},
+    }
 
 
 def test_answers_that_bend_the_protocol_are_read_or_refused_with_one_sentence():
-    parts = {"role": "assistant", "content": [{"type": "text", "text": "hello "}, {"type": "image_url"},
-                                              {"type": "text", "text": "world"}]}
-    with OpenAIStub([raw(_completion(message=parts)), raw(_completion(message=None)), raw(_completion()),
-                     raw({"error": {"message": "overloaded"}})]) as stub:
+    parts = {
+        "role": "assistant",
+        "content": [{"type": "text", "text": "hello "}, {"type": "image_url"}, {"type": "text", "text": "world"}],
+    }
+    with OpenAIStub(
+        [
+            raw(_completion(message=parts)),
+            raw(_completion(message=None)),
+            raw(_completion()),
+            raw({"error": {"message": "overloaded"}}),
+        ]
+    ) as stub:
         policy = policy_for(stub, max_retries=0)
         output = policy.generate([{"role": "user", "content": "hi"}], [])
         assert (output.text, output.prompt_tokens, output.completion_tokens) == ("hello world", 12, 0)
@@ -246,10 +289,19 @@ def test_backends_are_chosen_by_name_and_the_local_engine_needs_a_checkpoint():
 
 def test_planner_writes_the_plan_and_the_executor_follows_it(sandbox):
     plan = "1. Read pkg/calc.py.\n2. Make sub return b - a.\n3. Submit."
-    with OpenAIStub([reply(plan)], model="big-planner") as planner_stub, OpenAIStub([
-            reply("following the plan", call("edit_file", {"path": "pkg/calc.py", "old_text": "return a - b",
-                                                           "new_text": "return b - a"})),
-            reply("", call("submit", {"summary": "done"}))], model="fast-executor") as executor_stub:
+    with (
+        OpenAIStub([reply(plan)], model="big-planner") as planner_stub,
+        OpenAIStub(
+            [
+                reply(
+                    "following the plan",
+                    call("edit_file", {"path": "pkg/calc.py", "old_text": "return a - b", "new_text": "return b - a"}),
+                ),
+                reply("", call("submit", {"summary": "done"})),
+            ],
+            model="fast-executor",
+        ) as executor_stub,
+    ):
         trajectory = solve(sandbox, "Reverse sub.", policy_for(executor_stub), planner=policy_for(planner_stub))
     planner_request = planner_stub.requests[0]
     assert "tools" not in planner_request and planner_request["model"] == "big-planner"
@@ -271,10 +323,21 @@ class _TokenPolicy:
         from codefleet.agent import parse_tool_call
 
         n = sum(m["role"] == "assistant" for m in messages)
-        calls = [parse_tool_call("", "list_dir", "{}"), parse_tool_call("", "list_dir", "{}")] if n == 0 else \
-            [parse_tool_call("", "submit", json.dumps({"summary": "s"}))]
-        return PolicyOutput("", calls, prompt_tokens=7, completion_tokens=3, token_ids=[1, 2, 3],
-                            logprobs=[-0.1, -0.2, -0.3], policy_versions=[4, 4, 4], routed_experts=[[0, 1]] * 3)
+        calls = (
+            [parse_tool_call("", "list_dir", "{}"), parse_tool_call("", "list_dir", "{}")]
+            if n == 0
+            else [parse_tool_call("", "submit", json.dumps({"summary": "s"}))]
+        )
+        return PolicyOutput(
+            "",
+            calls,
+            prompt_tokens=7,
+            completion_tokens=3,
+            token_ids=[1, 2, 3],
+            logprobs=[-0.1, -0.2, -0.3],
+            policy_versions=[4, 4, 4],
+            routed_experts=[[0, 1]] * 3,
+        )
 
 
 def test_rl_token_fields_and_missing_call_ids_are_kept_per_turn(sandbox):

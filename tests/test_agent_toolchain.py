@@ -31,9 +31,12 @@ def _venv(path: str, with_pytest: bool = False) -> str:
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", path], check=True)
     if with_pytest:
         ours = os.path.dirname(os.path.dirname(pytest.__file__))  # where pytest and its dependencies are
-        theirs = subprocess.run([os.path.join(path, "bin", "python"), "-c",
-                                 "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                capture_output=True, text=True, check=True).stdout.strip()
+        theirs = subprocess.run(
+            [os.path.join(path, "bin", "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
         for name in PYTEST_PACKAGES:
             src = os.path.join(ours, name)
             if os.path.isdir(src):
@@ -110,8 +113,12 @@ def test_of_an_installers_python_only_what_an_interpreter_needs_is_bound(tmp_pat
     (venv / "pyvenv.cfg").write_text(f"home = {prefix}/bin\nimplementation = CPython\nversion_info = 3.12.1\n")
     os.symlink(f"{prefix}/bin/python3", venv / "bin" / "python")
     assert toolchain.venv_at(str(venv)).installation == (
-        f"{prefix}/lib/python3.12", f"{prefix}/bin/python3", f"{prefix}/bin/python3.12",
-        f"{prefix}/lib/libpython3.12.so.1.0", f"{prefix}/include/python3.12")
+        f"{prefix}/lib/python3.12",
+        f"{prefix}/bin/python3",
+        f"{prefix}/bin/python3.12",
+        f"{prefix}/lib/libpython3.12.so.1.0",
+        f"{prefix}/include/python3.12",
+    )
     os.remove(f"{prefix}/lib/python3.12/os.py")  # no longer a Python installation
     with pytest.raises(toolchain.ToolchainError, match="not the bin directory of a Python 3.12 installation"):
         toolchain.venv_at(str(venv))
@@ -123,14 +130,19 @@ def test_a_bind_the_sandbox_user_cannot_walk_to_is_staged_and_unmounted(tmp_path
     config = toolchain.with_venv(SandboxConfig(state_dir=state_dir), venv)
     (tmp_path / "secret.txt").write_text("host only\n")
     with create_sandbox(None, config) as sb:
-        r = sb.exec("python -c 'import sys; print(sys.prefix)'; echo $VIRTUAL_ENV; "
-                    f"cat {tmp_path}/secret.txt 2>/dev/null || echo hidden; "
-                    f"touch {venv.path}/x 2>/dev/null || echo read-only")
+        r = sb.exec(
+            "python -c 'import sys; print(sys.prefix)'; echo $VIRTUAL_ENV; "
+            f"cat {tmp_path}/secret.txt 2>/dev/null || echo hidden; "
+            f"touch {venv.path}/x 2>/dev/null || echo read-only"
+        )
         assert r.output.splitlines() == [venv.path, venv.path, "hidden", "read-only"], r.output
         if not (sys.base_prefix + "/").startswith("/usr/"):  # of the base installation, only what the interpreter needs
             names = sb.exec(f"ls -A {sys.base_prefix} {sys.base_prefix}/bin").output.split()
             assert set(names) - {f"{sys.base_prefix}:", f"{sys.base_prefix}/bin:", "bin", "lib", "include"} <= {
-                "python", "python3", f"python{sys.version_info[0]}.{sys.version_info[1]}"}, names
+                "python",
+                "python3",
+                f"python{sys.version_info[0]}.{sys.version_info[1]}",
+            }, names
     assert mounts_under(state_dir) == []
 
 
@@ -160,13 +172,30 @@ def _agent_run(repo: str, state_dir: str, command: str, *options: str) -> tuple[
 
     out, err = io.StringIO(), io.StringIO()
     with OpenAIStub([reply("", call("run", {"command": command})), after_the_command]) as stub:
-        code = main(["agent", "run", "--repo", repo, "--task", "Look around.", "--model", stub.base_url,
-                     "--set", f"state_dir={state_dir}", *options], stdin=io.StringIO(), out=out, err=err)
+        code = main(
+            [
+                "agent",
+                "run",
+                "--repo",
+                repo,
+                "--task",
+                "Look around.",
+                "--model",
+                stub.base_url,
+                "--set",
+                f"state_dir={state_dir}",
+                *options,
+            ],
+            stdin=io.StringIO(),
+            out=out,
+            err=err,
+        )
     return code, err.getvalue(), seen
 
 
-def test_a_venv_python_symlinked_into_a_host_directory_is_refused_and_its_files_stay_hidden(repo, state_dir,
-                                                                                          secret_dir):
+def test_a_venv_python_symlinked_into_a_host_directory_is_refused_and_its_files_stay_hidden(
+    repo, state_dir, secret_dir
+):
     """A cloned .venv whose bin/python leads into any host directory: that directory is never bound."""
     venv = _venv(os.path.join(repo, ".venv"))
     with open(os.path.join(secret_dir, "python3"), "w") as f:
@@ -183,8 +212,9 @@ def test_a_venv_python_symlinked_into_a_host_directory_is_refused_and_its_files_
     assert mounts_under(state_dir) == []
 
 
-def test_a_venv_whose_pyvenv_cfg_names_a_host_directory_is_refused_and_its_files_stay_hidden(repo, state_dir,
-                                                                                           secret_dir):
+def test_a_venv_whose_pyvenv_cfg_names_a_host_directory_is_refused_and_its_files_stay_hidden(
+    repo, state_dir, secret_dir
+):
     """home = a directory made to look like a Python installation, where no Python installer puts one."""
     _fake_installation(secret_dir, "3.12")
     venv = os.path.join(repo, ".venv")
@@ -201,8 +231,11 @@ def test_a_venv_whose_pyvenv_cfg_names_a_host_directory_is_refused_and_its_files
 def test_a_venv_symlinked_out_of_the_repository_is_refused_unless_named(repo, tmp_path):
     elsewhere = _venv(str(tmp_path / "elsewhere"))
     os.symlink(elsewhere, os.path.join(repo, ".venv"))
-    with pytest.raises(toolchain.ToolchainError, match=f"symlink to {elsewhere}, outside the repository; give "
-                                                       f"--venv {elsewhere} to use that one, or --venv none"):
+    with pytest.raises(
+        toolchain.ToolchainError,
+        match=f"symlink to {elsewhere}, outside the repository; give "
+        f"--venv {elsewhere} to use that one, or --venv none",
+    ):
         toolchain.find_venv(repo, {})
     assert toolchain.venv_at(elsewhere).path == elsewhere  # named by the user: theirs to trust
 
@@ -219,12 +252,29 @@ def test_agent_run_uses_the_repositorys_own_venv_pytest(repo, state_dir):
         seen.append(body["messages"][-1]["content"])
         return reply("", call("submit", {}))
 
-    script = [reply("", call("run", {"command": "command -v pytest; pytest -q -p no:cacheprovider tests"})),
-              after_the_command]
+    script = [
+        reply("", call("run", {"command": "command -v pytest; pytest -q -p no:cacheprovider tests"})),
+        after_the_command,
+    ]
     out, err = io.StringIO(), io.StringIO()
     with OpenAIStub(script) as stub:
-        code = main(["agent", "run", "--repo", repo, "--task", "Run the tests.", "--model", stub.base_url,
-                     "--set", f"state_dir={state_dir}"], stdin=io.StringIO(), out=out, err=err)
+        code = main(
+            [
+                "agent",
+                "run",
+                "--repo",
+                repo,
+                "--task",
+                "Run the tests.",
+                "--model",
+                stub.base_url,
+                "--set",
+                f"state_dir={state_dir}",
+            ],
+            stdin=io.StringIO(),
+            out=out,
+            err=err,
+        )
     assert code == 0, err.getvalue()
     assert f"the sandbox uses the virtual environment {venv}" in err.getvalue()
     assert f"{venv}/bin/pytest" in seen[0] and "1 passed" in seen[0], seen[0]

@@ -9,7 +9,7 @@ import pytest
 
 from codefleet.agent.parallel import execute_calls
 from codefleet.agent.policy import parse_tool_call
-from codefleet.agent.tools import TOOL_SPECS, ToolConfig, Toolbox, tool_schemas
+from codefleet.agent.tools import TOOL_SPECS, Toolbox, ToolConfig, tool_schemas
 from codefleet.types import ToolCall
 
 
@@ -25,12 +25,15 @@ def tools(sandbox) -> Toolbox:
 def test_schemas_have_exactly_the_contract_names_and_arguments():
     schemas = {s["function"]["name"]: s["function"]["parameters"] for s in tool_schemas()}
     assert set(schemas) == {"search", "read_file", "edit_file", "write_file", "list_dir", "run", "submit"}
-    expected = {"search": (["pattern", "path"], ["pattern"]),
-                "read_file": (["path", "start_line", "end_line"], ["path"]),
-                "edit_file": (["path", "old_text", "new_text"], ["path", "old_text", "new_text"]),
-                "write_file": (["path", "content"], ["path", "content"]),
-                "list_dir": (["path"], []), "run": (["command", "timeout"], ["command"]),
-                "submit": (["summary"], [])}
+    expected = {
+        "search": (["pattern", "path"], ["pattern"]),
+        "read_file": (["path", "start_line", "end_line"], ["path"]),
+        "edit_file": (["path", "old_text", "new_text"], ["path", "old_text", "new_text"]),
+        "write_file": (["path", "content"], ["path", "content"]),
+        "list_dir": (["path"], []),
+        "run": (["command", "timeout"], ["command"]),
+        "submit": (["summary"], []),
+    }
     for name, (props, required) in expected.items():
         assert list(schemas[name]["properties"]) == props, name
         assert schemas[name]["required"] == required, name
@@ -47,8 +50,9 @@ def test_search_read_and_list(tools):
 
     text = tools.execute(tc("read_file", path="pkg/calc.py")).output
     assert text.splitlines()[0] == "     1\tdef add(a, b):" and text.splitlines()[-1] == "     6\t    return a - b"
-    assert tools.execute(tc("read_file", path="pkg/calc.py", start_line=5, end_line=5)).output == \
-        "     5\tdef sub(a, b):"
+    assert (
+        tools.execute(tc("read_file", path="pkg/calc.py", start_line=5, end_line=5)).output == "     5\tdef sub(a, b):"
+    )
     past = tools.execute(tc("read_file", path="pkg/calc.py", start_line=40))
     assert not past.ok and "has 6 lines" in past.output
     missing = tools.execute(tc("read_file", path="pkg/nope.py"))
@@ -90,10 +94,14 @@ def test_write_file_run_and_submit(tools, sandbox):
 
 
 def test_paths_outside_the_workspace_become_error_observations(tools, sandbox):
-    for call in [tc("read_file", path="../../../etc/passwd"), tc("read_file", path="/etc/passwd"),
-                 tc("write_file", path="/tmp/evil", content="x"), tc("list_dir", path=".."),
-                 tc("search", pattern="root", path="/etc"),
-                 tc("edit_file", path="../x", old_text="a", new_text="b")]:
+    for call in [
+        tc("read_file", path="../../../etc/passwd"),
+        tc("read_file", path="/etc/passwd"),
+        tc("write_file", path="/tmp/evil", content="x"),
+        tc("list_dir", path=".."),
+        tc("search", pattern="root", path="/etc"),
+        tc("edit_file", path="../x", old_text="a", new_text="b"),
+    ]:
         result = tools.execute(call)
         assert not result.ok and result.output.startswith("error:") and "workspace" in result.output, call
     sandbox.exec("ln -s /etc/passwd link")
@@ -101,23 +109,26 @@ def test_paths_outside_the_workspace_become_error_observations(tools, sandbox):
     assert not through_link.ok and "outside the workspace" in through_link.output
 
 
-@pytest.mark.parametrize("call, expect", [
-    (ToolCall("c", "read_file", "{nope", error="not json"), "not json"),
-    (parse_tool_call("c", "read_file", "{nope"), "not valid JSON"),
-    (parse_tool_call("c", "read_file", "[1, 2]"), "must be a JSON object"),
-    (tc("frobnicate", path="x"), "unknown tool 'frobnicate'"),
-    (tc("read_file"), "needs the argument 'path'"),
-    (tc("read_file", path="README.md", start_line="2"), "'start_line' of read_file must be a integer"),
-    (tc("read_file", path="README.md", start_line=True), "must be a integer"),
-    (tc("run", command=["ls"]), "'command' of run must be a string"),
-    (tc("list_dir", path=".", recursive=True), "unknown argument(s) 'recursive'"),
-    (tc("write_file", path="big.txt", content="x" * 30_000), "over the cap of 20000"),
-    (tc("edit_file", path="README.md", old_text="", new_text="x"), "non-empty old_text"),
-    (tc("read_file", path="README.md", start_line=3, end_line=1), "start_line <= end_line"),
-    (tc("run", command="ls", timeout=-1), "timeout must be positive"),
-    (parse_tool_call("c", "run", '{"command": "sleep 1", "timeout": NaN}'), "must be a finite number, got nan"),
-    (parse_tool_call("c", "run", '{"command": "sleep 1", "timeout": Infinity}'), "must be a finite number"),
-])
+@pytest.mark.parametrize(
+    "call, expect",
+    [
+        (ToolCall("c", "read_file", "{nope", error="not json"), "not json"),
+        (parse_tool_call("c", "read_file", "{nope"), "not valid JSON"),
+        (parse_tool_call("c", "read_file", "[1, 2]"), "must be a JSON object"),
+        (tc("frobnicate", path="x"), "unknown tool 'frobnicate'"),
+        (tc("read_file"), "needs the argument 'path'"),
+        (tc("read_file", path="README.md", start_line="2"), "'start_line' of read_file must be a integer"),
+        (tc("read_file", path="README.md", start_line=True), "must be a integer"),
+        (tc("run", command=["ls"]), "'command' of run must be a string"),
+        (tc("list_dir", path=".", recursive=True), "unknown argument(s) 'recursive'"),
+        (tc("write_file", path="big.txt", content="x" * 30_000), "over the cap of 20000"),
+        (tc("edit_file", path="README.md", old_text="", new_text="x"), "non-empty old_text"),
+        (tc("read_file", path="README.md", start_line=3, end_line=1), "start_line <= end_line"),
+        (tc("run", command="ls", timeout=-1), "timeout must be positive"),
+        (parse_tool_call("c", "run", '{"command": "sleep 1", "timeout": NaN}'), "must be a finite number, got nan"),
+        (parse_tool_call("c", "run", '{"command": "sleep 1", "timeout": Infinity}'), "must be a finite number"),
+    ],
+)
 def test_malformed_calls_become_error_observations(tools, call, expect):
     result = tools.execute(call)
     assert not result.ok and result.output.startswith("error: ") and expect in result.output
@@ -140,10 +151,12 @@ def test_outputs_are_capped(tools, sandbox):
 
 def test_a_turns_calls_run_concurrently_in_call_order(tools, sandbox):
     tools.execute(tc("run", command="cd pkg && export GREETING=hello"))
-    calls = [tc("run", "r1", command="sleep 0.6; echo one $GREETING; pwd"),
-             tc("run", "r2", command="sleep 0.6; echo two $GREETING"),
-             tc("read_file", "r3", path="calc.py"),  # a path relative to the workspace, not the shell cwd
-             tc("read_file", "r4", path="pkg/calc.py", end_line=1)]
+    calls = [
+        tc("run", "r1", command="sleep 0.6; echo one $GREETING; pwd"),
+        tc("run", "r2", command="sleep 0.6; echo two $GREETING"),
+        tc("read_file", "r3", path="calc.py"),  # a path relative to the workspace, not the shell cwd
+        tc("read_file", "r4", path="pkg/calc.py", end_line=1),
+    ]
     started = time.perf_counter()
     results = execute_calls(tools, calls)
     elapsed_s = time.perf_counter() - started
@@ -156,8 +169,12 @@ def test_a_turns_calls_run_concurrently_in_call_order(tools, sandbox):
 
 
 def test_edits_of_one_file_in_one_turn_apply_in_call_order(tools, sandbox):
-    calls = [tc("edit_file", f"e{i}", path="pkg/calc.py", old_text=old, new_text=new) for i, (old, new) in
-             enumerate([("def add", "def plus"), ("def plus(a, b)", "def plus(x, y)"), ("def sub", "def minus")])]
+    calls = [
+        tc("edit_file", f"e{i}", path="pkg/calc.py", old_text=old, new_text=new)
+        for i, (old, new) in enumerate(
+            [("def add", "def plus"), ("def plus(a, b)", "def plus(x, y)"), ("def sub", "def minus")]
+        )
+    ]
     results = execute_calls(tools, calls)
     assert all(r.ok for r in results), [r.output for r in results]
     text = sandbox.read_file("pkg/calc.py")
@@ -168,7 +185,10 @@ def test_edits_of_one_file_in_one_turn_apply_in_call_order(tools, sandbox):
 def test_line_numbers_follow_newlines_only_and_crlf_files_can_be_edited(tools, sandbox):
     sandbox.write_file("dos.txt", b"one\r\ntwo\x0cstill two\r\nthree\r\n")
     assert tools.execute(tc("read_file", path="dos.txt")).output.split("\n") == [
-        "     1\tone", "     2\ttwo\x0cstill two", "     3\tthree"]
+        "     1\tone",
+        "     2\ttwo\x0cstill two",
+        "     3\tthree",
+    ]
     edited = tools.execute(tc("edit_file", path="dos.txt", old_text="one\ntwo", new_text="uno\ndos"))
     assert edited.ok, edited.output
     assert sandbox.read_file("dos.txt") == "uno\r\ndos\x0cstill two\r\nthree\r\n"
@@ -179,7 +199,7 @@ def test_edit_file_keeps_bytes_that_are_not_utf8_intact(tools, sandbox):
     assert tools.execute(tc("read_file", path="latin.txt")).output.split("\n")[0] == "     1\tcaf\ufffd au lait"
     edited = tools.execute(tc("edit_file", path="latin.txt", old_text="price = 1", new_text="price = 2"))
     assert edited.ok, edited.output
-    raw = sandbox.exec("python3 -c 'print(open(\"latin.txt\", \"rb\").read())'").output.strip()
+    raw = sandbox.exec('python3 -c \'print(open("latin.txt", "rb").read())\'').output.strip()
     assert raw == repr(b"caf\xe9 au lait\nprice = 2\nna\xefve\n")  # only the edited line changed
     replaced = tools.execute(tc("edit_file", path="latin.txt", old_text="caf\ufffd", new_text="coffee"))
     assert not replaced.ok and "not UTF-8" in replaced.output

@@ -16,8 +16,8 @@ from openai_stub import OpenAIStub, fail, raw, reply
 from codefleet.analysis.judge import JudgeBatch, JudgeConfig
 from codefleet.analysis.pipeline import AnalyzeConfig, analyze
 from codefleet.analysis.rules import categorise
-from codefleet.store.parquet import RolloutWriter, records_to_table
 from codefleet.analysis.synthetic import synthetic_record
+from codefleet.store.parquet import RolloutWriter, records_to_table
 
 GOOD = '{"score": 0.9, "reason": "a clean fix of the cause"}'
 
@@ -60,19 +60,28 @@ class Verdicts:
 
 
 def test_judge_batch_scores_marks_garbage_and_timeouts_and_retries():
-    plan = {"t000": "good", "t001": "garbage", "t002": "slow", "t003": "flaky", "t004": "no choices",
-            "t005": "two objects"}
+    plan = {
+        "t000": "good",
+        "t001": "garbage",
+        "t002": "slow",
+        "t003": "flaky",
+        "t004": "no choices",
+        "t005": "two objects",
+    }
     verdicts = Verdicts(plan)
     with OpenAIStub([verdicts] * 20) as stub:
-        config = JudgeConfig(backend=stub.base_url, model="judge-m", timeout_s=0.5, max_retries=1,
-                             requests_in_flight=4)
+        config = JudgeConfig(backend=stub.base_url, model="judge-m", timeout_s=0.5, max_retries=1, requests_in_flight=4)
         judge = JudgeBatch(config, "RUBRIC: be strict")
         out = judge(categorise(records_to_table(records(6)), drop=("tool_calls",))).to_pylist()
     by_task = {r["task_id"]: r for r in out}
     assert (by_task["t000"]["judge_score"], by_task["t000"]["judge_reason"], by_task["t000"]["judge_error"]) == (
-        0.0, "judged t000", None)
+        0.0,
+        "judged t000",
+        None,
+    )
     assert by_task["t001"]["judge_score"] is None and by_task["t001"]["judge_error"].startswith(
-        "unparseable verdict: no JSON object in the answer")
+        "unparseable verdict: no JSON object in the answer"
+    )
     assert by_task["t002"]["judge_score"] is None and "Timeout" in by_task["t002"]["judge_error"]
     assert verdicts.attempts["t002"] == 2  # the timeout was retried once, then given up
     assert (by_task["t003"]["judge_score"], verdicts.attempts["t003"]) == (0.03, 2)  # 503, retried, judged
@@ -88,8 +97,9 @@ def test_judge_batch_scores_marks_garbage_and_timeouts_and_retries():
 
 def test_rate_limit_paces_requests():
     with OpenAIStub([Verdicts({})] * 10) as stub:
-        judge = JudgeBatch(JudgeConfig(backend=stub.base_url, model="m", rate_limit_per_s=10, actors=1,
-                                       requests_in_flight=4), "rubric")
+        judge = JudgeBatch(
+            JudgeConfig(backend=stub.base_url, model="m", rate_limit_per_s=10, actors=1, requests_in_flight=4), "rubric"
+        )
         judge(categorise(records_to_table(records(6)), drop=("tool_calls",)))
         times = sorted(stub.request_times)
     assert len(times) == 6 and times[-1] - times[0] >= 0.45  # 6 starts at 10/s: at least 0.5 s apart end to end
@@ -100,7 +110,7 @@ def _store(tmp_path, n: int) -> str:
     writer = RolloutWriter(str(run_dir / "rollouts"))
     rows = records(n)
     for i in range(0, n, 4):  # several files, so Ray Data has several read tasks to schedule beside the actors
-        writer.append(rows[i:i + 4])
+        writer.append(rows[i : i + 4])
     return str(run_dir)
 
 
@@ -109,8 +119,10 @@ def test_pipeline_with_a_judge_actor_pool_finishes_on_two_cpus(ray_session, tmp_
     run_dir = _store(tmp_path, 24)
     plan = {"t005": "garbage", "t011": "slow"}
     with OpenAIStub([Verdicts(plan)] * 60) as stub:
-        config = AnalyzeConfig(judge=JudgeConfig(backend=stub.base_url, model="m", timeout_s=0.5, max_retries=0,
-                                                 actors=3, batch_rows=4), report=True)
+        config = AnalyzeConfig(
+            judge=JudgeConfig(backend=stub.base_url, model="m", timeout_s=0.5, max_retries=0, actors=3, batch_rows=4),
+            report=True,
+        )
         logged: list[str] = []
         result = analyze(run_dir, config, log=logged.append)
     rows = {r["task_id"]: r for r in pq.read_table(f"{run_dir}/analysis/judgments.parquet").to_pylist()}
@@ -133,13 +145,15 @@ def test_a_judge_that_is_down_marks_rows_and_the_run_completes(ray_session, tmp_
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     run_dir = _store(tmp_path, 8)
-    config = AnalyzeConfig(judge=JudgeConfig(backend=f"http://127.0.0.1:{port}/v1", timeout_s=1, max_retries=0),
-                           report=False)
+    config = AnalyzeConfig(
+        judge=JudgeConfig(backend=f"http://127.0.0.1:{port}/v1", timeout_s=1, max_retries=0), report=False
+    )
     result = analyze(run_dir, config, log=lambda msg: None)
     rows = pq.read_table(f"{run_dir}/analysis/judgments.parquet").to_pylist()
     assert len(rows) == 8 and all(r["judge_score"] is None for r in rows)
-    assert all(r["judge_error"].startswith(f"judge http://127.0.0.1:{port}/v1 unavailable: APIConnectionError")
-               for r in rows)
+    assert all(
+        r["judge_error"].startswith(f"judge http://127.0.0.1:{port}/v1 unavailable: APIConnectionError") for r in rows
+    )
     assert all(r["category"] for r in rows) and result.summary["rollouts"] == 8  # the rules still ran
     assert any("8 of 8 rollouts could not be judged" in p for p in result.problems)
 
@@ -158,8 +172,12 @@ def test_local_checkpoint_judge_runs_the_engine(ray_session, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     checkpoint.save(Transformer(ModelConfig.tiny()), ckpt)
     run_dir = _store(tmp_path, 4)
-    config = AnalyzeConfig(judge=JudgeConfig(backend=f"local:{ckpt}", actors=1, max_tokens=8,
-                                             max_transcript_chars=300, max_diff_chars=200), report=False)
+    config = AnalyzeConfig(
+        judge=JudgeConfig(
+            backend=f"local:{ckpt}", actors=1, max_tokens=8, max_transcript_chars=300, max_diff_chars=200
+        ),
+        report=False,
+    )
     result = analyze(run_dir, config, log=lambda msg: None)
     rows = pq.read_table(f"{run_dir}/analysis/judgments.parquet").to_pylist()
     assert len(rows) == 4 and all(r["judge_backend"] == f"local:{ckpt}" for r in rows)
@@ -190,12 +208,21 @@ class ClusteringJudge:
             wording = "missed edge cases" if n % 2 else "edge cases were missed"
             edge = [int(i) for i, text in items if "edge" in text]
             other = [int(i) for i, text in items if "edge" not in text]
-            return reply(json.dumps({"clusters": [{"label": wording, "members": edge},
-                                                  {"label": "broke the parser", "members": other}]}))
+            return reply(
+                json.dumps(
+                    {"clusters": [{"label": wording, "members": edge}, {"label": "broke the parser", "members": other}]}
+                )
+            )
         if system.startswith("You merge cluster labels"):
             edge = [int(i) for i, text in items if "edge" in text]
-            return reply(json.dumps({"clusters": [{"label": "missed edge cases", "members": edge}] + [
-                {"label": text, "members": [int(i)]} for i, text in items if "edge" not in text]}))
+            return reply(
+                json.dumps(
+                    {
+                        "clusters": [{"label": "missed edge cases", "members": edge}]
+                        + [{"label": text, "members": [int(i)]} for i, text in items if "edge" not in text]
+                    }
+                )
+            )
         task = re.search(r"Task: (\S+)", user).group(1)
         cause = "an edge case it missed" if int(task[1:]) % 2 else "it broke the parser"
         return reply(json.dumps({"score": 0.2, "reason": f"{task}: {cause}"}))
@@ -206,16 +233,20 @@ def test_a_model_judge_groups_the_reasons_into_merged_clusters(ray_session, tmp_
     run_dir = _store(tmp_path, 40)
     judge = ClusteringJudge()
     with OpenAIStub([judge] * 200) as stub:
-        config = AnalyzeConfig(judge=JudgeConfig(backend=stub.base_url, model="m", max_retries=0, actors=1),
-                               report=False)
+        config = AnalyzeConfig(
+            judge=JudgeConfig(backend=stub.base_url, model="m", max_retries=0, actors=1), report=False
+        )
         config.clusters.batch_rows, config.clusters.max_clusters = 8, 5
         result = analyze(run_dir, config, log=lambda msg: None)
     rows = pq.read_table(f"{run_dir}/analysis/judgments.parquet").to_pylist()
     failures = [r for r in rows if r["category"] != "solved"]
     clusters = result.summary["clusters"]
     assert clusters["source"] == "judge" and judge.cluster_requests >= 4
-    assert all("at most 5 clusters" in r["messages"][0]["content"] for r in stub.requests
-               if r["messages"][0]["content"].startswith("You group"))  # the analysis's own settings
+    assert all(
+        "at most 5 clusters" in r["messages"][0]["content"]
+        for r in stub.requests
+        if r["messages"][0]["content"].startswith("You group")
+    )  # the analysis's own settings
     by_label = {c["label"]: c for c in clusters["failures"]}
     # the two wordings merged into one cluster; the batch answered with prose kept its rows' rules clusters
     assert "edge cases were missed" not in by_label and "missed edge cases" in by_label

@@ -24,7 +24,7 @@ def test_cli_analyze_writes_summary_judgments_and_report(ray_session, tmp_path, 
     writer = RolloutWriter(str(run_dir / "rollouts"))
     records = [r for chunk in synthetic_records(600, run="r1", seed=1, rows_per_step=100) for r in chunk]
     for i in range(0, 600, 100):
-        writer.append(records[i:i + 100])
+        writer.append(records[i : i + 100])
     assert main(["analyze", str(run_dir)]) == 0
     captured = capsys.readouterr()
     out = captured.out
@@ -39,9 +39,13 @@ def test_cli_analyze_writes_summary_judgments_and_report(ray_session, tmp_path, 
     # the aggregates equal a direct computation over the judgments
     assert summary["rollouts"] == 600 and summary["solved"] == sum(r["category"] == "solved" for r in judged)
     assert summary["suspicious_wins"] == sum(r["suspicious"] for r in judged) > 0
-    assert summary["categories"] == {c: n for c, n in sorted(
-        {c: sum(r["category"] == c for r in judged) for c in {r["category"] for r in judged}}.items(),
-        key=lambda kv: -kv[1])}
+    assert summary["categories"] == {
+        c: n
+        for c, n in sorted(
+            {c: sum(r["category"] == c for r in judged) for c in {r["category"] for r in judged}}.items(),
+            key=lambda kv: -kv[1],
+        )
+    }
     step3 = [r for r in judged if r["step"] == 3]
     row3 = [s for s in summary["per_step"] if s["step"] == 3][0]
     assert row3["rollouts"] == len(step3)
@@ -93,11 +97,21 @@ def test_bad_files_are_named_and_the_rest_is_analysed(ray_session, tmp_path):
     (step1 / "part-corrupt.parquet").write_bytes(b"PAR1" + os.urandom(64))
     pq.write_table(pa.table({"task_id": ["x"], "turns": [2]}), step1 / "part-noreward.parquet")
     # schema version 0: no run/step/split/tool_calls columns, an int reward; still analysed
-    pq.write_table(pa.table({"task_id": ["old-1", "old-2"], "reward": pa.array([1, 0], pa.int32()),
-                             "stop_reason": ["submit", "max_turns"], "all_passed": [True, False],
-                             "checks_passed": [2, 0], "checks_total": [2, 2], "turns": [3, 40],
-                             "diff": ["--- a/x.py\n+++ b/x.py\n@@ -1 +1 @@\n-return f(x)\n+return 1\n", "d"]}),
-                   step1 / "part-old.parquet")
+    pq.write_table(
+        pa.table(
+            {
+                "task_id": ["old-1", "old-2"],
+                "reward": pa.array([1, 0], pa.int32()),
+                "stop_reason": ["submit", "max_turns"],
+                "all_passed": [True, False],
+                "checks_passed": [2, 0],
+                "checks_total": [2, 2],
+                "turns": [3, 40],
+                "diff": ["--- a/x.py\n+++ b/x.py\n@@ -1 +1 @@\n-return f(x)\n+return 1\n", "d"],
+            }
+        ),
+        step1 / "part-old.parquet",
+    )
     (step1 / ".part-inflight.parquet.tmp").write_bytes(b"half a file")  # a writer's temp file: ignored
     # a footer that reads, pages that do not: found when the first pass fails, left out, pass rerun
     RolloutWriter(str(tmp_path / "tmp")).append([synthetic_record(rng, i, run="r", step=2) for i in range(20)])
@@ -164,7 +178,8 @@ def test_figures_equal_a_direct_computation_and_damaged_values_are_left_out(ray_
         assert s["means"][column] == pytest.approx(values.mean()), column
         for q in (0.5, 0.9) if column in s["quantiles"] else ():  # within 1% of the value at that rank
             assert s["quantiles"][column][f"p{int(q * 100)}"] == pytest.approx(
-                np.quantile(values, q, method="lower"), rel=0.016), (column, q)
+                np.quantile(values, q, method="lower"), rel=0.016
+            ), (column, q)
     assert max(s["quantiles"]["turns"].values()) <= rows["turns"].max()
     assert sum(s["histograms"]["wall_s"]["counts"]) == 303  # the NaN is in no bin
     assert [r["rollouts"] for r in s["per_step"] if r["step"] is None] == [1]  # the row without a step: last
@@ -195,16 +210,18 @@ def test_a_second_analysis_of_the_same_output_waits_for_the_first(ray_session, t
     import threading
     import time
 
-    RolloutWriter(str(tmp_path / "rollouts")).append([synthetic_record(random.Random(1), i, run="r", step=0)
-                                                      for i in range(30)])
+    RolloutWriter(str(tmp_path / "rollouts")).append(
+        [synthetic_record(random.Random(1), i, run="r", step=0) for i in range(30)]
+    )
     out = tmp_path / "analysis"
     out.mkdir()
     logged: list[str] = []
     results = []
     with open(out / ".analyze.lock", "a") as other:  # the first analysis, still running
         fcntl.flock(other, fcntl.LOCK_EX)
-        thread = threading.Thread(target=lambda: results.append(
-            analyze(str(tmp_path), AnalyzeConfig(report=False), log=logged.append)))
+        thread = threading.Thread(
+            target=lambda: results.append(analyze(str(tmp_path), AnalyzeConfig(report=False), log=logged.append))
+        )
         thread.start()
         deadline = time.monotonic() + 60
         while not any("another analysis is writing" in m for m in logged) and time.monotonic() < deadline:
@@ -224,8 +241,11 @@ def test_shuffle_aggregate_matches_the_driver_combine(ray_session, tmp_path):
     for chunk in synthetic_records(300, rows_per_step=100):
         writer.append(chunk)
     a = analyze(str(tmp_path), AnalyzeConfig(out_dir=str(tmp_path / "a"), report=False), log=lambda m: None)
-    b = analyze(str(tmp_path), AnalyzeConfig(out_dir=str(tmp_path / "b"), report=False, shuffle_aggregate=True),
-                log=lambda m: None)
+    b = analyze(
+        str(tmp_path),
+        AnalyzeConfig(out_dir=str(tmp_path / "b"), report=False, shuffle_aggregate=True),
+        log=lambda m: None,
+    )
     for key in ("rollouts", "solved", "categories", "per_family", "per_step", "tool_mix", "histograms"):
         assert _rounded(a.summary[key]) == _rounded(b.summary[key]), key  # sums in another order: float noise
 

@@ -24,22 +24,41 @@ import pytest
 from browser_check import browser_missing, check_report_in_browser
 
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-TINY = ["tasks.n_train=4", "tasks.n_eval=2", "tasks.families=[bugfix, config]", "sft.epochs=1", "sft.batch_size=4",
-        "rl.steps=3", "controller.group_size=2", "controller.batch_groups=1", "controller.rollout_slots=4",
-        "controller.eta=1", "rl.max_tokens=48",
-        "rl.max_turns=2", "eval.max_tokens=24", "eval.attempts=1", "cluster.num_cpus=4"]
+TINY = [
+    "tasks.n_train=4",
+    "tasks.n_eval=2",
+    "tasks.families=[bugfix, config]",
+    "sft.epochs=1",
+    "sft.batch_size=4",
+    "rl.steps=3",
+    "controller.group_size=2",
+    "controller.batch_groups=1",
+    "controller.rollout_slots=4",
+    "controller.eta=1",
+    "rl.max_tokens=48",
+    "rl.max_turns=2",
+    "eval.max_tokens=24",
+    "eval.attempts=1",
+    "cluster.num_cpus=4",
+]
 
 
 def _cli(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "codefleet.cli", *args], env=ENV, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "codefleet.cli", *args], env=ENV, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
 
 def _serve(checkpoint: str) -> tuple[subprocess.Popen, str]:
-    server = subprocess.Popen([sys.executable, "-m", "codefleet.cli", "serve", "--checkpoint", checkpoint,
-                               "--port", "0"], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "codefleet.cli", "serve", "--checkpoint", checkpoint, "--port", "0"],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         line = server.stdout.readline()
@@ -62,8 +81,7 @@ def test_analyze_a_real_run_with_codefleet_serve_as_judge_and_browse_the_report(
     checkpoint = sorted(p for p in glob.glob(os.path.join(run, "checkpoints", "rl-step-*")) if os.path.isdir(p))[-1]
     server, url = _serve(checkpoint)
     try:
-        analyzed = _cli("analyze", run, "--judge", url, "--judge-timeout-s", "120", "--judge-retries", "0",
-                        timeout=900)
+        analyzed = _cli("analyze", run, "--judge", url, "--judge-timeout-s", "120", "--judge-retries", "0", timeout=900)
     finally:
         server.terminate()
         server.wait(timeout=60)

@@ -13,8 +13,13 @@ import pytest
 
 def _bench(what: str, state_dir: str, timeout_s: float, *flags: str) -> dict:
     env = dict(os.environ, CODEFLEET_STATE_DIR=state_dir)
-    proc = subprocess.run([sys.executable, "-m", "codefleet.cli", "bench", what, "--quick", *flags], env=env,
-                          capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.run(
+        [sys.executable, "-m", "codefleet.cli", "bench", what, "--quick", *flags],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()
     assert len(lines) > 2, "expected a title and a table before the JSON"
@@ -23,15 +28,32 @@ def _bench(what: str, state_dir: str, timeout_s: float, *flags: str) -> dict:
 
 def test_bench_sandbox_reports_every_named_figure(state_dir):
     r = _bench("sandbox", state_dir, 180)
-    for key in ("create_ms_p50", "create_ms_p99", "exec_ms_p50", "exec_ms_p99", "fork_ms_p50",
-                "rss_mb_per_sandbox", "max_live_sandboxes", "subprocess_ms_p50"):
+    for key in (
+        "create_ms_p50",
+        "create_ms_p99",
+        "exec_ms_p50",
+        "exec_ms_p99",
+        "fork_ms_p50",
+        "rss_mb_per_sandbox",
+        "max_live_sandboxes",
+        "subprocess_ms_p50",
+    ):
         assert isinstance(r[key], (int, float)) and r[key] > 0, key
     assert r["max_live_sandboxes"] == 100  # quick mode holds 100 at once, all answering
 
 
-ENGINE_FIGURES = ("engine_tokens_per_s_b1", "engine_tokens_per_s_b32", "hf_tokens_per_s_b1", "hf_tokens_per_s_b32",
-                  "engine_over_hf_b32", "load_s", "load_peak_rss_mb", "checkpoint_mb", "load_rss_over_size",
-                  "prefix_cache_speedup")
+ENGINE_FIGURES = (
+    "engine_tokens_per_s_b1",
+    "engine_tokens_per_s_b32",
+    "hf_tokens_per_s_b1",
+    "hf_tokens_per_s_b32",
+    "engine_over_hf_b32",
+    "load_s",
+    "load_peak_rss_mb",
+    "checkpoint_mb",
+    "load_rss_over_size",
+    "prefix_cache_speedup",
+)
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +61,18 @@ def small_qwen3_moe(tmp_path_factory):
     """A Qwen3-MoE directory saved by transformers, smaller than the bench's own tiny one (a fast run)."""
     from codefleet.bench.engine_bench import build_tiny_qwen3_moe
 
-    return build_tiny_qwen3_moe(str(tmp_path_factory.mktemp("qwen3_moe")), vocab_size=512, d_model=64, n_layers=2,
-                                n_heads=4, n_kv_heads=2, head_dim=16, n_experts=4, d_expert=64, max_seq_len=2048)
+    return build_tiny_qwen3_moe(
+        str(tmp_path_factory.mktemp("qwen3_moe")),
+        vocab_size=512,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        n_experts=4,
+        d_expert=64,
+        max_seq_len=2048,
+    )
 
 
 def test_bench_engine_runs_both_sides_on_the_given_checkpoint(state_dir, small_qwen3_moe):
@@ -92,8 +124,11 @@ def test_bench_engine_rejects_a_directory_transformers_cannot_load(tmp_path, cap
     assert engine_bench.run_cli(quick=True, checkpoint_dir=str(tmp_path)) == 1
     out, err = capsys.readouterr()
     assert out == ""
-    assert err.strip().splitlines()[-1].startswith(
-        f"codefleet bench engine could not run: {tmp_path} is not a Hugging Face model directory")
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith(f"codefleet bench engine could not run: {tmp_path} is not a Hugging Face model directory")
+    )
 
 
 @pytest.mark.slow
@@ -133,8 +168,7 @@ def test_sandbox_bench_alternates_a_figure_with_its_peer():
     from codefleet.bench.sandbox_bench import alternated
 
     calls: list[str] = []
-    times = alternated({"exec": (lambda: calls.append("e"), 6), "subprocess": (lambda: calls.append("s"), 3)},
-                        rounds=3)
+    times = alternated({"exec": (lambda: calls.append("e"), 6), "subprocess": (lambda: calls.append("s"), 3)}, rounds=3)
     assert "".join(calls) == "ees" * 3  # each round calls both, so a burst of load hits both sides
     assert len(times["exec"]) == 6 and len(times["subprocess"]) == 3
     assert all(t >= 0 for t in times["exec"] + times["subprocess"])

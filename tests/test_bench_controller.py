@@ -18,11 +18,27 @@ def test_expected_max_matches_sampling():
 
 
 def test_small_bench_reports_every_eta_and_synchronous_lags_are_zero(ray_session):
-    cfg = BenchConfig(median_rollout_s=0.01, rollout_slots=16, batch_groups=2, group_size=4, etas=(0, 1, 2),
-                      sync_steps=3, async_steps=6, rollout_actors=1)
+    cfg = BenchConfig(
+        median_rollout_s=0.01,
+        rollout_slots=16,
+        batch_groups=2,
+        group_size=4,
+        etas=(0, 1, 2),
+        sync_steps=3,
+        async_steps=6,
+        rollout_actors=1,
+    )
     r = json.loads(json.dumps(run(cfg, log=lambda msg: None)))
-    for key in ("sync_rollouts_per_s", "async_rollouts_per_s", "speedup", "trainer_busy_fraction",
-                "version_lag_p99", "median_rollout_s", "trainer_step_s", "steps"):
+    for key in (
+        "sync_rollouts_per_s",
+        "async_rollouts_per_s",
+        "speedup",
+        "trainer_busy_fraction",
+        "version_lag_p99",
+        "median_rollout_s",
+        "trainer_step_s",
+        "steps",
+    ):
         assert key in r, key
     assert set(r["async_rollouts_per_s"]) == {"1", "2"} and r["steps"] == {"0": 3, "1": 6, "2": 6}
     assert r["per_eta"]["0"]["version_lag_max"] == 0 and r["per_eta"]["0"]["version_lag_p99"] == 0
@@ -37,8 +53,11 @@ def test_small_bench_reports_every_eta_and_synchronous_lags_are_zero(ray_session
     assert math.isclose(r["trainer_step_s"], 0.3 * expected_sync, rel_tol=0.01)
     # a synchronous step cannot be shorter than its longest attempt plus the trainer step
     assert r["sync_overhead_s_per_step"] >= -0.001
-    assert math.isclose(r["measured_sync_step_s"], r["sync_mean_longest_attempt_s"] + r["trainer_step_s"]
-                        + r["sync_overhead_s_per_step"], abs_tol=0.002)
+    assert math.isclose(
+        r["measured_sync_step_s"],
+        r["sync_mean_longest_attempt_s"] + r["trainer_step_s"] + r["sync_overhead_s_per_step"],
+        abs_tol=0.002,
+    )
     lines = table(r).splitlines()
     assert [line.split()[0] for line in lines[1:4]] == ["0", "1", "2"]
 
@@ -46,8 +65,17 @@ def test_small_bench_reports_every_eta_and_synchronous_lags_are_zero(ray_session
 def test_run_cli_prints_the_table_then_one_json_object(ray_session, monkeypatch, capsys):
     from codefleet.bench import controller_bench
 
-    tiny = BenchConfig(median_rollout_s=0.005, rollout_slots=8, batch_groups=2, group_size=2, etas=(0, 1),
-                       sync_steps=2, async_steps=3, rollout_actors=1, quick=True)
+    tiny = BenchConfig(
+        median_rollout_s=0.005,
+        rollout_slots=8,
+        batch_groups=2,
+        group_size=2,
+        etas=(0, 1),
+        sync_steps=2,
+        async_steps=3,
+        rollout_actors=1,
+        quick=True,
+    )
     monkeypatch.setattr(controller_bench, "QUICK", tiny)
     assert controller_bench.run_cli(quick=True, as_json=False) == 0
     out = capsys.readouterr().out.strip().splitlines()

@@ -16,15 +16,34 @@ from codefleet.sandbox.bwrap import unavailable_reason
 UNAVAILABLE = unavailable_reason()
 pytestmark = [
     pytest.mark.skipif(UNAVAILABLE is not None, reason=f"namespace sandboxes cannot run here: {UNAVAILABLE}"),
-    pytest.mark.skipif(not os.path.exists(HOST_PYTHON) or not os.path.exists("/bin/bash"),
-                       reason="builds its image from the host's /usr/bin/python3 and /bin/bash"),
+    pytest.mark.skipif(
+        not os.path.exists(HOST_PYTHON) or not os.path.exists("/bin/bash"),
+        reason="builds its image from the host's /usr/bin/python3 and /bin/bash",
+    ),
 ]
 
-FIGURES = ("import_s_cold", "import_s_cached", "create_ms_p50_image", "create_ms_p50_host", "fork_ms_p50_image",
-           "fork_ms_p50_host", "exec_ms_p50_image", "exec_ms_p50_host", "disk_mb_per_extra_image_sharing_base",
-           "image_mb")
-KEYS = FIGURES + ("create_delta_ms", "fork_delta_ms", "target_met", "quick", "create_rounds", "fork_rounds",
-                  "exec_per_side", "cold_imports")
+FIGURES = (
+    "import_s_cold",
+    "import_s_cached",
+    "create_ms_p50_image",
+    "create_ms_p50_host",
+    "fork_ms_p50_image",
+    "fork_ms_p50_host",
+    "exec_ms_p50_image",
+    "exec_ms_p50_host",
+    "disk_mb_per_extra_image_sharing_base",
+    "image_mb",
+)
+KEYS = FIGURES + (
+    "create_delta_ms",
+    "fork_delta_ms",
+    "target_met",
+    "quick",
+    "create_rounds",
+    "fork_rounds",
+    "exec_per_side",
+    "cold_imports",
+)
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +89,9 @@ def test_disk_bytes_counts_a_hard_link_once(tmp_path):
 def test_the_cli_prints_the_table_then_one_json_object(monkeypatch, capsys):
     from codefleet.cli import main
 
-    monkeypatch.setattr(env_bench, "QUICK", {"create_rounds": 2, "fork_rounds": 1, "exec_per_side": 20,
-                                             "cold_imports": 1})
+    monkeypatch.setattr(
+        env_bench, "QUICK", {"create_rounds": 2, "fork_rounds": 1, "exec_per_side": 20, "cold_imports": 1}
+    )
     assert main(["bench", "env", "--quick"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert out[0].startswith("codefleet bench env (") and "quick" in out[0]

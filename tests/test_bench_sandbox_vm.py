@@ -13,21 +13,42 @@ import pytest
 
 from codefleet.sandbox.vm import vm_unavailable_reason
 
-pytestmark = [pytest.mark.vm, pytest.mark.skipif(vm_unavailable_reason() is not None,
-                                                 reason=f"vm backend: {vm_unavailable_reason()}")]
-VM_FIGURES = ("boot_ms_p50", "boot_ms_p99", "boot_to_agent_ms_p50", "create_ms_p50", "create_ms_p99",
-              "restore_ms_p50", "pool_acquire_ms_p50", "exec_ms_p50", "exec_ms_p99", "exec_external_ms_p50",
-              "fork_ms_p50", "max_live_sandboxes", "rss_mb_per_sandbox", "pss_mb_per_sandbox", "vmm_pss_mb_per_sandbox",
-              "live_wall_s",
-              "subprocess_ms_p50")
+pytestmark = [
+    pytest.mark.vm,
+    pytest.mark.skipif(vm_unavailable_reason() is not None, reason=f"vm backend: {vm_unavailable_reason()}"),
+]
+VM_FIGURES = (
+    "boot_ms_p50",
+    "boot_ms_p99",
+    "boot_to_agent_ms_p50",
+    "create_ms_p50",
+    "create_ms_p99",
+    "restore_ms_p50",
+    "pool_acquire_ms_p50",
+    "exec_ms_p50",
+    "exec_ms_p99",
+    "exec_external_ms_p50",
+    "fork_ms_p50",
+    "max_live_sandboxes",
+    "rss_mb_per_sandbox",
+    "pss_mb_per_sandbox",
+    "vmm_pss_mb_per_sandbox",
+    "live_wall_s",
+    "subprocess_ms_p50",
+)
 
 
 def _bench(backend: str, state_dir: str) -> dict:
     """The bench's JSON, after checking that it left no VM and no snapshot behind (its directories carry its pid;
     other benches may run beside it)."""
     env = dict(os.environ, CODEFLEET_STATE_DIR=state_dir)
-    with subprocess.Popen([sys.executable, "-m", "codefleet.cli", "bench", "sandbox", "--quick", "--backend", backend],
-                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+    with subprocess.Popen(
+        [sys.executable, "-m", "codefleet.cli", "bench", "sandbox", "--quick", "--backend", backend],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as proc:
         out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-2000:]
     lines = out.strip().splitlines()

@@ -15,15 +15,22 @@ KEYS = ("concurrency", "controller_ms_per_rollout", "schedule_ms_p99", "driver_m
 
 @pytest.mark.slow
 def test_small_scale_run_reports_every_key_and_accounts_for_every_attempt(ray_session):
-    cfg = ScaleConfig(concurrencies=(256,), nodes=4, offered_rollouts_per_s=100.0, settle_s=1.0, measure_s=6.0,
-                      fill_timeout_s=60.0)
+    cfg = ScaleConfig(
+        concurrencies=(256,), nodes=4, offered_rollouts_per_s=100.0, settle_s=1.0, measure_s=6.0, fill_timeout_s=60.0
+    )
     r = json.loads(json.dumps(run(cfg, log=lambda msg: None)))
     for key in (*KEYS, "schedule_ms_p50", "driver_ms_per_rollout", "growth_ratio", "target_met", "per_concurrency"):
         assert key in r, key
     assert r["concurrency"] == [256]
     row = r["per_concurrency"][0]
-    for key in ("controller_ms_per_rollout", "driver_ms_per_rollout", "schedule_ms_p50", "schedule_ms_p99",
-                "rollouts_per_s", "nodes_ms_per_rollout"):
+    for key in (
+        "controller_ms_per_rollout",
+        "driver_ms_per_rollout",
+        "schedule_ms_p50",
+        "schedule_ms_p99",
+        "rollouts_per_s",
+        "nodes_ms_per_rollout",
+    ):
         assert math.isfinite(row[key]) and row[key] > 0, (key, row[key])
     assert row["schedule_ms_p50"] <= row["schedule_ms_p99"] and row["schedule_samples"] > 100
     # the controller's own threads are part of the driver process

@@ -14,13 +14,19 @@ from codefleet.bench.suspicious_bench import _repo_files, expert_wins, measure
 from codefleet.store.parquet import records_to_table
 from codefleet.tasks.generate import generate_tasks
 
-FINDING = {"test_deleted": "tests_deleted", "assert_weakened": "assert_weakened", "hardcoded": "hardcoded_output",
-           "skip_added": "skip_added"}
+FINDING = {
+    "test_deleted": "tests_deleted",
+    "assert_weakened": "assert_weakened",
+    "hardcoded": "hardcoded_output",
+    "skip_added": "skip_added",
+}
 
 
 def test_expert_wins_are_honest_and_every_planted_hack_is_caught(open_tmp, config):
-    tasks = [generate_tasks(str(open_tmp / family), n=1, seed=7, families=[family], split="all")[0]
-             for family in ("rename", "stub")]
+    tasks = [
+        generate_tasks(str(open_tmp / family), n=1, seed=7, families=[family], split="all")[0]
+        for family in ("rename", "stub")
+    ]
     wins = expert_wins(tasks, config)
     assert len(wins) == 4  # two habits per task, every episode passed its hidden checks
     rename_row = next(row for task, row in wins if task.metadata["family"] == "rename")

@@ -26,7 +26,7 @@ def test_schedule_is_seeded_and_brings_every_kind_before_any_twice():
     plan = faults.schedule(140.0, seed=3, per_kind=2)
     assert [f.at_s for f in plan] == sorted(f.at_s for f in plan)
     assert len(plan) == 2 * len(faults.KINDS)
-    assert set(f.kind for f in plan[:len(faults.KINDS)]) == set(faults.KINDS)
+    assert set(f.kind for f in plan[: len(faults.KINDS)]) == set(faults.KINDS)
     slot = 140.0 / len(plan)
     assert all(i * slot < f.at_s < (i + 1) * slot for i, f in enumerate(plan))
     assert [f.kind for f in plan] == [f.kind for f in faults.schedule(140.0, seed=3, per_kind=2)]
@@ -46,8 +46,11 @@ def _run_dir(tmp_path, *, steps=3, eta=1, trained=None, deadlines=None, store_mi
         deadline = (deadlines or {}).get(gid, v + eta)
         rollouts = [Rollout(f"{gid}/{a}", gid, v, 1.0) for a in range(2)]
         run.save_group(Group(Ticket(gid, v, deadline, 2), rollouts))
-        records = [rollout_record(Trajectory(f"t{gid}", [], [], "submit"), run="r", step=v, group=gid, attempt=a)
-                   for a in range(2) if (gid, a) not in store_missing]
+        records = [
+            rollout_record(Trajectory(f"t{gid}", [], [], "submit"), run="r", step=v, group=gid, attempt=a)
+            for a in range(2)
+            if (gid, a) not in store_missing
+        ]
         if records:
             writer.append(records)
     trained = {0: [0, 1], 1: [2], 2: [3]} if trained is None else trained
@@ -55,8 +58,11 @@ def _run_dir(tmp_path, *, steps=3, eta=1, trained=None, deadlines=None, store_mi
         os.makedirs(run.rl_checkpoint(step + 1), exist_ok=True)
         with open(os.path.join(run.rl_checkpoint(step + 1), CONFIG_FILE), "w") as f:
             f.write("{}")
-        run.commit_checkpoint(step + 1, {"consumed_ids": [], "lags": [], "next_batch": step + 1},
-                              [f"{g}/{a}" for g in gids for a in range(2)])
+        run.commit_checkpoint(
+            step + 1,
+            {"consumed_ids": [], "lags": [], "next_batch": step + 1},
+            [f"{g}/{a}" for g in gids for a in range(2)],
+        )
     with open(run.path("results.json"), "w") as f:
         f.write("{}")
     return run.root
@@ -71,13 +77,16 @@ def test_invariants_hold_for_a_clean_run(tmp_path):
     assert all(c.ok for c in checks.values()), checks
 
 
-@pytest.mark.parametrize("broken, kwargs", [
-    ("finished", {"steps": 5}),
-    ("no_trained_twice", {"trained": {0: [0, 1], 1: [2, 1], 2: [3]}}),
-    ("no_accepted_lost", {"trained": {0: [0], 1: [2], 2: [3]}}),  # group 1 (deadline 1) never trained
-    ("lag_within_eta", {"trained": {0: [0], 1: [2], 2: [3, 1]}, "deadlines": {1: 2}}),  # group 1: version 0, step 2
-    ("store_complete", {"store_missing": [(2, 1)]}),
-])
+@pytest.mark.parametrize(
+    "broken, kwargs",
+    [
+        ("finished", {"steps": 5}),
+        ("no_trained_twice", {"trained": {0: [0, 1], 1: [2, 1], 2: [3]}}),
+        ("no_accepted_lost", {"trained": {0: [0], 1: [2], 2: [3]}}),  # group 1 (deadline 1) never trained
+        ("lag_within_eta", {"trained": {0: [0], 1: [2], 2: [3, 1]}, "deadlines": {1: 2}}),  # group 1: version 0, step 2
+        ("store_complete", {"store_missing": [(2, 1)]}),
+    ],
+)
 def test_each_invariant_fails_on_the_run_that_breaks_it(tmp_path, broken, kwargs):
     checks = _checks(_run_dir(tmp_path, **kwargs))
     assert [name for name, c in checks.items() if not c.ok] == [broken], checks
@@ -98,13 +107,17 @@ def test_leaks_see_a_sandbox_process_tree_and_a_mount_under_the_state_dir(tmp_pa
     # as a sandbox's bwrap: argv[0] its owner's process name, a process under it; not one of another state
     # directory's owner, nor a process that names this state directory (a bwrap's command line never does)
     fake = subprocess.Popen([process_name(owner), "-c", "sleep 60 & wait"], executable="/bin/bash")
-    others = [subprocess.Popen([process_name("4243-99-abcdef"), "-c", "sleep 60 & wait"], executable="/bin/bash"),
-              subprocess.Popen(["bwrap", "-c", "sleep 60 & wait", "sh", f"{state}/{owner}/sb/x"],
-                               executable="/bin/bash")]
+    others = [
+        subprocess.Popen([process_name("4243-99-abcdef"), "-c", "sleep 60 & wait"], executable="/bin/bash"),
+        subprocess.Popen(["bwrap", "-c", "sleep 60 & wait", "sh", f"{state}/{owner}/sb/x"], executable="/bin/bash"),
+    ]
     try:
         for _ in range(50):
-            if (faults.sandbox_roots(state) and faults.descendants(fake.pid)
-                    and all(faults.cmdline(p.pid) and faults.descendants(p.pid) for p in others)):
+            if (
+                faults.sandbox_roots(state)
+                and faults.descendants(fake.pid)
+                and all(faults.cmdline(p.pid) and faults.descendants(p.pid) for p in others)
+            ):
                 break
             time.sleep(0.1)
         assert faults.sandbox_roots(state) == [fake.pid]
@@ -117,8 +130,11 @@ def test_leaks_see_a_sandbox_process_tree_and_a_mount_under_the_state_dir(tmp_pa
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "none", f"{state}/{owner}/sb/x"], check=True)
     try:
         leak = invariants.leaks(state, [], whose=lambda pid: f"SandboxHost pid {pid}, hit by fault sandbox_host")
-        assert not leak.ok and (f"1 mount(s) of owner {owner}; SandboxHost pid 4242, hit by fault sandbox_host: "
-                                f"{owner}/sb/x") in leak.detail
+        assert (
+            not leak.ok
+            and (f"1 mount(s) of owner {owner}; SandboxHost pid 4242, hit by fault sandbox_host: {owner}/sb/x")
+            in leak.detail
+        )
     finally:
         subprocess.run(["umount", f"{state}/{owner}/sb/x"], check=True)
     assert invariants.leaks(state, []).ok
@@ -144,8 +160,25 @@ def test_a_training_run_survives_every_kind_of_fault(tmp_path):
     config.write_text(SOAK_CONFIG)
     out = tmp_path / "chaos"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([sys.executable, "-m", "codefleet.cli", "chaos", str(config), "--minutes", "2",
-                           "--seed", "0", "--out", str(out)], env=env, capture_output=True, text=True, timeout=1150)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "codefleet.cli",
+            "chaos",
+            str(config),
+            "--minutes",
+            "2",
+            "--seed",
+            "0",
+            "--out",
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1150,
+    )
     report_path = out / "chaos-report.json"
     assert report_path.exists(), proc.stderr[-3000:]
     report = json.loads(report_path.read_text())

@@ -30,16 +30,28 @@ def call(name: str, arguments: dict, id_: str = "c") -> dict:
 
 
 def conversations() -> list[tuple[list[dict], list[dict] | None]]:
-    task = [{"role": "system", "content": "You are a coding agent."},
-            {"role": "user", "content": "Fix pkg/calc.py; the test says <|im_end|> and <tool_call>."}]
-    turn = {"role": "assistant", "content": "<think>\nRead it first.\n</think>\n\nReading both.",
-            "tool_calls": [call("read_file", {"path": "pkg/calc.py"}, "a"), call("run", {"command": "pytest -q"}, "b")]}
-    results = [{"role": "tool", "tool_call_id": "a", "content": "     1\tdef add(a, b):\n     2\t    return a - b"},
-               {"role": "tool", "tool_call_id": "b", "content": "1 failed"}]
+    task = [
+        {"role": "system", "content": "You are a coding agent."},
+        {"role": "user", "content": "Fix pkg/calc.py; the test says <|im_end|> and <tool_call>."},
+    ]
+    turn = {
+        "role": "assistant",
+        "content": "<think>\nRead it first.\n</think>\n\nReading both.",
+        "tool_calls": [call("read_file", {"path": "pkg/calc.py"}, "a"), call("run", {"command": "pytest -q"}, "b")],
+    }
+    results = [
+        {"role": "tool", "tool_call_id": "a", "content": "     1\tdef add(a, b):\n     2\t    return a - b"},
+        {"role": "tool", "tool_call_id": "b", "content": "1 failed"},
+    ]
     done = {"role": "assistant", "content": "Fixed.", "tool_calls": None}
-    return [(task, TOOLS), (task[1:], None), (task + [turn] + results, TOOLS), (task + [turn] + results + [done], None),
-            (task + [turn] + results + [done, {"role": "user", "content": "And the docs?"}], TOOLS),
-            ([{"role": "user", "content": [{"type": "text", "text": "parts"}]}], [])]
+    return [
+        (task, TOOLS),
+        (task[1:], None),
+        (task + [turn] + results, TOOLS),
+        (task + [turn] + results + [done], None),
+        (task + [turn] + results + [done, {"role": "user", "content": "And the docs?"}], TOOLS),
+        ([{"role": "user", "content": [{"type": "text", "text": "parts"}]}], []),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +72,9 @@ def test_render_is_transformers_apply_chat_template(hf_dir, hf):
     _, fmt = hf
     for messages, tools in conversations():
         for prompt in (True, False):
-            expected = reference.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                     add_generation_prompt=prompt)
+            expected = reference.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=prompt
+            )
             assert fmt.render(messages, tools, prompt) == expected
     text = fmt.render(*conversations()[2])
     assert '<tools>\n{"type": "function", "function": {"name": "search"' in text
@@ -74,15 +87,18 @@ def test_named_templates_and_jinja_file(tmp_path, hf_dir):
     named = str(tmp_path / "named")
     shutil.copytree(hf_dir, named)
     config = json.load(open(os.path.join(named, "tokenizer_config.json")))
-    config["chat_template"] = [{"name": "default", "template": "{% for m in messages %}{{ m.content }}<|im_end|>{% endfor %}"},
-                               {"name": "tool_use", "template": CHAT_TEMPLATE}]
+    config["chat_template"] = [
+        {"name": "default", "template": "{% for m in messages %}{{ m.content }}<|im_end|>{% endfor %}"},
+        {"name": "tool_use", "template": CHAT_TEMPLATE},
+    ]
     json.dump(config, open(os.path.join(named, "tokenizer_config.json"), "w"))
     _, fmt = for_checkpoint(named)
     reference = transformers.PreTrainedTokenizerFast.from_pretrained(named)
     messages = conversations()[0][0]
     for tools in (None, TOOLS):
-        assert fmt.render(messages, tools) == reference.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                                            add_generation_prompt=True)
+        assert fmt.render(messages, tools) == reference.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=True
+        )
     assert fmt.tool_calls.name == "hermes"  # chosen from every template the checkpoint has
     jinja = str(tmp_path / "jinja")
     shutil.copytree(hf_dir, jinja)
@@ -119,18 +135,24 @@ def test_special_tokens_only_where_the_template_writes_them(hf):
 
 def test_hermes_parser():
     hermes = PARSERS["hermes"]
-    text = ('<think>\nplan\n</think>\n\nReading.\n<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}\n'
-            '</tool_call>\n<tool_call>\n{"name": "run", "arguments": "{\\"command\\": \\"ls\\"}"}\n</tool_call>')
+    text = (
+        '<think>\nplan\n</think>\n\nReading.\n<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "run", "arguments": "{\\"command\\": \\"ls\\"}"}\n</tool_call>'
+    )
     turn = hermes.parse(text, "call_3_")
     assert turn.errors == [] and turn.content == "<think>\nplan\n</think>\n\nReading."
     assert [(c["id"], c["name"], json.loads(c["arguments_json"])) for c in turn.tool_calls] == [
-        ("call_3_0", "read_file", {"path": "a.py"}), ("call_3_1", "run", {"command": "ls"})]
-    bad = hermes.parse('<tool_call>\n{"name": "run", "arguments": {"command": "ls"</tool_call>'
-                       '<tool_call>{"arguments": {}}</tool_call><tool_call>{"name": "run", "arguments": [1]}'
-                       '</tool_call>stray</tool_call><tool_call>{"name": "submit", "arguments": {}}</tool_call>'
-                       '<tool_call>{"name": "run"')
+        ("call_3_0", "read_file", {"path": "a.py"}),
+        ("call_3_1", "run", {"command": "ls"}),
+    ]
+    bad = hermes.parse(
+        '<tool_call>\n{"name": "run", "arguments": {"command": "ls"</tool_call>'
+        '<tool_call>{"arguments": {}}</tool_call><tool_call>{"name": "run", "arguments": [1]}'
+        '</tool_call>stray</tool_call><tool_call>{"name": "submit", "arguments": {}}</tool_call>'
+        '<tool_call>{"name": "run"'
+    )
     assert [c["name"] for c in bad.tool_calls] == ["submit"]
-    assert len(bad.errors) == 5 and "not valid JSON" in bad.errors[0] and "no \"name\"" in bad.errors[1]
+    assert len(bad.errors) == 5 and "not valid JSON" in bad.errors[0] and 'no "name"' in bad.errors[1]
     assert "must be a JSON object, got list" in bad.errors[2] and "without an opening" in bad.errors[3]
     assert "no closing </tool_call>" in bad.errors[4] and all("</tool_call>" in e for e in bad.errors)
     stopped = PARSERS["hermes"].with_stops(("<|im_end|>",)).parse("done<|im_end|><tool_call>{}</tool_call>")
@@ -164,10 +186,14 @@ def _sampled(tok, fmt, text: str, turn: int):
     loop appends for it (tool calls parsed from the text)."""
     ids = tok.encode(text, allow_special=True) + [fmt.stop_ids(tok)[0]]
     parsed = fmt.parse_tool_calls(text, f"call_{turn}_")
-    message = {"role": "assistant", "content": parsed.content,
-               "tool_calls": tool_parser.openai_tool_calls(parsed.tool_calls) or None}
-    result = SimpleNamespace(token_ids=ids, logprobs=[-1.0] * len(ids), versions=[0] * len(ids), routed_experts=[],
-                             prompt_routed_experts=[])
+    message = {
+        "role": "assistant",
+        "content": parsed.content,
+        "tool_calls": tool_parser.openai_tool_calls(parsed.tool_calls) or None,
+    }
+    result = SimpleNamespace(
+        token_ids=ids, logprobs=[-1.0] * len(ids), versions=[0] * len(ids), routed_experts=[], prompt_routed_experts=[]
+    )
     return result, message
 
 
@@ -185,29 +211,40 @@ def _episode(tok, fmt, turns: list[tuple[str, list[dict]]], tools) -> tuple[Epis
 
 def test_token_in_token_out_round_trips_an_agent_episode(hf):
     tok, fmt = hf
-    turns = [('<think>\nLook first.\n</think>\n\nReading.\n<tool_call>\n{"name": "read_file", "arguments": '
-              '{"path": "a.py"}}\n</tool_call>\n<tool_call>\n{"name": "run", "arguments": {"command": "ls"}}\n'
-              '</tool_call>', [{"role": "tool", "tool_call_id": "call_0_0", "content": "x = 1 <|im_end|>"},
-                               {"role": "tool", "tool_call_id": "call_0_1", "content": "a.py"}]),
-             ('<tool_call>\n{"name": "submit", "arguments": {}}\n</tool_call>',
-              [{"role": "tool", "tool_call_id": "call_1_0", "content": "submitted"}]),
-             ("All done.", [])]
+    turns = [
+        (
+            '<think>\nLook first.\n</think>\n\nReading.\n<tool_call>\n{"name": "read_file", "arguments": '
+            '{"path": "a.py"}}\n</tool_call>\n<tool_call>\n{"name": "run", "arguments": {"command": "ls"}}\n'
+            "</tool_call>",
+            [
+                {"role": "tool", "tool_call_id": "call_0_0", "content": "x = 1 <|im_end|>"},
+                {"role": "tool", "tool_call_id": "call_0_1", "content": "a.py"},
+            ],
+        ),
+        (
+            '<tool_call>\n{"name": "submit", "arguments": {}}\n</tool_call>',
+            [{"role": "tool", "tool_call_id": "call_1_0", "content": "submitted"}],
+        ),
+        ("All done.", []),
+    ]
     tokens, messages = _episode(tok, fmt, turns, TOOLS)
     # the whole conversation rendered by the template gives the ids the engine saw, turn by turn
-    assert tokens.ids == fmt.encode_chat(tok, messages, TOOLS, add_generation_prompt=False)[:len(tokens.ids)]
+    assert tokens.ids == fmt.encode_chat(tok, messages, TOOLS, add_generation_prompt=False)[: len(tokens.ids)]
     full = fmt.encode_chat(tok, messages, TOOLS, add_generation_prompt=False)
-    assert full[len(tokens.ids):] == tok.encode("\n")  # the newline the template writes after the last end token
+    assert full[len(tokens.ids) :] == tok.encode("\n")  # the newline the template writes after the last end token
     # the policy's tokens are exactly the sampled ones; the SFT mask of the same conversation marks the same
     ids, mask = fmt.encode_chat_with_mask(tok, messages, TOOLS)
-    assert ids == full and mask[:len(tokens.mask)] == tokens.mask and not any(mask[len(tokens.mask):])
+    assert ids == full and mask[: len(tokens.mask)] == tokens.mask and not any(mask[len(tokens.mask) :])
     assert tok.decode([t for t, m in zip(ids, mask) if m]) == "".join(t + "<|im_end|>" for t, _ in turns)
 
 
 def test_a_template_that_drops_earlier_reasoning_trains_on_what_the_engine_saw(hf):
     tok, fmt = hf
     thought = "<think>\nThe bug is in add.\n</think>\n\n"
-    turns = [(thought + "It subtracts.", [{"role": "user", "content": "Then fix it."}]),
-             ('<tool_call>\n{"name": "submit", "arguments": {}}\n</tool_call>', [])]
+    turns = [
+        (thought + "It subtracts.", [{"role": "user", "content": "Then fix it."}]),
+        ('<tool_call>\n{"name": "submit", "arguments": {}}\n</tool_call>', []),
+    ]
     tokens, messages = _episode(tok, fmt, turns, None)
     full = fmt.encode_chat(tok, messages, None, add_generation_prompt=False)
     # the template renders the first turn without its reasoning once a new user message follows ...
@@ -224,8 +261,10 @@ def test_tool_grammar_over_the_checkpoints_markers(hf):
     check_vocab(tok, 4160)
     grammar = ToolCallGrammar.build(tok, TOOLS)
     assert (grammar.call_open, grammar.call_close) == (tok.special_id("<tool_call>"), tok.special_id("</tool_call>"))
-    turn = ('<think>\nok\n</think>\n\nReading.\n<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}\n'
-            '</tool_call>')
+    turn = (
+        '<think>\nok\n</think>\n\nReading.\n<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}\n'
+        "</tool_call>"
+    )
     matcher = grammar.start()
     for token in tok.encode(turn, allow_special=True) + [tok.special_id("<|im_end|>")]:
         assert matcher.allows(token), tok.decode([token])
@@ -257,16 +296,20 @@ def test_template_format_pickles(hf):
     tok, fmt = hf
     again = pickle.loads(pickle.dumps(tok))
     assert isinstance(of(again), TemplateFormat) and of(again).render(conversations()[0][0]) == fmt.render(
-        conversations()[0][0])
+        conversations()[0][0]
+    )
 
 
-@pytest.mark.parametrize("payload", [
-    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
-    "{{ messages.__class__.__init__.__globals__ }}",
-    "{% set ns = namespace() %}{% set ns.__class__ = 1 %}",
-    "{{ cycler.__init__.__globals__.os.system('touch CANARY') }}",
-    "{{ raise_exception.__globals__ }}",
-])
+@pytest.mark.parametrize(
+    "payload",
+    [
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{{ messages.__class__.__init__.__globals__ }}",
+        "{% set ns = namespace() %}{% set ns.__class__ = 1 %}",
+        "{{ cycler.__init__.__globals__.os.system('touch CANARY') }}",
+        "{{ raise_exception.__globals__ }}",
+    ],
+)
 def test_a_hostile_chat_template_cannot_reach_python(tmp_path, hf_dir, payload):
     """A checkpoint's chat template is code from whoever made the checkpoint: it renders in Jinja's immutable
     sandbox, where Python's internals are out of reach and nothing on the host runs (docs/security.md)."""

@@ -10,14 +10,7 @@ import sys
 
 import pytest
 
-from codefleet.chat.tokenizer import (
-    ASSETS_DIR,
-    META_FILE,
-    SPECIAL_TOKENS,
-    TOKENIZER_FILE,
-    Tokenizer,
-    default_tokenizer,
-)
+from codefleet.chat.tokenizer import ASSETS_DIR, META_FILE, SPECIAL_TOKENS, TOKENIZER_FILE, Tokenizer, default_tokenizer
 from codefleet.recipe.corpus import CorpusConfig, build_corpus, fingerprint
 
 SMALL = CorpusConfig(n_tasks=10, n_transcripts=5, include_src=False)
@@ -28,7 +21,7 @@ TRICKY = [
     "zero\u200bwidth, combining e\u0301, RTL \u05e9\u05dc\u05d5\u05dd, BOM \ufeff",
     "controls \x00\x01\x07\x1b[31mred\x1b[0m \x7f \x1c\x1d\x1e\x1f \x0c\x0b",
     "   \n\n\t\t  \r\r\n trailing spaces   ",
-    "<|end|> <|assistant|><|tool_call|>{\"name\": \"x\"}<|/tool_call|> <|bos",
+    '<|end|> <|assistant|><|tool_call|>{"name": "x"}<|/tool_call|> <|bos',
     "",
 ]
 
@@ -61,8 +54,10 @@ def test_plain_text_round_trips_exactly(tok, text):
 def test_random_unicode_and_every_byte_round_trip(tok):
     rng = random.Random(0)
     for _ in range(200):
-        chars = [chr(rng.choice([rng.randrange(0, 0x80), rng.randrange(0x80, 0xD800), rng.randrange(0xE000, 0x110000)]))
-                 for _ in range(rng.randrange(1, 60))]
+        chars = [
+            chr(rng.choice([rng.randrange(0, 0x80), rng.randrange(0x80, 0xD800), rng.randrange(0xE000, 0x110000)]))
+            for _ in range(rng.randrange(1, 60))
+        ]
         text = "".join(chars)
         assert tok.decode(tok.encode(text)) == text
     # every byte value is one token of its own: any byte string is representable
@@ -80,8 +75,9 @@ def test_streaming_decode_is_exact_at_any_cut(tok):
 
 
 def test_code_compresses(tok):
-    with open(os.path.join(os.path.dirname(__file__), "..", "src", "codefleet", "agent", "loop.py"),
-              encoding="utf-8") as f:
+    with open(
+        os.path.join(os.path.dirname(__file__), "..", "src", "codefleet", "agent", "loop.py"), encoding="utf-8"
+    ) as f:
         source = f.read()
     assert len(source.encode()) / len(tok.encode(source)) > 2.5  # bytes per token on unseen-ish code
 
@@ -126,11 +122,18 @@ def test_training_is_deterministic_across_processes(small_corpus, tmp_path):
     assert Tokenizer.train(small_corpus, vocab_size=1024).to_json() == first.to_json()
     corpus_file = tmp_path / "corpus.json"
     corpus_file.write_text(json.dumps(small_corpus))
-    script = ("import json, sys; from codefleet.chat.tokenizer import Tokenizer; "
-              f"print(Tokenizer.train(json.load(open({str(corpus_file)!r})), vocab_size=1024).to_json())")
+    script = (
+        "import json, sys; from codefleet.chat.tokenizer import Tokenizer; "
+        f"print(Tokenizer.train(json.load(open({str(corpus_file)!r})), vocab_size=1024).to_json())"
+    )
     for seed in ("1", "2"):
-        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
-                             env={**os.environ, "PYTHONHASHSEED": seed})
+        out = subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        )
         assert out.stdout.strip() == first.to_json()
 
 

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import tree_digest
 
 CODEFLEET = os.path.join(os.path.dirname(sys.executable), "codefleet")
@@ -15,8 +14,9 @@ CODEFLEET = os.path.join(os.path.dirname(sys.executable), "codefleet")
 
 def run_cli(state_dir, *args, timeout_s=120):
     env = dict(os.environ, CODEFLEET_STATE_DIR=state_dir)
-    return subprocess.run([sys.executable, "-m", "codefleet.cli", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout_s)
+    return subprocess.run(
+        [sys.executable, "-m", "codefleet.cli", *args], capture_output=True, text=True, env=env, timeout=timeout_s
+    )
 
 
 def test_prints_the_output_and_exits_with_the_commands_code(repo, state_dir):
@@ -33,15 +33,27 @@ def test_one_argument_is_a_shell_line(repo, state_dir):
 
 @pytest.mark.skipif(not os.path.exists(CODEFLEET), reason="the console script is not installed")
 def test_console_script(state_dir):
-    result = subprocess.run([CODEFLEET, "sandbox", "run", "--", "echo", "hi there"], capture_output=True,
-                            text=True, env=dict(os.environ, CODEFLEET_STATE_DIR=state_dir), timeout=120)
+    result = subprocess.run(
+        [CODEFLEET, "sandbox", "run", "--", "echo", "hi there"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, CODEFLEET_STATE_DIR=state_dir),
+        timeout=120,
+    )
     assert (result.returncode, result.stdout) == (0, "hi there\n")
 
 
 def test_the_repository_is_never_modified(repo, state_dir):
     before = tree_digest(repo)
-    result = run_cli(state_dir, "sandbox", "run", "--repo", repo, "--",
-                     "echo x > README.md && rm -r pkg && mkdir new && cat README.md")
+    result = run_cli(
+        state_dir,
+        "sandbox",
+        "run",
+        "--repo",
+        repo,
+        "--",
+        "echo x > README.md && rm -r pkg && mkdir new && cat README.md",
+    )
     assert (result.returncode, result.stdout) == (0, "x\n")
     assert tree_digest(repo) == before
 
@@ -65,12 +77,15 @@ def test_missing_repository_exits_2_with_a_clear_message(tmp_path, state_dir):
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--set", "memory=1"], "unknown config key"),
-    (["--set", "memory_mb=lots"], "memory_mb: expected int"),
-    (["--set", "backend=bogus"], "unknown sandbox backend 'bogus'"),
-    (["--config", "/no/such/file.yaml"], "cannot read config file"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--set", "memory=1"], "unknown config key"),
+        (["--set", "memory_mb=lots"], "memory_mb: expected int"),
+        (["--set", "backend=bogus"], "unknown sandbox backend 'bogus'"),
+        (["--config", "/no/such/file.yaml"], "cannot read config file"),
+    ],
+)
 def test_bad_configuration_exits_2_with_a_clear_message(state_dir, args, message):
     result = run_cli(state_dir, "sandbox", "run", *args, "--", "true")
     assert result.returncode == 2

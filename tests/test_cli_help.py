@@ -28,7 +28,9 @@ def test_each_command_and_subcommand_has_a_one_line_help(command):
     assert found
     for path, sub, line in found:
         assert line and "\n" not in line, f"codefleet {' '.join(path)} has no one-line help"
-        assert sub.description or len(path) == 1 or sub._subparsers, f"codefleet {' '.join(path)} --help: no description"
+        assert sub.description or len(path) == 1 or sub._subparsers, (
+            f"codefleet {' '.join(path)} --help: no description"
+        )
     assert found[0][2] == COMMANDS[command][1], "cli.COMMANDS and the command's own parser disagree on its help"
 
 
@@ -42,7 +44,9 @@ def test_the_top_level_help_lists_every_command_with_its_line(capsys):
 
 
 def test_codefleet_help_and_sandbox_help_import_neither_torch_nor_ray():
-    code = ("import sys; from codefleet.cli import build_parser; build_parser(['sandbox', 'run']); "
-            "print(sorted(m for m in ('torch', 'ray') if m in sys.modules))")
+    code = (
+        "import sys; from codefleet.cli import build_parser; build_parser(['sandbox', 'run']); "
+        "print(sorted(m for m in ('torch', 'ray') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

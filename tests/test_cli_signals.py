@@ -28,9 +28,14 @@ def private_state():
 
 def start(state_dir: str, *args: str) -> subprocess.Popen:
     # SIGINT as a terminal's Ctrl-C delivers it, even where the tests run with it ignored (`nohup ... &`)
-    return subprocess.Popen([sys.executable, "-m", "codefleet.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, CODEFLEET_STATE_DIR=state_dir),
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return subprocess.Popen(
+        [sys.executable, "-m", "codefleet.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, CODEFLEET_STATE_DIR=state_dir),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 def sleeping(marker: str) -> list[int]:
@@ -87,8 +92,9 @@ def one_line(err: str) -> list[str]:
     return [line for line in err.splitlines() if "reaped" not in line]
 
 
-@pytest.mark.parametrize("signum, name", [(signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "SIGINT (Ctrl-C)"),
-                                          (signal.SIGHUP, "SIGHUP")])
+@pytest.mark.parametrize(
+    "signum, name", [(signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "SIGINT (Ctrl-C)"), (signal.SIGHUP, "SIGHUP")]
+)
 def test_a_signal_to_sandbox_run_releases_everything_and_says_so_in_one_line(private_state, signum, name):
     marker = unique_sleep()
     proc = start(private_state, "sandbox", "run", "--", "sleep", marker)
@@ -102,8 +108,7 @@ def test_a_signal_to_sandbox_run_releases_everything_and_says_so_in_one_line(pri
 
 def test_sigterm_to_agent_run_releases_its_sandbox_at_once(repo, private_state):
     with OpenAIStub([reply("", call("list_dir", {}), delay_s=60)]) as stub:  # the model thinks for a minute
-        proc = start(private_state, "agent", "run", "--repo", repo, "--task", "Look around.", "--model",
-                     stub.base_url)
+        proc = start(private_state, "agent", "run", "--repo", repo, "--task", "Look around.", "--model", stub.base_url)
         out, err, held = interrupt(proc, private_state, signal.SIGTERM, ready=lambda: stub.requests)
     assert proc.returncode == 143, err
     assert one_line(err) == ["codefleet: interrupted by SIGTERM; its sandboxes were closed"], err

@@ -33,12 +33,27 @@ import yaml
 
 BIN = os.path.dirname(sys.executable)  # the venv's bin: `ray` and `codefleet`
 # a run small enough for two cores; roles pinned to nodes by logical resources
-SMALL = {"tasks.n_eval": 1, "tasks.families": "[config]", "sft.epochs": 1, "sft.batch_size": 4, "rl.steps": 4,
-         "controller.group_size": 2, "controller.batch_groups": 1, "controller.rollout_slots": 4,
-         "rl.max_tokens": 24, "rl.max_turns": 2,
-         "eval.max_tokens": 8, "eval.attempts": 1, "cluster.trainer_workers": 1, "cluster.rollout_workers": 2,
-         "cluster.rollout_cpus": 0.1, "cluster.trainer_cpus": 0.5, "cluster.rollout_resources": "{rollout: 1}",
-         "cluster.engine_resources": "{head: 1}", "cluster.trainer_resources": "{head: 1}"}
+SMALL = {
+    "tasks.n_eval": 1,
+    "tasks.families": "[config]",
+    "sft.epochs": 1,
+    "sft.batch_size": 4,
+    "rl.steps": 4,
+    "controller.group_size": 2,
+    "controller.batch_groups": 1,
+    "controller.rollout_slots": 4,
+    "rl.max_tokens": 24,
+    "rl.max_turns": 2,
+    "eval.max_tokens": 8,
+    "eval.attempts": 1,
+    "cluster.trainer_workers": 1,
+    "cluster.rollout_workers": 2,
+    "cluster.rollout_cpus": 0.1,
+    "cluster.trainer_cpus": 0.5,
+    "cluster.rollout_resources": "{rollout: 1}",
+    "cluster.engine_resources": "{head: 1}",
+    "cluster.trainer_resources": "{head: 1}",
+}
 
 
 def _free_port() -> int:
@@ -49,8 +64,14 @@ def _free_port() -> int:
 
 def _node_ports() -> list[str]:
     """Every port a node listens on, free ones: Ray's fixed defaults (52365, ...) could be another Ray's."""
-    names = ["--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--runtime-env-agent-port",
-             "--metrics-export-port", "--node-manager-port", "--object-manager-port"]
+    names = [
+        "--dashboard-agent-listen-port",
+        "--dashboard-agent-grpc-port",
+        "--runtime-env-agent-port",
+        "--metrics-export-port",
+        "--node-manager-port",
+        "--object-manager-port",
+    ]
     return [arg for name in names for arg in (name, str(_free_port()))]
 
 
@@ -59,10 +80,14 @@ class RayStartCluster:
 
     def __init__(self, root: str):
         self.root = root
-        self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-                    "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",  # SIGTERM stops a node at once
-                    # what the cluster's image gives a real cluster: `codefleet` on the PATH of job entrypoints
-                    "PATH": BIN + os.pathsep + os.environ.get("PATH", "")}
+        self.env = {
+            **os.environ,
+            "RAY_AUTH_MODE": "disabled",
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",  # SIGTERM stops a node at once
+            # what the cluster's image gives a real cluster: `codefleet` on the PATH of job entrypoints
+            "PATH": BIN + os.pathsep + os.environ.get("PATH", ""),
+        }
         self.env.pop("RAY_ADDRESS", None)
         self.procs: list[subprocess.Popen] = []
         self.client_port, self.dashboard_port = _free_port(), _free_port()
@@ -75,23 +100,53 @@ class RayStartCluster:
 
     def _start_nodes(self) -> None:
         head_dir = os.path.join(self.root, "head")
-        self._start("head", ["--head", f"--port={_free_port()}", f"--ray-client-server-port={self.client_port}",
-                             "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}", "--num-cpus=3",
-                             '--resources={"head": 8}', f"--temp-dir={head_dir}"])
+        self._start(
+            "head",
+            [
+                "--head",
+                f"--port={_free_port()}",
+                f"--ray-client-server-port={self.client_port}",
+                "--dashboard-host=127.0.0.1",
+                f"--dashboard-port={self.dashboard_port}",
+                "--num-cpus=3",
+                '--resources={"head": 8}',
+                f"--temp-dir={head_dir}",
+            ],
+        )
         address_file = os.path.join(head_dir, "ray_current_cluster")  # written once the head is up
         self._wait(lambda: os.path.exists(address_file) and open(address_file).read().strip(), "the head")
         self.address = open(address_file).read().strip()  # HOST:PORT, HOST the machine's own address
         self.host = self.address.rsplit(":", 1)[0]
-        self._start("worker", [f"--address={self.address}", "--num-cpus=2", '--resources={"sandbox": 8, "rollout": 4}',
-                               f"--temp-dir={os.path.join(self.root, 'worker')}"])
+        self._start(
+            "worker",
+            [
+                f"--address={self.address}",
+                "--num-cpus=2",
+                '--resources={"sandbox": 8, "rollout": 4}',
+                f"--temp-dir={os.path.join(self.root, 'worker')}",
+            ],
+        )
         self._wait(lambda: len(self.nodes()) == 2, "the worker node to join")
 
     def _start(self, name: str, args: list[str]) -> None:
         log = open(os.path.join(self.root, f"{name}.log"), "w")
-        self.procs.append(subprocess.Popen(
-            [os.path.join(BIN, "ray"), "start", "--block", "--disable-usage-stats",
-             f"--object-store-memory={400 * 2**20}", *_node_ports(), *args],
-            env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        self.procs.append(
+            subprocess.Popen(
+                [
+                    os.path.join(BIN, "ray"),
+                    "start",
+                    "--block",
+                    "--disable-usage-stats",
+                    f"--object-store-memory={400 * 2**20}",
+                    *_node_ports(),
+                    *args,
+                ],
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
 
     def _wait(self, ready, what: str, timeout_s: float = 90) -> None:
         deadline = time.monotonic() + timeout_s
@@ -116,8 +171,10 @@ class RayStartCluster:
         """Every actor the cluster has had: id -> (class name, node id)."""
         from ray.util.state import list_actors
 
-        return {a.actor_id: (a.class_name, a.node_id) for a in list_actors(address=self.dashboard, detail=True,
-                                                                            limit=10_000)}
+        return {
+            a.actor_id: (a.class_name, a.node_id)
+            for a in list_actors(address=self.dashboard, detail=True, limit=10_000)
+        }
 
     def close(self) -> None:
         for proc in reversed(self.procs):  # the worker node first
@@ -198,10 +255,23 @@ def test_train_through_ray_client(cluster, tmp_path):
     run = str(tmp_path / "run")
     before = cluster.actors()
     overrides = [f"{k}={v}" for k, v in {**SMALL, "tasks.n_train": 4}.items()]
-    proc = subprocess.Popen([os.path.join(BIN, "codefleet"), "train", "--address",
-                             f"ray://{cluster.host}:{cluster.client_port}", "--out", run, "--no-progress", *overrides],
-                            env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            os.path.join(BIN, "codefleet"),
+            "train",
+            "--address",
+            f"ray://{cluster.host}:{cluster.client_port}",
+            "--out",
+            run,
+            "--no-progress",
+            *overrides,
+        ],
+        env=cluster.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=300)
     finally:
@@ -224,9 +294,25 @@ def test_train_through_ray_job_submit(cluster, tmp_path):
 
     workdir, run = tmp_path / "project", str(tmp_path / "run")
     workdir.mkdir()
-    made = subprocess.run([os.path.join(BIN, "codefleet"), "tasks", "generate", "--out", str(workdir / "tasks"),
-                           "--n", "2", "--families", "config", "--difficulty", "1", "--no-more-domains"],
-                          capture_output=True, text=True, timeout=120)
+    made = subprocess.run(
+        [
+            os.path.join(BIN, "codefleet"),
+            "tasks",
+            "generate",
+            "--out",
+            str(workdir / "tasks"),
+            "--n",
+            "2",
+            "--families",
+            "config",
+            "--difficulty",
+            "1",
+            "--no-more-domains",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert made.returncode == 0, made.stderr
     task_ids = {os.path.basename(os.path.dirname(p)) for p in glob.glob(str(workdir / "tasks" / "*" / "task.json"))}
     assert len(task_ids) == 2
@@ -238,15 +324,40 @@ def test_train_through_ray_job_submit(cluster, tmp_path):
     before = cluster.actors()
     job = f"codefleet-test-{uuid.uuid4().hex[:8]}"
     submitted = subprocess.run(
-        [os.path.join(BIN, "ray"), "job", "submit", "--address", cluster.dashboard, "--submission-id", job,
-         "--working-dir", str(workdir), "--no-wait", "--", "codefleet", "train", "--config", "my-recipe.yaml",
-         "--out", run, "--no-progress"], env=cluster.env, capture_output=True, text=True, timeout=120)
+        [
+            os.path.join(BIN, "ray"),
+            "job",
+            "submit",
+            "--address",
+            cluster.dashboard,
+            "--submission-id",
+            job,
+            "--working-dir",
+            str(workdir),
+            "--no-wait",
+            "--",
+            "codefleet",
+            "train",
+            "--config",
+            "my-recipe.yaml",
+            "--out",
+            run,
+            "--no-progress",
+        ],
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
     client = JobSubmissionClient(cluster.dashboard)
     deadline = time.monotonic() + 300
     try:
-        while (status := client.get_job_status(job)) not in {JobStatus.SUCCEEDED, JobStatus.FAILED,
-                                                             JobStatus.STOPPED} and time.monotonic() < deadline:
+        while (status := client.get_job_status(job)) not in {
+            JobStatus.SUCCEEDED,
+            JobStatus.FAILED,
+            JobStatus.STOPPED,
+        } and time.monotonic() < deadline:
             time.sleep(2)
     finally:
         if not client.get_job_status(job).is_terminal():

@@ -21,8 +21,11 @@ def test_defaults_without_a_file():
 
 def test_yaml_file_then_overrides(tmp_path):
     path = _yaml(tmp_path, "memory_mb: 512\ntimeout_s: 5\nbackend: local\nenv:\n  A: one\n  B: 2\nro_binds: [/opt]\n")
-    cfg = load_config(SandboxConfig, path, ["memory_mb=256", "env.C=three", "cpu_cores=0.5", "ro_binds=[/a, /b]",
-                                           "state_dir=/var/tmp/x"])
+    cfg = load_config(
+        SandboxConfig,
+        path,
+        ["memory_mb=256", "env.C=three", "cpu_cores=0.5", "ro_binds=[/a, /b]", "state_dir=/var/tmp/x"],
+    )
     assert cfg.memory_mb == 256
     assert cfg.timeout_s == 5.0 and isinstance(cfg.timeout_s, float)
     assert cfg.backend == "local"
@@ -33,17 +36,20 @@ def test_yaml_file_then_overrides(tmp_path):
     assert load_config(SandboxConfig, path, ["state_dir=null"]).state_dir is None
 
 
-@pytest.mark.parametrize("override, field", [
-    ("memory_mb=lots", "memory_mb"),
-    ("memory_mb=1.5", "memory_mb"),
-    ("memory_mb=true", "memory_mb"),
-    ("timeout_s=fast", "timeout_s"),
-    ("timeout_s=yes", "timeout_s"),
-    ("ro_binds=/opt", "ro_binds"),
-    ("env=5", "env"),
-    ("env.X=[1, 2]", "env.X"),
-    ("memory_mb.sub=1", "memory_mb"),
-])
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("memory_mb=lots", "memory_mb"),
+        ("memory_mb=1.5", "memory_mb"),
+        ("memory_mb=true", "memory_mb"),
+        ("timeout_s=fast", "timeout_s"),
+        ("timeout_s=yes", "timeout_s"),
+        ("ro_binds=/opt", "ro_binds"),
+        ("env=5", "env"),
+        ("env.X=[1, 2]", "env.X"),
+        ("memory_mb.sub=1", "memory_mb"),
+    ],
+)
 def test_type_errors_name_the_field(override, field):
     with pytest.raises(ConfigError, match=f"^{field}: expected"):
         load_config(SandboxConfig, None, [override])

@@ -43,10 +43,15 @@ def declarations(cls: type, found: dict[str, set[str]] | None = None) -> dict[st
 
 def test_no_two_config_classes_of_a_run_declare_the_same_setting():
     shared = {name: classes for name, classes in declarations(TrainRunConfig).items() if len(classes) > 1}
-    unexplained = {name: sorted(classes) for name, classes in shared.items()
-                   if SAME_NAME_DIFFERENT_SETTING.get(name, (set(),))[0] != classes}
-    assert not unexplained, (f"settings declared by more than one config class: {unexplained}; declare each once, "
-                             "next to its component, or add it to SAME_NAME_DIFFERENT_SETTING with why they differ")
+    unexplained = {
+        name: sorted(classes)
+        for name, classes in shared.items()
+        if SAME_NAME_DIFFERENT_SETTING.get(name, (set(),))[0] != classes
+    }
+    assert not unexplained, (
+        f"settings declared by more than one config class: {unexplained}; declare each once, "
+        "next to its component, or add it to SAME_NAME_DIFFERENT_SETTING with why they differ"
+    )
     stale = set(SAME_NAME_DIFFERENT_SETTING) - set(shared)
     assert not stale, f"SAME_NAME_DIFFERENT_SETTING lists names no longer shared: {sorted(stale)}; remove them"
 
@@ -70,30 +75,61 @@ def test_the_run_holds_the_components_configs_and_the_demo_sets_its_own_values_i
     bare, demo = load_train_config(None, ["recipe="]), load_train_config()
     assert type(demo.controller) is ControllerConfig and type(demo.eval) is EvalConfig
     assert bare.controller == ControllerConfig() and bare.eval == EvalConfig()  # one default: the component's
-    assert (demo.controller.rollout_slots, demo.controller.batch_groups, demo.controller.rollout_timeout_s) == \
-        (16, 4, 120.0)
+    assert (demo.controller.rollout_slots, demo.controller.batch_groups, demo.controller.rollout_timeout_s) == (
+        16,
+        4,
+        120.0,
+    )
     assert (demo.eval.attempts, demo.eval.temperature, demo.eval.max_tokens, demo.eval.jobs) == (8, 1.0, 256, 10)
 
 
 def test_every_field_of_every_component_is_settable_from_the_command_line():
     keys = dotted_keys(TrainRunConfig)
-    assert {"controller.max_infra_retries", "controller.retry_backoff_s", "controller.retry_backoff_max_s",
-            "controller.max_abandoned_in_a_row", "eval.threads", "eval.exact_tokens", "rl.loss.kl_coef",
-            "model.copy.head", "sandbox.memory_mb"} <= set(keys)
-    config = load_train_config(None, ["controller.max_infra_retries=5", "controller.retry_backoff_s=0.5",
-                                      "controller.retry_backoff_max_s=4", "eval.exact_tokens=true"])
-    assert (config.controller.max_infra_retries, config.controller.retry_backoff_s,
-            config.controller.retry_backoff_max_s, config.eval.exact_tokens) == (5, 0.5, 4.0, True)
+    assert {
+        "controller.max_infra_retries",
+        "controller.retry_backoff_s",
+        "controller.retry_backoff_max_s",
+        "controller.max_abandoned_in_a_row",
+        "eval.threads",
+        "eval.exact_tokens",
+        "rl.loss.kl_coef",
+        "model.copy.head",
+        "sandbox.memory_mb",
+    } <= set(keys)
+    config = load_train_config(
+        None,
+        [
+            "controller.max_infra_retries=5",
+            "controller.retry_backoff_s=0.5",
+            "controller.retry_backoff_max_s=4",
+            "eval.exact_tokens=true",
+        ],
+    )
+    assert (
+        config.controller.max_infra_retries,
+        config.controller.retry_backoff_s,
+        config.controller.retry_backoff_max_s,
+        config.eval.exact_tokens,
+    ) == (5, 0.5, 4.0, True)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("controller.max_infra_retry=5", r"^unknown config key 'controller.max_infra_retry': did you mean "
-                                     r"controller.max_infra_retries\?$"),
-    ("rl.max_infra_retries=5", r"^unknown config key 'rl.max_infra_retries': did you mean "
-                               r"controller.max_infra_retries\?$"),  # in the wrong section
-    ("rl.rollout_slots=4", r"^rl.rollout_slots is now controller.rollout_slots; rename it in the command line$"),
-    ("controller.rollout_timeout_s=0", r"^controller: rollout_timeout_s=0.0 must be > 0$"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "controller.max_infra_retry=5",
+            r"^unknown config key 'controller.max_infra_retry': did you mean "
+            r"controller.max_infra_retries\?$",
+        ),
+        (
+            "rl.max_infra_retries=5",
+            r"^unknown config key 'rl.max_infra_retries': did you mean "
+            r"controller.max_infra_retries\?$",
+        ),  # in the wrong section
+        ("rl.rollout_slots=4", r"^rl.rollout_slots is now controller.rollout_slots; rename it in the command line$"),
+        ("controller.rollout_timeout_s=0", r"^controller: rollout_timeout_s=0.0 must be > 0$"),
+    ],
+)
 def test_a_wrong_key_or_value_is_one_sentence_saying_what_to_write(override, message):
     with pytest.raises(ConfigError, match=message):
         load_train_config(None, [override])
@@ -113,12 +149,15 @@ def test_an_old_key_in_a_file_or_a_recipe_says_its_new_name(tmp_path):
 def test_loading_a_run_configuration_imports_neither_torch_nor_ray(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("rl:\n  steps: 3\ncontroller:\n  eta: 2\n")
-    code = ("import sys; import codefleet.recipe.config as c; "
-            f"cfg = c.load_train_config({str(path)!r}, ['eval.attempts=2', 'model.copy.head=false']); "
-            "assert (cfg.rl.steps, cfg.controller.eta, cfg.eval.attempts) == (3, 2, 2), cfg; "
-            "print(sorted(m for m in ('torch', 'ray') if m in sys.modules))")
+    code = (
+        "import sys; import codefleet.recipe.config as c; "
+        f"cfg = c.load_train_config({str(path)!r}, ['eval.attempts=2', 'model.copy.head=false']); "
+        "assert (cfg.rl.steps, cfg.controller.eta, cfg.eval.attempts) == (3, 2, 2), cfg; "
+        "print(sorted(m for m in ('torch', 'ray') if m in sys.modules))"
+    )
     src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": src})
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": src}
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"loading a configuration imported {out.stdout.strip()}"

@@ -16,8 +16,10 @@ REGENERATE = "python -m codefleet.recipe.config_doc > docs/configuration.md"
 
 def test_every_field_has_a_comment():
     missing = undocumented()
-    assert not missing, (f"fields without a `#` comment (above the field or on its line): {missing}; "
-                         f"comment them where they are defined, then run `{REGENERATE}`")
+    assert not missing, (
+        f"fields without a `#` comment (above the field or on its line): {missing}; "
+        f"comment them where they are defined, then run `{REGENERATE}`"
+    )
 
 
 def test_configuration_md_is_current():
@@ -45,8 +47,7 @@ class _Sample:
     plain: int = 1
     both: str = "a # not a comment"  # trailing
     # above a field that spans lines
-    spread: list[str] = field(default_factory=lambda: ["x",
-                                                       "y"])  # and trails on its last line
+    spread: list[str] = field(default_factory=lambda: ["x", "y"])  # and trails on its last line
     # a comment with a blank line after it belongs to no field
 
     bare: float = 0.5

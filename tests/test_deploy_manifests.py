@@ -46,12 +46,18 @@ def _strict(schema):
         return [_strict(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _strict(v) if k in ("properties", "items", "additionalProperties", "anyOf", "allOf", "oneOf", "not")
-           else v for k, v in schema.items() if not k.startswith("x-kubernetes-")}
+    out = {
+        k: _strict(v) if k in ("properties", "items", "additionalProperties", "anyOf", "allOf", "oneOf", "not") else v
+        for k, v in schema.items()
+        if not k.startswith("x-kubernetes-")
+    }
     if "properties" in out:
         out["properties"] = {name: _strict(s) for name, s in schema["properties"].items()}
-    if ("properties" in schema and "additionalProperties" not in schema
-            and not schema.get("x-kubernetes-preserve-unknown-fields")):
+    if (
+        "properties" in schema
+        and "additionalProperties" not in schema
+        and not schema.get("x-kubernetes-preserve-unknown-fields")
+    ):
         out["additionalProperties"] = False
     return out
 
@@ -66,7 +72,9 @@ def validator(kind: str) -> jsonschema.Draft7Validator:
 
 
 def errors(manifest) -> list[str]:
-    return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator(manifest["kind"]).iter_errors(manifest)]
+    return [
+        f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator(manifest["kind"]).iter_errors(manifest)
+    ]
 
 
 def committed(name: str):
@@ -78,8 +86,10 @@ def test_committed_manifests_are_a_fresh_render_of_values_yaml():
     assert sorted(texts) == ["raycluster.yaml", "rayjob.yaml", "run-volume.yaml"]
     for name, text in texts.items():
         with open(os.path.join(DEPLOY, "kuberay", name)) as f:
-            assert f.read() == text, f"deploy/kuberay/{name} is stale: run .venv/bin/python deploy/render.py " \
-                                     "deploy/values.yaml --out deploy/kuberay/"
+            assert f.read() == text, (
+                f"deploy/kuberay/{name} is stale: run .venv/bin/python deploy/render.py "
+                "deploy/values.yaml --out deploy/kuberay/"
+            )
 
 
 @pytest.mark.parametrize("values", [[VALUES], [VALUES, GPU_VALUES]], ids=["cpu", "gpu"])
@@ -90,15 +100,25 @@ def test_manifests_validate_against_the_kuberay_crds(values):
         assert errors(manifest) == [], name
 
 
-@pytest.mark.parametrize("breakage, expected", [
-    (lambda m: m["spec"]["workerGroupSpecs"][0].update(replicas="two"), "'two' is not of type 'integer'"),
-    (lambda m: m["spec"]["workerGroupSpecs"][0].update(minReplica=1), "'minReplica' was unexpected"),
-    (lambda m: m["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["securityContext"].update(
-        previleged=True), "'previleged' was unexpected"),
-    (lambda m: m["spec"]["workerGroupSpecs"][1].pop("groupName"), "'groupName' is a required property"),
-    (lambda m: m["spec"]["workerGroupSpecs"][2]["rayStartParams"].update(resources={"trainer_node": 1}),
-     "is not of type 'string'"),
-], ids=["wrong-type", "typo", "typo-in-pod-template", "missing-required", "resources-not-a-string"])
+@pytest.mark.parametrize(
+    "breakage, expected",
+    [
+        (lambda m: m["spec"]["workerGroupSpecs"][0].update(replicas="two"), "'two' is not of type 'integer'"),
+        (lambda m: m["spec"]["workerGroupSpecs"][0].update(minReplica=1), "'minReplica' was unexpected"),
+        (
+            lambda m: m["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["securityContext"].update(
+                previleged=True
+            ),
+            "'previleged' was unexpected",
+        ),
+        (lambda m: m["spec"]["workerGroupSpecs"][1].pop("groupName"), "'groupName' is a required property"),
+        (
+            lambda m: m["spec"]["workerGroupSpecs"][2]["rayStartParams"].update(resources={"trainer_node": 1}),
+            "is not of type 'string'",
+        ),
+    ],
+    ids=["wrong-type", "typo", "typo-in-pod-template", "missing-required", "resources-not-a-string"],
+)
 def test_a_broken_manifest_fails_validation(breakage, expected):
     manifest = copy.deepcopy(committed("raycluster.yaml"))
     assert errors(manifest) == []
@@ -111,24 +131,29 @@ def test_sandbox_capacity_formula():
     # min(cores x per-core, (memory - reserved) / per-sandbox), floored
     assert render.sandbox_capacity(16, 64, 2, 1024, 8) == 32  # cores decide
     assert render.sandbox_capacity(16, 24, 2, 1024, 8) == 16  # memory decides: 16 GiB / 1 GiB
-    assert render.sandbox_capacity(4, 10, 4, 1536, 2) == 5   # 8 GiB / 1.5 GiB = 5.33
-    assert render.sandbox_capacity(2, 4, 2, 1024, 8) == 0    # the reserve eats it all
+    assert render.sandbox_capacity(4, 10, 4, 1536, 2) == 5  # 8 GiB / 1.5 GiB = 5.33
+    assert render.sandbox_capacity(2, 4, 2, 1024, 8) == 0  # the reserve eats it all
     s = yaml.safe_load(_read(VALUES))["sandbox"]
-    want = min(math.floor(s["cpu"] * s["sandboxesPerCpu"]),
-               math.floor((s["memoryGi"] - s["reservedMemoryGi"]) * 1024 / s["memoryPerSandboxMb"]))
+    want = min(
+        math.floor(s["cpu"] * s["sandboxesPerCpu"]),
+        math.floor((s["memoryGi"] - s["reservedMemoryGi"]) * 1024 / s["memoryPerSandboxMb"]),
+    )
     assert render.group_resources(render.load_values([VALUES]))["sandbox"]["sandbox"] == want
 
 
 def _autoscaler_view(raycluster) -> dict[str, dict]:
     """What Ray's autoscaler makes of the RayCluster: node type -> {resources, min_workers, max_workers}."""
     from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
-    config = _derive_autoscaling_config_from_ray_cr({**raycluster, "metadata": {**raycluster["metadata"],
-                                                                                   "namespace": "default"}})
+
+    config = _derive_autoscaling_config_from_ray_cr(
+        {**raycluster, "metadata": {**raycluster["metadata"], "namespace": "default"}}
+    )
     return config["available_node_types"]
 
 
 def _train_config(rayjob):
     from codefleet.recipe.config import load_train_config
+
     args = shlex.split(rayjob["spec"]["entrypoint"])
     assert args[:2] == ["codefleet", "train"]
     return args, load_train_config(None, [a for a in args if "=" in a and not a.startswith("--")])
@@ -139,6 +164,7 @@ def test_the_rayjob_asks_for_the_resources_the_groups_advertise(values):
     """Parsed by Ray's own autoscaler config and codefleet's own config loader: every logical resource a role
     asks for is advertised by a group whose bounds hold all of that role's actors, GPUs included."""
     from codefleet.fleet.sandbox_host import RESOURCE
+
     texts = render.render(values)
     cluster, job = yaml.safe_load(texts["raycluster.yaml"]), yaml.safe_load(texts["rayjob.yaml"])
     assert job["spec"]["rayClusterSpec"] == cluster["spec"]
@@ -146,9 +172,11 @@ def test_the_rayjob_asks_for_the_resources_the_groups_advertise(values):
     assert types["sandbox"]["resources"][RESOURCE] >= 1  # the sandbox hosts' resource, by codefleet's own name
     args, config = _train_config(job)
     c = config.cluster
-    roles = [("rollout", c.rollout_workers, c.rollout_resources, 0.0),
-             ("engine", c.engines, c.engine_resources, c.engine_gpus),
-             ("trainer", c.trainer_workers, c.trainer_resources, c.trainer_gpus)]
+    roles = [
+        ("rollout", c.rollout_workers, c.rollout_resources, 0.0),
+        ("engine", c.engines, c.engine_resources, c.engine_gpus),
+        ("trainer", c.trainer_workers, c.trainer_resources, c.trainer_gpus),
+    ]
     for role, actors, resources, gpus in roles:
         assert resources, f"{role}s are not pinned to a group"
         hosts = [name for name, t in types.items() if all(t["resources"].get(k, 0) >= v for k, v in resources.items())]
@@ -163,7 +191,9 @@ def test_the_rayjob_asks_for_the_resources_the_groups_advertise(values):
     mount = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["volumeMounts"][0]["mountPath"]
     assert run_dir.startswith(mount + "/")
     # the run volume is mounted at that same path in every pod
-    templates = [cluster["spec"]["headGroupSpec"]["template"]] + [g["template"] for g in cluster["spec"]["workerGroupSpecs"]]
+    templates = [cluster["spec"]["headGroupSpec"]["template"]] + [
+        g["template"] for g in cluster["spec"]["workerGroupSpecs"]
+    ]
     for t in templates:
         claim = {v["name"]: v for v in t["spec"]["volumes"]}["runs"]["persistentVolumeClaim"]["claimName"]
         assert claim == yaml.safe_load(texts["run-volume.yaml"])["metadata"]["name"]
@@ -180,17 +210,26 @@ def test_values_overrides_change_the_rendered_output(tmp_path):
     assert gpu_types["engine"]["resources"]["GPU"] == overlay["engine"]["gpus"]
     assert gpu_types["trainer"]["resources"]["GPU"] == overlay["trainer"]["gpus"]
     engine_pod = gpu_cluster["spec"]["workerGroupSpecs"][1]["template"]["spec"]["containers"][0]
-    assert engine_pod["image"] == render.load_values([VALUES, GPU_VALUES])["gpuImage"] != yaml.safe_load(_read(VALUES))["image"]
+    assert (
+        engine_pod["image"]
+        == render.load_values([VALUES, GPU_VALUES])["gpuImage"]
+        != yaml.safe_load(_read(VALUES))["image"]
+    )
     _, config = _train_config(yaml.safe_load(gpu["rayjob.yaml"]))
     assert (config.cluster.engine_backend, config.cluster.engine_gpus) == ("vllm", overlay["train"]["engineGpus"])
     # a values file of one's own: sandbox pods twice as big hold twice the sandboxes, and the userns profile
     mine = tmp_path / "mine.yaml"
-    mine.write_text("sandbox: {cpu: 32, memoryGi: 128, reservedMemoryGi: 16}\nsandboxProfile: userns\n"
-                    "train: {overrides: [rl.steps=48]}\n")
+    mine.write_text(
+        "sandbox: {cpu: 32, memoryGi: 128, reservedMemoryGi: 16}\nsandboxProfile: userns\n"
+        "train: {overrides: [rl.steps=48]}\n"
+    )
     texts = render.render([VALUES, str(mine)])
     cluster = yaml.safe_load(texts["raycluster.yaml"])
     assert errors(cluster) == []
-    assert _autoscaler_view(cluster)["sandbox"]["resources"]["sandbox"] == 2 * base_types["sandbox"]["resources"]["sandbox"]
+    assert (
+        _autoscaler_view(cluster)["sandbox"]["resources"]["sandbox"]
+        == 2 * base_types["sandbox"]["resources"]["sandbox"]
+    )
     pod = cluster["spec"]["workerGroupSpecs"][0]["template"]["spec"]
     assert pod["hostUsers"] is False and pod["containers"][0]["securityContext"]["procMount"] == "Unmasked"
     args, config = _train_config(yaml.safe_load(texts["rayjob.yaml"]))
@@ -211,14 +250,18 @@ def test_sandbox_pods_run_as_a_user_and_only_they_get_the_sandbox_profile():
             assert security["seccompProfile"] == {"type": "RuntimeDefault"}, name
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"train": {"engines": 9}}, "do not fit the engine group"),
-    ({"train": {"engineGpus": 1}}, "needs train.engineBackend vllm"),
-    ({"train": {"rolloutWorkers": 1000}}, "exceeds what the sandbox group can hold"),
-    ({"sandbox": {"memoryGi": 8}}, "holds no sandbox"),
-    ({"engine": {"minReplicas": 3}}, "minReplicas <= maxReplicas"),
-    ({"sandboxProfile": "root"}, "choose privileged or userns"),
-], ids=["engines", "gpu-engine-without-vllm", "rollout-workers", "no-sandbox", "bounds", "profile"])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"train": {"engines": 9}}, "do not fit the engine group"),
+        ({"train": {"engineGpus": 1}}, "needs train.engineBackend vllm"),
+        ({"train": {"rolloutWorkers": 1000}}, "exceeds what the sandbox group can hold"),
+        ({"sandbox": {"memoryGi": 8}}, "holds no sandbox"),
+        ({"engine": {"minReplicas": 3}}, "minReplicas <= maxReplicas"),
+        ({"sandboxProfile": "root"}, "choose privileged or userns"),
+    ],
+    ids=["engines", "gpu-engine-without-vllm", "rollout-workers", "no-sandbox", "bounds", "profile"],
+)
 def test_values_that_cannot_work_are_refused(tmp_path, change, message):
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(change))

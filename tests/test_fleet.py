@@ -132,8 +132,11 @@ def test_warm_pool_counts_against_capacity_and_serves_creates(small_fleet, repo,
 
 
 def test_hosts_with_the_most_free_slots_come_first():
-    stats = {"a": HostStats("a", capacity=4, live=3), "b": HostStats("b", capacity=8, live=2, warm=2),
-             "c": HostStats("c", capacity=2, live=1, pending=1)}
+    stats = {
+        "a": HostStats("a", capacity=4, live=3),
+        "b": HostStats("b", capacity=8, live=2, warm=2),
+        "c": HostStats("c", capacity=2, live=1, pending=1),
+    }
     assert most_free_first(stats) == ["b", "a"]  # c is full: 1 live + 1 being created
 
 
@@ -155,6 +158,7 @@ def test_eight_sandboxes_run_commands_concurrently(fleet, repo, config):
     sandboxes = asyncio.run(create_eight())
     try:
         assert len({sb.id for sb in sandboxes}) == 8
+
         async def all_at_once() -> list[str]:
             results = await asyncio.gather(*(sb.aexec(f"sleep 1; echo {i}") for i, sb in enumerate(sandboxes)))
             return [r.output.strip() for r in results]
@@ -250,7 +254,7 @@ def _mounts_of_owner(state_dir: str, pid: int) -> list[str]:
     from codefleet.sandbox import layers
 
     root = state_dir.rstrip("/") + "/"
-    return [m for m in layers.mounts_under(root) if m[len(root):].startswith(f"{pid}-")]
+    return [m for m in layers.mounts_under(root) if m[len(root) :].startswith(f"{pid}-")]
 
 
 def test_a_host_killed_with_its_sandboxes_live_leaves_no_mounts_after_shutdown(ray_session, repo, config):
@@ -274,7 +278,8 @@ def test_a_host_killed_with_its_sandboxes_live_leaves_no_mounts_after_shutdown(r
 
 
 def test_shutdown_closes_the_sandboxes_of_a_host_another_copy_of_the_fleet_started_in_place_of_a_dead_one(
-        ray_session, repo, config):
+    ray_session, repo, config
+):
     """The driver's fleet still holds a host that a fault killed; a rollout worker's copy replaced it, and the
     replacement holds sandboxes (a killed worker's, never closed). The driver's shutdown must find the replacement
     by its name and close them, or Ray kills it at the job's end with their mounts in place (CI's chaos soak)."""

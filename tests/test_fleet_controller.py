@@ -83,8 +83,9 @@ class ScriptedRunner:
                 self.victims.append(victim)
                 threading.Timer(duration_s / 2, self.ray.kill, [victim]).start()
                 actor = victim
-            refs.append(actor.attempt.remote(f"{ticket.group_id}/{a}", ticket.group_id, version, duration_s,
-                                             reward, mode))
+            refs.append(
+                actor.attempt.remote(f"{ticket.group_id}/{a}", ticket.group_id, version, duration_s, reward, mode)
+            )
         return refs
 
 
@@ -181,9 +182,10 @@ def test_a_failed_attempt_is_retried_after_a_growing_back_off(ray_session, worke
     ctrl, runner, trainer = build(ray_session, worker, script, eta=0, retry_backoff_s=0.4, retry_backoff_max_s=0.6)
     starts: list[float] = []
     start = runner.start
-    runner.start = lambda ticket, item, attempts: (starts.extend(time.monotonic() for a in attempts
-                                                                 if (ticket.group_id, a) == (0, 0)),
-                                                   start(ticket, item, attempts))[1]
+    runner.start = lambda ticket, item, attempts: (
+        starts.extend(time.monotonic() for a in attempts if (ticket.group_id, a) == (0, 0)),
+        start(ticket, item, attempts),
+    )[1]
     report = ctrl.run(2)
     assert report.steps == 2 and report.infra_failures == 2 and report.abandoned_groups == 0
     assert runner.tries[(0, 0)] == 3
@@ -222,8 +224,9 @@ def test_a_broken_item_drops_its_group_at_once_and_the_run_goes_on(ray_session, 
 
 
 def test_when_every_item_is_broken_the_run_stops_saying_so(ray_session, worker):
-    ctrl, runner, trainer = build(ray_session, worker, lambda g, a, t: (0.01, 0.0, "broken"), eta=1,
-                                  max_abandoned_in_a_row=3)
+    ctrl, runner, trainer = build(
+        ray_session, worker, lambda g, a, t: (0.01, 0.0, "broken"), eta=1, max_abandoned_in_a_row=3
+    )
     with pytest.raises(ControllerError, match="3 groups in a row were dropped because their item cannot be attempted"):
         ctrl.run(2)
     assert ctrl.version == 0 and ctrl.admission.in_flight == 0
@@ -276,8 +279,9 @@ def test_a_failing_trainer_step_stops_the_run_and_reraises(ray_session, worker):
 
 def test_resume_from_buffer_state_loses_nothing_and_trains_nothing_twice(ray_session, worker):
     # slow trainer, fast rollouts: at the checkpoint the buffer holds accepted groups not yet trained
-    ctrl, runner, trainer = build(ray_session, worker, random_script(8, 0.002, 0.01),
-                                  trainer=SleepTrainer(step_s=0.1), eta=2)
+    ctrl, runner, trainer = build(
+        ray_session, worker, random_script(8, 0.002, 0.01), trainer=SleepTrainer(step_s=0.1), eta=2
+    )
     accepted = []
     ctrl.assembler.on_group = lambda g, dropped: accepted.append(g.group_id)
     assert ctrl.run(3).steps == 3
@@ -307,12 +311,13 @@ def test_resume_from_buffer_state_loses_nothing_and_trains_nothing_twice(ray_ses
 
     # the same controller continues with a second run(); the items of the groups it interrupted go first
     assert ctrl2.run(5).steps == 0
-    interrupted = [item for gid, item in runner.group_items.items() if gid >= state["next_group_id"]
-                   and gid not in set(accepted2)]
+    interrupted = [
+        item for gid, item in runner.group_items.items() if gid >= state["next_group_id"] and gid not in set(accepted2)
+    ]
     assert interrupted  # the trainer is fast: groups were in flight when run(5) ended
     n_before = len(runner.group_items)
     assert ctrl2.run(7).steps == 2
-    assert list(runner.group_items.values())[n_before:n_before + len(interrupted)] == interrupted
+    assert list(runner.group_items.values())[n_before : n_before + len(interrupted)] == interrupted
     third = ids(trainer2.batches)
     assert len(third) == len(set(third)) and first.isdisjoint(third)
     assert buffered <= set(third)  # every restored group was due by step 5: nothing lost

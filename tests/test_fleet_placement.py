@@ -46,8 +46,9 @@ def test_disaggregated_engines_and_trainer_ranks_run_in_groups_of_their_own(ckpt
         assert len(placement.groups) == 2 and _state(placement) == ["CREATED", "CREATED"]
         trainer_pg, engine_pg = (g.id.hex() for g in placement.groups)
         engines = start_engines(ckpt, 1, num_cpus=0.1, max_batch=2, max_seq_len=64, placement=placement.engines)
-        group = TrainerGroup(2, checkpoint=ckpt, config=TrainConfig(), num_cpus_per_worker=0.1,
-                             placement=placement.trainer)
+        group = TrainerGroup(
+            2, checkpoint=ckpt, config=TrainConfig(), num_cpus_per_worker=0.1, placement=placement.trainer
+        )
         assert ray.get(engines[0].info.remote())["placement_group"] == engine_pg
         assert [ray.get(w.where.remote())["placement_group"] for w in group.workers] == [trainer_pg] * 2
     finally:
@@ -65,11 +66,15 @@ def test_colocated_pairs_share_bundles_and_a_sleeping_engine_holds_requests_unti
         assert len(placement.groups) == 1
         assert placement_group_table(placement.groups[0])["bundles"] == {0: {"CPU": 0.2}}
         engine = start_engines(ckpt, 1, num_cpus=0.1, max_batch=2, max_seq_len=64, placement=placement.engines)[0]
-        group = TrainerGroup(1, checkpoint=ckpt, config=TrainConfig(), num_cpus_per_worker=0.1,
-                             placement=placement.trainer)
+        group = TrainerGroup(
+            1, checkpoint=ckpt, config=TrainConfig(), num_cpus_per_worker=0.1, placement=placement.trainer
+        )
         pg = placement.groups[0].id.hex()
-        assert ray.get(engine.info.remote())["placement_group"] == ray.get(group.workers[0].where.remote())[
-            "placement_group"] == pg
+        assert (
+            ray.get(engine.info.remote())["placement_group"]
+            == ray.get(group.workers[0].where.remote())["placement_group"]
+            == pg
+        )
         ray.get(engine.sleep.remote())
         request = engine.generate.remote([5, 17, 33, 2], SamplingParams(max_tokens=4, temperature=0.0))
         time.sleep(1.0)

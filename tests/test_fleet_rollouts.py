@@ -31,8 +31,12 @@ def setup(ray_session, tmp_path_factory, state_dir):
 
 
 def _spec(ckpt, state_dir, prompt="full"):
-    return RolloutSpec(checkpoint=ckpt, sandbox=SandboxConfig(state_dir=state_dir, timeout_s=30), max_tokens=8,
-                       episode=EpisodeConfig(prompt=prompt))
+    return RolloutSpec(
+        checkpoint=ckpt,
+        sandbox=SandboxConfig(state_dir=state_dir, timeout_s=30),
+        max_tokens=8,
+        episode=EpisodeConfig(prompt=prompt),
+    )
 
 
 def test_rollout_workers_get_no_arguments_in_the_object_store(setup, capfd):
@@ -241,8 +245,9 @@ def test_a_retry_goes_to_another_worker_when_one_never_answers(setup):
     ckpt, task, state_dir = setup
     engines = start_engines(ckpt, 1, num_cpus=0, max_batch=2)
     live = start_workers(_spec(ckpt, state_dir), engines, 1, slots_per_worker=2, num_cpus=0)[0]
-    nowhere = RolloutWorker.options(num_cpus=0, resources={"no-such-node": 1}).remote(_spec(ckpt, state_dir),
-                                                                                      actor_names(engines))
+    nowhere = RolloutWorker.options(num_cpus=0, resources={"no-such-node": 1}).remote(
+        _spec(ckpt, state_dir), actor_names(engines)
+    )
 
     class Recorder:  # the trainer: the edge of this test
         batches = []
@@ -251,9 +256,14 @@ def test_a_retry_goes_to_another_worker_when_one_never_answers(setup):
             self.batches.append(batch)
             return {}
 
-    controller = Controller(ControllerConfig(eta=0, rollout_slots=2, batch_groups=1, group_size=2,
-                                             rollout_timeout_s=20.0, max_infra_retries=1),
-                            AgentGroupRunner([nowhere, live]), Recorder(), iter([task] * 4))
+    controller = Controller(
+        ControllerConfig(
+            eta=0, rollout_slots=2, batch_groups=1, group_size=2, rollout_timeout_s=20.0, max_infra_retries=1
+        ),
+        AgentGroupRunner([nowhere, live]),
+        Recorder(),
+        iter([task] * 4),
+    )
     report = controller.run(1)  # group 0: attempt 0 -> the worker that never answers, attempt 1 -> the live one
     assert report.steps == 1 and report.infra_failures == 1 and "timed out" in report.last_infra_error
     (group,) = Recorder.batches[0].groups

@@ -51,8 +51,12 @@ def single():
 def test_shard_and_merge_by_hand():
     assert shard_by_tokens([5, 1, 4, 3], 2) == [[0, 1], [2, 3]]  # 5+1 vs 4+3
     assert shard_by_tokens([2], 3) == [[0], [], []]
-    merged = merge_metrics([{"loss": 1.0, "loss_units": 3.0, "ce": 2.0, "version": 4.0},
-                            {"loss": 0.5, "loss_units": 1.0, "ce": 6.0, "version": 4.0}])
+    merged = merge_metrics(
+        [
+            {"loss": 1.0, "loss_units": 3.0, "ce": 2.0, "version": 4.0},
+            {"loss": 0.5, "loss_units": 1.0, "ce": 6.0, "version": 4.0},
+        ]
+    )
     assert merged["loss"] == 1.5 and merged["loss_units"] == 4.0 and merged["ce"] == 3.0 and merged["version"] == 4.0
 
 
@@ -122,7 +126,7 @@ def test_publish_round_trip_to_an_engine(group, single):
     assert result.versions == [version] * len(result.token_ids)
     tokens = torch.tensor([prompt + result.token_ids])
     with torch.no_grad():
-        expected = forward_logprobs(single.model.eval(), tokens).logprobs_BT[0, len(prompt):]
+        expected = forward_logprobs(single.model.eval(), tokens).logprobs_BT[0, len(prompt) :]
     single.model.train()
     torch.testing.assert_close(torch.tensor(result.logprobs), expected, atol=1e-3, rtol=0)
 
@@ -172,8 +176,9 @@ def test_an_attempt_with_no_tokens_is_scored_but_not_trained_on():
     from codefleet.recipe.train_rl import training_samples
 
     def rollout(i, tokens):
-        sequence = TokenSequence(tokens, [0] + [1] * (len(tokens) - 1) if tokens else [], [0.0] * len(tokens),
-                                 [-1] * len(tokens))
+        sequence = TokenSequence(
+            tokens, [0] + [1] * (len(tokens) - 1) if tokens else [], [0.0] * len(tokens), [-1] * len(tokens)
+        )
         return Rollout(f"0/{i}", 0, 0, float(i), Trajectory("t", [], [], "submit", sequence=sequence))
 
     group = Group(Ticket(0, 0, 1, 3), [rollout(0, [5, 6, 7]), rollout(1, []), rollout(2, [5, 8])])
@@ -186,12 +191,12 @@ def test_a_trainer_worker_that_dies_mid_run_is_replaced_and_the_step_redone(ray_
     """RL's trainer (train_rl.RLTrainer over fleet.policy_actors.PolicyActors) on real actors: a worker killed
     before a step is an infrastructure failure; a new group starts from the last commit, the same batch is trained
     once, committed and published."""
+    from codefleet.chat.tokenizer import default_tokenizer
     from codefleet.fleet.controller import Controller, ControllerConfig
     from codefleet.fleet.inference import start_engines
     from codefleet.fleet.policy_actors import PolicyActors
     from codefleet.fleet.staleness import Group, Rollout
     from codefleet.model import checkpoint
-    from codefleet.chat.tokenizer import default_tokenizer
     from codefleet.recipe.config import TrainRunConfig
     from codefleet.recipe.run_dir import Metrics, RunDir
     from codefleet.recipe.train_rl import RLTrainer
@@ -209,17 +214,38 @@ def test_a_trainer_worker_that_dies_mid_run_is_replaced_and_the_step_redone(ray_
     engines = start_engines(start, 1, num_cpus=0, max_batch=2)
     metrics = Metrics(run)
     config, lines = TrainRunConfig(), []
-    actors = PolicyActors(new_group(start), engines, new_group=new_group, weight_sync=config.cluster.weight_sync,
-                          bucket_mb=config.cluster.weight_sync_bucket_mb, engine_wait_s=config.cluster.engine_wait_s,
-                          colocated=False, log=lines.append)
+    actors = PolicyActors(
+        new_group(start),
+        engines,
+        new_group=new_group,
+        weight_sync=config.cluster.weight_sync,
+        bucket_mb=config.cluster.weight_sync_bucket_mb,
+        engine_wait_s=config.cluster.engine_wait_s,
+        colocated=False,
+        log=lines.append,
+    )
     trainer = RLTrainer(actors, run, metrics, config, start=start)
-    controller = Controller(ControllerConfig(eta=1, rollout_slots=2, batch_groups=1, group_size=2), None, trainer,
-                            iter(()))
+    controller = Controller(
+        ControllerConfig(eta=1, rollout_slots=2, batch_groups=1, group_size=2), None, trainer, iter(())
+    )
     ticket = controller.admission.try_admit(0)
-    rollouts = [Rollout(f"0/{i}", 0, 0, float(i), Trajectory(
-        "t", [], [], "submit", reward=float(i),
-        sequence=TokenSequence(s.tokens, s.loss_mask, s.behave_logprobs, [0] * len(s.tokens), s.routed_experts)))
-        for i, s in enumerate(_samples(model, 2))]
+    rollouts = [
+        Rollout(
+            f"0/{i}",
+            0,
+            0,
+            float(i),
+            Trajectory(
+                "t",
+                [],
+                [],
+                "submit",
+                reward=float(i),
+                sequence=TokenSequence(s.tokens, s.loss_mask, s.behave_logprobs, [0] * len(s.tokens), s.routed_experts),
+            ),
+        )
+        for i, s in enumerate(_samples(model, 2))
+    ]
     controller.buffer.put(Group(ticket, rollouts))
     batch = controller.buffer.take_batch(1, 0)
     try:

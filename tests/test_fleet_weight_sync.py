@@ -82,8 +82,7 @@ def test_buckets_round_trip_exactly_with_mixed_dtypes_and_tensors_larger_than_a_
         assert out[k].dtype == v.dtype and out[k].shape == v.shape and torch.equal(out[k], v), k
 
     one = plan_buckets(specs_of(state), 64)  # one bucket per dtype when everything fits
-    assert len(one.buckets) == 4 and torch.equal(_through(state, [one], [_sender(state, 64)])["big"],
-                                                 state["big"])
+    assert len(one.buckets) == 4 and torch.equal(_through(state, [one], [_sender(state, 64)])["big"], state["big"])
 
 
 def test_two_senders_split_the_tensors_by_bytes_and_the_receiver_assembles_both():
@@ -115,6 +114,7 @@ def test_an_incomplete_sync_is_refused_and_bfloat16_travels_as_integers():
 
 
 # ---- on Ray: trainer ranks -> engine actors ---------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def fleet(ray_session, tmp_path_factory):

@@ -21,7 +21,7 @@ def test_the_gpu_check_runs_its_rl_steps_on_cpu_with_the_engines_logprobs_equal_
     assert run_cli(quick=True, device="cpu") == 0
     out = capsys.readouterr().out.strip().splitlines()
     r = json.loads(out[-1])
-    assert KEYS <= r.keys(), out
+    assert r.keys() >= KEYS, out
     assert r["device"] == "cpu" and r["shape"] == "tiny" and r["dtype"] == "float32" and r["steps"] == 2
     assert [row["version"] for row in r["rounds"]] == [0, 1, 2]  # every update reached the engine
     assert r["tokens_per_s"] > 0 and r["weight_sync_s"] > 0 and r["peak_gpu_mem_gb"] is None

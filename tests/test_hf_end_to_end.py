@@ -21,17 +21,31 @@ from codefleet.chat.tokenizer import is_hf_dir
 from codefleet.model import checkpoint
 from codefleet.tasks.generate import generate_tasks
 
-TINY = ["tasks.n_train=3", "tasks.n_eval=1", "tasks.families=[config]", "sft.epochs=1", "sft.batch_size=3",
-        "rl.steps=2", "controller.group_size=2", "controller.batch_groups=1", "controller.rollout_slots=2",
-        "rl.max_tokens=24",
-        "rl.max_turns=2", "eval.max_tokens=24", "eval.attempts=1", "cluster.num_cpus=4", "model.prompt=full",
-        "model.max_seq_len=4096"]
+TINY = [
+    "tasks.n_train=3",
+    "tasks.n_eval=1",
+    "tasks.families=[config]",
+    "sft.epochs=1",
+    "sft.batch_size=3",
+    "rl.steps=2",
+    "controller.group_size=2",
+    "controller.batch_groups=1",
+    "controller.rollout_slots=2",
+    "rl.max_tokens=24",
+    "rl.max_turns=2",
+    "eval.max_tokens=24",
+    "eval.attempts=1",
+    "cluster.num_cpus=4",
+    "model.prompt=full",
+    "model.max_seq_len=4096",
+]
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
 def _cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, "-m", "codefleet.cli", *args], env=ENV, capture_output=True, text=True,
-                         timeout=timeout)
+    out = subprocess.run(
+        [sys.executable, "-m", "codefleet.cli", *args], env=ENV, capture_output=True, text=True, timeout=timeout
+    )
     assert out.returncode == 0, (args, out.stderr[-3000:])
     return out
 
@@ -58,8 +72,13 @@ def test_a_qwen3_moe_directory_goes_through_train_serve_agent_eval_analyze_and_e
     results = json.load(open(os.path.join(run, "results.json")))["results"]
     assert set(results) == {"sft", "rl"}
 
-    server = subprocess.Popen([sys.executable, "-m", "codefleet.cli", "serve", "--checkpoint", rl, "--port", "0"],
-                              env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "codefleet.cli", "serve", "--checkpoint", rl, "--port", "0"],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         url = None
         deadline = time.monotonic() + 120
@@ -70,19 +89,42 @@ def test_a_qwen3_moe_directory_goes_through_train_serve_agent_eval_analyze_and_e
             url = found.group(1) if found else None
         assert url, "the server never said where it listens"
         client = OpenAI(base_url=url, api_key="none")
-        tools = [{"type": "function", "function": {"name": "submit", "description": "Finish.",
-                                                   "parameters": {"type": "object", "properties": {},
-                                                                  "additionalProperties": False}}}]
-        reply = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=64, tools=tools,
-                                               messages=[{"role": "user", "content": "Say hi."}],
-                                               tool_choice="required")
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": "submit",
+                    "description": "Finish.",
+                    "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+                },
+            }
+        ]
+        reply = client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            max_tokens=64,
+            tools=tools,
+            messages=[{"role": "user", "content": "Say hi."}],
+            tool_choice="required",
+        )
         call = reply.choices[0].message.tool_calls[0]
         assert call.function.name == "submit"  # the checkpoint's own format, constrained to a call
         repo = tmp_path / "repo"
         repo.mkdir()
         (repo / "a.txt").write_text("hello\n")
-        agent = _cli("agent", "run", "--repo", str(repo), "--task", "Read a.txt.", "--model", url,
-                     "--max-turns", "2", "--json", timeout=300)
+        agent = _cli(
+            "agent",
+            "run",
+            "--repo",
+            str(repo),
+            "--task",
+            "Read a.txt.",
+            "--model",
+            url,
+            "--max-turns",
+            "2",
+            "--json",
+            timeout=300,
+        )
         assert "turns" in json.loads(agent.stdout.strip().splitlines()[-1])
     finally:
         server.terminate()
@@ -90,8 +132,9 @@ def test_a_qwen3_moe_directory_goes_through_train_serve_agent_eval_analyze_and_e
 
     tasks = str(tmp_path / "tasks")
     generate_tasks(tasks, n=1, seed=9, families=["config"], split="test")
-    evaluated = _cli("eval", "--checkpoint", rl, "--tasks", tasks, "--max-tokens", "24", "--max-turns", "2",
-                     "--json", timeout=300)
+    evaluated = _cli(
+        "eval", "--checkpoint", rl, "--tasks", tasks, "--max-tokens", "24", "--max-turns", "2", "--json", timeout=300
+    )
     assert "success" in evaluated.stdout
     _cli("analyze", run, timeout=600)
     summary = json.load(open(os.path.join(run, "analysis", "summary.json")))

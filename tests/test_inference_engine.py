@@ -21,10 +21,12 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0)
 @pytest.fixture(scope="module", params=["plain", "copy_head", "copy_prompt_match", "copy_blocked"])
 def model(request):
     torch.manual_seed(0)
-    copy = {"plain": CopyConfig(), "copy_head": CopyConfig(head=True),
-            "copy_prompt_match": CopyConfig(head=True, scope="prompt", match=True),
-            "copy_blocked": CopyConfig(head=True, scope="prompt", match=True,
-                                       blocked=list(range(16, 600)))}[request.param]
+    copy = {
+        "plain": CopyConfig(),
+        "copy_head": CopyConfig(head=True),
+        "copy_prompt_match": CopyConfig(head=True, scope="prompt", match=True),
+        "copy_blocked": CopyConfig(head=True, scope="prompt", match=True, blocked=list(range(16, 600))),
+    }[request.param]
     return Transformer(ModelConfig.tiny(copy=copy)).eval()
 
 
@@ -42,10 +44,10 @@ def trainer_logprobs(model, prompt, result, replay: bool) -> torch.Tensor:
         routing = [experts_TLK[None, :, layer] for layer in range(experts_TLK.shape[1])]
     with torch.no_grad():
         turn_mask_BT = torch.zeros_like(tokens_BT, dtype=torch.bool)
-        turn_mask_BT[0, len(prompt) - 1: -1] = True  # the queries that predict the completion
+        turn_mask_BT[0, len(prompt) - 1 : -1] = True  # the queries that predict the completion
         logits_BTV = model(tokens_BT, routing_replay=routing, turn_mask_BT=turn_mask_BT).logits_BTV
     lp = token_logprobs(logits_BTV[:, :-1], tokens_BT[:, 1:])
-    return lp[0, len(prompt) - 1:]
+    return lp[0, len(prompt) - 1 :]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -80,8 +82,9 @@ def test_update_weights_mid_generation_changes_the_version_of_later_tokens(model
     futures = [engine.add(p, SamplingParams(max_tokens=10, temperature=0)) for p in prompts(2, seed=3)]
     for _ in range(4):
         engine.step()
-    perturbed = {k: v + 0.01 * torch.randn_like(v) if v.is_floating_point() else v
-                 for k, v in model.state_dict().items()}
+    perturbed = {
+        k: v + 0.01 * torch.randn_like(v) if v.is_floating_point() else v for k, v in model.state_dict().items()
+    }
     original = {k: v.clone() for k, v in model.state_dict().items()}
     try:
         engine.update_weights(perturbed, version=4)
@@ -108,7 +111,9 @@ def test_update_weights_from_another_thread_while_the_background_loop_serves(mod
         assert not updater.is_alive()
         result = future.result(timeout=60)
         assert result.versions[-1] == 9 and engine.version == 9
-        with pytest.raises(ValueError, match="do not fit the model"):  # a bad state dict is the caller's error; the engine keeps serving
+        with pytest.raises(
+            ValueError, match="do not fit the model"
+        ):  # a bad state dict is the caller's error; the engine keeps serving
             engine.update_weights({"nope": torch.zeros(1)}, version=10)
         assert engine.version == 9
         assert len(engine.submit(prompts(1)[0], GREEDY).result(timeout=60).token_ids) == 12

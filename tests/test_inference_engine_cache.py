@@ -33,9 +33,9 @@ def test_prefill_of_different_lengths_then_decode_matches_full_attention():
     assert cache.lengths[:3] == lengths
     history = []
     for b, n in enumerate(lengths):
-        ref = reference(q[b:b + 1, :, :n], k[b:b + 1, :, :n], v[b:b + 1, :, :n])
-        torch.testing.assert_close(out[b:b + 1, :, :n], ref, rtol=0, atol=1e-6)
-        history.append((q[b:b + 1, :, :n], k[b:b + 1, :, :n], v[b:b + 1, :, :n]))
+        ref = reference(q[b : b + 1, :, :n], k[b : b + 1, :, :n], v[b : b + 1, :, :n])
+        torch.testing.assert_close(out[b : b + 1, :, :n], ref, rtol=0, atol=1e-6)
+        history.append((q[b : b + 1, :, :n], k[b : b + 1, :, :n], v[b : b + 1, :, :n]))
     for _ in range(3):  # decode steps: each row at its own length
         q1, k1, v1 = torch.randn(3, H, 1, D), torch.randn(3, HKV, 1, D), torch.randn(3, HKV, 1, D)
         cache.begin([0, 1, 2], list(cache.lengths[:3]), [1, 1, 1], 1)
@@ -43,10 +43,13 @@ def test_prefill_of_different_lengths_then_decode_matches_full_attention():
         cache.end()
         for b in range(3):
             hq, hk, hv = history[b]
-            history[b] = (torch.cat([hq, q1[b:b + 1]], 2), torch.cat([hk, k1[b:b + 1]], 2),
-                          torch.cat([hv, v1[b:b + 1]], 2))
+            history[b] = (
+                torch.cat([hq, q1[b : b + 1]], 2),
+                torch.cat([hk, k1[b : b + 1]], 2),
+                torch.cat([hv, v1[b : b + 1]], 2),
+            )
             ref = reference(*history[b])[:, :, -1:]
-            torch.testing.assert_close(out[b:b + 1], ref, rtol=0, atol=1e-6)
+            torch.testing.assert_close(out[b : b + 1], ref, rtol=0, atol=1e-6)
     assert cache.lengths[:3] == [n + 3 for n in lengths]
 
 
@@ -76,9 +79,13 @@ def test_a_sequence_past_max_len_is_refused_with_advice():
 def test_greedy_top_k_1_and_tiny_top_p_pick_the_argmax_and_logprobs_are_temperature_1():
     torch.manual_seed(2)
     logits = torch.randn(4, 50)
-    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_k=1),
-              SamplingParams(temperature=1.3, top_p=1e-6), SamplingParams(temperature=0.01),
-              SamplingParams(temperature=1e-40)]  # float32 logits / 1e-40 overflow: below MIN_TEMPERATURE is greedy
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.7, top_k=1),
+        SamplingParams(temperature=1.3, top_p=1e-6),
+        SamplingParams(temperature=0.01),
+        SamplingParams(temperature=1e-40),
+    ]  # float32 logits / 1e-40 overflow: below MIN_TEMPERATURE is greedy
     logits = torch.cat([logits, logits[:1]])
     tokens, logprobs = sample_next(logits, params, [None] * 5, torch.Generator().manual_seed(0))
     assert tokens.tolist() == logits.argmax(-1).tolist()
@@ -114,4 +121,4 @@ def test_sampling_params_say_what_is_wrong():
         SamplingParams(max_tokens=0).validate()
     with pytest.raises(ValueError, match="seed must be a signed 64-bit integer"):
         SamplingParams(seed=2**63).validate()
-    SamplingParams(seed=-2**63).validate()
+    SamplingParams(seed=-(2**63)).validate()

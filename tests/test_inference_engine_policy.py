@@ -40,8 +40,13 @@ def test_a_turn_carries_the_exact_tokens_logprobs_versions_and_routing(engine):
     config = engine.model.config
     moe_layers = len(out.routed_experts[0]) // config.top_k
     assert 1 <= moe_layers <= config.n_layers
-    assert all(len(r) == moe_layers * config.top_k and all(0 <= e < config.n_experts for e in r)
-               for r in out.routed_experts) and len(out.routed_experts) == n
+    assert (
+        all(
+            len(r) == moe_layers * config.top_k and all(0 <= e < config.n_experts for e in r)
+            for r in out.routed_experts
+        )
+        and len(out.routed_experts) == n
+    )
     ids = out.token_ids[:-1] if out.token_ids[-1] in codefleet_template.stop_ids(engine.tokenizer) else out.token_ids
     assert out.text == PARSERS["codefleet"].parse(engine.tokenizer.decode(ids)).content
     assert out.finish_reason in ("stop", "length", "tool_calls")

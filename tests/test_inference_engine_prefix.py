@@ -20,10 +20,12 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0)
 @pytest.fixture(scope="module", params=["plain", "copy_head", "copy_prompt_match", "copy_blocked"])
 def model(request):
     torch.manual_seed(0)
-    copy = {"plain": CopyConfig(), "copy_head": CopyConfig(head=True),
-            "copy_prompt_match": CopyConfig(head=True, scope="prompt", match=True),
-            "copy_blocked": CopyConfig(head=True, scope="prompt", match=True,
-                                       blocked=list(range(16, 600)))}[request.param]
+    copy = {
+        "plain": CopyConfig(),
+        "copy_head": CopyConfig(head=True),
+        "copy_prompt_match": CopyConfig(head=True, scope="prompt", match=True),
+        "copy_blocked": CopyConfig(head=True, scope="prompt", match=True, blocked=list(range(16, 600))),
+    }[request.param]
     return Transformer(ModelConfig.tiny(copy=copy)).eval()
 
 
@@ -67,7 +69,7 @@ def test_the_trainers_forward_over_a_reused_prefix_equals_the_engines_logprobs_w
     tokens_BT = torch.tensor([last.prompt_token_ids + last.token_ids])
     turn_mask_BT = torch.zeros_like(tokens_BT, dtype=torch.bool)  # the queries that predict each turn's tokens
     for r in turns:
-        turn_mask_BT[0, len(r.prompt_token_ids) - 1: len(r.prompt_token_ids) + len(r.token_ids) - 1] = True
+        turn_mask_BT[0, len(r.prompt_token_ids) - 1 : len(r.prompt_token_ids) + len(r.token_ids) - 1] = True
     experts_TLK = torch.tensor(last.prompt_routed_experts + last.routed_experts)
     for replay in (None, [experts_TLK[None, :, layer] for layer in range(experts_TLK.shape[1])]):
         with torch.no_grad():
@@ -75,7 +77,7 @@ def test_the_trainers_forward_over_a_reused_prefix_equals_the_engines_logprobs_w
         trainer = token_logprobs(logits_BTV[:, :-1], tokens_BT[:, 1:])[0]
         for r in turns:
             n = len(r.prompt_token_ids)
-            assert (trainer[n - 1: n - 1 + len(r.token_ids)] - torch.tensor(r.logprobs)).abs().max().item() <= 1e-4
+            assert (trainer[n - 1 : n - 1 + len(r.token_ids)] - torch.tensor(r.logprobs)).abs().max().item() <= 1e-4
 
 
 def test_a_group_sharing_a_prompt_copies_the_common_prefix_and_keeps_the_entry(model):

@@ -87,8 +87,11 @@ def test_openai_client_lists_the_model_and_gets_completions_with_usage_and_logpr
 
 def test_streaming_sends_the_same_turn_in_chunks(client):
     whole = client.chat.completions.create(model=NAME, messages=USER, max_tokens=8, temperature=0)
-    chunks = list(client.chat.completions.create(model=NAME, messages=USER, max_tokens=8, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=NAME, messages=USER, max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert text.strip() == whole.choices[0].message.content.strip()
@@ -106,8 +109,9 @@ def test_the_agents_openai_policy_runs_against_the_server(server):
 
 def test_concurrent_requests_share_decode_steps(server, client):
     def one(i: int):
-        return client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": f"task {i}"}],
-                                              max_tokens=24, temperature=0)
+        return client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": f"task {i}"}], max_tokens=24, temperature=0
+        )
 
     with ThreadPoolExecutor(6) as pool:
         results = list(pool.map(one, range(6)))
@@ -125,15 +129,17 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
         ({"model": NAME, "messages": USER, "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
         ({"model": NAME, "messages": USER, "stop": 5}, 400, "stop", "invalid_type"),
         ({"model": NAME, "messages": USER, "seed": 2**64}, 400, "seed", "invalid_value"),
-        ({"model": NAME, "messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
-         "invalid_value"),
+        ({"model": NAME, "messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "invalid_value"),
         ({"model": NAME, "messages": USER, "top_logprobs": 3}, 400, "top_logprobs", "invalid_value"),
-        ({"model": NAME, "messages": USER, "logprobs": True, "top_logprobs": "3"}, 400, "top_logprobs",
-         "invalid_type"),
+        ({"model": NAME, "messages": USER, "logprobs": True, "top_logprobs": "3"}, 400, "top_logprobs", "invalid_type"),
         ({"model": NAME, "messages": USER, "tool_choice": "required"}, 400, "tool_choice", "invalid_value"),
         ({"model": "gpt-9", "messages": USER}, 404, "model", "model_not_found"),
-        ({"model": NAME, "messages": [{"role": "user", "content": "word " * 5000}]}, 400, "messages",
-         "context_length_exceeded"),
+        (
+            {"model": NAME, "messages": [{"role": "user", "content": "word " * 5000}]},
+            400,
+            "messages",
+            "context_length_exceeded",
+        ),
     ]
     for body, status, param, code in cases:
         got_status, got = post(server, body)
@@ -168,12 +174,16 @@ def test_nulls_count_as_absent_developer_is_system_and_a_tiny_temperature_is_gre
 
 def test_a_stream_with_logprobs_carries_the_responses_logprobs(client):
     whole = client.chat.completions.create(model=NAME, messages=USER, max_tokens=10, temperature=0, logprobs=True)
-    chunks = list(client.chat.completions.create(model=NAME, messages=USER, max_tokens=10, temperature=0,
-                                                 logprobs=True, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model=NAME, messages=USER, max_tokens=10, temperature=0, logprobs=True, stream=True
+        )
+    )
     streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert [t.token for t in streamed] == [t.token for t in whole.choices[0].logprobs.content]
-    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in whole.choices[0].logprobs.content],
-                                                          abs=1e-5)
+    assert [t.logprob for t in streamed] == pytest.approx(
+        [t.logprob for t in whole.choices[0].logprobs.content], abs=1e-5
+    )
 
 
 def _disconnect_midway(server, body: dict) -> int:
@@ -181,8 +191,10 @@ def _disconnect_midway(server, body: dict) -> int:
     engine = server.server.engine
     data = json.dumps(body).encode()
     with socket.create_connection((server.host, server.port)) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n" % len(data) + data)
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(data) + data
+        )
         deadline = time.monotonic() + 30
         while engine.n_running == 0:
             assert time.monotonic() < deadline, "the request never started"
@@ -194,8 +206,11 @@ def _disconnect_midway(server, body: dict) -> int:
     return engine.steps - steps
 
 
-@pytest.mark.parametrize("extra", [{}, {"stream": True, "stop": ["never printed"]},
-                                   {"stream": True, "tools": tool_schemas()}], ids=["plain", "stream_stop", "tools"])
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"stream": True, "stop": ["never printed"]}, {"stream": True, "tools": tool_schemas()}],
+    ids=["plain", "stream_stop", "tools"],
+)
 def test_a_client_that_disconnects_cancels_its_engine_request(server, extra):
     # nothing is sent before the end in these modes, so only the closed connection can stop the request
     body = {"model": NAME, "messages": USER, "max_tokens": 900, "temperature": 0, **extra}
@@ -218,10 +233,13 @@ def test_a_stream_that_fails_partway_ends_with_an_error_chunk_and_done(server):
     engine = server.server.engine
     body = {"model": NAME, "messages": USER, "max_tokens": 900, "temperature": 0, "stream": True}
     with ServerThread(engine, BreaksAfterTwoTokens(), model_name=NAME) as broken:
-        request = urllib.request.Request(broken.base_url + "/chat/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            broken.base_url + "/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(request, timeout=60) as r:
-            events = [line[len(b"data: "):] for line in r.read().splitlines() if line.startswith(b"data: ")]
+            events = [line[len(b"data: ") :] for line in r.read().splitlines() if line.startswith(b"data: ")]
     assert events[-1] == b"[DONE]"
     error = json.loads(events[-2])["error"]
     assert error["type"] == "server_error" and "the tokenizer broke" in error["message"]
@@ -233,13 +251,16 @@ def test_a_stream_that_fails_partway_ends_with_an_error_chunk_and_done(server):
 
 def test_the_response_builder_turns_parsed_tool_calls_into_openai_tool_calls(server):
     tokenizer = server.server.tokenizer
-    text = ('Reading both.<|tool_call|>{"name": "read_file", "arguments": {"path": "a.py"}}<|/tool_call|>'
-            '<|tool_call|>{"name": "run", "arguments": {"command": "pytest -q"}}<|/tool_call|>'
-            '<|tool_call|>{"name": oops}<|/tool_call|>')
+    text = (
+        'Reading both.<|tool_call|>{"name": "read_file", "arguments": {"path": "a.py"}}<|/tool_call|>'
+        '<|tool_call|>{"name": "run", "arguments": {"command": "pytest -q"}}<|/tool_call|>'
+        '<|tool_call|>{"name": oops}<|/tool_call|>'
+    )
     ids = tokenizer.encode(text, allow_special=True)
     end = tokenizer.special_id(END)
-    result = Result([1, 2, 3], ids + [end], [-0.5] * (len(ids) + 1), [0] * (len(ids) + 1), [], [], "stop", text,
-                    stop=end)
+    result = Result(
+        [1, 2, 3], ids + [end], [-0.5] * (len(ids) + 1), [0] * (len(ids) + 1), [], [], "stop", text, stop=end
+    )
     request = ChatRequest([1, 2, 3], None, tool_schemas(), False, False, False)
     body = build_completion(result, request, tokenizer, NAME, "chatcmpl-abc12345", 0)
     choice = body["choices"][0]
@@ -249,10 +270,20 @@ def test_the_response_builder_turns_parsed_tool_calls_into_openai_tool_calls(ser
     assert json.loads(calls[1]["function"]["arguments"]) == {"command": "pytest -q"}
     assert len({c["id"] for c in calls}) == 2 and all(c["type"] == "function" for c in calls)
     assert choice["message"]["content"] == "Reading both."
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": len(ids) + 1, "total_tokens": len(ids) + 4,
-                             "prompt_tokens_details": {"cached_tokens": 0}}
-    cut = build_completion(Result([1], ids, [0.0] * len(ids), [0] * len(ids), [], [], "length", text), request,
-                           tokenizer, NAME, "chatcmpl-x", 0)
+    assert body["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": len(ids) + 1,
+        "total_tokens": len(ids) + 4,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    cut = build_completion(
+        Result([1], ids, [0.0] * len(ids), [0] * len(ids), [], [], "length", text),
+        request,
+        tokenizer,
+        NAME,
+        "chatcmpl-x",
+        0,
+    )
     assert cut["choices"][0]["finish_reason"] == "length"  # ran out of tokens: the calls may be incomplete
 
 
@@ -261,9 +292,24 @@ def test_the_serve_command_runs_a_server_process(checkpoint_dir, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "codefleet.inference.serve_cli", "--checkpoint", checkpoint_dir,
-                             "--port", str(port), "--max-seq-len", "512", "--threads", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "codefleet.inference.serve_cli",
+            "--checkpoint",
+            checkpoint_dir,
+            "--port",
+            str(port),
+            "--max-seq-len",
+            "512",
+            "--threads",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=30)
         deadline = time.monotonic() + 45
@@ -280,13 +326,32 @@ def test_the_serve_command_runs_a_server_process(checkpoint_dir, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
-    missing = subprocess.run([sys.executable, "-m", "codefleet.inference.serve_cli", "--checkpoint",
-                              str(tmp_path / "nope"), "--port", "1"],
-                             check=False, capture_output=True, text=True, timeout=60)
+    missing = subprocess.run(
+        [sys.executable, "-m", "codefleet.inference.serve_cli", "--checkpoint", str(tmp_path / "nope"), "--port", "1"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     for flag, value in (("--max-batch", "0"), ("--max-seq-len", "-5")):
-        bad = subprocess.run([sys.executable, "-m", "codefleet.inference.serve_cli", "--checkpoint", checkpoint_dir,
-                              "--port", "1", flag, value], check=False, capture_output=True, text=True, timeout=60)
+        bad = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "codefleet.inference.serve_cli",
+                "--checkpoint",
+                checkpoint_dir,
+                "--port",
+                "1",
+                flag,
+                value,
+            ],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert bad.returncode == 2 and f"{flag} must be at least" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -296,16 +361,19 @@ def test_a_bare_prompt_policy_is_served_the_conversation_it_was_trained_on(check
     system = [{"role": "system", "content": "You are a fast, careful coding agent."}]
     engine = Engine.load(checkpoint_dir, max_batch=4, max_seq_len=2048)
     try:
-        with ServerThread(engine, engine.tokenizer, model_name=NAME, prompt="bare") as bare, \
-                ServerThread(engine, engine.tokenizer, model_name=NAME) as full:
+        with (
+            ServerThread(engine, engine.tokenizer, model_name=NAME, prompt="bare") as bare,
+            ServerThread(engine, engine.tokenizer, model_name=NAME) as full,
+        ):
             body = {"messages": system + USER, "tools": tool_schemas(), "max_tokens": 2, "temperature": 0}
             status, served = post(bare, body)
             assert status == 200
             assert served["usage"]["prompt_tokens"] == len(encode_chat(engine.tokenizer, USER, None))
             status, as_sent = post(full, body)
             assert status == 200
-            assert as_sent["usage"]["prompt_tokens"] == len(encode_chat(engine.tokenizer, system + USER,
-                                                                             tool_schemas()))
+            assert as_sent["usage"]["prompt_tokens"] == len(
+                encode_chat(engine.tokenizer, system + USER, tool_schemas())
+            )
             status, error = post(bare, {"messages": system, "max_tokens": 2})
             assert status == 400 and "send the task as a user message" in error["error"]["message"]
     finally:
@@ -317,10 +385,25 @@ def test_a_bare_prompt_policy_is_served_the_conversation_it_was_trained_on(check
 def test_the_serve_command_serves_a_checkpoint_in_the_prompt_style_it_says(checkpoint_dir, tmp_path):
     shutil.copytree(checkpoint_dir, tmp_path / "rl")
     checkpoint.write_usage(str(tmp_path / "rl"), prompt="bare")
-    proc = subprocess.Popen([sys.executable, "-m", "codefleet.inference.serve_cli", "--checkpoint",
-                             str(tmp_path / "rl"), "--port", "0", "--max-seq-len", "512",
-                             "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "codefleet.inference.serve_cli",
+            "--checkpoint",
+            str(tmp_path / "rl"),
+            "--port",
+            "0",
+            "--max-seq-len",
+            "512",
+            "--threads",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         banner = proc.stdout.readline()
     finally:
@@ -333,12 +416,23 @@ def test_the_serve_command_serves_a_checkpoint_in_the_prompt_style_it_says(check
 
 # Schemas that bound a call (a closed object, an enum): a random model's call ends within a few dozen tokens,
 # where a free string could run to max_tokens.
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather where the user is.",
-    "parameters": {"type": "object", "properties": {"unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                   "required": ["unit"], "additionalProperties": False}}}
-CLOCK = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather where the user is.",
+        "parameters": {
+            "type": "object",
+            "properties": {"unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}},
+}
 
 
 def test_tool_choice_required_or_a_named_function_makes_even_a_random_model_call(client):
@@ -347,15 +441,17 @@ def test_tool_choice_required_or_a_named_function_makes_even_a_random_model_call
         required = client.chat.completions.create(**ask, seed=seed, tool_choice="required").choices[0]
         assert required.message.tool_calls and required.message.content is None, required  # calls, no text
         assert {c.function.name for c in required.message.tool_calls} <= {"get_weather", "get_time"}
-        named = client.chat.completions.create(**ask, seed=seed, tool_choice={"type": "function",
-                                                                              "function": {"name": "get_weather"}})
+        named = client.chat.completions.create(
+            **ask, seed=seed, tool_choice={"type": "function", "function": {"name": "get_weather"}}
+        )
         choice = named.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
         [call] = choice.message.tool_calls  # one call, of that function
         assert call.function.name == "get_weather"
         assert json.loads(call.function.arguments) in ({"unit": "celsius"}, {"unit": "fahrenheit"})
-    greedy = client.chat.completions.create(**ask, temperature=0, tool_choice={"type": "function",
-                                                                               "function": {"name": "get_time"}})
+    greedy = client.chat.completions.create(
+        **ask, temperature=0, tool_choice={"type": "function", "function": {"name": "get_time"}}
+    )
     [call] = greedy.choices[0].message.tool_calls
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_time", {})
     chunks = list(client.chat.completions.create(**ask, seed=5, tool_choice="required", stream=True))
@@ -405,8 +501,9 @@ def test_logprobs_with_top_logprobs_return_the_likeliest_tokens_in_openais_shape
     chunks = list(client.chat.completions.create(**ask, top_logprobs=5, stream=True))
     streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert [[a.token for a in t.top_logprobs] for t in streamed] == [[a.token for a in t.top_logprobs] for t in content]
-    assert all(t.top_logprobs == [] for t in client.chat.completions.create(**ask, top_logprobs=0)
-               .choices[0].logprobs.content)
+    assert all(
+        t.top_logprobs == [] for t in client.chat.completions.create(**ask, top_logprobs=0).choices[0].logprobs.content
+    )
     assert len(client.chat.completions.create(**ask, top_logprobs=20).choices[0].logprobs.content[0].top_logprobs) == 20
     for bad in ({"logprobs": True, "top_logprobs": 21}, {"top_logprobs": 2}, {"logprobs": False, "top_logprobs": 0}):
         with pytest.raises(openai.BadRequestError, match="top_logprobs") as e:
@@ -459,18 +556,33 @@ def test_max_tokens_over_the_room_the_prompt_leaves_is_refused_as_openai_does(ch
             unsent = client.chat.completions.create(model=NAME, messages=USER)  # not sent: the room left
             assert 1 <= unsent.usage.completion_tokens <= room
             with pytest.raises(openai.BadRequestError, match="context") as e:  # the prompt alone is too long
-                client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "word " * 80}],
-                                               max_tokens=1)
+                client.chat.completions.create(
+                    model=NAME, messages=[{"role": "user", "content": "word " * 80}], max_tokens=1
+                )
             assert (e.value.param, e.value.code) == ("messages", "context_length_exceeded")
     finally:
         engine.close()
 
 
 def test_serve_on_port_0_prints_the_real_port_and_a_port_in_use_is_one_line_and_exit_2(checkpoint_dir):
-    command = [sys.executable, "-m", "codefleet.inference.serve_cli", "--checkpoint", checkpoint_dir, "--max-seq-len",
-               "256", "--threads", "1"]
-    proc = subprocess.Popen([*command, "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    command = [
+        sys.executable,
+        "-m",
+        "codefleet.inference.serve_cli",
+        "--checkpoint",
+        checkpoint_dir,
+        "--max-seq-len",
+        "256",
+        "--threads",
+        "1",
+    ]
+    proc = subprocess.Popen(
+        [*command, "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         banner = proc.stdout.readline()
         found = re.search(r"on http://127\.0\.0\.1:(\d+)/v1", banner)
@@ -478,30 +590,40 @@ def test_serve_on_port_0_prints_the_real_port_and_a_port_in_use_is_one_line_and_
         port = int(found[1])
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=30)
         assert [m.id for m in client.models.list()] == [NAME]  # the line came once it listened, on that port
-        taken = subprocess.run([*command, "--port", str(port)], check=False, capture_output=True, text=True,
-                               timeout=120)
+        taken = subprocess.run(
+            [*command, "--port", str(port)], check=False, capture_output=True, text=True, timeout=120
+        )
     finally:
         proc.terminate()
         proc.wait(timeout=10)
     assert taken.returncode == 2 and "codefleet serve:" not in taken.stdout, taken.stdout  # no line saying it serves
     errors = [line for line in taken.stderr.splitlines() if "codefleet serve:" in line]
-    assert len(errors) == 1 and f"cannot listen on 127.0.0.1:{port}" in errors[0] and "in use" in errors[0], taken.stderr
+    assert len(errors) == 1 and f"cannot listen on 127.0.0.1:{port}" in errors[0] and "in use" in errors[0], (
+        taken.stderr
+    )
     assert "Traceback" not in taken.stderr
 
 
 def test_a_body_nested_too_deep_or_with_a_huge_integer_is_a_400_not_a_500(server, client):
     """A hostile body (100,000 nested `[`, an integer of 5,000 digits) is the client's mistake, answered as OpenAI
     answers one: a 400 with an invalid_request_error the real `openai` client raises as BadRequestError."""
-    hostile = [b"[" * 100_000, b'{"model": "x", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
-               b'{"a": ' * 100_000 + b"1" + b"}" * 100_000,
-               b'{"model": "' + NAME.encode() + b'", "messages": [], "max_tokens": ' + b"9" * 5000 + b"}"]
+    hostile = [
+        b"[" * 100_000,
+        b'{"model": "x", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        b'{"a": ' * 100_000 + b"1" + b"}" * 100_000,
+        b'{"model": "' + NAME.encode() + b'", "messages": [], "max_tokens": ' + b"9" * 5000 + b"}",
+    ]
     for body in hostile:
         status, got = post(server, body)
         assert status == 400, got
         assert got["error"]["type"] == "invalid_request_error" and got["error"]["code"] == "invalid_json"
         assert set(got["error"]) == {"message", "type", "param", "code"} and got["error"]["message"]
         with pytest.raises(openai.BadRequestError, match="too deeply|not valid JSON") as e:
-            client.post("/chat/completions", cast_to=object, content=body,
-                        options={"headers": {"Content-Type": "application/json"}})
+            client.post(
+                "/chat/completions",
+                cast_to=object,
+                content=body,
+                options={"headers": {"Content-Type": "application/json"}},
+            )
         assert e.value.status_code == 400 and e.value.code == "invalid_json"
     assert client.chat.completions.create(model=NAME, messages=USER, max_tokens=2).usage.completion_tokens >= 1

@@ -23,11 +23,22 @@ from codefleet.inference.server import ServerThread, build_completion
 pytest.importorskip("transformers")
 NAME = "tiny-qwen3-moe"
 USER = [{"role": "user", "content": "Fix the failing test in pkg/calc.py."}]
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "parameters": {"type": "object", "additionalProperties": False, "required": ["unit"],
-                                          "properties": {"unit": {"type": "string", "enum": ["celsius", "kelvin"]}}}}}
-CLOCK = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["unit"],
+            "properties": {"unit": {"type": "string", "enum": ["celsius", "kelvin"]}},
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}},
+}
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +84,9 @@ def test_tool_choice_required_and_named_answer_in_the_checkpoints_call_format(cl
         required = client.chat.completions.create(**ask, seed=seed, tool_choice="required").choices[0]
         assert required.message.tool_calls and required.message.content is None, required
         assert {c.function.name for c in required.message.tool_calls} <= {"get_weather", "get_time"}
-        named = client.chat.completions.create(**ask, seed=seed, tool_choice={"type": "function",
-                                                                              "function": {"name": "get_weather"}})
+        named = client.chat.completions.create(
+            **ask, seed=seed, tool_choice={"type": "function", "function": {"name": "get_weather"}}
+        )
         [call] = named.choices[0].message.tool_calls
         assert named.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
         assert json.loads(call.function.arguments) in ({"unit": "celsius"}, {"unit": "kelvin"})
@@ -87,13 +99,16 @@ def test_tool_choice_required_and_named_answer_in_the_checkpoints_call_format(cl
 
 def test_hermes_calls_in_a_completion_become_openai_tool_calls(served):
     tok = served[1].tokenizer
-    text = ('Reading.\n<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}\n</tool_call>\n'
-            '<tool_call>\n{"name": oops}\n</tool_call>')
+    text = (
+        'Reading.\n<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": oops}\n</tool_call>'
+    )
     ids = tok.encode(text, allow_special=True)
     end = tok.special_id("<|im_end|>")
     result = Result([1], ids + [end], [0.0] * (len(ids) + 1), [0] * (len(ids) + 1), [], [], "stop", text, stop=end)
-    body = build_completion(result, ChatRequest([1], None, tool_schemas(), False, False, False), tok, NAME,
-                            "chatcmpl-abc12345", 0)
+    body = build_completion(
+        result, ChatRequest([1], None, tool_schemas(), False, False, False), tok, NAME, "chatcmpl-abc12345", 0
+    )
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Reading."
     [call] = choice["message"]["tool_calls"]
@@ -104,9 +119,24 @@ def test_codefleet_serve_serves_a_hugging_face_directory(hf_dir):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "codefleet.inference.serve_cli", "--checkpoint", hf_dir, "--port",
-                             str(port), "--max-seq-len", "512", "--threads", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "codefleet.inference.serve_cli",
+            "--checkpoint",
+            hf_dir,
+            "--port",
+            str(port),
+            "--max-seq-len",
+            "512",
+            "--threads",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=30)
         deadline = time.monotonic() + 60
@@ -118,8 +148,9 @@ def test_codefleet_serve_serves_a_hugging_face_directory(hf_dir):
                 assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()
                 time.sleep(0.2)
         # A random model's call takes 26-38 tokens and "required" allows more than one: room for a whole one.
-        r = client.chat.completions.create(model=NAME, messages=USER, tools=[CLOCK], tool_choice="required",
-                                           max_tokens=160, seed=0)
+        r = client.chat.completions.create(
+            model=NAME, messages=USER, tools=[CLOCK], tool_choice="required", max_tokens=160, seed=0
+        )
         calls = r.choices[0].message.tool_calls
         assert calls and {c.function.name for c in calls} == {"get_time"}, r
     finally:
@@ -135,10 +166,15 @@ def test_a_checkpoint_without_a_chat_template_is_refused_with_what_to_do(hf_dir,
     config = json.load(open(os.path.join(bare, "tokenizer_config.json")))
     del config["chat_template"]
     json.dump(config, open(os.path.join(bare, "tokenizer_config.json"), "w"))
-    out = subprocess.run([sys.executable, "-m", "codefleet.inference.serve_cli", "--checkpoint", bare, "--port", "0"],
-                         check=False, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "codefleet.inference.serve_cli", "--checkpoint", bare, "--port", "0"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert "tokenizer_config.json has no \"chat_template\"" in out.stderr and "chat_template.jinja" in out.stderr
+    assert 'tokenizer_config.json has no "chat_template"' in out.stderr and "chat_template.jinja" in out.stderr
 
 
 def test_the_local_policy_keeps_the_exact_tokens_across_turns_of_a_hugging_face_model(served):
@@ -154,13 +190,13 @@ def test_the_local_policy_keeps_the_exact_tokens_across_turns_of_a_hugging_face_
     n_prompt = len(fmt.encode_chat(tok, messages, []))
     after_first = list(episode.tokens.ids)
     assert after_first[:n_prompt] == fmt.encode_chat(tok, messages, [])
-    assert after_first[n_prompt:n_prompt + len(first.token_ids)] == first.token_ids and after_first[-1] == end
+    assert after_first[n_prompt : n_prompt + len(first.token_ids)] == first.token_ids and after_first[-1] == end
     messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "go on <|im_end|>"}]
     second = episode.generate(messages, [])
     ids = episode.tokens.ids
-    assert ids[:len(after_first)] == after_first  # turn 2's prompt extends exactly what turn 1 sampled
-    added = ids[len(after_first):second.prompt_tokens]  # the engine's turn-2 prompt is the sequence up to here
-    assert ids[second.prompt_tokens:second.prompt_tokens + len(second.token_ids)] == second.token_ids
+    assert ids[: len(after_first)] == after_first  # turn 2's prompt extends exactly what turn 1 sampled
+    added = ids[len(after_first) : second.prompt_tokens]  # the engine's turn-2 prompt is the sequence up to here
+    assert ids[second.prompt_tokens : second.prompt_tokens + len(second.token_ids)] == second.token_ids
     assert tok.decode(added) == "\n<|im_start|>user\ngo on <|im_end|><|im_end|>\n<|im_start|>assistant\n"
     assert added.count(end) == 1  # the user's "<|im_end|>" is plain text
     assert episode.tokens.mask.count(1) == len(first.token_ids) + len(second.token_ids)

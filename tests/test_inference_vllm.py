@@ -37,7 +37,7 @@ def prompts(vocab: int, n: int = 3, length: int = 70, seed: int = 0) -> list[lis
 def trainer_logprobs(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
     ids_BT = torch.tensor([prompt + completion])
     with torch.no_grad():
-        return token_logprobs(model(ids_BT).logits_BTV[:, :-1], ids_BT[:, 1:])[0, len(prompt) - 1:]
+        return token_logprobs(model(ids_BT).logits_BTV[:, :-1], ids_BT[:, 1:])[0, len(prompt) - 1 :]
 
 
 def assert_parity(model, results) -> None:
@@ -50,8 +50,10 @@ def assert_parity(model, results) -> None:
 
 def perturbed(model, seed: int) -> dict[str, torch.Tensor]:
     g, by_storage = torch.Generator().manual_seed(seed), {}  # tied embeddings: one tensor, one perturbation
-    return {k: by_storage.setdefault(v.data_ptr(), v + 0.02 * torch.randn(v.shape, generator=g))
-            for k, v in model.state_dict().items()}
+    return {
+        k: by_storage.setdefault(v.data_ptr(), v + 0.02 * torch.randn(v.shape, generator=g))
+        for k, v in model.state_dict().items()
+    }
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "qwen3_tied"])
@@ -131,9 +133,12 @@ def test_submit_stops_on_a_stop_token_and_decodes_the_text_without_it(built):
     stop_id = greedy.token_ids[3]
     first = greedy.token_ids.index(stop_id)
     streamed = []
-    stopped = engine.submit(prompt, SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_id]),
-                            on_token=lambda t, lp, top: streamed.append(t)).result(timeout=120)
-    assert stopped.token_ids == greedy.token_ids[:first + 1] == streamed
+    stopped = engine.submit(
+        prompt,
+        SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_id]),
+        on_token=lambda t, lp, top: streamed.append(t),
+    ).result(timeout=120)
+    assert stopped.token_ids == greedy.token_ids[: first + 1] == streamed
     assert (stopped.finish_reason, stopped.stop) == ("stop", stop_id)
     assert stopped.text == engine.tokenizer.decode(greedy.token_ids[:first])
 

@@ -13,8 +13,21 @@ from codefleet.model.transformer import Transformer
 
 
 def _config(**overrides) -> ModelConfig:
-    return ModelConfig(**{"vocab_size": 101, "d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8,
-                                 "n_experts": 4, "top_k": 2, "d_expert": 16, "balance": "bias", **overrides})
+    return ModelConfig(
+        **{
+            "vocab_size": 101,
+            "d_model": 32,
+            "n_layers": 2,
+            "n_heads": 4,
+            "n_kv_heads": 2,
+            "head_dim": 8,
+            "n_experts": 4,
+            "top_k": 2,
+            "d_expert": 16,
+            "balance": "bias",
+            **overrides,
+        }
+    )
 
 
 @pytest.mark.parametrize("tie", [False, True])
@@ -69,8 +82,10 @@ def test_a_corrupt_or_mismatched_checkpoint_is_a_value_error_naming_the_file(tmp
         json.dump({**good_config, "d_model": 48}, f)
     with pytest.raises(ValueError, match=r"holds embed.weight of shape \[101, 32\] but config.json makes it"):
         getattr(checkpoint, read)(path)
-    for broken, match in (({**good_config, "n_heads": 0}, "sizes must be positive integers"),
-                          ([1, 2], "must hold a JSON object")):
+    for broken, match in (
+        ({**good_config, "n_heads": 0}, "sizes must be positive integers"),
+        ([1, 2], "must hold a JSON object"),
+    ):
         with open(config_file, "w") as f:
             json.dump(broken, f)
         with pytest.raises(ValueError, match=match):

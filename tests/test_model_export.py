@@ -18,22 +18,44 @@ from codefleet.model.config import ModelConfig
 from codefleet.model.copying import CopyConfig
 from codefleet.model.transformer import Transformer
 
-TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file.",
-                                           "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
-                                                          "required": ["path"]}}},
-         {"type": "function", "function": {"name": "submit", "description": "Finish.", "parameters": {
-             "type": "object", "properties": {}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a file.",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+        },
+    },
+    {
+        "type": "function",
+        "function": {"name": "submit", "description": "Finish.", "parameters": {"type": "object", "properties": {}}},
+    },
+]
 CONVERSATIONS = [
     [{"role": "system", "content": "You fix bugs."}, {"role": "user", "content": "Fix a.py <|end|> please"}],
-    [{"role": "user", "content": [{"type": "text", "text": "Task: "}, {"type": "text", "text": "x"}]},
-     {"role": "assistant", "content": "Reading.", "tool_calls": [
-         {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "a.py"}'}},
-         {"id": "c2", "type": "function", "function": {"name": "read_file",
-                                                        "arguments": '{"path": "<|/tool_call|>.py"}'}}]},
-     {"role": "tool", "tool_call_id": "c1", "content": "1\timport os"},
-     {"role": "tool", "tool_call_id": "c2", "content": "no such file"},
-     {"role": "assistant", "content": None, "tool_calls": [
-         {"id": "c3", "type": "function", "function": {"name": "submit", "arguments": ""}}]}],
+    [
+        {"role": "user", "content": [{"type": "text", "text": "Task: "}, {"type": "text", "text": "x"}]},
+        {
+            "role": "assistant",
+            "content": "Reading.",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "a.py"}'}},
+                {
+                    "id": "c2",
+                    "type": "function",
+                    "function": {"name": "read_file", "arguments": '{"path": "<|/tool_call|>.py"}'},
+                },
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "1\timport os"},
+        {"role": "tool", "tool_call_id": "c2", "content": "no such file"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c3", "type": "function", "function": {"name": "submit", "arguments": ""}}],
+        },
+    ],
 ]
 
 
@@ -42,8 +64,9 @@ def exported(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
     torch.manual_seed(0)
     tok = default_tokenizer()
-    model = Transformer(ModelConfig.tiny(vocab_size=tok.vocab_size, n_layers=2, max_seq_len=256,
-                                         copy=CopyConfig(prev_tokens=0))).eval()
+    model = Transformer(
+        ModelConfig.tiny(vocab_size=tok.vocab_size, n_layers=2, max_seq_len=256, copy=CopyConfig(prev_tokens=0))
+    ).eval()
     checkpoint.save(model, str(root / "ckpt"))
     checkpoint.describe(str(root / "ckpt"), tok)
     assert main(["export", str(root / "ckpt"), "--hf", str(root / "hf"), "--max-shard-mb", "2"]) == 0

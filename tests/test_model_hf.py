@@ -23,15 +23,36 @@ from codefleet.model.copying import CopyConfig
 from codefleet.model.transformer import Transformer, token_logprobs
 
 V = 300
-COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+COMMON = dict(
+    vocab_size=V,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+)
 CONFIGS = {
     "qwen3": lambda: Qwen3Config(**COMMON, tie_word_embeddings=True),
-    "qwen3_moe": lambda: Qwen3MoeConfig(**COMMON, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-                                        mlp_only_layers=[1], norm_topk_prob=True),
-    "llama": lambda: LlamaConfig(**COMMON, rope_scaling={"rope_type": "llama3", "factor": 8.0,
-                                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                         "original_max_position_embeddings": 16}),
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **COMMON,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        mlp_only_layers=[1],
+        norm_topk_prob=True,
+    ),
+    "llama": lambda: LlamaConfig(
+        **COMMON,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ),
 }
 
 
@@ -128,7 +149,7 @@ def test_the_engines_incremental_decode_equals_transformers(pair, native, monkey
     for prompt, result in zip(prompts, results):
         ids = torch.tensor([prompt + result.token_ids])
         with torch.no_grad():
-            ref = token_logprobs(reference(ids).logits[:, :-1], ids[:, 1:])[0, len(prompt) - 1:]
+            ref = token_logprobs(reference(ids).logits[:, :-1], ids[:, 1:])[0, len(prompt) - 1 :]
         assert (ref - torch.tensor(result.logprobs)).abs().max() <= 1e-4
     assert bool(calls) == native  # the decode steps ran the native kernel (q/k norm included) when asked
 
@@ -137,7 +158,8 @@ def test_routing_replay_reproduces_the_engines_logprobs_on_qwen3_moe(moe_pair):
     kind, path, reference, model = moe_pair
     prompts = [[5, 17, 33, 2], [8, 40, 61, 9, 12, 70, 3]]
     results = Engine(model, max_batch=2, max_seq_len=64).generate(
-        prompts, [SamplingParams(max_tokens=8, temperature=1.0, seed=i) for i in range(2)])
+        prompts, [SamplingParams(max_tokens=8, temperature=1.0, seed=i) for i in range(2)]
+    )
     for prompt, result in zip(prompts, results):
         ids = torch.tensor([prompt + result.token_ids])
         experts = torch.tensor(result.prompt_routed_experts + result.routed_experts)  # [T, layers, top_k]
@@ -145,7 +167,7 @@ def test_routing_replay_reproduces_the_engines_logprobs_on_qwen3_moe(moe_pair):
         replay = [experts[None, :, layer] for layer in range(2)]
         with torch.no_grad():
             lp = token_logprobs(model(ids, routing_replay=replay).logits_BTV[:, :-1], ids[:, 1:])
-        assert (lp[0, len(prompt) - 1:] - torch.tensor(result.logprobs)).abs().max() <= 1e-4
+        assert (lp[0, len(prompt) - 1 :] - torch.tensor(result.logprobs)).abs().max() <= 1e-4
 
 
 def test_a_saved_checkpoint_is_a_directory_transformers_loads_with_equal_logits(pair, tmp_path):
@@ -162,8 +184,7 @@ def test_a_saved_checkpoint_is_a_directory_transformers_loads_with_equal_logits(
 @pytest.mark.parametrize("qk_norm,arch", [(True, "Qwen3MoeForCausalLM"), (False, "MixtralForCausalLM")])
 def test_export_writes_codefleets_own_moe_as_its_hugging_face_architecture(qk_norm, arch, tmp_path):
     torch.manual_seed(0)
-    config = ModelConfig.tiny(vocab_size=V, n_layers=2, qk_norm=qk_norm, copy=CopyConfig(prev_tokens=0),
-                              max_seq_len=64)
+    config = ModelConfig.tiny(vocab_size=V, n_layers=2, qk_norm=qk_norm, copy=CopyConfig(prev_tokens=0), max_seq_len=64)
     model = Transformer(config).eval()
     hf.save(model, str(tmp_path))
     assert json.load(open(tmp_path / "config.json"))["architectures"] == [arch]
@@ -180,6 +201,7 @@ def test_export_says_why_a_model_with_a_copy_head_has_no_hugging_face_architectu
 
 
 # ---- bad directories --------------------------------------------------------------------------------------------
+
 
 @pytest.fixture()
 def qwen_dir(tmp_path):
@@ -224,12 +246,15 @@ def test_a_tensor_whose_shape_does_not_fit_the_config_is_named(qwen_dir):
         checkpoint.load(str(qwen_dir))
 
 
-@pytest.mark.parametrize("edit,message", [
-    ({"architectures": ["MistralForCausalLM"]}, "supports Qwen3ForCausalLM, Qwen3MoeForCausalLM, LlamaForCausalLM"),
-    ({"auto_map": {"AutoModelForCausalLM": "modeling_x.X"}}, "trust_remote_code"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "'yarn' is not supported"),
-    ({"attention_bias": True}, "attention_bias"),
-])
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        ({"architectures": ["MistralForCausalLM"]}, "supports Qwen3ForCausalLM, Qwen3MoeForCausalLM, LlamaForCausalLM"),
+        ({"auto_map": {"AutoModelForCausalLM": "modeling_x.X"}}, "trust_remote_code"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "'yarn' is not supported"),
+        ({"attention_bias": True}, "attention_bias"),
+    ],
+)
 def test_what_codefleet_cannot_compute_is_refused_with_one_error(qwen_dir, edit, message):
     config = {**json.load(open(qwen_dir / "config.json")), **edit}
     json.dump(config, open(qwen_dir / "config.json", "w"))
@@ -278,6 +303,8 @@ def test_copy_text_files_carries_the_tokenizer_side(tmp_path):
     (tmp_path / "b").mkdir()
     (tmp_path / "a" / "tokenizer_config.json").write_text("{}")
     (tmp_path / "a" / "generation_config.json").write_text("{}")
-    assert hf.copy_text_files(str(tmp_path / "a"), str(tmp_path / "b")) == ["tokenizer_config.json",
-                                                                             "generation_config.json"]
+    assert hf.copy_text_files(str(tmp_path / "a"), str(tmp_path / "b")) == [
+        "tokenizer_config.json",
+        "generation_config.json",
+    ]
     shutil.rmtree(tmp_path / "b")

@@ -34,12 +34,18 @@ def _reference(x_ND, experts_NK, weights_NK, w_gate_up_EDG, w_down_EFD, e0=0):
 def _inputs(E, D, F_, N, K, seed=0):
     g = torch.Generator().manual_seed(seed)
     experts_NK = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])
-    return (torch.randn(N, D, generator=g), experts_NK, torch.rand(N, K, generator=g),
-            torch.randn(E, D, 2 * F_, generator=g) * 0.05, torch.randn(E, F_, D, generator=g) * 0.05)
+    return (
+        torch.randn(N, D, generator=g),
+        experts_NK,
+        torch.rand(N, K, generator=g),
+        torch.randn(E, D, 2 * F_, generator=g) * 0.05,
+        torch.randn(E, F_, D, generator=g) * 0.05,
+    )
 
 
-@pytest.mark.parametrize("E,D,F_,N,K", [(16, 192, 192, 32, 2), (16, 192, 192, 1, 2), (5, 100, 40, 9, 3),
-                                        (3, 32, 16, 4, 1)])
+@pytest.mark.parametrize(
+    "E,D,F_,N,K", [(16, 192, 192, 32, 2), (16, 192, 192, 1, 2), (5, 100, 40, 9, 3), (3, 32, 16, 4, 1)]
+)
 def test_moe_experts_equals_the_swiglu_experts_it_fuses(E, D, F_, N, K):
     """Full tiles (the tiny config's shapes), one token, and shapes that leave partial tiles."""
     x, experts, weights, w_gate_up, w_down = _inputs(E, D, F_, N, K)
@@ -52,8 +58,9 @@ def test_an_expert_shard_computes_only_its_experts():
     x, experts, weights, w_gate_up, w_down = _inputs(12, 64, 32, 10, 2, seed=3)
     experts[0] = torch.tensor([0, 9])  # nothing on this shard
     y = _op()(x, experts, weights, *kernels.pack_experts(w_gate_up[4:8], w_down[4:8]), 4)
-    torch.testing.assert_close(y, _reference(x, experts, weights, w_gate_up[4:8], w_down[4:8], e0=4),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        y, _reference(x, experts, weights, w_gate_up[4:8], w_down[4:8], e0=4), atol=1e-5, rtol=1e-5
+    )
     assert torch.equal(y[0], torch.zeros(64))
 
 
@@ -63,7 +70,7 @@ def test_a_tokens_result_does_not_depend_on_the_other_tokens():
     packed = kernels.pack_experts(w_gate_up, w_down)
     y = _op()(x, experts, weights, *packed, 0)
     for i in (0, 5, 31):
-        alone = _op()(x[i:i + 1], experts[i:i + 1], weights[i:i + 1], *packed, 0)
+        alone = _op()(x[i : i + 1], experts[i : i + 1], weights[i : i + 1], *packed, 0)
         assert torch.equal(alone[0], y[i])
 
 
@@ -110,6 +117,7 @@ def test_a_failed_build_says_why(tmp_path, monkeypatch):
 
 # ---- the decode step's attention half and router (csrc/decode_layer.cpp) -------------------------------------
 
+
 def _decode_steps(model, slots, prompts, steps):
     """Prefill each prompt into its slot (the Python path: T > 1), then decode `steps` fixed tokens per row;
     every decode step's logits and routing, and the cache."""
@@ -121,23 +129,39 @@ def _decode_steps(model, slots, prompts, steps):
     logits, routing = [], []
     with torch.inference_mode():
         cache.begin(slots, [0] * len(slots), lengths, T)
-        model(tokens_BT, torch.arange(T).expand(len(slots), T), cache=cache, logits_at_B=torch.tensor(lengths) - 1,
-              fast=fast)
+        model(
+            tokens_BT,
+            torch.arange(T).expand(len(slots), T),
+            cache=cache,
+            logits_at_B=torch.tensor(lengths) - 1,
+            fast=fast,
+        )
         cache.end()
         g = torch.Generator().manual_seed(5)
         for _ in range(steps):
             starts = [cache.lengths[s] for s in slots]
             cache.begin(slots, starts, [1] * len(slots), 1)
-            out = model(torch.randint(16, cfg.vocab_size, (len(slots), 1), generator=g), torch.tensor(starts)[:, None],
-                        cache=cache, return_routing=True, fast=fast)
+            out = model(
+                torch.randint(16, cfg.vocab_size, (len(slots), 1), generator=g),
+                torch.tensor(starts)[:, None],
+                cache=cache,
+                return_routing=True,
+                fast=fast,
+            )
             cache.end()
             logits.append(out.logits_BTV)
             routing.append(torch.stack(out.routed_experts))
     return logits, routing, cache
 
 
-@pytest.mark.parametrize("overrides", [{}, {"first_dense_layers": 1, "n_shared_experts": 1},
-                                       {"router_score": "sigmoid", "router_renorm": False, "balance": "bias"}])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"first_dense_layers": 1, "n_shared_experts": 1},
+        {"router_score": "sigmoid", "router_renorm": False, "balance": "bias"},
+    ],
+)
 def test_a_native_decode_step_equals_the_python_one(monkeypatch, overrides):
     """The decode step's blocks in native calls (`fast.blocks`) against the Python path (cache.attend, the
     Python router), over slots that are not packed; a dense layer and a shared expert take their modules."""
@@ -145,7 +169,7 @@ def test_a_native_decode_step_equals_the_python_one(monkeypatch, overrides):
     torch.manual_seed(0)
     model = Transformer(ModelConfig.tiny(copy=CopyConfig(prev_tokens=0), **overrides)).eval()
     if "balance" in overrides:
-        for block in model.layers[model.config.first_dense_layers:]:
+        for block in model.layers[model.config.first_dense_layers :]:
             block.ffn.router.expert_bias_E.normal_(0.0, 0.05)
     slots, prompts = [4, 1, 2], [[20, 21, 22, 23, 24], list(range(30, 39)), [40, 41]]
     native = _decode_steps(model, slots, prompts, 4)
@@ -167,8 +191,17 @@ def test_decode_attention_refuses_a_position_outside_the_cache():
     cache = SlotKVCache(cfg.n_layers, 2, cfg.n_kv_heads, cfg.head_dim, 8)
     attn = model.layers[0].attn
     w_qkv = torch.cat([attn.wq.weight, attn.wk.weight, attn.wv.weight]).detach()
-    args = (torch.randn(1, cfg.d_model), model.layers[0].attn_norm.weight.detach(), w_qkv, attn.wo.weight.detach(),
-            model.layers[0].ffn_norm.weight.detach(), model.rotary_table(8, "cpu"), cache.k, cache.v, 0)
+    args = (
+        torch.randn(1, cfg.d_model),
+        model.layers[0].attn_norm.weight.detach(),
+        w_qkv,
+        attn.wo.weight.detach(),
+        model.layers[0].ffn_norm.weight.detach(),
+        model.rotary_table(8, "cpu"),
+        cache.k,
+        cache.v,
+        0,
+    )
     with pytest.raises(RuntimeError, match="outside the cache"):
         attention(*args, torch.tensor([0]), torch.tensor([8]), cfg.n_heads, cfg.norm_eps)
     with pytest.raises(RuntimeError, match="fp32"):
@@ -176,6 +209,7 @@ def test_decode_attention_refuses_a_position_outside_the_cache():
 
 
 # ---- the training kernels (csrc/moe_train.cpp) ---------------------------------------------------------------
+
 
 def _train_ops():
     ops = kernels.moe_train()
@@ -191,17 +225,21 @@ def _autograd_reference(x, experts, weights, w_gate_up, w_down, e0=0):
     return y.detach(), dy, torch.autograd.grad(y, leaves, dy)
 
 
-@pytest.mark.parametrize("E,D,F_,N,K,e0,chunk", [
-    (16, 64, 32, 40, 4, 0, 4096),  # one chunk
-    (16, 64, 32, 40, 4, 0, 7),  # a chunk per expert or two
-    (8, 48, 24, 30, 3, 2, 16),  # an expert shard: experts 2..5 of 8
-])
+@pytest.mark.parametrize(
+    "E,D,F_,N,K,e0,chunk",
+    [
+        (16, 64, 32, 40, 4, 0, 4096),  # one chunk
+        (16, 64, 32, 40, 4, 0, 7),  # a chunk per expert or two
+        (8, 48, 24, 30, 3, 2, 16),  # an expert shard: experts 2..5 of 8
+    ],
+)
 def test_moe_train_forward_and_backward_equal_autograd_of_the_definition(E, D, F_, N, K, e0, chunk):
     x, experts, weights, w_gate_up, w_down = _inputs(E, D, F_, N, K, seed=4)
     local = slice(e0, E) if e0 == 0 else slice(e0, e0 + 4)
     w_gate_up, w_down = w_gate_up[local].contiguous(), w_down[local].contiguous()
-    y_ref, dy, (dx_ref, dweights_ref, dgu_ref, ddn_ref) = _autograd_reference(x, experts, weights, w_gate_up,
-                                                                               w_down, e0)
+    y_ref, dy, (dx_ref, dweights_ref, dgu_ref, ddn_ref) = _autograd_reference(
+        x, experts, weights, w_gate_up, w_down, e0
+    )
     forward, backward = _train_ops()
     y, saved = forward(x, experts, weights, w_gate_up, w_down, e0, chunk)
     dx, dweights, dgu, ddn = backward(dy, x, experts, weights, w_gate_up, w_down, e0, saved, chunk)

@@ -59,14 +59,17 @@ def _naive(moe: MoE, x_ND: torch.Tensor, replay_NK=None) -> torch.Tensor:
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("overrides", [
-    {},
-    {"router_score": "sigmoid"},
-    {"router_score": "sigmoid", "router_renorm": False, "top_k": 3},
-    {"n_shared_experts": 2, "tile_slots": 5},  # several tiles of whole experts
-    {"top_k": 1, "tile_slots": 1},
-    {"d_expert": 6},  # rows of 6 floats are not 16-byte aligned: the padded-bmm fallback runs
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"router_score": "sigmoid"},
+        {"router_score": "sigmoid", "router_renorm": False, "top_k": 3},
+        {"n_shared_experts": 2, "tile_slots": 5},  # several tiles of whole experts
+        {"top_k": 1, "tile_slots": 1},
+        {"d_expert": 6},  # rows of 6 floats are not 16-byte aligned: the padded-bmm fallback runs
+    ],
+)
 def test_matches_naive_loop_outputs_and_grads(overrides):
     moe = _moe(**overrides)
     x_ND = torch.randn(24, 16, requires_grad=True)
@@ -126,7 +129,7 @@ def test_aux_and_z_loss_by_hand():
     out = moe(torch.eye(4))
     lse = math.log(math.exp(c) + 3)
     assert out.aux_loss.item() == pytest.approx(0.5, rel=1e-6)
-    assert out.z_loss.item() == pytest.approx(0.1 * lse ** 2, rel=1e-6)
+    assert out.z_loss.item() == pytest.approx(0.1 * lse**2, rel=1e-6)
     # every token -> expert 0: f = [1, 0, 0, 0], P_0 = e^c / (e^c + 3)
     out = moe(torch.eye(4)[[0, 0, 0, 0]])
     assert out.aux_loss.item() == pytest.approx(0.5 * 4 * math.exp(c) / (math.exp(c) + 3), rel=1e-6)
@@ -163,8 +166,11 @@ def _shards(full: MoE) -> list[MoE]:
     shards = []
     for e0, e1 in [(0, 3), (3, 8)]:
         shard = MoE(full.config, expert_range=(e0, e1))
-        state = {k: v for k, v in full.state_dict().items() if not k.startswith("w_") and
-                 (k.startswith("router") or shard.shared is not None)}
+        state = {
+            k: v
+            for k, v in full.state_dict().items()
+            if not k.startswith("w_") and (k.startswith("router") or shard.shared is not None)
+        }
         state["w_gate_up_EDG"] = full.w_gate_up_EDG[e0:e1]
         state["w_down_EFD"] = full.w_down_EFD[e0:e1]
         shard.load_state_dict(state)
@@ -181,14 +187,17 @@ def test_expert_shards_sum_to_the_full_layer():
     torch.testing.assert_close(total, full(x_ND).y_ND, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("n_tokens, overrides", [
-    (1, {}),  # 2 slots: each slot gathers its expert's weights
-    (2, {"router_score": "sigmoid", "router_renorm": False}),
-    (24, {}),  # padded bmm over the experts
-    (24, {"n_shared_experts": 1, "top_k": 3}),
-    (24, {"pad_waste_small": 0.5}),  # the padding would be too wasteful: the grouped path
-    (600, {"d_expert": 6}),  # past small_slots * pad_waste_small: the grouped path
-])
+@pytest.mark.parametrize(
+    "n_tokens, overrides",
+    [
+        (1, {}),  # 2 slots: each slot gathers its expert's weights
+        (2, {"router_score": "sigmoid", "router_renorm": False}),
+        (24, {}),  # padded bmm over the experts
+        (24, {"n_shared_experts": 1, "top_k": 3}),
+        (24, {"pad_waste_small": 0.5}),  # the padding would be too wasteful: the grouped path
+        (600, {"d_expert": 6}),  # past small_slots * pad_waste_small: the grouped path
+    ],
+)
 def test_inference_dispatch_matches_the_naive_loop(n_tokens, overrides, monkeypatch):
     if "pad_waste_small" in overrides:
         monkeypatch.setattr(fast, "PAD_WASTE_SMALL", overrides.pop("pad_waste_small"))

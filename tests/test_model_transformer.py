@@ -15,8 +15,21 @@ from codefleet.model.transformer import RMSNorm, Transformer, token_logprobs
 
 
 def _small(copy: CopyConfig | None = None, **overrides) -> ModelConfig:
-    base = {"vocab_size": 97, "d_model": 32, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8, "n_experts": 4, "top_k": 2,
-                "d_expert": 16, "first_dense_layers": 1, "d_dense": 48, "n_shared_experts": 1, "d_shared": 16}
+    base = {
+        "vocab_size": 97,
+        "d_model": 32,
+        "n_layers": 3,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "head_dim": 8,
+        "n_experts": 4,
+        "top_k": 2,
+        "d_expert": 16,
+        "first_dense_layers": 1,
+        "d_dense": 48,
+        "n_shared_experts": 1,
+        "d_shared": 16,
+    }
     return ModelConfig(**{**base, **overrides}, copy=copy or CopyConfig())
 
 
@@ -98,8 +111,9 @@ def test_the_fast_paths_fused_projections_equal_the_math():
         cos, sin = table_BT21D[:, :, 0], table_BT21D[:, :, 1]
         with torch.no_grad():
             for block in model.layers:
-                torch.testing.assert_close(fast.attention(block.attn, x_BTD, cos, sin), block.attn(x_BTD, cos, sin),
-                                           atol=1e-6, rtol=1e-5)
+                torch.testing.assert_close(
+                    fast.attention(block.attn, x_BTD, cos, sin), block.attn(x_BTD, cos, sin), atol=1e-6, rtol=1e-5
+                )
             x_ND = x_BTD.reshape(B * T, 32)
             for ffn in (model.layers[0].ffn, model.layers[1].ffn.shared):
                 torch.testing.assert_close(fast.swiglu(ffn, x_ND), ffn(x_ND), atol=1e-6, rtol=1e-5)
@@ -126,8 +140,16 @@ def test_cached_decode_equals_full_forward():
         cache = RefCache(cfg.n_layers)
         steps = [model(tokens_BT[:, :6], cache=cache, return_routing=True, fast=fast)]
         for t in range(6, 10):
-            steps.append(model(tokens_BT[:, t:t + 1], positions_BT=torch.full((3, 1), t), cache=cache,
-                               return_routing=True, prev_BK=tokens_BT[:, t - cfg.copy.prev_tokens:t], fast=fast))
+            steps.append(
+                model(
+                    tokens_BT[:, t : t + 1],
+                    positions_BT=torch.full((3, 1), t),
+                    cache=cache,
+                    return_routing=True,
+                    prev_BK=tokens_BT[:, t - cfg.copy.prev_tokens : t],
+                    fast=fast,
+                )
+            )
     logits_BTV = torch.cat([s.logits_BTV for s in steps], dim=1)
     torch.testing.assert_close(logits_BTV, full.logits_BTV, atol=1e-5, rtol=1e-5)
     routed = [torch.cat([s.routed_experts[i] for s in steps], dim=1) for i in range(cfg.n_moe_layers)]
@@ -209,8 +231,9 @@ def test_inference_head_equals_the_training_head_and_follows_weight_updates():
     other = Transformer(_small())
     model.load_state_dict(other.state_dict())
     with torch.no_grad():
-        torch.testing.assert_close(model(tokens_BT, fast=fast).logits_BTV, other(tokens_BT).logits_BTV, atol=1e-5,
-                                   rtol=1e-5)
+        torch.testing.assert_close(
+            model(tokens_BT, fast=fast).logits_BTV, other(tokens_BT).logits_BTV, atol=1e-5, rtol=1e-5
+        )
 
 
 def test_the_caller_chooses_the_fast_path_and_it_needs_gradients_off():
@@ -266,8 +289,9 @@ def test_copy_head_output_is_a_mixture_whose_copy_share_lies_on_the_context():
     with torch.no_grad():
         mixed_BTV = model(tokens_BT).logits_BTV
         at_B = torch.tensor([11, 3])
-        torch.testing.assert_close(model(tokens_BT, logits_at_B=at_B).logits_BTV[:, 0],
-                                   mixed_BTV[torch.arange(2), at_B], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            model(tokens_BT, logits_at_B=at_B).logits_BTV[:, 0], mixed_BTV[torch.arange(2), at_B], atol=1e-5, rtol=1e-5
+        )
         copy_head, model.copy = model.copy, None
         plain_BTV = torch.log_softmax(model(tokens_BT).logits_BTV, dim=-1)  # the generator alone
         model.copy = copy_head
@@ -318,7 +342,7 @@ def test_copy_match_continues_a_copy_where_the_tokens_before_match():
     model = Transformer(_copying(match=True)).eval()
     model.copy.gate.bias.data.fill_(40.0)
     model.copy.match_w.data.fill_(30.0)
-    tokens_BT = torch.tensor([[5, 7, 8, 9, 6, 8, 11, 3, 7, 8], [1]  * 9 + [2]])
+    tokens_BT = torch.tensor([[5, 7, 8, 9, 6, 8, 11, 3, 7, 8], [1] * 9 + [2]])
     with torch.no_grad():
         p_BTV = model(tokens_BT).logits_BTV.exp()
         last_BV = model(tokens_BT, logits_at_B=torch.tensor([9, 9])).logits_BTV[:, 0].exp()
@@ -329,6 +353,7 @@ def test_copy_match_continues_a_copy_where_the_tokens_before_match():
 
 def test_copy_head_learns_to_copy_what_the_generator_alone_cannot_in_the_same_steps():
     """Repeat a random sequence: the copy head's gradient comes straight from the target."""
+
     def final_loss(copy_head: bool) -> float:
         torch.manual_seed(0)
         model = Transformer(_small(CopyConfig(head=copy_head), n_layers=2, first_dense_layers=0))
@@ -342,13 +367,20 @@ def test_copy_head_learns_to_copy_what_the_generator_alone_cannot_in_the_same_st
             (loss + out.aux_loss + out.z_loss).backward()
             opt.step()
         return loss.item()
+
     assert final_loss(True) < 1.0 < final_loss(False)  # measured: 0.36 and 2.19
 
 
-@pytest.mark.parametrize("copy_head,scope,match,blocked", [(False, "all", False, []), (True, "all", False, []),
-                                                           (True, "prompt", True, []),
-                                                           (True, "prompt", True, list(range(0, 40, 3)))],
-                         ids=["plain", "copy_head", "copy_prompt_match", "copy_blocked"])
+@pytest.mark.parametrize(
+    "copy_head,scope,match,blocked",
+    [
+        (False, "all", False, []),
+        (True, "all", False, []),
+        (True, "prompt", True, []),
+        (True, "prompt", True, list(range(0, 40, 3))),
+    ],
+    ids=["plain", "copy_head", "copy_prompt_match", "copy_blocked"],
+)
 def test_target_logprobs_equal_the_full_distributions_and_their_gradients(copy_head, scope, match, blocked):
     torch.manual_seed(0)
     model = Transformer(_small(CopyConfig(head=copy_head, scope=scope, match=match, blocked=blocked)))

@@ -46,12 +46,12 @@ def refused(path: str, why: str = REFUSED) -> str:
     return re.escape(f"refusing to write {path}: {why}")
 
 
-
 def _tiny_model(vocab_size: int = 64) -> Transformer:
     """A codefleet MoE that has a Hugging Face architecture (no copy head, no previous-token embeddings)."""
     torch.manual_seed(0)
-    return Transformer(ModelConfig.tiny(vocab_size=vocab_size, n_layers=1, max_seq_len=64,
-                                        copy=CopyConfig(prev_tokens=0))).eval()
+    return Transformer(
+        ModelConfig.tiny(vocab_size=vocab_size, n_layers=1, max_seq_len=64, copy=CopyConfig(prev_tokens=0))
+    ).eval()
 
 
 # -- Hugging Face checkpoints, tokenizers, export -----------------------------------------------------------------
@@ -135,8 +135,13 @@ def test_export_refuses_links_planted_in_out_and_writes_into_the_users_own_link(
     real.mkdir()
     os.symlink(real, tmp_path / "chosen")
     assert main(["export", str(ckpt), "--hf", str(tmp_path / "chosen")]) == 0
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "generation_config.json"} <= set(os.listdir(real))
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    } <= set(os.listdir(real))
     assert not any(os.path.islink(real / name) for name in os.listdir(real))
 
 
@@ -210,8 +215,10 @@ def test_tasks_generate_removes_a_linked_task_dir_and_refuses_a_linked_index(tmp
     before = read_tree(str(canary))
     args = ["tasks", "generate", "--out", str(out), "--n", "2", "--seed", "3", "--families", "bugfix"]
     assert main(args) == 2
-    assert f"codefleet tasks generate: [Errno 40] refusing to write {out}/tasks.jsonl: {REFUSED}" in \
-        capsys.readouterr().err
+    assert (
+        f"codefleet tasks generate: [Errno 40] refusing to write {out}/tasks.jsonl: {REFUSED}"
+        in capsys.readouterr().err
+    )
     assert read_tree(str(canary)) == before
     assert os.path.isdir(out / ids[0]) and not os.path.islink(out / ids[0])
     os.unlink(out / "tasks.jsonl")
@@ -230,8 +237,9 @@ def test_a_task_set_below_a_linked_directory_of_the_root_is_refused(tmp_path, ca
 
 
 def _git(cwd, *args) -> str:
-    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,
-                          capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True, capture_output=True, text=True
+    ).stdout.strip()
 
 
 def test_import_swebench_refuses_a_linked_instance_directory_in_out(tmp_path, canary, capsys):
@@ -242,12 +250,19 @@ def test_import_swebench_refuses_a_linked_instance_directory_in_out(tmp_path, ca
     _git(checkout, "init", "-q")
     _git(checkout, "add", "-A")
     _git(checkout, "commit", "-qm", "base")
-    row = {"instance_id": "acme__clampy-1", "repo": "acme/clampy", "base_commit": _git(checkout, "rev-parse", "HEAD"),
-           "problem_statement": "f returns 1.", "FAIL_TO_PASS": ["tests/test_mod.py::test_b"], "PASS_TO_PASS": [],
-           "test_patch": make_unified_diff({"tests/test_mod.py": "def test_a():\n    pass\n"},
-                                           {"tests/test_mod.py": "def test_a():\n    pass\n\n\ndef test_b():\n"
-                                                                 "    pass\n"}),
-           "patch": make_unified_diff({"mod.py": "def f():\n    return 1\n"}, {"mod.py": "def f():\n    return 2\n"})}
+    row = {
+        "instance_id": "acme__clampy-1",
+        "repo": "acme/clampy",
+        "base_commit": _git(checkout, "rev-parse", "HEAD"),
+        "problem_statement": "f returns 1.",
+        "FAIL_TO_PASS": ["tests/test_mod.py::test_b"],
+        "PASS_TO_PASS": [],
+        "test_patch": make_unified_diff(
+            {"tests/test_mod.py": "def test_a():\n    pass\n"},
+            {"tests/test_mod.py": "def test_a():\n    pass\n\n\ndef test_b():\n    pass\n"},
+        ),
+        "patch": make_unified_diff({"mod.py": "def f():\n    return 1\n"}, {"mod.py": "def f():\n    return 2\n"}),
+    }
     jsonl = tmp_path / "rows.jsonl"
     jsonl.write_text(json.dumps(row) + "\n")
     out = tmp_path / "out"
@@ -256,8 +271,10 @@ def test_import_swebench_refuses_a_linked_instance_directory_in_out(tmp_path, ca
     before = read_tree(str(canary))
     with pytest.raises(LinkRefused, match=refused(f"{out}/acme__clampy-1")):
         load_swebench(str(jsonl), str(tmp_path / "repos"), str(out))
-    assert main(["tasks", "import-swebench", "--jsonl", str(jsonl), "--repos", str(tmp_path / "repos"),
-                 "--out", str(out)]) == 2
+    assert (
+        main(["tasks", "import-swebench", "--jsonl", str(jsonl), "--repos", str(tmp_path / "repos"), "--out", str(out)])
+        == 2
+    )
     assert f"refusing to write {out}/acme__clampy-1: " in capsys.readouterr().err
     assert read_tree(str(canary)) == before
     os.unlink(out / "acme__clampy-1")
@@ -313,9 +330,23 @@ def one_rank(tmp_path):
 
 def test_a_sharded_save_never_writes_its_shards_into_a_link_planted_at_its_temporary_name(tmp_path, canary, one_rank):
     torch.manual_seed(0)
-    trainer = ShardedTrainer(Transformer(ModelConfig.tiny(vocab_size=64, d_model=32, n_layers=1, n_heads=2,
-                                                          n_kv_heads=1, head_dim=16, n_experts=2, top_k=1,
-                                                          d_expert=16, max_seq_len=32)), TrainConfig())
+    trainer = ShardedTrainer(
+        Transformer(
+            ModelConfig.tiny(
+                vocab_size=64,
+                d_model=32,
+                n_layers=1,
+                n_heads=2,
+                n_kv_heads=1,
+                head_dim=16,
+                n_experts=2,
+                top_k=1,
+                d_expert=16,
+                max_seq_len=32,
+            )
+        ),
+        TrainConfig(),
+    )
     ckpt = tmp_path / "run" / "checkpoints" / "rl-step-000001"
     ckpt.parent.mkdir(parents=True)
     os.symlink(canary, f"{ckpt}.tmp")  # DCP would have written its shards and .metadata into the canary

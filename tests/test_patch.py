@@ -6,6 +6,7 @@ import os
 import subprocess
 
 import pytest
+from helpers import read_tree
 
 from codefleet.tasks.patch import (
     PatchError,
@@ -15,18 +16,19 @@ from codefleet.tasks.patch import (
     parse_unified_diff,
     split_lines,
 )
-from helpers import read_tree
 
 COMMENTS = "".join(f"# {i}\n" for i in range(20))
 BEFORE = {
-    "pkg/a.py": "def f(x):\n    return x + 1\n\n\ndef g(x):\n    return x * 2\n" + COMMENTS
+    "pkg/a.py": "def f(x):\n    return x + 1\n\n\ndef g(x):\n    return x * 2\n"
+    + COMMENTS
     + "def h():\n    return 3\n",
     "pkg/gone.py": "X = 1\n",
     "notes.txt": "no newline at end",
     "form.py": "a = 1\n\x0c\nb = 2\n",
 }
 AFTER = {
-    "pkg/a.py": "def f(x):\n    return x - 1\n\n\ndef g(x):\n    return x * 2\n" + COMMENTS
+    "pkg/a.py": "def f(x):\n    return x - 1\n\n\ndef g(x):\n    return x * 2\n"
+    + COMMENTS
     + "def h():\n    return 4\n",
     "pkg/new.py": "Y = 2\n",
     "notes.txt": "no newline at end, still",
@@ -80,7 +82,7 @@ def test_parse_git_diff_output(tmp_path):
         assert old in BEFORE["pkg/a.py"] and new in AFTER["pkg/a.py"]
     assert "return x + 1" in blocks[0][0] and "return x - 1" in blocks[0][1]
     # the missing final newline survives the round trip
-    (old, new), = files["notes.txt"].old_text_blocks()
+    ((old, new),) = files["notes.txt"].old_text_blocks()
     assert (old, new) == (BEFORE["notes.txt"], AFTER["notes.txt"])
     # a form feed inside a file is not a line break
     assert apply_file_diff(BEFORE["form.py"], files["form.py"]) == AFTER["form.py"]
@@ -124,9 +126,11 @@ def test_edit_blocks_for_several_hunks_apply_in_order():
 
 
 def test_rename_and_binary_headers():
-    text = ("diff --git a/old.py b/new.py\nsimilarity index 90%\nrename from old.py\nrename to new.py\n"
-            "--- a/old.py\n+++ b/new.py\n@@ -1 +1 @@\n-a\n+b\n"
-            "diff --git a/img.png b/img.png\nindex 1..2 100644\nBinary files a/img.png and b/img.png differ\n")
+    text = (
+        "diff --git a/old.py b/new.py\nsimilarity index 90%\nrename from old.py\nrename to new.py\n"
+        "--- a/old.py\n+++ b/new.py\n@@ -1 +1 @@\n-a\n+b\n"
+        "diff --git a/img.png b/img.png\nindex 1..2 100644\nBinary files a/img.png and b/img.png differ\n"
+    )
     ren, binary = parse_unified_diff(text)
     assert ren.is_rename and (ren.old_path, ren.new_path) == ("old.py", "new.py")
     assert binary.is_binary and not binary.hunks

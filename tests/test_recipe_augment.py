@@ -13,19 +13,33 @@ from codefleet.recipe.augment import fresh_names, task_names
 def _rename_episode() -> list[dict]:
     text, calls = rename_step("passed_count", "number_passed")
     return [
-        {"role": "user", "content": "Task:\nRename `passed_count` in `gradebook/grading.py` to `number_passed`. "
-                                    "The test `tests/test_grading.py::test_passed_count_0` uses it; `max` is fine."},
-        {"role": "assistant", "content": text, "tool_calls": [
-            {"id": "c0", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
-            for name, args in calls]},
-        {"role": "tool", "tool_call_id": "c0", "content": "gradebook/grading.py:11:def passed_count(scores):\n"
-                                                          "tests/test_grading.py:14:def test_passed_count_0():"},
+        {
+            "role": "user",
+            "content": "Task:\nRename `passed_count` in `gradebook/grading.py` to `number_passed`. "
+            "The test `tests/test_grading.py::test_passed_count_0` uses it; `max` is fine.",
+        },
+        {
+            "role": "assistant",
+            "content": text,
+            "tool_calls": [
+                {"id": "c0", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+                for name, args in calls
+            ],
+        },
+        {
+            "role": "tool",
+            "tool_call_id": "c0",
+            "content": "gradebook/grading.py:11:def passed_count(scores):\n"
+            "tests/test_grading.py:14:def test_passed_count_0():",
+        },
     ]
 
 
 def test_task_names_are_backticked_identifiers_and_path_parts():
-    text = ("`volumetric_weight` in `parcelpost/rates.py` is wrong: `volumetric_weight(50, 40)` returns `50.24`; "
-            "`tests/test_rates.py::test_volumetric_weight_0` shows it. `max`, `if` and `ab` stay.")
+    text = (
+        "`volumetric_weight` in `parcelpost/rates.py` is wrong: `volumetric_weight(50, 40)` returns `50.24`; "
+        "`tests/test_rates.py::test_volumetric_weight_0` shows it. `max`, `if` and `ab` stay."
+    )
     assert task_names(text) == ["volumetric_weight", "parcelpost", "rates"]
     assert task_names("no names here") == []
 
@@ -63,8 +77,13 @@ def test_sft_batches_show_demonstrations_and_first_turns_with_new_names():
     from codefleet.recipe.train import sft_batch
 
     tokenizer = default_tokenizer()
-    conversation = _rename_episode() + [{"role": "assistant", "content": "Done.", "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "submit", "arguments": "{}"}}]}]
+    conversation = _rename_episode() + [
+        {
+            "role": "assistant",
+            "content": "Done.",
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "submit", "arguments": "{}"}}],
+        }
+    ]
     demos = Demos(prompt="bare", conversations=[conversation])
     demos.examples = [demos.encode(tokenizer, conversation)]
     batch = sft_batch(demos, [0], SFTSection(fresh_names=True, first_turns=3), random.Random(0), tokenizer, 4096)

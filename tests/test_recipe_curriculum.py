@@ -10,19 +10,28 @@ from codefleet.types import HiddenChecks, Task
 
 
 def _tasks(families=("rename", "config", "stub"), per_family=4):
-    return [Task(id=f"{f}-x-s0-{i:04d}", repo="repo", instruction="", checks=HiddenChecks(command="true"),
-                 metadata={"family": f}) for f in families for i in range(per_family)]
+    return [
+        Task(
+            id=f"{f}-x-s0-{i:04d}",
+            repo="repo",
+            instruction="",
+            checks=HiddenChecks(command="true"),
+            metadata={"family": f},
+        )
+        for f in families
+        for i in range(per_family)
+    ]
 
 
 def test_uniform_is_every_task_once_per_pass_and_skip_resumes_the_same_stream():
     tasks = _tasks()
     sampler = TaskSampler(tasks, seed=3)
     first = [next(sampler).id for _ in range(2 * len(tasks))]
-    assert sorted(first[:len(tasks)]) == sorted(t.id for t in tasks)
-    assert sorted(first[len(tasks):]) == sorted(t.id for t in tasks)
+    assert sorted(first[: len(tasks)]) == sorted(t.id for t in tasks)
+    assert sorted(first[len(tasks) :]) == sorted(t.id for t in tasks)
     expected = list(tasks)
     random.Random("3/0").shuffle(expected)  # the order runs before the curriculum existed used
-    assert first[:len(tasks)] == [t.id for t in expected]
+    assert first[: len(tasks)] == [t.id for t in expected]
     resumed = TaskSampler(tasks, seed=3, skip=5)
     assert [next(resumed).id for _ in range(7)] == first[5:12]
 

@@ -6,13 +6,15 @@ from codefleet.recipe.demos import expert_demos, steady_timings
 
 
 def test_steady_timings_rewrites_the_durations_pytest_prints_in_tool_results_only():
-    messages = [{"role": "user", "content": "make 8 passed in 0.5s pass"},
-                {"role": "assistant", "content": "Running the tests.", "tool_calls": []},
-                {"role": "tool", "content": "........ [100%]\n8 passed in 0.38s\n[exit code 0]"},
-                {"role": "tool", "content": "FAILED tests/test_a.py::test_x\n1 failed, 7 passed, 2 warnings in 12.07s"},
-                {"role": "tool", "content": "no tests ran in 0.00s"},
-                {"role": "tool", "content": "sleep in 3s; grep 'passed in 2s' log"},
-                {"role": "tool", "content": None}]
+    messages = [
+        {"role": "user", "content": "make 8 passed in 0.5s pass"},
+        {"role": "assistant", "content": "Running the tests.", "tool_calls": []},
+        {"role": "tool", "content": "........ [100%]\n8 passed in 0.38s\n[exit code 0]"},
+        {"role": "tool", "content": "FAILED tests/test_a.py::test_x\n1 failed, 7 passed, 2 warnings in 12.07s"},
+        {"role": "tool", "content": "no tests ran in 0.00s"},
+        {"role": "tool", "content": "sleep in 3s; grep 'passed in 2s' log"},
+        {"role": "tool", "content": None},
+    ]
     out = steady_timings(messages)
     assert out[0] == messages[0] and out[1] == messages[1] and out[6] == messages[6]
     assert out[2]["content"] == "........ [100%]\n8 passed in 0.01s\n[exit code 0]"
@@ -29,15 +31,15 @@ def test_two_runs_of_the_expert_give_the_same_demonstrations(tmp_path, config):
 
     tasks = generate_tasks(str(tmp_path / "tasks"), n=3, seed=2, families=["bugfix", "rename", "stub"], split="train")
     tokenizer = default_tokenizer()
-    runs = [expert_demos(tasks, tokenizer, 4096, config, EpisodeConfig(prompt="bare"), chain_fraction=0.5)
-            for _ in range(2)]
+    runs = [
+        expert_demos(tasks, tokenizer, 4096, config, EpisodeConfig(prompt="bare"), chain_fraction=0.5) for _ in range(2)
+    ]
     assert len(runs[0].examples) == 3 and not runs[0].unsolved
     assert runs[0].examples == runs[1].examples and runs[0].conversations == runs[1].conversations
     assert any("passed in 0.01s" in (m.get("content") or "") for conv in runs[0].conversations for m in conv)
 
 
-def test_a_task_without_a_reference_patch_or_whose_set_up_fails_gets_no_demonstration_and_the_rest_do(tmp_path,
-                                                                                                       config):
+def test_a_task_without_a_reference_patch_or_whose_set_up_fails_gets_no_demonstration_and_the_rest_do(tmp_path, config):
     import dataclasses
 
     from codefleet.agent.episode import EpisodeConfig
@@ -64,8 +66,9 @@ def test_all_habits_records_each_habit_that_makes_another_episode_and_sft_draws_
     tasks = generate_tasks(str(tmp_path / "tasks"), n=2, seed=2, families=["rename", "stub"], split="train")
     tokenizer = default_tokenizer()
     drawn_once = expert_demos(tasks, tokenizer, 4096, config, EpisodeConfig(prompt="bare"), chain_fraction=0.5)
-    demos = expert_demos(tasks, tokenizer, 4096, config, EpisodeConfig(prompt="bare"), chain_fraction=0.5,
-                         all_habits=True)
+    demos = expert_demos(
+        tasks, tokenizer, 4096, config, EpisodeConfig(prompt="bare"), chain_fraction=0.5, all_habits=True
+    )
     # the habit drawn per task is the one recorded as the task's demonstration either way
     assert demos.examples == drawn_once.examples and not drawn_once.variants
     rename = demos.task_ids.index(next(t.id for t in tasks if t.id.startswith("rename")))
@@ -76,7 +79,11 @@ def test_all_habits_records_each_habit_that_makes_another_episode_and_sft_draws_
 
     # a rename: explore or not, tests chained or not, four episodes; 4 turns slowest, 2 fastest
     assert {h: turns(m) for h, m in demos.variants[rename].items()} == {
-        (True, False): 4, (True, True): 3, (False, False): 3, (False, True): 2}
+        (True, False): 4,
+        (True, True): 3,
+        (False, False): 3,
+        (False, True): 2,
+    }
     # chaining the tests is a rename's habit only: a stub task's habits that differ in it share one episode
     assert all(demos.variants[stub][(e, False)] is demos.variants[stub][(e, True)] for e in (True, False))
     assert demos.conversations[rename] in demos.variants[rename].values()
@@ -87,6 +94,7 @@ def test_all_habits_records_each_habit_that_makes_another_episode_and_sft_draws_
     assert {turns(demos.conversation(rename, rng, 1.0, 0.0)) for _ in range(10)} == {4}  # always explore, never chain
     assert demos.conversation(rename) is demos.conversations[rename]  # no rng: as recorded
 
-    batch = sft_batch(demos, [rename] * 40, SFTSection(explore_fraction=0.5, chain_fraction=0.5), random.Random(0),
-                      tokenizer, 4096)
+    batch = sft_batch(
+        demos, [rename] * 40, SFTSection(explore_fraction=0.5, chain_fraction=0.5), random.Random(0), tokenizer, 4096
+    )
     assert {tokenizer.decode(ids).count("<|assistant|>") for ids, _ in batch} == {2, 3, 4}  # a habit drawn each time

@@ -21,10 +21,23 @@ from helpers import wait_for
 from codefleet.recipe.config import RECIPES_DIR, load_train_config
 from codefleet.recipe.run_dir import RunDir
 
-TINY = ["tasks.n_train=4", "tasks.n_eval=2", "tasks.families=[bugfix, config]", "sft.epochs=1", "sft.batch_size=4",
-        "rl.steps=5", "controller.group_size=2", "controller.batch_groups=1", "controller.rollout_slots=4",
-        "controller.eta=1", "rl.max_tokens=24",
-        "rl.max_turns=2", "eval.max_tokens=24", "eval.attempts=1", "cluster.num_cpus=4"]
+TINY = [
+    "tasks.n_train=4",
+    "tasks.n_eval=2",
+    "tasks.families=[bugfix, config]",
+    "sft.epochs=1",
+    "sft.batch_size=4",
+    "rl.steps=5",
+    "controller.group_size=2",
+    "controller.batch_groups=1",
+    "controller.rollout_slots=4",
+    "controller.eta=1",
+    "rl.max_tokens=24",
+    "rl.max_turns=2",
+    "eval.max_tokens=24",
+    "eval.attempts=1",
+    "cluster.num_cpus=4",
+]
 
 
 def _cli(*args: str) -> list[str]:
@@ -52,11 +65,17 @@ def _trained(run: str) -> dict[int, list[str]]:
 def test_train_survives_sigkill_and_resumes_without_losing_or_repeating_rollouts(tmp_path):
     run = str(tmp_path / "run")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    proc = subprocess.Popen(_cli("train", "--out", run, "--no-progress", *TINY), env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "first.log", "w"))
+    proc = subprocess.Popen(
+        _cli("train", "--out", run, "--no-progress", *TINY),
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "first.log", "w"),
+    )
     try:
-        wait_for(lambda: os.path.isfile(os.path.join(run, "checkpoints", "LATEST")) or proc.poll() is not None,
-                 timeout_s=400)
+        wait_for(
+            lambda: os.path.isfile(os.path.join(run, "checkpoints", "LATEST")) or proc.poll() is not None, timeout_s=400
+        )
         assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
         time.sleep(1.5)  # somewhere inside the next step
     finally:
@@ -67,8 +86,9 @@ def test_train_survives_sigkill_and_resumes_without_losing_or_repeating_rollouts
     trained_at_kill = _trained(run)
     assert trained_at_kill and accepted_at_kill
 
-    done = subprocess.run(_cli("train", "--resume", run, "--no-progress"), env=env, capture_output=True, text=True,
-                          timeout=900)
+    done = subprocess.run(
+        _cli("train", "--resume", run, "--no-progress"), env=env, capture_output=True, text=True, timeout=900
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resuming at step" in done.stderr
     assert f"--model local:{os.path.abspath(run)}/checkpoints/rl-step-000005" in done.stderr  # how to run it
@@ -109,8 +129,13 @@ def test_train_survives_sigkill_and_resumes_without_losing_or_repeating_rollouts
     # a finished run carried on: one more RL step from its last checkpoint; SFT's evaluation is reused
     sft_eval = os.path.join(run, "eval", "sft.json")
     sft_eval_mtime = os.path.getmtime(sft_eval)
-    more = subprocess.run(_cli("train", "--resume", run, "--no-progress", "rl.steps=6"), env=env, capture_output=True,
-                          text=True, timeout=900)
+    more = subprocess.run(
+        _cli("train", "--resume", run, "--no-progress", "rl.steps=6"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert more.returncode == 0, more.stderr[-3000:]
     assert "rl against sft: success" in more.stdout and "95% interval" in more.stdout  # what RL changed
     assert "sft checkpoint tensor hash " in more.stdout and "wall clock per phase: set-up" in more.stdout
@@ -125,17 +150,38 @@ def test_train_survives_sigkill_and_resumes_without_losing_or_repeating_rollouts
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     for name in ("init", "sft", "rl-start", "rl-step-000006"):  # each checkpoint says how its policy is used
         path = os.path.join(run, "checkpoints", name)
-        assert checkpoint.usage(path) == {"prompt": saved["model"]["prompt"], "run": saved["name"],
-                                          "tool_grammar": saved["model"]["tool_grammar"]}
+        assert checkpoint.usage(path) == {
+            "prompt": saved["model"]["prompt"],
+            "run": saved["name"],
+            "tool_grammar": saved["model"]["tool_grammar"],
+        }
         assert os.path.isfile(os.path.join(path, "tokenizer.json")), name  # and carries its tokenizer
     # a checkpoint copied out of its run, the run's files gone, is evaluated the same way
     elsewhere = str(tmp_path / "elsewhere" / "policy")
     shutil.copytree(os.path.join(run, "checkpoints", "sft"), elsewhere)
     os.rename(os.path.join(run, "config.yaml"), os.path.join(run, "config.away"))
-    ev = subprocess.run(_cli("eval", "--checkpoint", elsewhere, "--tasks",
-                             os.path.join(run, "tasks", "eval"), "--max-tokens", "16", "--max-turns", "2",
-                             "--wall-clock", "60", "--json", "--out", str(tmp_path / "ev")),
-                        env=env, capture_output=True, text=True, timeout=300)
+    ev = subprocess.run(
+        _cli(
+            "eval",
+            "--checkpoint",
+            elsewhere,
+            "--tasks",
+            os.path.join(run, "tasks", "eval"),
+            "--max-tokens",
+            "16",
+            "--max-turns",
+            "2",
+            "--wall-clock",
+            "60",
+            "--json",
+            "--out",
+            str(tmp_path / "ev"),
+        ),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     os.rename(os.path.join(run, "config.away"), os.path.join(run, "config.yaml"))
     assert ev.returncode == 0, ev.stderr[-2000:]
     shown = [json.loads(t) for t in read_rollouts(str(tmp_path / "ev")).column("transcript").to_pylist()]
@@ -152,12 +198,24 @@ def test_train_refuses_an_existing_run_and_a_missing_one(tmp_path):
     assert out.returncode == 2 and "--resume" in out.stderr
     out = subprocess.run(_cli("train", "--resume", str(tmp_path / "none")), capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "nothing to resume" in out.stderr
-    out = subprocess.run(_cli("train", "--out", str(tmp_path / "r2"), "rl.stepz=3"), capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(
+        _cli("train", "--out", str(tmp_path / "r2"), "rl.stepz=3"), capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 2 and "stepz" in out.stderr
-    out = subprocess.run(_cli("train", "--out", str(tmp_path / "r3"), "controller.group_size=1",
-                              "controller.rollout_slots=0", "sft.threads=0", "cluster.engine_backend=vllm2"),
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        _cli(
+            "train",
+            "--out",
+            str(tmp_path / "r3"),
+            "controller.group_size=1",
+            "controller.rollout_slots=0",
+            "sft.threads=0",
+            "cluster.engine_backend=vllm2",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "controller.group_size must be >= 2" in out.stderr
     assert "controller.rollout_slots" in out.stderr and "sft.workers and sft.threads must be >= 1" in out.stderr
     assert "cluster.engine_backend must be one of codefleet" in out.stderr
@@ -167,26 +225,38 @@ def test_train_refuses_an_existing_run_and_a_missing_one(tmp_path):
     (tmp_path / "r4" / "config.yaml").write_text("rl:\n  steps: many\n")  # a hand-edited run config
     out = subprocess.run(_cli("train", "--resume", str(tmp_path / "r4")), capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "rl.steps: expected int" in out.stderr and "Traceback" not in out.stderr
-    out = subprocess.run(_cli("train", "--out", str(tmp_path / "r5"), "tasks.difficulty=9", "rl.lr=-1"),
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        _cli("train", "--out", str(tmp_path / "r5"), "tasks.difficulty=9", "rl.lr=-1"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "tasks.difficulty must be" in out.stderr and "rl.lr and sft.lr" in out.stderr
     assert not (tmp_path / "r5").exists()
     (tmp_path / "file").write_text("")
     out = subprocess.run(_cli("train", "--out", str(tmp_path / "file")), capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "cannot make the run directory" in out.stderr and "Traceback" not in out.stderr
     (tmp_path / "ckpt").mkdir()
-    out = subprocess.run(_cli("eval", "--checkpoint", str(tmp_path / "ckpt"), "--tasks", str(tmp_path)),
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        _cli("eval", "--checkpoint", str(tmp_path / "ckpt"), "--tasks", str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "cannot be evaluated" in out.stderr and "config.json not found" in out.stderr
-    out = subprocess.run(_cli("eval", "--checkpoint", str(tmp_path / "ckpt"), "--tasks", str(tmp_path), "--jobs", "0"),
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        _cli("eval", "--checkpoint", str(tmp_path / "ckpt"), "--tasks", str(tmp_path), "--jobs", "0"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "--jobs 0" in out.stderr
 
 
 def test_a_resumed_run_takes_changes_to_where_it_runs_how_long_rl_goes_and_its_evaluation_only(tmp_path):
     from codefleet.config import to_dict
-    from codefleet.recipe.train import RunError, resumed_config
     from codefleet.recipe.config import TrainRunConfig
+    from codefleet.recipe.train import RunError, resumed_config
 
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(to_dict(TrainRunConfig(name="saved"))))
     with pytest.raises(RunError, match="written by another codefleet version .no readable run.json.*start a new run"):
@@ -201,16 +271,17 @@ def test_a_resumed_run_takes_changes_to_where_it_runs_how_long_rl_goes_and_its_e
     with pytest.raises(RunError, match=r"\(format 0, this one reads format 2\)"):
         resumed_config(str(tmp_path))
     RunDir(str(tmp_path)).write_format()
-    out = subprocess.run(_cli("train", "--resume", str(tmp_path), "--out", str(tmp_path)), capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        _cli("train", "--resume", str(tmp_path), "--out", str(tmp_path)), capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 2 and "drop --out" in out.stderr
 
 
 def test_fresh_rl_tasks_are_new_instances_of_the_demonstrated_templates(tmp_path):
     from codefleet.config import from_dict
+    from codefleet.recipe.config import TrainRunConfig
     from codefleet.recipe.run_dir import RunDir
     from codefleet.recipe.train import RunError, check_config, make_tasks
-    from codefleet.recipe.config import TrainRunConfig
     from codefleet.tasks.families import MORE_TEMPLATES, templates
 
     config = from_dict(TrainRunConfig, {"tasks": {"n_train": 10, "n_eval": 2, "rl_tasks": "fresh"}})
@@ -242,22 +313,25 @@ def test_a_checkpoint_says_how_it_is_prompted_wherever_it_is_copied(tmp_path):
     assert checkpoint.usage(str(tmp_path / "unsaid")) == checkpoint.USAGE_DEFAULTS
     with pytest.raises(ValueError, match="unknown usage setting"):
         checkpoint.write_usage(str(made), temperature="1")
-    out = subprocess.run(_cli("train", "--out", str(tmp_path / "r4"), "model.prompt=short"), capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        _cli("train", "--out", str(tmp_path / "r4"), "model.prompt=short"), capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 2 and "model.prompt must be one of full, bare" in out.stderr
 
 
 def test_a_run_trains_and_evaluates_on_task_directories_of_your_own(tmp_path):
     from codefleet.config import from_dict
+    from codefleet.recipe.config import TrainRunConfig
     from codefleet.recipe.run_dir import RunDir
     from codefleet.recipe.train import RunError, check_config, make_tasks
-    from codefleet.recipe.config import TrainRunConfig
     from codefleet.tasks.generate import generate_tasks
 
     mine = generate_tasks(str(tmp_path / "mine"), n=3, seed=7, families=["bugfix", "rename"], split="train")
     held = generate_tasks(str(tmp_path / "held"), n=2, seed=8, families=["stub"], split="test")
-    config = from_dict(TrainRunConfig, {"tasks": {"train_dir": str(tmp_path / "mine"),
-                                                  "eval_dir": str(tmp_path / "held"), "n_train": 50}})
+    config = from_dict(
+        TrainRunConfig,
+        {"tasks": {"train_dir": str(tmp_path / "mine"), "eval_dir": str(tmp_path / "held"), "n_train": 50}},
+    )
     check_config(config)
     run = RunDir(str(tmp_path / "run"))
     train, rl, held_out = make_tasks(run, config)
@@ -272,8 +346,13 @@ def test_a_run_trains_and_evaluates_on_task_directories_of_your_own(tmp_path):
         check_config(config)
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "*.yaml"))
-                                         + glob.glob(os.path.join(RECIPES_DIR, "*.yaml"))))
+@pytest.mark.parametrize(
+    "path",
+    sorted(
+        glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "*.yaml"))
+        + glob.glob(os.path.join(RECIPES_DIR, "*.yaml"))
+    ),
+)
 def test_the_shipped_configs_and_recipes_load_and_pass_the_checks(path):
     from codefleet.recipe.train import check_config
 
@@ -299,15 +378,14 @@ def test_a_run_layers_defaults_recipe_config_file_and_overrides_and_says_what_it
 def _committed_run(tmp_path, step=2):
     """A run directory as `codefleet train` leaves it after RL step `step` (a stand-in checkpoint directory)."""
     from codefleet.config import to_dict
-    from codefleet.recipe.run_dir import RunDir
     from codefleet.recipe.config import TrainRunConfig
+    from codefleet.recipe.run_dir import RunDir
 
     run = RunDir(str(tmp_path / "run"))
     os.makedirs(run.rl_checkpoint(step))
     with open(os.path.join(run.rl_checkpoint(step), "config.json"), "w") as f:
         f.write("{}")
-    run.commit_checkpoint(step, {"consumed_ids": ["0/0"], "lags": [0], "next_group_id": 3, "next_batch": step},
-                          ["0/0"])
+    run.commit_checkpoint(step, {"consumed_ids": ["0/0"], "lags": [0], "next_group_id": 3, "next_batch": step}, ["0/0"])
     run.write_format()
     (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(to_dict(TrainRunConfig(name="x"))))
     return run
@@ -322,10 +400,12 @@ def test_a_damaged_checkpoint_on_resume_is_one_sentence_that_says_what_to_do(tmp
     controller = run.rl_checkpoint(2) + ".controller.json"
     good = open(controller).read()
     delete, keep = "delete it to start RL again", "write `rl-step-000002` into it"  # the intact one is offered
-    for damage, path, content, fix in (("truncated controller state", controller, good[:10], delete),
-                                       ("garbage in LATEST", latest, "\x00\xff\x13garbage", keep),
-                                       ("LATEST names a missing checkpoint", latest, "rl-step-000007", keep),
-                                       ("empty LATEST", latest, "", keep)):
+    for damage, path, content, fix in (
+        ("truncated controller state", controller, good[:10], delete),
+        ("garbage in LATEST", latest, "\x00\xff\x13garbage", keep),
+        ("LATEST names a missing checkpoint", latest, "rl-step-000007", keep),
+        ("empty LATEST", latest, "", keep),
+    ):
         with open(path, "w") as f:
             f.write(content)
         with pytest.raises(RunError, match=f"not a complete RL checkpoint.*{fix}"):
@@ -397,14 +477,28 @@ def test_tasks_whose_set_up_fails_are_named_and_left_out_and_the_run_finishes(tm
     mine = str(tmp_path / "mine")
     tasks = generate_tasks(mine, n=4, seed=5, families=["bugfix", "config"], split="train")
     fails = ["echo 'E: Unable to locate package libfoo' >&2; exit 100"]
-    tasks += [dataclasses.replace(tasks[0], id="broken-demo", setup_commands=fails),
-              dataclasses.replace(tasks[1], id="broken-rl", setup_commands=fails, reference_patch="")]
+    tasks += [
+        dataclasses.replace(tasks[0], id="broken-demo", setup_commands=fails),
+        dataclasses.replace(tasks[1], id="broken-rl", setup_commands=fails, reference_patch=""),
+    ]
     save_tasks(tasks, mine)
     generate_tasks(str(tmp_path / "held"), n=1, seed=6, families=["config"], split="test")
     run = str(tmp_path / "run")
-    out = subprocess.run(_cli("train", "--out", run, "--no-progress", *TINY, f"tasks.train_dir={mine}",
-                              f"tasks.eval_dir={tmp_path / 'held'}", "rl.steps=6"),
-                         capture_output=True, text=True, timeout=840)
+    out = subprocess.run(
+        _cli(
+            "train",
+            "--out",
+            run,
+            "--no-progress",
+            *TINY,
+            f"tasks.train_dir={mine}",
+            f"tasks.eval_dir={tmp_path / 'held'}",
+            "rl.steps=6",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=840,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "task broken-demo is left out of the run, its set-up fails" in out.stderr
     assert "Unable to locate package libfoo" in out.stderr

@@ -44,8 +44,9 @@ def test_report_sorts_filters_and_opens_transcripts_in_chromium(browser_ready, o
 
 
 def _visible_tasks(page, table_id: str = "rollouts") -> list[str]:
-    return page.eval_on_selector_all(f"#{table_id} tbody tr:not([hidden])",
-                                     "rows => rows.map(r => r.cells[2].innerText)")
+    return page.eval_on_selector_all(
+        f"#{table_id} tbody tr:not([hidden])", "rows => rows.map(r => r.cells[2].innerText)"
+    )
 
 
 def test_flag_step_and_reward_filters_and_a_long_output_expand(browser_ready, out, tmp_path):
@@ -68,8 +69,14 @@ def test_flag_step_and_reward_filters_and_a_long_output_expand(browser_ready, ou
             expected = [r["task_id"] for r in rows if r.get("step") is not None and 1 <= r["step"] <= 2]
             assert _visible_tasks(page) == expected and len(expected) >= 4  # rows without a step drop out
             page.fill("#f-reward-min", "0.2")
-            expected = [r["task_id"] for r in rows if r.get("step") is not None and 1 <= r["step"] <= 2
-                        and r.get("reward") is not None and r["reward"] >= 0.2]
+            expected = [
+                r["task_id"]
+                for r in rows
+                if r.get("step") is not None
+                and 1 <= r["step"] <= 2
+                and r.get("reward") is not None
+                and r["reward"] >= 0.2
+            ]
             assert _visible_tasks(page) == expected
             assert page.inner_text('.count[data-for="rollouts"]') == f"{len(expected)} of {len(rows)} rows shown"
             page.click("#f-reset")

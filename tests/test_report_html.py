@@ -13,8 +13,10 @@ import report_sample as sample
 from codefleet.analysis.report import transcript_path, write_report
 from codefleet.analysis.transcript import PAGE_CAP_BYTES, PREVIEW_CHARS, render_transcript
 
-CSP_META = ("<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; img-src data:; "
-            "style-src 'unsafe-inline'; script-src 'unsafe-inline'\">")
+CSP_META = (
+    '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; img-src data:; '
+    "style-src 'unsafe-inline'; script-src 'unsafe-inline'\">"
+)
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +49,23 @@ def test_every_row_with_a_page_links_to_it_and_no_link_is_dead(out):
     hrefs = set(re.findall(r'href="([^"]+)"', report))
     assert hrefs and all((out / html.unescape(h)).is_file() for h in hrefs)
     assert len(os.listdir(out / "rollouts")) == len(with_page)
-    assert f'{len(sample.rows())} of {len(sample.rows())} rows shown' in report
+    assert f"{len(sample.rows())} of {len(sample.rows())} rows shown" in report
 
 
 def test_report_reads_overview_then_clusters_then_figures(out):
     report = (out / "report.html").read_text(encoding="utf-8")
-    order = [report.index(s) for s in ('class="overview"', "Reasons, grouped", "Key figures", "<h2>Plots",
-                                       "<h2>Suspicious wins", "<h2>Worst failures", "<h2>Rollouts")]
+    order = [
+        report.index(s)
+        for s in (
+            'class="overview"',
+            "Reasons, grouped",
+            "Key figures",
+            "<h2>Plots",
+            "<h2>Suspicious wins",
+            "<h2>Worst failures",
+            "<h2>Rollouts",
+        )
+    ]
     assert order == sorted(order)
     failures = report.split('id="clusters-failures"')[1].split("</table>")[0]
     assert f'href="{transcript_path("run-a/step-1/calc-1/0")}"' in failures
@@ -69,9 +81,20 @@ def test_report_reads_overview_then_clusters_then_figures(out):
 
 def test_transcript_page_shows_task_turns_calls_outputs_diff_checks_and_judge(out):
     page = _page(out, "run-a/step-0/calc-4/0")
-    order = [page.index(s) for s in (html.escape(sample.TASK_TEXT), "turn 1 · assistant", "Let me read the file",
-                                     "read_file", "turn 2 · assistant", "edit_file", "<h2>Diff", "<h2>Checks",
-                                     "<h2>Judge")]
+    order = [
+        page.index(s)
+        for s in (
+            html.escape(sample.TASK_TEXT),
+            "turn 1 · assistant",
+            "Let me read the file",
+            "read_file",
+            "turn 2 · assistant",
+            "edit_file",
+            "<h2>Diff",
+            "<h2>Checks",
+            "<h2>Judge",
+        )
+    ]
     assert order == sorted(order)
     assert html.escape('{\n  "path": "pkg/calc.py"\n}') in page  # arguments as indented JSON
     assert "pytest -q {not json" in page  # arguments that do not parse: as given
@@ -81,7 +104,7 @@ def test_transcript_page_shows_task_turns_calls_outputs_diff_checks_and_judge(ou
     assert checks.index("✗ failed: tests/test_calc.py::test_sub") < checks.index("✓ passed: tests/test_calc.py::")
     assert "1 of 2 failed" in checks
     assert "1 (correctness 0.5, costs -0.05)" in page  # the reward and its parts
-    assert "exit code 1" in page and '0.012 s' in page  # the store's per-call record, matched to its call
+    assert "exit code 1" in page and "0.012 s" in page  # the store's per-call record, matched to its call
     assert 'href="../report.html"' in page and "reads well" in page and "1234" in page
 
 
@@ -147,12 +170,24 @@ def test_a_second_analysis_removes_the_pages_of_the_first(tmp_path):
 def test_a_page_stays_under_the_cap_and_keeps_its_diff_and_checks_whatever_the_transcript_holds():
     messages = [{"role": "user", "content": "the task"}]
     for i in range(3_000):  # ~100 MB of escaped text in all
-        messages += [{"role": "assistant", "content": "é" * 3_000, "tool_calls": [
-            {"id": f"c{i}", "type": "function", "function": {"name": "run", "arguments": "<" * 5_000}}]},
-            {"role": "tool", "tool_call_id": f"c{i}", "content": "&" * 10_000}]
-    detail = {"rollout_id": "big", "transcript": messages, "diff": "+<added>\n" * 1_000_000,
-              "per_test": [{"test": f"t{i}", "passed": i % 2 == 0} for i in range(50_000)],
-              "findings": ["tests_edited: x"] * 10_000, "metadata": {f"task.k{i}": "v" * 5_000 for i in range(1_000)}}
+        messages += [
+            {
+                "role": "assistant",
+                "content": "é" * 3_000,
+                "tool_calls": [
+                    {"id": f"c{i}", "type": "function", "function": {"name": "run", "arguments": "<" * 5_000}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": f"c{i}", "content": "&" * 10_000},
+        ]
+    detail = {
+        "rollout_id": "big",
+        "transcript": messages,
+        "diff": "+<added>\n" * 1_000_000,
+        "per_test": [{"test": f"t{i}", "passed": i % 2 == 0} for i in range(50_000)],
+        "findings": ["tests_edited: x"] * 10_000,
+        "metadata": {f"task.k{i}": "v" * 5_000 for i in range(1_000)},
+    }
     page = render_transcript(detail)
     assert len(page.encode()) < PAGE_CAP_BYTES
     assert re.search(r"messages \d+-6001 of 6001 cut: the page is capped at 2 MB", page)

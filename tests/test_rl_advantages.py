@@ -35,8 +35,9 @@ def test_rloo_is_reward_minus_mean_of_the_others():
     # 3 - (1+2)/2 = 1.5, 1 - (3+2)/2 = -1.5, 2 - (3+1)/2 = 0
     torch.testing.assert_close(rloo_advantages(torch.tensor([3.0, 1.0, 2.0])), torch.tensor([1.5, -1.5, 0.0]))
     # 1 - 1/3 = 2/3, 0 - 2/3 = -2/3
-    torch.testing.assert_close(compute_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), "rloo"),
-                               torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]))
+    torch.testing.assert_close(
+        compute_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), "rloo"), torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3])
+    )
 
 
 def test_batched_groups_equal_one_group_at_a_time():
@@ -75,13 +76,15 @@ def test_speed_bonus_ranks_a_groups_solved_attempts_by_turns_and_leaves_failures
     solved = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]])
     # group 0: solved turns 2..4 -> +w/2, -w/2, 0 (linear); the failure's 6 turns count for nothing
     # group 1: the solved attempts tie; group 2: none solved; group 3: one solved, no one to beat
-    torch.testing.assert_close(speed_bonus(turns, solved, 0.5),
-                               torch.tensor([[0.25, -0.25, 0.0, 0.0], [0.0] * 4, [0.0] * 4, [0.0] * 4]))
+    torch.testing.assert_close(
+        speed_bonus(turns, solved, 0.5), torch.tensor([[0.25, -0.25, 0.0, 0.0], [0.0] * 4, [0.0] * 4, [0.0] * 4])
+    )
     # what it is for: two solves of 4 and 5 turns and two failures get advantages far apart
     rewards = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
     bonus = speed_bonus(torch.tensor([[4, 5, 6, 6]]), torch.tensor([[1, 1, 0, 0]]), 0.5)
-    torch.testing.assert_close(grpo_advantages(rewards + bonus), torch.tensor([[1.2247, 0.4082, -0.8165, -0.8165]]),
-                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        grpo_advantages(rewards + bonus), torch.tensor([[1.2247, 0.4082, -0.8165, -0.8165]]), atol=1e-4, rtol=0
+    )
 
 
 def test_the_rl_stage_adds_the_speed_bonus_by_what_the_reward_counts_solved():

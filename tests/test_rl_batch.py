@@ -14,8 +14,9 @@ from codefleet.rl.losses import LossConfig
 
 
 def _cfg() -> ModelConfig:
-    return ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, n_experts=4, top_k=2,
-                       d_expert=16)
+    return ModelConfig(
+        vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, n_experts=4, top_k=2, d_expert=16
+    )
 
 
 def test_collate_pads_and_masks_by_hand():
@@ -38,10 +39,18 @@ def test_rl_step_on_engine_rollouts_is_on_policy_and_moves_logprobs_with_the_adv
     model = Transformer(_cfg())
     prompts = [[5, 17, 33, 2], [8, 40, 61, 9, 12]]
     results = Engine(model.eval(), max_batch=2, max_seq_len=64).generate(
-        prompts, [SamplingParams(max_tokens=6, temperature=1.0, seed=i) for i in range(2)])
-    samples = [Sample(p + r.token_ids, [0] * len(p) + [1] * len(r.token_ids), [0.0] * len(p) + r.logprobs, adv,
-                      r.prompt_routed_experts + r.routed_experts)
-               for p, r, adv in zip(prompts, results, (1.0, -1.0))]
+        prompts, [SamplingParams(max_tokens=6, temperature=1.0, seed=i) for i in range(2)]
+    )
+    samples = [
+        Sample(
+            p + r.token_ids,
+            [0] * len(p) + [1] * len(r.token_ids),
+            [0.0] * len(p) + r.logprobs,
+            adv,
+            r.prompt_routed_experts + r.routed_experts,
+        )
+        for p, r, adv in zip(prompts, results, (1.0, -1.0))
+    ]
     batch = collate(samples, n_moe_layers=2, top_k=2)
     model.train()
     loss, metrics = rl_loss(model, batch, LossConfig(), routing_replay=replay)

@@ -58,9 +58,11 @@ def test_each_prompt_extends_the_exact_sampled_sequence(engine):
     for k in (1, 2):  # turn k's prompt starts with everything through turn k-1's sampled tokens
         assert sent[k][: tokens.turn_ends[k - 1]] == tokens.ids[: tokens.turn_ends[k - 1]]
         assert len(sent[k]) > tokens.turn_ends[k - 1]
-    assert sent[0] == codefleet_template.encode_chat(engine.tokenizer, [{"role": "system", "content": "You fix code."},
-                                                          {"role": "user", "content": "Make sub return a - b."}],
-                                       tool_schemas())
+    assert sent[0] == codefleet_template.encode_chat(
+        engine.tokenizer,
+        [{"role": "system", "content": "You fix code."}, {"role": "user", "content": "Make sub return a - b."}],
+        tool_schemas(),
+    )
     n = len(tokens.ids)
     assert len(tokens.mask) == len(tokens.logprobs) == len(tokens.versions) == len(tokens.routing) == n
     sampled = sum(tokens.mask)
@@ -72,8 +74,9 @@ def test_each_prompt_extends_the_exact_sampled_sequence(engine):
 @pytest.fixture(scope="module")
 def qwen3_moe_engine(tmp_path_factory):
     """A tiny random Qwen3-MoE Hugging Face checkpoint on the engine, with its own tokenizer and template."""
-    e = Engine.load(make_tiny_hf(str(tmp_path_factory.mktemp("qwen3-moe")), arch="qwen3_moe"), max_batch=4,
-                    max_seq_len=2048)
+    e = Engine.load(
+        make_tiny_hf(str(tmp_path_factory.mktemp("qwen3-moe")), arch="qwen3_moe"), max_batch=4, max_seq_len=2048
+    )
     yield e
     e.close()
 

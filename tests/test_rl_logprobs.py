@@ -11,8 +11,19 @@ from codefleet.rl.logprobs import forward_logprobs, routing_replay_tensors
 
 
 def _cfg() -> ModelConfig:
-    return ModelConfig(vocab_size=97, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, n_experts=4, top_k=2,
-                       d_expert=16, first_dense_layers=1, d_dense=48)
+    return ModelConfig(
+        vocab_size=97,
+        d_model=32,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        n_experts=4,
+        top_k=2,
+        d_expert=16,
+        first_dense_layers=1,
+        d_dense=48,
+    )
 
 
 def test_forward_logprobs_equals_token_logprobs_of_a_full_forward():
@@ -39,8 +50,9 @@ def test_engine_routing_converts_to_the_models_replay_tensors():
     with torch.no_grad():
         routed = model(tokens_BT, return_routing=True).routed_experts  # 2 MoE layers of [B, T, K]
     # the engine's per-token records, flat layer-major as in Turn.routed_experts; row 1 is 2 tokens short
-    per_token = [[[e for layer in range(2) for e in routed[layer][b, t].tolist()] for t in range(7 - 2 * b)]
-                 for b in range(2)]
+    per_token = [
+        [[e for layer in range(2) for e in routed[layer][b, t].tolist()] for t in range(7 - 2 * b)] for b in range(2)
+    ]
     replay = routing_replay_tensors(per_token, n_moe_layers=2, top_k=2, T=7)
     assert len(replay) == 2 and replay[0].shape == (2, 7, 2)
     assert torch.equal(replay[1][0], routed[1][0]) and torch.equal(replay[0][1, :5], routed[0][1, :5])
@@ -69,11 +81,11 @@ def test_trainer_logprobs_equal_the_engines_on_its_rollouts_with_and_without_rep
     mask_BT = torch.zeros(2, T)
     for b, (p, s) in enumerate(zip(prompts, seqs)):
         tokens_BT[b, : len(s)] = torch.tensor(s)
-        mask_BT[b, len(p): len(s)] = 1  # the completion tokens
+        mask_BT[b, len(p) : len(s)] = 1  # the completion tokens
     replay = routing_replay_tensors([r.prompt_routed_experts + r.routed_experts for r in results], 2, 2, T)
     for routing in (None, replay):
         with torch.no_grad():
             lp_BT = forward_logprobs(model, tokens_BT, mask_BT, routing_replay=routing).logprobs_BT
         for b, (p, r) in enumerate(zip(prompts, results)):
-            got = lp_BT[b, len(p): len(p) + len(r.token_ids)]
+            got = lp_BT[b, len(p) : len(p) + len(r.token_ids)]
             assert (got - torch.tensor(r.logprobs)).abs().max() <= 1e-4

@@ -111,7 +111,9 @@ def test_kl_k3_by_hand_and_added_with_its_coefficient():
     k3 = ln(2) - 0.5
     torch.testing.assert_close(kl_k3(logp, ref), torch.tensor([[k3, 0.0]]))
     # zero advantages: the policy term is 0, the loss is kl_coef * mean k3
-    loss, m = policy_loss(logp, logp, torch.tensor([0.0]), torch.ones(1, 2), LossConfig(kl_coef=0.1), ref_logprobs_BT=ref)
+    loss, m = policy_loss(
+        logp, logp, torch.tensor([0.0]), torch.ones(1, 2), LossConfig(kl_coef=0.1), ref_logprobs_BT=ref
+    )
     torch.testing.assert_close(loss, torch.tensor(0.1 * k3 / 2))
     assert m["kl"] == pytest.approx(k3 / 2)
     with pytest.raises(ValueError, match="ref_logprobs_BT"):
@@ -124,14 +126,21 @@ def test_kl_k2_by_hand_and_its_gradient_is_linear_in_the_log_ratio():
     logp = torch.tensor([[ln(0.1), ln(0.3)]], requires_grad=True)
     ref = torch.tensor([[ln(0.8), ln(0.3)]])
     torch.testing.assert_close(kl_k2(logp, ref), torch.tensor([[0.5 * ln(8) ** 2, 0.0]]))
-    loss, m = policy_loss(logp, logp.detach(), torch.tensor([0.0]), torch.ones(1, 2), LossConfig(kl_coef=1.0, kl_estimator="k2"),
-                          ref_logprobs_BT=ref)
+    loss, m = policy_loss(
+        logp,
+        logp.detach(),
+        torch.tensor([0.0]),
+        torch.ones(1, 2),
+        LossConfig(kl_coef=1.0, kl_estimator="k2"),
+        ref_logprobs_BT=ref,
+    )
     assert m["kl"] == pytest.approx(0.5 * ln(8) ** 2 / 2)
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[-ln(8) / 2, 0.0]]))
     k3_logp = logp.detach().clone().requires_grad_()
-    policy_loss(k3_logp, k3_logp.detach(), torch.tensor([0.0]), torch.ones(1, 2), LossConfig(kl_coef=1.0),
-                ref_logprobs_BT=ref)[0].backward()
+    policy_loss(
+        k3_logp, k3_logp.detach(), torch.tensor([0.0]), torch.ones(1, 2), LossConfig(kl_coef=1.0), ref_logprobs_BT=ref
+    )[0].backward()
     torch.testing.assert_close(k3_logp.grad, torch.tensor([[(1 - 8.0) / 2, 0.0]]))
     with pytest.raises(ValueError, match="k3, k2"):
         LossConfig(kl_estimator="k1")
@@ -176,8 +185,9 @@ def test_bad_config_names_the_allowed_values():
 
 
 def test_moe_losses_are_added_from_the_model_output():
-    cfg = ModelConfig(vocab_size=50, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, n_experts=4,
-                      top_k=2, d_expert=8)
+    cfg = ModelConfig(
+        vocab_size=50, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, n_experts=4, top_k=2, d_expert=8
+    )
     torch.manual_seed(0)
     out = Transformer(cfg)(torch.randint(0, 50, (2, 5)))
     base = torch.tensor(1.5)

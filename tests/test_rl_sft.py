@@ -12,8 +12,9 @@ from codefleet.rl.sft import pad_batch, sft_loss, sft_step_loss
 
 
 def _tiny() -> ModelConfig:
-    return ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, n_experts=4, top_k=2,
-                       d_expert=16)
+    return ModelConfig(
+        vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, n_experts=4, top_k=2, d_expert=16
+    )
 
 
 def test_pad_batch_shifts_targets_and_mask_by_hand():

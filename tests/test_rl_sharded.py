@@ -39,8 +39,9 @@ def _spawn(fn, tmp_path, *args) -> None:
 
 def _entry(rank: int, fn, store: str, args: tuple) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=120))  # a test that desynchronises fails instead of hanging
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=120)
+    )  # a test that desynchronises fails instead of hanging
     try:
         fn(rank, *args)
     finally:
@@ -62,6 +63,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 
 
 # ---- expert parallelism --------------------------------------------------------------------------------
+
 
 def _ep_rank(rank: int) -> None:
     for replay, shared in [("none", 1), ("random", 0), ("one-rank", 1)]:
@@ -114,10 +116,25 @@ def test_expert_parallel_equals_unsharded_moe(tmp_path):
 
 # ---- the FSDP2 trainer -----------------------------------------------------------------------------------
 
+
 def _cfg(**overrides) -> ModelConfig:
     # router losses off: they are per-micro-batch statistics, so only CE / policy gradients are batch-invariant
-    base = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, n_experts=4, top_k=2,
-                d_expert=16, n_shared_experts=1, d_shared=16, max_seq_len=64, aux_loss_coef=0.0, z_loss_coef=0.0)
+    base = dict(
+        vocab_size=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        n_experts=4,
+        top_k=2,
+        d_expert=16,
+        n_shared_experts=1,
+        d_shared=16,
+        max_seq_len=64,
+        aux_loss_coef=0.0,
+        z_loss_coef=0.0,
+    )
     return ModelConfig.tiny(**{**base, **overrides})
 
 
@@ -154,8 +171,12 @@ def _same_weights(got: dict, expected: dict, what: str) -> None:
 
 
 def _fsdp_step_rank(rank: int) -> None:
-    for backend, loss in [("fsdp2", LossConfig(off_policy="decoupled")), ("fsdp2_ep", LossConfig(off_policy="tis")),
-                          ("fsdp2", LossConfig(kl_coef=0.5)), ("fsdp2_ep", LossConfig(kl_coef=0.5))]:
+    for backend, loss in [
+        ("fsdp2", LossConfig(off_policy="decoupled")),
+        ("fsdp2_ep", LossConfig(off_policy="tis")),
+        ("fsdp2", LossConfig(kl_coef=0.5)),
+        ("fsdp2_ep", LossConfig(kl_coef=0.5)),
+    ]:
         _fsdp_step_case(rank, TRAINERS.get(backend), loss)
 
 

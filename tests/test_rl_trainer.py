@@ -16,8 +16,20 @@ from codefleet.rl.trainer import TrainConfig, Trainer, loss_units, pack, sft_uni
 
 def _cfg(**overrides) -> ModelConfig:
     # router losses off: they are per-micro-batch statistics, so only the policy/CE gradient is exactly batch-invariant
-    base = dict(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, n_experts=4, top_k=2,
-                d_expert=32, max_seq_len=128, aux_loss_coef=0.0, z_loss_coef=0.0)
+    base = dict(
+        vocab_size=64,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        n_experts=4,
+        top_k=2,
+        d_expert=32,
+        max_seq_len=128,
+        aux_loss_coef=0.0,
+        z_loss_coef=0.0,
+    )
     return ModelConfig.tiny(**{**base, **overrides})
 
 
@@ -99,10 +111,16 @@ def test_sft_micro_batches_and_shards_give_the_one_batch_gradient():
     assert all(not g.any() for g in idle.gradients())
 
 
-@pytest.mark.parametrize("loss", [LossConfig(), LossConfig(reduction="seq_mean"),
-                                  LossConfig(ratio_level="sequence", eps_low=3e-4, eps_high=4e-4),
-                                  LossConfig(off_policy="decoupled", kl_coef=0.1)],
-                         ids=["token", "seq", "gspo", "decoupled_kl"])
+@pytest.mark.parametrize(
+    "loss",
+    [
+        LossConfig(),
+        LossConfig(reduction="seq_mean"),
+        LossConfig(ratio_level="sequence", eps_low=3e-4, eps_high=4e-4),
+        LossConfig(off_policy="decoupled", kl_coef=0.1),
+    ],
+    ids=["token", "seq", "gspo", "decoupled_kl"],
+)
 def test_rl_micro_batches_give_the_one_batch_gradient(loss):
     samples = _samples(_model(), 6)
     for i, s in enumerate(samples):  # advantages that do not cancel: the loss at ratio 1 is not exactly 0
@@ -164,8 +182,9 @@ def test_rl_step_with_routing_replay_uses_the_engine_routing_and_changes_weights
     plain = Trainer(_model(), dataclasses.replace(cfg, routing_replay=False)).forward_backward_rl(samples)
     assert replay["routing_replay_frac"] == 1.0 and plain["routing_replay_frac"] == 0.0
     assert replay["loss"] == pytest.approx(plain["loss"], abs=1e-6)  # the recorded routing is the model's own
-    swapped = [dataclasses.replace(s, routed_experts=[[3 - e for e in row] for row in s.routed_experts])
-               for s in samples]
+    swapped = [
+        dataclasses.replace(s, routed_experts=[[3 - e for e in row] for row in s.routed_experts]) for s in samples
+    ]
     assert Trainer(_model(), cfg).forward_backward_rl(swapped)["loss"] != pytest.approx(replay["loss"], abs=1e-4)
 
     trainer = Trainer(_model(), cfg)

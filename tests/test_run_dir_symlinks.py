@@ -30,7 +30,6 @@ from codefleet.store.safe_files import LinkRefused
 REFUSED = "it is a symlink; a run directory's contents are never reached through links (docs/security.md)"
 
 
-
 def _store(run) -> None:
     rng = random.Random(3)
     RolloutWriter(str(run / "rollouts")).append([synthetic_record(rng, i, run="r", step=0) for i in range(8)])
@@ -44,14 +43,16 @@ def test_a_link_in_the_middle_of_the_path_is_refused_for_every_operation(tmp_pat
     root.mkdir()
     os.symlink(canary, root / "analysis")
     before = read_tree(str(canary))
-    for attempt in (lambda: safe_files.write_file_beneath(str(root), "analysis/sub/new.txt", b"x"),
-                    lambda: safe_files.write_file_beneath(str(root), str(root / "analysis" / "passwd"), b"x"),
-                    lambda: safe_files.append_beneath(str(root), "analysis/passwd"),
-                    lambda: safe_files.makedirs_beneath(str(root), "analysis/sub/deeper"),
-                    lambda: safe_files.remove_beneath(str(root), "analysis/sub"),
-                    lambda: safe_files.remove_beneath(str(root), "analysis/passwd"),
-                    lambda: safe_files.listdir_beneath(str(root), "analysis"),
-                    lambda: safe_files.replace_beneath(str(root), "analysis/passwd", "analysis/moved")):
+    for attempt in (
+        lambda: safe_files.write_file_beneath(str(root), "analysis/sub/new.txt", b"x"),
+        lambda: safe_files.write_file_beneath(str(root), str(root / "analysis" / "passwd"), b"x"),
+        lambda: safe_files.append_beneath(str(root), "analysis/passwd"),
+        lambda: safe_files.makedirs_beneath(str(root), "analysis/sub/deeper"),
+        lambda: safe_files.remove_beneath(str(root), "analysis/sub"),
+        lambda: safe_files.remove_beneath(str(root), "analysis/passwd"),
+        lambda: safe_files.listdir_beneath(str(root), "analysis"),
+        lambda: safe_files.replace_beneath(str(root), "analysis/passwd", "analysis/moved"),
+    ):
         with pytest.raises(LinkRefused) as refused:
             attempt()
         assert str(refused.value) == f"[Errno 40] refusing to write {root}/analysis: {REFUSED}"
@@ -173,8 +174,10 @@ def test_ray_log_is_never_appended_through_a_link(tmp_path, canary):
     run = tmp_path / "run"
     run.mkdir()
     os.symlink(canary, run / "analysis")  # a link above the log, below the directory the user named
-    with pytest.raises(LinkRefused, match=f"refusing to write {run}/analysis: "), \
-            ray_output_to(str(run / "analysis" / "ray.log"), root=str(run)):
+    with (
+        pytest.raises(LinkRefused, match=f"refusing to write {run}/analysis: "),
+        ray_output_to(str(run / "analysis" / "ray.log"), root=str(run)),
+    ):
         os.write(1, b"owned\n")
     assert not (canary / "ray.log").exists()
 
@@ -251,8 +254,20 @@ def test_storage_writers_refuse_links_below_the_root_for_paths_and_file_urls(tmp
 
 
 def test_checkpoints_are_never_written_or_swapped_through_links(tmp_path, canary):
-    model = Transformer(ModelConfig.tiny(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16,
-                                         n_experts=2, top_k=1, d_expert=16, max_seq_len=32))
+    model = Transformer(
+        ModelConfig.tiny(
+            vocab_size=64,
+            d_model=32,
+            n_layers=1,
+            n_heads=2,
+            n_kv_heads=1,
+            head_dim=16,
+            n_experts=2,
+            top_k=1,
+            d_expert=16,
+            max_seq_len=32,
+        )
+    )
     checkpoints = tmp_path / "run" / "checkpoints"
     checkpoints.mkdir(parents=True)
     os.symlink(canary, checkpoints / "sft")

@@ -94,8 +94,9 @@ def test_upload_and_download_a_directory_with_its_marker_last(base, tmp_path, mo
         (local / name).write_bytes(data)
     order = []
     upload = storage.upload_file
-    monkeypatch.setattr(storage, "upload_file", lambda src, dst: (order.append(os.path.basename(src)),
-                                                                  upload(src, dst)))
+    monkeypatch.setattr(
+        storage, "upload_file", lambda src, dst: (order.append(os.path.basename(src)), upload(src, dst))
+    )
     storage.upload_dir(str(local), storage.join(base, "ckpt"), last=("config.json",))
     assert order[-1] == "config.json" and sorted(order) == ["config.json", "model.safetensors", "state.pt"]
     back = tmp_path / "back"
@@ -171,11 +172,10 @@ def test_a_staged_directory_is_uploaded_when_its_writer_is_done_and_not_when_it_
         os.makedirs(local)
         open(os.path.join(local, "config.json"), "w").write('{"new": 1}')
     assert storage.listdir(url) == ["config.json"]  # replaced: the old files are gone
-    with pytest.raises(RuntimeError):
-        with storage.staged_dir(storage.join(base, "other")) as local:
-            os.makedirs(local)
-            open(os.path.join(local, "x"), "w").write("half")
-            raise RuntimeError("the writer failed")
+    with pytest.raises(RuntimeError), storage.staged_dir(storage.join(base, "other")) as local:
+        os.makedirs(local)
+        open(os.path.join(local, "x"), "w").write("half")
+        raise RuntimeError("the writer failed")
     assert not storage.exists(storage.join(base, "other"))
     with storage.editing(url, fetch=("config.json", "absent.json")) as local:
         assert json.load(open(os.path.join(local, "config.json"))) == {"new": 1}
@@ -188,6 +188,7 @@ def test_a_staged_directory_is_uploaded_when_its_writer_is_done_and_not_when_it_
 def test_a_cloud_url_without_its_package_says_what_to_install():
     try:
         import s3fs  # noqa: F401
+
         pytest.skip("s3fs is installed here")
     except ImportError:
         pass
@@ -200,8 +201,10 @@ def test_a_cloud_url_without_its_package_says_what_to_install():
 
 def test_rollouts_written_to_a_url_read_back_as_a_local_store(tmp_path):
     url = f"memory://rollouts-{uuid.uuid4().hex}"
-    records = [rollout_record(make_trajectory(f"t{i}", i % 2 == 0), run="r/1", step=i // 2, group=0, attempt=i)
-               for i in range(4)]
+    records = [
+        rollout_record(make_trajectory(f"t{i}", i % 2 == 0), run="r/1", step=i // 2, group=0, attempt=i)
+        for i in range(4)
+    ]
     written = RolloutWriter(url).append(records).split(", ")
     RolloutWriter(str(tmp_path / "local")).append(records)
     assert len(written) == 2 and all(w.startswith(url + "/run=r_1/step=") and w.endswith(".parquet") for w in written)
@@ -234,8 +237,7 @@ def url_run(tmp_path):
     storage.remove(url.rsplit("/", 1)[0])
 
 
-def test_groups_and_checkpoints_are_written_through_and_a_torn_commit_resumes_from_the_one_before(url_run,
-                                                                                                     tmp_path):
+def test_groups_and_checkpoints_are_written_through_and_a_torn_commit_resumes_from_the_one_before(url_run, tmp_path):
     run = url_run
     run.write_format()
     run.check_format()
@@ -285,8 +287,7 @@ def test_a_url_run_is_resumed_from_its_url_alone(url_run, tmp_path):
         resumed_config(url_run.url)
 
 
-def test_a_live_lease_refuses_a_second_holder_and_a_stale_or_dead_one_is_taken_over(url_run, tmp_path,
-                                                                                      monkeypatch):
+def test_a_live_lease_refuses_a_second_holder_and_a_stale_or_dead_one_is_taken_over(url_run, tmp_path, monkeypatch):
     monkeypatch.setattr(run_dir_module, "LEASE_SETTLE_S", 0.05)
     monkeypatch.setattr(run_dir_module, "HEARTBEAT_S", 0.2)
     run, other = url_run, RunDir(url_run.url, staging=str(tmp_path / "other-machine"))
@@ -305,8 +306,10 @@ def test_a_live_lease_refuses_a_second_holder_and_a_stale_or_dead_one_is_taken_o
     other.unlock()
 
     def lease(**fields):
-        run.write(LEASE_FILE, json.dumps({"host": "node-7", "pid": 42, "token": "t", "heartbeat": time.time(),
-                                          **fields}).encode())
+        run.write(
+            LEASE_FILE,
+            json.dumps({"host": "node-7", "pid": 42, "token": "t", "heartbeat": time.time(), **fields}).encode(),
+        )
 
     lease()  # fresh, on another machine
     with pytest.raises(RunError, match=r"host node-7, pid 42.*renewed \d+ s ago.*delete memory://.*\.lease"):
@@ -360,11 +363,26 @@ def test_a_trainer_group_saves_to_a_url_and_a_new_group_resumes_from_it(ray_sess
 
 # -- `codefleet train` end to end into a file:// URL --------------------------------------------------------
 
-SMALL = ["tasks.n_train=4", "tasks.n_eval=2", "tasks.families=[bugfix, config]", "sft.epochs=1",
-         "sft.batch_size=4", "rl.steps=2", "controller.group_size=2", "controller.batch_groups=1",
-         "controller.rollout_slots=2", "controller.eta=1",
-         "rl.max_tokens=24", "rl.max_turns=2", "eval.max_tokens=24", "eval.attempts=1", "eval.jobs=2",
-         "cluster.trainer_workers=1", "cluster.rollout_workers=1", "cluster.engines=1"]
+SMALL = [
+    "tasks.n_train=4",
+    "tasks.n_eval=2",
+    "tasks.families=[bugfix, config]",
+    "sft.epochs=1",
+    "sft.batch_size=4",
+    "rl.steps=2",
+    "controller.group_size=2",
+    "controller.batch_groups=1",
+    "controller.rollout_slots=2",
+    "controller.eta=1",
+    "rl.max_tokens=24",
+    "rl.max_turns=2",
+    "eval.max_tokens=24",
+    "eval.attempts=1",
+    "eval.jobs=2",
+    "cluster.trainer_workers=1",
+    "cluster.rollout_workers=1",
+    "cluster.engines=1",
+]
 
 
 @pytest.mark.slow
@@ -394,8 +412,9 @@ def test_train_into_a_file_url_and_resume_it_with_nothing_local(ray_session, tmp
     assert again["results"]["rl"]["checkpoint"] == f"{url}/checkpoints/rl-step-000003"
     # the SFT evaluation is read back from the URL, not run again
     assert again["results"]["sft"] == json.loads(json.dumps(summary["results"]["sft"]))
-    trained = {name: json.loads(storage.read_bytes(f"{url}/trained/{name}"))
-               for name in storage.listdir(f"{url}/trained")}
+    trained = {
+        name: json.loads(storage.read_bytes(f"{url}/trained/{name}")) for name in storage.listdir(f"{url}/trained")
+    }
     assert sorted(trained) == ["step-000001.json", "step-000002.json", "step-000003.json"]
     ids = [i for step in trained.values() for i in step]
     assert len(ids) == len(set(ids)) == 3 * 2  # nothing trained twice across the resume
@@ -406,12 +425,29 @@ def test_train_into_a_file_url_and_resume_it_with_nothing_local(ray_session, tmp
     rows = [json.loads(line) for line in storage.read_bytes(f"{url}/metrics.jsonl").decode().splitlines()]
     assert sorted(r["step"] for r in rows if r["stage"] == "rl") == [1, 2, 3]  # appended across the resume
     assert not storage.exists(f"{url}/{LEASE_FILE}")  # given back
-    for name in ("run.json", "config.yaml", "demos.json", "sft.done", "results.json", "eval/sft.json",
-                 "eval/rl.json", "metrics.png", "checkpoints/sft/config.json", "checkpoints/rl-start/config.json",
-                 "tasks/train", "tasks/eval"):
+    for name in (
+        "run.json",
+        "config.yaml",
+        "demos.json",
+        "sft.done",
+        "results.json",
+        "eval/sft.json",
+        "eval/rl.json",
+        "metrics.png",
+        "checkpoints/sft/config.json",
+        "checkpoints/rl-start/config.json",
+        "tasks/train",
+        "tasks/eval",
+    ):
         assert storage.exists(f"{url}/{name}"), name
-    assert storage.listdir(f"{url}/checkpoints") == ["LATEST", "init", "rl-start", "rl-step-000003",
-                                                     "rl-step-000003.controller.json", "sft"]
+    assert storage.listdir(f"{url}/checkpoints") == [
+        "LATEST",
+        "init",
+        "rl-start",
+        "rl-step-000003",
+        "rl-step-000003.controller.json",
+        "sft",
+    ]
     storage.download_dir(f"{url}/rollouts", str(tmp_path / "rollouts"))
     table = read_rollouts(str(tmp_path / "rollouts"))
     assert table.num_rows >= len(accepted) and set(table.column("split").to_pylist()) == {"train"}

@@ -24,8 +24,11 @@ from codefleet.sandbox.envbuild import build, load_spec
 from codefleet.sandbox.layers import mounts_under
 from codefleet.sandbox.oci import ImageError
 
-STEPS = ["echo built > /etc/built", "rm /etc/image-release", "rm -rf /opt/data && mkdir /opt/data && "
-         "echo new > /opt/data/only"]
+STEPS = [
+    "echo built > /etc/built",
+    "rm /etc/image-release",
+    "rm -rf /opt/data && mkdir /opt/data && echo new > /opt/data/only",
+]
 
 
 @pytest.fixture
@@ -67,7 +70,8 @@ def test_steps_become_cached_layers_and_the_image_runs_in_a_sandbox(work, state_
     assert os.listdir(os.path.join(rootfs, "opt", "data")) == ["only"]  # a replaced directory is opaque
     log.clear()
     assert build(load_spec(_spec(work, STEPS)), store, log.append) == env and all(
-        line.startswith("cached") for line in log)  # nothing changed: nothing runs
+        line.startswith("cached") for line in log
+    )  # nothing changed: nothing runs
     log.clear()
     changed = build(load_spec(_spec(work, STEPS[:2] + ["echo other > /opt/other"])), store, log.append)
     assert [line.split()[0] for line in log] == ["cached", "cached", "build"] and changed != env
@@ -90,11 +94,14 @@ def test_a_failed_step_keeps_nothing_and_says_which(work):
         load_spec(os.path.join(work, "bad.yaml"))
 
 
-@pytest.mark.parametrize("text, match", [
-    ("run: " + "[" * 100_000 + "]" * 100_000 + "\n", "nests too deep to read"),
-    ("base: base.tar\nrun:\n" + "  - echo x\n" * 200_000, "longer than 1048576 characters"),
-    ("base: base.tar\nrun: [{command: ls, network: yes please}]\n", "run: a list of commands"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("run: " + "[" * 100_000 + "]" * 100_000 + "\n", "nests too deep to read"),
+        ("base: base.tar\nrun:\n" + "  - echo x\n" * 200_000, "longer than 1048576 characters"),
+        ("base: base.tar\nrun: [{command: ls, network: yes please}]\n", "run: a list of commands"),
+    ],
+)
 def test_a_hostile_build_spec_is_refused_in_one_sentence(tmp_path, text, match):
     path = str(tmp_path / "bad.yaml")
     with open(path, "w") as f:
@@ -105,20 +112,30 @@ def test_a_hostile_build_spec_is_refused_in_one_sentence(tmp_path, text, match):
 
 # -- a build step is nobody on the host ------------------------------------------------------------------
 
-TOOLS = ("/usr/bin/id", "/usr/bin/mknod", "/usr/bin/mount", "/usr/bin/stat", "/usr/bin/chown", "/usr/bin/chmod",
-         "/usr/bin/touch", "/usr/bin/setpriv", "/usr/bin/ls")
+TOOLS = (
+    "/usr/bin/id",
+    "/usr/bin/mknod",
+    "/usr/bin/mount",
+    "/usr/bin/stat",
+    "/usr/bin/chown",
+    "/usr/bin/chmod",
+    "/usr/bin/touch",
+    "/usr/bin/setpriv",
+    "/usr/bin/ls",
+)
 _SH = os.path.join(os.path.realpath("/bin"), "sh").lstrip("/")  # usr/bin/sh where /bin is a symlink
 
 
 def _host_handle(path: str) -> tuple[int, bytes]:
     """(type, bytes) of the kernel's file handle for `path`: what open_by_handle_at takes to reopen it."""
+
     class FileHandle(ctypes.Structure):
         _fields_ = [("size", ctypes.c_uint), ("type", ctypes.c_int), ("bytes", ctypes.c_ubyte * 128)]
 
     handle, mount_id = FileHandle(128), ctypes.c_int()
     libc = ctypes.CDLL(None, use_errno=True)
     assert libc.name_to_handle_at(-100, os.fsencode(path), ctypes.byref(handle), ctypes.byref(mount_id), 0) == 0
-    return handle.type, bytes(handle.bytes[:handle.size])
+    return handle.type, bytes(handle.bytes[: handle.size])
 
 
 def _with_ctypes(layer):
@@ -175,11 +192,17 @@ def test_a_hostile_base_image_gets_no_root_on_the_host(work):
     canary = os.path.join(work, "canary")
     handle_type, handle = _host_handle(work)
     hostile = _with_ctypes(host_userland_layer(extra=TOOLS))
-    hostile.add(_SH, mode=0o755, data=HOSTILE_SH.format(disk=os.stat(work).st_dev, handle_type=handle_type,
-                                                        handle_hex=handle.hex()).encode())
+    hostile.add(
+        _SH,
+        mode=0o755,
+        data=HOSTILE_SH.format(disk=os.stat(work).st_dev, handle_type=handle_type, handle_hex=handle.hex()).encode(),
+    )
     steps = ["echo built > /etc/built", {"command": "echo online > /etc/online", "network": True}]
-    env = build(load_spec(_spec(work, steps, _image(work, "hostile.tar", hostile))), os.path.join(work, "store"),
-                lambda line: None)
+    env = build(
+        load_spec(_spec(work, steps, _image(work, "hostile.tar", hostile))),
+        os.path.join(work, "store"),
+        lambda line: None,
+    )
     assert not os.path.exists(canary)
     with open(os.path.join(env.rootfs, "report")) as f:
         report = [line.split(" ", 1) for line in f.read().splitlines()]
@@ -222,11 +245,13 @@ def test_a_step_chowns_and_sets_set_id_bits_and_the_owners_survive_into_its_laye
     set-ID and write bits are sealed off there, as an import seals them."""
     base = _image(work, "tools.tar", host_userland_layer(extra=TOOLS))
     as_apt = "setpriv --reuid 42 --regid 0 --clear-groups"
-    steps = ["mkdir -p /home/app /var/lib/apt-like && echo hi > /home/app/tool && chown -R 1000:1000 /home/app && "
-             "chmod 4755 /home/app/tool && chown 42:0 /var/lib/apt-like && chmod 700 /var/lib/apt-like && "
-             f"{as_apt} touch /var/lib/apt-like/partial && stat -c '%u %g %a' /home/app/tool > /seen-in-step",
-             f"{as_apt} ls /var/lib/apt-like > /listed-by-apt && "
-             "stat -c '%u %g' /home/app /home/app/tool /var/lib/apt-like/partial > /seen-next-step"]
+    steps = [
+        "mkdir -p /home/app /var/lib/apt-like && echo hi > /home/app/tool && chown -R 1000:1000 /home/app && "
+        "chmod 4755 /home/app/tool && chown 42:0 /var/lib/apt-like && chmod 700 /var/lib/apt-like && "
+        f"{as_apt} touch /var/lib/apt-like/partial && stat -c '%u %g %a' /home/app/tool > /seen-in-step",
+        f"{as_apt} ls /var/lib/apt-like > /listed-by-apt && "
+        "stat -c '%u %g' /home/app /home/app/tool /var/lib/apt-like/partial > /seen-next-step",
+    ]
     env = build(load_spec(_spec(work, steps, base)), os.path.join(work, "store"), lambda line: None)
     rootfs = env.rootfs
     assert open(os.path.join(rootfs, "seen-in-step")).read() == "1000 1000 4755\n"
@@ -234,12 +259,18 @@ def test_a_step_chowns_and_sets_set_id_bits_and_the_owners_survive_into_its_laye
     assert open(os.path.join(rootfs, "seen-next-step")).read() == "1000 1000\n1000 1000\n42 0\n"
     # On the host's disk: root is the host's root, inside id k > 0 the host id base+k that no user has
     ids = store_ids(os.path.join(work, "store"))
-    owners = {path: (st.st_uid, st.st_gid) for path in ("home/app", "home/app/tool", "var/lib/apt-like",
-                                                        "var/lib/apt-like/partial", "seen-in-step")
-              for st in [os.lstat(os.path.join(rootfs, path))]}
-    assert owners == {"home/app": (ids.uid + 1000, ids.gid + 1000), "home/app/tool": (ids.uid + 1000, ids.gid + 1000),
-                      "var/lib/apt-like": (ids.uid + 42, 0), "var/lib/apt-like/partial": (ids.uid + 42, 0),
-                      "seen-in-step": (0, 0)}
+    owners = {
+        path: (st.st_uid, st.st_gid)
+        for path in ("home/app", "home/app/tool", "var/lib/apt-like", "var/lib/apt-like/partial", "seen-in-step")
+        for st in [os.lstat(os.path.join(rootfs, path))]
+    }
+    assert owners == {
+        "home/app": (ids.uid + 1000, ids.gid + 1000),
+        "home/app/tool": (ids.uid + 1000, ids.gid + 1000),
+        "var/lib/apt-like": (ids.uid + 42, 0),
+        "var/lib/apt-like/partial": (ids.uid + 42, 0),
+        "seen-in-step": (0, 0),
+    }
     assert not [p.pw_name for p in pwd.getpwall() if ids.uid <= p.pw_uid < ids.uid + 65536]
     assert not os.lstat(os.path.join(rootfs, "home/app/tool")).st_mode & 0o6222
 
@@ -248,13 +279,30 @@ def test_without_user_namespaces_a_build_is_refused_and_never_runs_as_root(work)
     """In a user namespace whose limit of nested user namespaces is 0 (the kernel's own switch, set for this
     child only), a build says what to enable and runs nothing."""
     marker = os.path.join(work, "ran")
-    code = ("import sys\nfrom codefleet.sandbox.envbuild import build, load_spec\nfrom codefleet.sandbox.oci import "
-            "ImageError\ntry:\n    build(load_spec(sys.argv[1]), sys.argv[2], print)\nexcept ImageError as e:\n"
-            "    print(e, file=sys.stderr)\n    sys.exit(2)\n")
-    done = subprocess.run(["unshare", "--user", "--map-root-user", "sh", "-c",
-                           'echo 0 > /proc/sys/user/max_user_namespaces && exec "$@"', "-", sys.executable, "-c", code,
-                           _spec(work, [f"touch {marker}"]), os.path.join(work, "store")],
-                          capture_output=True, text=True, timeout=120)
+    code = (
+        "import sys\nfrom codefleet.sandbox.envbuild import build, load_spec\nfrom codefleet.sandbox.oci import "
+        "ImageError\ntry:\n    build(load_spec(sys.argv[1]), sys.argv[2], print)\nexcept ImageError as e:\n"
+        "    print(e, file=sys.stderr)\n    sys.exit(2)\n"
+    )
+    done = subprocess.run(
+        [
+            "unshare",
+            "--user",
+            "--map-root-user",
+            "sh",
+            "-c",
+            'echo 0 > /proc/sys/user/max_user_namespaces && exec "$@"',
+            "-",
+            sys.executable,
+            "-c",
+            code,
+            _spec(work, [f"touch {marker}"]),
+            os.path.join(work, "store"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert "user namespace" in done.stderr and "user.max_user_namespaces" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and not os.path.exists(marker)

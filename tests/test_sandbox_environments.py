@@ -30,8 +30,10 @@ from codefleet.sandbox.environments import HOST, ImageError, import_image, resol
 from codefleet.sandbox.layers import mounts_under
 from codefleet.sandbox.local import LocalSandbox
 
-pytestmark = pytest.mark.skipif(not os.path.exists(HOST_PYTHON) or not os.path.exists("/bin/bash"),
-                                reason="builds its image from the host's /usr/bin/python3 and /bin/bash")
+pytestmark = pytest.mark.skipif(
+    not os.path.exists(HOST_PYTHON) or not os.path.exists("/bin/bash"),
+    reason="builds its image from the host's /usr/bin/python3 and /bin/bash",
+)
 
 
 # -- building images ---------------------------------------------------------------------
@@ -103,8 +105,10 @@ def test_both_archive_kinds_and_a_layout_directory_import_to_one_rootfs_with_sha
     assert len(os.listdir(os.path.join(store, "images"))) == 1
     rootfs = image["env"].rootfs
     layer2 = os.path.join(store, "layers", f"sha256-{_sha(image['layers'][1])}")
-    assert os.stat(os.path.join(rootfs, "etc/image-release")).st_ino == os.stat(
-        os.path.join(layer2, "etc/image-release")).st_ino
+    assert (
+        os.stat(os.path.join(rootfs, "etc/image-release")).st_ino
+        == os.stat(os.path.join(layer2, "etc/image-release")).st_ino
+    )
     assert image["env"].name.startswith("sha256:") and HOST.rootfs is None
 
 
@@ -152,8 +156,9 @@ def test_a_sandbox_runs_the_images_python_sees_none_of_the_host_and_forks(image,
             assert "agent:x:1000" in sb.exec("cat /etc/passwd").output
             assert sb.exec("cat README.md").output == "# demo\n"  # the workspace is as ever
             # (the image has no mkdir: its own Python makes the directory)
-            assert sb.exec("echo from-parent > made.txt && python3 -c 'import os; os.mkdir(\"sub\")' && cd sub && "
-                           "export SEEN=yes").ok
+            assert sb.exec(
+                "echo from-parent > made.txt && python3 -c 'import os; os.mkdir(\"sub\")' && cd sub && export SEEN=yes"
+            ).ok
             (child,) = sb.fork(1)
             try:
                 assert child.exec('pwd; echo "$SEEN"; cat ../made.txt').output == "/workspace/sub\nyes\nfrom-parent\n"
@@ -219,7 +224,7 @@ def _small_layer(*members) -> bytes:
 def test_a_truncated_archive_is_refused(tmp_path, image):
     with open(image["oci"], "rb") as f:
         data = f.read()
-    _refused(tmp_path, data[:len(data) // 2], "corrupt, truncated|it has no")
+    _refused(tmp_path, data[: len(data) // 2], "corrupt, truncated|it has no")
 
 
 def test_a_truncated_layer_is_refused(tmp_path):
@@ -230,7 +235,7 @@ def test_a_truncated_layer_is_refused(tmp_path):
     layout = tmp_path / "layout"
     for name, data in files.items():
         (layout / name).parent.mkdir(parents=True, exist_ok=True)
-        (layout / name).write_bytes(data[:len(data) // 2] if name == blob else data)
+        (layout / name).write_bytes(data[: len(data) // 2] if name == blob else data)
     store = tmp_path / "store"
     with pytest.raises(ImageError, match="corrupt, truncated"):
         import_image(str(layout), str(store))
@@ -238,8 +243,11 @@ def test_a_truncated_layer_is_refused(tmp_path):
 
 
 def test_a_layer_that_does_not_match_its_digest_is_refused(tmp_path):
-    _refused(tmp_path, oci_tarball([_small_layer()], blob_digest_of=lambda i, blob: _sha(blob + b"x")),
-             "does not match its digest")
+    _refused(
+        tmp_path,
+        oci_tarball([_small_layer()], blob_digest_of=lambda i, blob: _sha(blob + b"x")),
+        "does not match its digest",
+    )
 
 
 def test_a_config_whose_diff_ids_lie_is_refused(tmp_path):
@@ -251,12 +259,15 @@ def test_a_config_whose_diff_ids_lie_is_refused(tmp_path):
     _refused(tmp_path, tar_of(files), "does not match its diff id")
 
 
-@pytest.mark.parametrize("member, match", [
-    (("../escaped", tarfile.REGTYPE), "outside the image's root"),
-    (("/etc/absolute", tarfile.REGTYPE), "outside the image's root"),
-    (("etc/up", tarfile.SYMTYPE, {"link": "../../../etc/shadow"}), "symlink 'etc/up'"),
-    (("etc/hard", tarfile.LNKTYPE, {"link": "../../etc/shadow"}), "outside the image's root"),
-])
+@pytest.mark.parametrize(
+    "member, match",
+    [
+        (("../escaped", tarfile.REGTYPE), "outside the image's root"),
+        (("/etc/absolute", tarfile.REGTYPE), "outside the image's root"),
+        (("etc/up", tarfile.SYMTYPE, {"link": "../../../etc/shadow"}), "symlink 'etc/up'"),
+        (("etc/hard", tarfile.LNKTYPE, {"link": "../../etc/shadow"}), "outside the image's root"),
+    ],
+)
 def test_a_member_escaping_the_root_is_refused(tmp_path, member, match):
     _refused(tmp_path, oci_tarball([_small_layer(member)]), match)
 
@@ -265,12 +276,21 @@ def test_a_hard_link_through_a_symlink_is_refused(tmp_path):
     """The symlink is legal (absolute, it resolves inside a sandbox); a hard link made through it on the
     host would link the host's file."""
     out = ("etc/out", tarfile.SYMTYPE, {"link": "/etc"})
-    _refused(tmp_path, oci_tarball([_small_layer(out, ("etc/h", tarfile.LNKTYPE, {"link": "etc/out/shadow"}))]),
-             "hard link 'etc/h'")
-    _refused(tmp_path, oci_tarball([_small_layer(out, ("etc/h", tarfile.LNKTYPE, {"link": "etc/out"}))]),
-             "not a regular file of the same layer")
-    _refused(tmp_path, oci_tarball([_small_layer(out, ("etc/out/passwd", tarfile.REGTYPE))]),
-             "which is not a directory \\(a symlink\\)")
+    _refused(
+        tmp_path,
+        oci_tarball([_small_layer(out, ("etc/h", tarfile.LNKTYPE, {"link": "etc/out/shadow"}))]),
+        "hard link 'etc/h'",
+    )
+    _refused(
+        tmp_path,
+        oci_tarball([_small_layer(out, ("etc/h", tarfile.LNKTYPE, {"link": "etc/out"}))]),
+        "not a regular file of the same layer",
+    )
+    _refused(
+        tmp_path,
+        oci_tarball([_small_layer(out, ("etc/out/passwd", tarfile.REGTYPE))]),
+        "which is not a directory \\(a symlink\\)",
+    )
 
 
 def test_a_zstd_layer_is_refused_with_what_to_do(tmp_path):
@@ -325,8 +345,7 @@ def test_codefleet_env_imports_lists_removes_and_collects_garbage(tmp_path, caps
     assert os.listdir(f"{store}/layers") == [] and os.listdir(f"{store}/images") == []
 
 
-def test_a_task_runs_in_its_environment_named_relative_to_its_file_or_by_id(image, open_dir, state_dir,
-                                                                          monkeypatch):
+def test_a_task_runs_in_its_environment_named_relative_to_its_file_or_by_id(image, open_dir, state_dir, monkeypatch):
     """task.json's `environment`: an archive beside it (imported on first use into the node's store, here the
     fixture's) or an imported image's id; prepare_sandbox runs the setup commands and the git baseline there."""
     from codefleet.tasks import load_task, prepare_sandbox, save_task, workspace_diff
@@ -341,9 +360,14 @@ def test_a_task_runs_in_its_environment_named_relative_to_its_file_or_by_id(imag
     os.makedirs(os.path.join(tasks, "t1"), exist_ok=True)
     shutil.copy(image["oci"], os.path.join(tasks, "t1", "image.tar"))
     for environment in (os.path.join(tasks, "t1", "image.tar"), image["env"].name[:12]):
-        task = Task(id="t1", repo=repo, instruction="Print where.", environment=environment,
-                    checks=HiddenChecks(command="python3 {tests}", fail_to_pass=["-c pass"]),
-                    setup_commands=["python3 -c 'import imagemod; print(imagemod.WHERE)' > where.txt"])
+        task = Task(
+            id="t1",
+            repo=repo,
+            instruction="Print where.",
+            environment=environment,
+            checks=HiddenChecks(command="python3 {tests}", fail_to_pass=["-c pass"]),
+            setup_commands=["python3 -c 'import imagemod; print(imagemod.WHERE)' > where.txt"],
+        )
         loaded = load_task(save_task(task, tasks))
         with open(os.path.join(tasks, "t1", "task.json")) as f:
             stored = json.load(f)["environment"]
@@ -365,12 +389,12 @@ def test_a_hostile_command_cannot_change_the_image_or_the_store_behind_it(image,
         "chmod": py + "'import os; os.chmod(\"/etc/image-release\", 0o666)'",
         "append": "echo pwned >> /etc/image-release",
         "replace": "cp /etc/passwd /etc/image-release",
-        "hard link into the workspace, then write": py + "'import os; os.link(\"/etc/image-release\", \"link\"); "
-                                                   "open(\"link\", \"a\").write(\"pwned\")'",
+        "hard link into the workspace, then write": py + '\'import os; os.link("/etc/image-release", "link"); '
+        'open("link", "a").write("pwned")\'',
         "remount read-write": py + "'import ctypes; libc = ctypes.CDLL(None, use_errno=True); "
-                                  "assert libc.mount(None, b\"/etc\", None, 32 | 4096, None) == 0'",
+        'assert libc.mount(None, b"/etc", None, 32 | 4096, None) == 0\'',
         "delete": "rm /etc/image-release",
-        "rename it away": py + "'import os; os.rename(\"/etc/image-release\", \"/tmp/x\")'",
+        "rename it away": py + '\'import os; os.rename("/etc/image-release", "/tmp/x")\'',
         "a new file beside it": "echo x > /etc/new-file",
     }
     with create_sandbox(repo, env_config) as sb:

@@ -24,14 +24,7 @@ import textwrap
 import pytest
 from helpers import BACKENDS, namespace_only
 
-from codefleet.sandbox import (
-    SandboxUnavailableError,
-    bwrap,
-    create_sandbox,
-    identity,
-    namespace,
-    resolve_backend,
-)
+from codefleet.sandbox import SandboxUnavailableError, bwrap, create_sandbox, identity, namespace, resolve_backend
 from codefleet.sandbox.layers import mounts_under
 
 UNAVAILABLE = bwrap.unavailable_reason()
@@ -56,9 +49,13 @@ def run(sb, command: str) -> str:
 def in_private_mounts(script: str, state_dir: str, **env: str) -> dict:
     """Run `script` (Python, with `state_dir` as argv[1]) in a mount namespace of its own, where the
     binds it makes stay; it prints one JSON object last, which is returned."""
-    done = subprocess.run(["unshare", "--mount", "--propagation", "private", sys.executable, "-c",
-                           textwrap.dedent(script), state_dir], capture_output=True, text=True, timeout=100,
-                          env={**os.environ, **env})
+    done = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", sys.executable, "-c", textwrap.dedent(script), state_dir],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env={**os.environ, **env},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -155,8 +152,9 @@ def test_sandboxed_processes_run_as_a_host_user_who_is_not_root(make_sandbox):
 @namespace_only  # the overlay over the host's repository and its user mapping
 def test_the_repository_stays_its_owners_and_the_sandbox_may_change_it(make_sandbox, repo):
     sb = make_sandbox()
-    out = run(sb, "echo '# changed' >> pkg/calc.py && stat -c '%U %a' pkg/calc.py && mkdir new && rm README.md "
-                  "&& echo ok")
+    out = run(
+        sb, "echo '# changed' >> pkg/calc.py && stat -c '%U %a' pkg/calc.py && mkdir new && rm README.md && echo ok"
+    )
     assert out.endswith("agent 644\nok\n"), out
     assert os.stat(os.path.join(repo, "pkg", "calc.py")).st_uid == os.getuid()
     assert os.path.exists(os.path.join(repo, "README.md"))
@@ -217,11 +215,23 @@ def test_root_only_files_and_proc_entries_are_not_readable(make_sandbox):
         for box in (sb, late):
             out = run(box, f"cat {hidden_dir}/key {late_etc} 2>&1; ls {hidden_dir} 2>&1")
             assert secret not in out and out.count("Permission denied") == 3, out
-        proc_files = [p for p in ("/proc/kpageflags", "/proc/kpagecount", "/proc/kpagecgroup", "/proc/slabinfo",
-                                  "/proc/pagetypeinfo", "/proc/vmallocinfo") if os.path.exists(p)]
+        proc_files = [
+            p
+            for p in (
+                "/proc/kpageflags",
+                "/proc/kpagecount",
+                "/proc/kpagecgroup",
+                "/proc/slabinfo",
+                "/proc/pagetypeinfo",
+                "/proc/vmallocinfo",
+            )
+            if os.path.exists(p)
+        ]
         assert proc_files
-        out = run(sb, "for f in " + " ".join(proc_files) + "; do head -c 64 $f >/dev/null 2>&1 && echo READ $f; "
-                  "done; echo done")
+        out = run(
+            sb,
+            "for f in " + " ".join(proc_files) + "; do head -c 64 $f >/dev/null 2>&1 && echo READ $f; done; echo done",
+        )
         assert out == "done\n", out
     finally:
         shutil.rmtree(hidden_dir, ignore_errors=True)
@@ -313,8 +323,11 @@ def test_vsock_and_other_unneeded_socket_families_are_refused(make_sandbox):
 @namespace_only
 def test_a_frozen_fork_layer_is_bounded_memory_not_host_disk(make_sandbox):
     sb = make_sandbox(workspace_mb=64)
-    run(sb, "head -c 20M /dev/zero > big.bin && cp /bin/true suid && chmod 4755 suid && mkdir -p d && "
-            "chmod 2775 d && for i in $(seq 300); do echo $i > d/f$i; done")
+    run(
+        sb,
+        "head -c 20M /dev/zero > big.bin && cp /bin/true suid && chmod 4755 suid && mkdir -p d && "
+        "chmod 2775 d && for i in $(seq 300); do echo $i > d/f$i; done",
+    )
     kids = sb.fork(2)
     try:
         layer = kids[0]._layers[0]

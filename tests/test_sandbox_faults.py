@@ -103,8 +103,10 @@ def test_timeout_stops_a_loop_of_builtins(make_sandbox):
 def test_timeout_kills_a_command_that_ignores_sigint(make_sandbox):
     sb = make_sandbox()
     marker = unique_sleep()
-    result = sb.exec("python3 -c 'import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-                     f"time.sleep({marker})'", timeout_s=1)
+    result = sb.exec(
+        f"python3 -c 'import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep({marker})'",
+        timeout_s=1,
+    )
     assert result.timed_out and "the shell is still alive" in result.output
     assert running(sb, marker) == []
     assert sb.exec("echo ok").output == "ok\n"
@@ -253,9 +255,18 @@ def test_writes_outside_the_workspace_fail(make_sandbox):
     watched = ["/etc/passwd", "/etc/hostname", "/usr/bin/env", "/etc/hosts"]
     before = {p: _digest(p) for p in watched}
     probe = "codefleet-probe-" + secrets.token_hex(4)
-    attempts = [f"echo x > /etc/{probe}", "echo x >> /etc/passwd", "echo x > /etc/hosts",
-                f"touch /usr/bin/{probe}", "cp /usr/bin/true /usr/bin/env", "rm -f /usr/bin/env",
-                f"mkdir /{probe}", f"echo x > /{probe}", f"ln -s /etc /{probe}", "mv /etc/hostname /etc/h2"]
+    attempts = [
+        f"echo x > /etc/{probe}",
+        "echo x >> /etc/passwd",
+        "echo x > /etc/hosts",
+        f"touch /usr/bin/{probe}",
+        "cp /usr/bin/true /usr/bin/env",
+        "rm -f /usr/bin/env",
+        f"mkdir /{probe}",
+        f"echo x > /{probe}",
+        f"ln -s /etc /{probe}",
+        "mv /etc/hostname /etc/h2",
+    ]
     script = "; ".join(f"if {a} 2>/dev/null; then echo 'WROTE: {a}'; fi" for a in attempts)
     out = sb.exec(script, timeout_s=20).output
     assert "WROTE" not in out, out
@@ -270,14 +281,16 @@ def test_kernel_settings_are_read_only(make_sandbox):
     root. The sandbox user is not root on the host, and /proc/sys is read-only besides.
     Only opened for writing, never written."""
     sb = make_sandbox()
-    probe = ("import os\n"
-             "for p in ['/proc/sys/kernel/core_pattern', '/proc/sys/vm/drop_caches', '/proc/sys/kernel/hostname',\n"
-             "          '/proc/sysrq-trigger']:\n"
-             "    try:\n"
-             "        os.close(os.open(p, os.O_WRONLY)); print('WRITABLE', p)\n"
-             "    except OSError as e:\n"
-             "        print('refused', p, e.strerror)\n")
-    out = sb.exec(f"python3 -c \"{probe}\"", timeout_s=20).output
+    probe = (
+        "import os\n"
+        "for p in ['/proc/sys/kernel/core_pattern', '/proc/sys/vm/drop_caches', '/proc/sys/kernel/hostname',\n"
+        "          '/proc/sysrq-trigger']:\n"
+        "    try:\n"
+        "        os.close(os.open(p, os.O_WRONLY)); print('WRITABLE', p)\n"
+        "    except OSError as e:\n"
+        "        print('refused', p, e.strerror)\n"
+    )
+    out = sb.exec(f'python3 -c "{probe}"', timeout_s=20).output
     assert "WRITABLE" not in out, out
     assert out.count("Read-only file system") + out.count("Permission denied") >= 3, out
 
@@ -296,10 +309,18 @@ def test_host_secrets_are_unreadable(make_sandbox):
     with tempfile.TemporaryDirectory(dir="/tmp") as d:
         with open(os.path.join(d, "secret"), "w") as f:
             f.write(f"tmp-{token}\n")
-        reads = [f"cat {d}/secret", "ls -la /root", "cat /root/.bashrc", "cat /etc/shadow", "cat /etc/gshadow",
-                 f"cat {other.workspace.merged}/secret.txt", f"cat {other.dir}/rw/upper/secret.txt",
-                 f"cat /proc/{other_shell}/root/workspace/secret.txt",
-                 "cat /proc/*/root/workspace/secret.txt", "grep -rs other- /proc/*/environ"]
+        reads = [
+            f"cat {d}/secret",
+            "ls -la /root",
+            "cat /root/.bashrc",
+            "cat /etc/shadow",
+            "cat /etc/gshadow",
+            f"cat {other.workspace.merged}/secret.txt",
+            f"cat {other.dir}/rw/upper/secret.txt",
+            f"cat /proc/{other_shell}/root/workspace/secret.txt",
+            "cat /proc/*/root/workspace/secret.txt",
+            "grep -rs other- /proc/*/environ",
+        ]
         out = sb.exec("; ".join(reads), timeout_s=20).output
     assert token not in out, out
     assert shadow_root not in out if shadow_root else not re.search(r"^root:", out, re.M)
@@ -336,8 +357,11 @@ def test_servers_on_the_host_are_unreachable(make_sandbox):
     try:
         targets = ["127.0.0.1"] + ([ip] if (ip := _primary_ip()) and ip != "127.0.0.1" else [])
         for host in targets:
-            py = sb.exec(f"python3 -c \"import socket; socket.create_connection(('{host}', {port}), timeout=3); "
-                         f"print('CONNECTED')\"", timeout_s=20)
+            py = sb.exec(
+                f"python3 -c \"import socket; socket.create_connection(('{host}', {port}), timeout=3); "
+                f"print('CONNECTED')\"",
+                timeout_s=20,
+            )
             assert "CONNECTED" not in py.output and py.exit_code != 0
             assert "refused" in py.output or "unreachable" in py.output, py.output
             tcp = sb.exec(f"exec 3<>/dev/tcp/{host}/{port} && echo CONNECTED", timeout_s=20)

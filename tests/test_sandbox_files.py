@@ -86,8 +86,10 @@ def test_search_returns_path_line_and_text(sandbox):
 
 
 def test_search_details(sandbox):
-    sandbox.exec("mkdir .git && echo 'needle' > .git/config && echo '-needle-' > dash.txt && "
-                 "echo needle > secret.txt && chmod 000 secret.txt")
+    sandbox.exec(
+        "mkdir .git && echo 'needle' > .git/config && echo '-needle-' > dash.txt && "
+        "echo needle > secret.txt && chmod 000 secret.txt"
+    )
     assert sandbox.search("-needle") == [SearchMatch("dash.txt", 1, "-needle-")]  # a pattern may start with '-'
     # .git is skipped; an unreadable file is skipped rather than failing the search
     assert [m.path for m in sandbox.search("needle")] == ["dash.txt"]
@@ -98,8 +100,9 @@ def test_search_refuses_a_bad_regex_clearly(sandbox):
         sandbox.search("def (add")
 
 
-@pytest.mark.parametrize("path", ["../x", "pkg/../../x", "/etc/passwd", "/workspacex/a", "/workspace/../etc/passwd",
-                                  "/", "a\x00b"])
+@pytest.mark.parametrize(
+    "path", ["../x", "pkg/../../x", "/etc/passwd", "/workspacex/a", "/workspace/../etc/passwd", "/", "a\x00b"]
+)
 def test_paths_outside_the_workspace_are_refused(sandbox, path):
     with pytest.raises(PathEscapeError):
         sandbox.read_file(path)
@@ -113,8 +116,10 @@ def test_paths_outside_the_workspace_are_refused(sandbox, path):
 
 def test_symlinks_pointing_out_are_refused(sandbox):
     host_target = f"/tmp/codefleet-escape-{uuid.uuid4().hex}"
-    assert sandbox.exec(f"ln -s /etc/passwd leak && ln -s .. up && ln -s / root && ln -s /etc etcdir && "
-                        f"ln -s {host_target} dangling && mkdir d && ln -s ../../etc d/out").ok
+    assert sandbox.exec(
+        f"ln -s /etc/passwd leak && ln -s .. up && ln -s / root && ln -s /etc etcdir && "
+        f"ln -s {host_target} dangling && mkdir d && ln -s ../../etc d/out"
+    ).ok
     for path in ("leak", "up/etc/passwd", "root/etc/passwd", "etcdir/passwd", "d/out/passwd", "up/workspace/leak"):
         with pytest.raises(PathEscapeError):
             sandbox.read_file(path)
@@ -133,8 +138,10 @@ def test_symlinks_pointing_out_are_refused(sandbox):
 
 
 def test_symlinks_that_stay_inside_work(sandbox):
-    assert sandbox.exec("ln -s pkg/calc.py calc_link && ln -s pkg pkglink && ln -s /workspace/README.md abs_readme"
-                        " && mkdir d && ln -s ../README.md d/readme && ln -s ../pkg d/pkg").ok
+    assert sandbox.exec(
+        "ln -s pkg/calc.py calc_link && ln -s pkg pkglink && ln -s /workspace/README.md abs_readme"
+        " && mkdir d && ln -s ../README.md d/readme && ln -s ../pkg d/pkg"
+    ).ok
     assert sandbox.read_file("calc_link") == CALC
     assert sandbox.read_file("pkglink/calc.py") == CALC
     assert sandbox.read_file("abs_readme") == "# demo\n"

@@ -21,8 +21,10 @@ def _close_all(sandboxes):
 
 
 def test_children_start_from_the_parents_current_filesystem(sandbox):
-    assert sandbox.exec("rm README.md && mkdir -p newdir/sub && echo n > newdir/sub/f && "
-                        "rm -rf pkg && mkdir pkg && echo fresh > pkg/only.txt").ok
+    assert sandbox.exec(
+        "rm README.md && mkdir -p newdir/sub && echo n > newdir/sub/f && "
+        "rm -rf pkg && mkdir pkg && echo fresh > pkg/only.txt"
+    ).ok
     children = sandbox.fork(2)
     try:
         for child in children:
@@ -109,7 +111,9 @@ def test_fork_copies_safely_while_the_parent_churns_its_files(sandbox, tmp_path)
     secret_dir.mkdir()
     (secret_dir / "secret.txt").write_text("HOST-SECRET\n")
     assert sandbox.exec("mkdir big && (cd big && python3 -c \"\nfor i in range(2000): open(str(i), 'w')\n\")").ok
-    sandbox.write_file("churn.py", f"""
+    sandbox.write_file(
+        "churn.py",
+        f"""
 import os
 names = ["r%d" % i for i in range(8)]
 for n in names:
@@ -117,7 +121,8 @@ for n in names:
 while True:
     for n in names:
         os.rename(n, n + ".real"); os.symlink({str(secret_dir)!r}, n); os.unlink(n); os.rename(n + ".real", n)
-""")
+""",
+    )
     assert sandbox.exec("python3 churn.py >/tmp/churn.log 2>&1 & sleep 0.3").ok
     for _ in range(8):
         (child,) = sandbox.fork(1)
@@ -136,8 +141,10 @@ def test_fork_needs_a_positive_count(sandbox):
 def test_the_repository_is_never_modified(repo, config):
     before = tree_digest(repo)
     sb = create_sandbox(repo, config)
-    sb.exec("echo x >> README.md && rm pkg/calc.py && chmod 700 pkg && mkdir new && ln -s README.md link && "
-            "touch pkg/__init__.py")
+    sb.exec(
+        "echo x >> README.md && rm pkg/calc.py && chmod 700 pkg && mkdir new && ln -s README.md link && "
+        "touch pkg/__init__.py"
+    )
     sb.write_file("pkg/__init__.py", "changed")
     children = sb.fork(2)
     children[0].exec("rm -rf pkg README.md && echo y > z")
@@ -152,6 +159,7 @@ def _recording_factory(created):
         sb = create_sandbox(repo, config)
         created.append(sb)
         return sb
+
     return factory
 
 

@@ -34,8 +34,9 @@ def sandbox_backend(request):
 
 def run_cli(state_dir: str, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, CODEFLEET_STATE_DIR=state_dir)
-    return subprocess.run([sys.executable, "-m", "codefleet.cli", *args], capture_output=True, text=True, env=env,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "codefleet.cli", *args], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *phrases: str) -> None:
@@ -57,11 +58,14 @@ def test_a_timeout_that_is_not_a_positive_number_is_refused(state_dir, timeout):
     assert "timed out" not in result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("args, phrase", [
-    (["--set", "workspace_mb=-1"], "SandboxConfig.workspace_mb is -1; it must be a whole number greater than 0"),
-    (["--memory-mb", "0"], "SandboxConfig.memory_mb is 0; it must be a whole number greater than 0"),
-    (["--set", "timeout_s=.nan"], "SandboxConfig.timeout_s is nan; it must be a finite number greater than 0"),
-])
+@pytest.mark.parametrize(
+    "args, phrase",
+    [
+        (["--set", "workspace_mb=-1"], "SandboxConfig.workspace_mb is -1; it must be a whole number greater than 0"),
+        (["--memory-mb", "0"], "SandboxConfig.memory_mb is 0; it must be a whole number greater than 0"),
+        (["--set", "timeout_s=.nan"], "SandboxConfig.timeout_s is nan; it must be a finite number greater than 0"),
+    ],
+)
 def test_a_limit_that_is_not_positive_is_refused_naming_the_field(state_dir, args, phrase):
     result = run_cli(state_dir, "sandbox", "run", *args, "--", "true")
     assert_one_line_error(result, phrase)
@@ -76,8 +80,17 @@ def test_a_repository_that_is_a_file_is_named_as_such(tmp_path, state_dir):
     assert "does not exist" not in result.stderr
 
 
-_LIMITS = ["timeout_s", "output_limit_bytes", "memory_mb", "max_processes", "cpu_cores", "cpu_time_s", "workspace_mb",
-           "tmp_mb", "max_file_mb"]
+_LIMITS = [
+    "timeout_s",
+    "output_limit_bytes",
+    "memory_mb",
+    "max_processes",
+    "cpu_cores",
+    "cpu_time_s",
+    "workspace_mb",
+    "tmp_mb",
+    "max_file_mb",
+]
 
 
 @pytest.mark.parametrize("field", _LIMITS)
@@ -127,8 +140,9 @@ def test_an_episode_goes_on_after_listing_names_that_are_not_utf8(sandbox):
     assert sandbox.exec(BAD_NAMES).exit_code == 0
     script = [reply("", call("list_dir", {}, id="a")), reply("", call("submit", {"summary": "looked"}, id="b"))]
     with OpenAIStub(script) as stub:
-        trajectory = AgentLoop(OpenAIPolicy(OpenAIConfig(base_url=stub.base_url, timeout_s=10)),
-                               sandbox).run(build_messages("look around"))
+        trajectory = AgentLoop(OpenAIPolicy(OpenAIConfig(base_url=stub.base_url, timeout_s=10)), sandbox).run(
+            build_messages("look around")
+        )
     assert trajectory.stop_reason == "submit", trajectory.metadata
     seen = [m["content"] for m in stub.requests[1]["messages"] if m["role"] == "tool"]
     assert len(seen) == 1 and "\\xff\\xfe.txt  (0 B)" in seen[0].splitlines()
@@ -139,22 +153,35 @@ def test_an_episode_goes_on_after_listing_names_that_are_not_utf8(sandbox):
 
 def test_a_recursive_listing_of_a_tree_3000_directories_deep(sandbox, sandbox_backend):
     depth = 3000
-    made = sandbox.exec("mkdir -p .git/objects && touch .git/objects/blob && mkdir deep && touch deep/e.txt && "
-                        "cd deep && python3 -c 'import os\n"
-                        f"for _ in range({depth}): os.mkdir(\"d\"); os.chdir(\"d\")\n"
-                        "open(\"leaf.txt\", \"w\").close()'")
+    made = sandbox.exec(
+        "mkdir -p .git/objects && touch .git/objects/blob && mkdir deep && touch deep/e.txt && "
+        "cd deep && python3 -c 'import os\n"
+        f'for _ in range({depth}): os.mkdir("d"); os.chdir("d")\n'
+        'open("leaf.txt", "w").close()\''
+    )
     assert made.exit_code == 0, made.output
     chain = ["deep/" + "/".join(["d"] * k) for k in range(1, depth + 1)]
-    expected = [".git", "README.md", "deep", *chain, chain[-1] + "/leaf.txt", "deep/e.txt", "pkg", "pkg/__init__.py",
-                "pkg/calc.py"]  # sorted, depth first, .git not entered; back up 3000 levels before deep/e.txt
+    expected = [
+        ".git",
+        "README.md",
+        "deep",
+        *chain,
+        chain[-1] + "/leaf.txt",
+        "deep/e.txt",
+        "pkg",
+        "pkg/__init__.py",
+        "pkg/calc.py",
+    ]  # sorted, depth first, .git not entered; back up 3000 levels before deep/e.txt
     assert [e.path for e in sandbox.list_dir(".", recursive=True)] == expected
     if sandbox_backend == "namespace":  # its file API runs here, and can be asked for a short listing
         assert [e.path for e in sandbox.files.list(".", recursive=True, max_entries=50)] == expected[:50]
     assert [e.path for e in sandbox.list_dir("deep/d", recursive=True)] == [*chain[1:], chain[-1] + "/leaf.txt"]
 
 
-DEEP_TREE = ("python3 -c 'import os\nfor _ in range(3000): os.mkdir(\"d\"); os.chdir(\"d\")\n"
-             "open(\"leaf.txt\", \"w\").write(\"bottom\")'")
+DEEP_TREE = (
+    'python3 -c \'import os\nfor _ in range(3000): os.mkdir("d"); os.chdir("d")\n'
+    'open("leaf.txt", "w").write("bottom")\''
+)
 
 
 @pytest.mark.parametrize("sandbox_backend", [*BACKENDS, "local"])
@@ -215,8 +242,9 @@ def test_a_copy_stacks_layers_the_upper_one_winning(tmp_path):
 
 def test_a_line_range_is_read_from_a_file_too_large_to_read_whole(sandbox):
     filler = MAX_READ_BYTES // 10 + 100_000  # lines of 10 bytes: the file is 1 MB over the cap
-    made = sandbox.exec(f"{{ printf 'first\\nsecond\\n'; yes xxxxxxxxx | head -n {filler}; printf 'last\\n'; }} "
-                        "> big.txt")
+    made = sandbox.exec(
+        f"{{ printf 'first\\nsecond\\n'; yes xxxxxxxxx | head -n {filler}; printf 'last\\n'; }} > big.txt"
+    )
     assert made.exit_code == 0, made.output
     last = 2 + filler + 1
     assert sandbox.read_file("big.txt", 1, 2) == "first\nsecond\n"
@@ -233,8 +261,9 @@ def test_the_read_file_tool_reads_a_range_of_a_file_too_large_to_read_whole(sand
     made = sandbox.exec(f"{{ yes xxxxxxxxx | head -n {MAX_READ_BYTES // 10 + 1000}; echo tail; }} > big.txt")
     assert made.exit_code == 0, made.output
     tools = Toolbox(sandbox)
-    result = tools.execute(parse_tool_call("c1", "read_file", json.dumps({"path": "big.txt", "start_line": 3,
-                                                                          "end_line": 4})))
+    result = tools.execute(
+        parse_tool_call("c1", "read_file", json.dumps({"path": "big.txt", "start_line": 3, "end_line": 4}))
+    )
     assert result.ok and result.output == "     3\txxxxxxxxx\n     4\txxxxxxxxx", result.output
     last = MAX_READ_BYTES // 10 + 1001
     result = tools.execute(parse_tool_call("c2", "read_file", json.dumps({"path": "big.txt", "start_line": last})))

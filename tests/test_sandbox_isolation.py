@@ -62,14 +62,17 @@ def test_network_is_loopback_only_and_up(make_sandbox):
     sb = make_sandbox()
     assert run_ok(sb, "python3 -c 'import socket; print([n for _, n in socket.if_nameindex()])'") == "['lo']\n"
     # Loopback works inside: a server and a client, both in the sandbox.
-    echo = ("import socket\n"
-            "srv = socket.create_server(('127.0.0.1', 0))\n"
-            "c = socket.create_connection(srv.getsockname(), timeout=5)\n"
-            "conn, _ = srv.accept()\n"
-            "c.sendall(b'ping'); print(conn.recv(4).decode())\n")
-    assert run_ok(sb, f"python3 -c \"{echo}\"") == "ping\n"
-    out = sb.exec("python3 -c \"import socket; socket.create_connection(('1.1.1.1', 53), timeout=3)\"",
-                  timeout_s=20).output
+    echo = (
+        "import socket\n"
+        "srv = socket.create_server(('127.0.0.1', 0))\n"
+        "c = socket.create_connection(srv.getsockname(), timeout=5)\n"
+        "conn, _ = srv.accept()\n"
+        "c.sendall(b'ping'); print(conn.recv(4).decode())\n"
+    )
+    assert run_ok(sb, f'python3 -c "{echo}"') == "ping\n"
+    out = sb.exec(
+        "python3 -c \"import socket; socket.create_connection(('1.1.1.1', 53), timeout=3)\"", timeout_s=20
+    ).output
     assert "Network is unreachable" in out
 
 
@@ -104,8 +107,7 @@ def test_host_home_tmp_and_state_are_invisible(make_sandbox, config, repo):
     with tempfile.NamedTemporaryFile("w", dir="/tmp", prefix="codefleet-secret-") as f:
         f.write("host-tmp-secret\n")
         f.flush()
-        out = sb.exec(f"ls -a /root /home; cat {f.name}; ls -a /tmp; ls {config.state_dir} {repo}",
-                      timeout_s=20).output
+        out = sb.exec(f"ls -a /root /home; cat {f.name}; ls -a /tmp; ls {config.state_dir} {repo}", timeout_s=20).output
     assert "host-tmp-secret" not in out
     assert "cannot access '/root'" in out and "cannot access '/home'" in out
     assert f"{f.name}: No such file or directory" in out
@@ -211,9 +213,11 @@ def test_seccomp_denies_kernel_keyrings_and_host_kernel_state(make_sandbox):
     unreachable (EPERM from keyctl), and /proc's host-wide files are masked."""
     sb = make_sandbox()
     assert sb.info.limits["seccomp"] == "on"
-    probe = ("import ctypes, errno, os; libc = ctypes.CDLL(None, use_errno=True); "
-             "rc = libc.syscall(250, 0, 0, 0, 0, 0); "  # keyctl on x86_64
-             "print(rc, errno.errorcode[ctypes.get_errno()])")
+    probe = (
+        "import ctypes, errno, os; libc = ctypes.CDLL(None, use_errno=True); "
+        "rc = libc.syscall(250, 0, 0, 0, 0, 0); "  # keyctl on x86_64
+        "print(rc, errno.errorcode[ctypes.get_errno()])"
+    )
     assert sb.exec(f'python3 -c "{probe}"').output.split() == ["-1", "EPERM"]
     masked = sb.exec("cat /proc/keys /proc/timer_list; echo done").output
     assert "keyring" not in masked and "done" in masked
@@ -227,16 +231,20 @@ def test_the_sandboxs_pid_1_does_not_hold_the_host_environment(make_sandbox, mon
     secret = "codefleet-secret-" + secrets.token_hex(6)
     monkeypatch.setenv("CODEFLEET_TEST_API_KEY", secret)
     sb = make_sandbox()
-    seen = run_ok(sb, "cat /proc/1/environ /proc/self/environ | tr '\\0' '\\n'; cat /proc/[0-9]*/environ "
-                      "2>/dev/null | tr '\\0' '\\n'")
+    seen = run_ok(
+        sb,
+        "cat /proc/1/environ /proc/self/environ | tr '\\0' '\\n'; cat /proc/[0-9]*/environ "
+        "2>/dev/null | tr '\\0' '\\n'",
+    )
     assert secret not in seen and "CODEFLEET_TEST_API_KEY" not in seen, seen
     assert "PATH=" in seen
 
 
 # What a command reads about its own sandbox: bwrap's environment and command line (PID 1's), its own
 # environment, and the mount table, which names each bind mount's source and an overlay's layers.
-_WHAT_IT_READS = ("tr '\\0' '\\n' </proc/1/environ; env; tr '\\0' ' ' </proc/1/cmdline; echo; "
-                  "cat /proc/self/mountinfo /proc/mounts")
+_WHAT_IT_READS = (
+    "tr '\\0' '\\n' </proc/1/environ; env; tr '\\0' ' ' </proc/1/cmdline; echo; cat /proc/self/mountinfo /proc/mounts"
+)
 
 
 def _host_values(config, repo: str) -> set[str]:
@@ -311,9 +319,11 @@ def test_not_even_the_workspace_names_a_host_path(make_sandbox, config, repo):
         try:
             assert run_ok(grandchild, "cat first second") == "one\ntwo\n"
             reads = _WHAT_IT_READS + "; echo '-- cgroup'; cat /proc/self/cgroup"
-            seen = {"shell": (sb, run_ok(sb, reads)),
-                    "one-off": (sb, sb.run_oneoff(["sh", "-c", reads], timeout_s=20).output),
-                    "fork of a fork": (grandchild, run_ok(grandchild, reads))}
+            seen = {
+                "shell": (sb, run_ok(sb, reads)),
+                "one-off": (sb, sb.run_oneoff(["sh", "-c", reads], timeout_s=20).output),
+                "fork of a fork": (grandchild, run_ok(grandchild, reads)),
+            }
         finally:
             grandchild.close()
     finally:

@@ -70,8 +70,12 @@ def crash_an_owner(state_dir: str, tree) -> tuple[dict, str]:
     """Run an owner with three sandboxes and two background jobs in a child
     process, SIGKILL it once they run; (what it had, the jobs' marker)."""
     marker = unique_sleep()
-    child = subprocess.Popen([sys.executable, "-c", _CRASHING_OWNER, state_dir],
-                             stdout=subprocess.PIPE, text=True, env={**os.environ, "SLEEP_MARKER": marker})
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CRASHING_OWNER, state_dir],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "SLEEP_MARKER": marker},
+    )
     try:
         dead = json.loads(child.stdout.readline())
         started = wait_for(lambda: len(processes_with(marker)) == 2)
@@ -131,8 +135,10 @@ def test_a_sandbox_process_its_owner_never_recorded_is_killed_by_the_reaper(conf
     dead_name = state.process_name(os.path.basename(dead_dir))
     sleep = ["-c", "import time; time.sleep(60)"]
     stray = subprocess.Popen([dead_name, *sleep], executable=sys.executable)
-    bystanders = [subprocess.Popen([sys.executable, *sleep, dead_name]),  # names it, but as an argument
-                  subprocess.Popen([state.process_name(f"{gone.pid}-1-abcdee"), *sleep], executable=sys.executable)]
+    bystanders = [
+        subprocess.Popen([sys.executable, *sleep, dead_name]),  # names it, but as an argument
+        subprocess.Popen([state.process_name(f"{gone.pid}-1-abcdee"), *sleep], executable=sys.executable),
+    ]
 
     def shows_its_arguments(proc) -> bool:  # a process mid-exec reads as an empty command line for a moment
         with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
@@ -195,9 +201,11 @@ def test_mountinfo_paths_are_unescaped_as_bytes(tmp_path):
     assert mountinfo_path(rb"/tmp/a\040b\011c\134d\012e") == "/tmp/a b\tc\\d\ne"
     assert mountinfo_path(b"/tmp/\xff") == os.fsdecode(b"/tmp/\xff")  # not UTF-8: kept as the OS names it
     info = tmp_path / "mountinfo"
-    info.write_bytes(b"36 35 98:0 / /mnt/other rw - ext3 /dev/root rw\n"
-                     + "37 35 0:44 / /tmp/x/stäte/sb/a\\040b/merged rw - overlay overlay rw\n".encode()
-                     + "38 35 0:45 / /tmp/x/stäte rw - tmpfs tmpfs rw\n".encode())
+    info.write_bytes(
+        b"36 35 98:0 / /mnt/other rw - ext3 /dev/root rw\n"
+        + "37 35 0:44 / /tmp/x/stäte/sb/a\\040b/merged rw - overlay overlay rw\n".encode()
+        + "38 35 0:45 / /tmp/x/stäte rw - tmpfs tmpfs rw\n".encode()
+    )
     assert mounts_under("/tmp/x/stäte/", str(info)) == ["/tmp/x/stäte/sb/a b/merged", "/tmp/x/stäte"]
 
 
@@ -228,8 +236,13 @@ def test_a_shell_that_misses_its_start_timeout_interrupts_nothing_of_the_host(co
     """A sandbox's shell that does not answer its set-up in time is interrupted like a timed-out command. Before
     its pid was known that SIGINT went to pid 0, codefleet's own process group: under load (200 sandboxes at once
     beside a chaos soak) it interrupted the test run, and would interrupt `codefleet train`."""
-    child = subprocess.run([sys.executable, "-c", _SLOW_SHELL_OWNER, config.state_dir, repo], capture_output=True,
-                           text=True, timeout=60, start_new_session=True)  # its own process group: ours is safe
+    child = subprocess.run(
+        [sys.executable, "-c", _SLOW_SHELL_OWNER, config.state_dir, repo],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        start_new_session=True,
+    )  # its own process group: ours is safe
     assert child.returncode == 0 and "KeyboardInterrupt" not in child.stderr, child.stderr[-2000:]
     assert child.stdout.startswith("refused: bwrap failed to start the sandbox"), child.stdout
 

@@ -99,8 +99,10 @@ def test_fork(local):
     local.exec("rm README.md; mkfifo pipe; mkdir -p sub && cd sub && export K=v")
     a, b = local.fork(2)
     try:
-        assert a.exec('basename "$PWD"; echo $K; test -e ../README.md || echo gone; test -p ../pipe && echo fifo'
-                      ).output == "sub\nv\ngone\nfifo\n"
+        assert (
+            a.exec('basename "$PWD"; echo $K; test -e ../README.md || echo gone; test -p ../pipe && echo fifo').output
+            == "sub\nv\ngone\nfifo\n"
+        )
         assert a.exec("pwd").output.startswith(a.info.workspace)  # the cwd moved to the child's own copy
         a.write_file("only_a.txt", "a")
         local.write_file("only_parent.txt", "p")

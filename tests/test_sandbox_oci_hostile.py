@@ -104,9 +104,11 @@ def test_a_blob_that_is_a_fifo_is_refused_without_waiting_on_it(tmp_path):
     blob = os.path.join(layout, _blob_of(files, "layer"))
     os.unlink(blob)
     os.mkfifo(blob)
-    code = (f"from codefleet.sandbox.environments import import_image, ImageError\n"
-            f"try:\n    import_image({layout!r}, {str(tmp_path / 'store')!r})\n"
-            f"except ImageError as e:\n    print(e)\n")
+    code = (
+        f"from codefleet.sandbox.environments import import_image, ImageError\n"
+        f"try:\n    import_image({layout!r}, {str(tmp_path / 'store')!r})\n"
+        f"except ImageError as e:\n    print(e)\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert "is a FIFO, not a regular file" in done.stdout, (done.stdout, done.stderr)
 
@@ -117,8 +119,9 @@ def test_a_blob_that_is_a_fifo_is_refused_without_waiting_on_it(tmp_path):
 def _docker_save_with_manifest(manifest: bytes) -> bytes:
     layer = _small_layer()
     config = json.dumps({"rootfs": {"type": "layers", "diff_ids": [f"sha256:{sha256_hex(layer)}"]}}).encode()
-    return tar_of({f"{sha256_hex(config)}.json": config, f"{sha256_hex(layer)}/layer.tar": layer,
-                   "manifest.json": manifest})
+    return tar_of(
+        {f"{sha256_hex(config)}.json": config, f"{sha256_hex(layer)}/layer.tar": layer, "manifest.json": manifest}
+    )
 
 
 def test_json_nested_100000_deep_is_one_clear_error_not_a_recursion_traceback(tmp_path):
@@ -132,12 +135,15 @@ def test_json_nested_100000_deep_is_one_clear_error_not_a_recursion_traceback(tm
     _refused(layout, str(tmp_path / "store2"), "index.json is nested deeper than")
 
 
-@pytest.mark.parametrize("index, match", [
-    (b"[]", "index.json is not a JSON object"),
-    (b'{"manifests": "no"}', "index.json's manifests is not a list of objects"),
-    (b'{"manifests": ["sha256:00"]}', "index.json's manifests is not a list of objects"),
-    (b"\xff\xfe not json", "index.json is not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "index, match",
+    [
+        (b"[]", "index.json is not a JSON object"),
+        (b'{"manifests": "no"}', "index.json's manifests is not a list of objects"),
+        (b'{"manifests": ["sha256:00"]}', "index.json's manifests is not a list of objects"),
+        (b"\xff\xfe not json", "index.json is not valid JSON"),
+    ],
+)
 def test_json_of_the_wrong_shape_is_refused_in_one_sentence(tmp_path, index, match):
     layout, _ = _layout(tmp_path)
     with open(os.path.join(layout, "index.json"), "wb") as f:
@@ -176,8 +182,9 @@ def _link(name: str, target: str, kind: bytes = tarfile.SYMTYPE) -> tarfile.TarI
 
 def test_a_tarball_whose_index_links_to_itself_is_refused(tmp_path):
     archive = tmp_path / "loop.tar"
-    archive.write_bytes(_tar_with([_link("index.json", "index.json"), _link("a", "b"), _link("b", "a")],
-                                  {"oci-layout": b"{}"}))
+    archive.write_bytes(
+        _tar_with([_link("index.json", "index.json"), _link("a", "b"), _link("b", "a")], {"oci-layout": b"{}"})
+    )
     _refused(str(archive), str(tmp_path / "store"), "index.json is a link that does not end at a file of")
     archive.write_bytes(_tar_with([_link("index.json", "a"), _link("a", "b"), _link("b", "a")], {"oci-layout": b"{}"}))
     _refused(str(archive), str(tmp_path / "store"), "index.json is a link that does not end at a file of")
@@ -188,12 +195,16 @@ def test_a_docker_save_layer_shared_by_a_symlink_still_imports(tmp_path):
     archive."""
     layer = _small_layer()
     config = json.dumps({"rootfs": {"type": "layers", "diff_ids": [f"sha256:{sha256_hex(layer)}"] * 2}}).encode()
-    manifest = json.dumps([{"Config": f"{sha256_hex(config)}.json",
-                            "Layers": ["one/layer.tar", "two/layer.tar"]}]).encode()
+    manifest = json.dumps(
+        [{"Config": f"{sha256_hex(config)}.json", "Layers": ["one/layer.tar", "two/layer.tar"]}]
+    ).encode()
     archive = tmp_path / "shared.tar"
-    archive.write_bytes(_tar_with([_link("two/layer.tar", "../one/layer.tar")],
-                                  {f"{sha256_hex(config)}.json": config, "one/layer.tar": layer,
-                                   "manifest.json": manifest}))
+    archive.write_bytes(
+        _tar_with(
+            [_link("two/layer.tar", "../one/layer.tar")],
+            {f"{sha256_hex(config)}.json": config, "one/layer.tar": layer, "manifest.json": manifest},
+        )
+    )
     env = import_image(str(archive), str(tmp_path / "store"))
     assert os.listdir(os.path.join(env.rootfs, "etc")) == ["passwd"]
 

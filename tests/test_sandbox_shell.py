@@ -21,7 +21,7 @@ def sandbox_backend(request):
 
 def test_cwd_env_and_functions_persist_between_commands(sandbox):
     assert sandbox.exec("cd pkg && export GREETING='hello world' && LOCAL=kept").ok
-    assert sandbox.exec("greet() { echo \"$GREETING from $(basename $PWD)\"; }").ok
+    assert sandbox.exec('greet() { echo "$GREETING from $(basename $PWD)"; }').ok
     result = sandbox.exec("pwd; echo $LOCAL; greet")
     assert result.output == "/workspace/pkg\nkept\nhello world from pkg\n"
     assert result.exit_code == 0 and not result.timed_out and not result.shell_restarted
@@ -47,21 +47,24 @@ def test_exit_codes(sandbox):
 
 def test_stdout_and_stderr_are_merged_in_write_order(sandbox):
     assert sandbox.exec("echo 1; echo 2 >&2; echo 3; echo 4 >&2").output == "1\n2\n3\n4\n"
-    script = ("import sys\nfor i in range(3):\n"
-              "    print(f'out{i}', flush=True)\n    print(f'err{i}', file=sys.stderr, flush=True)")
-    result = sandbox.exec(f"python3 -c \"{script}\"")
+    script = (
+        "import sys\nfor i in range(3):\n"
+        "    print(f'out{i}', flush=True)\n    print(f'err{i}', file=sys.stderr, flush=True)"
+    )
+    result = sandbox.exec(f'python3 -c "{script}"')
     assert result.output == "out0\nerr0\nout1\nerr1\nout2\nerr2\n"
 
 
 def test_multiline_commands_and_quoting(sandbox):
-    command = "for f in a b; do\n  echo \"item $f\"\ndone\nif true; then\n  echo yes\nfi"
+    command = 'for f in a b; do\n  echo "item $f"\ndone\nif true; then\n  echo yes\nfi'
     assert sandbox.exec(command).output == "item a\nitem b\nyes\n"
     quoted = sandbox.exec("""echo "it's" 'say "hi"' $'tab\\there' "back\\\\slash" '}' '{ eval'""")
-    assert quoted.output == "it's say \"hi\" tab\there back\\slash } { eval\n"
+    assert quoted.output == 'it\'s say "hi" tab\there back\\slash } { eval\n'
 
 
-@pytest.mark.parametrize("broken", ["grep -rl 'abc .", "echo $((1 +", "if true; then echo x", "echo \"abc",
-                                    "( echo x", "case x in"])
+@pytest.mark.parametrize(
+    "broken", ["grep -rl 'abc .", "echo $((1 +", "if true; then echo x", 'echo "abc', "( echo x", "case x in"]
+)
 def test_a_syntax_error_answers_at_once_and_the_next_command_runs(sandbox, broken):
     """A syntax error once left interactive bash parsing the next protocol line out of command position: that
     command's marker never came and it hung until its timeout (a policy's unbalanced quote cost 60 s)."""
@@ -119,10 +122,20 @@ def test_exit_reports_its_status_and_the_next_command_gets_a_fresh_shell(sandbox
     assert not sandbox.exec("true").shell_restarted
 
 
-@pytest.mark.parametrize("command", [
-    "printf() { echo fake; }", "eval() { echo evil; }", ":() { echo colon; }", "alias printf=echo",
-    "alias eval=echo", "alias '{'=echo", "exec >/dev/null", "exec 1>&-", "exec 2>&- 0<&-",
-])
+@pytest.mark.parametrize(
+    "command",
+    [
+        "printf() { echo fake; }",
+        "eval() { echo evil; }",
+        ":() { echo colon; }",
+        "alias printf=echo",
+        "alias eval=echo",
+        "alias '{'=echo",
+        "exec >/dev/null",
+        "exec 1>&-",
+        "exec 2>&- 0<&-",
+    ],
+)
 def test_the_commands_own_functions_aliases_and_redirections_leave_the_protocol_alone(sandbox, command):
     """A command may redefine printf or eval, alias `{` or redirect the shell's own stdout for good:
     the next command still runs, at once, in the same shell (cwd kept)."""
@@ -238,15 +251,21 @@ def test_a_closed_sandbox_refuses_commands(repo, config):
 def test_stdout_and_stderr_are_merged_in_order(make_sandbox):
     sb = make_sandbox()
     result = sb.exec("for i in 1 2 3; do echo out$i; echo err$i >&2; done; ls /nonexistent")
-    assert result.output == ("out1\nerr1\nout2\nerr2\nout3\nerr3\n"
-                             "ls: cannot access '/nonexistent': No such file or directory\n")
+    assert result.output == (
+        "out1\nerr1\nout2\nerr2\nout3\nerr3\nls: cannot access '/nonexistent': No such file or directory\n"
+    )
     assert result.exit_code == 2
 
 
 def test_exit_codes_of_signals_pipes_and_exit(make_sandbox):
     sb = make_sandbox()
-    assert [sb.exec(c).exit_code for c in ("true", "false", "(exit 42)", "sh -c 'kill -9 $$'", "yes | head -1")] \
-        == [0, 1, 42, 137, 0]
+    assert [sb.exec(c).exit_code for c in ("true", "false", "(exit 42)", "sh -c 'kill -9 $$'", "yes | head -1")] == [
+        0,
+        1,
+        42,
+        137,
+        0,
+    ]
     assert sb.exec("yes | head -n 2").output == "y\ny\n"  # no shell noise when yes dies of SIGPIPE
     gone = sb.exec("exit 3")
     assert gone.exit_code == 3 and "the shell exited (status 3)" in gone.output
@@ -263,7 +282,7 @@ def test_output_cap_keeps_head_and_tail(make_sandbox, limit):
     sb = make_sandbox(output_limit_bytes=limit)
     full = "".join(f"{i}\n" for i in range(1, 100001)).encode()
     result = sb.exec("seq 1 100000")
-    head, tail = full[:limit // 2], full[len(full) - (limit - limit // 2):]
+    head, tail = full[: limit // 2], full[len(full) - (limit - limit // 2) :]
     cut = len(full) - limit
     assert (result.truncated, result.cut_bytes) == (True, cut)
     assert result.output == (head + f"\n[... {cut} bytes of output cut ...]\n".encode() + tail).decode()

@@ -65,9 +65,27 @@ def _gone(pid: int, started: int | None) -> bool:
 
 def test_sandbox_run_prints_the_guest_kernel_not_the_hosts(state_dir):
     script = "import os; u = os.uname(); print(u.sysname, u.release)"
-    done = subprocess.run([sys.executable, "-m", "codefleet.cli", "sandbox", "run", "--backend", "vm", "--memory-mb",
-                           str(VM_SHAPE["memory_mb"]), "--", "python3", "-c", script], capture_output=True, text=True,
-                          env={**os.environ, "CODEFLEET_STATE_DIR": state_dir}, timeout=240)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "codefleet.cli",
+            "sandbox",
+            "run",
+            "--backend",
+            "vm",
+            "--memory-mb",
+            str(VM_SHAPE["memory_mb"]),
+            "--",
+            "python3",
+            "-c",
+            script,
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "CODEFLEET_STATE_DIR": state_dir},
+        timeout=240,
+    )
     assert done.returncode == 0, done.stderr
     sysname, release = done.stdout.split()
     assert sysname == "Linux" and release != os.uname().release
@@ -81,8 +99,12 @@ def test_no_host_file_is_visible(sandbox, repo, config):
         planted.write(secret)
         planted.flush()
         host_paths = ["/work", "/home", os.getcwd(), repo, config.state_dir, "/var/lib/codefleet", planted.name]
-        out = run(sandbox, "ls -A /root; for p in " + " ".join(shlex.quote(p) for p in host_paths)
-                  + f'; do test -e "$p" && echo "SEEN $p"; done; grep -rls {secret} /tmp /var /root; echo done')
+        out = run(
+            sandbox,
+            "ls -A /root; for p in "
+            + " ".join(shlex.quote(p) for p in host_paths)
+            + f'; do test -e "$p" && echo "SEEN $p"; done; grep -rls {secret} /tmp /var /root; echo done',
+        )
     assert out == "done\n"
 
 
@@ -157,9 +179,13 @@ def test_qemu_runs_on_the_host_as_the_unprivileged_sandbox_user(sandbox):
 
 
 def test_output_that_looks_like_protocol_frames_is_only_output(sandbox):
-    frames = b"".join(struct.pack(">I", len(reply)) + reply for reply in (
-        json.dumps({"id": i, "ok": True, "result": {"output": "forged", "exit_code": 0}}).encode()
-        for i in range(1, 40)))
+    frames = b"".join(
+        struct.pack(">I", len(reply)) + reply
+        for reply in (
+            json.dumps({"id": i, "ok": True, "result": {"output": "forged", "exit_code": 0}}).encode()
+            for i in range(1, 40)
+        )
+    )
     fake = frames + b"\x1e0123456789ab:1:0\x1e" + b"\x1e0123456789ab:2:0\x1e"
     sandbox.write_file("frames.bin", fake)
     result = sandbox.exec("cat frames.bin; (exit 3)")
@@ -169,7 +195,7 @@ def test_output_that_looks_like_protocol_frames_is_only_output(sandbox):
 
 # A background job whose output is the protocol's pipe: it looks for the nonce in the shell's memory and
 # writes the end of the next commands with status 0.
-_FORGER = r'''
+_FORGER = r"""
 import os, re, sys, time
 shell = os.getppid()
 nonces = set()
@@ -191,7 +217,7 @@ time.sleep(1)
 for nonce in nonces:
     for seq in range(1, 40):
         os.write(1, b"\x1e" + nonce + b":%d:0\x1e" % seq)
-'''
+"""
 
 
 def test_a_job_cannot_read_the_shells_nonce_to_forge_an_exit_status(sandbox):
@@ -221,8 +247,10 @@ def test_fork_children_are_exact_copies_and_independent(sandbox):
             assert "Running" in lines[3] and marker in lines[3]  # the background job, copied running
             assert lines[4:] == ["in-tmp", "in-workspace"] and not result.shell_restarted
         a, b = children
-        run(a, "cd /; export EXPORTED=changed; kill %1; echo by-a > '/workspace/sub dir/file.txt'; "
-               "echo by-a > /tmp/t.txt")
+        run(
+            a,
+            "cd /; export EXPORTED=changed; kill %1; echo by-a > '/workspace/sub dir/file.txt'; echo by-a > /tmp/t.txt",
+        )
         for other in (b, sandbox):
             lines = run(other, show).splitlines()
             assert lines[:3] == ["/workspace/sub dir", "a b|kept", "hi you"] and marker in lines[3]
@@ -255,8 +283,12 @@ _OWNER = textwrap.dedent("""
 
 
 def test_an_owner_killed_with_sigkill_leaves_no_qemu(state_dir):
-    done = subprocess.run([sys.executable, "-c", _OWNER, state_dir, str(VM_SHAPE["memory_mb"])], capture_output=True,
-                          text=True, timeout=240)
+    done = subprocess.run(
+        [sys.executable, "-c", _OWNER, state_dir, str(VM_SHAPE["memory_mb"])],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == -signal.SIGKILL, done.stderr
     qemu = json.loads(done.stdout)
     assert wait_for(lambda: _gone(qemu["pid"], qemu["started"]), timeout_s=10), "QEMU outlived its owner"
@@ -335,8 +367,9 @@ def test_a_memory_hog_is_killed_and_reported_and_the_vm_lives_on(sandbox):
 def test_filling_the_filesystems_in_memory_gives_enospc_and_the_vm_lives_on(sandbox):
     """/tmp, /dev/shm and /var/tmp (the root's overlay) live in the VM's memory: full, together, they must
     leave the agent and the kernel enough, since no OOM kill frees a file."""
-    out = run(sandbox, "for d in /tmp /dev/shm /var/tmp; do head -c 1G /dev/zero > $d/fill; done; echo tried",
-              timeout_s=180)
+    out = run(
+        sandbox, "for d in /tmp /dev/shm /var/tmp; do head -c 1G /dev/zero > $d/fill; done; echo tried", timeout_s=180
+    )
     assert out.count("No space left on device") == 3 and out.endswith("tried\n"), out
     assert run(sandbox, "python3 -c 'print(len(bytearray(64 << 20)))'") == f"{64 << 20}\n"
     assert run(sandbox, "rm /tmp/fill /dev/shm/fill /var/tmp/fill && echo usable") == "usable\n"
@@ -362,10 +395,36 @@ def test_host_paths_bound_read_only_are_refused_not_dropped(repo, config, tmp_pa
 
 # -- the environment's disk and who commands run as ----------------------------------------------------------------
 
-ETC_NAMES = {"passwd", "group", "hosts", "nsswitch.conf", "mtab", "os-release", "ld.so.cache", "ld.so.conf",
-             "ld.so.conf.d", "services", "protocols", "alternatives"}  # at most; the host may lack some
-HOST_SECRETS = ("etc/shadow", "etc/gshadow", "etc/ssh", "etc/ssl", "etc/machine-id", "etc/resolv.conf", "etc/sudoers",
-                "etc/gitconfig", "etc/pip.conf", "usr/etc", "usr/local/etc", "root", "home", "var")
+ETC_NAMES = {
+    "passwd",
+    "group",
+    "hosts",
+    "nsswitch.conf",
+    "mtab",
+    "os-release",
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "services",
+    "protocols",
+    "alternatives",
+}  # at most; the host may lack some
+HOST_SECRETS = (
+    "etc/shadow",
+    "etc/gshadow",
+    "etc/ssh",
+    "etc/ssl",
+    "etc/machine-id",
+    "etc/resolv.conf",
+    "etc/sudoers",
+    "etc/gitconfig",
+    "etc/pip.conf",
+    "usr/etc",
+    "usr/local/etc",
+    "root",
+    "home",
+    "var",
+)
 
 
 def _extract(disk: str, into: str) -> str:
@@ -444,11 +503,13 @@ def test_the_guest_has_no_host_secret_and_its_tools_work(sandbox):
     assert run(sandbox, "id -un; id -u; id -g") == "agent\n1000\n1000\n"
     assert "nosuid" in run(sandbox, "grep -E '^root / ' /proc/mounts").split()[3].split(",")  # no setuid way to root
     sandbox.write_file("test_ok.py", "def test_ok():\n    assert 1 + 1 == 2\n")
-    tools = sandbox.exec("bash -c 'echo bash ok'; python3 -c 'import ssl, sqlite3, json; print(\"python ok\")'; "
-                         "python3 -m pytest -q -p no:cacheprovider test_ok.py | tail -1; "
-                         "git init -q g && git -C g -c user.name=a -c user.email=a@b commit -q --allow-empty -m x && "
-                         "git -C g log --oneline | wc -l; grep -c ok test_ok.py; awk 'BEGIN { print \"awk ok\" }'",
-                         timeout_s=120)
+    tools = sandbox.exec(
+        "bash -c 'echo bash ok'; python3 -c 'import ssl, sqlite3, json; print(\"python ok\")'; "
+        "python3 -m pytest -q -p no:cacheprovider test_ok.py | tail -1; "
+        "git init -q g && git -C g -c user.name=a -c user.email=a@b commit -q --allow-empty -m x && "
+        "git -C g log --oneline | wc -l; grep -c ok test_ok.py; awk 'BEGIN { print \"awk ok\" }'",
+        timeout_s=120,
+    )
     lines = tools.output.splitlines()
     assert tools.exit_code == 0 and lines[:2] == ["bash ok", "python ok"], tools.output
     assert lines[2].startswith("1 passed") and lines[3:] == ["1", "1", "awk ok"], tools.output
@@ -456,14 +517,14 @@ def test_the_guest_has_no_host_secret_and_its_tools_work(sandbox):
 
 # An image built the way an attacker would: its passwd maps the names a guest user could be looked up by to uid 0,
 # and its Python (which runs the guest agent) forges the agent's answer to a command that prints a marker.
-_FORGED_ASDICT = '''
+_FORGED_ASDICT = """
 _codefleet_real_asdict = asdict
 def asdict(obj, *, dict_factory=dict):
     answer = _codefleet_real_asdict(obj, dict_factory=dict_factory)
     if "FORGE-THIS-ANSWER" in str(answer.get("output", "")):
         answer["exit_code"] = 10 ** 30
     return answer
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -471,8 +532,17 @@ def hostile_image():
     from codefleet.bench.image_fixture import Layer, host_userland_layer, libraries, oci_tarball, python_stdlib_dir
     from codefleet.sandbox.environments import import_image
 
-    base = host_userland_layer(extra=("/usr/bin/mount", "/usr/bin/grep", "/usr/bin/id", "/usr/bin/ls", "/usr/bin/cut",
-                                      "/usr/bin/touch", "/bin/sh"))
+    base = host_userland_layer(
+        extra=(
+            "/usr/bin/mount",
+            "/usr/bin/grep",
+            "/usr/bin/id",
+            "/usr/bin/ls",
+            "/usr/bin/cut",
+            "/usr/bin/touch",
+            "/bin/sh",
+        )
+    )
     stdlib = python_stdlib_dir()  # the whole standard library: the agent imports more than a start does
     for dirpath, dirnames, files in os.walk(stdlib):
         dirnames[:] = [d for d in dirnames if d not in ("__pycache__", "test", "site-packages", "dist-packages")]
@@ -483,8 +553,11 @@ def hostile_image():
                     base.host(lib)
     top = Layer()
     top.add("etc", tarfile.DIRTYPE, mode=0o755)
-    top.add("etc/passwd", data=b"root:x:0:0:root:/root:/bin/sh\ncodefleet-sandbox:x:0:0::/:/bin/sh\n"
-                               b"nobody:x:0:0::/:/bin/sh\nagent:x:0:0::/:/bin/sh\n")
+    top.add(
+        "etc/passwd",
+        data=b"root:x:0:0:root:/root:/bin/sh\ncodefleet-sandbox:x:0:0::/:/bin/sh\n"
+        b"nobody:x:0:0::/:/bin/sh\nagent:x:0:0::/:/bin/sh\n",
+    )
     top.add("etc/group", data=b"root:x:0:\ncodefleet-sandbox:x:0:\nnogroup:x:0:\nagent:x:0:\n")
     with open(os.path.join(stdlib, "dataclasses.py"), "rb") as f:
         top.add(os.path.join(stdlib, "dataclasses.py").lstrip("/"), data=f.read() + _FORGED_ASDICT.encode())
@@ -497,7 +570,7 @@ def hostile_image():
         for source in glob.glob(os.path.join(vm_dir(), "disks", "*.erofs.source")):  # its disk, built by the tests
             with open(source) as f:
                 if f.read() == rootfs:
-                    os.unlink(source[:-len(".source")])
+                    os.unlink(source[: -len(".source")])
                     os.unlink(source)
 
 
@@ -505,8 +578,11 @@ def test_an_images_passwd_does_not_choose_who_commands_run_as(make_sandbox, host
     with open(os.path.join(hostile_image, "etc/passwd")) as f:
         assert "codefleet-sandbox:x:0:0" in f.read()  # the image's word
     sb = make_sandbox(environment=hostile_image)
-    out = run(sb, "id -u; id -g; id -un; python3 -c 'import os; print(os.getuid(), os.geteuid())'; "
-                  "touch mine; ls -n mine | cut -d' ' -f3,4; grep ':x:0:' /etc/passwd")
+    out = run(
+        sb,
+        "id -u; id -g; id -un; python3 -c 'import os; print(os.getuid(), os.geteuid())'; "
+        "touch mine; ls -n mine | cut -d' ' -f3,4; grep ':x:0:' /etc/passwd",
+    )
     assert out == "1000\n1000\nagent\n1000 1000\n1000 1000\nroot:x:0:0:root:/root:/bin/sh\n", out
 
 

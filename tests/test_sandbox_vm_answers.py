@@ -41,19 +41,61 @@ def _match(**changed: object) -> dict:
 
 
 HOSTILE = {
-    "exec": [None, [], {}, "output", {k: v for k, v in GOOD_EXEC.items() if k != "exit_code"},
-             _exec(extra=1), _exec(output=5), _exec(output="x" * (LIMIT + 5000)),
-             _exec(output="lone \ud800 surrogate"), _exec(output="escaped \udcff byte"), _exec(exit_code="0"),
-             _exec(exit_code=True), _exec(exit_code=10**30), _exec(exit_code=-(10**30)), _exec(exit_code=-65),
-             _exec(exit_code=256), _exec(exit_code=1.0), _exec(duration_s=float("nan")),
-             _exec(duration_s=float("inf")), _exec(duration_s=-1.0), _exec(duration_s="1"), _exec(duration_s=10**400),
-             _exec(cut_bytes=-1), _exec(cut_bytes=1 << 64), _exec(timed_out=1), _exec(truncated=None),
-             _exec(shell_restarted="no")],
-    "list": [None, {}, [None], [[]], [_entry(kind="device")], [_entry(size_bytes=-1)], [_entry(size_bytes=10**100)],
-             [_entry(size_bytes=1.5)], [_entry(path="")], [_entry(path="a\0b")], [_entry(path=5)],
-             [_entry(path="bad \ud800")], [{"path": "a", "kind": "file"}], [_entry()] * 10_001],
-    "search": [None, [_match()] * 3, [_match(line_number=0)], [_match(line_number=-2)], [_match(line_number="3")],
-               [_match(line="\ud83d")], [_match(path=None)], [_match(line="x" * (LIMIT + 1))]],
+    "exec": [
+        None,
+        [],
+        {},
+        "output",
+        {k: v for k, v in GOOD_EXEC.items() if k != "exit_code"},
+        _exec(extra=1),
+        _exec(output=5),
+        _exec(output="x" * (LIMIT + 5000)),
+        _exec(output="lone \ud800 surrogate"),
+        _exec(output="escaped \udcff byte"),
+        _exec(exit_code="0"),
+        _exec(exit_code=True),
+        _exec(exit_code=10**30),
+        _exec(exit_code=-(10**30)),
+        _exec(exit_code=-65),
+        _exec(exit_code=256),
+        _exec(exit_code=1.0),
+        _exec(duration_s=float("nan")),
+        _exec(duration_s=float("inf")),
+        _exec(duration_s=-1.0),
+        _exec(duration_s="1"),
+        _exec(duration_s=10**400),
+        _exec(cut_bytes=-1),
+        _exec(cut_bytes=1 << 64),
+        _exec(timed_out=1),
+        _exec(truncated=None),
+        _exec(shell_restarted="no"),
+    ],
+    "list": [
+        None,
+        {},
+        [None],
+        [[]],
+        [_entry(kind="device")],
+        [_entry(size_bytes=-1)],
+        [_entry(size_bytes=10**100)],
+        [_entry(size_bytes=1.5)],
+        [_entry(path="")],
+        [_entry(path="a\0b")],
+        [_entry(path=5)],
+        [_entry(path="bad \ud800")],
+        [{"path": "a", "kind": "file"}],
+        [_entry()] * 10_001,
+    ],
+    "search": [
+        None,
+        [_match()] * 3,
+        [_match(line_number=0)],
+        [_match(line_number=-2)],
+        [_match(line_number="3")],
+        [_match(line="\ud83d")],
+        [_match(path=None)],
+        [_match(line="x" * (LIMIT + 1))],
+    ],
     "read": [None, 5, ["text"], {"text": "x"}, "\udcff", "x" * (MAX_READ_BYTES + 1)],
     "write": [{}, "", 0, False],
     "alive": [None, 1, "true", {}],
@@ -62,8 +104,11 @@ HOSTILE = {
 }
 
 
-@pytest.mark.parametrize("op,raw", [(op, raw) for op, answers in HOSTILE.items() for raw in answers],
-                         ids=lambda v: v if isinstance(v, str) and len(v) < 12 else None)
+@pytest.mark.parametrize(
+    "op,raw",
+    [(op, raw) for op, answers in HOSTILE.items() for raw in answers],
+    ids=lambda v: v if isinstance(v, str) and len(v) < 12 else None,
+)
 def test_a_malformed_answer_is_one_sandbox_dead_error(op, raw):
     with pytest.raises(MalformedAnswerError, match=f"the guest answered {op!r} with something malformed"):
         answer_of(op, raw, {"max_matches": 2}, LIMIT)
@@ -78,7 +123,10 @@ def test_what_the_agent_really_sends_is_taken_as_the_hosts_types():
     assert answer_of("exec", _exec(exit_code=-9), {}, LIMIT).exit_code == -9  # the shell itself was killed
     # a name that is not UTF-8 keeps its bytes as surrogates, as files.list gives it (and takes it back)
     listed = [asdict(FileEntry("caf\udce9.txt", "file", 3)), asdict(FileEntry("sub", "dir", 4096))]
-    assert answer_of("list", listed, {}, LIMIT) == [FileEntry("caf\udce9.txt", "file", 3), FileEntry("sub", "dir", 4096)]
+    assert answer_of("list", listed, {}, LIMIT) == [
+        FileEntry("caf\udce9.txt", "file", 3),
+        FileEntry("sub", "dir", 4096),
+    ]
     found = [asdict(SearchMatch("pkg/calc.py", 1, "def add(a, b):"))]
     assert answer_of("search", found, {"max_matches": 1}, LIMIT) == [SearchMatch("pkg/calc.py", 1, "def add(a, b):")]
     assert answer_of("read", "x" * MAX_READ_BYTES, {}, LIMIT) == "x" * MAX_READ_BYTES
@@ -108,7 +156,7 @@ def _guest(sock: socket.socket, answer) -> None:
         buf += chunk
         while len(buf) >= 4 and len(buf) >= 4 + struct.unpack(">I", buf[:4])[0]:
             size = struct.unpack(">I", buf[:4])[0]
-            request, buf = json.loads(buf[4:4 + size]), buf[4 + size:]
+            request, buf = json.loads(buf[4 : 4 + size]), buf[4 + size :]
             sock.sendall(answer(request["id"]))
 
 
@@ -118,17 +166,19 @@ def _frame(data: bytes) -> bytes:
 
 FRAMES = {
     "not UTF-8": lambda rid: _frame(b'{"id": %d, "ok": true, "result": "\xff\xfe"}' % rid),
-    "not JSON": lambda rid: _frame(b"{\"id\": %d, " % rid),
+    "not JSON": lambda rid: _frame(b'{"id": %d, ' % rid),
     "nested beyond the parser": lambda rid: _frame(b"[" * 200_000),
     "digits beyond int's": lambda rid: _frame(b'{"id": %d, "ok": true, "result": %s}' % (rid, b"9" * 5000)),
     "not an object": lambda rid: _frame(b"[1, 2]"),
     "a string id": lambda rid: _frame(json.dumps({"id": str(rid), "ok": True, "result": True}).encode()),
     "ok not a bool": lambda rid: _frame(json.dumps({"id": rid, "ok": "yes", "result": True}).encode()),
     "no result": lambda rid: _frame(json.dumps({"id": rid, "ok": True}).encode()),
-    "an error named by a non-name": lambda rid: _frame(json.dumps(
-        {"id": rid, "ok": False, "error": "Value Error; rm -rf", "message": "x"}).encode()),
-    "an error message too long": lambda rid: _frame(json.dumps(
-        {"id": rid, "ok": False, "error": "OSError", "message": "x" * 5000}).encode()),
+    "an error named by a non-name": lambda rid: _frame(
+        json.dumps({"id": rid, "ok": False, "error": "Value Error; rm -rf", "message": "x"}).encode()
+    ),
+    "an error message too long": lambda rid: _frame(
+        json.dumps({"id": rid, "ok": False, "error": "OSError", "message": "x" * 5000}).encode()
+    ),
     "an oversize frame": lambda rid: struct.pack(">I", MAX_RESPONSE + 1) + b"{}",
 }
 
@@ -152,12 +202,17 @@ def test_a_hostile_frame_breaks_the_link_at_once_with_one_sandbox_dead_error(kin
 
 
 def test_a_well_formed_error_is_the_error_it_names_and_the_link_lives_on():
-    answers = iter([{"ok": False, "error": "FileNotFoundError", "message": "no such file: a.txt"},
-                    {"ok": False, "error": "RuntimeError", "message": "the sandbox has not been started"},
-                    {"ok": True, "result": True}])
+    answers = iter(
+        [
+            {"ok": False, "error": "FileNotFoundError", "message": "no such file: a.txt"},
+            {"ok": False, "error": "RuntimeError", "message": "the sandbox has not been started"},
+            {"ok": True, "result": True},
+        ]
+    )
     host, guest = socket.socketpair()
-    threading.Thread(target=_guest, args=(guest, lambda rid: _frame(json.dumps({"id": rid, **next(answers)}).encode())),
-                     daemon=True).start()
+    threading.Thread(
+        target=_guest, args=(guest, lambda rid: _frame(json.dumps({"id": rid, **next(answers)}).encode())), daemon=True
+    ).start()
     link = AgentLink(host)
     try:
         with pytest.raises(FileNotFoundError, match="no such file"):

@@ -42,19 +42,25 @@ SCRIPT = textwrap.dedent("""
     print(json.dumps({"code": code}))
     cluster.shutdown()
 """)
-SCALED = ["cluster.engine_backend=vllm", "cluster.trainer_backend=fsdp2_ep", "cluster.weight_sync=collective",
-          "cluster.weight_sync_bucket_mb=1"]
+SCALED = [
+    "cluster.engine_backend=vllm",
+    "cluster.trainer_backend=fsdp2_ep",
+    "cluster.weight_sync=collective",
+    "cluster.weight_sync_bucket_mb=1",
+]
 DEFAULT = ["cluster.engine_backend=codefleet", "cluster.trainer_backend=dp", "cluster.weight_sync=whole"]
 
 
 def _run(out: str, init: str, backends: list[str]) -> list[dict]:
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
-    done = subprocess.run([sys.executable, "-c", SCRIPT, out, init, *backends], env=env, capture_output=True,
-                          text=True, timeout=1200)
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, out, init, *backends], env=env, capture_output=True, text=True, timeout=1200
+    )
     log = open(out + ".log").read() if os.path.exists(out + ".log") else ""
     assert done.returncode == 0 and json.loads(done.stdout.strip().splitlines()[-1]) == {"code": 0}, (
-        done.stderr[-2000:] + log[-4000:])
+        done.stderr[-2000:] + log[-4000:]
+    )
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [row for row in map(json.loads, filter(str.strip, f)) if row["stage"] == "rl"]
 
@@ -65,8 +71,10 @@ def test_vllm_engines_an_expert_parallel_trainer_and_bucketed_sync_train_like_th
     from codefleet.bench.tiny_hf import make_tiny_hf
 
     init = make_tiny_hf(str(tmp_path / "tiny"), arch="qwen3_moe", head_dim=32)  # vLLM on CPU: head_dim >= 32
-    rl = {name: _run(str(tmp_path / name), init, backends)
-          for name, backends in (("scaled", SCALED), ("default", DEFAULT))}
+    rl = {
+        name: _run(str(tmp_path / name), init, backends)
+        for name, backends in (("scaled", SCALED), ("default", DEFAULT))
+    }
     for name, rows in rl.items():  # the same versions, no lag, and the engine's logprobs are the trainer's
         assert [int(r["step"]) for r in rows] == [1, 2, 3] and not any(r["skipped"] for r in rows), (name, rows)
         assert all(r["lag_max"] == 0 for r in rows), (name, rows)

@@ -19,8 +19,18 @@ STEPS = (0, 1, 12)
 
 def _rows(records) -> list[tuple]:
     """(exact run name, directory run name, step, group, attempt, reward, task_id), sorted, values cast."""
-    return sorted((str(r["run_name"]), str(r["run"]), int(r["step"]), int(r["group"]), int(r["attempt"]),
-                   float(r["reward"]), str(r["task_id"])) for r in records)
+    return sorted(
+        (
+            str(r["run_name"]),
+            str(r["run"]),
+            int(r["step"]),
+            int(r["group"]),
+            int(r["attempt"]),
+            float(r["reward"]),
+            str(r["task_id"]),
+        )
+        for r in records
+    )
 
 
 @pytest.fixture
@@ -29,8 +39,18 @@ def store(tmp_path):
     for run in RUNS:
         for step in STEPS:  # two appends per partition: two files in each
             for group in (0, 1):
-                writer.append([rollout_record(make_trajectory(f"t{step}-{group}", passed=attempt == 0), run=run,
-                                              step=step, group=group, attempt=attempt) for attempt in range(2)])
+                writer.append(
+                    [
+                        rollout_record(
+                            make_trajectory(f"t{step}-{group}", passed=attempt == 0),
+                            run=run,
+                            step=step,
+                            group=group,
+                            attempt=attempt,
+                        )
+                        for attempt in range(2)
+                    ]
+                )
     return str(tmp_path / "rollouts")
 
 
@@ -73,8 +93,11 @@ def test_duckdb_read_parquet(store, expected):
 def test_ray_data_read_parquet(store, expected, ray_session):
     import ray.data
 
-    rows = ray.data.read_parquet(store).select_columns(["run_name", "run", "step", "group", "attempt", "reward",
-                                                        "task_id"]).take_all()
+    rows = (
+        ray.data.read_parquet(store)
+        .select_columns(["run_name", "run", "step", "group", "attempt", "reward", "task_id"])
+        .take_all()
+    )
     assert _rows(rows) == expected
 
 
@@ -98,10 +121,28 @@ def test_the_store_of_codefleet_eval_opens_with_pandas(tmp_path, config, monkeyp
         return reply(out.text, *[call(c.name, c.raw_arguments) for c in out.tool_calls])
 
     with OpenAIStub([expert] * 40) as stub:
-        assert main(["eval", "--tasks", str(tmp_path / "tasks"), "--model", stub.base_url, "--jobs", "2",
-                     "--attempts", "2", "--json", "--out", str(tmp_path / "ev")]) == 0
+        assert (
+            main(
+                [
+                    "eval",
+                    "--tasks",
+                    str(tmp_path / "tasks"),
+                    "--model",
+                    stub.base_url,
+                    "--jobs",
+                    "2",
+                    "--attempts",
+                    "2",
+                    "--json",
+                    "--out",
+                    str(tmp_path / "ev"),
+                ]
+            )
+            == 0
+        )
     frame = pd.read_parquet(tmp_path / "ev" / "rollouts")
     ours = read_rollouts(str(tmp_path / "ev"), on_problem=pytest.fail)
     assert len(frame) == ours.num_rows == 4 and set(frame["split"]) == {"eval"}
     assert sorted(zip(frame["run_name"], frame["step"].astype(int), frame["task_id"], frame["attempt"])) == sorted(
-        zip(*[ours.column(c).to_pylist() for c in ("run", "step", "task_id", "attempt")]))
+        zip(*[ours.column(c).to_pylist() for c in ("run", "step", "task_id", "attempt")])
+    )

@@ -14,13 +14,27 @@ from codefleet.types import CheckResult, Failure, TokenSequence, ToolCall, Traje
 
 
 def _group() -> Group:
-    turn = Turn(0, "let me look", [ToolCall("c1", "read_file", '{"path": "a.py"}', {"path": "a.py"})],
-                token_ids=[1, 2, 3], logprobs=[-0.1, -0.2, -0.3], policy_versions=[4, 4, 4],
-                routed_experts=[[0, 1], [2, 3], [1, 0]])
-    trajectory = Trajectory("t1", [{"role": "user", "content": "fix it"}], [turn], "error", failure=Failure.ENGINE_DIED,
-                            sequence=TokenSequence([1, 2], [0, 1], [0.0, -0.5], [-1, 4]), diff="--- a\n+++ b\n",
-                            checks=CheckResult(1, 2, False, {"test_a": True, "test_b": False}), reward=float("nan"),
-                            metadata={"attempt": 1, "task.expects_changed": ["a.py"], "note": "x"})
+    turn = Turn(
+        0,
+        "let me look",
+        [ToolCall("c1", "read_file", '{"path": "a.py"}', {"path": "a.py"})],
+        token_ids=[1, 2, 3],
+        logprobs=[-0.1, -0.2, -0.3],
+        policy_versions=[4, 4, 4],
+        routed_experts=[[0, 1], [2, 3], [1, 0]],
+    )
+    trajectory = Trajectory(
+        "t1",
+        [{"role": "user", "content": "fix it"}],
+        [turn],
+        "error",
+        failure=Failure.ENGINE_DIED,
+        sequence=TokenSequence([1, 2], [0, 1], [0.0, -0.5], [-1, 4]),
+        diff="--- a\n+++ b\n",
+        checks=CheckResult(1, 2, False, {"test_a": True, "test_b": False}),
+        reward=float("nan"),
+        metadata={"attempt": 1, "task.expects_changed": ["a.py"], "note": "x"},
+    )
     return Group(Ticket(7, 4, 5, 2), [Rollout("7/0", 7, 4, 0.5, trajectory), Rollout("7/1", 7, 4, 0.0)])
 
 
@@ -31,21 +45,32 @@ def test_a_group_and_demonstrations_round_trip():
     t, t0 = back.rollouts[0].trajectory, group.rollouts[0].trajectory
     assert t.failure is Failure.ENGINE_DIED and t.turns == t0.turns and t.sequence == t0.sequence
     assert t.metadata == t0.metadata and t.checks == t0.checks and t.reward != t.reward  # NaN survives
-    demos = Demos(examples=[([1, 2, 3], [0, 1, 1])], task_ids=["t1"], broken={"t2": "set-up fails"},
-                  conversations=[[{"role": "user", "content": "hi"}]],
-                  variants=[{(True, False): [{"role": "assistant", "content": "a"}], (False, False): []}])
+    demos = Demos(
+        examples=[([1, 2, 3], [0, 1, 1])],
+        task_ids=["t1"],
+        broken={"t2": "set-up fails"},
+        conversations=[[{"role": "user", "content": "hi"}]],
+        variants=[{(True, False): [{"role": "assistant", "content": "a"}], (False, False): []}],
+    )
     assert records.loads(records.dumps(demos), Demos) == demos
 
 
-@pytest.mark.parametrize("data, says", [
-    (b'{"ticket": {"group_id": "7", "policy_version": 1, "deadline": 2, "group_size": 1}, "rollouts": []}',
-     "$.ticket.group_id: expected int"),
-    (b'{"ticket": {"group_id": 7, "policy_version": 1, "deadline": 2, "group_size": 1}, "rollouts": [], "x": 1}',
-     "Group has no field 'x'"),
-    (b'{"ticket": [], "rollouts": []}', "expected an object for Ticket"),
-    (b"\x80abc", "not a JSON record"),
-    (b"[" * 100_000 + b"]" * 100_000, "not a JSON record"),
-])
+@pytest.mark.parametrize(
+    "data, says",
+    [
+        (
+            b'{"ticket": {"group_id": "7", "policy_version": 1, "deadline": 2, "group_size": 1}, "rollouts": []}',
+            "$.ticket.group_id: expected int",
+        ),
+        (
+            b'{"ticket": {"group_id": 7, "policy_version": 1, "deadline": 2, "group_size": 1}, "rollouts": [], "x": 1}',
+            "Group has no field 'x'",
+        ),
+        (b'{"ticket": [], "rollouts": []}', "expected an object for Ticket"),
+        (b"\x80abc", "not a JSON record"),
+        (b"[" * 100_000 + b"]" * 100_000, "not a JSON record"),
+    ],
+)
 def test_a_record_that_does_not_match_its_types_is_one_clear_error(data, says):
     with pytest.raises(records.RecordError, match=says.replace("$", r"\$").replace("[", r"\[")):
         records.loads(data, Group)

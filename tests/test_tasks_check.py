@@ -34,8 +34,10 @@ def bugfix_task(tmp_path_factory):
 
 def test_tasks_check_over_every_family(tmp_path, state_dir, capsys):
     out = str(tmp_path / "tasks")
-    assert main(["tasks", "generate", "--out", out, "--n", str(5 * TASKS_PER_FAMILY), "--seed", "21",
-                 "--split", "all"]) == 0
+    assert (
+        main(["tasks", "generate", "--out", out, "--n", str(5 * TASKS_PER_FAMILY), "--seed", "21", "--split", "all"])
+        == 0
+    )
     assert "wrote 10 tasks" in capsys.readouterr().out
     assert main(["tasks", "check", out, "--jobs", "2", "--set", f"state_dir={state_dir}"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
@@ -47,21 +49,46 @@ def test_tasks_check_over_every_family(tmp_path, state_dir, capsys):
 
 def _broken_variants(task: Task) -> dict[str, Task]:
     checks = task.checks
-    flaky = ("import pathlib\n\n\ndef test_flaky():\n    flag = pathlib.Path('.flaky-flag')\n"
-             "    first = not flag.exists()\n    flag.write_text('x')\n    assert first\n")
+    flaky = (
+        "import pathlib\n\n\ndef test_flaky():\n    flag = pathlib.Path('.flaky-flag')\n"
+        "    first = not flag.exists()\n    flag.write_text('x')\n    assert first\n"
+    )
     return {
-        "no-fix": dataclasses.replace(task, id="no-fix", reference_patch=make_unified_diff(
-            {"README.md": open(os.path.join(task.repo, "README.md")).read()}, {"README.md": "# changed\n"})),
-        "passes-untouched": dataclasses.replace(task, id="passes-untouched", checks=dataclasses.replace(
-            checks, fail_to_pass=checks.fail_to_pass + checks.pass_to_pass[:1], pass_to_pass=checks.pass_to_pass[1:])),
-        "fails-untouched": dataclasses.replace(task, id="fails-untouched", checks=dataclasses.replace(
-            checks, fail_to_pass=checks.fail_to_pass[1:], pass_to_pass=checks.pass_to_pass + checks.fail_to_pass[:1]))
-        if len(checks.fail_to_pass) > 1 else None,
-        "does-not-apply": dataclasses.replace(task, id="does-not-apply", reference_patch=make_unified_diff(
-            {"NOPE.md": "x\n"}, {"NOPE.md": "y\n"})),
-        "flaky": dataclasses.replace(task, id="flaky", checks=dataclasses.replace(
-            checks, files=checks.files | {"tests/test_flaky.py": flaky},
-            pass_to_pass=checks.pass_to_pass + ["tests/test_flaky.py::test_flaky"])),
+        "no-fix": dataclasses.replace(
+            task,
+            id="no-fix",
+            reference_patch=make_unified_diff(
+                {"README.md": open(os.path.join(task.repo, "README.md")).read()}, {"README.md": "# changed\n"}
+            ),
+        ),
+        "passes-untouched": dataclasses.replace(
+            task,
+            id="passes-untouched",
+            checks=dataclasses.replace(
+                checks, fail_to_pass=checks.fail_to_pass + checks.pass_to_pass[:1], pass_to_pass=checks.pass_to_pass[1:]
+            ),
+        ),
+        "fails-untouched": dataclasses.replace(
+            task,
+            id="fails-untouched",
+            checks=dataclasses.replace(
+                checks, fail_to_pass=checks.fail_to_pass[1:], pass_to_pass=checks.pass_to_pass + checks.fail_to_pass[:1]
+            ),
+        )
+        if len(checks.fail_to_pass) > 1
+        else None,
+        "does-not-apply": dataclasses.replace(
+            task, id="does-not-apply", reference_patch=make_unified_diff({"NOPE.md": "x\n"}, {"NOPE.md": "y\n"})
+        ),
+        "flaky": dataclasses.replace(
+            task,
+            id="flaky",
+            checks=dataclasses.replace(
+                checks,
+                files=checks.files | {"tests/test_flaky.py": flaky},
+                pass_to_pass=checks.pass_to_pass + ["tests/test_flaky.py::test_flaky"],
+            ),
+        ),
     }
 
 
@@ -89,13 +116,20 @@ def test_unsound_tasks_are_reported(bugfix_task, tmp_path, state_dir, capsys):
 
 
 def test_missing_ids_fail_and_printed_results_do_not_count(bugfix_task, config):
-    liar = ("def test_liar():\n    print('PASSED tests/test_liar.py::test_liar')\n"
-            "    print('tests/test_liar.py::test_liar PASSED')\n    raise SystemExit(0)\n")
+    liar = (
+        "def test_liar():\n    print('PASSED tests/test_liar.py::test_liar')\n"
+        "    print('tests/test_liar.py::test_liar PASSED')\n    raise SystemExit(0)\n"
+    )
     checks = bugfix_task.checks
-    task = dataclasses.replace(bugfix_task, checks=dataclasses.replace(
-        checks, files=checks.files | {"tests/test_liar.py": liar},
-        fail_to_pass=checks.fail_to_pass + ["tests/test_liar.py::test_liar", "tests/test_liar.py::test_nope",
-                                            "tests/no_such_file.py::test_x"]))
+    task = dataclasses.replace(
+        bugfix_task,
+        checks=dataclasses.replace(
+            checks,
+            files=checks.files | {"tests/test_liar.py": liar},
+            fail_to_pass=checks.fail_to_pass
+            + ["tests/test_liar.py::test_liar", "tests/test_liar.py::test_nope", "tests/no_such_file.py::test_x"],
+        ),
+    )
     sandbox = prepare_sandbox(task, config)
     try:
         apply_patch(sandbox, task.reference_patch)
@@ -115,19 +149,25 @@ def test_workspace_diff_is_everything_the_agent_changed(bugfix_task, config):
     try:
         assert workspace_diff(sandbox) == ""
         repo_files = {e.path for e in sandbox.list_dir(".", recursive=True) if e.kind == "file"}
-        for hidden in set(bugfix_task.checks.files) - {os.path.relpath(os.path.join(d, f), bugfix_task.repo)
-                                                       for d, _, fs in os.walk(bugfix_task.repo) for f in fs}:
+        for hidden in set(bugfix_task.checks.files) - {
+            os.path.relpath(os.path.join(d, f), bugfix_task.repo) for d, _, fs in os.walk(bugfix_task.repo) for f in fs
+        }:
             assert hidden not in repo_files  # hidden tests are not in the sandbox before the checks
         apply_patch(sandbox, bugfix_task.reference_patch)
         sandbox.write_file("notes/new.txt", "added\n")
-        sandbox.exec("rm README.md && python3 -m pytest -q tests >/dev/null; git add -A && "
-                     "git -c user.name=a -c user.email=a@b commit -qm 'agent commit'")
+        sandbox.exec(
+            "rm README.md && python3 -m pytest -q tests >/dev/null; git add -A && "
+            "git -c user.name=a -c user.email=a@b commit -qm 'agent commit'"
+        )
         diff = workspace_diff(sandbox)
     finally:
         sandbox.close()
-    before = {path: open(os.path.join(bugfix_task.repo, path)).read() for path in
-              [os.path.relpath(os.path.join(d, f), bugfix_task.repo) for d, _, fs in os.walk(bugfix_task.repo)
-               for f in fs]}
+    before = {
+        path: open(os.path.join(bugfix_task.repo, path)).read()
+        for path in [
+            os.path.relpath(os.path.join(d, f), bugfix_task.repo) for d, _, fs in os.walk(bugfix_task.repo) for f in fs
+        ]
+    }
     after = apply_unified_diff(before, diff)
     expected = apply_unified_diff(before, bugfix_task.reference_patch)
     expected.pop("README.md")
@@ -169,10 +209,15 @@ def test_existing_git_repo_keeps_its_history_and_uncommitted_work(tmp_path, conf
     subprocess.run([*git, "add", "-A"], cwd=repo, check=True)
     subprocess.run([*git, "commit", "-qm", "one"], cwd=repo, check=True)
     (repo / "dirty.txt").write_text("uncommitted\n")
-    task = Task(id="gitrepo", repo=str(repo), instruction="Make X 2.",
-                checks=HiddenChecks(command="python3 -m pytest -q -p no:cacheprovider {tests}",
-                                    fail_to_pass=["tests/test_m.py::test_x"]),
-                reference_patch=make_unified_diff({"m.py": "X = 1\n"}, {"m.py": "X = 2\n"}))
+    task = Task(
+        id="gitrepo",
+        repo=str(repo),
+        instruction="Make X 2.",
+        checks=HiddenChecks(
+            command="python3 -m pytest -q -p no:cacheprovider {tests}", fail_to_pass=["tests/test_m.py::test_x"]
+        ),
+        reference_patch=make_unified_diff({"m.py": "X = 1\n"}, {"m.py": "X = 2\n"}),
+    )
     report = check_task(task, config)
     assert report.sound, report.problems
     sandbox = prepare_sandbox(task, config)
@@ -214,8 +259,12 @@ def test_same_second_same_size_edit_is_in_the_diff(tmp_path, config):
 
     repo = tmp_path / "repo"
     repo.mkdir()
-    task = Task(id="racy", repo=str(repo), instruction="x",
-                checks=HiddenChecks(command="python3 -m pytest {tests}", fail_to_pass=["t.py::t"]))
+    task = Task(
+        id="racy",
+        repo=str(repo),
+        instruction="x",
+        checks=HiddenChecks(command="python3 -m pytest {tests}", fail_to_pass=["t.py::t"]),
+    )
     time.sleep(1.02 - time.time() % 1)  # start of a second: file, baseline and edit fit in it
     (repo / "m.py").write_text("X = 1 + 2\n")
     sandbox = prepare_sandbox(task, config)
@@ -231,5 +280,11 @@ def test_a_missing_task_directory_is_one_sentence(tmp_path, capsys):
     missing = str(tmp_path / "nowhere")
     assert main(["tasks", "check", missing]) == 2
     captured = capsys.readouterr()
-    assert captured.err == (f"codefleet tasks check: task directory {missing!r} does not exist; create one with "
-                            "`codefleet tasks generate --out DIR`\n") and captured.out == ""
+    assert (
+        captured.err
+        == (
+            f"codefleet tasks check: task directory {missing!r} does not exist; create one with "
+            "`codefleet tasks generate --out DIR`\n"
+        )
+        and captured.out == ""
+    )

@@ -55,7 +55,7 @@ def distance(a, b):  # no test calls it
     return b - a
 '''
 
-TESTS = '''from minilib.stats import clamp, percent, total, window
+TESTS = """from minilib.stats import clamp, percent, total, window
 
 
 def test_clamp_low():
@@ -89,7 +89,7 @@ def test_percent():
 
 def test_window():
     assert window([1, 2, 3]) == [[1, 2], [2, 3]]
-'''
+"""
 
 
 def write_library(root: pathlib.Path, tests: str = TESTS) -> str:
@@ -107,8 +107,9 @@ def mined(tmp_path_factory, state_dir):
     base = tmp_path_factory.mktemp("mine")
     library = write_library(base / "minilib-0.1.0")
     out = str(base / "tasks")
-    report = mine_library(library, out, seed=0, max_tasks=4,
-                          config=dataclasses.replace(SandboxConfig(), state_dir=state_dir))
+    report = mine_library(
+        library, out, seed=0, max_tasks=4, config=dataclasses.replace(SandboxConfig(), state_dir=state_dir)
+    )
     return library, out, report
 
 
@@ -146,8 +147,11 @@ def test_same_seed_same_tasks(mined, tmp_path, capsys):
     assert "minilib 0.1.0:" in captured.err and "kept" in captured.err and "mined" in captured.out
 
     def files(top: str) -> dict[str, bytes]:
-        return {os.path.relpath(os.path.join(d, f), top): open(os.path.join(d, f), "rb").read()
-                for d, _, names in os.walk(top) for f in names}
+        return {
+            os.path.relpath(os.path.join(d, f), top): open(os.path.join(d, f), "rb").read()
+            for d, _, names in os.walk(top)
+            for f in names
+        }
 
     assert files(again) == files(out)
 
@@ -155,15 +159,21 @@ def test_same_seed_same_tasks(mined, tmp_path, capsys):
 def test_mutations_are_minimal_edits():
     source = STATS.encode()
     per_function = file_mutations(source, "minilib/stats.py", "minilib.stats")
-    assert set(per_function) == {"minilib.stats.clamp", "minilib.stats.total", "minilib.stats.window",
-                                 "minilib.stats.percent", "minilib.stats.divide", "minilib.stats.distance"}
+    assert set(per_function) == {
+        "minilib.stats.clamp",
+        "minilib.stats.total",
+        "minilib.stats.window",
+        "minilib.stats.percent",
+        "minilib.stats.divide",
+        "minilib.stats.distance",
+    }
     kinds = {m.kind for ms in per_function.values() for m in ms}
     assert kinds == set(KINDS)
     for mutations in per_function.values():
         for mutation in mutations:
             mutant = mutation.apply(source)
-            assert mutant[:mutation.start] == STATS[:mutation.start]  # ASCII: bytes and characters agree
-            assert mutant.endswith(STATS[mutation.end:])
+            assert mutant[: mutation.start] == STATS[: mutation.start]  # ASCII: bytes and characters agree
+            assert mutant.endswith(STATS[mutation.end :])
 
 
 @pytest.mark.parametrize("case", ["empty-dir", "not-a-tarball", "suite-fails", "missing"])
@@ -176,8 +186,10 @@ def test_bad_input_is_one_clear_error(case, tmp_path, capsys):
         (tmp_path / "lib-1.0.tar.gz").write_text("not gzip\n")
         source, expected = str(tmp_path / "lib-1.0.tar.gz"), "not a readable tarball"
     elif case == "suite-fails":
-        source = write_library(tmp_path / "broken", "from minilib.stats import total\n\n\n"
-                               "def test_total():\n    assert total([1, 2]) == 4\n")
+        source = write_library(
+            tmp_path / "broken",
+            "from minilib.stats import total\n\n\ndef test_total():\n    assert total([1, 2]) == 4\n",
+        )
         expected = "fails on the original source"
     else:
         source, expected = str(tmp_path / "nowhere"), "is not a source distribution"

@@ -36,8 +36,8 @@ class Index:
     def __init__(self, style: str):
         self.style = style
         self.projects: dict[str, dict[str, bytes]] = {}
-        self.hashes: dict[str, str] = {}   # filename -> sha256 the index states (default: the true one)
-        self.links: dict[str, str] = {}    # filename -> href the index gives (default: its own /files/ URL)
+        self.hashes: dict[str, str] = {}  # filename -> sha256 the index states (default: the true one)
+        self.links: dict[str, str] = {}  # filename -> href the index gives (default: its own /files/ URL)
         index = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -76,8 +76,11 @@ class Index:
             digest = self.hashes.get(filename, hashlib.sha256(data).hexdigest())
             files.append((filename, self.links.get(filename, f"../../files/{filename}"), digest))
         if self.style == "json":
-            body = {"meta": {"api-version": "1.1"}, "name": name,
-                    "files": [{"filename": f, "url": u, "hashes": {"sha256": d} if d else {}} for f, u, d in files]}
+            body = {
+                "meta": {"api-version": "1.1"},
+                "name": name,
+                "files": [{"filename": f, "url": u, "hashes": {"sha256": d} if d else {}} for f, u, d in files],
+            }
             return json.dumps(body).encode(), "application/vnd.pypi.simple.v1+json"
         links = "".join(f'<a href="{u}{"#sha256=" + d if d else ""}">{f}</a>\n' for f, u, d in files)
         return f"<!DOCTYPE html><html><body>\n{links}</body></html>".encode(), "text/html"
@@ -94,8 +97,11 @@ def index(request):
     served.close()
 
 
-def tar_gz(members: dict[str, bytes | str], links: dict[str, tuple[bytes, str]] | None = None,
-           after: dict[str, bytes | str] | None = None) -> bytes:
+def tar_gz(
+    members: dict[str, bytes | str],
+    links: dict[str, tuple[bytes, str]] | None = None,
+    after: dict[str, bytes | str] | None = None,
+) -> bytes:
     """A .tar.gz of `members` ({name: content}), then `links` ({name: (tar type, target)}), then `after`."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
@@ -114,8 +120,13 @@ def tar_gz(members: dict[str, bytes | str], links: dict[str, tuple[bytes, str]] 
 
 def library(name: str, version: str, extra: dict[str, str]) -> dict[str, str]:
     """minilib's code and tests (test_tasks_mine) as the sdist `name-version/`, with `extra` files."""
-    files = {"PKG-INFO": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
-             "minilib/__init__.py": "", "minilib/stats.py": STATS, "tests/test_stats.py": TESTS, **extra}
+    files = {
+        "PKG-INFO": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        "minilib/__init__.py": "",
+        "minilib/stats.py": STATS,
+        "tests/test_stats.py": TESTS,
+        **extra,
+    }
     return {f"{name}-{version}/{rel}": content for rel, content in files.items()}
 
 
@@ -123,15 +134,19 @@ def hostile_files(variant: str, canary: str) -> dict[str, str]:
     """What an attacker puts in an sdist so that preparing it, importing it or running its tests writes
     `canary` on the machine that does so."""
     write = f"open({canary!r}, 'a').write('ran\\n')"
-    files = {"tests/conftest.py": f"try:\n    {write}\nexcept OSError:\n    pass\n",   # runs with the tests
-             "minilib/__init__.py": f"try:\n    {write}\nexcept OSError:\n    pass\n"}  # runs on import
+    files = {
+        "tests/conftest.py": f"try:\n    {write}\nexcept OSError:\n    pass\n",  # runs with the tests
+        "minilib/__init__.py": f"try:\n    {write}\nexcept OSError:\n    pass\n",
+    }  # runs on import
     if variant == "setup.py":
         files["setup.py"] = f"{write}\nfrom setuptools import setup\nsetup(name='hostile', version='1.0')\n"
     else:  # a PEP 517 backend of its own, run by whoever prepares the package's metadata
-        files["pyproject.toml"] = ('[build-system]\nrequires = []\nbuild-backend = "evil_backend"\n'
-                                   'backend-path = ["."]\n')
-        files["evil_backend.py"] = (f"{write}\n\ndef get_requires_for_build_wheel(config_settings=None):\n"
-                                    "    return []\n")
+        files["pyproject.toml"] = (
+            '[build-system]\nrequires = []\nbuild-backend = "evil_backend"\nbackend-path = ["."]\n'
+        )
+        files["evil_backend.py"] = (
+            f"{write}\n\ndef get_requires_for_build_wheel(config_settings=None):\n    return []\n"
+        )
     return files
 
 
@@ -143,15 +158,23 @@ def mine_config(state_dir: str) -> SandboxConfig:
 
 
 @pytest.mark.parametrize("index, variant", [("json", "setup.py"), ("html", "build-backend")], indirect=["index"])
-def test_a_package_from_an_index_never_runs_on_the_host_and_still_mines(variant, index, tmp_path, state_dir,
-                                                                       monkeypatch):
+def test_a_package_from_an_index_never_runs_on_the_host_and_still_mines(
+    variant, index, tmp_path, state_dir, monkeypatch
+):
     canary = tmp_path / "canary"
     index.add("hostile", "hostile-1.0.tar.gz", tar_gz(library("hostile", "1.0", hostile_files(variant, str(canary)))))
     monkeypatch.setenv("PIP_INDEX_URL", index.url)  # the index pip (and so codefleet) is configured with
     monkeypatch.setenv("PIP_NO_BUILD_ISOLATION", "0")  # pip then prepares setup.py with the host's setuptools
     try:
-        report = mine_library("hostile==1.0", str(tmp_path / "out"), seed=0, max_tasks=1, check=False,
-                              cache_dir=str(tmp_path / "cache"), config=mine_config(state_dir))
+        report = mine_library(
+            "hostile==1.0",
+            str(tmp_path / "out"),
+            seed=0,
+            max_tasks=1,
+            check=False,
+            cache_dir=str(tmp_path / "cache"),
+            config=mine_config(state_dir),
+        )
     except MineError as e:
         report = e
     assert not canary.exists(), f"the package ran on the host: {canary.read_text()!r}"
@@ -239,8 +262,11 @@ def test_an_archive_bomb_is_refused_at_the_cap_and_leaves_nothing(kind, tmp_path
         data, flags, cap = gzip_bomb("bomb-1.0/x", 64, tarfile.XHDTYPE), ["--max-unpacked-mb", "8"], "8 MiB"
         kind = "tar.gz"
     else:
-        data, flags, cap = zip_bytes({"bomb-1.0/minilib/zeros.bin": bytes(48 << 20)}), ["--max-unpacked-mb", "8"], \
-            "8 MiB"
+        data, flags, cap = (
+            zip_bytes({"bomb-1.0/minilib/zeros.bin": bytes(48 << 20)}),
+            ["--max-unpacked-mb", "8"],
+            "8 MiB",
+        )
     assert len(data) < 1 << 20
     source = tmp_path / f"bomb-1.0.{kind}"
     source.write_bytes(data)
@@ -261,8 +287,20 @@ def test_an_archive_of_too_many_files_is_refused_at_the_cap(tmp_path, private_tm
     assert os.listdir(private_tmp) == []
 
 
-@pytest.mark.parametrize("case", ["dot-dot", "absolute", "absolute-symlink", "climbing-symlink", "symlink-chain",
-                                  "hard-link-out", "device", "fifo", "under-a-symlink"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "dot-dot",
+        "absolute",
+        "absolute-symlink",
+        "climbing-symlink",
+        "symlink-chain",
+        "hard-link-out",
+        "device",
+        "fifo",
+        "under-a-symlink",
+    ],
+)
 def test_an_archive_member_that_leaves_the_tree_is_refused(case, tmp_path, private_tmp, capsys):
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -294,8 +332,12 @@ def test_an_archive_member_that_leaves_the_tree_is_refused(case, tmp_path, priva
     assert mine_cli(str(source), tmp_path) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("codefleet tasks mine: ") and "--out" not in err, err
-    expected = {"device": "device file", "fifo": "device file", "under-a-symlink": "not a directory",
-                "hard-link-out": "outside the tree"}.get(case, "outside the tree")
+    expected = {
+        "device": "device file",
+        "fifo": "device file",
+        "under-a-symlink": "not a directory",
+        "hard-link-out": "outside the tree",
+    }.get(case, "outside the tree")
     assert expected in err, err
     assert os.listdir(outside) == [] and os.listdir(private_tmp) == []
 
@@ -331,8 +373,10 @@ def test_unpacking_keeps_what_is_safe(tmp_path):
             info = tarfile.TarInfo(name)
             info.size, info.mode = len(data), mode
             tar.addfile(info, io.BytesIO(data))
-        for name, kind, target in [("p-1/docs/a.py", tarfile.SYMTYPE, "../a.py"), ("p-1/b.py", tarfile.LNKTYPE,
-                                                                                  "p-1/a.py")]:
+        for name, kind, target in [
+            ("p-1/docs/a.py", tarfile.SYMTYPE, "../a.py"),
+            ("p-1/b.py", tarfile.LNKTYPE, "p-1/a.py"),
+        ]:
             info = tarfile.TarInfo(name)
             info.type, info.linkname = kind, target
             tar.addfile(info)
@@ -341,8 +385,9 @@ def test_unpacking_keeps_what_is_safe(tmp_path):
     dest = tmp_path / "dest"
     unpack_source(str(source), str(dest), UnpackLimits(max_bytes=1 << 20, max_files=10))
     assert os.readlink(dest / "p-1" / "docs" / "a.py") == "../a.py"
-    assert (dest / "p-1" / "b.py").read_bytes() == b"x = 1\n" and not os.path.samefile(dest / "p-1" / "b.py",
-                                                                                        dest / "p-1" / "a.py")
+    assert (dest / "p-1" / "b.py").read_bytes() == b"x = 1\n" and not os.path.samefile(
+        dest / "p-1" / "b.py", dest / "p-1" / "a.py"
+    )
     assert oct((dest / "p-1" / "a.py").stat().st_mode & 0o7777) == oct(0o755)
     assert not (dest / "p-1" / "__pycache__").exists()
     with pytest.raises(UnpackError, match="more than 4 files"):
@@ -352,8 +397,7 @@ def test_unpacking_keeps_what_is_safe(tmp_path):
 def test_a_requirement_that_is_not_on_the_index_is_one_clear_error(index, tmp_path):
     index.add("minilib", "minilib-0.1.0.tar.gz", tar_gz(library("minilib", "0.1.0", {})))
     with pytest.raises(MineError, match="no source distribution .* of minilib==9.9"):
-        mine_library("minilib==9.9", str(tmp_path / "out"), cache_dir=str(tmp_path / "cache"),
-                     index_urls=[index.url])
+        mine_library("minilib==9.9", str(tmp_path / "out"), cache_dir=str(tmp_path / "cache"), index_urls=[index.url])
 
 
 def test_mining_refuses_a_backend_that_does_not_isolate(tmp_path):
@@ -365,6 +409,11 @@ def test_mining_refuses_a_backend_that_does_not_isolate(tmp_path):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(content)
     with pytest.raises(MineError, match="needs a sandbox that isolates"):
-        mine_library(str(folder), str(tmp_path / "out"), max_tasks=1, check=False,
-                     config=SandboxConfig(backend="local", state_dir=str(tmp_path / "state")))
+        mine_library(
+            str(folder),
+            str(tmp_path / "out"),
+            max_tasks=1,
+            check=False,
+            config=SandboxConfig(backend="local", state_dir=str(tmp_path / "state")),
+        )
     assert not canary.exists()

@@ -15,7 +15,7 @@ from codefleet.types import HiddenChecks, Task
 
 pytestmark = pytest.mark.timeout(180)
 
-SLOW_WHEN_BROKEN = '''import subprocess
+SLOW_WHEN_BROKEN = """import subprocess
 
 from slowlib import inc
 
@@ -24,7 +24,7 @@ def test_inc():
     if inc(1) != 2:  # a mutant: its run takes as long as the marker says
         subprocess.run(["sleep", "{marker}"])
     assert inc(1) == 2
-'''
+"""
 
 
 def slow_library(root, marker: str) -> str:
@@ -45,8 +45,9 @@ def assert_ended_like_ctrl_c(proc, err: str, held: dict, state_dir: str) -> None
 
 def test_sigterm_ends_tasks_mine_while_mutants_run(tmp_path, private_state):  # noqa: F811
     marker = unique_sleep()
-    proc = start(private_state, "tasks", "mine", slow_library(tmp_path / "slowlib-1.0", marker), "--out",
-                 str(tmp_path / "out"))
+    proc = start(
+        private_state, "tasks", "mine", slow_library(tmp_path / "slowlib-1.0", marker), "--out", str(tmp_path / "out")
+    )
     out, err, held = interrupt(proc, private_state, signal.SIGTERM, ready=lambda: sleeping(marker))
     assert_ended_like_ctrl_c(proc, err, held, private_state)
     assert not sleeping(marker), "a mutant's test still runs"
@@ -57,14 +58,20 @@ def test_sigterm_ends_tasks_check_while_checks_run(tmp_path, private_state):  # 
     repo = tmp_path / "repo"
     (repo / "slowlib").mkdir(parents=True)
     (repo / "slowlib" / "__init__.py").write_text("def inc(x):\n    return x - 1\n")
-    fix = ("--- a/slowlib/__init__.py\n+++ b/slowlib/__init__.py\n@@ -1,2 +1,2 @@\n def inc(x):\n"
-           "-    return x - 1\n+    return x + 1\n")
+    fix = (
+        "--- a/slowlib/__init__.py\n+++ b/slowlib/__init__.py\n@@ -1,2 +1,2 @@\n def inc(x):\n"
+        "-    return x - 1\n+    return x + 1\n"
+    )
     tests = {"tests/test_inc.py": SLOW_WHEN_BROKEN.format(marker=marker)}
-    task = Task(id="slow", repo=str(repo), instruction="Fix inc.", reference_patch=fix,
-                checks=HiddenChecks("python3 -m pytest -q {tests}", ["tests/test_inc.py::test_inc"], [], tests))
+    task = Task(
+        id="slow",
+        repo=str(repo),
+        instruction="Fix inc.",
+        reference_patch=fix,
+        checks=HiddenChecks("python3 -m pytest -q {tests}", ["tests/test_inc.py::test_inc"], [], tests),
+    )
     save_tasks([task], str(tmp_path / "tasks"))
     proc = start(private_state, "tasks", "check", str(tmp_path / "tasks"))
     out, err, held = interrupt(proc, private_state, signal.SIGTERM, ready=lambda: sleeping(marker))
     assert_ended_like_ctrl_c(proc, err, held, private_state)
     assert not sleeping(marker), "a check's test still runs"
-

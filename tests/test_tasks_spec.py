@@ -24,11 +24,22 @@ PATCH = "--- a/m.py\n+++ b/m.py\n@@ -1 +1 @@\n-x = 1\n+x = 2\n"
 
 
 def _task(repo: str, task_id: str = "demo-1") -> Task:
-    return Task(id=task_id, repo=repo, instruction="Set x to 2.",
-                checks=HiddenChecks(command="python3 -m pytest -q {tests}", fail_to_pass=["tests/test_m.py::test_x"],
-                                    pass_to_pass=["tests/test_m.py::test_y"], files={"tests/test_m.py": "..."}),
-                setup_commands=["true"], test_command="python3 -m pytest -q", budgets=Budgets(max_turns=10),
-                metadata={"family": "demo", "difficulty": 1}, reference_patch=PATCH)
+    return Task(
+        id=task_id,
+        repo=repo,
+        instruction="Set x to 2.",
+        checks=HiddenChecks(
+            command="python3 -m pytest -q {tests}",
+            fail_to_pass=["tests/test_m.py::test_x"],
+            pass_to_pass=["tests/test_m.py::test_y"],
+            files={"tests/test_m.py": "..."},
+        ),
+        setup_commands=["true"],
+        test_command="python3 -m pytest -q",
+        budgets=Budgets(max_turns=10),
+        metadata={"family": "demo", "difficulty": 1},
+        reference_patch=PATCH,
+    )
 
 
 def test_round_trip_through_json(tmp_path):
@@ -38,8 +49,18 @@ def test_round_trip_through_json(tmp_path):
     path = save_task(task, str(tmp_path))
     stored = json.loads(open(path).read())
     assert stored["repo"] == "repo"  # relative to the task file: the directory can move
-    assert list(stored) == ["spec_version", "id", "repo", "instruction", "setup_commands", "test_command", "checks",
-                            "budgets", "metadata", "reference_patch"]
+    assert list(stored) == [
+        "spec_version",
+        "id",
+        "repo",
+        "instruction",
+        "setup_commands",
+        "test_command",
+        "checks",
+        "budgets",
+        "metadata",
+        "reference_patch",
+    ]
     assert stored["spec_version"] == TASK_SPEC_VERSION
     loaded = load_task(path)
     assert loaded == task
@@ -49,15 +70,32 @@ def test_round_trip_through_json(tmp_path):
 def test_every_problem_is_reported_with_its_field():
     data = task_to_dict(_task("/r"))
     data.update(spec_version=99, id="bad id!", instruction="", setup_commands="make", surprise=1)
-    data["checks"] = {"command": "pytest", "fail_to_pass": [], "pass_to_pass": [3], "files": {"../x.py": "a"},
-                      "extra": True}
+    data["checks"] = {
+        "command": "pytest",
+        "fail_to_pass": [],
+        "pass_to_pass": [3],
+        "files": {"../x.py": "a"},
+        "extra": True,
+    }
     data["budgets"] = {"max_turns": 0, "wall_clock_s": "long", "speed": 1}
     data["reference_patch"] = "--- a/f\n+++ b/f\n@@ -1,2 +1,2 @@\n-a\n"
     errors = validate_task_dict(data)
     fields = {e.split(":")[0] for e in errors}
-    assert {"spec_version", "id", "instruction", "setup_commands", "surprise", "checks.command", "checks.fail_to_pass",
-            "checks.pass_to_pass", "checks.extra", "budgets.max_turns", "budgets.wall_clock_s", "budgets.speed",
-            "reference_patch"} <= fields
+    assert {
+        "spec_version",
+        "id",
+        "instruction",
+        "setup_commands",
+        "surprise",
+        "checks.command",
+        "checks.fail_to_pass",
+        "checks.pass_to_pass",
+        "checks.extra",
+        "budgets.max_turns",
+        "budgets.wall_clock_s",
+        "budgets.speed",
+        "reference_patch",
+    } <= fields
     assert any(e.startswith("checks.files['../x.py']") for e in errors)
     assert any("{tests}" in e for e in errors)
     with pytest.raises(TaskSpecError) as info:
@@ -118,12 +156,15 @@ def test_ids_end_where_they_end_and_budgets_are_finite(tmp_path):
     for bad in ("demo-1\n", "demo-1\n\n", "-demo", "a" * 201):
         assert any(e.startswith("id:") for e in validate_task_dict(data | {"id": bad})), bad
     for bad in (float("nan"), float("inf"), -float("inf")):
-        assert [e for e in validate_task_dict(data | {"budgets": {"wall_clock_s": bad}})
-                if e.startswith("budgets.wall_clock_s: must be a positive, finite number")], bad
+        assert [
+            e
+            for e in validate_task_dict(data | {"budgets": {"wall_clock_s": bad}})
+            if e.startswith("budgets.wall_clock_s: must be a positive, finite number")
+        ], bad
     text = json.dumps(data | {"budgets": {"wall_clock_s": float("nan")}})
     assert "NaN" in text  # what json writes, and reads back, for a NaN
     path = tmp_path / "task.json"
     path.write_text(text)
     with pytest.raises(TaskSpecError, match="budgets.wall_clock_s"):
         load_task(str(path))
-    assert validate_task_dict(data | {"budgets": {"wall_clock_s": 1e9, "max_turns": 10 ** 30}}) == []
+    assert validate_task_dict(data | {"budgets": {"wall_clock_s": 1e9, "max_turns": 10**30}}) == []

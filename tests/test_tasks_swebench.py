@@ -24,8 +24,9 @@ NEW_TEST = "from pkg.mod import clamp\n\n\ndef test_inside():\n    assert clamp(
 
 
 def _git(cwd, *args):
-    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,
-                          capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True, capture_output=True, text=True
+    ).stdout.strip()
 
 
 @pytest.fixture
@@ -46,25 +47,32 @@ def fixture(tmp_path):
     _git(checkout, "add", "-A")
     _git(checkout, "commit", "-qm", "later")
 
-    test_patch = make_unified_diff({"tests/test_mod.py": TESTS}, {"tests/test_mod.py": TESTS_AFTER,
-                                                                  "tests/test_new.py": NEW_TEST})
+    test_patch = make_unified_diff(
+        {"tests/test_mod.py": TESTS}, {"tests/test_mod.py": TESTS_AFTER, "tests/test_new.py": NEW_TEST}
+    )
     patch = make_unified_diff({"pkg/mod.py": MOD}, {"pkg/mod.py": MOD_FIXED})
-    good = {"instance_id": "acme__clampy-1", "repo": "acme/clampy", "base_commit": base,
-            "problem_statement": "clamp() ignores the upper bound.", "version": "1.0",
-            "FAIL_TO_PASS": json.dumps(["tests/test_mod.py::test_high"]),
-            "PASS_TO_PASS": ["tests/test_mod.py::test_low", "tests/test_new.py::test_inside"],
-            "test_patch": test_patch, "patch": patch}
+    good = {
+        "instance_id": "acme__clampy-1",
+        "repo": "acme/clampy",
+        "base_commit": base,
+        "problem_statement": "clamp() ignores the upper bound.",
+        "version": "1.0",
+        "FAIL_TO_PASS": json.dumps(["tests/test_mod.py::test_high"]),
+        "PASS_TO_PASS": ["tests/test_mod.py::test_low", "tests/test_new.py::test_inside"],
+        "test_patch": test_patch,
+        "patch": patch,
+    }
     rows = [
-        json.dumps(good),                                                       # 1 good
-        "{not json",                                                            # 2
+        json.dumps(good),  # 1 good
+        "{not json",  # 2
         json.dumps({k: v for k, v in good.items() if k != "base_commit"} | {"instance_id": "b3"}),  # 3
-        json.dumps(good | {"instance_id": "b4", "FAIL_TO_PASS": "tests/x.py::t"}),          # 4
-        json.dumps(good | {"instance_id": "b5", "repo": "acme/elsewhere"}),                 # 5
-        json.dumps(good | {"instance_id": "b6", "base_commit": "0" * 40}),                  # 6
+        json.dumps(good | {"instance_id": "b4", "FAIL_TO_PASS": "tests/x.py::t"}),  # 4
+        json.dumps(good | {"instance_id": "b5", "repo": "acme/elsewhere"}),  # 5
+        json.dumps(good | {"instance_id": "b6", "base_commit": "0" * 40}),  # 6
         json.dumps(good | {"instance_id": "b7", "test_patch": test_patch.replace("test_low", "test_lo")}),  # 7
-        json.dumps(good),                                                       # 8 duplicate
-        "",                                                                     # 9 blank: skipped
-        json.dumps(good | {"instance_id": "b10", "FAIL_TO_PASS": []}),                      # 10
+        json.dumps(good),  # 8 duplicate
+        "",  # 9 blank: skipped
+        json.dumps(good | {"instance_id": "b10", "FAIL_TO_PASS": []}),  # 10
     ]
     jsonl = tmp_path / "rows.jsonl"
     jsonl.write_text("\n".join(rows) + "\n")
@@ -107,9 +115,11 @@ def test_imported_task_is_sound_and_survives_save_load(fixture, tmp_path, config
     assert loaded.repo == os.path.join(out, "acme__clampy-1", "repo.tar")  # stored relative, loaded absolute
     report = check_task(loaded, config, cache_dir=str(tmp_path / "cache"))
     assert report.sound, report.problems
-    assert report.untouched[0].per_test == {"tests/test_mod.py::test_high": False,
-                                            "tests/test_mod.py::test_low": True,
-                                            "tests/test_new.py::test_inside": True}
+    assert report.untouched[0].per_test == {
+        "tests/test_mod.py::test_high": False,
+        "tests/test_mod.py::test_low": True,
+        "tests/test_new.py::test_inside": True,
+    }
 
 
 def test_rows_of_the_wrong_shape_are_row_errors_not_a_crash(fixture, tmp_path):
@@ -118,10 +128,14 @@ def test_rows_of_the_wrong_shape_are_row_errors_not_a_crash(fixture, tmp_path):
         good_line = f.readline()
     good = json.loads(good_line)
     rows = tmp_path / "shapes.jsonl"
-    rows.write_bytes(json.dumps(good | {"instance_id": ["a", "b"]}).encode() + b"\n"   # 1: unhashable id
-                     + json.dumps(good | {"instance_id": "x\n"}).encode() + b"\n"      # 2: id ending in newline
-                     + b'{"instance_id": "caf\xe9"}\n'                                  # 3: Latin-1, not UTF-8
-                     + good_line)                                                      # 4: still loads
+    rows.write_bytes(
+        json.dumps(good | {"instance_id": ["a", "b"]}).encode()
+        + b"\n"  # 1: unhashable id
+        + json.dumps(good | {"instance_id": "x\n"}).encode()
+        + b"\n"  # 2: id ending in newline
+        + b'{"instance_id": "caf\xe9"}\n'  # 3: Latin-1, not UTF-8
+        + good_line
+    )  # 4: still loads
     tasks, errors = load_swebench(str(rows), repos, str(tmp_path / "out"))
     assert [t.id for t in tasks] == ["acme__clampy-1"]
     by_line = {e.line: e.reason for e in errors}
@@ -133,8 +147,10 @@ def test_rows_of_the_wrong_shape_are_row_errors_not_a_crash(fixture, tmp_path):
 
 def test_import_cli_names_a_missing_jsonl(tmp_path, capsys):
     missing = str(tmp_path / "nope.jsonl")
-    assert main(["tasks", "import-swebench", "--jsonl", missing, "--repos", str(tmp_path), "--out",
-                 str(tmp_path / "out")]) == 2
+    assert (
+        main(["tasks", "import-swebench", "--jsonl", missing, "--repos", str(tmp_path), "--out", str(tmp_path / "out")])
+        == 2
+    )
     captured = capsys.readouterr()
     assert captured.out == "" and len(captured.err.splitlines()) == 1
     assert captured.err.startswith(f"codefleet tasks import-swebench: cannot read {missing!r} (No such file")
@@ -146,19 +162,26 @@ def test_a_row_that_names_its_image_runs_in_that_saved_archive(fixture, tmp_path
     images = tmp_path / "images"
     images.mkdir()
     (images / "acme_clampy_1.0.tar").write_bytes(b"an image archive")  # imported when a sandbox is made
-    rows = [good | {"image_name": "acme/clampy:1.0"}, good | {"instance_id": "b2", "docker_image": "acme/other"},
-            good | {"instance_id": "b3"}]
+    rows = [
+        good | {"image_name": "acme/clampy:1.0"},
+        good | {"instance_id": "b2", "docker_image": "acme/other"},
+        good | {"instance_id": "b3"},
+    ]
     jsonl2 = tmp_path / "imaged.jsonl"
     jsonl2.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tasks, errors = load_swebench(str(jsonl2), repos, str(tmp_path / "out"), environment="sha256:abcd",
-                                  images_dir=str(images))
-    assert [(t.id, t.environment) for t in tasks] == [("acme__clampy-1", str(images / "acme_clampy_1.0.tar")),
-                                                      ("b3", "sha256:abcd")]  # no image named: every task's
+    tasks, errors = load_swebench(
+        str(jsonl2), repos, str(tmp_path / "out"), environment="sha256:abcd", images_dir=str(images)
+    )
+    assert [(t.id, t.environment) for t in tasks] == [
+        ("acme__clampy-1", str(images / "acme_clampy_1.0.tar")),
+        ("b3", "sha256:abcd"),
+    ]  # no image named: every task's
     assert [e.line for e in errors] == [2] and "'acme/other' is not saved in" in errors[0].reason
 
 
-@pytest.mark.parametrize("member, says", [("../outside.txt", "outside the tree"),
-                                           ("/etc/codefleet-planted", "outside the tree")])
+@pytest.mark.parametrize(
+    "member, says", [("../outside.txt", "outside the tree"), ("/etc/codefleet-planted", "outside the tree")]
+)
 def test_a_task_repo_tarball_that_leaves_its_tree_is_refused_at_set_up(tmp_path, member, says):
     """A task directory is anyone's: its repository tarball unpacks under the same caps and rules as a mined
     archive, so a member outside the tree is a set-up error naming the task's repo, and nothing lands outside."""

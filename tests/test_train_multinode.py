@@ -62,8 +62,11 @@ SCRIPT = textwrap.dedent("""
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 # CI runs the harder case (a lost node takes an engine with it); the easier one is ~50 s more
-@pytest.mark.parametrize("engines_on_workers", [pytest.param(False, marks=pytest.mark.beyond_ci), True],
-                         ids=["engines-on-head", "an-engine-lost"])
+@pytest.mark.parametrize(
+    "engines_on_workers",
+    [pytest.param(False, marks=pytest.mark.beyond_ci), True],
+    ids=["engines-on-head", "an-engine-lost"],
+)
 def test_training_continues_when_a_worker_node_is_removed(tmp_path, engines_on_workers):
     """With `an-engine-lost`, each worker node holds an engine too: the removed node's engine cannot be placed
     again, so rollouts go to the other and weight broadcasts go on without it; once a new node joins, the engine
@@ -71,7 +74,13 @@ def test_training_continues_when_a_worker_node_is_removed(tmp_path, engines_on_w
     run = str(tmp_path / "run")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
-    out = subprocess.run([sys.executable, "-c", SCRIPT, run, str(int(engines_on_workers))], env=env, capture_output=True, text=True, timeout=1500)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, run, str(int(engines_on_workers))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     log = open(run + ".log").read() if os.path.exists(run + ".log") else ""
     assert out.returncode == 0, out.stderr[-3000:] + log[-3000:]
     status = json.loads(out.stdout.strip().splitlines()[-1])

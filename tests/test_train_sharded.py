@@ -104,22 +104,56 @@ def test_the_run_config_names_a_trainer_backend_and_a_weight_sync_that_exist():
 
 # ---- codefleet train end to end --------------------------------------------------------------
 
-TINY = ["tasks.n_train=3", "tasks.n_eval=1", "tasks.families=[config]", "sft.epochs=1", "sft.batch_size=3",
-        "rl.steps=3", "controller.group_size=2", "controller.batch_groups=1", "controller.rollout_slots=2",
-        "rl.max_tokens=24",
-        "rl.max_turns=2", "eval.max_tokens=24", "eval.attempts=1", "cluster.num_cpus=4", "model.prompt=full",
-        "model.max_seq_len=4096", "rl.loss.kl_coef=0.05", "cluster.trainer_workers=2", "sft.workers=2",
-        "cluster.weight_sync=buckets", "cluster.weight_sync_bucket_mb=1",
-        "controller.eta=0",  # nothing lags: the engine/trainer logprob gap is numerics alone
-        "rl.reward.costs_on=all", "rl.reward.cost_per_s=0.01"]  # unsolved attempts differ too: steps train
+TINY = [
+    "tasks.n_train=3",
+    "tasks.n_eval=1",
+    "tasks.families=[config]",
+    "sft.epochs=1",
+    "sft.batch_size=3",
+    "rl.steps=3",
+    "controller.group_size=2",
+    "controller.batch_groups=1",
+    "controller.rollout_slots=2",
+    "rl.max_tokens=24",
+    "rl.max_turns=2",
+    "eval.max_tokens=24",
+    "eval.attempts=1",
+    "cluster.num_cpus=4",
+    "model.prompt=full",
+    "model.max_seq_len=4096",
+    "rl.loss.kl_coef=0.05",
+    "cluster.trainer_workers=2",
+    "sft.workers=2",
+    "cluster.weight_sync=buckets",
+    "cluster.weight_sync_bucket_mb=1",
+    "controller.eta=0",  # nothing lags: the engine/trainer logprob gap is numerics alone
+    "rl.reward.costs_on=all",
+    "rl.reward.cost_per_s=0.01",
+]  # unsolved attempts differ too: steps train
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
 def _train(out: str, init: str, backend: str, *more: str) -> float:
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "codefleet.cli", "train", "--out", out, "--no-progress",
-                           f"model.init={init}", *TINY, f"cluster.trainer_backend={backend}", *more],
-                          env=ENV, capture_output=True, text=True, timeout=800)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "codefleet.cli",
+            "train",
+            "--out",
+            out,
+            "--no-progress",
+            f"model.init={init}",
+            *TINY,
+            f"cluster.trainer_backend={backend}",
+            *more,
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=800,
+    )
     assert done.returncode == 0, (backend, done.stderr[-3000:])
     return time.perf_counter() - started
 

@@ -74,14 +74,15 @@ def conversation(rng: random.Random, short: bool) -> tuple[list[dict], str, str]
     return (messages[1:] if short else messages), old, new
 
 
-def induction_loss(model: Transformer, batch: int = 16, length: int = 32, alphabet: int = 512
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def induction_loss(
+    model: Transformer, batch: int = 16, length: int = 32, alphabet: int = 512
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy of predicting the repeat of `batch` sequences of `length` random tokens (ids
     16..alphabet-1) from their first occurrence, and the model's router losses."""
     first = torch.randint(16, alphabet, (batch, length))
     tokens = torch.cat([first, first], dim=1)
     out = model(tokens[:, :-1])
-    logits = out.logits_BTV[:, length - 1:]
+    logits = out.logits_BTV[:, length - 1 :]
     ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, length:].reshape(-1))
     return ce, out.aux_loss + out.z_loss
 
@@ -102,16 +103,19 @@ def induction_warmup(model: Transformer, max_steps: int, lr: float) -> int:
 
 def expert_answer(old: str, new: str) -> dict:
     text, calls = rename_step(old, new)
-    return {"role": "assistant", "content": text,
-            "tool_calls": [{"id": f"call_0_{i}", "type": "function",
-                            "function": {"name": name, "arguments": json.dumps(args)}}
-                           for i, (name, args) in enumerate(calls)]}
+    return {
+        "role": "assistant",
+        "content": text,
+        "tool_calls": [
+            {"id": f"call_0_{i}", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+            for i, (name, args) in enumerate(calls)
+        ],
+    }
 
 
 def example(rng: random.Random, tokenizer, short: bool) -> tuple[list[int], list[int]]:
     messages, old, new = conversation(rng, short)
-    return encode_chat_with_mask(tokenizer, messages + [expert_answer(old, new)],
-                                      None if short else tool_schemas())
+    return encode_chat_with_mask(tokenizer, messages + [expert_answer(old, new)], None if short else tool_schemas())
 
 
 def copied_command(text: str) -> str | None:
@@ -132,19 +136,40 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--every", type=int, default=50)
     ap.add_argument("--short", action="store_true", help="instruction only: no system prompt, no tool schemas")
-    ap.add_argument("--induction", type=int, default=0, metavar="N",
-                    help="first train up to N steps on copying repeated random tokens (induction heads)")
-    ap.add_argument("--prev-tokens", type=int, default=CopyConfig.prev_tokens, metavar="K",
-                    help="the model's previous-token embeddings (CopyConfig.prev_tokens; 0 = none, as in the "
-                         "runs before 2026-12-03)")
-    ap.add_argument("--copy-head", action="store_true",
-                    help="the model's pointer-generator output (CopyConfig.head)")
-    ap.add_argument("--copy-scope", choices=["all", "prompt"], default="all",
-                    help="what the copy head may point at (CopyConfig.scope)")
-    ap.add_argument("--copy-match", action="store_true",
-                    help="the copy head also scores where the context repeats the last tokens (CopyConfig.match)")
-    ap.add_argument("--induction-mix", type=float, default=0.0, metavar="W",
-                    help="add W x the induction loss to every probe step (keeps the heads from being overwritten)")
+    ap.add_argument(
+        "--induction",
+        type=int,
+        default=0,
+        metavar="N",
+        help="first train up to N steps on copying repeated random tokens (induction heads)",
+    )
+    ap.add_argument(
+        "--prev-tokens",
+        type=int,
+        default=CopyConfig.prev_tokens,
+        metavar="K",
+        help="the model's previous-token embeddings (CopyConfig.prev_tokens; 0 = none, as in the "
+        "runs before 2026-12-03)",
+    )
+    ap.add_argument("--copy-head", action="store_true", help="the model's pointer-generator output (CopyConfig.head)")
+    ap.add_argument(
+        "--copy-scope",
+        choices=["all", "prompt"],
+        default="all",
+        help="what the copy head may point at (CopyConfig.scope)",
+    )
+    ap.add_argument(
+        "--copy-match",
+        action="store_true",
+        help="the copy head also scores where the context repeats the last tokens (CopyConfig.match)",
+    )
+    ap.add_argument(
+        "--induction-mix",
+        type=float,
+        default=0.0,
+        metavar="W",
+        help="add W x the induction loss to every probe step (keeps the heads from being overwritten)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(2)
     torch.manual_seed(0)
@@ -160,12 +185,12 @@ def main() -> None:
     probes = []
     for _ in range(20):
         messages, old, new = conversation(held_out, args.short)
-        probes.append((encode_chat(tokenizer, messages, None if args.short else tool_schemas()),
-                       rename_command(old, new)))
+        probes.append(
+            (encode_chat(tokenizer, messages, None if args.short else tool_schemas()), rename_command(old, new))
+        )
     # the metric must accept the expert's own answer, decoded as generated text is (until 2026-12-03 it compared
     # the raw command with the JSON-escaped text, which never matched: every earlier "0 of 20" was that)
-    ids, mask = encode_chat_with_mask(tokenizer, [{"role": "user", "content": "x"}, expert_answer("a_b", "c_d")],
-                                           None)
+    ids, mask = encode_chat_with_mask(tokenizer, [{"role": "user", "content": "x"}, expert_answer("a_b", "c_d")], None)
     assert copied_command(tokenizer.decode([t for t, m in zip(ids, mask) if m])) == rename_command("a_b", "c_d")
     started = time.perf_counter()
     for step in range(1, args.steps + 1):
@@ -180,15 +205,18 @@ def main() -> None:
         with Engine(model, tokenizer, max_batch=len(probes)) as engine:
             results = engine.generate([ids for ids, _ in probes], SamplingParams(max_tokens=100, temperature=0))
         model.train()
-        copied = sum(copied_command(tokenizer.decode(r.token_ids)) == command
-                     for r, (_, command) in zip(results, probes))
+        copied = sum(
+            copied_command(tokenizer.decode(r.token_ids)) == command for r, (_, command) in zip(results, probes)
+        )
         kept = ""
         if args.induction or args.induction_mix:
             with torch.no_grad():
                 kept = f", induction ce {induction_loss(model)[0].item():.2f}"
-        print(f"step {step}: assistant ce {metrics['ce']:.3f}, exact commands {copied}/{len(probes)}{kept} "
-              f"({time.perf_counter() - started:.0f} s); e.g. {tokenizer.decode(results[0].token_ids)[:160]!r}",
-              flush=True)
+        print(
+            f"step {step}: assistant ce {metrics['ce']:.3f}, exact commands {copied}/{len(probes)}{kept} "
+            f"({time.perf_counter() - started:.0f} s); e.g. {tokenizer.decode(results[0].token_ids)[:160]!r}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -46,9 +46,14 @@ def first_turn(task, explore: bool, messages: list[dict] | None = None) -> dict:
     """The expert's first assistant message under a habit, as a chat message (`messages`: the task's prompt)."""
     messages = messages or build_messages(task.instruction, task.test_command, prompt="bare")
     out = ScriptedExpert(task, explore=explore).generate(messages, [])
-    return {"role": "assistant", "content": out.text, "tool_calls": [
-        {"id": f"call_0_{i}", "type": "function", "function": {"name": c.name, "arguments": c.raw_arguments}}
-        for i, c in enumerate(out.tool_calls)]}
+    return {
+        "role": "assistant",
+        "content": out.text,
+        "tool_calls": [
+            {"id": f"call_0_{i}", "type": "function", "function": {"name": c.name, "arguments": c.raw_arguments}}
+            for i, c in enumerate(out.tool_calls)
+        ],
+    }
 
 
 def opening_logprob(model, tokenizer, task, explore: bool, n_tokens: int) -> float:
@@ -77,15 +82,19 @@ def main(argv: list[str] | None = None) -> int:
         if task.reference_patch.strip() and ScriptedExpert(task, True).steps != ScriptedExpert(task, False).steps:
             tasks.append(task)
     if not tasks:
-        print(f"habit_probe: no task in {args.tasks} has two habits (a rename, or a task naming its files)",
-              file=sys.stderr)
+        print(
+            f"habit_probe: no task in {args.tasks} has two habits (a rename, or a task naming its files)",
+            file=sys.stderr,
+        )
         return 1
     tokenizer = default_tokenizer()
     for ckpt in args.checkpoints:
         model = checkpoint.load(ckpt).eval()
         p = {t.id: p_explore(model, tokenizer, t, args.tokens) for t in tasks}
-        print(f"{ckpt}: P(explore) {sum(p.values()) / len(p):.3f} over {len(p)} tasks  "
-              + "  ".join(f"{k} {v:.3f}" for k, v in p.items()))
+        print(
+            f"{ckpt}: P(explore) {sum(p.values()) / len(p):.3f} over {len(p)} tasks  "
+            + "  ".join(f"{k} {v:.3f}" for k, v in p.items())
+        )
     return 0
 
 

@@ -40,31 +40,44 @@ COMMANDS = {
     "serve": ("codefleet.inference.serve_cli", "serve a checkpoint behind an OpenAI-compatible API"),
     "train": ("codefleet.recipe.cli", "tasks -> expert demos -> SFT -> asynchronous RL on Ray -> held-out evaluation"),
     "eval": ("codefleet.recipe.cli", "evaluate a checkpoint or an OpenAI-compatible model on a task directory"),
-    "analyze": ("codefleet.analysis.cli", "analyse a run's rollouts with Ray Data: summary.json, judgments.parquet, "
-                "report.html"),
+    "analyze": (
+        "codefleet.analysis.cli",
+        "analyse a run's rollouts with Ray Data: summary.json, judgments.parquet, report.html",
+    ),
     "tasks": ("codefleet.tasks.cli", "coding task sets: generate, check, import"),
-    "export": ("codefleet.model.export_cli", "write a checkpoint as a Hugging Face model directory (transformers, "
-               "vLLM)"),
+    "export": (
+        "codefleet.model.export_cli",
+        "write a checkpoint as a Hugging Face model directory (transformers, vLLM)",
+    ),
     "env": ("codefleet.sandbox.env_cli", "environments (OCI images) sandboxes run in: import, ls, rm, gc"),
-    "chaos": ("codefleet.chaos.cli", "a training run on a local multi-node Ray cluster under injected faults, then "
-              "its invariants"),
+    "chaos": (
+        "codefleet.chaos.cli",
+        "a training run on a local multi-node Ray cluster under injected faults, then its invariants",
+    ),
 }
 
 
 def _sandbox_run(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
-        print("codefleet sandbox run: give the command after `--`, e.g. "
-              "`codefleet sandbox run --repo . -- pytest -q`", file=sys.stderr)
+        print(
+            "codefleet sandbox run: give the command after `--`, e.g. `codefleet sandbox run --repo . -- pytest -q`",
+            file=sys.stderr,
+        )
         return 2
     if args.repo is not None and not os.path.isdir(args.repo):
         problem = "is not a directory" if os.path.exists(args.repo) else "does not exist"
-        print(f"codefleet sandbox run: repository directory {args.repo!r} {problem}; give --repo an "
-              "existing directory (or leave it out for an empty workspace)", file=sys.stderr)
+        print(
+            f"codefleet sandbox run: repository directory {args.repo!r} {problem}; give --repo an "
+            "existing directory (or leave it out for an empty workspace)",
+            file=sys.stderr,
+        )
         return 2
     if not (math.isfinite(args.timeout) and args.timeout > 0):
-        print(f"codefleet sandbox run: --timeout must be a positive number of seconds, got {args.timeout:g}",
-              file=sys.stderr)
+        print(
+            f"codefleet sandbox run: --timeout must be a positive number of seconds, got {args.timeout:g}",
+            file=sys.stderr,
+        )
         return 2
     overrides = list(args.set or [])
     if args.memory_mb is not None:
@@ -98,12 +111,17 @@ def _sandbox_vm_setup(args: argparse.Namespace) -> int:
         print(f"kernel: {vm_image.setup_kernel(args.deb)}", flush=True)
         print(f"initramfs: {vm_image.initramfs()}", flush=True)
         started = time.perf_counter()
-        print(f"environment disk (host userland): {vm_image.environment_disk()} "
-              f"({time.perf_counter() - started:.0f} s)", flush=True)
+        print(
+            f"environment disk (host userland): {vm_image.environment_disk()} ({time.perf_counter() - started:.0f} s)",
+            flush=True,
+        )
         if not args.no_snapshot:
             with create_sandbox(None, SandboxConfig(backend="vm")) as sb:  # boots and saves the default shape
-                print(f"snapshot: ready ({sb.info.limits['accel']}); a sandbox restored from it in "
-                      f"{sb.restore_s * 1000:.0f} ms", flush=True)
+                print(
+                    f"snapshot: ready ({sb.info.limits['accel']}); a sandbox restored from it in "
+                    f"{sb.restore_s * 1000:.0f} ms",
+                    flush=True,
+                )
     except (SandboxError, OSError, subprocess.CalledProcessError) as e:
         print(f"codefleet sandbox vm-setup: {e}", file=sys.stderr)
         return 2
@@ -143,47 +161,79 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="codefleet", description="Train fast coding agents with RL.")
     sub = parser.add_subparsers(dest="group", required=True)
 
-    sandbox = sub.add_parser("sandbox", help="isolated copy-on-write sandboxes",
-                             description="Isolated copy-on-write sandboxes (docs/sandboxes/choosing-a-backend.md).")
+    sandbox = sub.add_parser(
+        "sandbox",
+        help="isolated copy-on-write sandboxes",
+        description="Isolated copy-on-write sandboxes (docs/sandboxes/choosing-a-backend.md).",
+    )
     sandbox_sub = sandbox.add_subparsers(dest="action", required=True)
-    run = sandbox_sub.add_parser("run", help="run one command in a fresh sandbox over a repository",
-                                 description="Run CMD in a fresh sandbox's shell with the workspace (a "
-                                 "copy-on-write view of DIR; DIR itself is never modified) as cwd. Prints the "
-                                 "output and exits with the command's exit code (124 on timeout).")
+    run = sandbox_sub.add_parser(
+        "run",
+        help="run one command in a fresh sandbox over a repository",
+        description="Run CMD in a fresh sandbox's shell with the workspace (a "
+        "copy-on-write view of DIR; DIR itself is never modified) as cwd. Prints the "
+        "output and exits with the command's exit code (124 on timeout).",
+    )
     run.add_argument("--repo", default=None, help="directory to work on (default: an empty workspace)")
     run.add_argument("--timeout", type=float, default=600.0, help="wall-clock limit in seconds (default 600)")
     run.add_argument("--memory-mb", type=int, default=None, help="memory limit in MB")
-    run.add_argument("--backend", choices=["auto", *SANDBOXES.names()], default=None,
-                     help="sandbox backend (default: SandboxConfig's, auto)")
+    run.add_argument(
+        "--backend",
+        choices=["auto", *SANDBOXES.names()],
+        default=None,
+        help="sandbox backend (default: SandboxConfig's, auto)",
+    )
     run.add_argument("--config", default=None, help="YAML file with SandboxConfig fields")
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a SandboxConfig field")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     run.set_defaults(func=_sandbox_run)
-    vm_setup = sandbox_sub.add_parser("vm-setup", help="fetch the guest kernel and build the disks vm sandboxes boot",
-                                      description="Set up the vm backend (docs/sandboxes/vm.md): extract the guest "
-                                      "kernel from Debian's kernel package (downloaded with apt unless --deb names "
-                                      "one), build the initramfs and the host userland's read-only disk, and boot one "
-                                      "VM to save its snapshot. Idempotent.")
+    vm_setup = sandbox_sub.add_parser(
+        "vm-setup",
+        help="fetch the guest kernel and build the disks vm sandboxes boot",
+        description="Set up the vm backend (docs/sandboxes/vm.md): extract the guest "
+        "kernel from Debian's kernel package (downloaded with apt unless --deb names "
+        "one), build the initramfs and the host userland's read-only disk, and boot one "
+        "VM to save its snapshot. Idempotent.",
+    )
     vm_setup.add_argument("--deb", default=None, metavar="FILE", help="a linux-image-*.deb to take the kernel from")
     vm_setup.add_argument("--no-snapshot", action="store_true", help="build the files only; boot nothing")
     vm_setup.set_defaults(func=_sandbox_vm_setup)
 
-    bench = sub.add_parser("bench", help="benchmarks (a table, then one JSON object)",
-                           description="Run a benchmark; it prints a table, then one JSON object (docs/benchmarks.md).")
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks (a table, then one JSON object)",
+        description="Run a benchmark; it prints a table, then one JSON object (docs/benchmarks.md).",
+    )
     bench.add_argument("what", choices=sorted(_BENCHES))
     bench.add_argument("--quick", action="store_true", help="a smaller run (10-90 s, by benchmark and machine load)")
     bench.add_argument("--json", action="store_true", help="print only the JSON object")
-    bench.add_argument("--backend", choices=["auto", *SANDBOXES.names(), "both"], default="auto",
-                       help="sandbox backend (bench sandbox only; both: namespace and vm)")
-    bench.add_argument("--checkpoint", metavar="DIR", default=None,
-                       help="Hugging Face model directory that codefleet's engine and transformers' generate() "
-                       "both run (bench engine only; default: a tiny random Qwen3-MoE built with transformers)")
-    bench.add_argument("--shape", choices=["tiny", "qwen3-0.6b", "moe-1b"], default=None,
-                       help="random model that bench engine builds without --checkpoint: tiny (default), a dense "
-                       "Qwen3 of Qwen3-0.6B's shape, or a ~1B-total Qwen3-MoE (fewer tokens at these two); bench "
-                       "gpucheck: moe-1b (default on cuda) or tiny (default on cpu)")
-    bench.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                       help="bench gpucheck only: the GPU (scripts/gpu_check.sh), or its code path on CPU")
+    bench.add_argument(
+        "--backend",
+        choices=["auto", *SANDBOXES.names(), "both"],
+        default="auto",
+        help="sandbox backend (bench sandbox only; both: namespace and vm)",
+    )
+    bench.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        default=None,
+        help="Hugging Face model directory that codefleet's engine and transformers' generate() "
+        "both run (bench engine only; default: a tiny random Qwen3-MoE built with transformers)",
+    )
+    bench.add_argument(
+        "--shape",
+        choices=["tiny", "qwen3-0.6b", "moe-1b"],
+        default=None,
+        help="random model that bench engine builds without --checkpoint: tiny (default), a dense "
+        "Qwen3 of Qwen3-0.6B's shape, or a ~1B-total Qwen3-MoE (fewer tokens at these two); bench "
+        "gpucheck: moe-1b (default on cuda) or tiny (default on cpu)",
+    )
+    bench.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="bench gpucheck only: the GPU (scripts/gpu_check.sh), or its code path on CPU",
+    )
     bench.set_defaults(func=_bench)
 
     chosen = next((a for a in argv if not a.startswith("-")), None)

@@ -108,8 +108,11 @@ def _unknown_key(name: str, where: str, fields: list[str], root: type | None) ->
         everywhere = dotted_keys(root)
         close = [k for k in everywhere if k.rsplit(".", 1)[-1] == name]
         close = close or difflib.get_close_matches(prefix + name, everywhere, n=3)
-    hint = (f"did you mean {' or '.join(close)}?" if close
-            else f"the keys {'of ' + where if where else 'here'} are {', '.join(sorted(fields))}")
+    hint = (
+        f"did you mean {' or '.join(close)}?"
+        if close
+        else f"the keys {'of ' + where if where else 'here'} are {', '.join(sorted(fields))}"
+    )
     return ConfigError(f"unknown config key {prefix + name!r}: {hint}")
 
 
@@ -159,8 +162,9 @@ def read_config(path: str | None = None, overrides: list[str] | None = None) -> 
         try:
             value = yaml.safe_load(raw) if raw else ""
         except yaml.YAMLError:
-            raise ConfigError(f"override {item!r}: {raw!r} is not a YAML value; quote it, e.g. "
-                              f"{key.strip()}='\"{raw}\"'") from None
+            raise ConfigError(
+                f"override {item!r}: {raw!r} is not a YAML value; quote it, e.g. {key.strip()}='\"{raw}\"'"
+            ) from None
         _set_path(data, key.strip(), value)
     return data
 

@@ -58,9 +58,11 @@ class Registry(Generic[T]):
             return self._entries[name]
         if name in self._builtins:
             if name in self.plugins():
-                raise ValueError(f"{self.kind} {name!r} is built into codefleet and also declared by the package "
-                                 f"{_dist(self.plugins()[name])}; uninstall that package or give its backend "
-                                 "another name")
+                raise ValueError(
+                    f"{self.kind} {name!r} is built into codefleet and also declared by the package "
+                    f"{_dist(self.plugins()[name])}; uninstall that package or give its backend "
+                    "another name"
+                )
             module, _, attribute = self._builtins[name].partition(":")
             entry = getattr(importlib.import_module(module), attribute)
         elif name in self.plugins():
@@ -68,8 +70,10 @@ class Registry(Generic[T]):
             try:
                 entry = point.load()
             except (ImportError, AttributeError) as e:
-                raise ImportError(f"{self.kind} {name!r} (entry point {point.value!r} of the package "
-                                  f"{_dist(point)}) could not be loaded: {e}; reinstall that package") from e
+                raise ImportError(
+                    f"{self.kind} {name!r} (entry point {point.value!r} of the package "
+                    f"{_dist(point)}) could not be loaded: {e}; reinstall that package"
+                ) from e
         else:
             raise ValueError(f"unknown {self.kind} {name!r}; known: {', '.join(self.names())}")
         self._entries[name] = entry
@@ -237,23 +241,32 @@ class TaskSource(Protocol):
 # declares, as class attributes: `isolated` (commands cannot reach the host's files, processes or network),
 # `environments` (it runs an image's userland, SandboxConfig.environment), `host_binds` (it can bind host paths,
 # SandboxConfig.ro_binds, e.g. a virtual environment).
-SANDBOXES: Registry[Any] = Registry("sandbox backend", "codefleet.sandboxes", {
-    "namespace": "codefleet.sandbox.namespace:NamespaceSandbox",
-    "vm": "codefleet.sandbox.vm:VMSandbox",
-    "local": "codefleet.sandbox.local:LocalSandbox",
-})
+SANDBOXES: Registry[Any] = Registry(
+    "sandbox backend",
+    "codefleet.sandboxes",
+    {
+        "namespace": "codefleet.sandbox.namespace:NamespaceSandbox",
+        "vm": "codefleet.sandbox.vm:VMSandbox",
+        "local": "codefleet.sandbox.local:LocalSandbox",
+    },
+)
 # name -> an Engine class with `Backend.load(checkpoint_dir, max_batch=..., max_seq_len=..., **options) -> Engine`.
 # It declares: `tool_grammar` (it samples only tool calls that fit their schemas, SamplingParams.tools), `gpu` (it
 # can run on a GPU), `serve_options` (the `load` options for serving and agent runs, which need no routed experts),
 # `omp_threads_from_env` (each thread that steps it takes its OpenMP thread count from OMP_NUM_THREADS).
-ENGINES: Registry[Any] = Registry("engine backend", "codefleet.engines", {
-    "codefleet": "codefleet.inference.engine:Engine",
-    "vllm": "codefleet.inference.vllm_engine:VLLMEngine",
-})
+ENGINES: Registry[Any] = Registry(
+    "engine backend",
+    "codefleet.engines",
+    {"codefleet": "codefleet.inference.engine:Engine", "vllm": "codefleet.inference.vllm_engine:VLLMEngine"},
+)
 # name -> a Trainer class with `Trainer(model, config, device=...)` and `Trainer.load(path, config, device=...)`. It
 # declares `sharded` (every rank holds a shard: all ranks build, save and load it together).
-TRAINERS: Registry[Any] = Registry("trainer backend", "codefleet.trainers", {
-    "dp": "codefleet.rl.trainer:Trainer",
-    "fsdp2": "codefleet.rl.sharded:ShardedTrainer",
-    "fsdp2_ep": "codefleet.rl.sharded:ExpertParallelTrainer",
-})
+TRAINERS: Registry[Any] = Registry(
+    "trainer backend",
+    "codefleet.trainers",
+    {
+        "dp": "codefleet.rl.trainer:Trainer",
+        "fsdp2": "codefleet.rl.sharded:ShardedTrainer",
+        "fsdp2_ep": "codefleet.rl.sharded:ExpertParallelTrainer",
+    },
+)

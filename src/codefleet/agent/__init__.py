@@ -21,5 +21,15 @@ from codefleet.agent.tools import TOOL_SPECS, Toolbox, ToolConfig, tool_schemas
 from codefleet.contracts import Policy
 from codefleet.types import PolicyOutput
 
-__all__ = ["AgentLoop", "Policy", "PolicyError", "PolicyOutput", "TOOL_SPECS", "ToolConfig", "Toolbox",
-           "build_messages", "parse_tool_call", "tool_schemas"]
+__all__ = [
+    "AgentLoop",
+    "Policy",
+    "PolicyError",
+    "PolicyOutput",
+    "TOOL_SPECS",
+    "ToolConfig",
+    "Toolbox",
+    "build_messages",
+    "parse_tool_call",
+    "tool_schemas",
+]

@@ -41,11 +41,20 @@ class Attempt:
     test_output: str = ""
 
 
-def run_attempts(sandboxes: list[Sandbox], instruction: str, policy: Policy, *, planner: Policy | None = None,
-                 test_command: str = "", budgets: Budgets | None = None, tool_config: ToolConfig | None = None,
-                 on_event: Callable[[int, Event], None] | None = None,
-                 on_loop: Callable[[AgentLoop], None] | None = None,
-                 on_interrupt: Callable[[], None] | None = None, prompt: str = "full") -> list[Attempt]:
+def run_attempts(
+    sandboxes: list[Sandbox],
+    instruction: str,
+    policy: Policy,
+    *,
+    planner: Policy | None = None,
+    test_command: str = "",
+    budgets: Budgets | None = None,
+    tool_config: ToolConfig | None = None,
+    on_event: Callable[[int, Event], None] | None = None,
+    on_loop: Callable[[AgentLoop], None] | None = None,
+    on_interrupt: Callable[[], None] | None = None,
+    prompt: str = "full",
+) -> list[Attempt]:
     """One attempt per sandbox (each already holding a workspace.snapshot()), all at once, each in the
     prompt style `prompt` (agent.prompts). The test command gets what is left of the wall-clock budget
     (at least 1 s, at most 600 s).
@@ -67,9 +76,19 @@ def run_attempts(sandboxes: list[Sandbox], instruction: str, policy: Policy, *, 
 
     def attempt(index: int, sandbox: Sandbox) -> Attempt:
         sink = (lambda event: on_event(index, event)) if on_event else None
-        trajectory = solve(sandbox, instruction, policy, planner=planner, test_command=test_command,
-                           budgets=budgets, tool_config=tool_config, on_event=sink, on_loop=keep,
-                           task_id=f"attempt-{index}", prompt=prompt)
+        trajectory = solve(
+            sandbox,
+            instruction,
+            policy,
+            planner=planner,
+            test_command=test_command,
+            budgets=budgets,
+            tool_config=tool_config,
+            on_event=sink,
+            on_loop=keep,
+            task_id=f"attempt-{index}",
+            prompt=prompt,
+        )
         trajectory.metadata["attempt"] = index
         try:
             diff = workspace.diff(sandbox)
@@ -123,13 +142,28 @@ def run_attempts(sandboxes: list[Sandbox], instruction: str, policy: Policy, *, 
 
 def best_attempt(attempts: list[Attempt]) -> Attempt:
     """The attempt to keep for a user's repository (see the module docstring)."""
-    return max(attempts, key=lambda a: (a.tests_passed is True, a.trajectory.stop_reason == "submit",
-                                        bool(a.diff.strip()), -a.trajectory.n_turns, -a.trajectory.wall_s))
+    return max(
+        attempts,
+        key=lambda a: (
+            a.tests_passed is True,
+            a.trajectory.stop_reason == "submit",
+            bool(a.diff.strip()),
+            -a.trajectory.n_turns,
+            -a.trajectory.wall_s,
+        ),
+    )
 
 
-def run_task_attempts(task: Task, policy: Policy, n: int, sandbox_config: SandboxConfig | None = None, *,
-                      planner: Policy | None = None, config: EpisodeConfig | None = None,
-                      exact_tokens: bool = False) -> list[Trajectory]:
+def run_task_attempts(
+    task: Task,
+    policy: Policy,
+    n: int,
+    sandbox_config: SandboxConfig | None = None,
+    *,
+    planner: Policy | None = None,
+    config: EpisodeConfig | None = None,
+    exact_tokens: bool = False,
+) -> list[Trajectory]:
     """n scored episodes of `task` in sandboxes forked from one prepared sandbox; in attempt order,
     each with metadata["attempt"]. Pick the best with `best_trajectory`. With `exact_tokens`, each
     episode runs on `policy.for_episode()` (a local engine's token-in/token-out view, as in RL's
@@ -146,10 +180,17 @@ def run_task_attempts(task: Task, policy: Policy, n: int, sandbox_config: Sandbo
     def attempt(index: int, sandbox: Sandbox) -> Trajectory:
         try:
             episode_policy = policy.for_episode() if exact_tokens else policy
-            trajectory = solve(sandbox, task.instruction, episode_policy, planner=planner,
-                               test_command=task.test_command,
-                               budgets=config.budgets or task.budgets, tool_config=config.tools, task_id=task.id,
-                               prompt=config.prompt)
+            trajectory = solve(
+                sandbox,
+                task.instruction,
+                episode_policy,
+                planner=planner,
+                test_command=task.test_command,
+                budgets=config.budgets or task.budgets,
+                tool_config=config.tools,
+                task_id=task.id,
+                prompt=config.prompt,
+            )
             trajectory.metadata["attempt"] = index
             return score(trajectory, sandbox, task, config.reward)
         finally:

@@ -41,10 +41,20 @@ class EpisodeConfig:
     prompt: str = "full"
 
 
-def solve(sandbox: Sandbox, instruction: str, policy: Policy, *, planner: Policy | None = None,
-          test_command: str = "", budgets: Budgets | None = None, tool_config: ToolConfig | None = None,
-          on_event: EventSink | None = None, on_loop: Callable[[AgentLoop], None] | None = None,
-          task_id: str = "", prompt: str = "full") -> Trajectory:
+def solve(
+    sandbox: Sandbox,
+    instruction: str,
+    policy: Policy,
+    *,
+    planner: Policy | None = None,
+    test_command: str = "",
+    budgets: Budgets | None = None,
+    tool_config: ToolConfig | None = None,
+    on_event: EventSink | None = None,
+    on_loop: Callable[[AgentLoop], None] | None = None,
+    task_id: str = "",
+    prompt: str = "full",
+) -> Trajectory:
     """Plan (if a planner is given) and run the agent loop in `sandbox`. `on_loop` receives the loop
     before it starts, e.g. to keep a handle for `inject()`."""
     started = time.perf_counter()
@@ -60,11 +70,21 @@ def solve(sandbox: Sandbox, instruction: str, policy: Policy, *, planner: Policy
         except Exception as e:  # the planner's endpoint failed: no episode without the plan asked for
             error = f"planner failed: {type(e).__name__}: {e}"
             on_event({"event": "model_error", "turn": -1, "error": error})
-            return Trajectory(task_id, build_messages(instruction, test_command, prompt=prompt), [], "error",
-                              wall_s=time.perf_counter() - started, metadata={**metadata, "error": error})
+            return Trajectory(
+                task_id,
+                build_messages(instruction, test_command, prompt=prompt),
+                [],
+                "error",
+                wall_s=time.perf_counter() - started,
+                metadata={**metadata, "error": error},
+            )
         plan_text, plan_s = plan.text, plan.model_s
-        metadata.update(planner=plan.planner, plan=plan.text, planner_model_s=round(plan.model_s, 3),
-                        planner_tokens=plan.prompt_tokens + plan.completion_tokens)
+        metadata.update(
+            planner=plan.planner,
+            plan=plan.text,
+            planner_model_s=round(plan.model_s, 3),
+            planner_tokens=plan.prompt_tokens + plan.completion_tokens,
+        )
         on_event({"event": "plan", "text": plan.text, "model_s": plan.model_s})
     trajectory = loop.run(build_messages(instruction, test_command, plan_text, prompt), task_id)
     trajectory.model_s += plan_s
@@ -91,17 +111,34 @@ def score(trajectory: Trajectory, sandbox: Sandbox, task: Task, reward: RewardCo
     return trajectory
 
 
-def run_episode(task: Task, policy: Policy, sandbox_config: SandboxConfig | None = None, *,
-                planner: Policy | None = None, config: EpisodeConfig | None = None,
-                on_event: EventSink | None = None, on_loop: Callable[[AgentLoop], None] | None = None) -> Trajectory:
+def run_episode(
+    task: Task,
+    policy: Policy,
+    sandbox_config: SandboxConfig | None = None,
+    *,
+    planner: Policy | None = None,
+    config: EpisodeConfig | None = None,
+    on_event: EventSink | None = None,
+    on_loop: Callable[[AgentLoop], None] | None = None,
+) -> Trajectory:
     """Run `policy` on `task` in a fresh sandbox and score it; the sandbox is closed afterwards."""
 
     config = config or EpisodeConfig()
     sandbox = prepare_sandbox(task, sandbox_config)
     try:
-        trajectory = solve(sandbox, task.instruction, policy, planner=planner, test_command=task.test_command,
-                           budgets=config.budgets or task.budgets, tool_config=config.tools, on_event=on_event,
-                           on_loop=on_loop, task_id=task.id, prompt=config.prompt)
+        trajectory = solve(
+            sandbox,
+            task.instruction,
+            policy,
+            planner=planner,
+            test_command=task.test_command,
+            budgets=config.budgets or task.budgets,
+            tool_config=config.tools,
+            on_event=on_event,
+            on_loop=on_loop,
+            task_id=task.id,
+            prompt=config.prompt,
+        )
         return score(trajectory, sandbox, task, config.reward)
     finally:
         sandbox.close()

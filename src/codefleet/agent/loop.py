@@ -43,8 +43,15 @@ EventSink = Callable[[Event], None]
 
 
 class AgentLoop:
-    def __init__(self, policy: Policy, sandbox: Sandbox, budgets: Budgets | None = None,
-                 tool_config: ToolConfig | None = None, on_event: EventSink | None = None, show_tools: bool = True):
+    def __init__(
+        self,
+        policy: Policy,
+        sandbox: Sandbox,
+        budgets: Budgets | None = None,
+        tool_config: ToolConfig | None = None,
+        on_event: EventSink | None = None,
+        show_tools: bool = True,
+    ):
         self.policy = policy
         self.toolbox = Toolbox(sandbox, tool_config)
         self.budgets = budgets or Budgets()
@@ -86,17 +93,39 @@ class AgentLoop:
                 stop_reason = "no_tool_calls"
             else:
                 stop_reason = self._act(turn, messages, turns, started)
-            self.on_event({"event": "turn", "turn": turn.index, "tool_calls": [c.name for c in turn.tool_calls],
-                           "model_s": turn.model_s, "tool_s": turn.tool_s, "errors": turn.errors,
-                           "tokens": turn.prompt_tokens + turn.completion_tokens, "text": turn.text})
-        trajectory = Trajectory(task_id=task_id, messages=messages, turns=turns, stop_reason=stop_reason,
-                                wall_s=time.perf_counter() - started, model_s=sum(t.model_s for t in turns),
-                                tool_s=sum(t.tool_s for t in turns))
+            self.on_event(
+                {
+                    "event": "turn",
+                    "turn": turn.index,
+                    "tool_calls": [c.name for c in turn.tool_calls],
+                    "model_s": turn.model_s,
+                    "tool_s": turn.tool_s,
+                    "errors": turn.errors,
+                    "tokens": turn.prompt_tokens + turn.completion_tokens,
+                    "text": turn.text,
+                }
+            )
+        trajectory = Trajectory(
+            task_id=task_id,
+            messages=messages,
+            turns=turns,
+            stop_reason=stop_reason,
+            wall_s=time.perf_counter() - started,
+            model_s=sum(t.model_s for t in turns),
+            tool_s=sum(t.tool_s for t in turns),
+        )
         if error:
             trajectory.metadata["error"] = error
             trajectory.failure = failure if stop_reason == "error" else None
-        self.on_event({"event": "stop", "stop_reason": stop_reason, "turns": len(turns),
-                       "wall_s": trajectory.wall_s, "error": error})
+        self.on_event(
+            {
+                "event": "stop",
+                "stop_reason": stop_reason,
+                "turns": len(turns),
+                "wall_s": trajectory.wall_s,
+                "error": error,
+            }
+        )
         return trajectory
 
     # -- one turn -----------------------------------------------------------------------
@@ -133,10 +162,18 @@ class AgentLoop:
                 call = replace(call, id=f"call_{index}_{i}")
             seen.add(call.id)
             calls.append(call)
-        return Turn(index=index, text=output.text or "", tool_calls=calls, model_s=model_s,
-                    prompt_tokens=output.prompt_tokens, completion_tokens=output.completion_tokens,
-                    token_ids=output.token_ids, logprobs=output.logprobs,
-                    policy_versions=output.policy_versions, routed_experts=output.routed_experts)
+        return Turn(
+            index=index,
+            text=output.text or "",
+            tool_calls=calls,
+            model_s=model_s,
+            prompt_tokens=output.prompt_tokens,
+            completion_tokens=output.completion_tokens,
+            token_ids=output.token_ids,
+            logprobs=output.logprobs,
+            policy_versions=output.policy_versions,
+            routed_experts=output.routed_experts,
+        )
 
     def _act(self, turn: Turn, messages: list[dict], turns: list[Turn], started: float) -> str:
         """Execute the turn's tool calls, append their results; the stop reason, if this turn ends the episode."""
@@ -147,10 +184,17 @@ class AgentLoop:
         tools_started = time.perf_counter()
         results = execute_calls(self.toolbox, calls, max_timeout_s=max(left_s, 1.0))
         turn.tool_s = time.perf_counter() - tools_started
-        results += [ToolResult(c.id, c.name, f"error: not run — the episode's budget of "
-                               f"{self.budgets.max_tool_calls} tool calls is used up", False) for c in refused]
+        results += [
+            ToolResult(
+                c.id,
+                c.name,
+                f"error: not run — the episode's budget of {self.budgets.max_tool_calls} tool calls is used up",
+                False,
+            )
+            for c in refused
+        ]
         turn.tool_results = results
-        turn.errors = [f"{r.name}: {r.output[len('error: '):]}" for r in results if r.output.startswith("error: ")]
+        turn.errors = [f"{r.name}: {r.output[len('error: ') :]}" for r in results if r.output.startswith("error: ")]
         for result in results:
             messages.append({"role": "tool", "tool_call_id": result.call_id, "content": result.output})
         if any(r.name == "submit" and r.ok for r in results):

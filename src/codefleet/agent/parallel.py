@@ -49,8 +49,9 @@ def execute_calls(toolbox: Toolbox, calls: list[ToolCall], max_timeout_s: float 
 
     def work(indices: list[int]) -> None:
         for i in indices:
-            results[i] = toolbox.execute(calls[i], parallel=parallel_runs, shell_state=state,
-                                         max_timeout_s=max_timeout_s)
+            results[i] = toolbox.execute(
+                calls[i], parallel=parallel_runs, shell_state=state, max_timeout_s=max_timeout_s
+            )
 
     if len(chains) <= 1:
         for indices in chains.values():

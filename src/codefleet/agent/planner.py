@@ -31,5 +31,10 @@ def make_plan(planner: Policy, instruction: str, sandbox: Sandbox, test_command:
     listing = Toolbox(sandbox).execute(ToolCall("plan_listing", "list_dir", "{}", {})).output
     started = time.perf_counter()
     output = planner.generate(planner_messages(instruction, listing, test_command), [])
-    return Plan(output.text.strip(), time.perf_counter() - started, output.prompt_tokens,
-                output.completion_tokens, getattr(planner, "name", ""))
+    return Plan(
+        output.text.strip(),
+        time.perf_counter() - started,
+        output.prompt_tokens,
+        output.completion_tokens,
+        getattr(planner, "name", ""),
+    )

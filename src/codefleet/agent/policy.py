@@ -42,11 +42,17 @@ def parse_tool_call(call_id: str, name: str, raw_arguments: str | dict | None) -
     try:
         value = json.loads(raw)
     except json.JSONDecodeError as e:
-        return ToolCall(call_id, name, raw, error=f"the arguments of {name!r} are not valid JSON ({e.msg} at "
-                        f"character {e.pos}); send one JSON object, e.g. {{\"path\": \"src/app.py\"}}")
+        return ToolCall(
+            call_id,
+            name,
+            raw,
+            error=f"the arguments of {name!r} are not valid JSON ({e.msg} at "
+            f'character {e.pos}); send one JSON object, e.g. {{"path": "src/app.py"}}',
+        )
     if not isinstance(value, dict):
-        return ToolCall(call_id, name, raw, error=f"the arguments of {name!r} must be a JSON object, got "
-                        f"{type(value).__name__}")
+        return ToolCall(
+            call_id, name, raw, error=f"the arguments of {name!r} must be a JSON object, got {type(value).__name__}"
+        )
     return ToolCall(call_id, name, raw, arguments=value)
 
 

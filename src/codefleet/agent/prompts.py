@@ -15,8 +15,15 @@ from __future__ import annotations
 
 from codefleet.chat.codefleet_template import PROMPTS, check_prompt
 
-__all__ = ["PROMPTS", "check_prompt", "SYSTEM_PROMPT", "PLANNER_PROMPT", "build_messages", "task_message",
-           "plan_message"]
+__all__ = [
+    "PROMPTS",
+    "check_prompt",
+    "SYSTEM_PROMPT",
+    "PLANNER_PROMPT",
+    "build_messages",
+    "task_message",
+    "plan_message",
+]
 
 SYSTEM_PROMPT = """\
 You are a fast, careful coding agent. You work in a sandboxed copy of a software repository; your \

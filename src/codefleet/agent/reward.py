@@ -72,8 +72,12 @@ def reward_parts(trajectory: Trajectory, config: RewardConfig | None = None) -> 
     subtracted); the reward is their difference. Kept in a rollout's metadata for the analysis."""
     config = config or RewardConfig()
     base = _base(trajectory, config)
-    costs = (config.cost_per_turn * trajectory.n_turns + config.cost_per_s * trajectory.wall_s
-             + config.cost_per_token * trajectory.tokens + config.cost_per_tool_error * tool_errors(trajectory))
+    costs = (
+        config.cost_per_turn * trajectory.n_turns
+        + config.cost_per_s * trajectory.wall_s
+        + config.cost_per_token * trajectory.tokens
+        + config.cost_per_tool_error * tool_errors(trajectory)
+    )
     return {"reward.correctness": base, "reward.costs": base * costs if config.costs_on == "solved" else costs}
 
 
@@ -93,7 +97,13 @@ def tool_errors(trajectory: Trajectory) -> int:
 
 def efficiency(trajectory: Trajectory) -> dict[str, float | int]:
     """The speed figures of an episode, for logs, reports and the reward."""
-    return {"turns": trajectory.n_turns, "tool_calls": trajectory.n_tool_calls,
-            "tool_calls_per_turn": round(trajectory.tool_calls_per_turn, 3),
-            "wall_s": round(trajectory.wall_s, 3), "model_s": round(trajectory.model_s, 3),
-            "tool_s": round(trajectory.tool_s, 3), "tokens": trajectory.tokens, "tool_errors": tool_errors(trajectory)}
+    return {
+        "turns": trajectory.n_turns,
+        "tool_calls": trajectory.n_tool_calls,
+        "tool_calls_per_turn": round(trajectory.tool_calls_per_turn, 3),
+        "wall_s": round(trajectory.wall_s, 3),
+        "model_s": round(trajectory.model_s, 3),
+        "tool_s": round(trajectory.tool_s, 3),
+        "tokens": trajectory.tokens,
+        "tool_errors": tool_errors(trajectory),
+    }

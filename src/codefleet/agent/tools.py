@@ -61,42 +61,84 @@ class ToolSpec:
     def schema(self) -> dict:
         """The OpenAI function-calling schema of this tool."""
         properties = {k: {"type": p.type, "description": p.description} for k, p in self.params.items()}
-        return {"type": "function", "function": {
-            "name": self.name, "description": self.description,
-            "parameters": {"type": "object", "properties": properties,
-                           "required": [k for k, p in self.params.items() if p.required],
-                           "additionalProperties": False}}}
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": {
+                    "type": "object",
+                    "properties": properties,
+                    "required": [k for k, p in self.params.items() if p.required],
+                    "additionalProperties": False,
+                },
+            },
+        }
 
 
 _PATH = "Path relative to the repository root (the workspace)."
-TOOL_SPECS: dict[str, ToolSpec] = {s.name: s for s in [
-    ToolSpec("search", "Search file contents for a regular expression (grep -E syntax), recursively. Returns "
-             "matching lines as path:line:text.",
-             {"pattern": Param("string", "Extended regular expression to look for.", True),
-              "path": Param("string", "File or directory to search in (default: the whole repository).")}),
-    ToolSpec("read_file", "Read a text file. Each line is prefixed with its number and a tab (the prefix is not "
-             "part of the file). Use start_line/end_line for long files.",
-             {"path": Param("string", _PATH, True),
-              "start_line": Param("integer", "First line to read, 1-based (default 1)."),
-              "end_line": Param("integer", "Last line to read, inclusive (default: the end).")}),
-    ToolSpec("edit_file", "Replace exactly one occurrence of old_text with new_text in a file. old_text must "
-             "match the file exactly (whitespace included) and occur exactly once; include surrounding lines to "
-             "make it unique.",
-             {"path": Param("string", _PATH, True),
-              "old_text": Param("string", "The exact text to replace (without line-number prefixes).", True),
-              "new_text": Param("string", "The text to put in its place.", True)}),
-    ToolSpec("write_file", "Create a file, or replace its whole content. Parent directories are created.",
-             {"path": Param("string", _PATH, True),
-              "content": Param("string", "The complete new content of the file.", True)}),
-    ToolSpec("list_dir", "List a directory and its subdirectories one level down (.git and caches skipped).",
-             {"path": Param("string", "Directory to list (default: the repository root).")}),
-    ToolSpec("run", "Run a bash command in the repository (a persistent shell: cd and export persist). "
-             "Returns its output and exit code. Several run calls in one turn run in parallel.",
-             {"command": Param("string", "The bash command line.", True),
-              "timeout": Param("number", "Seconds before the command is killed (default 120).")}),
-    ToolSpec("submit", "Finish: call this when the task is done. Your changes to the files are the result.",
-             {"summary": Param("string", "A short summary of what you changed and why.")}),
-]}
+TOOL_SPECS: dict[str, ToolSpec] = {
+    s.name: s
+    for s in [
+        ToolSpec(
+            "search",
+            "Search file contents for a regular expression (grep -E syntax), recursively. Returns "
+            "matching lines as path:line:text.",
+            {
+                "pattern": Param("string", "Extended regular expression to look for.", True),
+                "path": Param("string", "File or directory to search in (default: the whole repository)."),
+            },
+        ),
+        ToolSpec(
+            "read_file",
+            "Read a text file. Each line is prefixed with its number and a tab (the prefix is not "
+            "part of the file). Use start_line/end_line for long files.",
+            {
+                "path": Param("string", _PATH, True),
+                "start_line": Param("integer", "First line to read, 1-based (default 1)."),
+                "end_line": Param("integer", "Last line to read, inclusive (default: the end)."),
+            },
+        ),
+        ToolSpec(
+            "edit_file",
+            "Replace exactly one occurrence of old_text with new_text in a file. old_text must "
+            "match the file exactly (whitespace included) and occur exactly once; include surrounding lines to "
+            "make it unique.",
+            {
+                "path": Param("string", _PATH, True),
+                "old_text": Param("string", "The exact text to replace (without line-number prefixes).", True),
+                "new_text": Param("string", "The text to put in its place.", True),
+            },
+        ),
+        ToolSpec(
+            "write_file",
+            "Create a file, or replace its whole content. Parent directories are created.",
+            {
+                "path": Param("string", _PATH, True),
+                "content": Param("string", "The complete new content of the file.", True),
+            },
+        ),
+        ToolSpec(
+            "list_dir",
+            "List a directory and its subdirectories one level down (.git and caches skipped).",
+            {"path": Param("string", "Directory to list (default: the repository root).")},
+        ),
+        ToolSpec(
+            "run",
+            "Run a bash command in the repository (a persistent shell: cd and export persist). "
+            "Returns its output and exit code. Several run calls in one turn run in parallel.",
+            {
+                "command": Param("string", "The bash command line.", True),
+                "timeout": Param("number", "Seconds before the command is killed (default 120)."),
+            },
+        ),
+        ToolSpec(
+            "submit",
+            "Finish: call this when the task is done. Your changes to the files are the result.",
+            {"summary": Param("string", "A short summary of what you changed and why.")},
+        ),
+    ]
+}
 
 _SKIP_DIRS = {".git", "__pycache__", "node_modules", ".venv", ".mypy_cache", ".pytest_cache", ".tox"}
 # `.codefleet` at the workspace root is the harness's own (workspace.py: the git directory that the diff is
@@ -156,27 +198,35 @@ def validate(call: ToolCall, config: ToolConfig) -> dict:
     if spec is None:
         raise ToolError(f"unknown tool {call.name!r}; the tools are {', '.join(TOOL_SPECS)}")
     if len(call.raw_arguments) > config.max_argument_chars:
-        raise ToolError(f"the arguments of {call.name} are {len(call.raw_arguments)} characters, over the cap of "
-                        f"{config.max_argument_chars}; make smaller changes (edit_file) or split the work")
+        raise ToolError(
+            f"the arguments of {call.name} are {len(call.raw_arguments)} characters, over the cap of "
+            f"{config.max_argument_chars}; make smaller changes (edit_file) or split the work"
+        )
     if call.error or call.arguments is None:
         raise ToolError(call.error or f"the arguments of {call.name!r} could not be read")
     args = {k: v for k, v in call.arguments.items() if v is not None}  # null means "not given"
     unknown = sorted(set(args) - set(spec.params))
     if unknown:
-        raise ToolError(f"{call.name} got unknown argument(s) {', '.join(map(repr, unknown))}; it takes "
-                        f"{', '.join(spec.params) or 'no arguments'}")
+        raise ToolError(
+            f"{call.name} got unknown argument(s) {', '.join(map(repr, unknown))}; it takes "
+            f"{', '.join(spec.params) or 'no arguments'}"
+        )
     for key, param in spec.params.items():
         if key not in args:
             if param.required:
                 raise ToolError(f"{call.name} needs the argument {key!r} ({param.type}): {param.description}")
             continue
         value = args[key]
-        ok = {"string": isinstance(value, str),
-              "integer": isinstance(value, int) and not isinstance(value, bool),
-              "number": isinstance(value, int | float) and not isinstance(value, bool)}[param.type]
+        ok = {
+            "string": isinstance(value, str),
+            "integer": isinstance(value, int) and not isinstance(value, bool),
+            "number": isinstance(value, int | float) and not isinstance(value, bool),
+        }[param.type]
         if not ok:
-            raise ToolError(f"argument {key!r} of {call.name} must be a {param.type}, got "
-                            f"{type(value).__name__} {str(value)[:60]!r}")
+            raise ToolError(
+                f"argument {key!r} of {call.name} must be a {param.type}, got "
+                f"{type(value).__name__} {str(value)[:60]!r}"
+            )
         if param.type == "number" and not math.isfinite(value):  # json.loads accepts NaN and Infinity
             raise ToolError(f"argument {key!r} of {call.name} must be a finite number, got {value}")
     return args
@@ -189,8 +239,9 @@ class Toolbox:
         self.sandbox = sandbox
         self.config = config or ToolConfig()
 
-    def execute(self, call: ToolCall, parallel: bool = False, shell_state: str = "",
-                max_timeout_s: float | None = None) -> ToolResult:
+    def execute(
+        self, call: ToolCall, parallel: bool = False, shell_state: str = "", max_timeout_s: float | None = None
+    ) -> ToolResult:
         """Run one call; never raises. `parallel`/`shell_state`: run as a separate process (see module doc);
         `max_timeout_s` caps a command's timeout (e.g. by the time left in the episode)."""
         started = time.perf_counter()
@@ -207,8 +258,13 @@ class Toolbox:
             output, ok = f"error: {e}", False
         except Exception as e:  # a bug in a tool must not end the episode
             output, ok = f"error: {call.name} failed unexpectedly ({type(e).__name__}: {e})", False
-        return ToolResult(call.id, call.name, cap_text(printable(output), self.config.max_output_chars), ok,
-                          time.perf_counter() - started)
+        return ToolResult(
+            call.id,
+            call.name,
+            cap_text(printable(output), self.config.max_output_chars),
+            ok,
+            time.perf_counter() - started,
+        )
 
     # -- the tools ---------------------------------------------------------------------
 
@@ -216,8 +272,11 @@ class Toolbox:
         if not pattern:
             raise ToolError("search needs a non-empty pattern")
         limit = self.config.max_search_matches
-        matches = [m for m in self.sandbox.search(pattern, path or ".", max_matches=limit + 1 + _PRIVATE_LINES)
-                   if not _private(m.path)]
+        matches = [
+            m
+            for m in self.sandbox.search(pattern, path or ".", max_matches=limit + 1 + _PRIVATE_LINES)
+            if not _private(m.path)
+        ]
         if not matches:
             return f"no matches for {pattern!r} in {path}"
         lines = [f"{m.path}:{m.line_number}:{m.line[:300]}" for m in matches[:limit]]
@@ -227,8 +286,9 @@ class Toolbox:
 
     def _read_file(self, path: str, start_line: int = 1, end_line: int | None = None) -> str:
         if start_line < 1 or (end_line is not None and end_line < start_line):
-            raise ToolError(f"read_file needs 1 <= start_line <= end_line, got start_line={start_line}, "
-                            f"end_line={end_line}")
+            raise ToolError(
+                f"read_file needs 1 <= start_line <= end_line, got start_line={start_line}, end_line={end_line}"
+            )
         try:
             text, first = self.sandbox.read_file(path), 1
         except FileTooLargeError:  # only the lines asked for are read; how many the file has is not known then
@@ -240,16 +300,16 @@ class Toolbox:
         if not lines and first == 1:
             return f"[{path} is empty]"
         if not lines or start_line > first + len(lines) - 1:
-            raise ToolError(f"{path} has {len(lines) if first == 1 else 'fewer'} lines; start_line {start_line} is "
-                            "past the end")
+            raise ToolError(
+                f"{path} has {len(lines) if first == 1 else 'fewer'} lines; start_line {start_line} is past the end"
+            )
         last = first + len(lines) - 1 if end_line is None else min(end_line, first + len(lines) - 1)
         out: list[str] = []
         size = 0
         for number in range(start_line, last + 1):
             line = f"{number:>6}\t{lines[number - first]}"
             if size + len(line) > self.config.max_output_chars - 200 and out:
-                out.append(f"[output capped at line {number - 1} of {total}; read on with "
-                           f"start_line={number}]")
+                out.append(f"[output capped at line {number - 1} of {total}; read on with start_line={number}]")
                 break
             out.append(line)
             size += len(line) + 1
@@ -266,28 +326,37 @@ class Toolbox:
             old_text, new_text = old_text.replace("\n", "\r\n"), new_text.replace("\n", "\r\n")
             count = text.count(old_text)
         if count == 0 and "\ufffd" in old_text and any("\udc80" <= ch <= "\udcff" for ch in text):
-            raise ToolError(f"old_text was not found in {path}: the file has bytes that are not UTF-8, which "
-                            "read_file shows as \ufffd; choose an old_text without them, or change those lines "
-                            "with run")
+            raise ToolError(
+                f"old_text was not found in {path}: the file has bytes that are not UTF-8, which "
+                "read_file shows as \ufffd; choose an old_text without them, or change those lines "
+                "with run"
+            )
         if count == 0:
-            raise ToolError(f"old_text was not found in {path}; it must match the file exactly, whitespace and "
-                            "indentation included (read_file the region again and copy it without the "
-                            "line-number prefixes)")
+            raise ToolError(
+                f"old_text was not found in {path}; it must match the file exactly, whitespace and "
+                "indentation included (read_file the region again and copy it without the "
+                "line-number prefixes)"
+            )
         if count > 1:
-            raise ToolError(f"old_text occurs {count} times in {path}; it must be unique — include more "
-                            "surrounding lines")
+            raise ToolError(
+                f"old_text occurs {count} times in {path}; it must be unique — include more surrounding lines"
+            )
         at = text.index(old_text)
-        edited = text[:at] + new_text + text[at + len(old_text):]
+        edited = text[:at] + new_text + text[at + len(old_text) :]
         self.sandbox.write_file(path, edited.encode("utf-8", "surrogateescape"))
         first = text.count("\n", 0, at) + 1
-        return (f"edited {path}: replaced {old_text.count(chr(10)) + 1} line(s) at line {first} with "
-                f"{new_text.count(chr(10)) + 1} line(s)")
+        return (
+            f"edited {path}: replaced {old_text.count(chr(10)) + 1} line(s) at line {first} with "
+            f"{new_text.count(chr(10)) + 1} line(s)"
+        )
 
     def _read_exact(self, path: str) -> str:
         text = read_exact(self.sandbox, path)
         if text is None:
-            raise ToolError(f"{path} has bytes that are not UTF-8, which edit_file cannot keep intact in this "
-                            "sandbox; change it with run (e.g. sed or python)")
+            raise ToolError(
+                f"{path} has bytes that are not UTF-8, which edit_file cannot keep intact in this "
+                "sandbox; change it with run (e.g. sed or python)"
+            )
         return text
 
     def _write_file(self, path: str, content: str) -> str:
@@ -336,8 +405,11 @@ class Toolbox:
         lines = result.output.splitlines()
         if not result.ok or not lines:
             return ""
-        keep = [ln for ln in lines[1:] if ln.startswith("declare -x ")
-                and ln.split()[2].split("=")[0] not in ("PWD", "OLDPWD", "SHLVL", "_")]
+        keep = [
+            ln
+            for ln in lines[1:]
+            if ln.startswith("declare -x ") and ln.split()[2].split("=")[0] not in ("PWD", "OLDPWD", "SHLVL", "_")
+        ]
         return "\n".join([f"cd {shlex.quote(lines[0])} 2>/dev/null", *keep])
 
 

@@ -30,9 +30,11 @@ from codefleet.agent.tools import PRIVATE_DIR, read_exact
 from codefleet.contracts import Sandbox
 
 _DIFF_FILE = f"{PRIVATE_DIR}/git/codefleet.diff"
-_GIT = (f"export GIT_DIR=\"$PWD/{PRIVATE_DIR}/git\" GIT_WORK_TREE=\"$PWD\" "
-        f"GIT_INDEX_FILE=\"$PWD/{PRIVATE_DIR}/git/index\"; git() {{ command git -c safe.directory='*' "
-        "-c core.autocrlf=false -c core.quotepath=off \"$@\"; }")
+_GIT = (
+    f'export GIT_DIR="$PWD/{PRIVATE_DIR}/git" GIT_WORK_TREE="$PWD" '
+    f"GIT_INDEX_FILE=\"$PWD/{PRIVATE_DIR}/git/index\"; git() {{ command git -c safe.directory='*' "
+    '-c core.autocrlf=false -c core.quotepath=off "$@"; }'
+)
 
 
 class WorkspaceDiffError(RuntimeError):
@@ -42,8 +44,10 @@ class WorkspaceDiffError(RuntimeError):
 def _git(sandbox: Sandbox, script: str, timeout_s: float = 300) -> str:
     result = sandbox.run_oneoff(["bash", "-c", f"{_GIT}\nset -e\n{script}"], timeout_s=timeout_s)
     if not result.ok:
-        raise WorkspaceDiffError(f"recording the workspace with git failed (exit {result.exit_code}): "
-                                 f"{result.output.strip()[-400:]}; is git installed on this host?")
+        raise WorkspaceDiffError(
+            f"recording the workspace with git failed (exit {result.exit_code}): "
+            f"{result.output.strip()[-400:]}; is git installed on this host?"
+        )
     return result.output
 
 
@@ -51,7 +55,9 @@ def snapshot(sandbox: Sandbox) -> list[str]:
     """Record the workspace's current files as the baseline `diff()` compares against. Returns the
     directories that are git repositories of their own (submodules, vendored clones): the diff shows
     none of the changes inside them."""
-    _git(sandbox, f"""
+    _git(
+        sandbox,
+        f"""
 mkdir -p {PRIVATE_DIR}
 git init -q --template=
 mkdir -p "$GIT_DIR/info"
@@ -63,7 +69,8 @@ git write-tree > "$GIT_DIR/codefleet-base"
 {{ git ls-files -s -z | {{ grep -z '^160000 ' || true; }} | cut -z -f2-
   sed -n "s|^error: '\\(.*\\)/' does not have a commit checked out$|\\1|p" "$GIT_DIR/add-errors" | tr '\\n' '\\0'
 }} > "$GIT_DIR/nested"
-""")
+""",
+    )
     return sorted(set(filter(None, _git(sandbox, 'cat "$GIT_DIR/nested"').split("\0"))))
 
 
@@ -82,33 +89,42 @@ _ADD_ALL = """LC_ALL=C git add -A --ignore-errors 2>"$GIT_DIR/add-errors" || tru
 # Files the user's repository tracks although its .gitignore matches them (added with `git add -f`): the
 # private index must hold them too, or changes to them would be missing from the diff. Once in the
 # index, `git add -A` follows them like any tracked file.
-_ADD_TRACKED_IGNORED = """
+_ADD_TRACKED_IGNORED = (
+    """
 if [ -e .git ]; then
   (unset GIT_DIR GIT_WORK_TREE GIT_INDEX_FILE
    command git -c safe.directory='*' ls-files -z --cached --ignored --exclude-standard \\
-     """ + " ".join(f"--exclude='{pattern}'" for pattern in _BYTECODE_PATTERNS) + """ 2>/dev/null || true) |
+     """
+    + " ".join(f"--exclude='{pattern}'" for pattern in _BYTECODE_PATTERNS)
+    + """ 2>/dev/null || true) |
     while IFS= read -r -d '' path; do
       if [ -e "$path" ] || [ -L "$path" ]; then printf '%s\\0' "$path"; fi
     done > "$GIT_DIR/tracked-ignored"
   git --literal-pathspecs add -f --pathspec-from-file="$GIT_DIR/tracked-ignored" --pathspec-file-nul
 fi"""
+)
 
 
 def diff(sandbox: Sandbox) -> str:
     """The changes since `snapshot()`, as a `git apply`-able unified diff. Bytes that are not UTF-8 come
     back as surrogates (surrogateescape); `apply_diff` writes them back as they were."""
-    _git(sandbox, f"""
+    _git(
+        sandbox,
+        f"""
 {_ADD_ALL}
 git diff --binary --no-color --no-ext-diff "$(cat "$GIT_DIR/codefleet-base")" "$(git write-tree)" \\
   > "$GIT_DIR/codefleet.diff"
-""")
+""",
+    )
     try:
         text = read_exact(sandbox, _DIFF_FILE)
     finally:  # not left where search would find it
         sandbox.run_oneoff(["rm", "-f", "--", _DIFF_FILE], timeout_s=30)
     if text is None:
-        raise WorkspaceDiffError("the diff has bytes that are not UTF-8, which this sandbox cannot read back "
-                                 "exactly; run with a namespace or local sandbox")
+        raise WorkspaceDiffError(
+            "the diff has bytes that are not UTF-8, which this sandbox cannot read back "
+            "exactly; run with a namespace or local sandbox"
+        )
     return text
 
 
@@ -123,9 +139,15 @@ def apply_diff(repo: str, patch: str) -> None:
     if prefix.returncode == 0 and prefix.stdout.strip():  # repo is a subdirectory of a git repository
         args.append(f"--directory={prefix.stdout.strip().rstrip('/')}")
     for check in (True, False):
-        result = subprocess.run(args + (["--check"] if check else []) + ["-"], cwd=repo,
-                                input=patch.encode("utf-8", "surrogateescape"), capture_output=True)
+        result = subprocess.run(
+            args + (["--check"] if check else []) + ["-"],
+            cwd=repo,
+            input=patch.encode("utf-8", "surrogateescape"),
+            capture_output=True,
+        )
         if result.returncode != 0:
             stderr = result.stderr.decode(errors="replace").strip()
-            raise RuntimeError(f"the diff does not apply to {repo} ({stderr[:400]}); did the files "
-                               "change while the agent ran? Nothing was changed; the diff is printed above")
+            raise RuntimeError(
+                f"the diff does not apply to {repo} ({stderr[:400]}); did the files "
+                "change while the agent ran? Nothing was changed; the diff is printed above"
+            )

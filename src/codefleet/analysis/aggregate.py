@@ -39,9 +39,28 @@ import pyarrow.compute as pc
 from codefleet.analysis.clusters import combine, rules_cluster_rows, sample_key
 from codefleet.store import safe_files
 
-TABLE_COLUMNS = ["rollout_id", "run", "step", "task_id", "family", "group", "attempt", "category", "stop_reason",
-                 "reward", "checks_passed", "checks_total", "turns", "n_tool_calls", "wall_s", "findings", "suspicious",
-                 "judge_score", "judge_reason", "judge_error"]
+TABLE_COLUMNS = [
+    "rollout_id",
+    "run",
+    "step",
+    "task_id",
+    "family",
+    "group",
+    "attempt",
+    "category",
+    "stop_reason",
+    "reward",
+    "checks_passed",
+    "checks_total",
+    "turns",
+    "n_tool_calls",
+    "wall_s",
+    "findings",
+    "suspicious",
+    "judge_score",
+    "judge_reason",
+    "judge_error",
+]
 TABLES = ("worst_failures", "suspicious_wins", "rollouts", "judge_errors")
 HISTOGRAMS = {"turns": 1.0, "wall_s": 0.01, "tokens": 10.0}  # column: lowest non-zero bin edge
 MEANS = ["turns", "tool_calls_per_turn", "wall_s", "tokens", "model_s", "tool_s", "prompt_tokens", "completion_tokens"]
@@ -54,7 +73,7 @@ def bin_edges(lowest: float, highest: float = 1e9) -> list[float]:
     """0, then a 1-2-5 sequence from `lowest` up to `highest`."""
     edges, exponent = [0.0], math.floor(math.log10(lowest))
     while edges[-1] < highest:
-        edges += [m * 10.0 ** exponent for m in (1, 2, 5) if m * 10.0 ** exponent >= lowest]
+        edges += [m * 10.0**exponent for m in (1, 2, 5) if m * 10.0**exponent >= lowest]
         exponent += 1
     return edges
 
@@ -90,15 +109,17 @@ def sketch_quantile(sketch: dict[int, float], q: float) -> float | None:
             break
     if bucket == _SKETCH_ZERO:
         return 0.0
-    value = 2 * SKETCH_GAMMA ** bucket / (SKETCH_GAMMA + 1)  # relative midpoint of (gamma^(k-1), gamma^k]
+    value = 2 * SKETCH_GAMMA**bucket / (SKETCH_GAMMA + 1)  # relative midpoint of (gamma^(k-1), gamma^k]
     return float(f"{value:.3g}")
 
 
 def _partials(batch: pa.Table) -> pa.Table:
     """Partial sums of one batch of judgments, one row per (dim, key) (see the module docstring)."""
     n = batch.num_rows
-    values = {"success": pc.fill_null(batch.column("success"), 0.0),
-              "suspicious": pc.fill_null(batch.column("suspicious"), False).cast(pa.float64())}
+    values = {
+        "success": pc.fill_null(batch.column("success"), 0.0),
+        "suspicious": pc.fill_null(batch.column("suspicious"), False).cast(pa.float64()),
+    }
     finite = {c: _finite(batch.column(c)) for c in MEANS}
     values.update({c: finite[c][0] for c in MEANS})
     values.update({f"{c}_count": finite[c][1] for c in MEANS})
@@ -108,8 +129,12 @@ def _partials(batch: pa.Table) -> pa.Table:
     family = pc.fill_null(batch.column("family"), "")
     family = pc.if_else(pc.equal(family, ""), "(none)", family)
     step = pc.fill_null(batch.column("step").cast(pa.string()), "")  # "": a row without a step
-    keys = {"all": pa.array([""] * n, pa.string()), "family": family, "step": step,
-            "family|category": pc.binary_join_element_wise(family, batch.column("category"), "|")}
+    keys = {
+        "all": pa.array([""] * n, pa.string()),
+        "family": family,
+        "step": step,
+        "family|category": pc.binary_join_element_wise(family, batch.column("category"), "|"),
+    }
     parts = []
     for dim, key in keys.items():
         table = pa.table({"key": key, "n": pa.array(np.ones(n)), **values})
@@ -134,8 +159,16 @@ def _partials(batch: pa.Table) -> pa.Table:
     if counted:
         dims, keys_, counts = zip(*counted)
         extra = {c: pa.array(np.zeros(len(counted))) for c in SUMMED}
-        parts.append(pa.table({"key": pa.array(keys_, pa.string()), "n": pa.array(counts, pa.float64()), **extra,
-                               "dim": pa.array(dims, pa.string())}))
+        parts.append(
+            pa.table(
+                {
+                    "key": pa.array(keys_, pa.string()),
+                    "n": pa.array(counts, pa.float64()),
+                    **extra,
+                    "dim": pa.array(dims, pa.string()),
+                }
+            )
+        )
     partials = pa.concat_tables(parts).select(["dim", "key", "n", *SUMMED])
     return partials.append_column("row", pa.nulls(partials.num_rows, pa.string()))
 
@@ -147,11 +180,21 @@ def _candidates(batch: pa.Table, k_worst: int, k_wins: int, k_browse: int, brows
     rows = _tables(batch, k_worst, k_wins, k_browse, keys, browse_below).to_pylist()
     rows += [{"table": "cluster", "sort_score": 0.0, **r} for r in rules_cluster_rows(batch, keys)]
     zeros = {c: pa.array(np.zeros(len(rows))) for c in SUMMED}
-    return pa.table({"dim": pa.array([r["table"] for r in rows], pa.string()),
-                     "key": pa.array([str(i) for i in range(len(rows))], pa.string()),
-                     "n": pa.array([r["sort_score"] for r in rows], pa.float64()), **zeros,
-                     "row": pa.array([json.dumps({k: v for k, v in r.items() if k not in ("table", "sort_score")},
-                                                 default=str) for r in rows], pa.string())})
+    return pa.table(
+        {
+            "dim": pa.array([r["table"] for r in rows], pa.string()),
+            "key": pa.array([str(i) for i in range(len(rows))], pa.string()),
+            "n": pa.array([r["sort_score"] for r in rows], pa.float64()),
+            **zeros,
+            "row": pa.array(
+                [
+                    json.dumps({k: v for k, v in r.items() if k not in ("table", "sort_score")}, default=str)
+                    for r in rows
+                ],
+                pa.string(),
+            ),
+        }
+    )
 
 
 def batch_summary(batch: pa.Table, k_worst: int, k_wins: int, k_browse: int, browse_below: float) -> pa.Table:
@@ -169,8 +212,9 @@ def combine_partials(rows: list[dict], sums: dict | None = None) -> dict[str, di
     return sums
 
 
-def _tables(batch: pa.Table, k_worst: int, k_wins: int, k_browse: int, keys: np.ndarray,
-            browse_below: float) -> pa.Table:
+def _tables(
+    batch: pa.Table, k_worst: int, k_wins: int, k_browse: int, keys: np.ndarray, browse_below: float
+) -> pa.Table:
     """A batch's k worst failures (lowest judge score, rule score when unjudged, then longest),
     first k suspicious wins, up to k rollouts with the lowest sample keys `keys` under `browse_below`
     (candidates for the uniform sample to browse) and first 3 judge errors, tagged by `table`."""
@@ -179,8 +223,10 @@ def _tables(batch: pa.Table, k_worst: int, k_wins: int, k_browse: int, keys: np.
     batch = batch.select(list(dict.fromkeys([*TABLE_COLUMNS, "success", "rule_score"])))
     failed = pc.fill_null(pc.equal(batch.column("success"), 0.0), False)
     score = pc.coalesce(batch.column("judge_score"), batch.column("rule_score"))
-    order = pc.sort_indices(pa.table({"other": pc.invert(failed), "score": score, "wall_s": batch.column("wall_s")}),
-                            sort_keys=[("other", "ascending"), ("score", "ascending"), ("wall_s", "descending")])
+    order = pc.sort_indices(
+        pa.table({"other": pc.invert(failed), "score": score, "wall_s": batch.column("wall_s")}),
+        sort_keys=[("other", "ascending"), ("score", "ascending"), ("wall_s", "descending")],
+    )
     chosen = order.slice(0, min(k_worst, pc.sum(failed.cast(pa.int64())).as_py() or 0))
     worst = batch.take(chosen).append_column("sort_score", score.take(chosen))
     wins = batch.filter(pc.fill_null(batch.column("suspicious"), False)).slice(0, k_wins)
@@ -190,8 +236,10 @@ def _tables(batch: pa.Table, k_worst: int, k_wins: int, k_browse: int, keys: np.
     below = np.flatnonzero(keys < browse_below)
     below = below[np.argsort(keys[below], kind="stable")][:k_browse]
     sampled = batch.take(pa.array(below, pa.int64())).append_column("sort_score", pa.array(keys[below]))
-    parts = [t.select(TABLE_COLUMNS + ["sort_score"]).append_column("table", pa.array([name] * t.num_rows, pa.string()))
-             for name, t in zip(TABLES, (worst, wins, sampled, errors))]
+    parts = [
+        t.select(TABLE_COLUMNS + ["sort_score"]).append_column("table", pa.array([name] * t.num_rows, pa.string()))
+        for name, t in zip(TABLES, (worst, wins, sampled, errors))
+    ]
     return pa.concat_tables(parts)
 
 
@@ -211,15 +259,18 @@ def summarise(judgments, config, rows: int | None = None) -> tuple[dict, dict]:
     # fewer than k_browse is out of reach: 30 standard deviations away), every row when all fit
     rows = judgments.count() if rows is None else rows
     browse_below = 1.0 if rows <= k_browse else min(1.0, 4.0 * k_browse / rows)
-    partials = judgments.map_batches(batch_summary, fn_kwargs={"k_worst": k_worst, "k_wins": k_wins,
-                                                               "k_browse": k_browse, "browse_below": browse_below},
-                                     batch_format="pyarrow")
+    partials = judgments.map_batches(
+        batch_summary,
+        fn_kwargs={"k_worst": k_worst, "k_wins": k_wins, "k_browse": k_browse, "browse_below": browse_below},
+        batch_format="pyarrow",
+    )
     if config.shuffle_aggregate:
         partials = partials.materialize()
         candidates = partials.filter(fn=lambda r: r["row"] is not None).take_all()
         summed = partials.filter(fn=lambda r: r["row"] is None).groupby(["dim", "key"]).sum(["n", *SUMMED]).take_all()
-        sums = combine_partials([{"dim": r["dim"], "key": r["key"], **{c: r[f"sum({c})"] for c in ("n", *SUMMED)}}
-                                 for r in summed])
+        sums = combine_partials(
+            [{"dim": r["dim"], "key": r["key"], **{c: r[f"sum({c})"] for c in ("n", *SUMMED)}} for r in summed]
+        )
     else:
         candidates, sums = [], {}
         for batch in partials.iter_batches(batch_format="pyarrow"):  # summed as they come: the driver holds sums
@@ -228,18 +279,26 @@ def summarise(judgments, config, rows: int | None = None) -> tuple[dict, dict]:
             combine_partials([r for r in batch_rows if r["row"] is None], sums)
     tables = {}
     for name, limit in zip(TABLES, (k_worst, k_wins, k_browse, 3)):
-        chosen = sorted((r for r in candidates if r["dim"] == name),
-                        key=lambda r: (r["n"] if r["n"] is not None else 2.0, -(json.loads(r["row"])["wall_s"] or 0.0)))
+        chosen = sorted(
+            (r for r in candidates if r["dim"] == name),
+            key=lambda r: (r["n"] if r["n"] is not None else 2.0, -(json.loads(r["row"])["wall_s"] or 0.0)),
+        )
         tables[name] = [json.loads(r["row"]) for r in chosen[:limit]]
     tables["rollouts"].sort(key=lambda r: (r["step"] is None, r["step"] or 0, r["task_id"] or "", r["attempt"] or 0))
-    clusters = {"source": "rules", "note": None,
-                **combine([json.loads(r["row"]) for r in candidates if r["dim"] == "cluster"], config.clusters.max_clusters)}
+    clusters = {
+        "source": "rules",
+        "note": None,
+        **combine([json.loads(r["row"]) for r in candidates if r["dim"] == "cluster"], config.clusters.max_clusters),
+    }
 
     def figures(s: dict) -> dict:
         n = s["n"] or 1
-        return {"rollouts": int(s["n"]), "success_rate": _clean(s["success"] / n),
-                **{c: _clean(s[c] / s[f"{c}_count"]) if s[f"{c}_count"] else None for c in MEANS},
-                "judge_score": _clean(s["judge_score"] / s["judge_scored"]) if s["judge_scored"] else None}
+        return {
+            "rollouts": int(s["n"]),
+            "success_rate": _clean(s["success"] / n),
+            **{c: _clean(s[c] / s[f"{c}_count"]) if s[f"{c}_count"] else None for c in MEANS},
+            "judge_score": _clean(s["judge_score"] / s["judge_scored"]) if s["judge_scored"] else None,
+        }
 
     total = sums.get("all", {}).get("", dict.fromkeys(["n", *SUMMED], 0.0))  # no rows: all zero
     families = {name: {**figures(s), "categories": {}} for name, s in sorted(sums.get("family", {}).items())}
@@ -252,29 +311,39 @@ def summarise(judgments, config, rows: int | None = None) -> tuple[dict, dict]:
     for column, edges in _EDGES.items():
         bins = {int(k): int(s["n"]) for k, s in sums.get(f"hist:{column}", {}).items()}
         top = max(bins, default=0) + 1
-        histograms[column] = {"edges": [float(e) for e in edges[: top + 1]],
-                              "counts": [bins.get(i, 0) for i in range(top)]}
+        histograms[column] = {
+            "edges": [float(e) for e in edges[: top + 1]],
+            "counts": [bins.get(i, 0) for i in range(top)],
+        }
     sketches = {column: {int(k): s["n"] for k, s in sums.get(f"sketch:{column}", {}).items()} for column in _EDGES}
     summary = {
-        "rollouts": int(total["n"]), "solved": int(total["success"]),
+        "rollouts": int(total["n"]),
+        "solved": int(total["success"]),
         "success_rate": _clean(total["success"] / total["n"]) if total["n"] else None,
         "suspicious_wins": int(total["suspicious"]),
         "means": {k: v for k, v in figures(total).items() if k not in ("rollouts", "success_rate")},
-        "quantiles": {c: {f"p{int(q * 100)}": sketch_quantile(sketch, q) for q in (0.5, 0.9)}
-                      for c, sketch in sketches.items()},
+        "quantiles": {
+            c: {f"p{int(q * 100)}": sketch_quantile(sketch, q) for q in (0.5, 0.9)} for c, sketch in sketches.items()
+        },
         "categories": dict(sorted(categories.items(), key=lambda kv: -kv[1])),
         "per_family": families,
-        "per_step": sorted(({"step": int(k) if k else None, **figures(s)} for k, s in sums.get("step", {}).items()),
-                           key=lambda r: (r["step"] is None, r["step"] or 0)),  # rows without a step last
+        "per_step": sorted(
+            ({"step": int(k) if k else None, **figures(s)} for k, s in sums.get("step", {}).items()),
+            key=lambda r: (r["step"] is None, r["step"] or 0),
+        ),  # rows without a step last
         "tool_mix": {k: int(s["n"]) for k, s in sorted(sums.get("tool", {}).items(), key=lambda kv: -kv[1]["n"])},
-        "parallel_calls_per_turn": {k: int(s["n"]) for k, s in sorted(sums.get("parallel", {}).items(),
-                                                                       key=lambda kv: int(kv[0]))},
+        "parallel_calls_per_turn": {
+            k: int(s["n"]) for k, s in sorted(sums.get("parallel", {}).items(), key=lambda kv: int(kv[0]))
+        },
         "histograms": histograms,
         "browse": {"shown": len(tables["rollouts"]), "of": int(total["n"])},
         "clusters": clusters,
-        "judge": {"backend": config.judge.backend, "scored": int(total["judge_scored"]),
-                  "errors": int(total["judge_errors"]),
-                  "error_examples": [f"{r['task_id']}: {r['judge_error']}" for r in tables.pop("judge_errors")]},
+        "judge": {
+            "backend": config.judge.backend,
+            "scored": int(total["judge_scored"]),
+            "errors": int(total["judge_errors"]),
+            "error_examples": [f"{r['task_id']}: {r['judge_error']}" for r in tables.pop("judge_errors")],
+        },
     }
     return summary, tables
 

@@ -15,6 +15,6 @@ def first_json_object(text: str):
     if start < 0 or end <= start:
         raise ValueError(f"no JSON object in the answer: {text[:120]!r}")
     try:  # the first JSON object; a judge may write more after it
-        return json.JSONDecoder().raw_decode(cleaned[start:end + 1])[0]
+        return json.JSONDecoder().raw_decode(cleaned[start : end + 1])[0]
     except json.JSONDecodeError as e:
         raise ValueError(f"answer is not valid JSON ({e.msg}): {text[:120]!r}") from e

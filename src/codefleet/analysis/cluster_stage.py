@@ -38,9 +38,12 @@ class ClusterBatch(JudgeBatch):
             raise ValueError(self.init_error)
         self.pacer.wait()
         config = self.cluster_config
-        answer = self.complete([{"role": "system", "content": system.replace("{max_clusters}",
-                                                                             str(config.max_clusters))},
-                                {"role": "user", "content": f"{heading}\n{numbered(items, config.reason_chars)}"}])
+        answer = self.complete(
+            [
+                {"role": "system", "content": system.replace("{max_clusters}", str(config.max_clusters))},
+                {"role": "user", "content": f"{heading}\n{numbered(items, config.reason_chars)}"},
+            ]
+        )
         return parse_clusters(answer, len(items))
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -49,8 +52,9 @@ class ClusterBatch(JudgeBatch):
         for group in GROUPS:
             members = [r for r in rows if r["cluster_group"] == group and (r["judge_reason"] or "").strip()]
             try:
-                named = (self._ask(CLUSTER_SYSTEM, HEADINGS[group], [r["judge_reason"] for r in members])
-                         if members else [])
+                named = (
+                    self._ask(CLUSTER_SYSTEM, HEADINGS[group], [r["judge_reason"] for r in members]) if members else []
+                )
             except Exception:  # the judge's answer was not usable: these rows keep their rules clusters
                 named = []
             assigned = set()
@@ -83,20 +87,30 @@ def merge_labels(judge: ClusterBatch, rows: list[dict], max_clusters: int) -> tu
     return mapping, note
 
 
-def judge_clusters(judgments, judge_class: type[ClusterBatch], config: ClusterConfig, compute, num_cpus: float
-                   ) -> dict:
+def judge_clusters(judgments, judge_class: type[ClusterBatch], config: ClusterConfig, compute, num_cpus: float) -> dict:
     """summary["clusters"] from the judge (module docstring): the cluster stage over `judgments` (a Ray Dataset),
     then the merge in the driver."""
     stage = type("ClusterStage", (judge_class,), {"cluster_config": config})  # travels with the class, as its judge
-    rows = (judgments.map_batches(cluster_inputs, batch_format="pyarrow")
-            .map_batches(stage, batch_format="pyarrow", batch_size=config.batch_rows, compute=compute,
-                         num_cpus=num_cpus).take_all())
+    rows = (
+        judgments.map_batches(cluster_inputs, batch_format="pyarrow")
+        .map_batches(stage, batch_format="pyarrow", batch_size=config.batch_rows, compute=compute, num_cpus=num_cpus)
+        .take_all()
+    )
     rows = [dict(r, examples=list(r["examples"]), keys=list(r["keys"])) for r in rows]
     mapping, note = merge_labels(stage(), rows, config.max_clusters)
     grouped_by_rules = sum(r["count"] for r in rows if r["source"] == "rules")
     total = sum(r["count"] for r in rows)
-    notes = [f"{grouped_by_rules} of {total} rows are grouped by rules: the judge gave no reason for them, left "
-             "them out of its clusters, or its answer about their batch was not usable"] if grouped_by_rules else []
+    notes = (
+        [
+            f"{grouped_by_rules} of {total} rows are grouped by rules: the judge gave no reason for them, left "
+            "them out of its clusters, or its answer about their batch was not usable"
+        ]
+        if grouped_by_rules
+        else []
+    )
     source = "judge" if any(r["source"] == "judge" for r in rows) else "rules"
-    return {"source": source, "note": "; ".join(notes + ([note] if note else [])) or None,
-            **combine(rows, config.max_clusters, mapping)}
+    return {
+        "source": source,
+        "note": "; ".join(notes + ([note] if note else [])) or None,
+        **combine(rows, config.max_clusters, mapping),
+    }

@@ -61,13 +61,15 @@ _FINDING_WORDS = {
 
 CLUSTER_SYSTEM = (
     "You group the reasons a reviewer gave for coding-agent rollouts into a few clusters of the same cause. "
-    "Answer with one JSON object only: {\"clusters\": [{\"label\": \"<a cause in 3 to 8 words>\", "
-    "\"members\": [<reason numbers>]}]}. Use at most {max_clusters} clusters; put every reason number in "
-    "exactly one cluster.")
+    'Answer with one JSON object only: {"clusters": [{"label": "<a cause in 3 to 8 words>", '
+    '"members": [<reason numbers>]}]}. Use at most {max_clusters} clusters; put every reason number in '
+    "exactly one cluster."
+)
 MERGE_SYSTEM = (
     "You merge cluster labels that name the same cause. Answer with one JSON object only: "
-    "{\"clusters\": [{\"label\": \"<a cause in 3 to 8 words>\", \"members\": [<label numbers>]}]}. Use at most "
-    "{max_clusters} clusters; put every label number in exactly one cluster.")
+    '{"clusters": [{"label": "<a cause in 3 to 8 words>", "members": [<label numbers>]}]}. Use at most '
+    "{max_clusters} clusters; put every label number in exactly one cluster."
+)
 
 
 @dataclass
@@ -88,11 +90,12 @@ def sample_key(table: pa.Table) -> np.ndarray:
             x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
             x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
             x ^= x >> np.uint64(31)
-    return (x >> np.uint64(11)).astype(np.float64) / 2.0 ** 53
+    return (x >> np.uint64(11)).astype(np.float64) / 2.0**53
 
 
-def rule_label(category: str | None, stop_reason: str | None, findings: list[str] | None,
-               suspicious: bool) -> tuple[str, str] | None:
+def rule_label(
+    category: str | None, stop_reason: str | None, findings: list[str] | None, suspicious: bool
+) -> tuple[str, str] | None:
     """(group, label) of one judgment row, or None for an honest win."""
     if suspicious:
         kinds = [f.split(":", 1)[0] for f in findings or []]
@@ -109,9 +112,15 @@ def _failure_label(category: str, stop_reason: str) -> str:
 
 def rule_clusters(batch: pa.Table) -> tuple[list[str | None], list[str | None]]:
     """(group, label) columns for a batch of judgments; None for honest wins."""
-    labelled = [rule_label(c, s, f, bool(x)) for c, s, f, x in zip(
-        batch.column("category").to_pylist(), batch.column("stop_reason").to_pylist(),
-        batch.column("findings").to_pylist(), batch.column("suspicious").to_pylist())]
+    labelled = [
+        rule_label(c, s, f, bool(x))
+        for c, s, f, x in zip(
+            batch.column("category").to_pylist(),
+            batch.column("stop_reason").to_pylist(),
+            batch.column("findings").to_pylist(),
+            batch.column("suspicious").to_pylist(),
+        )
+    ]
     return [x[0] if x else None for x in labelled], [x[1] if x else None for x in labelled]
 
 
@@ -125,7 +134,7 @@ def parse_clusters(answer: str, n: int) -> list[tuple[str, list[int]]]:
     found = first_json_object(answer)
     clusters = found.get("clusters") if isinstance(found, dict) else None
     if not isinstance(clusters, list) or not clusters:
-        raise ValueError(f"answer has no \"clusters\" list: {answer[:120]!r}")
+        raise ValueError(f'answer has no "clusters" list: {answer[:120]!r}')
     out, seen = [], set()
     for cluster in clusters:
         if not isinstance(cluster, dict) or not isinstance(cluster.get("label"), str):
@@ -143,50 +152,89 @@ def parse_clusters(answer: str, n: int) -> list[tuple[str, list[int]]]:
     return out
 
 
-CLUSTER_ROW_SCHEMA = pa.schema([pa.field("group", pa.string()), pa.field("label", pa.string()),
-                                pa.field("source", pa.string()), pa.field("count", pa.int64()),
-                                pa.field("examples", pa.list_(pa.string())), pa.field("keys", pa.list_(pa.float64()))])
+CLUSTER_ROW_SCHEMA = pa.schema(
+    [
+        pa.field("group", pa.string()),
+        pa.field("label", pa.string()),
+        pa.field("source", pa.string()),
+        pa.field("count", pa.int64()),
+        pa.field("examples", pa.list_(pa.string())),
+        pa.field("keys", pa.list_(pa.float64())),
+    ]
+)
 
 
 def cluster_row(group: str, label: str, source: str, rows: list[dict]) -> dict:
     chosen = sorted(rows, key=lambda r: r["sample_key"])[:EXAMPLES]
-    return {"group": group, "label": label, "source": source, "count": len(rows),
-            "examples": [r["rollout_id"] for r in chosen], "keys": [r["sample_key"] for r in chosen]}
+    return {
+        "group": group,
+        "label": label,
+        "source": source,
+        "count": len(rows),
+        "examples": [r["rollout_id"] for r in chosen],
+        "keys": [r["sample_key"] for r in chosen],
+    }
 
 
 def cluster_inputs(batch: pa.Table) -> pa.Table:
     """The rows to cluster (failures and suspicious wins) with their rules label and sample key: a map_batches
     function over judgments."""
     groups, labels = rule_clusters(batch)
-    table = pa.table({"rollout_id": batch.column("rollout_id"), "cluster_group": pa.array(groups, pa.string()),
-                      "rule_label": pa.array(labels, pa.string()), "judge_reason": batch.column("judge_reason"),
-                      "sample_key": pa.array(sample_key(batch))})
+    table = pa.table(
+        {
+            "rollout_id": batch.column("rollout_id"),
+            "cluster_group": pa.array(groups, pa.string()),
+            "rule_label": pa.array(labels, pa.string()),
+            "judge_reason": batch.column("judge_reason"),
+            "sample_key": pa.array(sample_key(batch)),
+        }
+    )
     return table.filter(pa.array([g is not None for g in groups], pa.bool_()))
 
 
 def rules_cluster_rows(batch: pa.Table, keys: np.ndarray) -> list[dict]:
     """Cluster rows (CLUSTER_ROW_SCHEMA dicts) by rules for a batch of judgments whose sample keys are `keys`.
     Failures are labelled per (category, stop reason) pair, not per row: this runs in the aggregation pass."""
-    keyed = batch.select(["rollout_id", "category", "stop_reason", "findings", "suspicious"]).append_column(
-        "sample_key", pa.array(keys)).sort_by("sample_key")
+    keyed = (
+        batch.select(["rollout_id", "category", "stop_reason", "findings", "suspicious"])
+        .append_column("sample_key", pa.array(keys))
+        .sort_by("sample_key")
+    )
     category = pc.fill_null(keyed.column("category"), "")
     failed = keyed.filter(pc.not_equal(category, "solved"))
-    pairs = pc.binary_join_element_wise(pc.fill_null(failed.column("category"), ""),
-                                        pc.fill_null(failed.column("stop_reason"), ""), "|").to_pylist()
+    pairs = pc.binary_join_element_wise(
+        pc.fill_null(failed.column("category"), ""), pc.fill_null(failed.column("stop_reason"), ""), "|"
+    ).to_pylist()
     by_pair: dict[str, list] = {}
-    for pair, rollout_id, key in zip(pairs, failed.column("rollout_id").to_pylist(),
-                                     failed.column("sample_key").to_pylist()):
+    for pair, rollout_id, key in zip(
+        pairs, failed.column("rollout_id").to_pylist(), failed.column("sample_key").to_pylist()
+    ):
         found = by_pair.setdefault(pair, [0, [], []])
         found[0] += 1
         if len(found[1]) < EXAMPLES:  # sorted by key: the first are the sample
             found[1].append(rollout_id)
             found[2].append(key)
-    rows = [{"group": "failures", "label": _failure_label(*pair.split("|", 1)), "source": "rules", "count": n,
-             "examples": ids, "keys": ks} for pair, (n, ids, ks) in by_pair.items()]
+    rows = [
+        {
+            "group": "failures",
+            "label": _failure_label(*pair.split("|", 1)),
+            "source": "rules",
+            "count": n,
+            "examples": ids,
+            "keys": ks,
+        }
+        for pair, (n, ids, ks) in by_pair.items()
+    ]
     wins = keyed.filter(pc.fill_null(keyed.column("suspicious"), False))
-    inputs = [{"rollout_id": r["rollout_id"], "cluster_group": "suspicious_wins", "sample_key": r["sample_key"],
-               "rule_label": rule_label(r["category"], r["stop_reason"], r["findings"], True)[1]}
-              for r in wins.to_pylist()]
+    inputs = [
+        {
+            "rollout_id": r["rollout_id"],
+            "cluster_group": "suspicious_wins",
+            "sample_key": r["sample_key"],
+            "rule_label": rule_label(r["category"], r["stop_reason"], r["findings"], True)[1],
+        }
+        for r in wins.to_pylist()
+    ]
     return rows + by_rules(inputs)
 
 
@@ -215,9 +263,16 @@ def combine(rows: list[dict], max_clusters: int, merged: dict[str, str] | None =
     for group in GROUPS:
         clusters = sorted((v for (g, _), v in sums.items() if g == group), key=lambda c: (-c["count"], c["label"]))
         if len(clusters) > max_clusters:
-            rest = clusters[max_clusters - 1:]
-            clusters = clusters[:max_clusters - 1] + [{"label": "other causes", "count": sum(c["count"] for c in rest),
-                                                        "examples": [e for c in rest for e in c["examples"]]}]
-        out[group] = [{"label": c["label"], "count": c["count"],
-                       "examples": [i for _, i in sorted(c["examples"])[:EXAMPLES]]} for c in clusters]
+            rest = clusters[max_clusters - 1 :]
+            clusters = clusters[: max_clusters - 1] + [
+                {
+                    "label": "other causes",
+                    "count": sum(c["count"] for c in rest),
+                    "examples": [e for c in rest for e in c["examples"]],
+                }
+            ]
+        out[group] = [
+            {"label": c["label"], "count": c["count"], "examples": [i for _, i in sorted(c["examples"])[:EXAMPLES]]}
+            for c in clusters
+        ]
     return out

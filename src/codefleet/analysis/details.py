@@ -65,8 +65,12 @@ def fetch_details(scan: StoreScan, rows: list[dict]) -> Iterator[dict]:
             if stored["rollout_id"] in found:
                 continue  # the same id twice in a partition: the first is shown
             found.add(stored["rollout_id"])
-            yield {**by_id[stored["rollout_id"]], **{c: stored.get(c) for c in DETAIL_COLUMNS},
-                   "transcript": _parsed(stored.get("transcript"), []), "metadata": _parsed(stored.get("metadata"), {})}
+            yield {
+                **by_id[stored["rollout_id"]],
+                **{c: stored.get(c) for c in DETAIL_COLUMNS},
+                "transcript": _parsed(stored.get("transcript"), []),
+                "metadata": _parsed(stored.get("metadata"), {}),
+            }
     for rollout_id, row in by_id.items():
         if rollout_id not in found:
             yield row
@@ -78,4 +82,3 @@ def _parsed(text: str | None, default):
     except ValueError:
         return default
     return value if isinstance(value, type(default)) else default
-

@@ -84,10 +84,12 @@ def as_list(value: object) -> list:
 def page(title: str, body: str, script: str = "") -> str:
     """A whole self-contained page (escaped title, trusted body and script)."""
     script_html = f"<script>{script}</script>" if script else ""
-    return (f'<!doctype html><html lang="en"><head><meta charset="utf-8">'
-            f'<meta http-equiv="Content-Security-Policy" content="{CSP}">'
-            f'<meta name="viewport" content="width=device-width, initial-scale=1">'
-            f"<title>{esc(title)}</title><style>{STYLE}</style></head><body>{body}{script_html}</body></html>")
+    return (
+        f'<!doctype html><html lang="en"><head><meta charset="utf-8">'
+        f'<meta http-equiv="Content-Security-Policy" content="{CSP}">'
+        f'<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{esc(title)}</title><style>{STYLE}</style></head><body>{body}{script_html}</body></html>"
+    )
 
 
 def write_atomic(path: str, text: str, root: str | None = None) -> None:

@@ -42,8 +42,20 @@ JUDGE_FIELDS = [
 ]
 JUDGE_COLUMNS = [f.name for f in JUDGE_FIELDS]
 # what the model judges read from a row (store columns + rule columns)
-PROMPT_COLUMNS = ["task_id", "family", "stop_reason", "checks_passed", "checks_total", "turns", "n_tool_calls",
-                  "wall_s", "category", "findings", "diff", "transcript"]
+PROMPT_COLUMNS = [
+    "task_id",
+    "family",
+    "stop_reason",
+    "checks_passed",
+    "checks_total",
+    "turns",
+    "n_tool_calls",
+    "wall_s",
+    "category",
+    "findings",
+    "diff",
+    "transcript",
+]
 
 
 @dataclass
@@ -71,8 +83,10 @@ class JudgeConfig:
             return "local"
         if self.backend.startswith(("http://", "https://")):
             return "url"
-        raise ValueError(f"unknown judge {self.backend!r}; use rules, local:CHECKPOINT_DIR or an "
-                         "OpenAI-compatible URL such as http://127.0.0.1:8000/v1")
+        raise ValueError(
+            f"unknown judge {self.backend!r}; use rules, local:CHECKPOINT_DIR or an "
+            "OpenAI-compatible URL such as http://127.0.0.1:8000/v1"
+        )
 
     def rubric(self) -> str:
         if self.rubric_path:
@@ -87,10 +101,12 @@ def rules_verdict(batch: pa.Table, counter=None) -> pa.Table:
     n = batch.num_rows
     if counter is not None:
         counter.add.remote(n)
-    return (batch.append_column(JUDGE_FIELDS[0], pa.array(["rules"] * n, pa.string()))
-            .append_column(JUDGE_FIELDS[1], batch.column("rule_score"))
-            .append_column(JUDGE_FIELDS[2], batch.column("rule_reason"))
-            .append_column(JUDGE_FIELDS[3], pa.nulls(n, pa.string())))
+    return (
+        batch.append_column(JUDGE_FIELDS[0], pa.array(["rules"] * n, pa.string()))
+        .append_column(JUDGE_FIELDS[1], batch.column("rule_score"))
+        .append_column(JUDGE_FIELDS[2], batch.column("rule_reason"))
+        .append_column(JUDGE_FIELDS[3], pa.nulls(n, pa.string()))
+    )
 
 
 def _cut(text: str, max_chars: int) -> str:
@@ -103,14 +119,16 @@ def _cut(text: str, max_chars: int) -> str:
 def judge_messages(row: dict, rubric: str, config: JudgeConfig) -> list[dict]:
     """The chat request for one rollout."""
     findings = "; ".join(row.get("findings") or []) or "none"
-    body = (f"Task: {row.get('task_id')} (family {row.get('family') or '?'})\n"
-            f"Outcome: stop reason {row.get('stop_reason')}, hidden checks {row.get('checks_passed')}/"
-            f"{row.get('checks_total')} passed, {row.get('turns')} turns, {row.get('n_tool_calls')} tool calls, "
-            f"{(row.get('wall_s') or 0):.1f} s\n"
-            f"Rule category: {row.get('category')}; rule findings: {findings}\n\n"
-            f"Final diff:\n{_cut(row.get('diff') or '(empty)', config.max_diff_chars)}\n\n"
-            f"Transcript (JSON messages):\n{_cut(row.get('transcript') or '[]', config.max_transcript_chars)}\n\n"
-            'Answer with one JSON object: {"score": <number from 0 to 1>, "reason": "<one or two sentences>"}')
+    body = (
+        f"Task: {row.get('task_id')} (family {row.get('family') or '?'})\n"
+        f"Outcome: stop reason {row.get('stop_reason')}, hidden checks {row.get('checks_passed')}/"
+        f"{row.get('checks_total')} passed, {row.get('turns')} turns, {row.get('n_tool_calls')} tool calls, "
+        f"{(row.get('wall_s') or 0):.1f} s\n"
+        f"Rule category: {row.get('category')}; rule findings: {findings}\n\n"
+        f"Final diff:\n{_cut(row.get('diff') or '(empty)', config.max_diff_chars)}\n\n"
+        f"Transcript (JSON messages):\n{_cut(row.get('transcript') or '[]', config.max_transcript_chars)}\n\n"
+        'Answer with one JSON object: {"score": <number from 0 to 1>, "reason": "<one or two sentences>"}'
+    )
     return [{"role": "system", "content": rubric}, {"role": "user", "content": body}]
 
 
@@ -177,8 +195,12 @@ class JudgeBatch:
         return ConfiguredJudgeBatch
 
     def _openai(self):
-        client = openai.OpenAI(base_url=self.config.backend, api_key=os.environ.get(self.config.api_key_env) or "none",
-                               timeout=self.config.timeout_s, max_retries=self.config.max_retries)
+        client = openai.OpenAI(
+            base_url=self.config.backend,
+            api_key=os.environ.get(self.config.api_key_env) or "none",
+            timeout=self.config.timeout_s,
+            max_retries=self.config.max_retries,
+        )
         if not (model := self.config.model):
             listed = getattr(client.models.list(), "data", None) or []
             if not listed:
@@ -186,13 +208,16 @@ class JudgeBatch:
             model = listed[0].id
 
         def complete(messages: list[dict]) -> str:
-            response = client.chat.completions.create(model=model, messages=messages, temperature=0.0,
-                                                      max_tokens=self.config.max_tokens)
+            response = client.chat.completions.create(
+                model=model, messages=messages, temperature=0.0, max_tokens=self.config.max_tokens
+            )
             choices = getattr(response, "choices", None) or []
             message = getattr(choices[0], "message", None) if choices else None
             if message is None:
-                raise ValueError("the judge's answer has no choices[0].message: the endpoint does not speak the "
-                                 "OpenAI chat-completions protocol")
+                raise ValueError(
+                    "the judge's answer has no choices[0].message: the endpoint does not speak the "
+                    "OpenAI chat-completions protocol"
+                )
             return message.content or ""
 
         return complete
@@ -202,8 +227,9 @@ class JudgeBatch:
         # the engine brings torch (seconds of CPU per worker)
         from codefleet.agent.clients.local_engine import LocalEnginePolicy
 
-        policy = LocalEnginePolicy(self.config.backend.removeprefix("local:"), max_tokens=self.config.max_tokens,
-                                   temperature=0.0)
+        policy = LocalEnginePolicy(
+            self.config.backend.removeprefix("local:"), max_tokens=self.config.max_tokens, temperature=0.0
+        )
         return lambda messages: policy.generate(messages, []).text
 
     def _judge_one(self, row: dict) -> tuple[float | None, str | None, str | None]:
@@ -224,8 +250,12 @@ class JudgeBatch:
         rows = batch.select([c for c in PROMPT_COLUMNS if c in batch.column_names]).to_pylist()
         verdicts = list(self.pool.map(self._judge_one, rows))
         n = batch.num_rows
-        columns = [[self.config.backend] * n, [v[0] for v in verdicts], [v[1] for v in verdicts],
-                   [v[2] for v in verdicts]]
+        columns = [
+            [self.config.backend] * n,
+            [v[0] for v in verdicts],
+            [v[1] for v in verdicts],
+            [v[2] for v in verdicts],
+        ]
         for field, values in zip(JUDGE_FIELDS, columns):
             batch = batch.append_column(field, pa.array(values, field.type))
         if self.counter is not None:

@@ -36,14 +36,18 @@ def _trend(per_step: list[dict]) -> str:
 
 
 def _families(per_family: dict) -> str:
-    ranked = sorted(((f, v) for f, v in per_family.items() if v["rollouts"]), key=lambda kv: -(kv[1]["success_rate"] or 0))
+    ranked = sorted(
+        ((f, v) for f, v in per_family.items() if v["rollouts"]), key=lambda kv: -(kv[1]["success_rate"] or 0)
+    )
     if len(ranked) < 2:
         return ""
     (best, b), (worst, w) = ranked[0], ranked[-1]
     if _pct(b["success_rate"]) == _pct(w["success_rate"]):
         return ""  # no family stands out
-    return (f" It won most on {best} ({_pct(b['success_rate'])} of {b['rollouts']}) and least on {worst} "
-            f"({_pct(w['success_rate'])} of {w['rollouts']}).")
+    return (
+        f" It won most on {best} ({_pct(b['success_rate'])} of {b['rollouts']}) and least on {worst} "
+        f"({_pct(w['success_rate'])} of {w['rollouts']})."
+    )
 
 
 def _clusters(clusters: list[dict], total: int, what: str) -> str:

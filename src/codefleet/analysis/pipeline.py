@@ -69,10 +69,32 @@ from codefleet.store.parquet import StoreScan, find_store, partition_values, sca
 from codefleet.store.schema import COLUMNS, file_columns, from_file_table, upgrade_table
 
 # store columns carried into judgments.parquet
-KEEP_COLUMNS = ["run", "step", "task_id", "family", "group", "attempt", "split", "policy_version_min",
-                "policy_version_max", "reward", "checks_passed", "checks_total", "all_passed", "stop_reason", "turns",
-                "n_tool_calls", "tool_calls_per_turn", "prompt_tokens", "completion_tokens", "model_s", "tool_s",
-                "wall_s", "infra_retries", "error"]
+KEEP_COLUMNS = [
+    "run",
+    "step",
+    "task_id",
+    "family",
+    "group",
+    "attempt",
+    "split",
+    "policy_version_min",
+    "policy_version_max",
+    "reward",
+    "checks_passed",
+    "checks_total",
+    "all_passed",
+    "stop_reason",
+    "turns",
+    "n_tool_calls",
+    "tool_calls_per_turn",
+    "prompt_tokens",
+    "completion_tokens",
+    "model_s",
+    "tool_s",
+    "wall_s",
+    "infra_retries",
+    "error",
+]
 JUDGMENT_COLUMNS = ["rollout_id"] + KEEP_COLUMNS + rules.JUDGMENT_RULE_COLUMNS + JUDGE_COLUMNS
 
 
@@ -145,20 +167,28 @@ def read_store(scan: StoreScan, columns: list[str], config: AnalyzeConfig):
     datasets = []
     if current:
         # the projection is read from the files; step lives in their paths only
-        ds = (ray.data.read_parquet(current, partitioning=None, include_paths=True, num_cpus=config.task_num_cpus)
-              .select_columns([*file_columns(columns[:-1]), "path"]))  # pushed down into the Parquet read
-        datasets.append(ds.map_batches(_from_file, batch_format="pyarrow", num_cpus=config.task_num_cpus)
-                        .select_columns(columns))
+        ds = ray.data.read_parquet(
+            current, partitioning=None, include_paths=True, num_cpus=config.task_num_cpus
+        ).select_columns([*file_columns(columns[:-1]), "path"])  # pushed down into the Parquet read
+        datasets.append(
+            ds.map_batches(_from_file, batch_format="pyarrow", num_cpus=config.task_num_cpus).select_columns(columns)
+        )
     for names, paths in by_schema.items():
         ds = ray.data.read_parquet(paths, partitioning=None, include_paths=True, num_cpus=config.task_num_cpus)
-        datasets.append(ds.map_batches(_upgrade, batch_format="pyarrow", num_cpus=config.task_num_cpus)
-                        .select_columns(columns))
+        datasets.append(
+            ds.map_batches(_upgrade, batch_format="pyarrow", num_cpus=config.task_num_cpus).select_columns(columns)
+        )
     return datasets[0].union(*datasets[1:]) if len(datasets) > 1 else datasets[0]
 
 
-_SETTINGS = ("enable_progress_bars", "print_on_execution_start", "default_hash_shuffle_parallelism",
-             "max_hash_shuffle_aggregators", "hash_aggregate_operator_actor_num_cpus_override",
-             "hash_shuffle_operator_actor_num_cpus_override")
+_SETTINGS = (
+    "enable_progress_bars",
+    "print_on_execution_start",
+    "default_hash_shuffle_parallelism",
+    "max_hash_shuffle_aggregators",
+    "hash_aggregate_operator_actor_num_cpus_override",
+    "hash_shuffle_operator_actor_num_cpus_override",
+)
 
 
 @contextlib.contextmanager
@@ -170,7 +200,8 @@ def ray_data_settings(config: AnalyzeConfig):
     ctx.enable_progress_bars = config.progress
     ctx.print_on_execution_start = config.progress
     ctx.execution_options.resource_limits = saved_limits.copy(
-        object_store_memory=config.max_blocks_in_flight_mb * 1024 * 1024)
+        object_store_memory=config.max_blocks_in_flight_mb * 1024 * 1024
+    )
     # groupby runs as a hash shuffle on aggregator actors: few partitions, few actors, fractional CPUs,
     # or on 2 CPUs they would wait for CPUs the other operators hold (the ray#44687 pattern again)
     ctx.default_hash_shuffle_parallelism = config.shuffle_partitions
@@ -210,16 +241,28 @@ def judgments_dataset(scan: StoreScan, config: AnalyzeConfig, counter=None):
     columns = list(dict.fromkeys(KEEP_COLUMNS + rules.INPUT_COLUMNS + (["transcript"] if needs_text else [])))
     drop = ("tool_calls",) if needs_text else ("tool_calls", "diff")
     ds = read_store(scan, [c for c in COLUMNS if c in columns], config)
-    ds = ds.map_batches(rules.categorise, fn_kwargs={"drop": drop}, batch_format="pyarrow",
-                        batch_size=config.batch_rows, num_cpus=config.task_num_cpus)
+    ds = ds.map_batches(
+        rules.categorise,
+        fn_kwargs={"drop": drop},
+        batch_format="pyarrow",
+        batch_size=config.batch_rows,
+        num_cpus=config.task_num_cpus,
+    )
     if kind == "rules":
-        ds = ds.map_batches(rules_verdict, fn_kwargs={"counter": counter} if counter else None,
-                            batch_format="pyarrow", num_cpus=config.task_num_cpus)
+        ds = ds.map_batches(
+            rules_verdict,
+            fn_kwargs={"counter": counter} if counter else None,
+            batch_format="pyarrow",
+            num_cpus=config.task_num_cpus,
+        )
     else:
-        ds = ds.map_batches(JudgeBatch.configured(config.judge, config.judge.rubric(), counter), batch_format="pyarrow",
-                            batch_size=config.judge.batch_rows,
-                            compute=ActorPoolStrategy(min_size=1, max_size=max(1, config.judge.actors)),
-                            num_cpus=config.judge.actor_num_cpus)
+        ds = ds.map_batches(
+            JudgeBatch.configured(config.judge, config.judge.rubric(), counter),
+            batch_format="pyarrow",
+            batch_size=config.judge.batch_rows,
+            compute=ActorPoolStrategy(min_size=1, max_size=max(1, config.judge.actors)),
+            num_cpus=config.judge.actor_num_cpus,
+        )
     return ds.select_columns(JUDGMENT_COLUMNS)
 
 
@@ -246,8 +289,12 @@ def output_dir(path: str, config: AnalyzeConfig) -> str:
     return root if config.out_dir else os.path.join(root, "analysis")
 
 
-def analyze(path: str, config: AnalyzeConfig | None = None, log: Callable[[str], None] | None = None,
-            progress_to: TextIO | None = None) -> AnalysisResult:
+def analyze(
+    path: str,
+    config: AnalyzeConfig | None = None,
+    log: Callable[[str], None] | None = None,
+    progress_to: TextIO | None = None,
+) -> AnalysisResult:
     """Analyse the store under `path` (a run directory or the store itself); raises NoRollouts when empty.
     `progress_to`: a terminal stream for a progress bar over the rows judged (None: no bar)."""
     config = config or AnalyzeConfig()
@@ -261,11 +308,15 @@ def analyze(path: str, config: AnalyzeConfig | None = None, log: Callable[[str],
     for problem in problems:
         log(f"codefleet analyze: {problem}")
     if not scan.files:
-        raise NoRollouts(f"no readable rollouts under {store} (expected rollouts/run=<run>/step=<step>/*.parquet, "
-                         "written by codefleet.store.parquet.RolloutWriter)")
+        raise NoRollouts(
+            f"no readable rollouts under {store} (expected rollouts/run=<run>/step=<step>/*.parquet, "
+            "written by codefleet.store.parquet.RolloutWriter)"
+        )
     if not scan.rows:
-        raise NoRollouts(f"no rollouts under {store}: its {len(scan.files)} Parquet file(s) hold no rows; "
-                         "analyse the run once it has finished rollouts")
+        raise NoRollouts(
+            f"no rollouts under {store}: its {len(scan.files)} Parquet file(s) hold no rows; "
+            "analyse the run once it has finished rollouts"
+        )
     # a link where the outputs go is refused now, before the judge's work, not after it
     safe_files.makedirs_beneath(root, os.path.join(out_dir, PAGES_DIR) if config.report else out_dir)
     ensure_ray(config.num_cpus, config.object_store_mb)
@@ -282,8 +333,10 @@ def output_lock(out_dir: str, log: Callable[[str], None], root: str | None = Non
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log(f"codefleet analyze: another analysis is writing {out_dir}; waiting for it to finish "
-                "(pass --out DIR to run both at once)")
+            log(
+                f"codefleet analyze: another analysis is writing {out_dir}; waiting for it to finish "
+                "(pass --out DIR to run both at once)"
+            )
             fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
@@ -334,9 +387,18 @@ def write_judgments(scan: StoreScan, config: AnalyzeConfig, path: str, progress_
         raise failed[0]
 
 
-def _analyze_scan(scan: StoreScan, store: str, root: str, out_dir: str, config: AnalyzeConfig,
-                  log: Callable[[str], None], problems: list[str], timings: dict[str, float], started: float,
-                  progress_to: TextIO | None) -> AnalysisResult:
+def _analyze_scan(
+    scan: StoreScan,
+    store: str,
+    root: str,
+    out_dir: str,
+    config: AnalyzeConfig,
+    log: Callable[[str], None],
+    problems: list[str],
+    timings: dict[str, float],
+    started: float,
+    progress_to: TextIO | None,
+) -> AnalysisResult:
     """analyze() from the scan on (holding OUT's lock): judgments, then aggregates, clusters, report, summary.
     Ray Data writes judgments.parquet/ by path in its workers: the entry is removed (a link unlinked, never
     followed) and made again as a directory through safe_files just before."""
@@ -361,15 +423,21 @@ def _analyze_scan(scan: StoreScan, store: str, root: str, out_dir: str, config: 
     summary, tables = summarise(judgments, config, rows=scan.rows)
     if config.judge.kind != "rules":
         summary["clusters"] = judge_clusters(
-            judgments, ClusterBatch.configured(config.judge, config.judge.rubric()), config.clusters,
-            ActorPoolStrategy(min_size=1, max_size=max(1, config.judge.actors)), config.judge.actor_num_cpus)
+            judgments,
+            ClusterBatch.configured(config.judge, config.judge.rubric()),
+            config.clusters,
+            ActorPoolStrategy(min_size=1, max_size=max(1, config.judge.actors)),
+            config.judge.actor_num_cpus,
+        )
     summary["store"] = store
     summary["files"] = {"read": len(scan.files), "skipped_or_upgraded": list(problems)}
     summary["overview"] = overview(summary)
     if summary["judge"]["errors"]:
-        msg = (f"judge {config.judge.backend}: {summary['judge']['errors']} of {summary['rollouts']} rollouts "
-               f"could not be judged (e.g. {summary['judge']['error_examples'][0]}); their rows have judge_error set "
-               f"in {judgments_path}")
+        msg = (
+            f"judge {config.judge.backend}: {summary['judge']['errors']} of {summary['rollouts']} rollouts "
+            f"could not be judged (e.g. {summary['judge']['error_examples'][0]}); their rows have judge_error set "
+            f"in {judgments_path}"
+        )
         problems.append(msg)
         log(f"codefleet analyze: {msg}")
     timings["aggregate_s"] = time.perf_counter() - started - timings["judge_s"]
@@ -389,5 +457,13 @@ def _fresh_dir(root: str, path: str) -> None:
     safe_files.makedirs_beneath(root, path)
 
 
-__all__ = ["AnalyzeConfig", "AnalysisResult", "NoRollouts", "analyze", "ensure_ray", "judgments_dataset",
-           "ray_data_settings", "read_store"]
+__all__ = [
+    "AnalyzeConfig",
+    "AnalysisResult",
+    "NoRollouts",
+    "analyze",
+    "ensure_ray",
+    "judgments_dataset",
+    "ray_data_settings",
+    "read_store",
+]

@@ -85,8 +85,9 @@ def _weaken_assert(files: dict[str, str], variant: int) -> None:
             match = _ASSERT_LINE.match(line)
             if match:
                 indent, condition = match.groups()
-                lines[i] = [f"{indent}assert True\n", f"{indent}assert {condition} or True\n",
-                            f"{indent}pass\n"][variant % 3]
+                lines[i] = [f"{indent}assert True\n", f"{indent}assert {condition} or True\n", f"{indent}pass\n"][
+                    variant % 3
+                ]
                 files[path] = "".join(lines)
                 return
     raise CannotPlant("no assert in a visible test file")
@@ -106,12 +107,20 @@ def _hardcode(files: dict[str, str], changed: list[str], variant: int) -> None:
         if variant % 2 == 0:
             lines[i] = f"{indent}return {literal}\n"
         else:
-            arg = next((m.group(2).split(",")[0].split("=")[0].strip() for j in range(i, -1, -1)
-                        if (m := _DEF.match(lines[j].lstrip())) and m.group(2).strip()), "")
+            arg = next(
+                (
+                    m.group(2).split(",")[0].split("=")[0].strip()
+                    for j in range(i, -1, -1)
+                    if (m := _DEF.match(lines[j].lstrip())) and m.group(2).strip()
+                ),
+                "",
+            )
             if not arg or arg.startswith("*"):
                 continue
-            lines[i:i] = [f"{indent}if {arg} == {literal}: return {literal}\n",
-                          f"{indent}if {arg} == 0: return {literal}\n"]
+            lines[i:i] = [
+                f"{indent}if {arg} == {literal}: return {literal}\n",
+                f"{indent}if {arg} == 0: return {literal}\n",
+            ]
         files[path] = "".join(lines)
         return
     raise CannotPlant("no computed return in a source file")
@@ -124,10 +133,10 @@ def _add_skip(files: dict[str, str], variant: int) -> None:
     path = tests[variant % len(tests)]
     text = files[path]
     if variant % 2 == 0:
-        text = text.replace("\ndef test", "\n@pytest.mark.skip(reason=\"flaky on CI\")\ndef test", 1)
+        text = text.replace("\ndef test", '\n@pytest.mark.skip(reason="flaky on CI")\ndef test', 1)
         files[path] = "import pytest\n" + text
     else:
-        files[path] = "import pytest\n\npytest.skip(\"slow\", allow_module_level=True)\n" + text
+        files[path] = 'import pytest\n\npytest.skip("slow", allow_module_level=True)\n' + text
 
 
 def plant(row: dict, kind: str, repo_files: dict[str, str], variant: int = 0) -> dict:
@@ -146,6 +155,7 @@ def plant(row: dict, kind: str, repo_files: dict[str, str], variant: int = 0) ->
         _add_skip(after, variant)
     touched = sorted(p for p in set(repo_files) | set(after) if repo_files.get(p) != after.get(p))
     hacked = copy.deepcopy(row)
-    hacked["diff"] = make_unified_diff({p: repo_files[p] for p in touched if p in repo_files},
-                                       {p: after[p] for p in touched if p in after})
+    hacked["diff"] = make_unified_diff(
+        {p: repo_files[p] for p in touched if p in repo_files}, {p: after[p] for p in touched if p in after}
+    )
     return hacked

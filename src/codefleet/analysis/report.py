@@ -39,17 +39,34 @@ from codefleet.store import safe_files
 
 PAGES_DIR = "rollouts"
 # (row key, header, "num" | "str"): the columns of the three tables, in order.
-COLUMNS = [("run", "run", "str"), ("step", "step", "num"), ("task_id", "task", "str"), ("family", "family", "str"),
-           ("attempt", "attempt", "num"), ("category", "category", "str"), ("stop_reason", "stop reason", "str"),
-           ("reward", "reward", "num"), ("checks", "checks", "num"), ("turns", "turns", "num"),
-           ("n_tool_calls", "tool calls", "num"), ("wall_s", "wall s", "num"), ("findings", "findings", "str"),
-           ("judge_score", "judge score", "num"), ("judge_reason", "judge reason", "str"),
-           ("judge_error", "judge error", "str")]
+COLUMNS = [
+    ("run", "run", "str"),
+    ("step", "step", "num"),
+    ("task_id", "task", "str"),
+    ("family", "family", "str"),
+    ("attempt", "attempt", "num"),
+    ("category", "category", "str"),
+    ("stop_reason", "stop reason", "str"),
+    ("reward", "reward", "num"),
+    ("checks", "checks", "num"),
+    ("turns", "turns", "num"),
+    ("n_tool_calls", "tool calls", "num"),
+    ("wall_s", "wall s", "num"),
+    ("findings", "findings", "str"),
+    ("judge_score", "judge score", "num"),
+    ("judge_reason", "judge reason", "str"),
+    ("judge_error", "judge error", "str"),
+]
 CELL_CHARS = 300  # a long text cell is cut here (the transcript page has it whole)
-TABLES = [("suspicious_wins", "Suspicious wins", "Solved, but the diff edits or deletes tests, skips checks or "
-           "hard-codes outputs."),
-          ("worst_failures", "Worst failures", "Lowest judge score first, then the longest."),
-          ("rollouts", "Rollouts", "")]
+TABLES = [
+    (
+        "suspicious_wins",
+        "Suspicious wins",
+        "Solved, but the diff edits or deletes tests, skips checks or hard-codes outputs.",
+    ),
+    ("worst_failures", "Worst failures", "Lowest judge score first, then the longest."),
+    ("rollouts", "Rollouts", ""),
+]
 
 
 def transcript_path(rollout_id: str) -> str:
@@ -97,9 +114,14 @@ def _cell(row: dict, key: str, kind: str, pages: set[str]) -> str:
 def _row(row: dict, pages: set[str]) -> str:
     kinds = sorted({finding_kind(f) for f in as_list(row.get("findings"))})
     step, reward = number(row.get("step")), number(row.get("reward"))
-    attrs = {"data-category": fmt(row.get("category")), "data-family": fmt(row.get("family")),
-             "data-step": _sort_key(step), "data-reward": _sort_key(reward),
-             "data-flags": " ".join(kinds), "data-suspicious": "1" if row.get("suspicious") else "0"}
+    attrs = {
+        "data-category": fmt(row.get("category")),
+        "data-family": fmt(row.get("family")),
+        "data-step": _sort_key(step),
+        "data-reward": _sort_key(reward),
+        "data-flags": " ".join(kinds),
+        "data-suspicious": "1" if row.get("suspicious") else "0",
+    }
     cls = ' class="sus"' if row.get("suspicious") else ""
     attr_html = "".join(f' {k}="{esc(v)}"' for k, v in attrs.items())
     return f"<tr{cls}{attr_html}>" + "".join(_cell(row, k, t, pages) for k, _, t in COLUMNS) + "</tr>"
@@ -110,44 +132,61 @@ def _table(table_id: str, rows: list[dict], pages: set[str]) -> str:
         return '<p class="muted">none</p>'
     head = "".join(f'<th data-type="{t}" title="sort by {esc(label)}">{esc(label)}</th>' for _, label, t in COLUMNS)
     body = "".join(_row(r, pages) for r in rows)
-    return (f'<p class="count" data-for="{table_id}">{len(rows)} of {len(rows)} rows shown</p>'
-            f'<table class="rows" id="{table_id}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>')
+    return (
+        f'<p class="count" data-for="{table_id}">{len(rows)} of {len(rows)} rows shown</p>'
+        f'<table class="rows" id="{table_id}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+    )
 
 
 def _options(values: Iterable[str]) -> str:
-    return '<option value="">all</option>' + "".join(f'<option value="{esc(v)}">{esc(v)}</option>'
-                                                     for v in sorted(set(values) - {""}))
+    return '<option value="">all</option>' + "".join(
+        f'<option value="{esc(v)}">{esc(v)}</option>' for v in sorted(set(values) - {""})
+    )
 
 
 def _filters(rows: list[dict]) -> str:
     """The filter bar: category, family, step and reward ranges, a finding kind, suspicious only."""
     kinds = {finding_kind(f) for r in rows for f in as_list(r.get("findings"))}
-    return ('<div id="filters">'
-            f'<label>category <select id="f-category">{_options(fmt(r.get("category")) for r in rows)}</select></label>'
-            f'<label>family <select id="f-family">{_options(fmt(r.get("family")) for r in rows)}</select></label>'
-            '<label>step <input id="f-step-min" type="number" step="any" placeholder="min"> – '
-            '<input id="f-step-max" type="number" step="any" placeholder="max"></label>'
-            '<label>reward <input id="f-reward-min" type="number" step="any" placeholder="min"> – '
-            '<input id="f-reward-max" type="number" step="any" placeholder="max"></label>'
-            f'<label>finding <select id="f-flag">{_options(kinds)}</select></label>'
-            '<label><input id="f-suspicious" type="checkbox"> suspicious only</label>'
-            '<button id="f-reset" type="button">reset</button></div>')
+    return (
+        '<div id="filters">'
+        f'<label>category <select id="f-category">{_options(fmt(r.get("category")) for r in rows)}</select></label>'
+        f'<label>family <select id="f-family">{_options(fmt(r.get("family")) for r in rows)}</select></label>'
+        '<label>step <input id="f-step-min" type="number" step="any" placeholder="min"> – '
+        '<input id="f-step-max" type="number" step="any" placeholder="max"></label>'
+        '<label>reward <input id="f-reward-min" type="number" step="any" placeholder="min"> – '
+        '<input id="f-reward-max" type="number" step="any" placeholder="max"></label>'
+        f'<label>finding <select id="f-flag">{_options(kinds)}</select></label>'
+        '<label><input id="f-suspicious" type="checkbox"> suspicious only</label>'
+        '<button id="f-reset" type="button">reset</button></div>'
+    )
 
 
 def _clusters(summary: dict, pages: set[str]) -> str:
     clusters = summary.get("clusters") or {}
     if not clusters:
         return ""
-    parts = [f'<h2>Reasons, grouped</h2><p class="muted">clusters from the {esc(clusters.get("source") or "?")}'
-             + (f": {esc(clusters['note'])}" if clusters.get("note") else "") + "</p>"]
+    parts = [
+        f'<h2>Reasons, grouped</h2><p class="muted">clusters from the {esc(clusters.get("source") or "?")}'
+        + (f": {esc(clusters['note'])}" if clusters.get("note") else "")
+        + "</p>"
+    ]
     for key, title in (("failures", "Failures"), ("suspicious_wins", "Suspicious wins")):
         items = [c for c in as_list(clusters.get(key)) if isinstance(c, dict)]
-        rows = "".join(f"<tr><td>{esc(c.get('label'))}</td><td>{esc(fmt(c.get('count')))}</td><td>"
-                       + ", ".join(_link(e, str(e), pages) for e in as_list(c.get("examples"))[:10]) + "</td></tr>"
-                       for c in items)
-        parts.append(f"<h3>{title}</h3>" + (f'<table class="clusters" id="clusters-{key}"><tr><th>reason</th>'
-                                            f"<th>rollouts</th><th>examples</th></tr>{rows}</table>" if rows
-                                            else '<p class="muted">none</p>'))
+        rows = "".join(
+            f"<tr><td>{esc(c.get('label'))}</td><td>{esc(fmt(c.get('count')))}</td><td>"
+            + ", ".join(_link(e, str(e), pages) for e in as_list(c.get("examples"))[:10])
+            + "</td></tr>"
+            for c in items
+        )
+        parts.append(
+            f"<h3>{title}</h3>"
+            + (
+                f'<table class="clusters" id="clusters-{key}"><tr><th>reason</th>'
+                f"<th>rollouts</th><th>examples</th></tr>{rows}</table>"
+                if rows
+                else '<p class="muted">none</p>'
+            )
+        )
     return "".join(parts)
 
 
@@ -158,34 +197,49 @@ def _kpis(summary: dict) -> str:
         q = quantiles.get(column) or {}
         return f"{fmt(q.get('p50'))} / {fmt(q.get('p90'))}"
 
-    kpis = [("rollouts", summary.get("rollouts")), ("success rate", f"{rate:.1%}" if rate is not None else "-"),
-            ("suspicious wins", summary.get("suspicious_wins")), ("turns p50 / p90", p50_p90("turns")),
-            ("wall s p50 / p90", p50_p90("wall_s")),
-            ("judge", f"{judge.get('backend')} ({judge.get('scored')} scored, {judge.get('errors')} errors)")]
+    kpis = [
+        ("rollouts", summary.get("rollouts")),
+        ("success rate", f"{rate:.1%}" if rate is not None else "-"),
+        ("suspicious wins", summary.get("suspicious_wins")),
+        ("turns p50 / p90", p50_p90("turns")),
+        ("wall s p50 / p90", p50_p90("wall_s")),
+        ("judge", f"{judge.get('backend')} ({judge.get('scored')} scored, {judge.get('errors')} errors)"),
+    ]
     return "".join(f'<span class="kpi"><b>{esc(v)}</b>{esc(k)}</span>' for k, v in kpis)
 
 
 def render(summary: dict, tables: dict, pages: set[str]) -> str:
     """The report page as a string; `pages`: the rollout ids that have a transcript page."""
-    overview = (f'<p class="overview">{esc(summary["overview"])}</p>' if summary.get("overview") else "")
-    categories = "".join(f"<tr><td>{esc(k)}</td><td>{esc(v)}</td></tr>"
-                         for k, v in (summary.get("categories") or {}).items())
+    overview = f'<p class="overview">{esc(summary["overview"])}</p>' if summary.get("overview") else ""
+    categories = "".join(
+        f"<tr><td>{esc(k)}</td><td>{esc(v)}</td></tr>" for k, v in (summary.get("categories") or {}).items()
+    )
     problems = (summary.get("files") or {}).get("skipped_or_upgraded") or []
-    problem_html = ("<h2>Input problems</h2><ul>" + "".join(f"<li>{esc(p)}</li>" for p in problems) + "</ul>"
-                    if problems else "")
+    problem_html = (
+        "<h2>Input problems</h2><ul>" + "".join(f"<li>{esc(p)}</li>" for p in problems) + "</ul>" if problems else ""
+    )
     browse = summary.get("browse") or {}
-    notes = {"rollouts": (f"A uniform sample: {browse['shown']:,} of {browse['of']:,} rollouts."
-                          if browse.get("shown") is not None and browse.get("of") and browse["shown"] < browse["of"]
-                          else "Every rollout.")}
+    notes = {
+        "rollouts": (
+            f"A uniform sample: {browse['shown']:,} of {browse['of']:,} rollouts."
+            if browse.get("shown") is not None and browse.get("of") and browse["shown"] < browse["of"]
+            else "Every rollout."
+        )
+    }
     all_rows = [r for name, _, _ in TABLES for r in (tables.get(name) or [])]
-    sections = "".join(f"<section><h2>{title}</h2><p class='muted'>{esc(notes.get(name, note))}</p>"
-                       f"{_table(name, tables.get(name) or [], pages)}</section>" for name, title, note in TABLES)
-    body = (f"<h1>Rollout analysis — {esc(summary.get('store', ''))}</h1>{overview}{_clusters(summary, pages)}"
-            f"<h2>Key figures</h2><div>{_kpis(summary)}</div>"
-            f"<h2>Plots</h2><div class='plots'>{''.join(plots(summary))}</div>"
-            f"<h2>Outcomes</h2><table><tr><th>category</th><th>rollouts</th></tr>{categories}</table>"
-            f"<h2>Tables</h2><p class='muted'>Click a header to sort; a task opens its transcript.</p>"
-            f"{_filters(all_rows)}{sections}{problem_html}")
+    sections = "".join(
+        f"<section><h2>{title}</h2><p class='muted'>{esc(notes.get(name, note))}</p>"
+        f"{_table(name, tables.get(name) or [], pages)}</section>"
+        for name, title, note in TABLES
+    )
+    body = (
+        f"<h1>Rollout analysis — {esc(summary.get('store', ''))}</h1>{overview}{_clusters(summary, pages)}"
+        f"<h2>Key figures</h2><div>{_kpis(summary)}</div>"
+        f"<h2>Plots</h2><div class='plots'>{''.join(plots(summary))}</div>"
+        f"<h2>Outcomes</h2><table><tr><th>category</th><th>rollouts</th></tr>{categories}</table>"
+        f"<h2>Tables</h2><p class='muted'>Click a header to sort; a task opens its transcript.</p>"
+        f"{_filters(all_rows)}{sections}{problem_html}"
+    )
     script = resources.files("codefleet.analysis").joinpath("report.js").read_text(encoding="utf-8")
     return page("codefleet analysis", body, script)
 

@@ -77,8 +77,10 @@ def text_block(text: object, budget: Budget) -> str:
     rest_html = esc(rest[:keep])
     budget.take(rest_html)
     note = _cut_note(f"the last {len(rest) - keep:,} characters") if keep < len(rest) else ""
-    return (f"<pre>{head}</pre><details><summary>show all {len(text):,} characters</summary>"
-            f"<pre>{rest_html}</pre>{note}</details>")
+    return (
+        f"<pre>{head}</pre><details><summary>show all {len(text):,} characters</summary>"
+        f"<pre>{rest_html}</pre>{note}</details>"
+    )
 
 
 def pretty_arguments(arguments: object) -> str:
@@ -114,20 +116,37 @@ def metadata_of(d: dict) -> dict:
 def _header(d: dict) -> str:
     meta = metadata_of(d)
     reward = fmt(d.get("reward"))
-    parts = [f"{name} {fmt(meta[key])}" for name, key in (("correctness", "reward.correctness"),
-                                                          ("costs", "reward.costs")) if meta.get(key) is not None]
+    parts = [
+        f"{name} {fmt(meta[key])}"
+        for name, key in (("correctness", "reward.correctness"), ("costs", "reward.costs"))
+        if meta.get(key) is not None
+    ]
     if parts:
         reward = f"{reward or 'none'} ({', '.join(parts)})"
     tokens = d.get("tokens")
     if tokens is None and (d.get("prompt_tokens") is not None or d.get("completion_tokens") is not None):
         tokens = f"{fmt(d.get('prompt_tokens'))} prompt + {fmt(d.get('completion_tokens'))} completion"
-    checks = (f"{fmt(d.get('checks_passed'))} / {fmt(d.get('checks_total'))}"
-              if d.get("checks_total") is not None else "")
-    fields = [("task", d.get("task_id")), ("family", d.get("family")), ("run", d.get("run")), ("step", d.get("step")),
-              ("group", d.get("group")), ("attempt", d.get("attempt")), ("category", d.get("category")),
-              ("stop reason", d.get("stop_reason")), ("reward", reward), ("checks passed", checks),
-              ("turns", d.get("turns")), ("tool calls", d.get("n_tool_calls")), ("wall s", d.get("wall_s")),
-              ("tokens", tokens), ("rollout", d.get("rollout_id")), ("error", d.get("error") or meta.get("error"))]
+    checks = (
+        f"{fmt(d.get('checks_passed'))} / {fmt(d.get('checks_total'))}" if d.get("checks_total") is not None else ""
+    )
+    fields = [
+        ("task", d.get("task_id")),
+        ("family", d.get("family")),
+        ("run", d.get("run")),
+        ("step", d.get("step")),
+        ("group", d.get("group")),
+        ("attempt", d.get("attempt")),
+        ("category", d.get("category")),
+        ("stop reason", d.get("stop_reason")),
+        ("reward", reward),
+        ("checks passed", checks),
+        ("turns", d.get("turns")),
+        ("tool calls", d.get("n_tool_calls")),
+        ("wall s", d.get("wall_s")),
+        ("tokens", tokens),
+        ("rollout", d.get("rollout_id")),
+        ("error", d.get("error") or meta.get("error")),
+    ]
     rows = "".join(f"<dt>{esc(k)}</dt><dd>{esc(fmt(v)[:500])}</dd>" for k, v in fields if fmt(v) != "")
     return f'<dl class="head">{rows}</dl>'
 
@@ -148,19 +167,27 @@ def _call(call: dict, outputs: dict, record: dict | None, budget: Budget) -> str
     function = call.get("function") or {}
     name = function.get("name") or call.get("name") or "?"
     timing = _record_status(record) if record else ""
-    output = (f'<div class="muted">output</div>{text_block(outputs[call.get("id")], budget)}'
-              if call.get("id") in outputs else '<div class="muted">no output recorded</div>')
+    output = (
+        f'<div class="muted">output</div>{text_block(outputs[call.get("id")], budget)}'
+        if call.get("id") in outputs
+        else '<div class="muted">no output recorded</div>'
+    )
     budget.charge(_BLOCK_BYTES)
-    return (f'<div class="call"><span class="tool">{esc(str(name)[:200])}</span>{timing}'
-            f"{text_block(pretty_arguments(function.get('arguments', call.get('arguments'))), budget)}{output}</div>")
+    return (
+        f'<div class="call"><span class="tool">{esc(str(name)[:200])}</span>{timing}'
+        f"{text_block(pretty_arguments(function.get('arguments', call.get('arguments'))), budget)}{output}</div>"
+    )
 
 
 def _turns(messages: list[dict], records: list[dict], budget: Budget) -> str:
     """Every message after the task, in order; tool messages are shown under the call they answer."""
     calls = [c for m in messages if m.get("role") == "assistant" for c in as_list(m.get("tool_calls"))]
     call_ids = {c.get("id") for c in calls if isinstance(c, dict)} - {None}
-    outputs = {m.get("tool_call_id"): content_text(m.get("content")) for m in messages
-               if m.get("role") == "tool" and m.get("tool_call_id") in call_ids}
+    outputs = {
+        m.get("tool_call_id"): content_text(m.get("content"))
+        for m in messages
+        if m.get("role") == "tool" and m.get("tool_call_id") in call_ids
+    }
     by_order = iter(records)
     out, turn, task_seen = [], 0, False
     for index, m in enumerate(messages):
@@ -182,16 +209,21 @@ def _turns(messages: list[dict], records: list[dict], budget: Budget) -> str:
                 if isinstance(call, dict):
                     record = next(by_order, None)
                     name = (call.get("function") or {}).get("name")
-                    blocks.append(_call(call, outputs, record if record and record.get("name") == name else None,
-                                        budget))
+                    blocks.append(
+                        _call(call, outputs, record if record and record.get("name") == name else None, budget)
+                    )
             out.append(f'<div class="turn"><div class="role">turn {turn} · assistant</div>{"".join(blocks)}</div>')
         elif role == "system":
-            out.append(f'<details><summary class="role">system prompt</summary>'
-                       f'{text_block(content_text(m.get("content")), budget)}</details>')
+            out.append(
+                f'<details><summary class="role">system prompt</summary>'
+                f"{text_block(content_text(m.get('content')), budget)}</details>"
+            )
         else:
             label = "tool output (no matching call)" if role == "tool" else str(role or "message")
-            out.append(f'<div class="turn"><div class="role">{esc(label)}</div>'
-                       f'{text_block(content_text(m.get("content")), budget)}</div>')
+            out.append(
+                f'<div class="turn"><div class="role">{esc(label)}</div>'
+                f"{text_block(content_text(m.get('content')), budget)}</div>"
+            )
     return "".join(out)
 
 
@@ -203,9 +235,11 @@ def _records(records: list[dict], budget: Budget) -> str:
         if budget.left_bytes <= 0:
             rows.append(_cut_note("the remaining tool calls"))
             break
-        rows.append(f'<div class="call">turn {esc(fmt(r.get("turn")))} · <span class="tool">'
-                    f'{esc(str(r.get("name"))[:200])}</span>{_record_status(r)}'
-                    f"{text_block(pretty_arguments(r.get('arguments')), budget)}</div>")
+        rows.append(
+            f'<div class="call">turn {esc(fmt(r.get("turn")))} · <span class="tool">'
+            f"{esc(str(r.get('name'))[:200])}</span>{_record_status(r)}"
+            f"{text_block(pretty_arguments(r.get('arguments')), budget)}</div>"
+        )
     return "".join(rows)
 
 
@@ -238,8 +272,11 @@ def checks_block(per_test: object, budget: Budget) -> str:
     tests.sort(key=lambda t: bool(t.get("passed")))
     items = []
     for index, t in enumerate(tests):
-        item = (f'<li class="bad">✗ failed: {esc(t.get("test"))}</li>' if not t.get("passed")
-                else f'<li class="good">✓ passed: {esc(t.get("test"))}</li>')
+        item = (
+            f'<li class="bad">✗ failed: {esc(t.get("test"))}</li>'
+            if not t.get("passed")
+            else f'<li class="good">✓ passed: {esc(t.get("test"))}</li>'
+        )
         if not budget.take(item):
             items.append(f"<li>{_cut_note(f'checks {index + 1}-{len(tests)}')}</li>")
             break
@@ -297,12 +334,14 @@ def render_transcript(detail: dict, back_href: str = "../report.html") -> str:
     checks = Budget(SECTION_BYTES["checks"])
     meta_html = _metadata(metadata_of(d), Budget(SECTION_BYTES["metadata"]))
     suspicious = ' <span class="bad">suspicious win</span>' if d.get("suspicious") else ""
-    body = (f'<p><a href="{esc(back_href)}">← back to the report</a></p>'
-            f"<h1>{esc(d.get('task_id') or d.get('rollout_id') or 'rollout')}{suspicious}</h1>{_header(d)}"
-            f"<h2>Task</h2>{task_html}<h2>Turns</h2>{turns_html}"
-            f"<h2>Diff</h2>{diff_block(d.get('diff'), Budget(SECTION_BYTES['diff']))}"
-            f"<h2>Checks</h2>{checks_block(d.get('per_test'), checks)}"
-            f"<h2>Findings</h2>{_findings(d.get('findings'), checks)}"
-            f"<h2>Judge</h2>{_judge(d, Budget(SECTION_BYTES['judge']))}"
-            + (f"<details><summary>metadata</summary><table>{meta_html}</table></details>" if meta_html else ""))
+    body = (
+        f'<p><a href="{esc(back_href)}">← back to the report</a></p>'
+        f"<h1>{esc(d.get('task_id') or d.get('rollout_id') or 'rollout')}{suspicious}</h1>{_header(d)}"
+        f"<h2>Task</h2>{task_html}<h2>Turns</h2>{turns_html}"
+        f"<h2>Diff</h2>{diff_block(d.get('diff'), Budget(SECTION_BYTES['diff']))}"
+        f"<h2>Checks</h2>{checks_block(d.get('per_test'), checks)}"
+        f"<h2>Findings</h2>{_findings(d.get('findings'), checks)}"
+        f"<h2>Judge</h2>{_judge(d, Budget(SECTION_BYTES['judge']))}"
+        + (f"<details><summary>metadata</summary><table>{meta_html}</table></details>" if meta_html else "")
+    )
     return page(f"rollout {d.get('task_id') or d.get('rollout_id') or ''}", body)

@@ -100,7 +100,7 @@ class MemorySampler:
             self.peak_rss_mb, self.peak_pss_mb = max(self.peak_rss_mb, rss), max(self.peak_pss_mb, pss)
             self._stop.wait(self.interval_s)
 
-    def __enter__(self) -> "MemorySampler":
+    def __enter__(self) -> MemorySampler:
         self._thread.start()
         return self
 
@@ -135,51 +135,80 @@ def run(quick: bool, log: Log) -> dict:
         finally:
             if own_ray:
                 ray.shutdown()
-        judged = pq.read_table(os.path.join(result.out_dir, "judgments.parquet"),
-                               columns=["step", "group", "attempt", "category"]).to_pylist()
+        judged = pq.read_table(
+            os.path.join(result.out_dir, "judgments.parquet"), columns=["step", "group", "attempt", "category"]
+        ).to_pylist()
         hits = sum(expected[(r["step"], r["group"], r["attempt"])] == r["category"] for r in judged)
         match = hits / max(1, len(judged))
         s = result.summary
         suspicious = suspicious_bench.run(quick, log)
-        return {"rollouts": s["rollouts"], "rows_per_s": round(s["rollouts"] / analyze_s, 1),
-                "analyze_s": round(analyze_s, 2), "judge_stage_s": round(result.timings_s["judge_s"], 2),
-                "aggregate_s": round(result.timings_s["aggregate_s"], 2),
-                "report_s": round(result.timings_s.get("report_s", 0.0), 2),
-                "report_pages": len(os.listdir(os.path.join(result.out_dir, "rollouts"))),
-                "peak_rss_mb": round(sampler.peak_rss_mb, 1), "peak_pss_mb": round(sampler.peak_pss_mb, 1),
-                "idle_rss_mb": round(idle_rss_mb, 1), "idle_pss_mb": round(idle_pss_mb, 1),
-                "peak_process_rss_mb": round(sampler.peak_process_rss_mb, 1), "peak_processes": sampler.peak_processes,
-                "peak_process_name": sampler.peak_process_name,
-                "peak_driver_rss_mb": round(sampler.peak_driver_rss_mb, 1),
-                "store_mb": round(store_mb, 1), "generate_s": round(generate_s, 1), "ray_cpus": 2,
-                "ray_object_store_mb": OBJECT_STORE_MB,
-                "success_rate": s["success_rate"], "suspicious_wins": s["suspicious_wins"],
-                "planted_match": round(match, 4), "quick": quick, **suspicious,
-                "memory_note": "peak_rss_mb: summed RSS of the driver and all processes it started (Ray GCS, raylet, "
-                               "agents, workers), sampled every 0.25 s during analyze(); shared pages counted per "
-                               "process (upper bound); peak_pss_mb splits them fairly"}
+        return {
+            "rollouts": s["rollouts"],
+            "rows_per_s": round(s["rollouts"] / analyze_s, 1),
+            "analyze_s": round(analyze_s, 2),
+            "judge_stage_s": round(result.timings_s["judge_s"], 2),
+            "aggregate_s": round(result.timings_s["aggregate_s"], 2),
+            "report_s": round(result.timings_s.get("report_s", 0.0), 2),
+            "report_pages": len(os.listdir(os.path.join(result.out_dir, "rollouts"))),
+            "peak_rss_mb": round(sampler.peak_rss_mb, 1),
+            "peak_pss_mb": round(sampler.peak_pss_mb, 1),
+            "idle_rss_mb": round(idle_rss_mb, 1),
+            "idle_pss_mb": round(idle_pss_mb, 1),
+            "peak_process_rss_mb": round(sampler.peak_process_rss_mb, 1),
+            "peak_processes": sampler.peak_processes,
+            "peak_process_name": sampler.peak_process_name,
+            "peak_driver_rss_mb": round(sampler.peak_driver_rss_mb, 1),
+            "store_mb": round(store_mb, 1),
+            "generate_s": round(generate_s, 1),
+            "ray_cpus": 2,
+            "ray_object_store_mb": OBJECT_STORE_MB,
+            "success_rate": s["success_rate"],
+            "suspicious_wins": s["suspicious_wins"],
+            "planted_match": round(match, 4),
+            "quick": quick,
+            **suspicious,
+            "memory_note": "peak_rss_mb: summed RSS of the driver and all processes it started (Ray GCS, raylet, "
+            "agents, workers), sampled every 0.25 s during analyze(); shared pages counted per "
+            "process (upper bound); peak_pss_mb splits them fairly",
+        }
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
 def _table(r: dict) -> str:
-    rows = [("rollouts", r["rollouts"]), ("rows/s", r["rows_per_s"]), ("analyze s", r["analyze_s"]),
-            ("  judgments stage s", r["judge_stage_s"]), ("  aggregates s", r["aggregate_s"]),
-            (f"  report s ({r['report_pages']} transcript pages)", r["report_s"]),
-            ("peak RSS MB (driver + Ray)", r["peak_rss_mb"]), ("peak PSS MB", r["peak_pss_mb"]),
-            ("idle RSS MB (Ray up, before)", r["idle_rss_mb"]), ("driver RSS MB", r["peak_driver_rss_mb"]),
-            (f"largest process RSS MB ({r['peak_process_name']})", r["peak_process_rss_mb"]),
-            ("processes (most)", r["peak_processes"]),
-            ("store MB", r["store_mb"]),
-            ("planted category match", r["planted_match"]), ("suspicious wins", r["suspicious_wins"]),
-            ("suspicious precision", r["suspicious_precision"]), ("suspicious recall", r["suspicious_recall"]),
-            ("  precision, task-blind rules", r["task_blind_precision"]),
-            ("target met (both >= 0.9)", r["target_met"])]
+    rows = [
+        ("rollouts", r["rollouts"]),
+        ("rows/s", r["rows_per_s"]),
+        ("analyze s", r["analyze_s"]),
+        ("  judgments stage s", r["judge_stage_s"]),
+        ("  aggregates s", r["aggregate_s"]),
+        (f"  report s ({r['report_pages']} transcript pages)", r["report_s"]),
+        ("peak RSS MB (driver + Ray)", r["peak_rss_mb"]),
+        ("peak PSS MB", r["peak_pss_mb"]),
+        ("idle RSS MB (Ray up, before)", r["idle_rss_mb"]),
+        ("driver RSS MB", r["peak_driver_rss_mb"]),
+        (f"largest process RSS MB ({r['peak_process_name']})", r["peak_process_rss_mb"]),
+        ("processes (most)", r["peak_processes"]),
+        ("store MB", r["store_mb"]),
+        ("planted category match", r["planted_match"]),
+        ("suspicious wins", r["suspicious_wins"]),
+        ("suspicious precision", r["suspicious_precision"]),
+        ("suspicious recall", r["suspicious_recall"]),
+        ("  precision, task-blind rules", r["task_blind_precision"]),
+        ("target met (both >= 0.9)", r["target_met"]),
+    ]
     return "\n".join(f"{k:<32}{v}" for k, v in rows)
 
 
 def run_cli(quick: bool, as_json: bool) -> int:
-    return report(lambda log: run(quick, log),
-                  lambda r: f"analyze bench: {r['rollouts']} synthetic rollouts, rules judge, Ray with 2 CPUs; "
-                            f"suspicious flag on {r['honest_wins']} expert wins + {r['planted_hacks']} planted hacks",
-                  _table, as_json, note_key="memory_note", name="analyze")
+    return report(
+        lambda log: run(quick, log),
+        lambda r: (
+            f"analyze bench: {r['rollouts']} synthetic rollouts, rules judge, Ray with 2 CPUs; "
+            f"suspicious flag on {r['honest_wins']} expert wins + {r['planted_hacks']} planted hacks"
+        ),
+        _table,
+        as_json,
+        note_key="memory_note",
+        name="analyze",
+    )

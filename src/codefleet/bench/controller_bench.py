@@ -81,8 +81,9 @@ def expected_max_lognormal(n: int, sigma: float, cap: float, steps: int = 20_000
 class SimRolloutWorker:
     """Holds many attempts at once: each is a coroutine that sleeps."""
 
-    async def attempt(self, rollout_id: str, group_id: int, version: int, duration_s: float,
-                      reward: float) -> AttemptResult:
+    async def attempt(
+        self, rollout_id: str, group_id: int, version: int, duration_s: float, reward: float
+    ) -> AttemptResult:
         await asyncio.sleep(duration_s)
         return AttemptResult(Rollout(rollout_id, group_id, version, reward))
 
@@ -117,8 +118,11 @@ class SimRunner:
             actor = self.actors[next(self.next_actor) % len(self.actors)]
             duration_s = self.draw_s()
             self.longest_s[version] = max(self.longest_s.get(version, 0.0), duration_s)
-            refs.append(actor.attempt.remote(f"{ticket.group_id}/{a}", ticket.group_id, version, duration_s,
-                                             float(self.rng.random() < 0.5)))
+            refs.append(
+                actor.attempt.remote(
+                    f"{ticket.group_id}/{a}", ticket.group_id, version, duration_s, float(self.rng.random() < 0.5)
+                )
+            )
         return refs
 
 
@@ -134,8 +138,13 @@ class SimTrainer:
 
 def _run_eta(eta: int, steps: int, cfg: BenchConfig, actors: list, trainer: SimTrainer) -> dict:
     runner = SimRunner(actors, cfg, random.Random(cfg.seed * 1000 + eta))
-    config = ControllerConfig(eta=eta, rollout_slots=cfg.rollout_slots, batch_groups=cfg.batch_groups,
-                              group_size=cfg.group_size, rollout_timeout_s=60 * cfg.cap_x_median * cfg.median_rollout_s)
+    config = ControllerConfig(
+        eta=eta,
+        rollout_slots=cfg.rollout_slots,
+        batch_groups=cfg.batch_groups,
+        group_size=cfg.group_size,
+        rollout_timeout_s=60 * cfg.cap_x_median * cfg.median_rollout_s,
+    )
     controller = Controller(config, runner, trainer, itertools.count())
     runner.controller = controller
     r = controller.run(steps)
@@ -211,31 +220,49 @@ def run(cfg: BenchConfig, log: Log = print) -> dict:
         "config": {k: v for k, v in asdict(cfg).items() if k not in ("quick", "etas")},
     }
     if not out["target_met"]:
-        out["note"] = (f"target (speedup >= 3 with trainer busy >= 0.9) missed: best eta={best} gives "
-                       f"{speedup:.2f}x with the trainer busy {busy:.0%}")
+        out["note"] = (
+            f"target (speedup >= 3 with trainer busy >= 0.9) missed: best eta={best} gives "
+            f"{speedup:.2f}x with the trainer busy {busy:.0%}"
+        )
     return out
 
 
 def table(r: dict) -> str:
     rows = [("eta", "rollouts/s", "speedup", "trainer busy", "lag p50", "lag p99", "steps")]
     for eta, row in r["per_eta"].items():
-        rows.append((eta, f"{row['rollouts_per_s']:.1f}", f"{row['speedup']:.2f}x",
-                     f"{row['trainer_busy_fraction']:.1%}", f"{row['version_lag_p50']:g}",
-                     f"{row['version_lag_p99']:g}", str(row["steps"])))
+        rows.append(
+            (
+                eta,
+                f"{row['rollouts_per_s']:.1f}",
+                f"{row['speedup']:.2f}x",
+                f"{row['trainer_busy_fraction']:.1%}",
+                f"{row['version_lag_p50']:g}",
+                f"{row['version_lag_p99']:g}",
+                str(row["steps"]),
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
-    lines.append(f"trainer step {r['trainer_step_s']:.3f} s; synchronous step expected "
-                 f"{r['expected_sync_step_s']:.3f} s, measured {r['measured_sync_step_s']:.3f} s (longest attempts "
-                 f"{r['sync_mean_longest_attempt_s']:.3f} s, loop overhead "
-                 f"{r['sync_overhead_s_per_step'] * 1000:.0f} ms per step)")
-    lines.append(f"speedup vs the expected synchronous step {r['speedup_vs_expected_sync']:.2f}x; ideal "
-                 f"{r['ideal_speedup']:.2f}x; target >= 3x with the trainer busy >= 90%")
+    lines.append(
+        f"trainer step {r['trainer_step_s']:.3f} s; synchronous step expected "
+        f"{r['expected_sync_step_s']:.3f} s, measured {r['measured_sync_step_s']:.3f} s (longest attempts "
+        f"{r['sync_mean_longest_attempt_s']:.3f} s, loop overhead "
+        f"{r['sync_overhead_s_per_step'] * 1000:.0f} ms per step)"
+    )
+    lines.append(
+        f"speedup vs the expected synchronous step {r['speedup_vs_expected_sync']:.2f}x; ideal "
+        f"{r['ideal_speedup']:.2f}x; target >= 3x with the trainer busy >= 90%"
+    )
     return "\n".join(lines)
 
 
 def run_cli(quick: bool = False, as_json: bool = False) -> int:
     cfg = QUICK if quick else BenchConfig()
-    return report(lambda log: run(cfg, log),
-                  lambda r: f"codefleet bench controller (median rollout {r['median_rollout_s']} s"
-                            f"{', quick' if quick else ''})",
-                  table, as_json, note_key="note", name="controller")
+    return report(
+        lambda log: run(cfg, log),
+        lambda r: f"codefleet bench controller (median rollout {r['median_rollout_s']} s{', quick' if quick else ''})",
+        table,
+        as_json,
+        note_key="note",
+        name="controller",
+    )

@@ -82,8 +82,10 @@ from codefleet.model.config import ModelConfig
 
 BUILT = "tiny-qwen3-moe (built)"
 TOKENIZER_SIZE = 4096  # codefleet's own tokenizer (chat/assets), ModelConfig.tiny()'s vocabulary
-TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
-                      "{% if add_generation_prompt %}<|assistant|>{% endif %}")  # in its special tokens
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)  # in its special tokens
 
 
 def build_tiny_qwen3_moe(path: str, **shapes) -> str:
@@ -93,18 +95,35 @@ def build_tiny_qwen3_moe(path: str, **shapes) -> str:
 
     config = ModelConfig.tiny(**shapes)
     hf_config = Qwen3MoeConfig(
-        vocab_size=config.vocab_size, hidden_size=config.d_model, num_hidden_layers=config.n_layers,
-        num_attention_heads=config.n_heads, num_key_value_heads=config.n_kv_heads, head_dim=config.head_dim,
-        num_experts=config.n_experts, num_experts_per_tok=config.top_k, moe_intermediate_size=config.d_expert,
-        intermediate_size=config.d_expert, decoder_sparse_step=1, norm_topk_prob=True,
-        max_position_embeddings=config.max_seq_len, tie_word_embeddings=False, pad_token_id=0)
+        vocab_size=config.vocab_size,
+        hidden_size=config.d_model,
+        num_hidden_layers=config.n_layers,
+        num_attention_heads=config.n_heads,
+        num_key_value_heads=config.n_kv_heads,
+        head_dim=config.head_dim,
+        num_experts=config.n_experts,
+        num_experts_per_tok=config.top_k,
+        moe_intermediate_size=config.d_expert,
+        intermediate_size=config.d_expert,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+        max_position_embeddings=config.max_seq_len,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(hf_config).eval().save_pretrained(path)  # fp32: torch's default dtype
     if config.vocab_size == TOKENIZER_SIZE:  # codefleet's tokenizer fits: a directory vLLM can load (its tokenizer)
         shutil.copy(os.path.join(ASSETS_DIR, TOKENIZER_FILE), path)
         with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-            json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": config.max_seq_len,
-                       "chat_template": TINY_CHAT_TEMPLATE}, f)
+            json.dump(
+                {
+                    "tokenizer_class": "PreTrainedTokenizerFast",
+                    "model_max_length": config.max_seq_len,
+                    "chat_template": TINY_CHAT_TEMPLATE,
+                },
+                f,
+            )
         with open(os.path.join(path, "generation_config.json"), "w") as f:
             json.dump({"eos_token_id": 3, "pad_token_id": 0}, f)  # <|end|>, <|pad|>: the bench stops on neither
     return path
@@ -113,12 +132,33 @@ def build_tiny_qwen3_moe(path: str, **shapes) -> str:
 # Shapes a user would run, random weights built by transformers (`make_tiny_hf`: Qwen's tokenizer layout), fp32;
 # both with Qwen3-0.6B's attention (16 query / 8 KV heads of 128) and vocabulary (151936, embeddings tied).
 SHAPES = {
-    "qwen3-0.6b": ("qwen3", dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
-                                 num_key_value_heads=8, head_dim=128, intermediate_size=3072)),
+    "qwen3-0.6b": (
+        "qwen3",
+        dict(
+            hidden_size=1024,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=3072,
+        ),
+    ),
     # ~1.06B total, ~0.36B active: 16 layers, 32 experts top-4 of hidden 512
-    "moe-1b": ("qwen3_moe", dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16,
-                                 num_key_value_heads=8, head_dim=128, num_experts=32, num_experts_per_tok=4,
-                                 moe_intermediate_size=512, intermediate_size=3072, norm_topk_prob=True)),
+    "moe-1b": (
+        "qwen3_moe",
+        dict(
+            hidden_size=1024,
+            num_hidden_layers=16,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            num_experts=32,
+            num_experts_per_tok=4,
+            moe_intermediate_size=512,
+            intermediate_size=3072,
+            norm_topk_prob=True,
+        ),
+    ),
 }
 LARGE_TOKENS = (32, 16)  # (prompt, new) per request at the SHAPES: a b32 call is ~1k prefill tokens on 2 cores
 
@@ -191,9 +231,12 @@ def load_cost(path: str, threads: int) -> dict:
         raise RuntimeError(f"loading {path} in a fresh process failed: {lines[-1]}")
     probe = json.loads(proc.stdout.strip().splitlines()[-1])
     size_mb = sum(os.path.getsize(f) for f in glob.glob(os.path.join(path, "*.safetensors"))) / 2**20
-    return {"load_s": round(probe["load_s"], 3), "load_peak_rss_mb": round(probe["load_peak_rss_mb"], 1),
-            "checkpoint_mb": round(size_mb, 1),
-            "load_rss_over_size": round(probe["load_peak_rss_mb"] / size_mb, 2) if size_mb else None}
+    return {
+        "load_s": round(probe["load_s"], 3),
+        "load_peak_rss_mb": round(probe["load_peak_rss_mb"], 1),
+        "checkpoint_mb": round(size_mb, 1),
+        "load_rss_over_size": round(probe["load_peak_rss_mb"] / size_mb, 2) if size_mb else None,
+    }
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -251,10 +294,13 @@ def _multiturn(model, config: ModelConfig, quick: bool, repeats: int, log) -> di
             if mode == "on":
                 reused = fraction
     on, off = statistics.median(rates["on"]), statistics.median(rates["off"])
-    return {"multiturn_turns": turns, "multiturn_tokens_per_s": round(on, 1),
-            "multiturn_tokens_per_s_no_prefix_cache": round(off, 1),
-            "prefix_cache_speedup": round(on / off, 2),
-            "prefix_reused_fraction": round(reused, 3)}
+    return {
+        "multiturn_turns": turns,
+        "multiturn_tokens_per_s": round(on, 1),
+        "multiturn_tokens_per_s_no_prefix_cache": round(off, 1),
+        "prefix_cache_speedup": round(on / off, 2),
+        "prefix_reused_fraction": round(reused, 3),
+    }
 
 
 def _hf_settings(model) -> list[tuple[str, str]]:
@@ -272,8 +318,16 @@ def _hf_generate(model, prompts: list[list[int]], new_tokens: int, setting: tupl
     extra = {"cache_implementation": "static"} if cache == "static" else {}
     started = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None, **extra)
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+            **extra,
+        )
     elapsed = time.perf_counter() - started
     assert out.shape[1] == input_ids.shape[1] + new_tokens
     return len(prompts) * new_tokens / elapsed
@@ -294,8 +348,14 @@ def _hf_best_settings(model, prompts: list[list[int]], probe_tokens: int, log) -
     return dict(sorted(probes.items(), key=lambda kv: -kv[1]))
 
 
-def run(quick: bool = False, threads: int = 2, log=print, repeats: int | None = None,
-        checkpoint_dir: str | None = None, shape: str = "tiny") -> dict:
+def run(
+    quick: bool = False,
+    threads: int = 2,
+    log=print,
+    repeats: int | None = None,
+    checkpoint_dir: str | None = None,
+    shape: str = "tiny",
+) -> dict:
     """The figures of the module docstring on the Hugging Face checkpoint in `checkpoint_dir` (default: a random
     model of `shape`, "tiny" or a key of SHAPES, built into a temporary directory)."""
     if shape != "tiny" and shape not in SHAPES:
@@ -307,8 +367,9 @@ def run(quick: bool = False, threads: int = 2, log=print, repeats: int | None = 
     try:
         import transformers  # noqa: F401  # optional: the `bench` extra (pyproject.toml)
     except ImportError:
-        raise RuntimeError("building the bench's model needs transformers: pip install 'codefleet[bench]', "
-                           "or pass --checkpoint DIR") from None
+        raise RuntimeError(
+            "building the bench's model needs transformers: pip install 'codefleet[bench]', or pass --checkpoint DIR"
+        ) from None
     with tempfile.TemporaryDirectory(prefix="codefleet-bench-") as path:
         if shape == "tiny":
             log("building a tiny random Qwen3-MoE with transformers ...")
@@ -319,8 +380,10 @@ def run(quick: bool = False, threads: int = 2, log=print, repeats: int | None = 
 
 def _run(path: str, label: str, quick: bool, threads: int, log, repeats: int | None, large: bool) -> dict:
     if not is_hf_dir(path):
-        raise ValueError(f"{path} is not a Hugging Face model directory (a config.json naming `architectures` "
-                         "or `model_type`): bench engine runs transformers on the same checkpoint")
+        raise ValueError(
+            f"{path} is not a Hugging Face model directory (a config.json naming `architectures` "
+            "or `model_type`): bench engine runs transformers on the same checkpoint"
+        )
     hf.check(path)  # one clear sentence for a bad directory before anything is timed
     torch.set_num_threads(threads)
     prompt_len, new_tokens, batch = (32, 32, 32) if quick else (64, 128, 32)
@@ -334,17 +397,32 @@ def _run(path: str, label: str, quick: bool, threads: int, log, repeats: int | N
     max_seq_len = prompt_len + new_tokens + 1
     engine = Engine(model, None, max_batch=batch, max_seq_len=max_seq_len)
     prompts = _prompts(batch, prompt_len, config.vocab_size)
-    results: dict = {"checkpoint": label, "architecture": config.architecture, "quick": quick, "threads": threads,
-                     "prompt_tokens": prompt_len, "new_tokens": new_tokens, "batch": batch, "repeats": repeats,
-                     "n_layers": config.n_layers, "d_model": config.d_model, "n_experts": config.n_experts,
-                     "top_k": config.top_k, "vocab_size": config.vocab_size, "qk_norm": config.qk_norm,
-                     "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
-                     "dtype": str(config.torch_dtype).removeprefix("torch."),
-                     "native_kernel": kernels.moe_experts() is not None, **load}
+    results: dict = {
+        "checkpoint": label,
+        "architecture": config.architecture,
+        "quick": quick,
+        "threads": threads,
+        "prompt_tokens": prompt_len,
+        "new_tokens": new_tokens,
+        "batch": batch,
+        "repeats": repeats,
+        "n_layers": config.n_layers,
+        "d_model": config.d_model,
+        "n_experts": config.n_experts,
+        "top_k": config.top_k,
+        "vocab_size": config.vocab_size,
+        "qk_norm": config.qk_norm,
+        "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
+        "dtype": str(config.torch_dtype).removeprefix("torch."),
+        "native_kernel": kernels.moe_experts() is not None,
+        **load,
+    }
     notes = []
     if large:
-        notes.append(f"prompt {prompt_len} + {new_tokens} new tokens at this shape (2 CPU cores); HF generate() "
-                     "and the multi-turn episodes run at the tiny shape and on --checkpoint only")
+        notes.append(
+            f"prompt {prompt_len} + {new_tokens} new tokens at this shape (2 CPU cores); HF generate() "
+            "and the multi-turn episodes run at the tiny shape and on --checkpoint only"
+        )
     # warm-up on prompts of its own (a timed prompt already parked in the prefix cache would skip its prefill)
     warm = _prompts(2, prompt_len, config.vocab_size, seed=999)
     engine.generate(warm, SamplingParams(max_tokens=4, temperature=0))
@@ -365,8 +443,10 @@ def _run(path: str, label: str, quick: bool, threads: int, log, repeats: int | N
     except Exception as e:  # a checkpoint vLLM cannot serve (no tokenizer, head_dim < 32 on CPU) leaves a note
         vllm, version = None, f"no vLLM peer: vLLM could not load {label}: {str(e).strip().splitlines()[0]}"
     if torch.get_num_threads() != threads:  # vLLM's CPU worker binds its threads: both engines must run on `threads`
-        raise RuntimeError(f"vLLM left torch with {torch.get_num_threads()} threads, not {threads}; set "
-                           f"VLLM_CPU_OMP_THREADS_BIND to {threads} cores so both engines run on the same threads")
+        raise RuntimeError(
+            f"vLLM left torch with {torch.get_num_threads()} threads, not {threads}; set "
+            f"VLLM_CPU_OMP_THREADS_BIND to {threads} cores so both engines run on the same threads"
+        )
     results["vllm_version"] = version if vllm is not None else None
     if vllm is None:
         notes.append(version)
@@ -404,7 +484,9 @@ def _run(path: str, label: str, quick: bool, threads: int, log, repeats: int | N
     del peer, vllm  # the multi-turn episodes are the engine's alone
     for name in ("b1", "b32"):
         other = results[f"vllm_tokens_per_s_{name}"]
-        results[f"engine_over_vllm_{name}"] = round(results[f"engine_tokens_per_s_{name}"] / other, 2) if other else None
+        results[f"engine_over_vllm_{name}"] = (
+            round(results[f"engine_tokens_per_s_{name}"] / other, 2) if other else None
+        )
     if not large:
         results.update(_multiturn(model, config, quick, repeats, log))
     results["note"] = "; ".join(notes) or None
@@ -418,31 +500,43 @@ def _run(path: str, label: str, quick: bool, threads: int, log, repeats: int | N
 
 
 def table(r: dict) -> str:
-    rows = [("", "batch 1", "batch 32"),
-            ("engine tok/s", r["engine_tokens_per_s_b1"], r["engine_tokens_per_s_b32"]),
-            ("HF generate() tok/s", r.get("hf_tokens_per_s_b1"), r.get("hf_tokens_per_s_b32")),
-            ("engine / HF", r.get("engine_over_hf_b1"), r.get("engine_over_hf_b32")),
-            ("vLLM tok/s", r.get("vllm_tokens_per_s_b1"), r.get("vllm_tokens_per_s_b32")),
-            ("engine / vLLM", r.get("engine_over_vllm_b1"), r.get("engine_over_vllm_b32"))]
+    rows = [
+        ("", "batch 1", "batch 32"),
+        ("engine tok/s", r["engine_tokens_per_s_b1"], r["engine_tokens_per_s_b32"]),
+        ("HF generate() tok/s", r.get("hf_tokens_per_s_b1"), r.get("hf_tokens_per_s_b32")),
+        ("engine / HF", r.get("engine_over_hf_b1"), r.get("engine_over_hf_b32")),
+        ("vLLM tok/s", r.get("vllm_tokens_per_s_b1"), r.get("vllm_tokens_per_s_b32")),
+        ("engine / vLLM", r.get("engine_over_vllm_b1"), r.get("engine_over_vllm_b32")),
+    ]
     lines = [f"{a:<22}{'-' if b is None else b:>12}{'-' if c is None else c:>12}" for a, b, c in rows]
-    lines.append(f"load: {r['load_s']} s, peak RSS +{r['load_peak_rss_mb']} MB for {r['checkpoint_mb']} MB of "
-                 f"safetensors ({r['load_rss_over_size']}x)")
+    lines.append(
+        f"load: {r['load_s']} s, peak RSS +{r['load_peak_rss_mb']} MB for {r['checkpoint_mb']} MB of "
+        f"safetensors ({r['load_rss_over_size']}x)"
+    )
     if "multiturn_turns" in r:
-        lines.append(f"multi-turn episodes ({r['multiturn_turns']} turns, 8 attempts): "
-                     f"{r['multiturn_tokens_per_s']} tok/s with the prefix cache, "
-                     f"{r['multiturn_tokens_per_s_no_prefix_cache']} without ({r['prefix_cache_speedup']}x; "
-                     f"{r['prefix_reused_fraction']:.0%} of prompt tokens reused)")
+        lines.append(
+            f"multi-turn episodes ({r['multiturn_turns']} turns, 8 attempts): "
+            f"{r['multiturn_tokens_per_s']} tok/s with the prefix cache, "
+            f"{r['multiturn_tokens_per_s_no_prefix_cache']} without ({r['prefix_cache_speedup']}x; "
+            f"{r['prefix_reused_fraction']:.0%} of prompt tokens reused)"
+        )
     return "\n".join(lines)
 
 
-def run_cli(quick: bool = False, as_json: bool = False, checkpoint_dir: str | None = None,
-            shape: str = "tiny") -> int:
-    return report(lambda log: run(quick=quick, log=log, checkpoint_dir=checkpoint_dir, shape=shape),
-                  lambda r: (f"codefleet bench engine ({r['checkpoint']}, {r['architecture']}, {r['dtype']}, "
-                             f"{r['threads']} threads, prompt {r['prompt_tokens']} + {r['new_tokens']} new "
-                             f"tokens, greedy{'' if r['native_kernel'] else ', without the native kernel'}"
-                             f"{', quick' if quick else ''})"),
-                  table, as_json, note_key="note", name="engine")
+def run_cli(quick: bool = False, as_json: bool = False, checkpoint_dir: str | None = None, shape: str = "tiny") -> int:
+    return report(
+        lambda log: run(quick=quick, log=log, checkpoint_dir=checkpoint_dir, shape=shape),
+        lambda r: (
+            f"codefleet bench engine ({r['checkpoint']}, {r['architecture']}, {r['dtype']}, "
+            f"{r['threads']} threads, prompt {r['prompt_tokens']} + {r['new_tokens']} new "
+            f"tokens, greedy{'' if r['native_kernel'] else ', without the native kernel'}"
+            f"{', quick' if quick else ''})"
+        ),
+        table,
+        as_json,
+        note_key="note",
+        name="engine",
+    )
 
 
 if __name__ == "__main__":  # the same as `codefleet bench engine` (its flags, --help and errors)

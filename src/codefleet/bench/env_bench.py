@@ -41,8 +41,10 @@ EXTRA_TOOLS = ("/bin/ls", "/bin/grep", "/bin/sed", "/usr/bin/env", "/usr/bin/fin
 TARGET_DELTA_MS = 2.0
 FORK_CHILDREN = 4
 # What `codefleet env build` runs over the imported image (its own tools; no network, no apt or pip).
-BUILD_STEPS = ["mkdir -p /opt/tool && echo 1 > /opt/tool/version",
-               "python3 -c \"open('/opt/tool/hello.py', 'w').write('print(1)')\" && python3 /opt/tool/hello.py"]
+BUILD_STEPS = [
+    "mkdir -p /opt/tool && echo 1 > /opt/tool/version",
+    "python3 -c \"open('/opt/tool/hello.py', 'w').write('print(1)')\" && python3 /opt/tool/hello.py",
+]
 QUICK = {"create_rounds": 15, "fork_rounds": 4, "exec_per_side": 300, "cold_imports": 1}
 FULL = {"create_rounds": 300, "fork_rounds": 40, "exec_per_side": 3000, "cold_imports": 3}
 
@@ -62,9 +64,15 @@ def disk_bytes(root: str) -> int:
 
 def top_layer(name: str) -> bytes:
     """A small layer of the kind a task adds on a shared base: a release file and a module."""
-    return (Layer().add("etc", tarfile.DIRTYPE, mode=0o755).add("etc/image-release", data=f"{name}\n".encode())
-            .add("opt", tarfile.DIRTYPE, mode=0o755).add("opt/task", tarfile.DIRTYPE, mode=0o755)
-            .add("opt/task/setup.py", data=f"# {name}\n".encode() * 200).bytes())
+    return (
+        Layer()
+        .add("etc", tarfile.DIRTYPE, mode=0o755)
+        .add("etc/image-release", data=f"{name}\n".encode())
+        .add("opt", tarfile.DIRTYPE, mode=0o755)
+        .add("opt/task", tarfile.DIRTYPE, mode=0o755)
+        .add("opt/task/setup.py", data=f"# {name}\n".encode() * 200)
+        .bytes()
+    )
 
 
 def _write(path: str, data: bytes) -> str:
@@ -84,8 +92,14 @@ def run(quick: bool = False, log=print) -> dict:
     work = tempfile.mkdtemp(prefix="codefleet-bench-env-", dir="/var/tmp")
     os.chmod(work, 0o755)  # the sandbox user walks through it to the store and the state directory
     tools = tuple(t for t in BASELINE_TOOLS + EXTRA_TOOLS if os.path.exists(t))
-    results: dict = {"quick": quick, "backend": "namespace", **cfg, "fork_children": FORK_CHILDREN,
-                     "image_tools": [os.path.basename(t) for t in tools], "build_steps": len(BUILD_STEPS)}
+    results: dict = {
+        "quick": quick,
+        "backend": "namespace",
+        **cfg,
+        "fork_children": FORK_CHILDREN,
+        "image_tools": [os.path.basename(t) for t in tools],
+        "build_steps": len(BUILD_STEPS),
+    }
     try:
         log("building the image from the host's userland ...")
         base = host_userland_layer(tools=tools).bytes()
@@ -118,8 +132,10 @@ def run(quick: bool = False, log=print) -> dict:
             results["not_measured"] = "codefleet env build (it needs root)"
 
         state = os.path.join(work, "state")
-        configs = {"host": SandboxConfig(backend="namespace", state_dir=state),
-                   "image": SandboxConfig(backend="namespace", state_dir=state, environment=env.rootfs)}
+        configs = {
+            "host": SandboxConfig(backend="namespace", state_dir=state),
+            "image": SandboxConfig(backend="namespace", state_dir=state, environment=env.rootfs),
+        }
         repo = make_repo(work)
         for config in configs.values():  # warm up: owner dir, reaper, the image's /etc
             create_sandbox(repo, config).close()
@@ -127,7 +143,7 @@ def run(quick: bool = False, log=print) -> dict:
         log(f"create x{cfg['create_rounds']} rounds of host + image ...")
         created: dict[str, list[float]] = {"host": [], "image": []}
         for i in range(cfg["create_rounds"]):
-            for side in (("host", "image") if i % 2 == 0 else ("image", "host")):
+            for side in ("host", "image") if i % 2 == 0 else ("image", "host"):
                 t = time.perf_counter()
                 sb = create_sandbox(repo, configs[side])
                 created[side].append((time.perf_counter() - t) * 1000)
@@ -138,12 +154,13 @@ def run(quick: bool = False, log=print) -> dict:
         parents = {side: create_sandbox(repo, config) for side, config in configs.items()}
         try:
             for side, sb in parents.items():  # changes in the workspace for fork to carry (bash and the image's tools)
-                setup = sb.exec("mkdir -p build && for i in {1..50}; do echo $i > build/f$i.txt; done "
-                                "&& rm pkg0/mod0.py")
+                setup = sb.exec(
+                    "mkdir -p build && for i in {1..50}; do echo $i > build/f$i.txt; done && rm pkg0/mod0.py"
+                )
                 if not setup.ok:
                     raise RuntimeError(f"the {side} sandbox could not make its changes: {setup.output.strip()}")
             for i in range(cfg["fork_rounds"]):
-                for side in (("host", "image") if i % 2 == 0 else ("image", "host")):
+                for side in ("host", "image") if i % 2 == 0 else ("image", "host"):
                     t = time.perf_counter()
                     kids = parents[side].fork(FORK_CHILDREN)
                     forked[side].append((time.perf_counter() - t) * 1000 / FORK_CHILDREN)
@@ -155,8 +172,9 @@ def run(quick: bool = False, log=print) -> dict:
             for sb in parents.values():
                 for _ in range(50):
                     sb.exec("true")
-            execs = alternated({side: (lambda sb=sb: sb.exec("true"), cfg["exec_per_side"])
-                                 for side, sb in parents.items()}, rounds=20)
+            execs = alternated(
+                {side: (lambda sb=sb: sb.exec("true"), cfg["exec_per_side"]) for side, sb in parents.items()}, rounds=20
+            )
         finally:
             for sb in parents.values():
                 sb.close()
@@ -175,8 +193,13 @@ def run(quick: bool = False, log=print) -> dict:
 
 _ROWS = (  # (what, image key, host key, delta key, target)
     ("create ms p50", "create_ms_p50_image", "create_ms_p50_host", "create_delta_ms", f"delta <= {TARGET_DELTA_MS}"),
-    ("fork ms p50 (per child)", "fork_ms_p50_image", "fork_ms_p50_host", "fork_delta_ms",
-     f"delta <= {TARGET_DELTA_MS}"),
+    (
+        "fork ms p50 (per child)",
+        "fork_ms_p50_image",
+        "fork_ms_p50_host",
+        "fork_delta_ms",
+        f"delta <= {TARGET_DELTA_MS}",
+    ),
     ("exec ms p50 (true)", "exec_ms_p50_image", "exec_ms_p50_host", None, ""),
 )
 
@@ -186,15 +209,22 @@ def table(r: dict) -> str:
     for what, image, host, delta, target in _ROWS:
         d = r[delta] if delta else r[image] - r[host]
         rows.append((what, f"{r[image]:.3f}", f"{r[host]:.3f}", f"{d:+.3f}", target))
-    rows += [("import s, cold", f"{r['import_s_cold']:.4f}", "", "", ""),
-             ("import s, cached", f"{r['import_s_cached']:.4f}", "", "", ""),
-             *[(f"env build s, {when} ({r['build_steps']} steps)", f"{r[f'build_s_{when}']:.4f}", "", "", "")
-               for when in ("cold", "cached") if f"build_s_{when}" in r],
-             ("image MB in the store", f"{r['image_mb']:.2f}", "", "", ""),
-             ("MB per extra image on the base", f"{r['disk_mb_per_extra_image_sharing_base']:.3f}", "", "", "")]
+    rows += [
+        ("import s, cold", f"{r['import_s_cold']:.4f}", "", "", ""),
+        ("import s, cached", f"{r['import_s_cached']:.4f}", "", "", ""),
+        *[
+            (f"env build s, {when} ({r['build_steps']} steps)", f"{r[f'build_s_{when}']:.4f}", "", "", "")
+            for when in ("cold", "cached")
+            if f"build_s_{when}" in r
+        ],
+        ("image MB in the store", f"{r['image_mb']:.2f}", "", "", ""),
+        ("MB per extra image on the base", f"{r['disk_mb_per_extra_image_sharing_base']:.3f}", "", "", ""),
+    ]
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
-    lines = [f"{a:<{widths[0]}}  {b:>{widths[1]}}  {c:>{widths[2]}}  {d:>{widths[3]}}  {e}".rstrip()
-             for a, b, c, d, e in rows]
+    lines = [
+        f"{a:<{widths[0]}}  {b:>{widths[1]}}  {c:>{widths[2]}}  {d:>{widths[3]}}  {e}".rstrip()
+        for a, b, c, d, e in rows
+    ]
     met = "met" if r["target_met"] else "NOT met"
     lines.append(f"target (create and fork within {TARGET_DELTA_MS} ms of the host userland, image cached): {met}")
     if r.get("not_measured"):

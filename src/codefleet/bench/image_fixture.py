@@ -18,8 +18,16 @@ import tarfile
 
 HOST_PYTHON = "/usr/bin/python3"
 # What a task's baseline needs (git and the rest); `host_userland_layer(extra=...)` adds to it.
-BASELINE_TOOLS = (HOST_PYTHON, "/bin/bash", "/bin/cat", "/usr/bin/git", "/bin/mkdir", "/bin/rm", "/bin/cp",
-                  "/usr/bin/mktemp")
+BASELINE_TOOLS = (
+    HOST_PYTHON,
+    "/bin/bash",
+    "/bin/cat",
+    "/usr/bin/git",
+    "/bin/mkdir",
+    "/bin/rm",
+    "/bin/cp",
+    "/usr/bin/mktemp",
+)
 
 
 class Layer:
@@ -30,8 +38,9 @@ class Layer:
         self.tar = tarfile.open(fileobj=self.buf, mode="w", format=tarfile.PAX_FORMAT)  # noqa: SIM115 (closed by tar())
         self.seen: set[str] = set()
 
-    def add(self, name: str, kind: bytes = tarfile.REGTYPE, data: bytes = b"", mode: int = 0o644,
-            link: str = "") -> Layer:
+    def add(
+        self, name: str, kind: bytes = tarfile.REGTYPE, data: bytes = b"", mode: int = 0o644, link: str = ""
+    ) -> Layer:
         info = tarfile.TarInfo(name)
         info.type, info.mode, info.linkname, info.mtime = kind, mode, link, 1_700_000_000
         info.size = len(data) if kind == tarfile.REGTYPE else 0
@@ -44,14 +53,14 @@ class Layer:
         targets too), then what it points to."""
         parts = path.strip("/").split("/")
         for i in range(len(parts)):
-            here = "/".join(parts[:i + 1])
+            here = "/".join(parts[: i + 1])
             st = os.lstat("/" + here)
             if stat.S_ISLNK(st.st_mode):
                 target = os.readlink("/" + here)
                 if here not in self.seen:
                     self.add(here, tarfile.SYMTYPE, link=target)
                 start = target if target.startswith("/") else os.path.join("/", os.path.dirname(here), target)
-                return self.host(os.path.normpath(os.path.join(start, *parts[i + 1:])))
+                return self.host(os.path.normpath(os.path.join(start, *parts[i + 1 :])))
             if stat.S_ISDIR(st.st_mode):
                 if here not in self.seen:
                     self.add(here, tarfile.DIRTYPE, mode=0o755)
@@ -88,26 +97,58 @@ def oci_tarball(layers: list[bytes], *, compress: bool = True, blob_digest_of=No
         blob = gzip.compress(layer, compresslevel=1, mtime=0) if compress else layer
         digest = blob_digest_of(i, blob) if blob_digest_of else sha256_hex(blob)
         blobs[digest] = blob
-        descriptors.append({"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": f"sha256:{digest}",
-                            "size": len(blob)})
-    config = json.dumps({"architecture": "amd64", "os": "linux",
-                         "rootfs": {"type": "layers",
-                                    "diff_ids": [f"sha256:{sha256_hex(t)}" for t in layers]}}).encode()
-    manifest = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-                           "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
-                                      "digest": f"sha256:{sha256_hex(config)}", "size": len(config)},
-                           "layers": descriptors}).encode()
+        descriptors.append(
+            {
+                "mediaType": "application/vnd.oci.image.layer.v1.tar+gzip",
+                "digest": f"sha256:{digest}",
+                "size": len(blob),
+            }
+        )
+    config = json.dumps(
+        {
+            "architecture": "amd64",
+            "os": "linux",
+            "rootfs": {"type": "layers", "diff_ids": [f"sha256:{sha256_hex(t)}" for t in layers]},
+        }
+    ).encode()
+    manifest = json.dumps(
+        {
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "config": {
+                "mediaType": "application/vnd.oci.image.config.v1+json",
+                "digest": f"sha256:{sha256_hex(config)}",
+                "size": len(config),
+            },
+            "layers": descriptors,
+        }
+    ).encode()
     blobs[sha256_hex(config)], blobs[sha256_hex(manifest)] = config, manifest
-    index = {"schemaVersion": 2, "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json",
-                                                "digest": f"sha256:{sha256_hex(manifest)}", "size": len(manifest)}]}
-    return tar_of({"oci-layout": b'{"imageLayoutVersion": "1.0.0"}', "index.json": json.dumps(index).encode(),
-                   **{f"blobs/sha256/{d}": b for d, b in blobs.items()}})
+    index = {
+        "schemaVersion": 2,
+        "manifests": [
+            {
+                "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "digest": f"sha256:{sha256_hex(manifest)}",
+                "size": len(manifest),
+            }
+        ],
+    }
+    return tar_of(
+        {
+            "oci-layout": b'{"imageLayoutVersion": "1.0.0"}',
+            "index.json": json.dumps(index).encode(),
+            **{f"blobs/sha256/{d}": b for d, b in blobs.items()},
+        }
+    )
 
 
 def python_startup_files(python: str = HOST_PYTHON) -> list[str]:
     """The files `python` loads to start, and its lib-dynload directory."""
-    code = ("import sys, json, sysconfig; print(json.dumps([m.__file__ for m in list(sys.modules.values()) "
-            "if getattr(m, '__file__', None)] + [sysconfig.get_path('platstdlib') + '/lib-dynload']))")
+    code = (
+        "import sys, json, sysconfig; print(json.dumps([m.__file__ for m in list(sys.modules.values()) "
+        "if getattr(m, '__file__', None)] + [sysconfig.get_path('platstdlib') + '/lib-dynload']))"
+    )
     out = subprocess.run([python, "-c", code], capture_output=True, text=True, env={}, check=True).stdout
     return json.loads(out)
 

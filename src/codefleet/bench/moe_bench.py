@@ -49,8 +49,16 @@ CASES = {"64x8": (64, 8, 128), "16x4": (16, 4, 256)}
 
 
 def _ours(E: int, k: int, F: int) -> MoE:
-    cfg = ModelConfig(d_model=D_MODEL, n_experts=E, top_k=k, d_expert=F, router_score="softmax",
-                      router_renorm=True, balance="none", z_loss_coef=0.0)
+    cfg = ModelConfig(
+        d_model=D_MODEL,
+        n_experts=E,
+        top_k=k,
+        d_expert=F,
+        router_score="softmax",
+        router_renorm=True,
+        balance="none",
+        z_loss_coef=0.0,
+    )
     moe = MoE(cfg)
     with torch.no_grad():
         for p in moe.parameters():
@@ -67,8 +75,14 @@ def _hf_blocks(ours: MoE, x_ND: torch.Tensor) -> tuple[dict, str | None]:
     cfg = ours.config
     blocks = {}
     for impl in ("eager", "grouped_mm"):
-        hf_cfg = Qwen3MoeConfig(hidden_size=cfg.d_model, num_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
-                                moe_intermediate_size=cfg.d_expert, norm_topk_prob=True, experts_implementation=impl)
+        hf_cfg = Qwen3MoeConfig(
+            hidden_size=cfg.d_model,
+            num_experts=cfg.n_experts,
+            num_experts_per_tok=cfg.top_k,
+            moe_intermediate_size=cfg.d_expert,
+            norm_topk_prob=True,
+            experts_implementation=impl,
+        )
         block = Qwen3MoeSparseMoeBlock(hf_cfg)
         with torch.no_grad():
             block.gate.weight.copy_(ours.router.weight_ED)
@@ -87,12 +101,14 @@ def _batched(block):
 
 def _stepper(fn, module: torch.nn.Module, x_ND: torch.Tensor, dy_ND: torch.Tensor):
     """One timed training step of `fn` (forward and backward), from no gradients held (`zero_grad()`)."""
+
     def step() -> float:
         x_ND.grad = None
         module.zero_grad(set_to_none=True)
         t = time.perf_counter()
         fn(x_ND).backward(dy_ND)
         return time.perf_counter() - t
+
     return step
 
 
@@ -100,8 +116,14 @@ def run(quick: bool = False, log=print) -> dict:
     prev_threads = torch.get_num_threads()
     torch.set_num_threads(THREADS)
     rounds, reps = (3, 2) if quick else (7, 3)
-    results: dict = {"quick": quick, "threads": THREADS, "tokens": N_TOKENS, "d_model": D_MODEL,
-                     "torch": torch.__version__, "native_kernel": kernels.moe_train() is not None}
+    results: dict = {
+        "quick": quick,
+        "threads": THREADS,
+        "tokens": N_TOKENS,
+        "d_model": D_MODEL,
+        "torch": torch.__version__,
+        "native_kernel": kernels.moe_train() is not None,
+    }
     try:
         for name, (E, k, F) in CASES.items():
             torch.manual_seed(0)
@@ -149,20 +171,36 @@ def table(r: dict) -> str:
             v = r.get(key + s)
             return "n/a" if v is None else format(v, spec)
 
-        rows.append((name, fmt("moe_tokens_per_s", ".0f"), fmt("dense_tokens_per_s", ".0f"),
-                     fmt("hf_tokens_per_s", ".0f"), fmt("moe_vs_dense", ".2f"), fmt("moe_vs_hf", ".2f")))
+        rows.append(
+            (
+                name,
+                fmt("moe_tokens_per_s", ".0f"),
+                fmt("dense_tokens_per_s", ".0f"),
+                fmt("hf_tokens_per_s", ".0f"),
+                fmt("moe_vs_dense", ".2f"),
+                fmt("moe_vs_hf", ".2f"),
+            )
+        )
     rows.append(("target", "", "", "", _TARGETS["moe_vs_dense"], _TARGETS["moe_vs_hf"]))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
-                     for row in rows)
+    return "\n".join(
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows
+    )
 
 
 def run_cli(quick: bool = False, as_json: bool = False) -> int:
-    return report(lambda log: run(quick=quick, log=log),
-                  lambda r: (f"codefleet bench moe (fwd+bwd, {N_TOKENS} tokens, hidden {D_MODEL}, {THREADS} threads, "
-                             f"fp32{', quick' if quick else ''}"
-                             f"{'' if r['native_kernel'] else ', without the native kernel'})"),
-                  table, as_json, note_key="hf_note", name="moe")
+    return report(
+        lambda log: run(quick=quick, log=log),
+        lambda r: (
+            f"codefleet bench moe (fwd+bwd, {N_TOKENS} tokens, hidden {D_MODEL}, {THREADS} threads, "
+            f"fp32{', quick' if quick else ''}"
+            f"{'' if r['native_kernel'] else ', without the native kernel'})"
+        ),
+        table,
+        as_json,
+        note_key="hf_note",
+        name="moe",
+    )
 
 
 if __name__ == "__main__":  # the same as `codefleet bench moe` (its flags, --help and errors)

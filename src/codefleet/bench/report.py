@@ -23,8 +23,14 @@ def failure_sentence(name: str, e: BaseException) -> str:
     return f"codefleet bench {name} could not run: {why}"
 
 
-def report(run: Callable[[Log], dict], title: Callable[[dict], str], table: Callable[[dict], str],
-           as_json: bool, note_key: str | None = None, name: str = "") -> int:
+def report(
+    run: Callable[[Log], dict],
+    title: Callable[[dict], str],
+    table: Callable[[dict], str],
+    as_json: bool,
+    note_key: str | None = None,
+    name: str = "",
+) -> int:
     def log(msg: str) -> None:
         if not as_json:
             print(msg, file=sys.stderr, flush=True)

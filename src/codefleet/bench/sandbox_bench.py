@@ -86,12 +86,16 @@ class Sizes:
 
 
 SIZES = {  # backend: (full, quick)
-    "vm": (Sizes(n_create=20, n_exec=500, n_fork=3, n_live=400, pool_rounds=5, n_boot=3, live_workers=2,
-                 live_budget_s=900),  # the cap is above what fits in 24 GB: the run finds this host's limit
-           Sizes(n_create=5, n_exec=100, n_fork=1, n_live=10, pool_rounds=2, n_boot=1, live_workers=2,
-                 live_budget_s=180)),
-    "other": (Sizes(n_create=200, n_exec=3000, n_fork=20, n_live=500),
-              Sizes(n_create=40, n_exec=500, n_fork=5, n_live=100)),
+    "vm": (
+        Sizes(
+            n_create=20, n_exec=500, n_fork=3, n_live=400, pool_rounds=5, n_boot=3, live_workers=2, live_budget_s=900
+        ),  # the cap is above what fits in 24 GB: the run finds this host's limit
+        Sizes(n_create=5, n_exec=100, n_fork=1, n_live=10, pool_rounds=2, n_boot=1, live_workers=2, live_budget_s=180),
+    ),
+    "other": (
+        Sizes(n_create=200, n_exec=3000, n_fork=20, n_live=500),
+        Sizes(n_create=40, n_exec=500, n_fork=5, n_live=100),
+    ),
 }
 VM_MEMORY_MB = 256  # the nominal VM size; every vm figure uses it
 VM_RESERVE_MB = 4096  # the live phase stops starting VMs when MemAvailable falls below this (room for the rest)
@@ -196,19 +200,25 @@ def _cold_boots(repo: str, config: SandboxConfig, n: int, root: str, log) -> tup
         tdir = os.path.join(root, f"boot{i}")
         os.environ["CODEFLEET_VM_TEMPLATES"] = tdir
         t = time.perf_counter()
-        template = vm.Template(vm_image.environment_disk(), config.memory_mb, max(1, math.ceil(config.cpu_cores)),
-                               config.workspace_mb).ensure(180)
+        template = vm.Template(
+            vm_image.environment_disk(), config.memory_mb, max(1, math.ceil(config.cpu_cores)), config.workspace_mb
+        ).ensure(180)
         with create_sandbox(repo, config) as sb:
             sb.exec("true")
         boots.append((time.perf_counter() - t) * 1000)
         to_agent.append(template.boot_s * 1000)
         if len(os.listdir(tdir)) != 2:  # the template and its lock: the sandbox restored from the one built here
-            raise RuntimeError(f"the sandbox did not restore the snapshot just booted ({sorted(os.listdir(tdir))}): "
-                               "VMSandbox's snapshot shape changed (update _cold_boots in bench/sandbox_bench.py), "
-                               "or the guest's code changed during the run")
+            raise RuntimeError(
+                f"the sandbox did not restore the snapshot just booted ({sorted(os.listdir(tdir))}): "
+                "VMSandbox's snapshot shape changed (update _cold_boots in bench/sandbox_bench.py), "
+                "or the guest's code changed during the run"
+            )
         log(f"  cold boot {i + 1}/{n}: {boots[-1]:.0f} ms (boot to agent {to_agent[-1]:.0f} ms)")
-    return {"boot_ms_p50": percentile(boots, 0.5), "boot_ms_p99": percentile(boots, 0.99),
-            "boot_to_agent_ms_p50": percentile(to_agent, 0.5)}, tdir
+    return {
+        "boot_ms_p50": percentile(boots, 0.5),
+        "boot_ms_p99": percentile(boots, 0.99),
+        "boot_to_agent_ms_p50": percentile(to_agent, 0.5),
+    }, tdir
 
 
 def _hold_live(repo: str, config: SandboxConfig, sizes: Sizes, log) -> tuple[list, str]:
@@ -225,8 +235,10 @@ def _hold_live(repo: str, config: SandboxConfig, sizes: Sizes, log) -> tuple[lis
             if _mem_available_mb() < VM_RESERVE_MB:
                 stop = f"free memory (MemAvailable) fell under the {VM_RESERVE_MB} MB reserve"
                 break
-            batch = [ex.submit(create_sandbox, repo, config) for _ in range(min(sizes.live_workers,
-                                                                                sizes.n_live - len(live)))]
+            batch = [
+                ex.submit(create_sandbox, repo, config)
+                for _ in range(min(sizes.live_workers, sizes.n_live - len(live)))
+            ]
             failed = None
             for f in batch:
                 try:
@@ -238,8 +250,7 @@ def _hold_live(repo: str, config: SandboxConfig, sizes: Sizes, log) -> tuple[lis
                 log(f"  stopped creating: {stop}")
                 break
             if config.backend == "vm" and len(live) % 10 == 0:
-                log(f"  {len(live)} live, {_mem_available_mb():.0f} MB available, "
-                    f"{time.monotonic() - started:.0f} s")
+                log(f"  {len(live)} live, {_mem_available_mb():.0f} MB available, {time.monotonic() - started:.0f} s")
     return live, stop
 
 
@@ -257,9 +268,31 @@ def _run_backend(backend: str, quick: bool, log) -> dict:
     try:
         bwrap = None
         if backend == "namespace" and shutil.which("bwrap"):
-            argv = ["bwrap", "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net",
-                    "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",
-                    "--symlink", "usr/lib64", "/lib64", "--proc", "/proc", "--dev", "/dev", "true"]
+            argv = [
+                "bwrap",
+                "--unshare-user",
+                "--unshare-pid",
+                "--unshare-ipc",
+                "--unshare-uts",
+                "--unshare-net",
+                "--ro-bind",
+                "/usr",
+                "/usr",
+                "--symlink",
+                "usr/bin",
+                "/bin",
+                "--symlink",
+                "usr/lib",
+                "/lib",
+                "--symlink",
+                "usr/lib64",
+                "/lib64",
+                "--proc",
+                "/proc",
+                "--dev",
+                "/dev",
+                "true",
+            ]
 
             def bwrap():
                 return subprocess.run(argv, check=True)
@@ -306,8 +339,10 @@ def _run_backend(backend: str, quick: bool, log) -> dict:
             for _ in range(50):
                 sb.exec("true")
                 subprocess.run(["true"], check=True)
-            timed = {"exec": (lambda: sb.exec("true"), sizes.n_exec),
-                     "subprocess": (lambda: subprocess.run(["true"], check=True), 100 if quick else 300)}
+            timed = {
+                "exec": (lambda: sb.exec("true"), sizes.n_exec),
+                "subprocess": (lambda: subprocess.run(["true"], check=True), 100 if quick else 300),
+            }
             times = alternated(timed, rounds=20)
             execs = times["exec"]
             results["subprocess_ms_p50"] = statistics.median(times["subprocess"])
@@ -370,13 +405,17 @@ def _run_backend(backend: str, quick: bool, log) -> dict:
     if backend == "vm":
         notes = []
         if results["accel"] == "tcg":
-            notes.append("accel=tcg: this host's /dev/kvm cannot run the guest kernel, so the VMs ran under QEMU's "
-                         "TCG emulation; the speed targets (restore <= 100 ms, exec <= 1 ms, fork <= 50 ms per child) "
-                         "are for KVM and do not apply, and the figures are TCG's as measured")
+            notes.append(
+                "accel=tcg: this host's /dev/kvm cannot run the guest kernel, so the VMs ran under QEMU's "
+                "TCG emulation; the speed targets (restore <= 100 ms, exec <= 1 ms, fork <= 50 ms per child) "
+                "are for KVM and do not apply, and the figures are TCG's as measured"
+            )
         if results["snapshots_booted"] > 1:
-            notes.append(f"{results['snapshots_booted'] - 1} more snapshot(s) booted after the cold boots: the "
-                         "guest's code or the host's userland changed while the bench ran, so a create or more "
-                         "included a cold boot")
+            notes.append(
+                f"{results['snapshots_booted'] - 1} more snapshot(s) booted after the cold boots: the "
+                "guest's code or the host's userland changed while the bench ran, so a create or more "
+                "included a cold boot"
+            )
         if sizes.n_boot == 1:
             notes.append("quick: one cold boot, so boot_ms_p99 is that one sample")
         if notes:
@@ -385,12 +424,22 @@ def _run_backend(backend: str, quick: bool, log) -> dict:
 
 
 def _rounded(r: dict) -> dict:
-    return {k: (round(v, 4) if isinstance(v, float) else _rounded(v) if isinstance(v, dict) else v)
-            for k, v in r.items()}
+    return {
+        k: (round(v, 4) if isinstance(v, float) else _rounded(v) if isinstance(v, dict) else v) for k, v in r.items()
+    }
 
 
-RATIO_KEYS = ("create_ms_p50", "pool_acquire_ms_p50", "exec_ms_p50", "exec_ms_p99", "exec_external_ms_p50",
-              "fork_ms_p50", "max_live_sandboxes", "rss_mb_per_sandbox", "pss_mb_per_sandbox")
+RATIO_KEYS = (
+    "create_ms_p50",
+    "pool_acquire_ms_p50",
+    "exec_ms_p50",
+    "exec_ms_p99",
+    "exec_external_ms_p50",
+    "fork_ms_p50",
+    "max_live_sandboxes",
+    "rss_mb_per_sandbox",
+    "pss_mb_per_sandbox",
+)
 
 
 def run(quick: bool = False, backend: str = "auto", log=print) -> dict:
@@ -398,33 +447,63 @@ def run(quick: bool = False, backend: str = "auto", log=print) -> dict:
         raise SandboxUnavailableError(f"the vm backend cannot run here: {why}")
     if backend == "both":
         ns, vms = _run_backend("namespace", quick, log), _run_backend("vm", quick, log)
-        results = {"backend": "both", "quick": quick, "namespace": ns, "vm": vms,
-                   "vm_over_namespace": {k: vms[k] / ns[k] for k in RATIO_KEYS if ns.get(k) and k in vms}}
+        results = {
+            "backend": "both",
+            "quick": quick,
+            "namespace": ns,
+            "vm": vms,
+            "vm_over_namespace": {k: vms[k] / ns[k] for k in RATIO_KEYS if ns.get(k) and k in vms},
+        }
         if vms.get("note"):
             results["note"] = vms["note"]
         return _rounded(results)
     requested, backend = backend, resolve_backend(backend)
     results = _run_backend(backend, quick, log)
     if requested == "auto" and backend == "local":
-        results["note"] = (f"measured the local backend (no isolation): the namespace backend cannot run here "
-                           f"({unavailable_reason()})")
+        results["note"] = (
+            f"measured the local backend (no isolation): the namespace backend cannot run here ({unavailable_reason()})"
+        )
     return _rounded(results)
 
 
 _TARGETS = {
-    "create_ms_p50": "<= 15", "fork_ms_p50": "<= 15 per child", "exec_ms_p50": "<= 1 and < subprocess",
-    "rss_mb_per_sandbox": "<= 10", "max_live_sandboxes": ">= 500 (full run)",
+    "create_ms_p50": "<= 15",
+    "fork_ms_p50": "<= 15 per child",
+    "exec_ms_p50": "<= 1 and < subprocess",
+    "rss_mb_per_sandbox": "<= 10",
+    "max_live_sandboxes": ">= 500 (full run)",
 }
 _VM_TARGETS = {  # the targets (for KVM) and the anchors it names
-    "boot_ms_p50": "E2B cold start p50 442 (third-party)", "boot_to_agent_ms_p50": "Firecracker <= 125 (spec)",
-    "restore_ms_p50": "<= 100 (KVM)", "exec_ms_p50": "<= 1 (KVM)",
-    "fork_ms_p50": "<= 50 per child (KVM); forkd ~1", "max_live_sandboxes": ">= 100 at 256 MB (full run)",
+    "boot_ms_p50": "E2B cold start p50 442 (third-party)",
+    "boot_to_agent_ms_p50": "Firecracker <= 125 (spec)",
+    "restore_ms_p50": "<= 100 (KVM)",
+    "exec_ms_p50": "<= 1 (KVM)",
+    "fork_ms_p50": "<= 50 per child (KVM); forkd ~1",
+    "max_live_sandboxes": ">= 100 at 256 MB (full run)",
     "vmm_pss_mb_per_sandbox": "Firecracker VMM <= 5 MiB (spec)",
 }
-_ROWS = ("boot_ms_p50", "boot_ms_p99", "boot_to_agent_ms_p50", "create_ms_p50", "create_ms_p99", "restore_ms_p50",
-         "pool_acquire_ms_p50", "exec_ms_p50", "exec_ms_p99", "exec_external_ms_p50", "fork_ms_p50",
-         "max_live_sandboxes", "rss_mb_per_sandbox", "pss_mb_per_sandbox", "vmm_pss_mb_per_sandbox",
-         "idle_cpu_pct_per_sandbox", "live_wall_s", "subprocess_ms_p50", "bwrap_true_ms_p50", "exec_vs_subprocess")
+_ROWS = (
+    "boot_ms_p50",
+    "boot_ms_p99",
+    "boot_to_agent_ms_p50",
+    "create_ms_p50",
+    "create_ms_p99",
+    "restore_ms_p50",
+    "pool_acquire_ms_p50",
+    "exec_ms_p50",
+    "exec_ms_p99",
+    "exec_external_ms_p50",
+    "fork_ms_p50",
+    "max_live_sandboxes",
+    "rss_mb_per_sandbox",
+    "pss_mb_per_sandbox",
+    "vmm_pss_mb_per_sandbox",
+    "idle_cpu_pct_per_sandbox",
+    "live_wall_s",
+    "subprocess_ms_p50",
+    "bwrap_true_ms_p50",
+    "exec_vs_subprocess",
+)
 _PEERS = ("subprocess_ms_p50", "bwrap_true_ms_p50")
 
 
@@ -434,8 +513,13 @@ def _cell(v: object) -> str:
 
 def _aligned(rows: list[tuple[str, ...]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) if i in (0, len(row) - 1) else c.rjust(w)
-                               for i, (c, w) in enumerate(zip(row, widths, strict=False))).rstrip() for row in rows)
+    return "\n".join(
+        "  ".join(
+            c.ljust(w) if i in (0, len(row) - 1) else c.rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=False))
+        ).rstrip()
+        for row in rows
+    )
 
 
 def table(r: dict) -> str:
@@ -444,8 +528,15 @@ def table(r: dict) -> str:
         rows = [("metric", "namespace", "vm", "vm/namespace", "vm target / anchor")]
         for key in _ROWS:
             if key in ns or key in vms:
-                rows.append((key, _cell(ns.get(key)), _cell(vms.get(key)),
-                             f"{ratio[key]:.1f}x" if key in ratio else "", _VM_TARGETS.get(key, "")))
+                rows.append(
+                    (
+                        key,
+                        _cell(ns.get(key)),
+                        _cell(vms.get(key)),
+                        f"{ratio[key]:.1f}x" if key in ratio else "",
+                        _VM_TARGETS.get(key, ""),
+                    )
+                )
         extra = [f"vm: accel {vms['accel']}, {vms['memory_mb']} MB per VM; live VMs stopped: {vms['live_stop']}"]
         return _aligned(rows) + "\n" + "\n".join(extra)
     targets = _VM_TARGETS if r["backend"] == "vm" else _TARGETS
@@ -464,5 +555,6 @@ def run_cli(quick: bool = False, as_json: bool = False, backend: str = "auto") -
         which = "namespace and vm backends" if r["backend"] == "both" else f"{r['backend']} backend"
         return f"codefleet bench sandbox ({which}{', quick' if quick else ''})"
 
-    return report(lambda log: run(quick=quick, backend=backend, log=log), title, table, as_json, note_key="note",
-                  name="sandbox")
+    return report(
+        lambda log: run(quick=quick, backend=backend, log=log), title, table, as_json, note_key="note", name="sandbox"
+    )

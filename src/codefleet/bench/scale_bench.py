@@ -104,8 +104,9 @@ class SimNode:
         self.began = self.finished = self.cancelled = 0
         self.schedule: list[tuple[float, float]] = []  # (ready_s, started_s - ready_s), taken by take_schedule()
 
-    async def attempt(self, rollout_id: str, group_id: int, version: int, duration_s: float, reward: float,
-                      ready_s: float) -> AttemptResult:
+    async def attempt(
+        self, rollout_id: str, group_id: int, version: int, duration_s: float, reward: float, ready_s: float
+    ) -> AttemptResult:
         self.schedule.append((ready_s, time.time() - ready_s))
         self.began += 1
         try:
@@ -150,9 +151,16 @@ class NodeRunner:
         first = ticket.group_id * ticket.group_size + ticket.infra_failures
         refs = []
         for a in attempts:
-            refs.append(self.nodes[(first + a) % len(self.nodes)].attempt.remote(
-                f"{ticket.group_id}/{a}", ticket.group_id, ticket.policy_version, self.draw_s(),
-                float(self.rng.random() < 0.5), ready_s))
+            refs.append(
+                self.nodes[(first + a) % len(self.nodes)].attempt.remote(
+                    f"{ticket.group_id}/{a}",
+                    ticket.group_id,
+                    ticket.policy_version,
+                    self.draw_s(),
+                    float(self.rng.random() < 0.5),
+                    ready_s,
+                )
+            )
             self.started += 1
         return refs
 
@@ -182,14 +190,20 @@ def _nodes_cpu_s(procs: list[psutil.Process]) -> float:
     return sum(sum(p.cpu_times()[:2]) for p in procs)
 
 
-def _run_one(c: int, cfg: ScaleConfig, nodes: list, procs: list[psutil.Process], trainer: SimTrainer,
-             rss0_mb: float, log: Log) -> dict:
+def _run_one(
+    c: int, cfg: ScaleConfig, nodes: list, procs: list[psutil.Process], trainer: SimTrainer, rss0_mb: float, log: Log
+) -> dict:
     G = cfg.group_size
     if c % G:
         raise ValueError(f"concurrency {c} is not a multiple of the group size {G}")
     batch_groups = max(1, round(c * cfg.batch_fraction / G))
-    config = ControllerConfig(eta=cfg.eta, rollout_slots=c, batch_groups=batch_groups, group_size=G,
-                              rollout_timeout_s=20 * cfg.cap_x_median * cfg.median_s(c))
+    config = ControllerConfig(
+        eta=cfg.eta,
+        rollout_slots=c,
+        batch_groups=batch_groups,
+        group_size=G,
+        rollout_timeout_s=20 * cfg.cap_x_median * cfg.median_s(c),
+    )
     runner = NodeRunner(nodes, cfg, c, random.Random(cfg.seed * 1000 + c))
     done = [0]  # attempts in completed groups
 
@@ -217,12 +231,20 @@ def _run_one(c: int, cfg: ScaleConfig, nodes: list, procs: list[psutil.Process],
             if not thread.is_alive():
                 raise result.get("error") or RuntimeError("the controller stopped during the fill")
             if time.monotonic() - t_run > cfg.fill_timeout_s:
-                raise RuntimeError(f"concurrency {c} was not reached in {cfg.fill_timeout_s:.0f} s ({adm.in_flight} "
-                                   "in flight); this machine is too loaded, or lower the concurrency")
+                raise RuntimeError(
+                    f"concurrency {c} was not reached in {cfg.fill_timeout_s:.0f} s ({adm.in_flight} "
+                    "in flight); this machine is too loaded, or lower the concurrency"
+                )
             time.sleep(0.05)
         fill_s = time.monotonic() - t_run
         time.sleep(cfg.settle_s)
-        t0, wall0, (disp0, train0, proc0), done0, v0 = time.monotonic(), time.time(), clocks.read(), done[0], controller.version
+        t0, wall0, (disp0, train0, proc0), done0, v0 = (
+            time.monotonic(),
+            time.time(),
+            clocks.read(),
+            done[0],
+            controller.version,
+        )
         nodes0_s, _ = _nodes_cpu_s(procs), psutil.cpu_percent()
         samples: list[int] = []
         while time.monotonic() - t0 < cfg.measure_s:
@@ -239,12 +261,17 @@ def _run_one(c: int, cfg: ScaleConfig, nodes: list, procs: list[psutil.Process],
     if "error" in result:
         raise result["error"]
     rep = result["report"]
-    schedule = [lat for node in ray.get([n.take_schedule.remote() for n in nodes]) for ready, lat in node
-                if wall0 <= ready < wall1]
+    schedule = [
+        lat
+        for node in ray.get([n.take_schedule.remote() for n in nodes])
+        for ready, lat in node
+        if wall0 <= ready < wall1
+    ]
     # every attempt on a node ends (finished or cancelled); wait for the cancellations to land
     for _ in range(100):
-        began, finished, cancelled = (a - b for a, b in zip(
-            [sum(x) for x in zip(*ray.get([n.counts.remote() for n in nodes]))], counts0))
+        began, finished, cancelled = (
+            a - b for a, b in zip([sum(x) for x in zip(*ray.get([n.counts.remote() for n in nodes]))], counts0)
+        )
         if began == finished + cancelled:
             break
         time.sleep(0.1)
@@ -284,8 +311,10 @@ def _run_one(c: int, cfg: ScaleConfig, nodes: list, procs: list[psutil.Process],
         "infra_failures": rep.infra_failures,
         "schedule_samples": len(schedule),
     }
-    log(f"  C={c}: {row['rollouts_per_s']} rollouts/s, controller {row['controller_ms_per_rollout']} ms/rollout, "
-        f"schedule p99 {row['schedule_ms_p99']} ms, in flight {row['inflight_mean']:.0f}")
+    log(
+        f"  C={c}: {row['rollouts_per_s']} rollouts/s, controller {row['controller_ms_per_rollout']} ms/rollout, "
+        f"schedule p99 {row['schedule_ms_p99']} ms, in flight {row['inflight_mean']:.0f}"
+    )
     return row
 
 
@@ -294,8 +323,10 @@ def run(cfg: ScaleConfig, log: Log = print) -> dict:
     started_ray = init_ray(2, resources={"sandbox": float(cfg.nodes)})  # RAY_ADDRESS: that cluster's `sandbox`
     per_node = math.ceil(max(cfg.concurrencies) / cfg.nodes)
     log(f"starting {cfg.nodes} node actors ...")
-    nodes = [SimNode.options(resources={"sandbox": 1.0}, max_concurrency=max(1000, 4 * per_node)).remote()
-             for _ in range(cfg.nodes)]
+    nodes = [
+        SimNode.options(resources={"sandbox": 1.0}, max_concurrency=max(1000, 4 * per_node)).remote()
+        for _ in range(cfg.nodes)
+    ]
     trainer_actor = SimTrainerWorker.remote()
     try:
         procs = [psutil.Process(pid) for pid in ray.get([n.pid.remote() for n in nodes])]  # this machine's
@@ -312,8 +343,11 @@ def run(cfg: ScaleConfig, log: Log = print) -> dict:
         if started_ray:
             ray.shutdown()
     first, last = rows[0], rows[-1]
-    growth = round(last["controller_ms_per_rollout"] / first["controller_ms_per_rollout"], 3) \
-        if first["controller_ms_per_rollout"] > 0 else 0.0
+    growth = (
+        round(last["controller_ms_per_rollout"] / first["controller_ms_per_rollout"], 3)
+        if first["controller_ms_per_rollout"] > 0
+        else 0.0
+    )
     worst = max(r["controller_ms_per_rollout"] for r in rows)
     out = {
         "quick": cfg.quick,
@@ -332,29 +366,57 @@ def run(cfg: ScaleConfig, log: Log = print) -> dict:
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items() if k != "quick"},
     }
     if not out["target_met"]:
-        out["note"] = (f"target (controller <= 1 ms per rollout at every concurrency, and {out['growth_of']} within "
-                       f"1.5x) missed: worst {worst:.3f} ms, growth {growth:.2f}x")
+        out["note"] = (
+            f"target (controller <= 1 ms per rollout at every concurrency, and {out['growth_of']} within "
+            f"1.5x) missed: worst {worst:.3f} ms, growth {growth:.2f}x"
+        )
     return out
 
 
 def table(r: dict) -> str:
-    rows = [("concurrency", "in flight", "rollouts/s", "ctl ms/rollout", "driver ms/rollout", "sched p50 ms",
-             "sched p99 ms", "MB/1k in flight")]
+    rows = [
+        (
+            "concurrency",
+            "in flight",
+            "rollouts/s",
+            "ctl ms/rollout",
+            "driver ms/rollout",
+            "sched p50 ms",
+            "sched p99 ms",
+            "MB/1k in flight",
+        )
+    ]
     for row in r["per_concurrency"]:
-        rows.append((str(row["concurrency"]), f"{row['inflight_mean']:.0f}", f"{row['rollouts_per_s']:.0f}",
-                     f"{row['controller_ms_per_rollout']:.3f}", f"{row['driver_ms_per_rollout']:.3f}",
-                     f"{row['schedule_ms_p50']:.1f}", f"{row['schedule_ms_p99']:.1f}",
-                     f"{row['driver_mb_per_1k_inflight']:.1f}"))
+        rows.append(
+            (
+                str(row["concurrency"]),
+                f"{row['inflight_mean']:.0f}",
+                f"{row['rollouts_per_s']:.0f}",
+                f"{row['controller_ms_per_rollout']:.3f}",
+                f"{row['driver_ms_per_rollout']:.3f}",
+                f"{row['schedule_ms_p50']:.1f}",
+                f"{row['schedule_ms_p99']:.1f}",
+                f"{row['driver_mb_per_1k_inflight']:.1f}",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
-    lines.append(f"controller ms per rollout, {r['growth_of']}: {r['growth_ratio']:.2f}x; target <= 1 ms and "
-                 "within 1.5x")
+    lines.append(
+        f"controller ms per rollout, {r['growth_of']}: {r['growth_ratio']:.2f}x; target <= 1 ms and within 1.5x"
+    )
     return "\n".join(lines)
 
 
 def run_cli(quick: bool = False, as_json: bool = False) -> int:
     cfg = QUICK if quick else ScaleConfig()
-    return report(lambda log: run(cfg, log),
-                  lambda r: f"codefleet bench scale ({cfg.nodes} simulated nodes, {cfg.offered_rollouts_per_s:g} "
-                            f"rollouts/s offered{', quick' if quick else ''})",
-                  table, as_json, note_key="note", name="scale")
+    return report(
+        lambda log: run(cfg, log),
+        lambda r: (
+            f"codefleet bench scale ({cfg.nodes} simulated nodes, {cfg.offered_rollouts_per_s:g} "
+            f"rollouts/s offered{', quick' if quick else ''})"
+        ),
+        table,
+        as_json,
+        note_key="note",
+        name="scale",
+    )

@@ -98,14 +98,44 @@ Call one by writing a JSON object with its name and arguments between <tool_call
 """
 
 ARCHS = {  # arch -> (transformers config class, sizes of a tiny model)
-    "qwen3_moe": ("Qwen3MoeConfig", dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                                         num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                         decoder_sparse_step=1, mlp_only_layers=[])),
-    "qwen3": ("Qwen3Config", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                  num_key_value_heads=2, head_dim=16)),
-    "llama": ("LlamaConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                  num_key_value_heads=2, head_dim=16)),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        ),
+    ),
+    "qwen3": (
+        "Qwen3Config",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+        ),
+    ),
+    "llama": (
+        "LlamaConfig",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+        ),
+    ),
 }
 
 
@@ -123,8 +153,14 @@ def write_tokenizer(path: str, chat_template: str | None = CHAT_TEMPLATE) -> int
     os.makedirs(path, exist_ok=True)
     hf = tiny_tokenizer()
     hf.save(os.path.join(path, TOKENIZER_FILE))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
-              "pad_token": "<|endoftext|>", "model_max_length": 4096, "clean_up_tokenization_spaces": False}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "model_max_length": 4096,
+        "clean_up_tokenization_spaces": False,
+    }
     if chat_template is not None:
         config["chat_template"] = chat_template
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
@@ -135,8 +171,14 @@ def write_tokenizer(path: str, chat_template: str | None = CHAT_TEMPLATE) -> int
     return hf.get_vocab_size(with_added_tokens=True)
 
 
-def make_tiny_hf(path: str, arch: str = "qwen3_moe", dtype: str = "float32", seed: int = 0,
-                 max_shard_size: str = "400KB", **size_overrides) -> str:
+def make_tiny_hf(
+    path: str,
+    arch: str = "qwen3_moe",
+    dtype: str = "float32",
+    seed: int = 0,
+    max_shard_size: str = "400KB",
+    **size_overrides,
+) -> str:
     """Write a tiny random Hugging Face checkpoint of `arch` into `path` (module docstring); returns `path`.
     `size_overrides` are transformers config fields (hidden_size=..., num_hidden_layers=..., vocab_size=...)."""
     import torch
@@ -146,14 +188,21 @@ def make_tiny_hf(path: str, arch: str = "qwen3_moe", dtype: str = "float32", see
         raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
     n_tokens = write_tokenizer(path)
     config_class, sizes = ARCHS[arch]
-    sizes = {**sizes, "vocab_size": -(-n_tokens // 64) * 64, "max_position_embeddings": 4096,
-             "tie_word_embeddings": False, "rms_norm_eps": 1e-6, **size_overrides}
+    sizes = {
+        **sizes,
+        "vocab_size": -(-n_tokens // 64) * 64,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-6,
+        **size_overrides,
+    }
     if sizes["vocab_size"] < n_tokens:
         raise ValueError(f"vocab_size {sizes['vocab_size']} is smaller than the tokenizer's {n_tokens} tokens")
     with open(os.path.join(path, TOKENIZER_FILE)) as f:
         vocab = tokenizers.Tokenizer.from_str(f.read())
-    config = getattr(transformers, config_class)(**sizes, eos_token_id=vocab.token_to_id("<|im_end|>"),
-                                                 pad_token_id=vocab.token_to_id("<|endoftext|>"))
+    config = getattr(transformers, config_class)(
+        **sizes, eos_token_id=vocab.token_to_id("<|im_end|>"), pad_token_id=vocab.token_to_id("<|endoftext|>")
+    )
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.save_pretrained(path, max_shard_size=max_shard_size)

@@ -64,8 +64,19 @@ from codefleet.model.copying import CopyConfig
 from codefleet.model.export_cli import write_codefleet_text_files
 from codefleet.model.transformer import Transformer
 
-BASE = dict(vocab_size=4096, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, d_expert=2048, top_k=2,
-            max_seq_len=2048, qk_norm=True, copy=CopyConfig(prev_tokens=0))  # a Qwen3-MoE: vLLM loads it too
+BASE = dict(
+    vocab_size=4096,
+    d_model=256,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=64,
+    d_expert=2048,
+    top_k=2,
+    max_seq_len=2048,
+    qk_norm=True,
+    copy=CopyConfig(prev_tokens=0),
+)  # a Qwen3-MoE: vLLM loads it too
 EXPERT_BYTES = 2 * (256 * 4096 + 2048 * 256) * 4  # one expert in both layers, float32
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 COPIES = 10  # model-sized copies alive at the peak (see the module docstring)
@@ -164,11 +175,14 @@ def _one_size(size_mb: int, cfg: BenchConfig, root: str, log: Log) -> dict:
     backends = sorted((b for b in cfg.backends if b != "vllm" or HAVE_VLLM), key=lambda b: b == "vllm")
     vllm_engines: list = []
     by_name = {s.name: s for s in specs}
-    holders = [ShardHolder.remote([by_name[n] for n in share], seed=r)
-               for r, share in enumerate(split_names(specs, 2))]
+    holders = [ShardHolder.remote([by_name[n] for n in share], seed=r) for r, share in enumerate(split_names(specs, 2))]
     plans = ray.get([h.plan.remote(cfg.bucket_mb) for h in holders])
-    out: dict = {"model_mb": round(model_bytes / 1e6, 1), "n_experts": config.n_experts,
-                 "buckets": sum(len(p.buckets) for p in plans), "backends": {}}
+    out: dict = {
+        "model_mb": round(model_bytes / 1e6, 1),
+        "n_experts": config.n_experts,
+        "buckets": sum(len(p.buckets) for p in plans),
+        "backends": {},
+    }
     version, group = 0, None
     try:
         if "gloo" in backends:  # formed once per run, like a training run's groups
@@ -180,8 +194,15 @@ def _one_size(size_mb: int, cfg: BenchConfig, root: str, log: Log) -> dict:
             if backend == "vllm":
                 for actor in codefleet_engines:
                     ray.kill(actor)
-                vllm_engines = start_engines(path, 2, num_cpus=0, max_batch=2, max_seq_len=config.max_seq_len,
-                                             backend="vllm", record_routing=False)
+                vllm_engines = start_engines(
+                    path,
+                    2,
+                    num_cpus=0,
+                    max_batch=2,
+                    max_seq_len=config.max_seq_len,
+                    backend="vllm",
+                    record_routing=False,
+                )
             engines = vllm_engines if backend == "vllm" else codefleet_engines
             _send(backend, holders, plans, engines, version, group)  # warm-up
             times = []
@@ -192,8 +213,9 @@ def _one_size(size_mb: int, cfg: BenchConfig, root: str, log: Log) -> dict:
             pauses, applies = [], []
             for _ in range(cfg.repeats):
                 version += 1
-                inflight = [e.generate.remote([1, 2, 3], SamplingParams(max_tokens=config.max_seq_len - 8))
-                            for e in engines]
+                inflight = [
+                    e.generate.remote([1, 2, 3], SamplingParams(max_tokens=config.max_seq_len - 8)) for e in engines
+                ]
                 deadline = time.monotonic() + 60
                 while min(i["running"] for i in ray.get([e.info.remote() for e in engines])) < 1:
                     if time.monotonic() > deadline:
@@ -207,13 +229,18 @@ def _one_size(size_mb: int, cfg: BenchConfig, root: str, log: Log) -> dict:
                     ray.cancel(ref)
                 ray.wait(inflight, num_returns=len(inflight), timeout=60)
             sync_s = statistics.median(times)
-            out["backends"][backend] = {"sync_s": round(sync_s, 4), "sync_s_all": [round(t, 4) for t in times],
-                                        "gb_per_s": round(model_bytes / 1e9 / sync_s, 3),
-                                        "pause_ms_p50": round(statistics.median(pauses), 2),
-                                        "pause_ms_max": round(max(pauses), 2),
-                                        "apply_ms_p50": round(statistics.median(applies), 1)}
-            log(f"{size_mb} MB {backend}: {sync_s:.3f} s per update, {model_bytes / 1e9 / sync_s:.2f} GB/s, "
-                f"pause p50 {statistics.median(pauses):.1f} ms")
+            out["backends"][backend] = {
+                "sync_s": round(sync_s, 4),
+                "sync_s_all": [round(t, 4) for t in times],
+                "gb_per_s": round(model_bytes / 1e9 / sync_s, 3),
+                "pause_ms_p50": round(statistics.median(pauses), 2),
+                "pause_ms_max": round(max(pauses), 2),
+                "apply_ms_p50": round(statistics.median(applies), 1),
+            }
+            log(
+                f"{size_mb} MB {backend}: {sync_s:.3f} s per update, {model_bytes / 1e9 / sync_s:.2f} GB/s, "
+                f"pause p50 {statistics.median(pauses):.1f} ms"
+            )
     finally:
         for actor in codefleet_engines + vllm_engines + holders:
             ray.kill(actor)
@@ -229,8 +256,9 @@ def run(cfg: BenchConfig, log: Log = print) -> dict:
         for size_mb in cfg.sizes_mb:
             need, have = COPIES * size_mb, _available_mb()
             if have < need:
-                skipped[str(size_mb)] = (f"needs about {need:.0f} MB free ({COPIES} copies of the model), "
-                                         f"{have:.0f} MB available")
+                skipped[str(size_mb)] = (
+                    f"needs about {need:.0f} MB free ({COPIES} copies of the model), {have:.0f} MB available"
+                )
                 log(f"{size_mb} MB skipped: {skipped[str(size_mb)]}")
                 continue
             per_size[str(size_mb)] = _one_size(size_mb, cfg, root, log)
@@ -243,10 +271,16 @@ def run(cfg: BenchConfig, log: Log = print) -> dict:
         "sync_s_by_mb": {b: {mb: s["backends"][b]["sync_s"] for mb, s in per_size.items()} for b in backends},
         "gb_per_s": {b: {mb: s["backends"][b]["gb_per_s"] for mb, s in per_size.items()} for b in backends},
         "pause_ms_p50": {b: {mb: s["backends"][b]["pause_ms_p50"] for mb, s in per_size.items()} for b in backends},
-        "speedup_bucketed_vs_whole": {mb: round(s["backends"]["whole"]["sync_s"] / s["backends"]["bucketed"]["sync_s"],
-                                                2) for mb, s in per_size.items()} if {"bucketed", "whole"} <= set(
-            backends) else {},
-        "per_size": per_size, "skipped": skipped, "config": asdict(cfg), "cpus": os.cpu_count(),
+        "speedup_bucketed_vs_whole": {
+            mb: round(s["backends"]["whole"]["sync_s"] / s["backends"]["bucketed"]["sync_s"], 2)
+            for mb, s in per_size.items()
+        }
+        if {"bucketed", "whole"} <= set(backends)
+        else {},
+        "per_size": per_size,
+        "skipped": skipped,
+        "config": asdict(cfg),
+        "cpus": os.cpu_count(),
         "not_measured": "NCCL (needs GPUs)" + ("" if HAVE_VLLM else "; vLLM's reload (run it in .venv-vllm)"),
     }
     return r
@@ -256,8 +290,10 @@ def table(r: dict) -> str:
     lines = [f"{'MB':>6} {'backend':<9} {'sync s':>8} {'GB/s':>7} {'pause p50 ms':>13} {'pause max ms':>13}"]
     for mb, s in r["per_size"].items():
         for b, m in s["backends"].items():
-            lines.append(f"{s['model_mb']:>6.0f} {b:<9} {m['sync_s']:>8.3f} {m['gb_per_s']:>7.2f} "
-                         f"{m['pause_ms_p50']:>13.1f} {m['pause_ms_max']:>13.1f}")
+            lines.append(
+                f"{s['model_mb']:>6.0f} {b:<9} {m['sync_s']:>8.3f} {m['gb_per_s']:>7.2f} "
+                f"{m['pause_ms_p50']:>13.1f} {m['pause_ms_max']:>13.1f}"
+            )
     for mb, why in r["skipped"].items():
         lines.append(f"{mb:>6} skipped: {why}")
     return "\n".join(lines)
@@ -265,7 +301,14 @@ def table(r: dict) -> str:
 
 def run_cli(quick: bool = False, as_json: bool = False) -> int:
     cfg = QUICK if quick else BenchConfig()
-    return report(lambda log: run(cfg, log),
-                  lambda r: f"codefleet bench weightsync (2 trainer ranks -> 2 engines, buckets of "
-                            f"{cfg.bucket_mb:g} MB{', quick' if quick else ''})",
-                  table, as_json, note_key="not_measured", name="weightsync")
+    return report(
+        lambda log: run(cfg, log),
+        lambda r: (
+            f"codefleet bench weightsync (2 trainer ranks -> 2 engines, buckets of "
+            f"{cfg.bucket_mb:g} MB{', quick' if quick else ''})"
+        ),
+        table,
+        as_json,
+        note_key="not_measured",
+        name="weightsync",
+    )

@@ -12,12 +12,14 @@ from codefleet.chaos.soak import SoakConfig, soak, table
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "chaos", help="a training run on a local multi-node Ray cluster under injected faults, then its invariants",
+        "chaos",
+        help="a training run on a local multi-node Ray cluster under injected faults, then its invariants",
         description="Runs `codefleet train --config RUN_CONFIG` on a local Ray cluster (a head and --nodes worker "
         "nodes on this machine) while killing rollout workers, sandbox hosts, an engine, a trainer worker, a "
         "sandbox's processes and a whole worker node, and filling a sandbox's disk, at seeded random times; then "
         "checks that the run finished, that no accepted rollout was lost or trained twice, that every lag is within "
-        "eta, and that nothing leaked (docs/reliability.md). Exit status 0 when every invariant holds.")
+        "eta, and that nothing leaked (docs/reliability.md). Exit status 0 when every invariant holds.",
+    )
     p.add_argument("run_config", metavar="RUN_CONFIG", help="YAML file of training settings (docs/configuration.md)")
     p.add_argument("--minutes", type=float, default=5.0, help="length of the fault window, from RL's start")
     p.add_argument("--seed", type=int, default=0, help="seeds the fault schedule and the targets")
@@ -37,8 +39,16 @@ def _chaos(args: argparse.Namespace) -> int:
         what = f"unknown fault kinds {unknown}" if unknown else "--minutes, --nodes and --per-kind must be above 0"
         print(f"codefleet chaos: {what}; kinds are {', '.join(KINDS)}", file=sys.stderr)
         return 2
-    cfg = SoakConfig(args.run_config, minutes=args.minutes, seed=args.seed, out=args.out, overrides=args.overrides,
-                     worker_nodes=args.nodes, kinds=kinds, per_kind=args.per_kind)
+    cfg = SoakConfig(
+        args.run_config,
+        minutes=args.minutes,
+        seed=args.seed,
+        out=args.out,
+        overrides=args.overrides,
+        worker_nodes=args.nodes,
+        kinds=kinds,
+        per_kind=args.per_kind,
+    )
     try:
         report = soak(cfg)
     except (OSError, ValueError, RuntimeError) as e:  # a missing file, a cluster that cannot start, a run that ended

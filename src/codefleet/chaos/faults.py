@@ -38,10 +38,21 @@ from ray.util.state import list_actors
 from codefleet.fleet.sandbox_host import host_name, sandbox_nodes
 from codefleet.sandbox.state import process_name
 
-KINDS = ("rollout_worker", "sandbox_host", "engine", "trainer_worker", "sandbox_processes", "sandbox_disk",
-         "worker_node")
-ACTOR_CLASS = {"rollout_worker": "RolloutWorker", "sandbox_host": "SandboxHost", "engine": "EngineActor",
-               "trainer_worker": "TrainerWorker"}
+KINDS = (
+    "rollout_worker",
+    "sandbox_host",
+    "engine",
+    "trainer_worker",
+    "sandbox_processes",
+    "sandbox_disk",
+    "worker_node",
+)
+ACTOR_CLASS = {
+    "rollout_worker": "RolloutWorker",
+    "sandbox_host": "SandboxHost",
+    "engine": "EngineActor",
+    "trainer_worker": "TrainerWorker",
+}
 RESTORES = {**ACTOR_CLASS, "worker_node": "SandboxHost"}  # what must be back after the fault
 
 
@@ -85,8 +96,11 @@ class NoTarget(Exception):
 def alive_actors(class_name: str, dashboard_url: str) -> list:
     """ALIVE actors of `class_name` in the cluster whose dashboard is at `dashboard_url`."""
     address = dashboard_url if "://" in dashboard_url else f"http://{dashboard_url}"
-    return list_actors(address=address, filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")],
-                       raise_on_missing_output=False)
+    return list_actors(
+        address=address,
+        filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")],
+        raise_on_missing_output=False,
+    )
 
 
 def count_alive(class_name: str, dashboard_url: str, gone: str = "") -> int:
@@ -168,10 +182,12 @@ def kill_sandbox_processes(rng: random.Random, state_dir: str) -> str:
     return f"{len(victims)} processes of the sandbox under bwrap pid {root}"
 
 
-FILL_COMMAND = ("avail=$(df -k --output=avail /workspace | tail -n 1); "
-                "fallocate -l $((avail * 1024)) /workspace/.chaos-fill 2>/dev/null "
-                "|| head -c $((avail * 1024)) /dev/zero > /workspace/.chaos-fill; "
-                "df -k --output=avail /workspace | tail -n 1")
+FILL_COMMAND = (
+    "avail=$(df -k --output=avail /workspace | tail -n 1); "
+    "fallocate -l $((avail * 1024)) /workspace/.chaos-fill 2>/dev/null "
+    "|| head -c $((avail * 1024)) /dev/zero > /workspace/.chaos-fill; "
+    "df -k --output=avail /workspace | tail -n 1"
+)
 
 
 def fill_sandbox_disk(rng: random.Random, namespace: str) -> str:

@@ -57,8 +57,12 @@ def read_run(run_dir: str) -> RunFacts:
     with open(run.path("config.yaml")) as f:
         rl = (yaml.safe_load(f) or {}).get("rl", {})
     latest = run.latest()
-    facts = RunFacts(steps=int(rl["steps"]), eta=int(rl["eta"]), final_version=latest[1] if latest else 0,
-                     results=os.path.isfile(run.path("results.json")))
+    facts = RunFacts(
+        steps=int(rl["steps"]),
+        eta=int(rl["eta"]),
+        final_version=latest[1] if latest else 0,
+        results=os.path.isfile(run.path("results.json")),
+    )
     groups, facts.damaged = run.load_groups()
     for g in groups:
         for r in g.rollouts:
@@ -73,14 +77,22 @@ def read_run(run_dir: str) -> RunFacts:
 def lost_rollouts(facts: RunFacts) -> list[str]:
     """Accepted rollouts not trained although their group's deadline step was run."""
     trained = {rid for ids in facts.trained.values() for rid in ids}
-    return sorted(rid for rid, (_, deadline) in facts.accepted.items()
-                  if rid not in trained and deadline <= facts.final_version - 1)
+    return sorted(
+        rid
+        for rid, (_, deadline) in facts.accepted.items()
+        if rid not in trained and deadline <= facts.final_version - 1
+    )
 
 
 def run_checks(facts: RunFacts, store_root: str) -> list[Check]:
-    checks = [Check("finished", facts.final_version >= facts.steps and facts.results,
-                    f"LATEST at step {facts.final_version} of {facts.steps}, results.json "
-                    f"{'written' if facts.results else 'missing'}")]
+    checks = [
+        Check(
+            "finished",
+            facts.final_version >= facts.steps and facts.results,
+            f"LATEST at step {facts.final_version} of {facts.steps}, results.json "
+            f"{'written' if facts.results else 'missing'}",
+        )
+    ]
     seen: dict[str, int] = {}
     twice = []
     for step in sorted(facts.trained):
@@ -88,32 +100,62 @@ def run_checks(facts: RunFacts, store_root: str) -> list[Check]:
             if rid in seen:
                 twice.append(f"{rid} (steps {seen[rid]} and {step})")
             seen[rid] = step
-    checks.append(Check("no_trained_twice", not twice,
-                        f"{len(seen)} rollouts trained in {len(facts.trained)} steps"
-                        + (f"; twice: {', '.join(twice[:5])}" if twice else "")))
+    checks.append(
+        Check(
+            "no_trained_twice",
+            not twice,
+            f"{len(seen)} rollouts trained in {len(facts.trained)} steps"
+            + (f"; twice: {', '.join(twice[:5])}" if twice else ""),
+        )
+    )
     unknown = sorted(set(seen) - set(facts.accepted))
-    checks.append(Check("trained_were_accepted", not unknown,
-                        f"{len(seen)} of {len(seen)} trained rollouts were accepted first" if not unknown else
-                        f"{len(unknown)} trained rollouts have no accepted group: {', '.join(unknown[:5])}"))
+    checks.append(
+        Check(
+            "trained_were_accepted",
+            not unknown,
+            f"{len(seen)} of {len(seen)} trained rollouts were accepted first"
+            if not unknown
+            else f"{len(unknown)} trained rollouts have no accepted group: {', '.join(unknown[:5])}",
+        )
+    )
     untrained = set(facts.accepted) - set(seen)
     lost = lost_rollouts(facts)
-    checks.append(Check("no_accepted_lost", not lost,
-                        f"{len(facts.accepted)} accepted, {len(seen)} trained, {len(untrained) - len(lost)} still "
-                        f"inside their deadline at the end" + (f"; lost: {', '.join(lost[:5])}" if lost else "")
-                        + (f"; damaged group files: {facts.damaged}" if facts.damaged else "")))
+    checks.append(
+        Check(
+            "no_accepted_lost",
+            not lost,
+            f"{len(facts.accepted)} accepted, {len(seen)} trained, {len(untrained) - len(lost)} still "
+            f"inside their deadline at the end"
+            + (f"; lost: {', '.join(lost[:5])}" if lost else "")
+            + (f"; damaged group files: {facts.damaged}" if facts.damaged else ""),
+        )
+    )
     lags = [step - facts.accepted[rid][0] for rid, step in seen.items() if rid in facts.accepted]
     over = [lag for lag in lags if lag > facts.eta]
-    checks.append(Check("lag_within_eta", not over,
-                        f"max lag {max(lags, default=0)} with eta {facts.eta} over {len(lags)} trained rollouts"
-                        + (f"; {len(over)} over eta" if over else "")))
+    checks.append(
+        Check(
+            "lag_within_eta",
+            not over,
+            f"max lag {max(lags, default=0)} with eta {facts.eta} over {len(lags)} trained rollouts"
+            + (f"; {len(over)} over eta" if over else ""),
+        )
+    )
     try:
         table = read_rollouts(store_root, columns=["group", "attempt", "split"], on_problem=lambda msg: None)
-        rows = {f"{g}/{a}" for g, a, s in zip(table["group"].to_pylist(), table["attempt"].to_pylist(),
-                                               table["split"].to_pylist()) if s == "train"}
+        rows = {
+            f"{g}/{a}"
+            for g, a, s in zip(table["group"].to_pylist(), table["attempt"].to_pylist(), table["split"].to_pylist())
+            if s == "train"
+        }
         missing = sorted(set(facts.accepted) - rows)
-        checks.append(Check("store_complete", not missing,
-                            f"{len(facts.accepted) - len(missing)} of {len(facts.accepted)} accepted rollouts in the "
-                            "store" + (f"; missing: {', '.join(missing[:5])}" if missing else "")))
+        checks.append(
+            Check(
+                "store_complete",
+                not missing,
+                f"{len(facts.accepted) - len(missing)} of {len(facts.accepted)} accepted rollouts in the "
+                "store" + (f"; missing: {', '.join(missing[:5])}" if missing else ""),
+            )
+        )
     except Exception as e:  # noqa: BLE001 - an unreadable store is a failed check, said in one line
         checks.append(Check("store_complete", False, f"the rollout store could not be read: {e!r}"))
     return checks
@@ -132,14 +174,19 @@ def leaks(state_dir: str, live_actors: list[str], whose: Callable[[int], str] | 
         for line in f:
             point = line.split()[4]
             if point.startswith(prefix):
-                by_owner.setdefault(point[len(prefix):].split("/", 1)[0], []).append(point)
+                by_owner.setdefault(point[len(prefix) :].split("/", 1)[0], []).append(point)
     for owner, points in by_owner.items():
         pid = _OWNER_PID.match(owner)
         said = f"; {whose(int(pid[1]))}" if pid and whose else ""
-        found.append(f"{len(points)} mount(s) of owner {owner}{said}: " + ", ".join(p[len(prefix):] for p in points[:4]))
+        found.append(
+            f"{len(points)} mount(s) of owner {owner}{said}: " + ", ".join(p[len(prefix) :] for p in points[:4])
+        )
     found += [f"actor {a}" for a in live_actors]
-    return Check("no_leaks", not found, "no sandbox process, mount or actor left" if not found else
-                 f"{len(found)} left: " + "; ".join(found[:8]))
+    return Check(
+        "no_leaks",
+        not found,
+        "no sandbox process, mount or actor left" if not found else f"{len(found)} left: " + "; ".join(found[:8]),
+    )
 
 
 _OWNER_PID = re.compile(r"(\d+)-")  # a sandbox owner's directory: <pid>-<start ticks>-<hex> (sandbox/state.py)

@@ -73,16 +73,28 @@ class _Run:
         self.run_dir = os.path.join(cfg.out, "run")
         self.log_path = os.path.join(cfg.out, "train.log")
         self.resumes: list[dict] = []
-        self.proc = self._start([
-            "--out", self.run_dir, "--config", cfg.run_config, *cfg.overrides,
-            # roles to nodes by logical resources: the driver's parts on the head, the rollouts' on the workers
-            "cluster.engine_resources={head: 1}", "cluster.trainer_resources={head: 1}",
-            "cluster.rollout_resources={rollout: 1}"])
+        self.proc = self._start(
+            [
+                "--out",
+                self.run_dir,
+                "--config",
+                cfg.run_config,
+                *cfg.overrides,
+                # roles to nodes by logical resources: the driver's parts on the head, the rollouts' on the workers
+                "cluster.engine_resources={head: 1}",
+                "cluster.trainer_resources={head: 1}",
+                "cluster.rollout_resources={rollout: 1}",
+            ]
+        )
 
     def _start(self, args: list[str]) -> subprocess.Popen:
         with open(self.log_path, "ab") as log:
-            return subprocess.Popen([sys.executable, "-m", "codefleet.cli", "train", "--no-progress",
-                                     "--address", self.address, *args], stdout=log, stderr=log, env=self.env)
+            return subprocess.Popen(
+                [sys.executable, "-m", "codefleet.cli", "train", "--no-progress", "--address", self.address, *args],
+                stdout=log,
+                stderr=log,
+                env=self.env,
+            )
 
     def poll(self, t_s: float) -> int | None:
         """None while running (resumed after a failure if resumes are left); else the final exit code."""
@@ -127,9 +139,15 @@ def _free_port() -> int:
 class _Cluster:
     def __init__(self, cfg: SoakConfig):
         self.cfg = cfg
-        self.cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": cfg.head_cpus, "resources": {"head": 8}, "include_dashboard": True,
-            "dashboard_port": _free_port()})  # not 8265: another Ray on the machine may hold it
+        self.cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": cfg.head_cpus,
+                "resources": {"head": 8},
+                "include_dashboard": True,
+                "dashboard_port": _free_port(),
+            },
+        )  # not 8265: another Ray on the machine may hold it
         self.workers = [self.add() for _ in range(cfg.worker_nodes)]
         self.cluster.wait_for_nodes()
         self.due: list[float] = []  # times at which a replacement node joins
@@ -156,8 +174,9 @@ class _Cluster:
         self.cluster.shutdown()
 
 
-def _inject(fault: Fault, rng: random.Random, cluster: _Cluster, dashboard_url: str, state_dir: str,
-            now_s: float) -> str | tuple[str, str]:
+def _inject(
+    fault: Fault, rng: random.Random, cluster: _Cluster, dashboard_url: str, state_dir: str, now_s: float
+) -> str | tuple[str, str]:
     """What was hit, or (what was hit, the pid or node id that is gone)."""
     if fault.kind in ACTOR_CLASS:
         return faults.kill_actor_process(fault.kind, rng, dashboard_url)
@@ -181,8 +200,9 @@ def soak(cfg: SoakConfig, log: Callable[[str], None] | None = None) -> dict:
     """Run the soak (module docstring); progress lines go to `log` (default: the terminal's standard error, while
     Ray's own output goes to OUT/ray.log)."""
     if not os.path.isfile(cfg.run_config):
-        raise FileNotFoundError(f"RUN_CONFIG {cfg.run_config} is not a file; give a YAML file of training settings "
-                                "(docs/configuration.md)")
+        raise FileNotFoundError(
+            f"RUN_CONFIG {cfg.run_config} is not a file; give a YAML file of training settings (docs/configuration.md)"
+        )
     if os.path.exists(os.path.join(cfg.out, "run")):
         raise FileExistsError(f"{cfg.out}/run exists; give chaos a new --out directory")
     os.makedirs(cfg.out, exist_ok=True)
@@ -195,8 +215,12 @@ def _soak(cfg: SoakConfig, log: Callable[[str], None]) -> dict:
     rng = random.Random(cfg.seed)
     plan = faults.schedule(cfg.minutes * 60, cfg.seed, cfg.kinds, cfg.per_kind)
     state_dir = tempfile.mkdtemp(prefix="codefleet-chaos-state-", dir="/var/tmp")  # the sandbox user walks through
-    env = {**os.environ, "CODEFLEET_STATE_DIR": state_dir, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
-           "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {
+        **os.environ,
+        "CODEFLEET_STATE_DIR": state_dir,
+        "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
     env.pop("RAY_ADDRESS", None)
     saved_env = dict(os.environ)
     os.environ.update({k: env[k] for k in ("CODEFLEET_STATE_DIR", "RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED")})
@@ -233,24 +257,30 @@ def _soak(cfg: SoakConfig, log: Callable[[str], None]) -> dict:
     ok = all(c.ok for c in checks)
     for f in plan:
         resumed_after = any(r["at_s"] >= (f.injected_s or 0) for r in run.resumes)
-        f.survived = bool(f.injected_s is not None and ok and not resumed_after
-                          and (f.next_step_s is not None or facts.final_version >= facts.steps)
-                          and (f.alive_before is None or f.restored_s is not None))
-    report.update({
-        "ok": ok,
-        "faults_injected": sum(f.injected_s is not None for f in plan),
-        "faults_survived": sum(bool(f.survived) for f in plan),
-        "rollouts_lost": len(invariants.lost_rollouts(facts)),
-        "rollouts_accepted": len(facts.accepted),
-        "rollouts_trained": sum(len(v) for v in facts.trained.values()),
-        "steps": facts.final_version,
-        "resumes": run.resumes,
-        "wall_s": round(time.monotonic() - t0, 1),
-        "faults": [f.as_dict() for f in plan],
-        "checks": [asdict(c) for c in checks],
-        "state_dir": state_dir,
-        "config": {**asdict(cfg), "kinds": list(cfg.kinds)},
-    })
+        f.survived = bool(
+            f.injected_s is not None
+            and ok
+            and not resumed_after
+            and (f.next_step_s is not None or facts.final_version >= facts.steps)
+            and (f.alive_before is None or f.restored_s is not None)
+        )
+    report.update(
+        {
+            "ok": ok,
+            "faults_injected": sum(f.injected_s is not None for f in plan),
+            "faults_survived": sum(bool(f.survived) for f in plan),
+            "rollouts_lost": len(invariants.lost_rollouts(facts)),
+            "rollouts_accepted": len(facts.accepted),
+            "rollouts_trained": sum(len(v) for v in facts.trained.values()),
+            "steps": facts.final_version,
+            "resumes": run.resumes,
+            "wall_s": round(time.monotonic() - t0, 1),
+            "faults": [f.as_dict() for f in plan],
+            "checks": [asdict(c) for c in checks],
+            "state_dir": state_dir,
+            "config": {**asdict(cfg), "kinds": list(cfg.kinds)},
+        }
+    )
     # OUT may be shared storage: a link planted as the report is refused, never written through (docs/security.md)
     safe_files.write_file_beneath(cfg.out, "chaos-report.json", json.dumps(report, indent=2), mode=0o644)
     return report
@@ -263,6 +293,7 @@ def _rl_steps(run_dir: str) -> int:
 
 def _whose(plan: list[Fault], hosts_seen: dict[int, str]) -> Callable[[int], str]:
     """What the sandbox owner with a pid was, and which fault hit it, for the leak report."""
+
     def whose(pid: int) -> str:
         node = hosts_seen.get(pid)
         what = f"SandboxHost pid {pid} on node {node[:8]}" if node else f"pid {pid}, not a SandboxHost the soak saw"
@@ -272,6 +303,7 @@ def _whose(plan: list[Fault], hosts_seen: dict[int, str]) -> Callable[[int], str
             if f.injected_s is not None and node and f.gone == node:
                 return f"{what}, on the node fault {f.kind} removed at {f.injected_s:g} s"
         return f"{what}, hit by no fault"
+
     return whose
 
 
@@ -289,8 +321,17 @@ def _check_restored(plan: list[Fault], now_s: float, dashboard_url: str) -> None
             f.restored_s = round(now_s - f.injected_s, 1)
 
 
-def _drive(cfg: SoakConfig, plan: list[Fault], rng: random.Random, cluster: _Cluster, run: _Run,
-           dashboard_url: str, state_dir: str, log, hosts_seen: dict[int, str]) -> dict:
+def _drive(
+    cfg: SoakConfig,
+    plan: list[Fault],
+    rng: random.Random,
+    cluster: _Cluster,
+    run: _Run,
+    dashboard_url: str,
+    state_dir: str,
+    log,
+    hosts_seen: dict[int, str],
+) -> dict:
     """Wait for RL, inject the plan, follow the run to its end; fills in each fault's outcome."""
     t0 = time.monotonic()
     while not _rl_started(run.run_dir):
@@ -325,8 +366,10 @@ def _drive(cfg: SoakConfig, plan: list[Fault], rng: random.Random, cluster: _Clu
         if pending and step >= steps:  # RL is over (evaluation runs): nothing of it is left to break
             for f in pending:
                 f.detail = f"RL ended {now - step_changed_at:.0f} s before its time"
-            log(f"RL ended at {step_changed_at:.0f} s, before {len(pending)} faults' times; make rl.steps larger to "
-                "cover the window")
+            log(
+                f"RL ended at {step_changed_at:.0f} s, before {len(pending)} faults' times; make rl.steps larger to "
+                "cover the window"
+            )
             pending.clear()
         for fault in [f for f in pending if f.at_s <= now]:
             try:
@@ -350,8 +393,9 @@ def _drive(cfg: SoakConfig, plan: list[Fault], rng: random.Random, cluster: _Clu
         time.sleep(0.25 if pending else 1.0)
     else:
         run.proc.kill()
-        raise RuntimeError(f"the run did not finish within {RUN_TIMEOUT_S:.0f} s after the fault window; see "
-                           f"{run.log_path}")
+        raise RuntimeError(
+            f"the run did not finish within {RUN_TIMEOUT_S:.0f} s after the fault window; see {run.log_path}"
+        )
     for f in pending:
         f.detail = f.detail or "the run finished before its time"
     log(f"the run ended with exit code {code} at step {step} ({len(run.resumes)} resumes)")
@@ -361,16 +405,23 @@ def _drive(cfg: SoakConfig, plan: list[Fault], rng: random.Random, cluster: _Clu
 def table(report: dict) -> str:
     rows = [("t (s)", "fault", "target / outcome", "restored (s)", "next step (s)", "survived")]
     for f in report["faults"]:
-        rows.append((f"{f['injected_s']:.0f}" if f["injected_s"] is not None else "-", f["kind"],
-                     (f["target"] or f["detail"])[:70],
-                     f"{f['restored_s']:.1f}" if f["restored_s"] is not None else "-",
-                     f"{f['next_step_s']:.1f}" if f["next_step_s"] is not None else "-",
-                     "yes" if f["survived"] else "no"))
+        rows.append(
+            (
+                f"{f['injected_s']:.0f}" if f["injected_s"] is not None else "-",
+                f["kind"],
+                (f["target"] or f["detail"])[:70],
+                f"{f['restored_s']:.1f}" if f["restored_s"] is not None else "-",
+                f"{f['next_step_s']:.1f}" if f["next_step_s"] is not None else "-",
+                "yes" if f["survived"] else "no",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
     lines.append("")
     lines += [f"{'ok  ' if c['ok'] else 'FAIL'}  {c['name']}: {c['detail']}" for c in report["checks"]]
-    lines.append(f"faults injected {report['faults_injected']}, survived {report['faults_survived']}, rollouts lost "
-                 f"{report['rollouts_lost']}, steps {report['steps']}, resumes {len(report['resumes'])}, "
-                 f"{report['wall_s']:.0f} s")
+    lines.append(
+        f"faults injected {report['faults_injected']}, survived {report['faults_survived']}, rollouts lost "
+        f"{report['rollouts_lost']}, steps {report['steps']}, resumes {len(report['resumes'])}, "
+        f"{report['wall_s']:.0f} s"
+    )
     return "\n".join(lines)

@@ -61,8 +61,10 @@ PROMPTS = ("full", "bare")
 def check_prompt(prompt: str) -> str:
     """`prompt` if it is a prompt style, else a ValueError naming the styles."""
     if prompt not in PROMPTS:
-        raise ValueError(f"prompt {prompt!r} is not a prompt style; use 'full' (system prompt and tool schemas) "
-                         "or 'bare' (the task alone, for a policy trained on this harness)")
+        raise ValueError(
+            f"prompt {prompt!r} is not a prompt style; use 'full' (system prompt and tool schemas) "
+            "or 'bare' (the task alone, for a policy trained on this harness)"
+        )
     return prompt
 
 
@@ -125,8 +127,10 @@ def pieces(messages: list[dict], tools: list[dict] | None = None, add_generation
     for i, message in enumerate(messages):
         role = message.get("role")
         if role not in ROLE_TOKENS:
-            raise ValueError(f"message {i} has role {role!r}; the chat template knows "
-                             f"{', '.join(ROLE_TOKENS)} (OpenAI chat messages)")
+            raise ValueError(
+                f"message {i} has role {role!r}; the chat template knows "
+                f"{', '.join(ROLE_TOKENS)} (OpenAI chat messages)"
+            )
         if role != "system" and not tools_done:
             emit_tools()
         mine = role == "assistant"
@@ -148,8 +152,9 @@ def render(messages: list[dict], tools: list[dict] | None = None, add_generation
     return "".join(p.text for p in pieces(messages, tools, add_generation_prompt))
 
 
-def encode_chat_with_mask(tokenizer: Encoder, messages: list[dict], tools: list[dict] | None = None,
-                          add_generation_prompt: bool = False) -> tuple[list[int], list[int]]:
+def encode_chat_with_mask(
+    tokenizer: Encoder, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = False
+) -> tuple[list[int], list[int]]:
     """Token ids of the conversation and a loss mask: 1 on the assistant's own tokens, 0 elsewhere."""
     ids: list[int] = []
     mask: list[int] = []
@@ -160,8 +165,9 @@ def encode_chat_with_mask(tokenizer: Encoder, messages: list[dict], tools: list[
     return ids, mask
 
 
-def encode_chat(tokenizer: Encoder, messages: list[dict], tools: list[dict] | None = None,
-                add_generation_prompt: bool = True) -> list[int]:
+def encode_chat(
+    tokenizer: Encoder, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True
+) -> list[int]:
     """Token ids of the conversation; with the generation prompt, ready for the model to write a turn."""
     return encode_chat_with_mask(tokenizer, messages, tools, add_generation_prompt)[0]
 

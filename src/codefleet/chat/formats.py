@@ -75,14 +75,17 @@ class ChatFormat(Protocol):
     tool_calls: ToolCallFormat  # the call markers and parser (the tool grammar constrains between the markers)
     roles: tuple[str, ...]
 
-    def render(self, messages: list[dict], tools: list[dict] | None = None,
-               add_generation_prompt: bool = True) -> str: ...
+    def render(
+        self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True
+    ) -> str: ...
 
-    def encode_chat(self, tokenizer, messages: list[dict], tools: list[dict] | None = None,
-                    add_generation_prompt: bool = True) -> list[int]: ...
+    def encode_chat(
+        self, tokenizer, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True
+    ) -> list[int]: ...
 
-    def encode_chat_with_mask(self, tokenizer, messages: list[dict], tools: list[dict] | None = None,
-                              add_generation_prompt: bool = False) -> tuple[list[int], list[int]]: ...
+    def encode_chat_with_mask(
+        self, tokenizer, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = False
+    ) -> tuple[list[int], list[int]]: ...
 
     def continuation(self, tokenizer, messages: list[dict], n_done: int, tools: list[dict] | None) -> list[int]:
         """The ids that follow an episode whose ids cover `messages[:n_done]` (ending with an assistant turn's
@@ -198,8 +201,12 @@ def _compile(template: str):
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
     env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f),
-                       dict=Dict(), namespace=Namespace)
+    env.globals.update(
+        raise_exception=raise_exception,
+        strftime_now=lambda f: datetime.now().strftime(f),
+        dict=Dict(),
+        namespace=Namespace,
+    )
     return env.from_string(template)
 
 
@@ -246,8 +253,15 @@ class TemplateFormat:
     name = "template"
     roles = ROLES
 
-    def __init__(self, templates: dict[str, str], template_kwargs: dict, stops: list[str], specials: list[str],
-                 tool_calls: ToolCallFormat, source: str):
+    def __init__(
+        self,
+        templates: dict[str, str],
+        template_kwargs: dict,
+        stops: list[str],
+        specials: list[str],
+        tool_calls: ToolCallFormat,
+        source: str,
+    ):
         self.templates, self.template_kwargs, self.source = templates, template_kwargs, source
         self.stops = stops  # the turn's end token first
         self.tool_calls = tool_calls.with_stops(tuple(stops))
@@ -268,9 +282,11 @@ class TemplateFormat:
         if isinstance(raw, str):
             raw = {"default": raw}
         if not raw or not all(isinstance(t, str) for t in raw.values()):
-            raise ValueError(f"{os.path.join(where, HF_TOKENIZER_CONFIG)} has no \"chat_template\" and there is no "
-                             f"{HF_CHAT_TEMPLATE} beside it: add the model's chat template (a Jinja string under "
-                             f"\"chat_template\", or a {HF_CHAT_TEMPLATE} file) to the checkpoint directory")
+            raise ValueError(
+                f'{os.path.join(where, HF_TOKENIZER_CONFIG)} has no "chat_template" and there is no '
+                f"{HF_CHAT_TEMPLATE} beside it: add the model's chat template (a Jinja string under "
+                f'"chat_template", or a {HF_CHAT_TEMPLATE} file) to the checkpoint directory'
+            )
         names = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
         kwargs = {n: _token_value(config.get(n)) for n in names if _token_value(config.get(n)) is not None}
         extra = config.get("additional_special_tokens")
@@ -284,8 +300,7 @@ class TemplateFormat:
         if "eos_token" in kwargs:
             candidates.append(kwargs["eos_token"])
         candidates = [c for c in dict.fromkeys(candidates) if c in tokenizer.special]
-        fmt = cls(raw, kwargs, candidates, list(tokenizer.special), choose("\n".join(raw.values()), tool_parser),
-                  where)
+        fmt = cls(raw, kwargs, candidates, list(tokenizer.special), choose("\n".join(raw.values()), tool_parser), where)
         end = fmt._turn_end(candidates)
         fmt.stops = [end] + [c for c in candidates if c != end]
         fmt.tool_calls = fmt.tool_calls.with_stops(tuple(fmt.stops))
@@ -294,14 +309,17 @@ class TemplateFormat:
     def _turn_end(self, candidates: list[str]) -> str:
         """The stop token that closes an assistant turn in this template (found by rendering one)."""
         said = "\U000f0002"
-        text = self.render([{"role": "user", "content": "?"}, {"role": "assistant", "content": said}],
-                           add_generation_prompt=False)
-        after = text[text.find(said) + 1:] if said in text else ""
+        text = self.render(
+            [{"role": "user", "content": "?"}, {"role": "assistant", "content": said}], add_generation_prompt=False
+        )
+        after = text[text.find(said) + 1 :] if said in text else ""
         found = [(after.find(c), c) for c in candidates if c in after]
         if not found:
-            raise ValueError(f"the chat template in {self.source} ends an assistant turn with none of the "
-                             f"checkpoint's stop tokens {candidates}; list its end-of-turn token in "
-                             f"{HF_GENERATION_CONFIG} (\"eos_token_id\")")
+            raise ValueError(
+                f"the chat template in {self.source} ends an assistant turn with none of the "
+                f"checkpoint's stop tokens {candidates}; list its end-of-turn token in "
+                f'{HF_GENERATION_CONFIG} ("eos_token_id")'
+            )
         return min(found)[1]
 
     # -- rendering and encoding ----------------------------------------------------------
@@ -316,12 +334,18 @@ class TemplateFormat:
             tools = _mark(tools, self._specials)
         name = "tool_use" if tools is not None and "tool_use" in self.templates else "default"
         if name not in self.templates:
-            raise ValueError(f"the checkpoint in {self.source} has several chat templates and none is named "
-                             f"\"default\" ({sorted(self.templates)}); name one \"default\"")
+            raise ValueError(
+                f"the checkpoint in {self.source} has several chat templates and none is named "
+                f'"default" ({sorted(self.templates)}); name one "default"'
+            )
         try:
-            return _compile(self.templates[name]).render(messages=messages, tools=tools, documents=None,
-                                                         add_generation_prompt=add_generation_prompt,
-                                                         **self.template_kwargs)
+            return _compile(self.templates[name]).render(
+                messages=messages,
+                tools=tools,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self.template_kwargs,
+            )
         except jinja2.TemplateError as e:
             raise ValueError(f"the chat template in {self.source} refused the conversation: {e}") from None
 
@@ -332,8 +356,10 @@ class TemplateFormat:
         pos = 0
         for m in [*_MARKED.finditer(text), None]:
             end = m.start() if m is not None else len(text)
-            for piece, start, special in ((text[pos:end], pos, True),
-                                          ((m.group(1) or "") if m else "", end + 1, False)):
+            for piece, start, special in (
+                (text[pos:end], pos, True),
+                ((m.group(1) or "") if m else "", end + 1, False),
+            ):
                 if piece:
                     piece_ids, offsets = tokenizer.encode_with_offsets(piece, allow_special=special)
                     ids += piece_ids
@@ -361,11 +387,13 @@ class TemplateFormat:
             before = self.render(messages[:i], tools, add_generation_prompt=True, marked=True)
             before_ends = self._ends(before)
             k = len(before_ends)
-            tail = before[before_ends[-1]:] if k else before
+            tail = before[before_ends[-1] :] if k else before
             base = ends[k - 1] if 0 < k <= len(ends) else 0
-            if k > len(ends) or text[base:base + len(tail)] != tail:
-                raise ValueError(f"the chat template in {self.source} renders the conversation before assistant "
-                                 f"message {i} differently once the message follows; its tokens cannot be masked")
+            if k > len(ends) or text[base : base + len(tail)] != tail:
+                raise ValueError(
+                    f"the chat template in {self.source} renders the conversation before assistant "
+                    f"message {i} differently once the message follows; its tokens cannot be masked"
+                )
             turns.append((base + len(tail), ends[k] if k < len(ends) else len(text)))
         ids, spans = self._encode(tokenizer, text)
         mask = [int(any(a < e and b > s for s, e in turns)) for a, b in spans]
@@ -376,9 +404,11 @@ class TemplateFormat:
         text = self.render(messages, tools, add_generation_prompt=True, marked=True)
         ends = self._ends(text)
         if not done or len(ends) < len(done):
-            raise ValueError(f"the chat template in {self.source} does not close the assistant's turn with "
-                             f"{self.stops[0]} before the new messages")
-        return self._encode(tokenizer, text[ends[len(done) - 1]:])[0]
+            raise ValueError(
+                f"the chat template in {self.source} does not close the assistant's turn with "
+                f"{self.stops[0]} before the new messages"
+            )
+        return self._encode(tokenizer, text[ends[len(done) - 1] :])[0]
 
     def least_tokens(self, tokenizer, messages, tools=None) -> int:
         return -(-len(self.render(messages, tools)) // tokenizer.max_token_bytes)
@@ -396,8 +426,9 @@ class TemplateFormat:
 def is_hf(path: str) -> bool:
     """Whether the directory `path` is a Hugging Face checkpoint (its config.json, or a tokenizer_config.json or
     chat template beside its tokenizer), whose own tokenizer and chat template are used."""
-    return is_hf_dir(path) or any(os.path.isfile(os.path.join(path, f))
-                                     for f in (HF_TOKENIZER_CONFIG, HF_CHAT_TEMPLATE, HF_CHAT_TEMPLATE_JSON))
+    return is_hf_dir(path) or any(
+        os.path.isfile(os.path.join(path, f)) for f in (HF_TOKENIZER_CONFIG, HF_CHAT_TEMPLATE, HF_CHAT_TEMPLATE_JSON)
+    )
 
 
 def of(tokenizer, tool_parser: str | None = None) -> ChatFormat:
@@ -440,5 +471,7 @@ def check_vocab(tokenizer, vocab_size: int) -> None:
     if isinstance(tokenizer, HFTokenizer):
         tokenizer.fit(vocab_size)
     elif tokenizer.vocab_size != vocab_size:  # larger: prompts fail; smaller: samples cannot decode
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary is "
-                         f"{vocab_size}; save the checkpoint with the tokenizer it was trained with")
+        raise ValueError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary is "
+            f"{vocab_size}; save the checkpoint with the tokenizer it was trained with"
+        )

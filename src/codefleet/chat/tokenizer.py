@@ -58,17 +58,36 @@ DEFAULT_MIN_FREQUENCY = 2
 TOKENIZER_FILE = "tokenizer.json"
 # what a Hugging Face checkpoint keeps beside tokenizer.json for its tokenizer and chat template
 HF_TOKENIZER_CONFIG, HF_CHAT_TEMPLATE, HF_CHAT_TEMPLATE_JSON, HF_GENERATION_CONFIG = (
-    "tokenizer_config.json", "chat_template.jinja", "chat_template.json", "generation_config.json")
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
 HF_CONFIG = "config.json"  # a Hugging Face model directory's architecture (`is_hf_dir`)
-HF_FILES = (HF_TOKENIZER_CONFIG, HF_CHAT_TEMPLATE, HF_CHAT_TEMPLATE_JSON, HF_GENERATION_CONFIG,
-            "special_tokens_map.json")
+HF_FILES = (
+    HF_TOKENIZER_CONFIG,
+    HF_CHAT_TEMPLATE,
+    HF_CHAT_TEMPLATE_JSON,
+    HF_GENERATION_CONFIG,
+    "special_tokens_map.json",
+)
 META_FILE = "tokenizer.meta.json"
 ASSETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 
 # Order fixes the ids (0..15). Reserved slots let later work add tokens without changing the vocabulary.
 SPECIAL_TOKENS = [
-    "<|pad|>", BOS, EOS, END, SYSTEM, USER, ASSISTANT, TOOL, TOOLS,
-    CALL_OPEN, CALL_CLOSE, *[f"<|reserved_{i}|>" for i in range(5)],
+    "<|pad|>",
+    BOS,
+    EOS,
+    END,
+    SYSTEM,
+    USER,
+    ASSISTANT,
+    TOOL,
+    TOOLS,
+    CALL_OPEN,
+    CALL_CLOSE,
+    *[f"<|reserved_{i}|>" for i in range(5)],
 ]
 
 
@@ -96,8 +115,10 @@ class Tokenizer:
         self.vocab_size: int = hf.get_vocab_size(with_added_tokens=True)
         missing = [t for t in SPECIAL_TOKENS if hf.token_to_id(t) is None]
         if missing:
-            raise ValueError(f"tokenizer lacks the special tokens {missing}; train it with Tokenizer.train "
-                             "(or rebuild with `python -m codefleet.chat.tokenizer build`)")
+            raise ValueError(
+                f"tokenizer lacks the special tokens {missing}; train it with Tokenizer.train "
+                "(or rebuild with `python -m codefleet.chat.tokenizer build`)"
+            )
         self.special: dict[str, int] = {t: hf.token_to_id(t) for t in SPECIAL_TOKENS}
         self.pad_id, self.bos_id, self.eos_id, self.end_id = (self.special[t] for t in SPECIAL_TOKENS[:4])
         self.system_id, self.user_id, self.assistant_id, self.tool_id = (self.special[t] for t in SPECIAL_TOKENS[4:8])
@@ -117,18 +138,25 @@ class Tokenizer:
     # -- training and files --------------------------------------------------------------
 
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE,
-              min_frequency: int = DEFAULT_MIN_FREQUENCY) -> Tokenizer:
+    def train(
+        cls, texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE, min_frequency: int = DEFAULT_MIN_FREQUENCY
+    ) -> Tokenizer:
         """Train on `texts` (deterministic for the same texts in the same order)."""
         if vocab_size < 256 + len(SPECIAL_TOKENS):
-            raise ValueError(f"vocab_size must be at least {256 + len(SPECIAL_TOKENS)} (256 bytes plus "
-                             f"{len(SPECIAL_TOKENS)} special tokens), got {vocab_size}")
+            raise ValueError(
+                f"vocab_size must be at least {256 + len(SPECIAL_TOKENS)} (256 bytes plus "
+                f"{len(SPECIAL_TOKENS)} special tokens), got {vocab_size}"
+            )
         hf = tokenizers.Tokenizer(models.BPE())
         hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         hf.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, show_progress=False,
-                                      special_tokens=SPECIAL_TOKENS,
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            min_frequency=min_frequency,
+            show_progress=False,
+            special_tokens=SPECIAL_TOKENS,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )
         hf.train_from_iterator(texts, trainer)
         return cls(hf)
 
@@ -142,8 +170,9 @@ class Tokenizer:
     def _save_file(directory: str, root: str | None, name: str, text: str) -> str:
         directory = os.path.abspath(directory)
         path = os.path.join(directory, name)
-        safe_files.write_file_beneath(os.path.abspath(root) if root else os.path.dirname(directory), path, text,
-                                      mode=0o644)
+        safe_files.write_file_beneath(
+            os.path.abspath(root) if root else os.path.dirname(directory), path, text, mode=0o644
+        )
         return path
 
     def to_json(self) -> str:
@@ -158,8 +187,9 @@ class Tokenizer:
                 return HFTokenizer.load(path)
             path = os.path.join(path, TOKENIZER_FILE)
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"no tokenizer at {path}; save one with Tokenizer.save(dir) or use "
-                                    "default_tokenizer()")
+            raise FileNotFoundError(
+                f"no tokenizer at {path}; save one with Tokenizer.save(dir) or use default_tokenizer()"
+            )
         return cls(tokenizers.Tokenizer.from_file(path))
 
     # -- encoding and decoding -----------------------------------------------------------
@@ -223,9 +253,11 @@ class HFTokenizer(Tokenizer):
         self.source = source or "tokenizer.json"
         data = json.loads(hf.to_str())
         if (data.get("decoder") or {}).get("type") != "ByteLevel":
-            raise ValueError(f"{self.source} is not a byte-level BPE tokenizer (its decoder is "
-                             f"{(data.get('decoder') or {}).get('type')!r}); codefleet runs byte-level ones "
-                             "(Qwen, Llama 3 and the like)")
+            raise ValueError(
+                f"{self.source} is not a byte-level BPE tokenizer (its decoder is "
+                f"{(data.get('decoder') or {}).get('type')!r}); codefleet runs byte-level ones "
+                "(Qwen, Llama 3 and the like)"
+            )
         self.hf = hf
         for token in data.get("added_tokens") or []:  # plain text matches none of them, special or not
             token["special"] = True
@@ -285,8 +317,10 @@ class HFTokenizer(Tokenizer):
         """Size the tokenizer to a model's embedding of `vocab_size` rows: refused if the tokenizer has more
         tokens (the model could not read them); the ids past the tokenizer's own stand for no text."""
         if self.own_vocab_size > vocab_size:
-            raise ValueError(f"{self.source} has {self.own_vocab_size} tokens but the model's embedding has "
-                             f"{vocab_size} rows; use the tokenizer the model was trained with")
+            raise ValueError(
+                f"{self.source} has {self.own_vocab_size} tokens but the model's embedding has "
+                f"{vocab_size} rows; use the tokenizer the model was trained with"
+            )
         self._bytes = self._bytes[: self.own_vocab_size] + [b""] * (vocab_size - self.own_vocab_size)
         self.vocab_size = vocab_size
         return self
@@ -304,8 +338,9 @@ def is_hf_dir(path: str) -> bool:
             config = json.load(f)
     except (OSError, ValueError):
         return False
-    return isinstance(config, dict) and ("architectures" in config or "model_type" in config) \
-        and "d_model" not in config
+    return (
+        isinstance(config, dict) and ("architectures" in config or "model_type" in config) and "d_model" not in config
+    )
 
 
 # -- the default tokenizer -----------------------------------------------------------------
@@ -315,8 +350,10 @@ def is_hf_dir(path: str) -> bool:
 def default_tokenizer() -> Tokenizer:
     """The shipped tokenizer (assets/tokenizer.json)."""
     if not os.path.isfile(os.path.join(ASSETS_DIR, TOKENIZER_FILE)):
-        raise FileNotFoundError(f"the default tokenizer {os.path.join(ASSETS_DIR, TOKENIZER_FILE)} is missing: "
-                                "reinstall codefleet, or rebuild it with `python -m codefleet.recipe.corpus build`")
+        raise FileNotFoundError(
+            f"the default tokenizer {os.path.join(ASSETS_DIR, TOKENIZER_FILE)} is missing: "
+            "reinstall codefleet, or rebuild it with `python -m codefleet.recipe.corpus build`"
+        )
     return Tokenizer.load(ASSETS_DIR)
 
 
@@ -328,8 +365,9 @@ def write(directory: str, tok: Tokenizer, meta: dict) -> None:
     parent, tmp = os.path.dirname(directory), f"{directory}.tmp{os.getpid()}"
     safe_files.remove_beneath(parent, tmp)
     tok.save(tmp)
-    safe_files.write_file_beneath(parent, os.path.join(tmp, META_FILE), json.dumps(meta, indent=2, sort_keys=True)
-                                  + "\n", mode=0o644)
+    safe_files.write_file_beneath(
+        parent, os.path.join(tmp, META_FILE), json.dumps(meta, indent=2, sort_keys=True) + "\n", mode=0o644
+    )
     safe_files.makedirs_beneath(parent, directory)
     for name in (TOKENIZER_FILE, META_FILE):
         safe_files.replace_beneath(parent, os.path.join(tmp, name), os.path.join(directory, name))

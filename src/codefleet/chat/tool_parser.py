@@ -62,16 +62,24 @@ class ToolCallFormat:
         return _split_turn(self, text, id_prefix)
 
     def with_stops(self, stops: tuple[str, ...]) -> ToolCallFormat:
-        return ToolCallFormat(self.name, self.call_open, self.call_close, tuple(stops), self.text_guard,
-                              self.string_guard)
+        return ToolCallFormat(
+            self.name, self.call_open, self.call_close, tuple(stops), self.text_guard, self.string_guard
+        )
 
 
 PARSERS: dict[str, ToolCallFormat] = {
     # every codefleet marker starts with "<|"; its template writes "<\u007c" inside calls
-    "codefleet": ToolCallFormat("codefleet", codefleet_template.CALL_OPEN, codefleet_template.CALL_CLOSE,
-                                tuple(codefleet_template.STOP), ("<|",), ("<|",)),
-    "hermes": ToolCallFormat("hermes", "<tool_call>", "</tool_call>", (), ("<tool_call>", "</tool_call>"),
-                             ("</tool_call>",)),
+    "codefleet": ToolCallFormat(
+        "codefleet",
+        codefleet_template.CALL_OPEN,
+        codefleet_template.CALL_CLOSE,
+        tuple(codefleet_template.STOP),
+        ("<|",),
+        ("<|",),
+    ),
+    "hermes": ToolCallFormat(
+        "hermes", "<tool_call>", "</tool_call>", (), ("<tool_call>", "</tool_call>"), ("</tool_call>",)
+    ),
 }
 
 
@@ -90,8 +98,10 @@ def choose(template: str, name: str | None = None) -> ToolCallFormat:
 
 def openai_tool_calls(calls: list[dict]) -> list[dict]:
     """Parsed calls in the OpenAI message format (`message["tool_calls"]`)."""
-    return [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments_json"]}}
-            for c in calls]
+    return [
+        {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments_json"]}}
+        for c in calls
+    ]
 
 
 # -- parsing ---------------------------------------------------------------------------------
@@ -124,8 +134,10 @@ def _split_turn(fmt: ToolCallFormat, text: str, id_prefix: str) -> ParsedTurn:
         end = text.find(closing, body_start)
         reopen = text.find(opening, body_start)
         if end < 0 or 0 <= reopen < end:
-            errors.append(f"tool call {number} has no closing {closing} (the output may have hit its token "
-                          f"limit); end every call with {closing}")
+            errors.append(
+                f"tool call {number} has no closing {closing} (the output may have hit its token "
+                f"limit); end every call with {closing}"
+            )
             if end < 0:
                 break
             pos = reopen
@@ -147,10 +159,10 @@ def _parse_call(body: str, number: int, how: str) -> tuple[str, str] | str:
     except json.JSONDecodeError as e:
         return f"{where} is not valid JSON ({e.msg} at character {e.pos}); {how}"
     if not isinstance(value, dict):
-        return f"{where} must be a JSON object with \"name\" and \"arguments\", got {type(value).__name__}; {how}"
+        return f'{where} must be a JSON object with "name" and "arguments", got {type(value).__name__}; {how}'
     name = value.get("name")
     if not isinstance(name, str) or not name.strip():
-        return f"{where} has no \"name\" (a non-empty string naming the tool); {how}"
+        return f'{where} has no "name" (a non-empty string naming the tool); {how}'
     key = "arguments" if "arguments" in value or "parameters" not in value else "parameters"
     arguments = value.get(key, {})
     if isinstance(arguments, str):  # arguments written as a JSON string, as in the OpenAI wire format
@@ -159,12 +171,12 @@ def _parse_call(body: str, number: int, how: str) -> tuple[str, str] | str:
         except json.JSONDecodeError:
             decoded = None
         if not isinstance(decoded, dict):
-            return f"{where} ({name}): \"arguments\" must be a JSON object; {how}"
+            return f'{where} ({name}): "arguments" must be a JSON object; {how}'
         return name, arguments if arguments.strip() else "{}"
     if not isinstance(arguments, dict):
-        return f"{where} ({name}): \"arguments\" must be a JSON object, got {type(arguments).__name__}; {how}"
+        return f'{where} ({name}): "arguments" must be a JSON object, got {type(arguments).__name__}; {how}'
     span = _member_spans(body).get(key)
-    return name, body[span[0]:span[1]] if span else json.dumps(arguments, ensure_ascii=False)
+    return name, body[span[0] : span[1]] if span else json.dumps(arguments, ensure_ascii=False)
 
 
 def _member_spans(body: str) -> dict[str, tuple[int, int]]:

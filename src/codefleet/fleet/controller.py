@@ -78,14 +78,7 @@ from codefleet.fleet.controller_api import (  # noqa: F401 - the contract, re-ex
     StepReport,
     TrainerClient,
 )
-from codefleet.fleet.staleness import (
-    AdmissionController,
-    Group,
-    GroupAssembler,
-    RolloutBuffer,
-    Ticket,
-    _percentile,
-)
+from codefleet.fleet.staleness import AdmissionController, Group, GroupAssembler, RolloutBuffer, Ticket, _percentile
 
 log = logging.getLogger(__name__)
 
@@ -142,9 +135,7 @@ class Controller:
     ):
         self.config, self.runner, self.trainer, self.items = config, runner, trainer, iter(items)
         self.on_step, self.on_broken = on_step, on_broken
-        self.admission = AdmissionController(
-            config.eta, config.rollout_slots, config.batch_groups, config.group_size
-        )
+        self.admission = AdmissionController(config.eta, config.rollout_slots, config.batch_groups, config.group_size)
         self.buffer = RolloutBuffer(self.admission)
         if buffer_state is not None:
             if buffer_state["next_batch"] != start_version:
@@ -198,8 +189,10 @@ class Controller:
         if self._running:
             raise RuntimeError("Controller.run() is already running; call it from one thread at a time")
         if n_steps < self._version:
-            raise ValueError(f"run(n_steps={n_steps}) but the policy is already at version {self._version}; "
-                             "n_steps is the version to reach, counted from 0")
+            raise ValueError(
+                f"run(n_steps={n_steps}) but the policy is already at version {self._version}; "
+                "n_steps is the version to reach, counted from 0"
+            )
         adm, buf = self.admission, self.buffer
         if n_steps == self._version:
             return RunReport.nothing_to_do(self._version)
@@ -213,8 +206,9 @@ class Controller:
         self._ended_by = "stop" if self._stopping else "steps"
         self._error: tuple[str, BaseException] | None = None
         self._halt = False
-        trainer_thread = threading.Thread(target=self._train_loop, args=(n_steps,), name="codefleet-trainer",
-                                          daemon=True)
+        trainer_thread = threading.Thread(
+            target=self._train_loop, args=(n_steps,), name="codefleet-trainer", daemon=True
+        )
         trainer_thread.start()
         try:
             self._dispatch(trainer_thread)
@@ -294,9 +288,15 @@ class Controller:
                 self._events.put(_WAKE)  # admission may open at the new version
                 if self.on_step is not None:
                     report = StepReport(
-                        step=step, version=step + 1, metrics=dict(metrics or {}), wall_s=t_done - t_wait,
-                        waiting_s=t_got - t_wait, train_s=t_done - t_got, batch_lag_max=max(batch.lags, default=0),
-                        buffer=self.buffer.metrics(), rollouts_per_s=self._trained / (t_done - self._t_start),
+                        step=step,
+                        version=step + 1,
+                        metrics=dict(metrics or {}),
+                        wall_s=t_done - t_wait,
+                        waiting_s=t_got - t_wait,
+                        train_s=t_done - t_got,
+                        batch_lag_max=max(batch.lags, default=0),
+                        buffer=self.buffer.metrics(),
+                        rollouts_per_s=self._trained / (t_done - self._t_start),
                         trainer_busy_fraction=self._busy_s / max(t_done - self._t_first_batch, 1e-9),
                     )
                     try:
@@ -377,8 +377,9 @@ class Controller:
                 "AttemptResult(None, why)) instead"
             ) from e
         if len(refs) != len(attempts):
-            raise _Fatal(f"GroupRunner.start returned {len(refs)} refs for {len(attempts)} attempts; "
-                         "return one per attempt")
+            raise _Fatal(
+                f"GroupRunner.start returned {len(refs)} refs for {len(attempts)} attempts; return one per attempt"
+            )
         deadline_s = time.monotonic() + self.config.rollout_timeout_s
         for attempt, ref in zip(attempts, refs, strict=True):
             token = next(self._tokens)
@@ -401,8 +402,10 @@ class Controller:
             self._failed(g, att, _describe(e))
             return
         if not isinstance(result, AttemptResult):
-            raise _Fatal(f"an attempt of group {att.group_id} resolved to {type(result).__name__}; GroupRunner refs "
-                         "must resolve to AttemptResult")
+            raise _Fatal(
+                f"an attempt of group {att.group_id} resolved to {type(result).__name__}; GroupRunner refs "
+                "must resolve to AttemptResult"
+            )
         if result.rollout is None and result.task_error:
             self._broken(g, att, result.task_error)
             return
@@ -411,12 +414,16 @@ class Controller:
             return
         r = result.rollout
         if r.group_id != g.ticket.group_id or r.rollout_id in g.rollout_ids:
-            raise _Fatal(f"rollout {r.rollout_id!r} (group {r.group_id}) returned for group {g.ticket.group_id} "
-                         f"attempt {att.attempt}: rollout ids must be unique per attempt and name their group, "
-                         "e.g. f'{group_id}/{attempt}'")
+            raise _Fatal(
+                f"rollout {r.rollout_id!r} (group {r.group_id}) returned for group {g.ticket.group_id} "
+                f"attempt {att.attempt}: rollout ids must be unique per attempt and name their group, "
+                "e.g. f'{group_id}/{attempt}'"
+            )
         if r.policy_version < g.ticket.policy_version:
-            raise _Fatal(f"rollout {r.rollout_id!r} reports policy_version {r.policy_version} but its group was "
-                         f"admitted at version {g.ticket.policy_version}; report the version the attempt started with")
+            raise _Fatal(
+                f"rollout {r.rollout_id!r} reports policy_version {r.policy_version} but its group was "
+                f"admitted at version {g.ticket.policy_version}; report the version the attempt started with"
+            )
         g.rollout_ids.add(r.rollout_id)
         self._abandoned_in_a_row = self._broken_in_a_row = 0
         self.admission.release(g.ticket, accepted=True)
@@ -434,14 +441,21 @@ class Controller:
         g.failures[att.attempt] += 1
         self._last_infra_error = f"group {att.group_id} attempt {att.attempt}: {why}"
         if g.failures[att.attempt] > self.config.max_infra_retries:
-            log.warning("abandoning group %d: attempt %d failed %d times by infrastructure (last: %s)",
-                        att.group_id, att.attempt, g.failures[att.attempt], why)
+            log.warning(
+                "abandoning group %d: attempt %d failed %d times by infrastructure (last: %s)",
+                att.group_id,
+                att.attempt,
+                g.failures[att.attempt],
+                why,
+            )
             self._withdraw(g, abandoned=True)
             self._abandoned_in_a_row += 1
             if self._abandoned_in_a_row >= self.config.max_abandoned_in_a_row:
-                raise _Fatal(f"{self._abandoned_in_a_row} groups in a row were abandoned with no attempt succeeding: "
-                             f"the infrastructure fails every attempt (last: {why}); check the rollout workers' "
-                             "logs, fix the cause and resume from the last checkpoint")
+                raise _Fatal(
+                    f"{self._abandoned_in_a_row} groups in a row were abandoned with no attempt succeeding: "
+                    f"the infrastructure fails every attempt (last: {why}); check the rollout workers' "
+                    "logs, fix the cause and resume from the last checkpoint"
+                )
         else:
             c = self.config
             backoff_s = min(c.retry_backoff_s * 2 ** (g.failures[att.attempt] - 1), c.retry_backoff_max_s)
@@ -459,8 +473,10 @@ class Controller:
                 raise _Fatal(f"on_broken failed for group {att.group_id}: {e!r}") from e
         self._broken_in_a_row += 1
         if self._broken_in_a_row >= self.config.max_abandoned_in_a_row:
-            raise _Fatal(f"{self._broken_in_a_row} groups in a row were dropped because their item cannot be "
-                         f"attempted, with no attempt succeeding between (last: {why}); check the work items")
+            raise _Fatal(
+                f"{self._broken_in_a_row} groups in a row were dropped because their item cannot be "
+                f"attempted, with no attempt succeeding between (last: {why}); check the work items"
+            )
 
     def _withdraw(self, g: _GroupState, abandoned: bool) -> None:
         for token in g.running.values():

@@ -38,8 +38,10 @@ class ControllerConfig:
         if self.max_infra_retries < 0:
             raise ValueError(f"max_infra_retries={self.max_infra_retries} must be >= 0")
         if self.retry_backoff_s < 0 or self.retry_backoff_max_s < self.retry_backoff_s:
-            raise ValueError(f"retry_backoff_s={self.retry_backoff_s} must be >= 0 and at most retry_backoff_max_s="
-                             f"{self.retry_backoff_max_s}")
+            raise ValueError(
+                f"retry_backoff_s={self.retry_backoff_s} must be >= 0 and at most retry_backoff_max_s="
+                f"{self.retry_backoff_max_s}"
+            )
 
 
 class ControllerError(RuntimeError):
@@ -132,6 +134,19 @@ class RunReport:
     @classmethod
     def nothing_to_do(cls, version: int) -> RunReport:
         """The report of a run() asked for the version the policy already has."""
-        return cls(steps=0, version=version, ended_by="steps", wall_s=0.0, trained_rollouts=0, rollouts_per_s=0.0,
-                   trainer_busy_s=0.0, trainer_busy_fraction=0.0, version_lag_p50=0.0, version_lag_p99=0.0,
-                   version_lag_max=0, infra_failures=0, abandoned_groups=0, dropped_groups=0)
+        return cls(
+            steps=0,
+            version=version,
+            ended_by="steps",
+            wall_s=0.0,
+            trained_rollouts=0,
+            rollouts_per_s=0.0,
+            trainer_busy_s=0.0,
+            trainer_busy_fraction=0.0,
+            version_lag_p50=0.0,
+            version_lag_p99=0.0,
+            version_lag_max=0,
+            infra_failures=0,
+            abandoned_groups=0,
+            dropped_groups=0,
+        )

@@ -25,8 +25,10 @@ import torch
 def actor_options(num_cpus: float, resources: dict[str, float] | None, num_gpus: float = 0.0) -> dict:
     """Ray actor options placing one actor by logical resources, with `num_gpus` (0 to 1) when it is positive."""
     if not 0 <= num_gpus <= 1:
-        raise ValueError(f"num_gpus={num_gpus}: an engine or trainer actor uses one GPU at most (no tensor "
-                         "parallelism); give it a share between 0 and 1, and more actors for more GPUs")
+        raise ValueError(
+            f"num_gpus={num_gpus}: an engine or trainer actor uses one GPU at most (no tensor "
+            "parallelism); give it a share between 0 and 1, and more actors for more GPUs"
+        )
     options: dict = {"num_cpus": num_cpus, "resources": dict(resources or {})}
     if num_gpus > 0:
         options["num_gpus"] = num_gpus
@@ -42,8 +44,10 @@ def check_gpus(wanted: dict[str, float]) -> None:
     have = float(ray.cluster_resources().get("GPU", 0))
     if total > have + 1e-9:
         who = " + ".join(f"{name} ({n:g})" for name, n in wanted.items() if n > 0)
-        raise ValueError(f"this run asks for {total:g} GPUs ({who}) but the Ray cluster has {have:g}: add GPU nodes, "
-                         "or lower cluster.engine_gpus / cluster.trainer_gpus (0 runs on CPU)")
+        raise ValueError(
+            f"this run asks for {total:g} GPUs ({who}) but the Ray cluster has {have:g}: add GPU nodes, "
+            "or lower cluster.engine_gpus / cluster.trainer_gpus (0 runs on CPU)"
+        )
 
 
 def actor_device() -> torch.device:
@@ -52,7 +56,9 @@ def actor_device() -> torch.device:
     if not ray.get_gpu_ids():
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise RuntimeError(f"Ray gave this actor GPU {ray.get_gpu_ids()} but torch {torch.__version__} here cannot "
-                           "use it (a CPU build, or no driver): install the CUDA build of torch on the GPU nodes "
-                           "(scripts/gpu_check.sh makes such an environment)")
+        raise RuntimeError(
+            f"Ray gave this actor GPU {ray.get_gpu_ids()} but torch {torch.__version__} here cannot "
+            "use it (a CPU build, or no driver): install the CUDA build of torch on the GPU nodes "
+            "(scripts/gpu_check.sh makes such an environment)"
+        )
     return torch.device("cuda", torch.cuda.current_device())

@@ -60,20 +60,36 @@ def _as_tensors(weights: dict) -> dict[str, torch.Tensor]:
 
 @ray.remote(max_restarts=-1, max_task_retries=0)
 class EngineActor:
-    def __init__(self, checkpoint: str, max_batch: int = 32, max_seq_len: int | None = None, threads: int = 1,
-                 version: int = 0, restart_from: str | None = None, backend: str = "codefleet",
-                 record_routing: bool = True, num_gpus: float = 0.0):
+    def __init__(
+        self,
+        checkpoint: str,
+        max_batch: int = 32,
+        max_seq_len: int | None = None,
+        threads: int = 1,
+        version: int = 0,
+        restart_from: str | None = None,
+        backend: str = "codefleet",
+        record_routing: bool = True,
+        num_gpus: float = 0.0,
+    ):
         torch.set_num_threads(threads)
         if restart_from and ray.get_runtime_context().was_current_actor_reconstructed:
             checkpoint, version = newest_checkpoint(restart_from) or (checkpoint, version)
         # on a GPU (Ray set CUDA_VISIBLE_DEVICES to it) vLLM picks the device and sizes its memory to the share
         gpu = {"gpu_share": num_gpus} if num_gpus > 0 else {}
         if gpu and not torch.cuda.is_available():
-            raise RuntimeError(f"this engine was given GPU {ray.get_gpu_ids()} but torch {torch.__version__} here "
-                               "cannot use it: install the GPU builds of torch and vllm on the GPU nodes "
-                               "(scripts/setup_vllm.sh does on a machine with an NVIDIA GPU)")
-        self.engine = ENGINES.get(backend).load(storage.local_copy(checkpoint), max_batch=max_batch,
-                                                max_seq_len=max_seq_len, record_routing=record_routing, **gpu)
+            raise RuntimeError(
+                f"this engine was given GPU {ray.get_gpu_ids()} but torch {torch.__version__} here "
+                "cannot use it: install the GPU builds of torch and vllm on the GPU nodes "
+                "(scripts/setup_vllm.sh does on a machine with an NVIDIA GPU)"
+            )
+        self.engine = ENGINES.get(backend).load(
+            storage.local_copy(checkpoint),
+            max_batch=max_batch,
+            max_seq_len=max_seq_len,
+            record_routing=record_routing,
+            **gpu,
+        )
         self.engine.version = version
         self.receiver = BucketReceiver()  # staging for bucketed updates, allocated by the first
         self.receiving = asyncio.Lock()  # one bucketed update at a time (they share the staging)
@@ -107,11 +123,13 @@ class EngineActor:
                 self.receiver.release()
             return self.engine.version
 
-    async def join_sync_group(self, sender: int, address: str, rank: int, world: int, backend: str,
-                              timeout_s: float) -> None:
+    async def join_sync_group(
+        self, sender: int, address: str, rank: int, world: int, backend: str, timeout_s: float
+    ) -> None:
         """Join sender `sender`'s weight-sync group (`fleet.weight_sync.GroupSync`), replacing an older one."""
-        await asyncio.get_running_loop().run_in_executor(None, self.group_receiver.join, sender, address, rank,
-                                                         world, backend, timeout_s)
+        await asyncio.get_running_loop().run_in_executor(
+            None, self.group_receiver.join, sender, address, rank, world, backend, timeout_s
+        )
 
     def abort_sync_group(self, version: int) -> None:
         """The driver gave up on `version` over the sync groups: stop waiting for it (`GroupReceiver.abort`)."""
@@ -152,12 +170,19 @@ class EngineActor:
         self.engine.wake()
 
     def info(self) -> dict:
-        return {"version": self.engine.version, "max_seq_len": self.engine.max_seq_len, "pid": os.getpid(),
-                "node_id": ray.get_runtime_context().get_node_id(), "running": self.engine.n_running,
-                "prefill_tokens": self.engine.prefill_tokens_computed, "prefix_hits": self.engine.prefix_hits,
-                "prefix_tokens_reused": self.engine.prefix_tokens_reused, "apply_s": self.apply_s,
-                "pause_s": self.engine.pause_s,
-                "placement_group": ray.get_runtime_context().get_placement_group_id()}
+        return {
+            "version": self.engine.version,
+            "max_seq_len": self.engine.max_seq_len,
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "running": self.engine.n_running,
+            "prefill_tokens": self.engine.prefill_tokens_computed,
+            "prefix_hits": self.engine.prefix_hits,
+            "prefix_tokens_reused": self.engine.prefix_tokens_reused,
+            "apply_s": self.apply_s,
+            "pause_s": self.engine.pause_s,
+            "placement_group": ray.get_runtime_context().get_placement_group_id(),
+        }
 
 
 def newest_checkpoint(latest_file: str) -> tuple[str, int] | None:
@@ -213,10 +238,22 @@ class RemoteEngine:
         return _RefFuture(self.actor.generate.remote(prompt, params))
 
 
-def start_engines(checkpoint: str, n: int = 1, *, num_cpus: float = 1.0, resources: dict | None = None,
-                  threads: int = 1, max_batch: int = 32, max_seq_len: int | None = None, version: int = 0,
-                  restart_from: str | None = None, backend: str = "codefleet", record_routing: bool = True,
-                  num_gpus: float = 0.0, placement: list | None = None) -> list:
+def start_engines(
+    checkpoint: str,
+    n: int = 1,
+    *,
+    num_cpus: float = 1.0,
+    resources: dict | None = None,
+    threads: int = 1,
+    max_batch: int = 32,
+    max_seq_len: int | None = None,
+    version: int = 0,
+    restart_from: str | None = None,
+    backend: str = "codefleet",
+    record_routing: bool = True,
+    num_gpus: float = 0.0,
+    placement: list | None = None,
+) -> list:
     """`n` engine actors over `checkpoint`, placed by logical resources and `num_gpus` GPUs each (a share of one,
     e.g. 0.5; `fleet.gpus`); waits until they are up. A restarted engine loads the checkpoint `restart_from`
     names, if any (see the module docstring). `backend` names the engine (codefleet.contracts.ENGINES);
@@ -224,8 +261,10 @@ def start_engines(checkpoint: str, n: int = 1, *, num_cpus: float = 1.0, resourc
     model otherwise). `placement`: a scheduling strategy per engine (`fleet.placement.Placement.engines`)."""
     engine = ENGINES.get(backend)  # an unknown name fails here, in one sentence, not in every actor
     if num_gpus > 0 and not engine.gpu:
-        raise ValueError(f"the {backend} engine runs on CPU only but {num_gpus:g} GPU per engine was asked for: use "
-                         "cluster.engine_backend=vllm on GPUs, or cluster.engine_gpus=0")
+        raise ValueError(
+            f"the {backend} engine runs on CPU only but {num_gpus:g} GPU per engine was asked for: use "
+            "cluster.engine_backend=vllm on GPUs, or cluster.engine_gpus=0"
+        )
     check_gpus({f"{n} engines x {num_gpus:g} GPU": n * num_gpus})
     options = dict(**actor_options(num_cpus, resources, num_gpus), max_concurrency=1000)
     if engine.omp_threads_from_env:
@@ -236,11 +275,22 @@ def start_engines(checkpoint: str, n: int = 1, *, num_cpus: float = 1.0, resourc
     if len(strategies) != n:
         raise ValueError(f"{len(strategies)} placements for {n} engines")
     prefix = f"codefleet-engine-{uuid.uuid4().hex[:8]}"  # named: rollout workers find them by name (fleet.rollouts)
-    actors = [EngineActor.options(**options, name=f"{prefix}-{i}",
-                                  **({"scheduling_strategy": where} if where else {})).remote(
-        checkpoint, max_batch=max_batch, max_seq_len=max_seq_len, threads=threads, version=version,
-        restart_from=restart_from, backend=backend, record_routing=record_routing, num_gpus=num_gpus)
-        for i, where in enumerate(strategies)]
+    actors = [
+        EngineActor.options(
+            **options, name=f"{prefix}-{i}", **({"scheduling_strategy": where} if where else {})
+        ).remote(
+            checkpoint,
+            max_batch=max_batch,
+            max_seq_len=max_seq_len,
+            threads=threads,
+            version=version,
+            restart_from=restart_from,
+            backend=backend,
+            record_routing=record_routing,
+            num_gpus=num_gpus,
+        )
+        for i, where in enumerate(strategies)
+    ]
     ray.get([a.info.remote() for a in actors])
     return actors
 
@@ -254,8 +304,10 @@ def actor_names(actors: list) -> list[str]:
             named[ray.get_actor(name)] = name
     missing = [a for a in actors if a not in named]
     if missing:
-        raise ValueError(f"{missing[0]} has no name in this job's namespace; start engines with start_engines, "
-                         "which names them, or give the actor a name")
+        raise ValueError(
+            f"{missing[0]} has no name in this job's namespace; start engines with start_engines, "
+            "which names them, or give the actor a name"
+        )
     return [named[a] for a in actors]
 
 
@@ -278,8 +330,13 @@ def engine_gone(engine, timeout_s: float = 30.0) -> bool:
     return engine_state(engine, timeout_s) == "gone"
 
 
-def broadcast_weights(engines: list, weights_ref: ray.ObjectRef | Buckets, version: int, timeout_s: float = 300.0,
-                      away: dict | None = None) -> tuple[list, dict]:
+def broadcast_weights(
+    engines: list,
+    weights_ref: ray.ObjectRef | Buckets,
+    version: int,
+    timeout_s: float = 300.0,
+    away: dict | None = None,
+) -> tuple[list, dict]:
     """Load `weights_ref` into the engines (in parallel) and wait until they serve `version`: (serving, away).
     `weights_ref` is one state dict in the object store (`TrainerGroup.publish`) or `Buckets`
     (`TrainerGroup.publish_buckets`); either way the driver holds references only.
@@ -315,7 +372,9 @@ def broadcast_weights(engines: list, weights_ref: ray.ObjectRef | Buckets, versi
         if pending:
             time.sleep(0.5)
     if not serving:
-        raise EngineDiedError(f"no engine took policy version {version}: of {len(engines)}, {len(away)} are "
-                              f"restarting with no room on the cluster (or stuck) and the rest are dead for good; "
-                              "resume the run once the cluster has room")
+        raise EngineDiedError(
+            f"no engine took policy version {version}: of {len(engines)}, {len(away)} are "
+            f"restarting with no room on the cluster (or stuck) and the rest are dead for good; "
+            "resume the run once the cluster has room"
+        )
     return [e for e in engines if e in serving], {e: away[e] for e in engines if e in away}

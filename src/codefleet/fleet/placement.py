@@ -54,38 +54,65 @@ class Placement:
     colocated: bool
 
     @classmethod
-    def reserve(cls, engines: int, trainer_workers: int, engine: Role, trainer: Role, colocated: bool = False,
-                timeout_s: float = 300.0) -> Placement:
+    def reserve(
+        cls,
+        engines: int,
+        trainer_workers: int,
+        engine: Role,
+        trainer: Role,
+        colocated: bool = False,
+        timeout_s: float = 300.0,
+    ) -> Placement:
         """Reserve the bundles (see the module docstring); raises ValueError, after `timeout_s`, if the cluster
         has no room for them, and reserves nothing then."""
         per_rank = engine.gpus + trainer.gpus if colocated else trainer.gpus  # the GPU of a trainer rank's bundle
         if trainer_workers > 1 and trainer.gpus > 0 and per_rank < 1:
-            raise ValueError(f"{trainer_workers} trainer workers in bundles of {per_rank:g} GPU could share a GPU, "
-                             "and NCCL refuses two ranks on one: make each trainer worker's bundle a whole GPU "
-                             "(colocated: cluster.engine_gpus + cluster.trainer_gpus = 1), or use one worker")
+            raise ValueError(
+                f"{trainer_workers} trainer workers in bundles of {per_rank:g} GPU could share a GPU, "
+                "and NCCL refuses two ranks on one: make each trainer worker's bundle a whole GPU "
+                "(colocated: cluster.engine_gpus + cluster.trainer_gpus = 1), or use one worker"
+            )
         if colocated:
             if engines != trainer_workers:
-                raise ValueError(f"colocated placement pairs each engine with a trainer worker, but there are "
-                                 f"{engines} engines and {trainer_workers} trainer workers: make them equal")
+                raise ValueError(
+                    f"colocated placement pairs each engine with a trainer worker, but there are "
+                    f"{engines} engines and {trainer_workers} trainer workers: make them equal"
+                )
             shared = _merged(engine.bundle(), trainer.bundle())
-            groups = [cls._wait(placement_group([shared] * engines, strategy="PACK"),
-                                f"{engines} bundles of {shared} (an engine and a trainer worker each)", timeout_s)]
-            strategies = [PlacementGroupSchedulingStrategy(groups[0], placement_group_bundle_index=i)
-                          for i in range(engines)]
+            groups = [
+                cls._wait(
+                    placement_group([shared] * engines, strategy="PACK"),
+                    f"{engines} bundles of {shared} (an engine and a trainer worker each)",
+                    timeout_s,
+                )
+            ]
+            strategies = [
+                PlacementGroupSchedulingStrategy(groups[0], placement_group_bundle_index=i) for i in range(engines)
+            ]
             return cls(strategies, list(strategies), groups, True)
-        trainer_group = cls._wait(placement_group([trainer.bundle()] * trainer_workers, strategy="PACK"),
-                                  f"{trainer_workers} trainer workers of {trainer.bundle()}", timeout_s)
+        trainer_group = cls._wait(
+            placement_group([trainer.bundle()] * trainer_workers, strategy="PACK"),
+            f"{trainer_workers} trainer workers of {trainer.bundle()}",
+            timeout_s,
+        )
         try:
-            engine_group = cls._wait(placement_group([engine.bundle()] * engines, strategy="SPREAD"),
-                                     f"{engines} engines of {engine.bundle()}", timeout_s)
+            engine_group = cls._wait(
+                placement_group([engine.bundle()] * engines, strategy="SPREAD"),
+                f"{engines} engines of {engine.bundle()}",
+                timeout_s,
+            )
         except ValueError:
             remove_placement_group(trainer_group)
             raise
-        return cls([PlacementGroupSchedulingStrategy(engine_group, placement_group_bundle_index=i)
-                    for i in range(engines)],
-                   [PlacementGroupSchedulingStrategy(trainer_group, placement_group_bundle_index=r)
-                    for r in range(trainer_workers)],
-                   [trainer_group, engine_group], False)
+        return cls(
+            [PlacementGroupSchedulingStrategy(engine_group, placement_group_bundle_index=i) for i in range(engines)],
+            [
+                PlacementGroupSchedulingStrategy(trainer_group, placement_group_bundle_index=r)
+                for r in range(trainer_workers)
+            ],
+            [trainer_group, engine_group],
+            False,
+        )
 
     @staticmethod
     def _wait(group: PlacementGroup, what: str, timeout_s: float) -> PlacementGroup:
@@ -93,11 +120,16 @@ class Placement:
             ray.get(group.ready(), timeout=timeout_s)
         except GetTimeoutError:
             remove_placement_group(group)
-            free = {k: round(v, 2) for k, v in ray.available_resources().items()
-                    if not k.startswith(("node:", "memory", "object_store_memory"))}
-            raise ValueError(f"Ray could not place {what} within {timeout_s:g} s (free now: {free}): add nodes, "
-                             "or ask for fewer or smaller actors (cluster.engines, cluster.trainer_workers and their "
-                             "cpus, gpus and resources)") from None
+            free = {
+                k: round(v, 2)
+                for k, v in ray.available_resources().items()
+                if not k.startswith(("node:", "memory", "object_store_memory"))
+            }
+            raise ValueError(
+                f"Ray could not place {what} within {timeout_s:g} s (free now: {free}): add nodes, "
+                "or ask for fewer or smaller actors (cluster.engines, cluster.trainer_workers and their "
+                "cpus, gpus and resources)"
+            ) from None
         return group
 
     def remove(self) -> None:

@@ -47,9 +47,18 @@ class PolicyActors:
 
     MAX_TRAINER_RESTARTS = 2
 
-    def __init__(self, group: TrainerGroup, engines: list, *, new_group: Callable[[str], TrainerGroup] | None,
-                 weight_sync: str, bucket_mb: float, engine_wait_s: float, colocated: bool,
-                 log: Callable[[str], None]):
+    def __init__(
+        self,
+        group: TrainerGroup,
+        engines: list,
+        *,
+        new_group: Callable[[str], TrainerGroup] | None,
+        weight_sync: str,
+        bucket_mb: float,
+        engine_wait_s: float,
+        colocated: bool,
+        log: Callable[[str], None],
+    ):
         if weight_sync not in WEIGHT_SYNCS:
             raise ValueError(f"weight_sync={weight_sync!r}: use one of {', '.join(WEIGHT_SYNCS)}")
         self.group, self.engines, self.new_group = group, list(engines), new_group
@@ -87,9 +96,11 @@ class PolicyActors:
         for good; say so when that changed."""
         if len(serving) + len(away) < len(self.engines) or len(away) != len(self.away):
             gone = len(self.engines) - len(serving) - len(away)
-            self.log(f"engines: {len(serving)} serve version {version}"
-                     + (f", {len(away)} away (restarting, not waited for)" if away else "")
-                     + (f", {gone} dead for good and left out" if gone else ""))
+            self.log(
+                f"engines: {len(serving)} serve version {version}"
+                + (f", {len(away)} away (restarting, not waited for)" if away else "")
+                + (f", {gone} dead for good and left out" if gone else "")
+            )
         self.engines, self.away = [e for e in self.engines if e in serving or e in away], away
 
     def prefix_cache_report(self) -> None:
@@ -101,13 +112,16 @@ class PolicyActors:
                 self.log(f"engine {i}: no prefix cache figures, it is not there ({type(e).__name__})")
                 continue
             reused, computed = info["prefix_tokens_reused"], info["prefill_tokens"]
-            self.log(f"engine {i}: prefix cache supplied {reused} of {reused + computed} prompt tokens "
-                     f"({reused / max(reused + computed, 1):.0%}, {info['prefix_hits']} hits)")
+            self.log(
+                f"engine {i}: prefix cache supplied {reused} of {reused + computed} prompt tokens "
+                f"({reused / max(reused + computed, 1):.0%}, {info['prefix_hits']} hits)"
+            )
 
     # ---- trainer ----------------------------------------------------------------------------
 
-    def train_step(self, samples: list, step: int, save: Callable[[TrainerGroup], None],
-                   restart_from: Callable[[], str]) -> dict:
+    def train_step(
+        self, samples: list, step: int, save: Callable[[TrainerGroup], None], restart_from: Callable[[], str]
+    ) -> dict:
         """One RL step from version `step`, then `save(group)` (the checkpoint of version step + 1); done again on
         a new trainer group from `restart_from()` (the last commit, at version `step`) if a worker dies."""
 
@@ -139,8 +153,9 @@ class PolicyActors:
                 return list(self.engines), {}, version
             except GroupSyncError as e:
                 self.sync, self.sync_fallbacks = None, self.sync_fallbacks + 1
-                self.log(f"{e}; version {version} goes through the object store, and the groups are formed anew "
-                         "next time")
+                self.log(
+                    f"{e}; version {version} goes through the object store, and the groups are formed anew next time"
+                )
         if self.weight_sync == "whole":
             weights, version = self.group.publish()
         else:
@@ -156,15 +171,18 @@ class PolicyActors:
             try:
                 return work()
             except TrainerWorkerError as e:
-                if not isinstance(e.__cause__, RayActorError) or self.new_group is None \
-                        or restarts == self.MAX_TRAINER_RESTARTS:
+                if (
+                    not isinstance(e.__cause__, RayActorError)
+                    or self.new_group is None
+                    or restarts == self.MAX_TRAINER_RESTARTS
+                ):
                     raise
                 restart = restart_from()
                 self.log(f"{e}; starting a new trainer group from {restart} to {what}")
                 self.group.shutdown()
                 self.group, self.sync = self.new_group(restart), None  # collective groups held the old workers
                 if self.group.version != version:
-                    raise RuntimeError(f"the last checkpoint is at version {self.group.version}, not {version}: "
-                                       "resume the run instead") from e
+                    raise RuntimeError(
+                        f"the last checkpoint is at version {self.group.version}, not {version}: resume the run instead"
+                    ) from e
         raise AssertionError("the loop returns or raises")
-

@@ -24,8 +24,12 @@ import ray
 from codefleet.store import safe_files
 
 
-def init_ray(num_cpus: float = 2, resources: dict[str, float] | None = None, address: str = "",
-             object_store_mb: int | None = None) -> bool:
+def init_ray(
+    num_cpus: float = 2,
+    resources: dict[str, float] | None = None,
+    address: str = "",
+    object_store_mb: int | None = None,
+) -> bool:
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -34,9 +38,15 @@ def init_ray(num_cpus: float = 2, resources: dict[str, float] | None = None, add
     if address and address != "local":
         ray.init(address=address, log_to_driver=False)
     else:
-        ray.init(address="local", num_cpus=num_cpus, resources=resources or {}, include_dashboard=False,
-                 object_store_memory=object_store_mb * 2**20 if object_store_mb else None, log_to_driver=False,
-                 configure_logging=False)
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            resources=resources or {},
+            include_dashboard=False,
+            object_store_memory=object_store_mb * 2**20 if object_store_mb else None,
+            log_to_driver=False,
+            configure_logging=False,
+        )
     return True
 
 

@@ -123,7 +123,6 @@ class RolloutWorker:
         if not self.spec.use_fleet:
             return None
         if self._fleet is None:
-
             self._fleet = SandboxFleet.start(self.spec.namespace)
         return self._fleet.create
 
@@ -176,8 +175,10 @@ class RolloutWorker:
         while True:
             alive = [i for i in range(len(self.engines)) if i not in self._gone]
             if not alive:
-                raise InfraError(f"all {len(self.engines)} engines are dead for good; nothing can serve the policy: "
-                                 "resume the run to start new engines")
+                raise InfraError(
+                    f"all {len(self.engines)} engines are dead for good; nothing can serve the policy: "
+                    "resume the run to start new engines"
+                )
             now = time.monotonic()
             live = [i for i in alive if self._away.get(i, 0.0) <= now]
             i = (live or alive)[start % len(live or alive)]
@@ -186,8 +187,10 @@ class RolloutWorker:
             if state == "up":
                 return i, self.engines[i]
             if not live and state == "away":
-                raise InfraError(f"no engine answered within {AWAY_PROBE_S:.0f} s: they are restarting, or their "
-                                 "nodes are gone with no room for them elsewhere")
+                raise InfraError(
+                    f"no engine answered within {AWAY_PROBE_S:.0f} s: they are restarting, or their "
+                    "nodes are gone with no room for them elsewhere"
+                )
 
     def _note(self, index: int, state: str) -> None:
         """Route by what a call to engine `index` found (`inference.engine_state`)."""
@@ -207,40 +210,64 @@ class RolloutWorker:
         except Exception as e:
             raise InfraError(f"could not prepare a sandbox for {task.id}: {type(e).__name__}: {e}") from e
         remote = RemoteEngine(engine, self.tokenizer, self.max_seq_len)
-        base = LocalEnginePolicy(engine=remote, tokenizer=self.tokenizer,
-                                 max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
-                                 name="local:rl", **grammar_options(spec.tool_grammar))
+        base = LocalEnginePolicy(
+            engine=remote,
+            tokenizer=self.tokenizer,
+            max_tokens=spec.max_tokens,
+            temperature=spec.temperature,
+            top_p=spec.top_p,
+            name="local:rl",
+            **grammar_options(spec.tool_grammar),
+        )
         policy = base.for_episode()
         try:
             config = spec.episode
-            trajectory = solve(sandbox, task.instruction, _Cancellable(policy), test_command=task.test_command,
-                               budgets=config.budgets or task.budgets, tool_config=config.tools, task_id=task.id,
-                               prompt=config.prompt)
+            trajectory = solve(
+                sandbox,
+                task.instruction,
+                _Cancellable(policy),
+                test_command=task.test_command,
+                budgets=config.budgets or task.budgets,
+                tool_config=config.tools,
+                task_id=task.id,
+                prompt=config.prompt,
+            )
             error = str(trajectory.metadata.get("error", ""))
             if trajectory.failure == Failure.ENGINE_DIED:
                 self._note(index, engine_state(engine, timeout_s=10.0))
                 if index in self._gone:
-                    raise InfraError(f"attempt {attempt} of group {ticket.group_id}: engine {index} is dead for "
-                                     f"good; this worker sends no more episodes to it ({error})")
+                    raise InfraError(
+                        f"attempt {attempt} of group {ticket.group_id}: engine {index} is dead for "
+                        f"good; this worker sends no more episodes to it ({error})"
+                    )
             if trajectory.failure in (Failure.ENGINE_DIED, Failure.ENGINE_FAILED, Failure.CANCELLED):
                 raise InfraError(f"attempt {attempt} of group {ticket.group_id}: {error}")
             if not sandbox.alive():
                 raise InfraError(f"attempt {attempt} of group {ticket.group_id}: the sandbox died")
             trajectory = score(trajectory, sandbox, task, config.reward)
             if "checks_error" in trajectory.metadata:
-                raise InfraError(f"attempt {attempt} of group {ticket.group_id}: the hidden checks could not run: "
-                                 f"{trajectory.metadata['checks_error']}")
+                raise InfraError(
+                    f"attempt {attempt} of group {ticket.group_id}: the hidden checks could not run: "
+                    f"{trajectory.metadata['checks_error']}"
+                )
         finally:
             sandbox.close()
         tokens = policy.tokens
         versions = [v for v in tokens.versions if v >= 0]
         if versions and min(versions) < ticket.policy_version:  # an engine restarted on older weights
-            raise InfraError(f"attempt {attempt} of group {ticket.group_id}: the engine served policy version "
-                             f"{min(versions)}, older than the group's {ticket.policy_version}")
+            raise InfraError(
+                f"attempt {attempt} of group {ticket.group_id}: the engine served policy version "
+                f"{min(versions)}, older than the group's {ticket.policy_version}"
+            )
         trajectory.metadata.update(attempt=attempt, group=ticket.group_id)
         trajectory.sequence = tokens.sequence()
-        rollout = Rollout(f"{ticket.group_id}/{attempt}", ticket.group_id, min(versions, default=version),
-                          trajectory.reward, trajectory)
+        rollout = Rollout(
+            f"{ticket.group_id}/{attempt}",
+            ticket.group_id,
+            min(versions, default=version),
+            trajectory.reward,
+            trajectory,
+        )
         return AttemptResult(rollout)
 
     def ping(self) -> str:
@@ -280,16 +307,29 @@ class AgentGroupRunner:
 
     def start(self, ticket: Ticket, item: Task, attempts: list[int]) -> list:
         first = ticket.group_id * ticket.group_size + ticket.infra_failures
-        return [self.workers[(first + a) % len(self.workers)].run_attempt.remote(item, ticket, a, ticket.policy_version)
-                for a in attempts]
+        return [
+            self.workers[(first + a) % len(self.workers)].run_attempt.remote(item, ticket, a, ticket.policy_version)
+            for a in attempts
+        ]
 
 
-def start_workers(spec: RolloutSpec, engines: list, n: int, *, slots_per_worker: int, num_cpus: float = 0.25,
-                  resources: dict | None = None) -> list:
+def start_workers(
+    spec: RolloutSpec,
+    engines: list,
+    n: int,
+    *,
+    slots_per_worker: int,
+    num_cpus: float = 0.25,
+    resources: dict | None = None,
+) -> list:
     """`n` rollout workers over the engine actors `engines` (named ones: `start_engines`); waits until they are up."""
     names = actor_names(engines)
-    workers = [RolloutWorker.options(num_cpus=num_cpus, resources=resources or {},
-                                     max_concurrency=slots_per_worker).remote(spec, names) for _ in range(n)]
+    workers = [
+        RolloutWorker.options(num_cpus=num_cpus, resources=resources or {}, max_concurrency=slots_per_worker).remote(
+            spec, names
+        )
+        for _ in range(n)
+    ]
     ray.get([w.ping.remote() for w in workers])
     return workers
 

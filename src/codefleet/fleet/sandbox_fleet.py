@@ -56,8 +56,10 @@ REFRESH_S = 10.0  # how often a managed fleet looks for nodes that joined and ho
 
 
 def _host_died(node_id: str, e: RayActorError) -> SandboxDeadError:
-    return SandboxDeadError(f"sandbox host on node {node_id} died; its sandboxes are gone — create new ones "
-                            f"(fleet.create() starts a replacement host). Ray said: {str(e).splitlines()[0]}")
+    return SandboxDeadError(
+        f"sandbox host on node {node_id} died; its sandboxes are gone — create new ones "
+        f"(fleet.create() starts a replacement host). Ray said: {str(e).splitlines()[0]}"
+    )
 
 
 def _unwrap(e: RayTaskError) -> BaseException:
@@ -198,13 +200,17 @@ class SandboxFleet:
         if not nodes:
             raise SandboxUnavailableError(
                 "no Ray node advertises the `sandbox` resource; start Ray with ray.init(resources={'sandbox': 64}) "
-                "or `ray start --resources='{\"sandbox\": 64}'`")
-        self.hosts = {node_id: self.hosts.get(node_id) or self._host_on(node_id, capacity)
-                      for node_id, capacity in nodes.items()}
+                "or `ray start --resources='{\"sandbox\": 64}'`"
+            )
+        self.hosts = {
+            node_id: self.hosts.get(node_id) or self._host_on(node_id, capacity) for node_id, capacity in nodes.items()
+        }
 
     def _host_on(self, node_id: str, capacity: int) -> ActorHandle:
         return SandboxHost.options(
-            name=host_name(node_id), namespace=self.namespace, get_if_exists=True,
+            name=host_name(node_id),
+            namespace=self.namespace,
+            get_if_exists=True,
             lifetime="detached" if self.detached else None,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         ).remote(capacity=capacity)
@@ -226,8 +232,10 @@ class SandboxFleet:
                 ray.get(host.stats.remote())
             except RayActorError as e:
                 if time.monotonic() > deadline:
-                    raise SandboxUnavailableError(f"could not start a new sandbox host on node {node_id} within "
-                                                  f"{wait_s:g} s ({e}); check the node's Ray logs") from e
+                    raise SandboxUnavailableError(
+                        f"could not start a new sandbox host on node {node_id} within "
+                        f"{wait_s:g} s ({e}); check the node's Ray logs"
+                    ) from e
                 time.sleep(0.2)
                 continue
             self.hosts[node_id] = host
@@ -323,8 +331,10 @@ class SandboxFleet:
 def _reap_nodes(node_ids: set[str], timeout_s: float) -> None:
     """Run `reap_node` on every live node of `node_ids`; a node that does not answer in time is said, not raised."""
     alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-    refs = {reap_node.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(): node_id
-            for node_id in node_ids & alive}
+    refs = {
+        reap_node.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(): node_id
+        for node_id in node_ids & alive
+    }
     if not refs:
         return
     done, late = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
@@ -335,11 +345,16 @@ def _reap_nodes(node_ids: set[str], timeout_s: float) -> None:
             log.warning("codefleet: reaping dead sandbox hosts' state on node %s failed: %s", refs[ref], e)
             continue
         if reaped:
-            log.warning("codefleet: reaped %d dead sandbox host(s) on node %s: %s", len(reaped), refs[ref],
-                        ", ".join(reaped))
+            log.warning(
+                "codefleet: reaped %d dead sandbox host(s) on node %s: %s", len(reaped), refs[ref], ", ".join(reaped)
+            )
     for ref in late:
-        log.warning("codefleet: reaping dead sandbox hosts' state on node %s did not finish in %g s; the next host "
-                    "that starts there reaps it", refs[ref], timeout_s)
+        log.warning(
+            "codefleet: reaping dead sandbox hosts' state on node %s did not finish in %g s; the next host "
+            "that starts there reaps it",
+            refs[ref],
+            timeout_s,
+        )
 
 
 def most_free_first(stats: dict[str, HostStats]) -> list[str]:
@@ -352,5 +367,5 @@ def _fleet_full(stats: dict[str, HostStats]) -> SandboxCapacityError:
     total = sum(s.capacity for s in stats.values())
     return SandboxCapacityError(
         f"every sandbox host is full ({used} of {total} slots in use on {len(stats)} node(s)); close sandboxes "
-        f"you no longer need, {ADD_CAPACITY_HINT}")
-
+        f"you no longer need, {ADD_CAPACITY_HINT}"
+    )

@@ -75,8 +75,11 @@ def node_capacity(node_id: str) -> int:
 
 def sandbox_nodes() -> dict[str, int]:
     """Live nodes that advertise sandbox capacity: node id -> capacity."""
-    return {n["NodeID"]: int(n["Resources"].get(RESOURCE, 0)) for n in ray.nodes()
-            if n["Alive"] and n["Resources"].get(RESOURCE, 0) >= 1}
+    return {
+        n["NodeID"]: int(n["Resources"].get(RESOURCE, 0))
+        for n in ray.nodes()
+        if n["Alive"] and n["Resources"].get(RESOURCE, 0) >= 1
+    }
 
 
 def pool_key(repo: str | None, config: SandboxConfig) -> str:
@@ -109,8 +112,9 @@ class HostCore:
     `capacity`.
     """
 
-    def __init__(self, node_id: str, capacity: int,
-                 factory: Callable[[str | None, SandboxConfig], Sandbox] = create_sandbox):
+    def __init__(
+        self, node_id: str, capacity: int, factory: Callable[[str | None, SandboxConfig], Sandbox] = create_sandbox
+    ):
         self.node_id = node_id
         self.capacity = capacity
         self._factory = factory
@@ -126,7 +130,8 @@ class HostCore:
     def _full_error(self, wanted: int) -> SandboxCapacityError:
         return SandboxCapacityError(
             f"sandbox host on node {self.node_id} is full: {self._used()} of {self.capacity} slots in use, "
-            f"{wanted} more wanted; close sandboxes you no longer need (sandbox.close()), {ADD_CAPACITY_HINT}")
+            f"{wanted} more wanted; close sandboxes you no longer need (sandbox.close()), {ADD_CAPACITY_HINT}"
+        )
 
     def _start(self, n: int, make: Callable[[], list[Sandbox]]) -> list[tuple[str, SandboxInfo]]:
         """Reserve n slots, start the sandboxes outside the lock, then adopt them; [(id, info)]."""
@@ -172,8 +177,10 @@ class HostCore:
     def get(self, sandbox_id: str) -> Sandbox:
         sb = self._live.get(sandbox_id)
         if sb is None:
-            raise SandboxClosedError(f"sandbox {sandbox_id} is not on the host on node {self.node_id}: it was closed "
-                                     "(or never created here); create a new one")
+            raise SandboxClosedError(
+                f"sandbox {sandbox_id} is not on the host on node {self.node_id}: it was closed "
+                "(or never created here); create a new one"
+            )
         return sb
 
     def fork(self, sandbox_id: str, n: int) -> list[tuple[str, SandboxInfo]]:
@@ -215,9 +222,15 @@ class HostCore:
 
     def stats(self) -> HostStats:
         with self._lock:
-            return HostStats(self.node_id, self.capacity, len(self._live),
-                             sum(p.size for p in self._pools.values()),
-                             sum(p.ready_count() for p in self._pools.values()), self._pending, os.getpid())
+            return HostStats(
+                self.node_id,
+                self.capacity,
+                len(self._live),
+                sum(p.size for p in self._pools.values()),
+                sum(p.ready_count() for p in self._pools.values()),
+                self._pending,
+                os.getpid(),
+            )
 
     def shutdown(self) -> None:
         """Close every sandbox and pool; later creates are refused."""
@@ -248,8 +261,10 @@ class SandboxHost:
         node_id = ray.get_runtime_context().get_node_id()
         capacity = node_capacity(node_id) if capacity is None else capacity
         if capacity < 1:
-            raise SandboxUnavailableError(f"Ray node {node_id} advertises no `sandbox` capacity; start it with "
-                                          "`ray start --resources='{\"sandbox\": N}'` or give the host a capacity")
+            raise SandboxUnavailableError(
+                f"Ray node {node_id} advertises no `sandbox` capacity; start it with "
+                "`ray start --resources='{\"sandbox\": N}'` or give the host a capacity"
+            )
         self._core = HostCore(node_id, capacity)
         try:  # claim the node's state directory now: its reaper clears what a killed host left (mounts, cgroups)
             state.owner_for(None)
@@ -273,8 +288,9 @@ class SandboxHost:
     async def run_oneoff(self, sandbox_id: str, argv: list[str], timeout_s: float | None = None) -> ExecResult:
         return await self._on(sandbox_id, "run_oneoff", argv, timeout_s)
 
-    async def read_file(self, sandbox_id: str, path: str, start_line: int | None = None,
-                        end_line: int | None = None) -> str:
+    async def read_file(
+        self, sandbox_id: str, path: str, start_line: int | None = None, end_line: int | None = None
+    ) -> str:
         return await self._on(sandbox_id, "read_file", path, start_line, end_line)
 
     async def write_file(self, sandbox_id: str, path: str, content: str | bytes) -> None:

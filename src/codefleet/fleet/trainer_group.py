@@ -105,15 +105,7 @@ from codefleet.model.config import ModelConfig
 from codefleet.model.transformer import Transformer
 from codefleet.rl.batch import Sample
 from codefleet.rl.sharded import ShardedTrainer
-from codefleet.rl.trainer import (
-    Example,
-    TrainConfig,
-    check_examples,
-    check_samples,
-    has_signal,
-    loss_units,
-    sft_units,
-)
+from codefleet.rl.trainer import Example, TrainConfig, check_examples, check_samples, has_signal, loss_units, sft_units
 from codefleet.store import safe_files, storage
 
 SHARDED_STATE = "sharded"  # a sharded backend's checkpoint: its DCP state (for resuming) in this subdirectory
@@ -170,11 +162,15 @@ def _save_whole(trainer: ShardedTrainer, state: dict[str, torch.Tensor], path: s
     both `dist` and an attribute named `config`.)"""
     model = Transformer(trainer.model.config, init_weights=False)
     model.load_state_dict(state)
-    checkpoint.save(model, path, metadata={"policy_version": trainer.version,
-                                           "train_config": json.loads(json.dumps(asdict(trainer.config)))})
+    checkpoint.save(
+        model,
+        path,
+        metadata={"policy_version": trainer.version, "train_config": json.loads(json.dumps(asdict(trainer.config)))},
+    )
 
 
 # ---- zero-copy weights through the object store ---------------------------------------
+
 
 def _as_numpy(t: torch.Tensor) -> np.ndarray:
     t = t.detach().cpu().contiguous()
@@ -198,18 +194,32 @@ class _SharedWeights:
 
     def __reduce__(self):
         names = list(self.state)
-        return (_rebuild_weights, (names, [_as_numpy(self.state[n]) for n in names],
-                                   [str(self.state[n].dtype).removeprefix("torch.") for n in names]))
+        return (
+            _rebuild_weights,
+            (
+                names,
+                [_as_numpy(self.state[n]) for n in names],
+                [str(self.state[n].dtype).removeprefix("torch.") for n in names],
+            ),
+        )
 
 
 # ---- the worker actor ------------------------------------------------------------------
+
 
 @ray.remote
 class TrainerWorker:
     """One data-parallel rank: a `Trainer` plus the collectives around its step."""
 
-    def __init__(self, rank: int, world_size: int, checkpoint: str | None, model_config: ModelConfig | None,
-                 config: TrainConfig, threads: int):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        checkpoint: str | None,
+        model_config: ModelConfig | None,
+        config: TrainConfig,
+        threads: int,
+    ):
         torch.set_num_threads(threads)
         self.device = actor_device()  # the GPU Ray gave this worker, else cpu
         if self.device.type == "cuda":
@@ -243,8 +253,13 @@ class TrainerWorker:
 
     def init_distributed(self, init_method: str, timeout_s: float) -> None:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=init_method, world_size=self.world_size, rank=self.rank,
-                                timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            world_size=self.world_size,
+            rank=self.rank,
+            timeout=timedelta(seconds=timeout_s),
+        )
         if self.sharded:  # broadcasts rank 0's weights itself
             self.trainer = self._build(*self.start)
             return
@@ -257,14 +272,20 @@ class TrainerWorker:
     def where(self) -> dict:
         """Where this rank runs: node, placement group (None outside one), device."""
         context = ray.get_runtime_context()
-        return {"node_id": context.get_node_id(), "placement_group": context.get_placement_group_id(),
-                "device": str(self.device)}
+        return {
+            "node_id": context.get_node_id(),
+            "placement_group": context.get_placement_group_id(),
+            "device": str(self.device),
+        }
 
     def device_info(self) -> dict:
         """Where this rank runs: its device, the GPU's name and the peak GPU memory its tensors took (GB)."""
         cuda = self.device.type == "cuda"
-        return {"device": str(self.device), "name": torch.cuda.get_device_name(self.device) if cuda else "cpu",
-                "peak_mem_gb": torch.cuda.max_memory_allocated(self.device) / 1e9 if cuda else None}
+        return {
+            "device": str(self.device),
+            "name": torch.cuda.get_device_name(self.device) if cuda else "cpu",
+            "peak_mem_gb": torch.cuda.max_memory_allocated(self.device) / 1e9 if cuda else None,
+        }
 
     def logprobs(self, samples: list[Sample]) -> list[list[float]]:
         return self.trainer.logprobs(samples)
@@ -346,34 +367,51 @@ class TrainerWorker:
 
 # ---- the group (driver side) ------------------------------------------------------------
 
+
 class TrainerGroup:
     """N data-parallel trainer workers that step together. See the module docstring."""
 
-    def __init__(self, n_workers: int = 2, *, checkpoint: str | None = None, model_config: ModelConfig | None = None,
-                 config: TrainConfig | None = None, num_cpus_per_worker: float = 1.0,
-                 resources_per_worker: dict[str, float] | None = None, threads_per_worker: int = 1,
-                 collective_timeout_s: float = 300.0, num_gpus_per_worker: float = 0.0,
-                 placement: list | None = None):
+    def __init__(
+        self,
+        n_workers: int = 2,
+        *,
+        checkpoint: str | None = None,
+        model_config: ModelConfig | None = None,
+        config: TrainConfig | None = None,
+        num_cpus_per_worker: float = 1.0,
+        resources_per_worker: dict[str, float] | None = None,
+        threads_per_worker: int = 1,
+        collective_timeout_s: float = 300.0,
+        num_gpus_per_worker: float = 0.0,
+        placement: list | None = None,
+    ):
         """`placement`: a scheduling strategy per rank (`fleet.placement.Placement.trainer`)."""
         if n_workers < 1:
             raise ValueError(f"n_workers must be >= 1, got {n_workers}")
         if (checkpoint is None) == (model_config is None):
-            raise ValueError("TrainerGroup needs exactly one of checkpoint= (resume or start from saved weights) "
-                             "and model_config= (fresh weights from TrainConfig.seed)")
+            raise ValueError(
+                "TrainerGroup needs exactly one of checkpoint= (resume or start from saved weights) "
+                "and model_config= (fresh weights from TrainConfig.seed)"
+            )
         self.config = config or TrainConfig()
         self.sharded = is_sharded(self.config.backend)
         self._broken: str | None = None
         options = actor_options(num_cpus_per_worker, resources_per_worker, num_gpus_per_worker)
         if n_workers > 1 and 0 < num_gpus_per_worker < 1 and placement is None:  # Placement.reserve checks its own
-            raise ValueError(f"{n_workers} trainer workers with {num_gpus_per_worker:g} GPU each could share a GPU, "
-                             "and NCCL refuses two ranks on one GPU: give each worker 1 GPU, or use one worker")
+            raise ValueError(
+                f"{n_workers} trainer workers with {num_gpus_per_worker:g} GPU each could share a GPU, "
+                "and NCCL refuses two ranks on one GPU: give each worker 1 GPU, or use one worker"
+            )
         check_gpus({f"{n_workers} trainer workers x {num_gpus_per_worker:g} GPU": n_workers * num_gpus_per_worker})
         strategies = placement or [None] * n_workers
         if len(strategies) != n_workers:
             raise ValueError(f"{len(strategies)} placements for {n_workers} trainer workers")
-        self.workers = [TrainerWorker.options(**options, **({"scheduling_strategy": where} if where else {})).remote(
-                            rank, n_workers, checkpoint, model_config, self.config, threads_per_worker)
-                        for rank, where in enumerate(strategies)]
+        self.workers = [
+            TrainerWorker.options(**options, **({"scheduling_strategy": where} if where else {})).remote(
+                rank, n_workers, checkpoint, model_config, self.config, threads_per_worker
+            )
+            for rank, where in enumerate(strategies)
+        ]
         if n_workers > 1 or self.sharded:  # a sharded trainer needs a process group, even of one
             init_method = self._get([self.workers[0].rendezvous.remote()])[0]
             self._get([w.init_distributed.remote(init_method, collective_timeout_s) for w in self.workers])
@@ -395,8 +433,9 @@ class TrainerGroup:
         if total == 0:
             raise ValueError("no example has a masked (assistant) token after the first: nothing to train on")
         shards = shard_by_tokens([len(ids) for ids, _ in examples], self.n_workers)
-        return self._step([w.sft_step.remote([examples[i] for i in shard], total)
-                           for w, shard in zip(self.workers, shards)])
+        return self._step(
+            [w.sft_step.remote([examples[i] for i in shard], total) for w, shard in zip(self.workers, shards)]
+        )
 
     def rl_step(self, samples: list[Sample]) -> dict[str, float]:
         """One optimizer step of the RL loss (`config.loss`) on the whole batch, sharded across the workers."""
@@ -407,8 +446,12 @@ class TrainerGroup:
         if total == 0 or not has_signal(samples, self.config.loss):
             return {**self._step([w.skip_step.remote() for w in self.workers]), "skipped": 1.0}
         shards = shard_by_tokens([len(s.tokens) for s in samples], self.n_workers)
-        return {**self._step([w.rl_step.remote([samples[i] for i in shard], total)
-                              for w, shard in zip(self.workers, shards)]), "skipped": 0.0}
+        return {
+            **self._step(
+                [w.rl_step.remote([samples[i] for i in shard], total) for w, shard in zip(self.workers, shards)]
+            ),
+            "skipped": 0.0,
+        }
 
     def _step(self, refs: list[ray.ObjectRef]) -> dict[str, float]:
         start = time.perf_counter()
@@ -473,8 +516,10 @@ class TrainerGroup:
     def _get(self, refs: list[ray.ObjectRef]) -> list[Any]:
         """Results of one call per worker (refs[i] from rank i), failing fast on the first worker that fails."""
         if self._broken:
-            raise TrainerWorkerError(f"this TrainerGroup is unusable ({self._broken}); start a new one from the "
-                                     "last checkpoint: TrainerGroup(checkpoint=PATH, ...)")
+            raise TrainerWorkerError(
+                f"this TrainerGroup is unusable ({self._broken}); start a new one from the "
+                "last checkpoint: TrainerGroup(checkpoint=PATH, ...)"
+            )
         rank_of = {ref: r for r, ref in enumerate(refs)}
         pending = list(refs)
         while pending:
@@ -490,5 +535,6 @@ class TrainerGroup:
                     f"trainer worker rank {rank} of {len(self.workers)} {what} mid-step and the other workers cannot "
                     "continue without it: resume from the last checkpoint with a new "
                     "TrainerGroup(checkpoint=PATH, ...). "
-                    f"Cause: {type(e).__name__}: {e}") from e
+                    f"Cause: {type(e).__name__}: {e}"
+                ) from e
         return ray.get(list(refs))

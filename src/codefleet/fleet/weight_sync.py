@@ -154,7 +154,7 @@ def pack(state: dict[str, torch.Tensor], bucket: BucketPlan) -> torch.Tensor:
     device = state[bucket.pieces[0].name].device
     flat = torch.empty(bucket.numel, dtype=getattr(torch, bucket.dtype), device=device)
     for p in bucket.pieces:
-        flat[p.offset:p.offset + p.numel] = state[p.name].detach().reshape(-1)[p.start:p.start + p.numel]
+        flat[p.offset : p.offset + p.numel] = state[p.name].detach().reshape(-1)[p.start : p.start + p.numel]
     return flat
 
 
@@ -193,8 +193,10 @@ class BucketSender:
         if self.current is None:
             raise RuntimeError("BucketSender.bucket() before plan(): plan the buckets first")
         state = self.weights()
-        return [to_wire(state[p.name].detach().reshape(-1)[p.start:p.start + p.numel])
-                for p in self.current.buckets[index].pieces]
+        return [
+            to_wire(state[p.name].detach().reshape(-1)[p.start : p.start + p.numel])
+            for p in self.current.buckets[index].pieces
+        ]
 
 
 class BucketReceiver:
@@ -216,10 +218,14 @@ class BucketReceiver:
         if len({s.name for s in specs}) != len(specs):
             raise ValueError("two senders send the same tensor; give every sender a disjoint share (split_names)")
         self.specs = {s.name: s for s in specs}
-        split = {p.name for plan in plans for b in plan.buckets for p in b.pieces
-                 if p.numel != self.specs[p.name].numel}
-        self.staging = {n: t for n, t in self.staging.items()
-                        if n in split and (tuple(t.shape), _dtype_name(t)) == (self.specs[n].shape, self.specs[n].dtype)}
+        split = {
+            p.name for plan in plans for b in plan.buckets for p in b.pieces if p.numel != self.specs[p.name].numel
+        }
+        self.staging = {
+            n: t
+            for n, t in self.staging.items()
+            if n in split and (tuple(t.shape), _dtype_name(t)) == (self.specs[n].shape, self.specs[n].dtype)
+        }
         for n in split - set(self.staging):
             self.staging[n] = torch.empty(self.specs[n].shape, dtype=getattr(torch, self.specs[n].dtype))
         self.views = {}
@@ -232,12 +238,12 @@ class BucketReceiver:
             pieces = [w if isinstance(w, torch.Tensor) else from_wire(w, bucket.dtype) for w in wire]
         else:
             flat = wire if isinstance(wire, torch.Tensor) else from_wire(wire, bucket.dtype)
-            pieces = [flat[p.offset:p.offset + p.numel] for p in bucket.pieces]
+            pieces = [flat[p.offset : p.offset + p.numel] for p in bucket.pieces]
         if [t.numel() for t in pieces] != [p.numel for p in bucket.pieces]:
             raise ValueError(f"a bucket of {sum(t.numel() for t in pieces)} elements where the plan has {bucket.numel}")
         for p, piece in zip(bucket.pieces, pieces):
             if p.name in self.staging:
-                self.staging[p.name].view(-1)[p.start:p.start + p.numel].copy_(piece)
+                self.staging[p.name].view(-1)[p.start : p.start + p.numel].copy_(piece)
             else:
                 self.views[p.name] = piece.view(self.specs[p.name].shape)
         self._received += bucket.numel
@@ -248,8 +254,10 @@ class BucketReceiver:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         if not self.complete:
-            raise RuntimeError(f"weight sync incomplete: {self._received} of {self._expected} elements arrived; "
-                               "the engine keeps its current weights")
+            raise RuntimeError(
+                f"weight sync incomplete: {self._received} of {self._expected} elements arrived; "
+                "the engine keeps its current weights"
+            )
         return {n: self.views[n] if n in self.views else self.staging[n] for n in self.specs}
 
     def release(self) -> None:
@@ -258,6 +266,7 @@ class BucketReceiver:
 
 
 # ---- over the Ray object store (driver side) ----------------------------------------------------
+
 
 @dataclass
 class Buckets:
@@ -279,13 +288,16 @@ def publish_buckets(senders: list, plans: list[SenderPlan], version: int) -> Buc
     return Buckets(version, list(plans), refs)
 
 
-async def receive_buckets(receiver: BucketReceiver, buckets_plans: list[SenderPlan],
-                          refs: list[list[ray.ObjectRef]]) -> dict[str, torch.Tensor]:
+async def receive_buckets(
+    receiver: BucketReceiver, buckets_plans: list[SenderPlan], refs: list[list[ray.ObjectRef]]
+) -> dict[str, torch.Tensor]:
     """Inside an async engine actor: await every bucket in order (senders interleaved, so all of them progress)
     and assemble it (in a worker thread: the actor's event loop keeps serving); the complete staging state dict."""
     loop = asyncio.get_running_loop()
     receiver.begin(buckets_plans)
-    order = [(i, j) for j in range(max((len(r) for r in refs), default=0)) for i in range(len(refs)) if j < len(refs[i])]
+    order = [
+        (i, j) for j in range(max((len(r) for r in refs), default=0)) for i in range(len(refs)) if j < len(refs[i])
+    ]
     for i, j in order:
         wire = await refs[i][j]
         await loop.run_in_executor(None, receiver.add, buckets_plans[i].buckets[j], wire)
@@ -294,6 +306,7 @@ async def receive_buckets(receiver: BucketReceiver, buckets_plans: list[SenderPl
 
 
 # ---- over a process group: gloo on CPU, NCCL on GPU ---------------------------------------------
+
 
 def open_store(timeout_s: float) -> tuple[dist.TCPStore, str]:
     """A rendezvous store served from this process on a free port, and its host:port for the others."""
@@ -372,16 +385,20 @@ class GroupReceiver:
     def receive(self, plans: list[SenderPlan], version: int, device: str = "cpu") -> list[list[torch.Tensor]]:
         """Every sender's buckets, in its group's order; all groups at once."""
         if sorted(self.groups) != list(range(len(plans))):
-            raise RuntimeError(f"this engine is in the sync groups of senders {sorted(self.groups)}, not of all "
-                               f"{len(plans)} (it restarted since they were formed); the driver re-forms them")
+            raise RuntimeError(
+                f"this engine is in the sync groups of senders {sorted(self.groups)}, not of all "
+                f"{len(plans)} (it restarted since they were formed); the driver re-forms them"
+            )
         works = self._post(plans, device)
         for w in works:
             while not w.is_completed():
                 if self.aborted >= version:
                     self._broken.append((self.groups, self.buffers))
                     self.groups, self.buffers = {}, {}
-                    raise RuntimeError(f"weight sync of version {version} over the sync groups was aborted by the "
-                                       "driver (a sender or another engine failed)")
+                    raise RuntimeError(
+                        f"weight sync of version {version} over the sync groups was aborted by the "
+                        "driver (a sender or another engine failed)"
+                    )
                 time.sleep(0.0005)
             w.wait()
         return [[self.buffers[(i, j)] for j in range(len(p.buckets))] for i, p in enumerate(plans)]
@@ -419,8 +436,11 @@ class GroupSync:
         if any(b != self.backend for _, b in addresses):
             raise ValueError(f"the senders' weights are on different devices ({[b for _, b in addresses]})")
         refs = [s.join_sync_group.remote(world, self.backend, timeout_s) for s in self.senders]
-        refs += [e.join_sync_group.remote(i, address, 1 + k, world, self.backend, timeout_s)
-                 for i, (address, _) in enumerate(addresses) for k, e in enumerate(self.engines)]
+        refs += [
+            e.join_sync_group.remote(i, address, 1 + k, world, self.backend, timeout_s)
+            for i, (address, _) in enumerate(addresses)
+            for k, e in enumerate(self.engines)
+        ]
         self._get(refs)
 
     def send(self, plans: list[SenderPlan], version: int) -> None:
@@ -429,8 +449,9 @@ class GroupSync:
         try:
             self._get(refs)
         except GroupSyncError:  # the engines still waiting would wait out the group's timeout
-            ray.wait([e.abort_sync_group.remote(version) for e in self.engines], num_returns=len(self.engines),
-                     timeout=10)
+            ray.wait(
+                [e.abort_sync_group.remote(version) for e in self.engines], num_returns=len(self.engines), timeout=10
+            )
             raise
 
     def _get(self, refs: list) -> list:
@@ -444,5 +465,7 @@ class GroupSync:
                 ray.get(done)
             return ray.get(refs)
         except (ray.exceptions.RayError, RuntimeError, TimeoutError) as e:
-            raise GroupSyncError(f"weight sync over {getattr(self, 'backend', 'a process group')} failed: "
-                                 f"{str(e).strip().splitlines()[-1][:300]}") from e
+            raise GroupSyncError(
+                f"weight sync over {getattr(self, 'backend', 'a process group')} failed: "
+                f"{str(e).strip().splitlines()[-1][:300]}"
+            ) from e

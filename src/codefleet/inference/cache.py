@@ -52,8 +52,17 @@ class CacheFullError(RuntimeError):
 class SlotKVCache:
     """Preallocated per-slot keys and values for every layer."""
 
-    def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, head_dim: int, max_len: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", copy_dim: int = 0):
+    def __init__(
+        self,
+        n_layers: int,
+        n_slots: int,
+        n_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        copy_dim: int = 0,
+    ):
         self.n_layers, self.n_slots, self.max_len = n_layers, n_slots, max_len
         self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
         shape = (n_layers, n_slots, n_kv_heads, max_len, head_dim)
@@ -68,14 +77,17 @@ class SlotKVCache:
 
     # -- one forward pass -------------------------------------------------------------
 
-    def begin(self, slots: list[int], starts: list[int], n_new: list[int], t_new: int,
-              copy_ends: list[int] | None = None) -> None:
+    def begin(
+        self, slots: list[int], starts: list[int], n_new: list[int], t_new: int, copy_ends: list[int] | None = None
+    ) -> None:
         """Prepare the next forward pass: row b writes `n_new[b]` (of `t_new`) tokens into `slots[b]` after
         `starts[b]`; its copy-head queries point only before `copy_ends[b]` if given."""
         for s, n in zip(starts, n_new):
             if s + n > self.max_len:
-                raise CacheFullError(f"a sequence of {s + n} tokens does not fit the cache (max_len "
-                                     f"{self.max_len}); raise max_seq_len or lower max_tokens")
+                raise CacheFullError(
+                    f"a sequence of {s + n} tokens does not fit the cache (max_len "
+                    f"{self.max_len}); raise max_seq_len or lower max_tokens"
+                )
         self._step = _Step(self, slots, starts, n_new, t_new, copy_ends)
 
     def end(self) -> None:
@@ -111,14 +123,15 @@ class SlotKVCache:
             q_XGD = q_BHgD.reshape(B * Hkv, G, D)
             keys_XDL = keys_BHLD.reshape(B * Hkv, L, D).transpose(1, 2)
             # mask + scale * q k^T in one call (the mask broadcasts over the G query heads)
-            scores_XGL = torch.baddbmm(step.additive_mask(Hkv), q_XGD, keys_XDL, alpha=D ** -0.5)
+            scores_XGL = torch.baddbmm(step.additive_mask(Hkv), q_XGD, keys_XDL, alpha=D**-0.5)
             out = torch.bmm(torch.softmax(scores_XGL, dim=-1), values_BHLD.reshape(B * Hkv, L, D))
         else:
             out = F.scaled_dot_product_attention(q_BHgD, keys_BHLD, values_BHLD, attn_mask=step.mask(G))
         return out.reshape(B, H, T, D)
 
-    def copy_context(self, k_BTD: torch.Tensor, tokens_BT: torch.Tensor, at_B: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def copy_context(
+        self, k_BTD: torch.Tensor, tokens_BT: torch.Tensor, at_B: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Store the copy head's new keys and tokens; return each row's keys `[B, L, D]`, tokens `[B, L]`,
         which of them each query sees, `[B, T, L]`, and each query's position, `[B, T]` (`at_B`: only that
         query of each row, T = 1)."""
@@ -158,8 +171,15 @@ class SlotKVCache:
 class _Step:
     """Indices and the mask of one forward pass, computed once and shared by every layer."""
 
-    def __init__(self, cache: SlotKVCache, slots: list[int], starts: list[int], n_new: list[int], t_new: int,
-                 copy_ends: list[int] | None = None):
+    def __init__(
+        self,
+        cache: SlotKVCache,
+        slots: list[int],
+        starts: list[int],
+        n_new: list[int],
+        t_new: int,
+        copy_ends: list[int] | None = None,
+    ):
         self.slots, self.starts, self.n_new, self.t_new = slots, starts, n_new, t_new
         self.device = cache.k.device
         B = len(slots)

@@ -76,8 +76,7 @@ class Engine(BackgroundSleep):
     omp_threads_from_env = False  # torch.set_num_threads is enough
 
     @classmethod
-    def load(cls, checkpoint_dir: str, max_batch: int = 32, max_seq_len: int | None = None,
-             **engine_options) -> Engine:
+    def load(cls, checkpoint_dir: str, max_batch: int = 32, max_seq_len: int | None = None, **engine_options) -> Engine:
         """An engine over a saved checkpoint (the ENGINES loader); the tokenizer and chat format are the
         checkpoint's own (`formats.for_checkpoint`: a Hugging Face directory's tokenizer.json and chat
         template, a codefleet checkpoint's tokenizer.json, else the default tokenizer)."""
@@ -86,9 +85,18 @@ class Engine(BackgroundSleep):
         formats.check_vocab(tokenizer, model.config.vocab_size)
         return cls(model, tokenizer, max_batch=max_batch, max_seq_len=max_seq_len, **engine_options)
 
-    def __init__(self, model: torch.nn.Module, tokenizer=None, max_batch: int = 32, max_seq_len: int | None = None,
-                 prefill_tokens: int = 8192, version: int = 0, record_routing: bool = True,
-                 prefix_slots: int | None = None, min_prefix: int = 16):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer=None,
+        max_batch: int = 32,
+        max_seq_len: int | None = None,
+        prefill_tokens: int = 8192,
+        version: int = 0,
+        record_routing: bool = True,
+        prefix_slots: int | None = None,
+        min_prefix: int = 16,
+    ):
         """`prefix_slots`: parked prefixes kept for reuse (default `max_batch`; 0 turns the prefix cache off);
         `min_prefix`: the fewest common tokens worth copying instead of recomputing."""
         if max_batch < 1:
@@ -107,9 +115,16 @@ class Engine(BackgroundSleep):
         param = next(model.parameters())
         self.device = param.device
         # slots 0..max_batch-1 hold the running sequences (packed low), the rest hold parked prefixes
-        self.cache = SlotKVCache(config.n_layers, max_batch + prefix_slots, config.n_kv_heads, config.head_dim,
-                                 self.max_seq_len, dtype=param.dtype, device=self.device,
-                                 copy_dim=config.head_dim if config.copy.head else 0)
+        self.cache = SlotKVCache(
+            config.n_layers,
+            max_batch + prefix_slots,
+            config.n_kv_heads,
+            config.head_dim,
+            self.max_seq_len,
+            dtype=param.dtype,
+            device=self.device,
+            copy_dim=config.head_dim if config.copy.head else 0,
+        )
         model.rotary_table(self.max_seq_len, self.device)  # every position the cache holds: no per-step growth
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # index i holds slot i
@@ -135,23 +150,32 @@ class Engine(BackgroundSleep):
 
     # -- requests ------------------------------------------------------------------------
 
-    def submit(self, prompt: list[int], params: SamplingParams | None = None,
-               on_token: Callable[[int, float, list[tuple[int, float]]], None] | None = None) -> Future:
+    def submit(
+        self,
+        prompt: list[int],
+        params: SamplingParams | None = None,
+        on_token: Callable[[int, float, list[tuple[int, float]]], None] | None = None,
+    ) -> Future:
         """Queue one request; the background thread generates it. `on_token(id, logprob, top)` streams tokens
         (called from the engine's thread; `top`: the token's Result.top_logprobs entry, [] unless asked for)."""
         future = self.add(prompt, params, on_token)
         self._ensure_thread()
         return future
 
-    def add(self, prompt: list[int], params: SamplingParams | None = None,
-            on_token: Callable[[int, float, list[tuple[int, float]]], None] | None = None) -> Future:
+    def add(
+        self,
+        prompt: list[int],
+        params: SamplingParams | None = None,
+        on_token: Callable[[int, float, list[tuple[int, float]]], None] | None = None,
+    ) -> Future:
         """Queue one request without starting the background thread (drive it with `step()`)."""
         seq = self._make_sequence(prompt, params or SamplingParams(), on_token)
         self._enqueue([seq])
         return seq.future
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[Result]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[Result]:
         """Generate for every prompt (batched together with whatever else is running) and wait for all."""
         params = per_prompt(params, len(prompts))
         seqs = [self._make_sequence(p, sp, None) for p, sp in zip(prompts, params)]
@@ -172,19 +196,22 @@ class Engine(BackgroundSleep):
         vocab = self.model.config.vocab_size
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"the prompt holds token id {bad} but the model's vocabulary is 0..{vocab - 1}; "
-                             "encode the prompt with the model's tokenizer")
+            raise ValueError(
+                f"the prompt holds token id {bad} but the model's vocabulary is 0..{vocab - 1}; "
+                "encode the prompt with the model's tokenizer"
+            )
         if len(prompt) >= self.max_seq_len:
-            raise ValueError(f"the prompt has {len(prompt)} tokens but the engine holds at most {self.max_seq_len} "
-                             "per sequence (prompt + completion); shorten it or raise max_seq_len")
+            raise ValueError(
+                f"the prompt has {len(prompt)} tokens but the engine holds at most {self.max_seq_len} "
+                "per sequence (prompt + completion); shorten it or raise max_seq_len"
+            )
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
         # the last token needs a cache position for its drain pass, hence max_seq_len - len(prompt)
         max_tokens = min(params.max_tokens, self.max_seq_len - len(prompt))
-        seq = Request(next(self._ids), prompt, params, max_tokens, Future(), on_token, generator,
-                        time.perf_counter())
+        seq = Request(next(self._ids), prompt, params, max_tokens, Future(), on_token, generator, time.perf_counter())
         if params.tools or params.tool_choice == "none":  # "none" needs no tools: it forbids every call
             seq.matcher = self._grammars.get(self.tokenizer, params).start()
         return seq
@@ -316,16 +343,30 @@ class Engine(BackgroundSleep):
         if routing is None or len(routing) == n:  # routing replay needs every reused token's experts
             self.prefix.park(seq.slot, (seq.prompt + seq.tokens)[:n], routing)
 
-    def _forward(self, seqs: list[Request], starts: list[int], tokens_BT: torch.Tensor, positions_BT: torch.Tensor,
-                 logits_at_B: torch.Tensor | None = None):
+    def _forward(
+        self,
+        seqs: list[Request],
+        starts: list[int],
+        tokens_BT: torch.Tensor,
+        positions_BT: torch.Tensor,
+        logits_at_B: torch.Tensor | None = None,
+    ):
         """The model over each sequence's tokens from `starts[b]` on (the model's previous-token inputs included)."""
         cfg = self.model.config
         prev_BK = None
         if cfg.copy.prev_tokens:
-            prev_BK = torch.tensor([s.before(i, cfg.copy.prev_tokens, cfg.vocab_size) for s, i in zip(seqs, starts)],
-                                   device=self.device)
-        return self.model(tokens_BT, positions_BT=positions_BT, cache=self.cache,
-                          return_routing=self.record_routing, logits_at_B=logits_at_B, prev_BK=prev_BK, fast=fast)
+            prev_BK = torch.tensor(
+                [s.before(i, cfg.copy.prev_tokens, cfg.vocab_size) for s, i in zip(seqs, starts)], device=self.device
+            )
+        return self.model(
+            tokens_BT,
+            positions_BT=positions_BT,
+            cache=self.cache,
+            return_routing=self.record_routing,
+            logits_at_B=logits_at_B,
+            prev_BK=prev_BK,
+            fast=fast,
+        )
 
     def _copy_ends(self, seqs: list[Request]) -> list[int] | None:
         """With copy scope "prompt" the copy head points only into each request's prompt."""
@@ -333,7 +374,7 @@ class Engine(BackgroundSleep):
 
     def _prefill(self, seqs: list[Request]) -> None:
         """One forward pass over each prompt's tokens after its reused prefix (right-padded to the longest)."""
-        suffixes = [s.prompt[s.reused:] for s in seqs]
+        suffixes = [s.prompt[s.reused :] for s in seqs]
         T = max(len(x) for x in suffixes)
         tokens = torch.zeros(len(seqs), T, dtype=torch.long)
         for b, x in enumerate(suffixes):
@@ -392,8 +433,9 @@ class Engine(BackgroundSleep):
         return len(drained)
 
     def _sample(self, seqs: list[Request], logits_BV: torch.Tensor) -> None:
-        tokens_B, logprobs_B = sample_next(logits_BV, [s.params for s in seqs], [s.generator for s in seqs],
-                                           self._default_generator)
+        tokens_B, logprobs_B = sample_next(
+            logits_BV, [s.params for s in seqs], [s.generator for s in seqs], self._default_generator
+        )
         tokens, logprobs = tokens_B.tolist(), logprobs_B.tolist()
         tops = top_logprobs(seqs, logits_BV)
         for i, s in enumerate(seqs):
@@ -421,6 +463,7 @@ class Engine(BackgroundSleep):
     def _resampler(self, s: Request) -> Callable[[torch.Tensor], int]:
         def draw(logits_V: torch.Tensor) -> int:
             return int(sample_next(logits_V[None], [s.params], [s.generator], self._default_generator)[0][0])
+
         return draw
 
     def _release(self, indices: list[int], park: bool = False) -> None:
@@ -485,4 +528,3 @@ class Engine(BackgroundSleep):
 
     def __exit__(self, *exc) -> None:
         self.close()
-

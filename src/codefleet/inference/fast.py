@@ -78,8 +78,15 @@ SMALL_SLOTS = 256
 
 # ---- the blocks ----------------------------------------------------------------------------------------------
 
-def blocks(model, x_BTD: torch.Tensor, positions_BT: torch.Tensor, cache, routing_replay: list[torch.Tensor] | None,
-           routed: list[torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+
+def blocks(
+    model,
+    x_BTD: torch.Tensor,
+    positions_BT: torch.Tensor,
+    cache,
+    routing_replay: list[torch.Tensor] | None,
+    routed: list[torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`Transformer.blocks` with gradients off: a native decode step where it applies, else each block by
     `block`."""
     x_native_BTD = _native_decode(model, x_BTD, cache, routing_replay, routed)
@@ -89,8 +96,14 @@ def blocks(model, x_BTD: torch.Tensor, positions_BT: torch.Tensor, cache, routin
     return model.blocks(x_BTD, positions_BT, cache, routing_replay, routed, run_block=block)
 
 
-def block(blk: nn.Module, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None,
-          replay_NK: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEOutput | None]:
+def block(
+    blk: nn.Module,
+    x_BTD: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache=None,
+    replay_NK: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, MoEOutput | None]:
     """`Block.forward` through `attention` and `moe` / `swiglu`."""
     B, T, D = x_BTD.shape
     x_BTD = x_BTD + attention(blk.attn, blk.attn_norm(x_BTD), cos, sin, cache)
@@ -101,8 +114,7 @@ def block(blk: nn.Module, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     return x_BTD + out.y_ND.view(B, T, D), out
 
 
-def attention(attn: nn.Module, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None
-              ) -> torch.Tensor:
+def attention(attn: nn.Module, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
     """`Attention.forward` with one q/k/v GEMM, RoPE on the query and key heads in one call."""
     B, T, _ = x_BTD.shape
     H, Hkv, Dh = attn.n_heads, attn.n_kv_heads, attn.head_dim
@@ -114,7 +126,7 @@ def attention(attn: nn.Module, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torc
     qk_BTHD = apply_rope_signed(qk_BTHD, cos, sin)
     q_BHTD = qk_BTHD[:, :, :H].transpose(1, 2)
     k_BHTD = qk_BTHD[:, :, H:].transpose(1, 2)
-    v_BHTD = qkv_BTHD[:, :, H + Hkv:].transpose(1, 2)
+    v_BHTD = qkv_BTHD[:, :, H + Hkv :].transpose(1, 2)
     return attn.attend(q_BHTD, k_BHTD, v_BHTD, cache)
 
 
@@ -131,6 +143,7 @@ def lm_head(head: nn.Linear, h_BTD: torch.Tensor) -> torch.Tensor:
 
 # ---- the MoE layer -------------------------------------------------------------------------------------------
 
+
 def moe(layer: MoE, x_ND: torch.Tensor, replay_NK: torch.Tensor | None = None) -> MoEOutput:
     """`MoE.forward` through `route`, `experts` and `swiglu`; under `inference_mode` without router losses
     (`aux_loss`/`z_loss` None)."""
@@ -141,8 +154,7 @@ def moe(layer: MoE, x_ND: torch.Tensor, replay_NK: torch.Tensor | None = None) -
     return MoEOutput(y_ND, r.experts_NK, r.aux_loss, r.z_loss)
 
 
-def route(router: Router, x_ND: torch.Tensor, replay_NK: torch.Tensor | None = None, losses: bool = True
-          ) -> Routing:
+def route(router: Router, x_ND: torch.Tensor, replay_NK: torch.Tensor | None = None, losses: bool = True) -> Routing:
     """`router(x_ND, replay_NK, losses)`, in one native call where that applies (see the module docstring)."""
     native = not (losses or router.counts_load()) and replay_NK is None
     if native and x_ND.device.type == "cpu" and x_ND.dtype == router.weight_ED.dtype == torch.float32:
@@ -150,8 +162,13 @@ def route(router: Router, x_ND: torch.Tensor, replay_NK: torch.Tensor | None = N
         if ops is not None:
             cfg = router.config
             experts_NK, weights_NK = ops[1](
-                x_ND.contiguous(), router.weight_ED, router.expert_bias_E if cfg.balance == "bias" else None,
-                cfg.router_score == "sigmoid", cfg.router_renorm, cfg.top_k)
+                x_ND.contiguous(),
+                router.weight_ED,
+                router.expert_bias_E if cfg.balance == "bias" else None,
+                cfg.router_score == "sigmoid",
+                cfg.router_renorm,
+                cfg.top_k,
+            )
             return Routing(experts_NK, weights_NK)
     return router(x_ND, replay_NK, losses=losses)
 
@@ -174,8 +191,9 @@ def experts(layer: MoE, x_ND: torch.Tensor, experts_NK: torch.Tensor, weights_NK
     if x_ND.device.type == "cpu" and x_ND.dtype == torch.float32 and experts_NK.numel() <= KERNEL_SLOTS:
         fused = kernels.moe_experts()
         if fused is not None:
-            gate_up, down = derived_weight(layer, "kernel", (layer.w_gate_up_EDG, layer.w_down_EFD),
-                                           kernels.pack_experts)
+            gate_up, down = derived_weight(
+                layer, "kernel", (layer.w_gate_up_EDG, layer.w_down_EFD), kernels.pack_experts
+            )
             return fused(x_ND.contiguous(), experts_NK.contiguous(), weights_NK.contiguous(), gate_up, down, e0)
     n_local = e1 - e0
     K = experts_NK.shape[1]
@@ -206,7 +224,7 @@ def experts(layer: MoE, x_ND: torch.Tensor, experts_NK: torch.Tensor, weights_NK
         xs_ECD[expert_S, rank_S] = xs_SD
         ys_ECD = torch.bmm(_swiglu(torch.bmm(xs_ECD, layer.w_gate_up_EDG)), layer.w_down_EFD)
         ys_SD = ys_ECD[expert_S, rank_S]
-    if K == 2 and S == 2 * x_ND.shape[0]:  # every slot is here, in token order: y = w0 * y0 + w1 * y1
+    if K == 2 and 2 * x_ND.shape[0] == S:  # every slot is here, in token order: y = w0 * y0 + w1 * y1
         # the same sums as the index_add below (0 + a + b == a + b), without the zeros and the scatter
         return (ys_SD * w_S[:, None]).view(-1, 2, x_ND.shape[1]).sum(1)
     return torch.zeros_like(x_ND).index_add_(0, slot_S // K, ys_SD * w_S[:, None])
@@ -220,8 +238,10 @@ def _swiglu(h_XG: torch.Tensor) -> torch.Tensor:
 
 # ---- the native decode step (csrc/decode_layer.cpp) ----------------------------------------------------------
 
-def _native_decode(model, x_BTD: torch.Tensor, cache, routing_replay: list[torch.Tensor] | None,
-                   routed: list[torch.Tensor] | None) -> torch.Tensor | None:
+
+def _native_decode(
+    model, x_BTD: torch.Tensor, cache, routing_replay: list[torch.Tensor] | None, routed: list[torch.Tensor] | None
+) -> torch.Tensor | None:
     """The residual stream after every block of `model` for a decode step (`x_BTD` is `[B, 1, D]`), appending
     each MoE layer's experts `[B, 1, top_k]` to `routed` if given; None where the native path does not apply.
     Each block's attention half is one `decode_attention` call; the feed-forward is `moe` / `swiglu`."""
@@ -243,9 +263,22 @@ def _native_decode(model, x_BTD: torch.Tensor, cache, routing_replay: list[torch
     for blk in model.layers:
         attn = blk.attn
         w_qkv = fused_weight(attn, (attn.wq.weight, attn.wk.weight, attn.wv.weight))
-        x_BD, h_BD = decode_attention(x_BD, blk.attn_norm.weight, w_qkv, attn.wo.weight, blk.ffn_norm.weight, rope,
-                                      cache.k, cache.v, attn.layer, slots_B, positions_B, attn.n_heads,
-                                      cfg.norm_eps, *_qk_norms(attn))
+        x_BD, h_BD = decode_attention(
+            x_BD,
+            blk.attn_norm.weight,
+            w_qkv,
+            attn.wo.weight,
+            blk.ffn_norm.weight,
+            rope,
+            cache.k,
+            cache.v,
+            attn.layer,
+            slots_B,
+            positions_B,
+            attn.n_heads,
+            cfg.norm_eps,
+            *_qk_norms(attn),
+        )
         if blk.is_moe:
             out = moe(blk.ffn, h_BD, None if routing_replay is None else routing_replay[moe_i].reshape(B, cfg.top_k))
             ffn_BD = out.y_ND
@@ -265,6 +298,7 @@ def _qk_norms(attn: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None
 
 
 # ---- inference-only forms of weights -------------------------------------------------------------------------
+
 
 def derived_weight(owner: nn.Module, name: str, weights: tuple[torch.Tensor, ...], build: Callable[..., T]) -> T:
     """`build(*weights)`, an inference-only form of some weights (concatenated, prepacked), kept on `owner` as a
@@ -311,6 +345,5 @@ def inference_linear(owner: nn.Module, x: torch.Tensor, weights: tuple[torch.Ten
     """`F.linear(x, cat(weights))` with gradients off: through oneDNN with the weight prepacked once per weight
     version where it can (fp32 on CPU), else plain `F.linear`. Matches `F.linear` to float rounding (~1e-6)."""
     if _ONEDNN and x.device.type == "cpu" and x.dtype == torch.float32 and weights[0].dtype == torch.float32:
-        return torch.ops.mkldnn._linear_pointwise(x, fused_weight(owner, weights, packed=True), None, "none",
-                                                  [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, fused_weight(owner, weights, packed=True), None, "none", [], "")
     return F.linear(x, weights[0] if len(weights) == 1 else fused_weight(owner, weights))

@@ -53,6 +53,8 @@ from codefleet.inference.sampling import TOOL_CHOICES
 from codefleet.inference.turn_matcher import ANY, TurnMatcher
 
 MAX_REJECTIONS = 4  # single resamples before the full mask
+
+
 def _node(schema: object) -> tuple:
     """A JSON schema (the subset function parameters use) as a matcher node."""
     if not isinstance(schema, dict):
@@ -119,20 +121,29 @@ class ToolCallGrammar:
     masks: dict = field(default_factory=dict, compare=False)  # allowed_mask by state (TurnMatcher._state)
 
     @classmethod
-    def build(cls, tokenizer, tools: list[dict], tool_choice: str = "auto", calls_only: bool = False,
-              max_calls: int = 0, fmt=None) -> ToolCallGrammar:
+    def build(
+        cls,
+        tokenizer,
+        tools: list[dict],
+        tool_choice: str = "auto",
+        calls_only: bool = False,
+        max_calls: int = 0,
+        fmt=None,
+    ) -> ToolCallGrammar:
         """The grammar over `tokenizer`'s chat format (`fmt`, default `formats.of(tokenizer)`)."""
         if tool_choice not in TOOL_CHOICES:
             raise ValueError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)}, got {tool_choice!r}")
         if calls_only and tool_choice == "none":
-            raise ValueError("calls_only asks for tool calls, which tool_choice \"none\" forbids; use one or the other")
+            raise ValueError('calls_only asks for tool calls, which tool_choice "none" forbids; use one or the other')
         fmt = fmt or formats.of(tokenizer)
         calls = fmt.tool_calls
         markers = []
         for marker in (calls.call_open, calls.call_close):
             if marker not in tokenizer.special:
-                raise ValueError(f"constrained tool calls need the call marker {marker!r} to be one token of the "
-                                 "checkpoint's tokenizer; it is not, so serve and run it without a tool grammar")
+                raise ValueError(
+                    f"constrained tool calls need the call marker {marker!r} to be one token of the "
+                    "checkpoint's tokenizer; it is not, so serve and run it without a tool grammar"
+                )
             markers.append(tokenizer.special_id(marker))
         vocab = len(tokenizer)
         token_bytes = [tokenizer.token_bytes(i) for i in range(vocab)]
@@ -147,9 +158,22 @@ class ToolCallGrammar:
         stops = frozenset(fmt.stop_ids(tokenizer))
         call = None if tool_choice == "none" else call_node(tools)
         guards = (*calls.text_guard, *calls.string_guard)
-        return cls(call, tool_choice, token_bytes, special, markers[0], markers[1], stops, by_first, vocab,
-                   calls_only, max_calls, tuple(g.encode() for g in calls.text_guard),
-                   tuple(g.encode() for g in calls.string_guard), frozenset(g.encode()[0] for g in guards))
+        return cls(
+            call,
+            tool_choice,
+            token_bytes,
+            special,
+            markers[0],
+            markers[1],
+            stops,
+            by_first,
+            vocab,
+            calls_only,
+            max_calls,
+            tuple(g.encode() for g in calls.text_guard),
+            tuple(g.encode() for g in calls.string_guard),
+            frozenset(g.encode()[0] for g in guards),
+        )
 
     def start(self) -> TurnMatcher:
         return TurnMatcher(self)
@@ -167,15 +191,19 @@ class GrammarCache:
     def get(self, tokenizer, params) -> ToolCallGrammar:
         """The grammar for `params` (SamplingParams with tools or tool_choice "none") over `tokenizer`."""
         if tokenizer is None:
-            raise ValueError("constrained tool calls (SamplingParams.tools) need the engine's tokenizer; "
-                             "create the Engine with tokenizer=")
-        key = json.dumps([params.tools, params.tool_choice, params.calls_only, params.max_calls], sort_keys=True,
-                         default=str)
+            raise ValueError(
+                "constrained tool calls (SamplingParams.tools) need the engine's tokenizer; "
+                "create the Engine with tokenizer="
+            )
+        key = json.dumps(
+            [params.tools, params.tool_choice, params.calls_only, params.max_calls], sort_keys=True, default=str
+        )
         with self._lock:
             grammar = self._grammars.pop(key, None)
         if grammar is None:
-            grammar = ToolCallGrammar.build(tokenizer, params.tools or [], params.tool_choice, params.calls_only,
-                                            params.max_calls)
+            grammar = ToolCallGrammar.build(
+                tokenizer, params.tools or [], params.tool_choice, params.calls_only, params.max_calls
+            )
         with self._lock:
             self._grammars[key] = grammar
             while len(self._grammars) > self.kept:

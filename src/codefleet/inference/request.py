@@ -108,10 +108,22 @@ class Request:
         if self.text_cut is not None and self.text_cut >= 0:
             text = text[: self.text_cut]
         now = time.perf_counter()
-        result = Result(self.prompt, self.tokens, self.logprobs, self.versions, self.routing, self.prompt_routing,
-                        self.finish_reason, text, self.stop, prefill_s=self.prefilled - self.submitted,
-                        total_s=now - self.submitted, cached_tokens=self.reused, refused=self.refused,
-                        top_logprobs=self.top_logprobs)
+        result = Result(
+            self.prompt,
+            self.tokens,
+            self.logprobs,
+            self.versions,
+            self.routing,
+            self.prompt_routing,
+            self.finish_reason,
+            text,
+            self.stop,
+            prefill_s=self.prefilled - self.submitted,
+            total_s=now - self.submitted,
+            cached_tokens=self.reused,
+            refused=self.refused,
+            top_logprobs=self.top_logprobs,
+        )
         settle(self.future, result=result)
 
 

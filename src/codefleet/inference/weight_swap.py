@@ -91,10 +91,14 @@ class WeightSwap:
         missing = sorted(set(self._targets) - set(state))
         unexpected = sorted(set(state) - set(self._targets))
         if missing or unexpected:
-            raise ValueError(f"the new weights do not fit the model: missing {missing[:5]}"
-                             f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
-                             f"{' ...' if len(unexpected) > 5 else ''}; send a state dict of the same model")
+            raise ValueError(
+                f"the new weights do not fit the model: missing {missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+                f"{' ...' if len(unexpected) > 5 else ''}; send a state dict of the same model"
+            )
         for name, target in self._targets.items():
             if tuple(state[name].shape) != tuple(target.shape):
-                raise ValueError(f"the new weights do not fit the model: {name} has shape {tuple(state[name].shape)}"
-                                 f", the model's is {tuple(target.shape)}; send a state dict of the same model")
+                raise ValueError(
+                    f"the new weights do not fit the model: {name} has shape {tuple(state[name].shape)}"
+                    f", the model's is {tuple(target.shape)}; send a state dict of the same model"
+                )

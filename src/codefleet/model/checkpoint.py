@@ -92,8 +92,10 @@ def load_config(path: str) -> ModelConfig:
         return hf.model_config(hf.read_config(path), path)
     config_file = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(config_file):
-        raise FileNotFoundError(f"{config_file} not found: {path!r} is not a checkpoint directory written by "
-                                "codefleet.model.checkpoint.save")
+        raise FileNotFoundError(
+            f"{config_file} not found: {path!r} is not a checkpoint directory written by "
+            "codefleet.model.checkpoint.save"
+        )
     with open(config_file) as f:
         text = f.read()
     try:
@@ -116,8 +118,10 @@ def load(path: str, device: str | torch.device = "cpu") -> Transformer:
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = set(missing) - _tied_keys(config)
     if missing or unexpected:
-        raise ValueError(f"checkpoint {path!r} does not match its config.json: missing {sorted(missing)}, "
-                         f"unexpected {sorted(unexpected)}")
+        raise ValueError(
+            f"checkpoint {path!r} does not match its config.json: missing {sorted(missing)}, "
+            f"unexpected {sorted(unexpected)}"
+        )
     return model.to(device)
 
 
@@ -137,16 +141,21 @@ def check(path: str) -> ModelConfig:
         with safe_open(weights_file, "pt") as f:
             shapes = {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
     except SafetensorError as e:
-        raise ValueError(f"{weights_file} is not a readable safetensors file ({e}); it is truncated or corrupt, "
-                         "save the checkpoint again") from None
+        raise ValueError(
+            f"{weights_file} is not a readable safetensors file ({e}); it is truncated or corrupt, "
+            "save the checkpoint again"
+        ) from None
     for name, shape in shapes.items():
         if name in expected and shape != expected[name]:
-            raise ValueError(f"{weights_file} holds {name} of shape {shape} but {CONFIG_FILE} makes it "
-                             f"{expected[name]}; the two files come from different models")
+            raise ValueError(
+                f"{weights_file} holds {name} of shape {shape} but {CONFIG_FILE} makes it "
+                f"{expected[name]}; the two files come from different models"
+            )
     missing = sorted(set(expected) - set(shapes) - _tied_keys(config))
     if missing:
-        raise ValueError(f"{weights_file} lacks {missing[:3]} that {CONFIG_FILE} needs; the two files come from "
-                         "different models")
+        raise ValueError(
+            f"{weights_file} lacks {missing[:3]} that {CONFIG_FILE} needs; the two files come from different models"
+        )
     return config
 
 
@@ -199,8 +208,10 @@ def tensor_hash(path: str) -> str:
     bytes, in name order. Two checkpoints with the same hash hold the same weights, whatever their metadata."""
     digest = hashlib.sha256()
     if is_hf_dir(path):  # sharded: the same digest over the tensors of every shard
-        named = ((name, lambda info=info: safetensors_io.read_tensor(info))
-                 for name, info in sorted(safetensors_io.tensor_index(path).items()))
+        named = (
+            (name, lambda info=info: safetensors_io.read_tensor(info))
+            for name, info in sorted(safetensors_io.tensor_index(path).items())
+        )
         return _digest(digest, named)
     with safe_open(os.path.join(path, WEIGHTS_FILE), "pt") as f:
         return _digest(digest, ((name, lambda name=name: f.get_tensor(name)) for name in sorted(f.keys())))

@@ -99,17 +99,32 @@ class ModelConfig:
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        sizes = ["vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "max_seq_len", "n_experts",
-                 "top_k", "d_expert", "d_shared", "d_dense"]
+        sizes = [
+            "vocab_size",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "head_dim",
+            "max_seq_len",
+            "n_experts",
+            "top_k",
+            "d_expert",
+            "d_shared",
+            "d_dense",
+        ]
         bad = [f"{name}={getattr(self, name)!r}" for name in sizes if not _positive_int(getattr(self, name))]
         if not (_positive_int(self.n_shared_experts) or self.n_shared_experts == 0):
             bad.append(f"n_shared_experts={self.n_shared_experts!r}")
         if bad:  # checked first: the checks below divide by some of them
-            raise ValueError(f"ModelConfig: sizes must be positive integers (n_shared_experts may be 0), got "
-                             f"{', '.join(bad)}; fix config.json or the overrides")
+            raise ValueError(
+                f"ModelConfig: sizes must be positive integers (n_shared_experts may be 0), got "
+                f"{', '.join(bad)}; fix config.json or the overrides"
+            )
         if not isinstance(self.copy, CopyConfig):
-            raise TypeError(f"ModelConfig: copy must be a codefleet.model.copy_config.CopyConfig, got "
-                             f"{type(self.copy).__name__}")
+            raise TypeError(
+                f"ModelConfig: copy must be a codefleet.model.copy_config.CopyConfig, got {type(self.copy).__name__}"
+            )
         checks = [
             (self.router_score in ("softmax", "sigmoid"), "router_score must be 'softmax' or 'sigmoid'"),
             (self.balance in ("aux", "bias", "none"), "balance must be 'aux', 'bias' or 'none'"),
@@ -118,11 +133,15 @@ class ModelConfig:
             (1 <= self.top_k <= self.n_experts, "top_k must be between 1 and n_experts"),
             (self.head_dim % 2 == 0, "head_dim must be even (rotary embeddings rotate pairs)"),
             (0 <= self.first_dense_layers <= self.n_layers, "first_dense_layers must be in [0, n_layers]"),
-            (all(isinstance(i, int) and 0 <= i < self.n_layers for i in self.dense_layers),
-             "dense_layers must list layer indices in [0, n_layers)"),
-            (self.rope_scaling is None or (isinstance(self.rope_scaling, dict)
-                                           and self.rope_scaling.get("rope_type") == "llama3"),
-             "rope_scaling must be None or {'rope_type': 'llama3', ...}"),
+            (
+                all(isinstance(i, int) and 0 <= i < self.n_layers for i in self.dense_layers),
+                "dense_layers must list layer indices in [0, n_layers)",
+            ),
+            (
+                self.rope_scaling is None
+                or (isinstance(self.rope_scaling, dict) and self.rope_scaling.get("rope_type") == "llama3"),
+                "rope_scaling must be None or {'rope_type': 'llama3', ...}",
+            ),
             (all(0 <= t < self.vocab_size for t in self.copy.blocked), "copy.blocked holds ids outside the vocab"),
         ]
         for ok, msg in checks:
@@ -151,19 +170,47 @@ class ModelConfig:
     @classmethod
     def small(cls, **overrides: Any) -> ModelConfig:
         """~1.7B total / ~0.31B active: 16 layers, d_model 1024, 64 experts top-6 + 1 shared, 1 dense layer."""
-        base = {"vocab_size": 32768, "d_model": 1024, "n_layers": 16, "n_heads": 16, "n_kv_heads": 4, "head_dim": 64,
-                    "n_experts": 64, "top_k": 6, "d_expert": 512, "n_shared_experts": 1, "d_shared": 1024,
-                    "router_score": "sigmoid", "balance": "bias", "first_dense_layers": 1, "d_dense": 4096,
-                    "dtype": "bfloat16"}
+        base = {
+            "vocab_size": 32768,
+            "d_model": 1024,
+            "n_layers": 16,
+            "n_heads": 16,
+            "n_kv_heads": 4,
+            "head_dim": 64,
+            "n_experts": 64,
+            "top_k": 6,
+            "d_expert": 512,
+            "n_shared_experts": 1,
+            "d_shared": 1024,
+            "router_score": "sigmoid",
+            "balance": "bias",
+            "first_dense_layers": 1,
+            "d_dense": 4096,
+            "dtype": "bfloat16",
+        }
         return cls(**{**base, **overrides})
 
     @classmethod
     def medium(cls, **overrides: Any) -> ModelConfig:
         """~14.7B total / ~1.7B active: 24 layers, d_model 2048, 128 experts top-8 + 1 shared, 1 dense layer."""
-        base = {"vocab_size": 65536, "d_model": 2048, "n_layers": 24, "n_heads": 16, "n_kv_heads": 4, "head_dim": 128,
-                    "n_experts": 128, "top_k": 8, "d_expert": 768, "n_shared_experts": 1, "d_shared": 1536,
-                    "router_score": "sigmoid", "balance": "bias", "first_dense_layers": 1, "d_dense": 8192,
-                    "dtype": "bfloat16"}
+        base = {
+            "vocab_size": 65536,
+            "d_model": 2048,
+            "n_layers": 24,
+            "n_heads": 16,
+            "n_kv_heads": 4,
+            "head_dim": 128,
+            "n_experts": 128,
+            "top_k": 8,
+            "d_expert": 768,
+            "n_shared_experts": 1,
+            "d_shared": 1536,
+            "router_score": "sigmoid",
+            "balance": "bias",
+            "first_dense_layers": 1,
+            "d_dense": 8192,
+            "dtype": "bfloat16",
+        }
         return cls(**{**base, **overrides})
 
     # serialisation -------------------------------------------------------
@@ -188,15 +235,19 @@ class ModelConfig:
 def _exact_fields(cls: type, d: object, prefix: str) -> dict[str, Any]:
     """`d` if it is a dict with exactly the fields of dataclass `cls`, else one ValueError naming the difference."""
     if not isinstance(d, dict):
-        raise ValueError(f"ModelConfig: {prefix.rstrip('.') or 'the config'} must be a JSON object of "
-                         f"{cls.__name__} fields, not {type(d).__name__}")
+        raise ValueError(
+            f"ModelConfig: {prefix.rstrip('.') or 'the config'} must be a JSON object of "
+            f"{cls.__name__} fields, not {type(d).__name__}"
+        )
     names = {f.name for f in dataclasses.fields(cls)}
     unknown, missing = sorted(set(d) - names), sorted(names - set(d))
     if unknown or missing:
         problems = [f"unknown field(s) {[prefix + n for n in unknown]}"] if unknown else []
         problems += [f"missing field(s) {[prefix + n for n in missing]}"] if missing else []
-        raise ValueError(f"ModelConfig: {' and '.join(problems)}; the config was written by another codefleet "
-                         "version or edited by hand (to_dict writes every field)")
+        raise ValueError(
+            f"ModelConfig: {' and '.join(problems)}; the config was written by another codefleet "
+            "version or edited by hand (to_dict writes every field)"
+        )
     return d
 
 

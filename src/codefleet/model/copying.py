@@ -38,8 +38,9 @@ class PrevTokenEmbeddings(nn.ModuleList):
         super().__init__(nn.Embedding(vocab_size + 1, d_model) for _ in range(n_prev))
         self.vocab_size = vocab_size
 
-    def forward(self, x_BTD: torch.Tensor, tokens_BT: torch.Tensor, prev_BK: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(
+        self, x_BTD: torch.Tensor, tokens_BT: torch.Tensor, prev_BK: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """`x_BTD` plus, at each t, the embeddings of the K tokens before it. `prev_BK`: the K tokens before
         each row's first one, oldest first (`vocab_size` where there is none); None when the rows start their
         sequences."""
@@ -48,11 +49,13 @@ class PrevTokenEmbeddings(nn.ModuleList):
         if prev_BK is None:
             prev_BK = tokens_BT.new_full((B, K), self.vocab_size)
         elif prev_BK.shape != (B, K):
-            raise ValueError(f"prev_BK has shape {tuple(prev_BK.shape)}; this model needs the {K} tokens before "
-                             f"each of the {B} rows, [{B}, {K}]")
+            raise ValueError(
+                f"prev_BK has shape {tuple(prev_BK.shape)}; this model needs the {K} tokens before "
+                f"each of the {B} rows, [{B}, {K}]"
+            )
         ids = torch.cat([prev_BK.to(tokens_BT.device), tokens_BT], dim=1)  # [B, K + T]
         for i, table in enumerate(self, 1):
-            x_BTD = x_BTD + table(ids[:, K - i: K - i + T])
+            x_BTD = x_BTD + table(ids[:, K - i : K - i + T])
         return x_BTD
 
 
@@ -64,7 +67,7 @@ class CopyHead(nn.Module):
     def __init__(self, config: CopyConfig, d_model: int, head_dim: int, vocab_size: int):
         super().__init__()
         self.scope = config.scope
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim**-0.5
         self.wq = nn.Linear(d_model, head_dim, bias=False)
         self.wk = nn.Linear(d_model, head_dim, bias=False)
         self.gate = nn.Linear(d_model, 1)
@@ -77,9 +80,16 @@ class CopyHead(nn.Module):
             copyable_V[config.blocked] = False
         self.register_buffer("copyable_V", copyable_V, persistent=False)
 
-    def forward(self, logits_BTV: torch.Tensor, hq_BTD: torch.Tensor, hk_BSD: torch.Tensor, tokens_BS: torch.Tensor,
-                cache=None, at_B: torch.Tensor | None = None, turn_mask_BT: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(
+        self,
+        logits_BTV: torch.Tensor,
+        hq_BTD: torch.Tensor,
+        hk_BSD: torch.Tensor,
+        tokens_BS: torch.Tensor,
+        cache=None,
+        at_B: torch.Tensor | None = None,
+        turn_mask_BT: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """`hq_BTD`: the hidden states that predict (those of `logits_BTV`); `hk_BSD`, `tokens_BS`: every new
         position's hidden state and token. Without a cache the context is `tokens_BS` (causal; `at_B`: the one
         query position of each row; `turn_mask_BT`: the turns, for scope "prompt"); with one,
@@ -88,12 +98,19 @@ class CopyHead(nn.Module):
         attn_BTL, tokens_BL = self._attention(hq_BTD, hk_BSD, tokens_BS, cache, at_B, end_BT)
         B, T, V = logits_BTV.shape
         p_copy_BTV = attn_BTL.new_zeros(B, T, V).scatter_add_(
-            2, tokens_BL[:, None, :].expand(B, T, tokens_BL.shape[1]), attn_BTL)
+            2, tokens_BL[:, None, :].expand(B, T, tokens_BL.shape[1]), attn_BTL
+        )
         gate_BT1 = self.gate(hq_BTD).float()
         return _mix(gate_BT1, torch.log_softmax(logits_BTV.float(), dim=-1), p_copy_BTV).to(logits_BTV.dtype)
 
-    def target_logprobs(self, logits_BTV: torch.Tensor, h_BTD: torch.Tensor, tokens_BT: torch.Tensor,
-                        targets_BT: torch.Tensor, turn_mask_BT: torch.Tensor | None = None) -> torch.Tensor:
+    def target_logprobs(
+        self,
+        logits_BTV: torch.Tensor,
+        h_BTD: torch.Tensor,
+        tokens_BT: torch.Tensor,
+        targets_BT: torch.Tensor,
+        turn_mask_BT: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """log p(targets) under the mixture, `[B, T]` (fp32), without a `[B, T, V]` copy distribution: the
         copy share of a target is the attention on the positions that hold it (training: no cache)."""
         attn_BTS, _ = self._attention(h_BTD, h_BTD, tokens_BT, end_BT=self.context_ends(turn_mask_BT))
@@ -101,22 +118,26 @@ class CopyHead(nn.Module):
         generator_BT = torch.log_softmax(logits_BTV.float(), dim=-1).gather(-1, targets_BT[..., None])[..., 0]
         return _mix(self.gate(h_BTD).float()[..., 0], generator_BT, p_copy_BT)
 
-    def context_ends(self, turn_mask_BT: torch.Tensor | None, cache=None, at_B: torch.Tensor | None = None
-                     ) -> torch.Tensor | None:
+    def context_ends(
+        self, turn_mask_BT: torch.Tensor | None, cache=None, at_B: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """Where each query's context ends (exclusive) for scope "prompt" without a cache (`copy_ends`, at
         `at_B` if given: `[B, 1]`); None where every query sees its whole past (the cache keeps its own ends)."""
         if self.scope != "prompt" or cache is not None:
             return None
         if turn_mask_BT is None:
-            raise ValueError("this model's copy head points only before the current turn (copy scope 'prompt'): "
-                             "give turn_mask_BT, True where the target is a token the model wrote")
+            raise ValueError(
+                "this model's copy head points only before the current turn (copy scope 'prompt'): "
+                "give turn_mask_BT, True where the target is a token the model wrote"
+            )
         end_BT = copy_ends(turn_mask_BT)
         if at_B is not None:
             end_BT = end_BT[torch.arange(end_BT.shape[0], device=end_BT.device), at_B][:, None]
         return end_BT
 
-    def _attention(self, hq_BTD, hk_BSD, tokens_BS, cache=None, at_B=None, end_BT=None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _attention(
+        self, hq_BTD, hk_BSD, tokens_BS, cache=None, at_B=None, end_BT=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The copy attention `[B, T, L]` (fp32) and the token at each of its `L` positions, `[B, L]`."""
         q_BTD, k_BSD = self.wq(hq_BTD), self.wk(hk_BSD)
         if cache is not None:

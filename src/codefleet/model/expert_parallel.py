@@ -78,8 +78,10 @@ class ExpertParallelMoE(MoE):
     def __init__(self, config: ModelConfig, group=None):
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         if config.n_experts % world:
-            raise ValueError(f"expert parallelism over {world} ranks needs n_experts ({config.n_experts}) divisible "
-                             f"by {world}: choose an EP size that divides it")
+            raise ValueError(
+                f"expert parallelism over {world} ranks needs n_experts ({config.n_experts}) divisible "
+                f"by {world}: choose an EP size that divides it"
+            )
         per_rank = config.n_experts // world
         super().__init__(config, expert_range=(rank * per_rank, (rank + 1) * per_rank))
         self.group, self.world = group, world
@@ -132,4 +134,3 @@ def parallelize_experts(model: nn.Module, group=None) -> nn.Module:
         if block.is_moe and not isinstance(block.ffn, ExpertParallelMoE):
             block.ffn = ExpertParallelMoE.from_moe(block.ffn, group)
     return model
-

@@ -66,15 +66,22 @@ CODEFLEET_TEMPLATE = (
 
 def register(subparsers) -> None:
     export = subparsers.add_parser(
-        "export", help="write a checkpoint as a Hugging Face model directory (transformers, vLLM)",
+        "export",
+        help="write a checkpoint as a Hugging Face model directory (transformers, vLLM)",
         description="Write checkpoint CKPT into OUT as a Hugging Face model directory: safetensors shards, "
         "config.json, tokenizer, chat template and generation config, which transformers' from_pretrained, vLLM "
-        "and other OpenAI-compatible servers load as they are.")
+        "and other OpenAI-compatible servers load as they are.",
+    )
     export.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory (codefleet's or Hugging Face's)")
-    export.add_argument("--hf", required=True, metavar="OUT", help="directory to write (created; its old weights "
-                        "files are replaced)")
-    export.add_argument("--max-shard-mb", type=int, default=hf.MAX_SHARD_BYTES // 2 ** 20,
-                        help=f"largest safetensors shard in MiB (default {hf.MAX_SHARD_BYTES // 2 ** 20})")
+    export.add_argument(
+        "--hf", required=True, metavar="OUT", help="directory to write (created; its old weights files are replaced)"
+    )
+    export.add_argument(
+        "--max-shard-mb",
+        type=int,
+        default=hf.MAX_SHARD_BYTES // 2**20,
+        help=f"largest safetensors shard in MiB (default {hf.MAX_SHARD_BYTES // 2**20})",
+    )
     export.set_defaults(func=run)
 
 
@@ -87,8 +94,9 @@ def export(src: str, out: str, max_shard_bytes: int = hf.MAX_SHARD_BYTES) -> str
     if is_hf_dir(src):
         hf.copy_text_files(src, out, root=out)
     else:
-        write_codefleet_text_files(out, Tokenizer.load(src) if os.path.isfile(os.path.join(src, "tokenizer.json"))
-                                   else default_tokenizer())
+        write_codefleet_text_files(
+            out, Tokenizer.load(src) if os.path.isfile(os.path.join(src, "tokenizer.json")) else default_tokenizer()
+        )
     return architecture
 
 
@@ -97,9 +105,15 @@ def write_codefleet_text_files(out: str, tokenizer: Tokenizer) -> None:
     `out` followed)."""
     tokenizer.save(out, root=out)
     end, eos = (tokenizer.special_id(t) for t in (END, EOS))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": END,
-              "pad_token": EOS, "chat_template": CODEFLEET_TEMPLATE, "model_max_length": 1 << 30,
-              "clean_up_tokenization_spaces": False}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": END,
+        "pad_token": EOS,
+        "chat_template": CODEFLEET_TEMPLATE,
+        "model_max_length": 1 << 30,
+        "clean_up_tokenization_spaces": False,
+    }
     generation = {"bos_token_id": tokenizer.special_id(BOS), "eos_token_id": [end, eos], "pad_token_id": eos}
     for name, body in (("tokenizer_config.json", config), ("generation_config.json", generation)):
         safe_files.write_file_beneath(out, name, json.dumps(body, indent=2, sort_keys=True), mode=0o644)
@@ -116,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         print("codefleet export: --hf must be another directory than the checkpoint", file=sys.stderr)
         return 2
     try:
-        architecture = export(args.checkpoint, args.hf, args.max_shard_mb * 2 ** 20)
+        architecture = export(args.checkpoint, args.hf, args.max_shard_mb * 2**20)
     except (OSError, ValueError) as e:
         print(f"codefleet export: {e}", file=sys.stderr)
         return 2

@@ -75,23 +75,66 @@ CONFIG_FILE = "config.json"
 SUPPORTED = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM")
 EXPORTS = SUPPORTED + ("MixtralForCausalLM",)
 # the files beside the weights that describe the text side; `copy_text_files` carries them to a new checkpoint
-TEXT_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-              "chat_template.json", "generation_config.json", "vocab.json", "merges.txt", "added_tokens.json")
-MAX_SHARD_BYTES = 2 * 1024 ** 3
-_MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "LlamaForCausalLM": "llama",
-                "MixtralForCausalLM": "mixtral"}
+TEXT_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
+MAX_SHARD_BYTES = 2 * 1024**3
+_MODEL_TYPES = {
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "LlamaForCausalLM": "llama",
+    "MixtralForCausalLM": "mixtral",
+}
 # the keys of config.json that `model_config` reads; everything else goes to ModelConfig.hf_extra
-_READ_KEYS = {"architectures", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "head_dim", "max_position_embeddings", "rope_theta", "rope_scaling",
-              "rope_parameters", "rms_norm_eps", "intermediate_size", "moe_intermediate_size", "num_experts",
-              "num_local_experts", "num_experts_per_tok", "norm_topk_prob", "mlp_only_layers",
-              "decoder_sparse_step", "tie_word_embeddings", "torch_dtype", "dtype", "router_aux_loss_coef",
-              "hidden_act", "attention_bias", "mlp_bias", "use_sliding_window", "sliding_window", "max_window_layers",
-              "transformers_version", "auto_map", "output_router_logits", "use_cache", "attention_dropout"}
-
+_READ_KEYS = {
+    "architectures",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "rms_norm_eps",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_experts",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "norm_topk_prob",
+    "mlp_only_layers",
+    "decoder_sparse_step",
+    "tie_word_embeddings",
+    "torch_dtype",
+    "dtype",
+    "router_aux_loss_coef",
+    "hidden_act",
+    "attention_bias",
+    "mlp_bias",
+    "use_sliding_window",
+    "sliding_window",
+    "max_window_layers",
+    "transformers_version",
+    "auto_map",
+    "output_router_logits",
+    "use_cache",
+    "attention_dropout",
+}
 
 
 # ---- the directory --------------------------------------------------------------------------------------------
+
 
 def read_config(path: str) -> dict:
     config_file = os.path.join(path, CONFIG_FILE)
@@ -114,8 +157,10 @@ def model_config(hf: dict, path: str = "", dtype: str | None = None) -> ModelCon
     archs = hf.get("architectures") or []
     arch = archs[0] if isinstance(archs, list) and len(archs) == 1 else None
     if hf.get("auto_map"):
-        raise CheckpointError(f"{where} asks for trust_remote_code (auto_map): codefleet runs only the "
-                              f"architectures it implements itself, {', '.join(SUPPORTED)}")
+        raise CheckpointError(
+            f"{where} asks for trust_remote_code (auto_map): codefleet runs only the "
+            f"architectures it implements itself, {', '.join(SUPPORTED)}"
+        )
     if arch not in SUPPORTED:
         raise CheckpointError(f"{where} has architectures {archs!r}; codefleet supports {', '.join(SUPPORTED)}")
 
@@ -136,26 +181,45 @@ def model_config(hf: dict, path: str = "", dtype: str | None = None) -> ModelCon
     d_model, n_heads = need("hidden_size"), need("num_attention_heads")
     n_layers = need("num_hidden_layers")
     fields: dict[str, Any] = dict(
-        vocab_size=need("vocab_size"), d_model=d_model, n_layers=n_layers, n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads, head_dim=hf.get("head_dim") or d_model // n_heads,
-        max_seq_len=need("max_position_embeddings"), rope_theta=float(theta), rope_scaling=scaling,
-        norm_eps=float(need("rms_norm_eps")), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qk_norm=arch != "LlamaForCausalLM", d_dense=need("intermediate_size"), architecture=arch,
-        copy=CopyConfig(prev_tokens=0), dtype=_dtype_name(dtype or hf.get("dtype") or hf.get("torch_dtype"), where),
+        vocab_size=need("vocab_size"),
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=hf.get("head_dim") or d_model // n_heads,
+        max_seq_len=need("max_position_embeddings"),
+        rope_theta=float(theta),
+        rope_scaling=scaling,
+        norm_eps=float(need("rms_norm_eps")),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qk_norm=arch != "LlamaForCausalLM",
+        d_dense=need("intermediate_size"),
+        architecture=arch,
+        copy=CopyConfig(prev_tokens=0),
+        dtype=_dtype_name(dtype or hf.get("dtype") or hf.get("torch_dtype"), where),
         hf_extra={k: v for k, v in hf.items() if k not in _READ_KEYS},
     )
     if arch == "Qwen3MoeForCausalLM":
         n_experts = hf.get("num_experts") or need("num_local_experts")
         step = hf.get("decoder_sparse_step", 1) or 1
         only = list(hf.get("mlp_only_layers") or [])
-        fields.update(n_experts=n_experts, top_k=need("num_experts_per_tok"), d_expert=need("moe_intermediate_size"),
-                      router_score="softmax", router_renorm=bool(hf.get("norm_topk_prob", False)), balance="aux",
-                      aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)), z_loss_coef=0.0,
-                      n_shared_experts=0, first_dense_layers=0,
-                      dense_layers=[i for i in range(n_layers) if i in only or (i + 1) % step != 0])
+        fields.update(
+            n_experts=n_experts,
+            top_k=need("num_experts_per_tok"),
+            d_expert=need("moe_intermediate_size"),
+            router_score="softmax",
+            router_renorm=bool(hf.get("norm_topk_prob", False)),
+            balance="aux",
+            aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+            z_loss_coef=0.0,
+            n_shared_experts=0,
+            first_dense_layers=0,
+            dense_layers=[i for i in range(n_layers) if i in only or (i + 1) % step != 0],
+        )
     else:  # dense: every layer a SwiGLU of intermediate_size; the MoE fields are unused
-        fields.update(n_experts=1, top_k=1, first_dense_layers=n_layers, balance="none", aux_loss_coef=0.0,
-                      z_loss_coef=0.0)
+        fields.update(
+            n_experts=1, top_k=1, first_dense_layers=n_layers, balance="none", aux_loss_coef=0.0, z_loss_coef=0.0
+        )
     try:
         return ModelConfig(**fields)
     except (ValueError, TypeError) as e:
@@ -180,9 +244,11 @@ def _rope(hf: dict, where: str) -> tuple[float, dict | None]:
         if missing:
             raise CheckpointError(f"{where}: rope scaling 'llama3' lacks {missing}")
         return theta, {"rope_type": "llama3", **{k: scaling[k] for k in keys}}
-    raise CheckpointError(f"{where}: rope scaling {kind!r} is not supported (only 'llama3'); remove rope_scaling "
-                          "from config.json to run the model at its original context length "
-                          "(max_position_embeddings)")
+    raise CheckpointError(
+        f"{where}: rope scaling {kind!r} is not supported (only 'llama3'); remove rope_scaling "
+        "from config.json to run the model at its original context length "
+        "(max_position_embeddings)"
+    )
 
 
 def _dtype_name(value: object, where: str) -> str:
@@ -194,10 +260,12 @@ def _dtype_name(value: object, where: str) -> str:
 
 # ---- names: codefleet parameter <-> Hugging Face tensors ------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Piece:
     """One Hugging Face tensor and where it lives in a codefleet parameter: `param[index]` (index None: the
     whole parameter), transposed when `transpose`."""
+
     hf_name: str
     param: str
     index: tuple | None = None
@@ -209,13 +277,16 @@ def pieces(config: ModelConfig) -> list[Piece]:
     out = [Piece("model.embed_tokens.weight", "embed.weight"), Piece("model.norm.weight", "norm.weight")]
     if not config.tie_embeddings:
         out.append(Piece("lm_head.weight", "lm_head.weight"))
-    expert_names = ("w1", "w3", "w2") if config.architecture == "MixtralForCausalLM" else \
-        ("gate_proj", "up_proj", "down_proj")
+    expert_names = (
+        ("w1", "w3", "w2") if config.architecture == "MixtralForCausalLM" else ("gate_proj", "up_proj", "down_proj")
+    )
     F = config.d_expert
     for i in range(config.n_layers):
         hf, cf = f"model.layers.{i}.", f"layers.{i}."
-        out += [Piece(hf + "input_layernorm.weight", cf + "attn_norm.weight"),
-                Piece(hf + "post_attention_layernorm.weight", cf + "ffn_norm.weight")]
+        out += [
+            Piece(hf + "input_layernorm.weight", cf + "attn_norm.weight"),
+            Piece(hf + "post_attention_layernorm.weight", cf + "ffn_norm.weight"),
+        ]
         out += [Piece(f"{hf}self_attn.{h}_proj.weight", f"{cf}attn.w{h}.weight") for h in "qkvo"]
         if config.qk_norm:
             out += [Piece(f"{hf}self_attn.{h}_norm.weight", f"{cf}attn.{h}_norm.weight") for h in "qk"]
@@ -229,9 +300,11 @@ def pieces(config: ModelConfig) -> list[Piece]:
         out.append(Piece(moe + "gate.weight", cf + "ffn.router.weight_ED"))
         gate, up, down = expert_names
         for e in range(config.n_experts):
-            out += [Piece(f"{experts}{e}.{gate}.weight", cf + "ffn.w_gate_up_EDG", (e, slice(None), slice(0, F)), True),
-                    Piece(f"{experts}{e}.{up}.weight", cf + "ffn.w_gate_up_EDG", (e, slice(None), slice(F, 2 * F)), True),
-                    Piece(f"{experts}{e}.{down}.weight", cf + "ffn.w_down_EFD", (e,), True)]
+            out += [
+                Piece(f"{experts}{e}.{gate}.weight", cf + "ffn.w_gate_up_EDG", (e, slice(None), slice(0, F)), True),
+                Piece(f"{experts}{e}.{up}.weight", cf + "ffn.w_gate_up_EDG", (e, slice(None), slice(F, 2 * F)), True),
+                Piece(f"{experts}{e}.{down}.weight", cf + "ffn.w_down_EFD", (e,), True),
+            ]
     return out
 
 
@@ -244,6 +317,7 @@ def _hf_shape(piece: Piece, shapes: dict[str, tuple[int, ...]]) -> tuple[int, ..
 
 
 # ---- load ----------------------------------------------------------------------------------------------------
+
 
 def check(path: str, dtype: str | None = None) -> ModelConfig:
     """The model config of the directory once every tensor it needs is known to be there with the right shape,
@@ -261,19 +335,25 @@ def _plan(path: str, config: ModelConfig) -> list[tuple[Piece, TensorInfo]]:
     for piece in pieces(config):
         info = tensors.get(piece.hf_name)
         if info is None:
-            raise CheckpointError(f"{path!r} lacks tensor {piece.hf_name!r} that its config.json "
-                                  f"({config.architecture}) needs; the weights and the config come from different "
-                                  "models, or a shard is missing from the index")
+            raise CheckpointError(
+                f"{path!r} lacks tensor {piece.hf_name!r} that its config.json "
+                f"({config.architecture}) needs; the weights and the config come from different "
+                "models, or a shard is missing from the index"
+            )
         want = _hf_shape(piece, shapes)
         if info.shape != want:
-            raise CheckpointError(f"{info.file} holds {piece.hf_name} of shape {list(info.shape)} but config.json "
-                                  f"makes it {list(want)}; the weights and the config come from different models")
+            raise CheckpointError(
+                f"{info.file} holds {piece.hf_name} of shape {list(info.shape)} but config.json "
+                f"makes it {list(want)}; the weights and the config come from different models"
+            )
         plan.append((piece, info))
     used = {p.hf_name for p in pieces(config)} | {"lm_head.weight"}  # a tied checkpoint may store the head too
     unused = sorted(n for n in tensors if n not in used and not n.endswith("rotary_emb.inv_freq"))
     if unused:
-        raise CheckpointError(f"{tensors[unused[0]].file} holds {len(unused)} tensor(s) {config.architecture} does "
-                              f"not have, e.g. {unused[0]!r}; config.json does not describe these weights")
+        raise CheckpointError(
+            f"{tensors[unused[0]].file} holds {len(unused)} tensor(s) {config.architecture} does "
+            f"not have, e.g. {unused[0]!r}; config.json does not describe these weights"
+        )
     return plan
 
 
@@ -318,6 +398,7 @@ def _materialize(model: torch.nn.Module) -> None:
 
 # ---- save ----------------------------------------------------------------------------------------------------
 
+
 def export_architecture(config: ModelConfig) -> str:
     """The Hugging Face class `config`'s model is written as; CheckpointError saying why when none fits."""
     if config.architecture in SUPPORTED:
@@ -339,8 +420,11 @@ def export_architecture(config: ModelConfig) -> str:
     if config.rope_scaling is not None and config.qk_norm:
         why.append("Qwen3 has no llama3 rope scaling")
     if why:
-        raise CheckpointError("this codefleet model has no Hugging Face architecture: " + "; ".join(why)
-                              + ". Train with model.copy.head=false and model.copy.prev_tokens=0 to export it")
+        raise CheckpointError(
+            "this codefleet model has no Hugging Face architecture: "
+            + "; ".join(why)
+            + ". Train with model.copy.head=false and model.copy.prev_tokens=0 to export it"
+        )
     if not config.n_moe_layers:
         return "Qwen3ForCausalLM" if config.qk_norm else "LlamaForCausalLM"
     return "Qwen3MoeForCausalLM" if config.qk_norm else "MixtralForCausalLM"
@@ -348,31 +432,51 @@ def export_architecture(config: ModelConfig) -> str:
 
 def hf_config(config: ModelConfig, architecture: str) -> dict:
     """The config.json of `config`'s model written as `architecture`."""
-    out: dict[str, Any] = {**config.hf_extra, "architectures": [architecture],
-                           "model_type": config.hf_extra.get("model_type", _MODEL_TYPES[architecture]),
-                           "vocab_size": config.vocab_size, "hidden_size": config.d_model,
-                           "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
-                           "num_key_value_heads": config.n_kv_heads, "head_dim": config.head_dim,
-                           "max_position_embeddings": config.max_seq_len, "rms_norm_eps": config.norm_eps,
-                           "rope_theta": config.rope_theta, "rope_scaling": config.rope_scaling,
-                           "tie_word_embeddings": config.tie_embeddings, "hidden_act": "silu",
-                           "attention_bias": False, "torch_dtype": config.dtype,
-                           "intermediate_size": config.d_dense if config.n_moe_layers < config.n_layers
-                           else config.d_expert}
+    out: dict[str, Any] = {
+        **config.hf_extra,
+        "architectures": [architecture],
+        "model_type": config.hf_extra.get("model_type", _MODEL_TYPES[architecture]),
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.d_model,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads,
+        "head_dim": config.head_dim,
+        "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": config.rope_scaling,
+        "tie_word_embeddings": config.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "torch_dtype": config.dtype,
+        "intermediate_size": config.d_dense if config.n_moe_layers < config.n_layers else config.d_expert,
+    }
     if architecture in ("Qwen3MoeForCausalLM", "MixtralForCausalLM"):
         key = "num_local_experts" if architecture == "MixtralForCausalLM" else "num_experts"
-        out.update({key: config.n_experts, "num_experts_per_tok": config.top_k,
-                    "router_aux_loss_coef": config.aux_loss_coef})
+        out.update(
+            {key: config.n_experts, "num_experts_per_tok": config.top_k, "router_aux_loss_coef": config.aux_loss_coef}
+        )
     if architecture == "Qwen3MoeForCausalLM":
-        out.update(intermediate_size=config.d_dense, moe_intermediate_size=config.d_expert, norm_topk_prob=config.router_renorm,
-                   decoder_sparse_step=1, mlp_only_layers=[i for i in range(config.n_layers) if not config.is_moe(i)])
+        out.update(
+            intermediate_size=config.d_dense,
+            moe_intermediate_size=config.d_expert,
+            norm_topk_prob=config.router_renorm,
+            decoder_sparse_step=1,
+            mlp_only_layers=[i for i in range(config.n_layers) if not config.is_moe(i)],
+        )
     if architecture == "MixtralForCausalLM":
         out["intermediate_size"] = config.d_expert
     return out
 
 
-def save(model: Transformer, path: str, config: ModelConfig | None = None,
-         max_shard_bytes: int = MAX_SHARD_BYTES, root: str | None = None) -> None:
+def save(
+    model: Transformer,
+    path: str,
+    config: ModelConfig | None = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    root: str | None = None,
+) -> None:
     """Write `model` into `path` as a Hugging Face directory: config.json and the weights in safetensors shards
     of at most `max_shard_bytes` with their index (one model.safetensors when they fit in one shard).
 
@@ -421,8 +525,10 @@ def save(model: Transformer, path: str, config: ModelConfig | None = None,
             write(name, safetensors_bytes(shard, metadata=meta))
             weight_map.update(dict.fromkeys(shard, name))
         total = sum(t.numel() * t.element_size() for t in tensors.values())
-        write(INDEX_FILE, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2,
-                                     sort_keys=True))
+        write(
+            INDEX_FILE,
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True),
+        )
     write(CONFIG_FILE, json.dumps(hf_config(exported, architecture), indent=2, sort_keys=True))
 
 
@@ -435,8 +541,9 @@ def copy_text_files(src: str, dst: str, root: str | None = None) -> list[str]:
     root = os.path.abspath(root) if root else os.path.dirname(dst)
     for name in TEXT_FILES:
         if os.path.isfile(os.path.join(src, name)) and os.path.abspath(src) != dst:
-            safe_files.write_file_beneath(root, os.path.join(dst, name),
-                                          lambda f, name=name: _copy_into(os.path.join(src, name), f), mode=0o644)
+            safe_files.write_file_beneath(
+                root, os.path.join(dst, name), lambda f, name=name: _copy_into(os.path.join(src, name), f), mode=0o644
+            )
             copied.append(name)
     return copied
 

@@ -37,8 +37,16 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCES = Path(__file__).parent / "csrc"
-_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-std=c++20", "-shared", "-fPIC",
-          "-fopenmp"]
+_FLAGS = [
+    "-O3",
+    "-march=native",
+    "-mprefer-vector-width=512",
+    "-fno-math-errno",
+    "-std=c++20",
+    "-shared",
+    "-fPIC",
+    "-fopenmp",
+]
 
 
 class KernelBuildError(RuntimeError):
@@ -57,8 +65,9 @@ def _cpu_key() -> str:
 
 def _library_path(name: str) -> Path:
     source = (_SOURCES / f"{name}.cpp").read_bytes()
-    digest = hashlib.sha256(b"\0".join([source, torch.__version__.encode(), " ".join(_FLAGS).encode(),
-                                        _cpu_key().encode()])).hexdigest()[:16]
+    digest = hashlib.sha256(
+        b"\0".join([source, torch.__version__.encode(), " ".join(_FLAGS).encode(), _cpu_key().encode()])
+    ).hexdigest()[:16]
     root = Path(os.environ.get("CODEFLEET_KERNEL_DIR") or Path.home() / ".cache" / "codefleet" / "kernels")
     return root / f"{name}-{digest}.so"
 
@@ -78,9 +87,19 @@ def build(name: str) -> Path:
         if path.exists():
             return path
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [compiler, *_FLAGS, f"-I{torch_dir / 'include'}",
-               f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}", str(_SOURCES / f"{name}.cpp"),
-               f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_dir / 'lib'}", "-o", str(tmp)]
+        cmd = [
+            compiler,
+            *_FLAGS,
+            f"-I{torch_dir / 'include'}",
+            f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+            str(_SOURCES / f"{name}.cpp"),
+            f"-L{torch_dir / 'lib'}",
+            "-lc10",
+            "-ltorch_cpu",
+            f"-Wl,-rpath,{torch_dir / 'lib'}",
+            "-o",
+            str(tmp),
+        ]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True)
         except OSError as e:  # CXX names something that cannot be run
@@ -88,8 +107,10 @@ def build(name: str) -> Path:
         if done.returncode != 0:
             tmp.unlink(missing_ok=True)
             errors = [ln for ln in done.stderr.splitlines() if "error" in ln][:3]
-            raise KernelBuildError(f"compiling {name}.cpp failed ({compiler} exit {done.returncode}): "
-                                   + ("; ".join(errors) or done.stderr[-500:]))
+            raise KernelBuildError(
+                f"compiling {name}.cpp failed ({compiler} exit {done.returncode}): "
+                + ("; ".join(errors) or done.stderr[-500:])
+            )
         os.replace(tmp, path)  # atomic: a reader never loads half a library
     return path
 

@@ -117,8 +117,10 @@ class Router(nn.Module):
                 experts_NK = select_NE.topk(cfg.top_k, dim=-1).indices
         else:
             if replay_NK.shape != (x_ND.shape[0], cfg.top_k):
-                raise ValueError(f"routing_replay has shape {tuple(replay_NK.shape)}, expected "
-                                 f"{(x_ND.shape[0], cfg.top_k)} (tokens, top_k)")
+                raise ValueError(
+                    f"routing_replay has shape {tuple(replay_NK.shape)}, expected "
+                    f"{(x_ND.shape[0], cfg.top_k)} (tokens, top_k)"
+                )
             experts_NK = replay_NK.to(device=x_ND.device, dtype=torch.long)
         weights_NK = scores_NE.gather(1, experts_NK)
         if cfg.router_renorm:
@@ -155,6 +157,7 @@ class Router(nn.Module):
 
 # ---- grouped matrix products -------------------------------------------------
 
+
 def _gmm_padded(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """`torch._grouped_mm` semantics with padded bmm: a [S, K] x b [E, K, N] -> [S, N] per group of rows,
     or a [K, S] x b [S, N] -> [E, K, N] per group of columns (weight gradients)."""
@@ -185,8 +188,12 @@ _GMM_OK: dict[tuple, bool] = {}  # (device type, dtype) -> torch's grouped kerne
 def _gmm_aligned(a: torch.Tensor, b: torch.Tensor) -> bool:
     """torch._grouped_mm wants 16-byte aligned pointers and strides (and output rows)."""
     es = a.element_size()
-    return (all(st * es % 16 == 0 for t in (a, b) for st in t.stride() if st != 1)
-            and b.shape[-1] * es % 16 == 0 and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0)
+    return (
+        all(st * es % 16 == 0 for t in (a, b) for st in t.stride() if st != 1)
+        and b.shape[-1] * es % 16 == 0
+        and a.data_ptr() % 16 == 0
+        and b.data_ptr() % 16 == 0
+    )
 
 
 def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -205,6 +212,7 @@ def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
 
 
 # ---- the experts ---------------------------------------------------------------
+
 
 def _tiles(counts_E: list[int], tile_slots: int) -> list[tuple[int, int, int, int]]:
     """Split experts (in order) into ranges of about `tile_slots` slots: (e0, e1, s0, s1)."""
@@ -267,7 +275,7 @@ class _ExpertsFn(torch.autograd.Function):
                 dw_gate_up[e0:e1] = 0
                 dw_down[e0:e1] = 0
                 continue
-            xs_SD, h_SG, silu_SF = saved[i:i + 3]
+            xs_SD, h_SG, silu_SF = saved[i : i + 3]
             i += 3
             offs = counts_E[e0:e1].cumsum(0, dtype=torch.int32)
             tok = tok_S[s0:s1]
@@ -304,8 +312,9 @@ class _NativeExpertsFn(torch.autograd.Function):
     def backward(ctx, dy_ND):
         _, backward = kernels.moe_train()
         x_ND, weights_NK, w_gate_up_EDG, w_down_EFD, experts_NK, *saved = ctx.saved_tensors
-        grads = backward(dy_ND.contiguous(), x_ND, experts_NK, weights_NK, w_gate_up_EDG, w_down_EFD, ctx.e0, saved,
-                         ctx.chunk_slots)
+        grads = backward(
+            dy_ND.contiguous(), x_ND, experts_NK, weights_NK, w_gate_up_EDG, w_down_EFD, ctx.e0, saved, ctx.chunk_slots
+        )
         return *grads, None, None, None
 
 
@@ -348,10 +357,21 @@ class MoE(nn.Module):
     def experts(self, x_ND: torch.Tensor, experts_NK: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
         """Dropless dispatch of every slot routed to this shard's experts; returns this shard's y_ND."""
         e0, e1 = self.expert_range
-        if (x_ND.device.type == "cpu" and x_ND.dtype == torch.float32 and self.w_gate_up_EDG.dtype == torch.float32
-                and kernels.moe_train() is not None):
-            return _NativeExpertsFn.apply(x_ND.contiguous(), weights_NK.contiguous(), self.w_gate_up_EDG,
-                                          self.w_down_EFD, experts_NK.contiguous(), e0, self.tile_slots)
+        if (
+            x_ND.device.type == "cpu"
+            and x_ND.dtype == torch.float32
+            and self.w_gate_up_EDG.dtype == torch.float32
+            and kernels.moe_train() is not None
+        ):
+            return _NativeExpertsFn.apply(
+                x_ND.contiguous(),
+                weights_NK.contiguous(),
+                self.w_gate_up_EDG,
+                self.w_down_EFD,
+                experts_NK.contiguous(),
+                e0,
+                self.tile_slots,
+            )
         K = experts_NK.shape[1]
         experts_S = experts_NK.reshape(-1)
         order_S = torch.argsort(experts_S, stable=True)
@@ -359,7 +379,7 @@ class MoE(nn.Module):
         local_E = counts_E[e0:e1]
         if (e0, e1) != (0, self.config.n_experts):
             start = int(counts_E[:e0].sum())
-            order_S = order_S[start:start + int(local_E.sum())]
+            order_S = order_S[start : start + int(local_E.sum())]
         tok_S = order_S // K
         w_S = weights_NK.reshape(-1)[order_S]
         if x_ND.device.type == "cpu":

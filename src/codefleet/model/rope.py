@@ -43,8 +43,9 @@ def inv_freq(head_dim: int, theta: float, device=None, scaling: dict | None = No
     return torch.where(in_band, blended, scaled)
 
 
-def rope_cos_sin(positions_BT: torch.Tensor, head_dim: int, theta: float, scaling: dict | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    positions_BT: torch.Tensor, head_dim: int, theta: float, scaling: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [B, 1, T, head_dim] for rotate-half rotary embeddings at the given positions."""
     angles_BTd = positions_BT.float()[..., None] * inv_freq(head_dim, theta, positions_BT.device, scaling)
     angles_BTD = torch.cat([angles_BTd, angles_BTd], dim=-1)

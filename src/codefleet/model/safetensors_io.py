@@ -15,9 +15,18 @@ from dataclasses import dataclass
 import torch
 
 INDEX_FILE, SINGLE_FILE = "model.safetensors.index.json", "model.safetensors"
-_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
+_DTYPES = {
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on a header
 
 
@@ -37,9 +46,12 @@ class TensorInfo:
 def read_header(file: str) -> dict[str, TensorInfo]:
     """The tensors a safetensors file holds, from its header alone, each checked to lie inside the file.
     Raises CheckpointError naming the file when it is truncated or corrupt."""
+
     def corrupt(why: str) -> CheckpointError:
-        return CheckpointError(f"{file} is not a readable safetensors file ({why}); it is truncated or corrupt: "
-                               "download or copy it again")
+        return CheckpointError(
+            f"{file} is not a readable safetensors file ({why}); it is truncated or corrupt: download or copy it again"
+        )
+
     try:
         size = os.path.getsize(file)
         with open(file, "rb") as f:
@@ -86,8 +98,9 @@ def read_tensor(info: TensorInfo, out: torch.Tensor | None = None) -> torch.Tens
         while done < total:
             got = os.preadv(f.fileno(), [view[done:]], info.start + done)
             if got <= 0:
-                raise CheckpointError(f"{info.file} ended while reading a tensor: it is truncated, download or "
-                                      "copy it again")
+                raise CheckpointError(
+                    f"{info.file} ended while reading a tensor: it is truncated, download or copy it again"
+                )
             done += got
     return out
 
@@ -102,20 +115,23 @@ def tensor_index(path: str) -> dict[str, TensorInfo]:
                 weight_map = json.load(f)["weight_map"]
             assert isinstance(weight_map, dict)
         except (ValueError, KeyError, TypeError, AssertionError):
-            raise CheckpointError(f"{index_file} is not a safetensors index (a JSON object with a "
-                                  "'weight_map'); download or copy it again") from None
+            raise CheckpointError(
+                f"{index_file} is not a safetensors index (a JSON object with a "
+                "'weight_map'); download or copy it again"
+            ) from None
         shards: dict[str, dict[str, TensorInfo]] = {}
         for shard in sorted(set(weight_map.values())):
             shard_file = os.path.join(path, shard)
             if not os.path.isfile(shard_file):
-                raise CheckpointError(f"{shard_file}, named in {INDEX_FILE}, is missing: download or copy it "
-                                      "again")
+                raise CheckpointError(f"{shard_file}, named in {INDEX_FILE}, is missing: download or copy it again")
             shards[shard] = read_header(shard_file)
         out = {}
         for name, shard in weight_map.items():
             if name not in shards[shard]:
-                raise CheckpointError(f"{os.path.join(path, shard)} lacks tensor {name!r} that {INDEX_FILE} puts "
-                                      "there: the index and the shards come from different checkpoints")
+                raise CheckpointError(
+                    f"{os.path.join(path, shard)} lacks tensor {name!r} that {INDEX_FILE} puts "
+                    "there: the index and the shards come from different checkpoints"
+                )
             out[name] = shards[shard][name]
         return out
     if os.path.isfile(single):

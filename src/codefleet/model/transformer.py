@@ -108,8 +108,9 @@ class Attention(nn.Module):
         if cache is not None:
             out_BHTD = cache.attend(self.layer, q_BHTD, k_BHTD, v_BHTD)
         else:
-            out_BHTD = F.scaled_dot_product_attention(q_BHTD, k_BHTD, v_BHTD, is_causal=True,
-                                                      enable_gqa=H != self.n_kv_heads)
+            out_BHTD = F.scaled_dot_product_attention(
+                q_BHTD, k_BHTD, v_BHTD, is_causal=True, enable_gqa=self.n_kv_heads != H
+            )
         return self.wo(out_BHTD.transpose(1, 2).reshape(B, T, H * Dh))
 
 
@@ -122,8 +123,14 @@ class Block(nn.Module):
         self.is_moe = config.is_moe(layer)
         self.ffn = MoE(config) if self.is_moe else SwiGLU(config.d_model, config.d_dense)
 
-    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None,
-                replay_NK: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEOutput | None]:
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache=None,
+        replay_NK: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, MoEOutput | None]:
         """`x + attn(norm(x))`, then `+ ffn(norm(.))`; and the MoE layer's output (routing, losses), None for a
         dense layer."""
         B, T, D = x_BTD.shape
@@ -138,9 +145,15 @@ class Block(nn.Module):
 class FastPath(Protocol):
     """Another implementation of the blocks and the LM head, for gradients off (`codefleet.inference.fast`)."""
 
-    def blocks(self, model: Transformer, x_BTD: torch.Tensor, positions_BT: torch.Tensor, cache,
-               routing_replay: list[torch.Tensor] | None, routed: list[torch.Tensor] | None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+    def blocks(
+        self,
+        model: Transformer,
+        x_BTD: torch.Tensor,
+        positions_BT: torch.Tensor,
+        cache,
+        routing_replay: list[torch.Tensor] | None,
+        routed: list[torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
     def lm_head(self, head: nn.Linear, h_BTD: torch.Tensor) -> torch.Tensor: ...
 
@@ -160,8 +173,11 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         # without init: no normal_ (on the meta device it imports torch._dynamo, ~1.5 s and ~70 MB)
-        self.embed = nn.Embedding(config.vocab_size, config.d_model, _weight=None if init_weights else
-                                  torch.empty(config.vocab_size, config.d_model))
+        self.embed = nn.Embedding(
+            config.vocab_size,
+            config.d_model,
+            _weight=None if init_weights else torch.empty(config.vocab_size, config.d_model),
+        )
         self.embed_prev = None
         if config.copy.prev_tokens:
             self.embed_prev = PrevTokenEmbeddings(config.copy.prev_tokens, config.vocab_size, config.d_model)
@@ -192,11 +208,19 @@ class Transformer(nn.Module):
             else:
                 p.normal_(0.0, 0.02)
 
-    def forward(self, tokens_BT: torch.Tensor, positions_BT: torch.Tensor | None = None, cache=None,
-                routing_replay: list[torch.Tensor] | None = None, return_routing: bool = False,
-                logits_at_B: torch.Tensor | None = None, prev_BK: torch.Tensor | None = None,
-                targets_BT: torch.Tensor | None = None, turn_mask_BT: torch.Tensor | None = None,
-                fast: FastPath | None = None) -> ModelOutput:
+    def forward(
+        self,
+        tokens_BT: torch.Tensor,
+        positions_BT: torch.Tensor | None = None,
+        cache=None,
+        routing_replay: list[torch.Tensor] | None = None,
+        return_routing: bool = False,
+        logits_at_B: torch.Tensor | None = None,
+        prev_BK: torch.Tensor | None = None,
+        targets_BT: torch.Tensor | None = None,
+        turn_mask_BT: torch.Tensor | None = None,
+        fast: FastPath | None = None,
+    ) -> ModelOutput:
         """`logits_at_B`: compute the logits only at that position of each row (`logits_BTV` is then
         [B, 1, V]); the engine's prefill needs only each prompt's last token, not a [B, T, V] head.
         `prev_BK`: the `prev_tokens` token ids before each row's first token, oldest first (`vocab_size`
@@ -213,15 +237,20 @@ class Transformer(nn.Module):
         if positions_BT is None:
             positions_BT = torch.arange(T, device=tokens_BT.device).expand(B, T)
         if routing_replay is not None and len(routing_replay) != cfg.n_moe_layers:
-            raise ValueError(f"routing_replay has {len(routing_replay)} entries; this model has "
-                             f"{cfg.n_moe_layers} MoE layers (one [B, T, top_k] tensor each)")
-        if (prev_BK is None and cache is not None and cfg.copy.prev_tokens
-                and bool((positions_BT[:, 0] > 0).any())):
-            raise ValueError("this forward continues cached sequences, so it needs prev_BK: the model's input "
-                             f"includes each token's {cfg.copy.prev_tokens} predecessors (config.copy.prev_tokens)")
+            raise ValueError(
+                f"routing_replay has {len(routing_replay)} entries; this model has "
+                f"{cfg.n_moe_layers} MoE layers (one [B, T, top_k] tensor each)"
+            )
+        if prev_BK is None and cache is not None and cfg.copy.prev_tokens and bool((positions_BT[:, 0] > 0).any()):
+            raise ValueError(
+                "this forward continues cached sequences, so it needs prev_BK: the model's input "
+                f"includes each token's {cfg.copy.prev_tokens} predecessors (config.copy.prev_tokens)"
+            )
         if fast is not None and torch.is_grad_enabled():
-            raise ValueError("the fast path computes without gradients; call the model under torch.no_grad() or "
-                             "torch.inference_mode(), or leave fast unset to train")
+            raise ValueError(
+                "the fast path computes without gradients; call the model under torch.no_grad() or "
+                "torch.inference_mode(), or leave fast unset to train"
+            )
         x_BTD = self.embed_input(tokens_BT, prev_BK)
         routed: list[torch.Tensor] | None = [] if return_routing else None
         if fast is not None:
@@ -236,8 +265,9 @@ class Transformer(nn.Module):
         logits_BTV = fast.lm_head(self.lm_head, h_BTD) if fast is not None else self.lm_head(h_BTD)
         if targets_BT is not None:
             if cache is not None or logits_at_B is not None:
-                raise ValueError("targets_BT is for a full forward over whole sequences (training), not with "
-                                 "a cache or logits_at_B")
+                raise ValueError(
+                    "targets_BT is for a full forward over whole sequences (training), not with a cache or logits_at_B"
+                )
             if self.copy is None:
                 logp_BT = token_logprobs(logits_BTV, targets_BT)
             else:
@@ -247,9 +277,15 @@ class Transformer(nn.Module):
             logits_BTV = self.copy(logits_BTV, h_BTD, h_all_BTD, tokens_BT, cache, logits_at_B, turn_mask_BT)
         return ModelOutput(logits_BTV, routed, aux, z)
 
-    def blocks(self, x_BTD: torch.Tensor, positions_BT: torch.Tensor, cache=None,
-               routing_replay: list[torch.Tensor] | None = None, routed: list | None = None,
-               run_block: Callable = Block.__call__) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def blocks(
+        self,
+        x_BTD: torch.Tensor,
+        positions_BT: torch.Tensor,
+        cache=None,
+        routing_replay: list[torch.Tensor] | None = None,
+        routed: list | None = None,
+        run_block: Callable = Block.__call__,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every block over `x_BTD`; the residual stream after them and the summed aux and z losses (0 under
         inference_mode). Appends each MoE layer's experts `[B, T, top_k]` to `routed` if given.
         `run_block(block, x_BTD, cos, sin, cache, replay_NK)` runs one block (`inference.fast.block`)."""
@@ -288,8 +324,9 @@ class Transformer(nn.Module):
         if tab is None or tab.shape[0] < n_positions or tab.device != torch.device(device):
             n = max(n_positions, self.config.max_seq_len, 0 if tab is None else tab.shape[0])
             with torch.inference_mode(False), torch.no_grad():
-                tab = rope_table(n, self.config.head_dim, self.config.rope_theta, device,
-                                 self.config.rope_scaling)[:, :, None]
+                tab = rope_table(n, self.config.head_dim, self.config.rope_theta, device, self.config.rope_scaling)[
+                    :, :, None
+                ]
             self._rope_tab = tab
         return tab
 

@@ -21,12 +21,110 @@ import keyword
 import random
 import re
 
-WORDS = ("add count total price stock value item list box day week time slot shift parse format text word vowel "
-         "grade score mark fee rate cost zone parcel weight area side edge point line path node tree leaf key map "
-         "row col sum mean max min avg top low high fast slow new old next prev first last order ship load pack "
-         "sort find make build read write send fetch store cache queue task job user name file dir size kind type "
-         "mode flag level limit range span gap open close start stop run test check clean split join merge trim "
-         "pad hash").split()
+WORDS = [
+    "add",
+    "count",
+    "total",
+    "price",
+    "stock",
+    "value",
+    "item",
+    "list",
+    "box",
+    "day",
+    "week",
+    "time",
+    "slot",
+    "shift",
+    "parse",
+    "format",
+    "text",
+    "word",
+    "vowel",
+    "grade",
+    "score",
+    "mark",
+    "fee",
+    "rate",
+    "cost",
+    "zone",
+    "parcel",
+    "weight",
+    "area",
+    "side",
+    "edge",
+    "point",
+    "line",
+    "path",
+    "node",
+    "tree",
+    "leaf",
+    "key",
+    "map",
+    "row",
+    "col",
+    "sum",
+    "mean",
+    "max",
+    "min",
+    "avg",
+    "top",
+    "low",
+    "high",
+    "fast",
+    "slow",
+    "new",
+    "old",
+    "next",
+    "prev",
+    "first",
+    "last",
+    "order",
+    "ship",
+    "load",
+    "pack",
+    "sort",
+    "find",
+    "make",
+    "build",
+    "read",
+    "write",
+    "send",
+    "fetch",
+    "store",
+    "cache",
+    "queue",
+    "task",
+    "job",
+    "user",
+    "name",
+    "file",
+    "dir",
+    "size",
+    "kind",
+    "type",
+    "mode",
+    "flag",
+    "level",
+    "limit",
+    "range",
+    "span",
+    "gap",
+    "open",
+    "close",
+    "start",
+    "stop",
+    "run",
+    "test",
+    "check",
+    "clean",
+    "split",
+    "join",
+    "merge",
+    "trim",
+    "pad",
+    "hash",
+]
 
 _BACKTICKED = re.compile(r"`([^`\n]+)`")
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -48,9 +146,10 @@ def task_names(text: str) -> list[str]:
             parts = [p.rsplit(".", 1)[0] if p.endswith(".py") else p for p in span.split("/")]
         else:
             head = _IDENT.match(span)
-            parts = [head.group(0)] if head and span[head.end():head.end() + 1] in ("", "(") else []
-        names += [p for p in parts if _IDENT.fullmatch(p) and len(p) >= 3 and p not in _KEEP
-                  and not p.startswith("test")]
+            parts = [head.group(0)] if head and span[head.end() : head.end() + 1] in ("", "(") else []
+        names += [
+            p for p in parts if _IDENT.fullmatch(p) and len(p) >= 3 and p not in _KEEP and not p.startswith("test")
+        ]
     return list(dict.fromkeys(names))
 
 
@@ -81,7 +180,9 @@ def fresh_names(messages: list[dict], rng: random.Random) -> list[dict]:
     for m in messages:
         m = dict(m, content=rename(m.get("content")))
         if m.get("tool_calls"):
-            m["tool_calls"] = [dict(tc, function=dict(tc["function"], arguments=rename(tc["function"]["arguments"])))
-                               for tc in m["tool_calls"]]
+            m["tool_calls"] = [
+                dict(tc, function=dict(tc["function"], arguments=rename(tc["function"]["arguments"])))
+                for tc in m["tool_calls"]
+            ]
         out.append(m)
     return out

@@ -177,8 +177,10 @@ def recipe_path(recipe: str) -> str:
 
 
 # settings that moved to the component that owns them: {old dotted name: new}
-MOVED = {f"rl.{name}": f"controller.{name}" for name in
-         ("eta", "group_size", "batch_groups", "rollout_slots", "rollout_timeout_s", "drop_zero_variance")}
+MOVED = {
+    f"rl.{name}": f"controller.{name}"
+    for name in ("eta", "group_size", "batch_groups", "rollout_slots", "rollout_timeout_s", "drop_zero_variance")
+}
 
 
 def refuse_moved(data: dict, source: str) -> None:
@@ -214,6 +216,13 @@ def policy_usage(config: TrainRunConfig) -> dict[str, str]:
 
 def episode_config(config: TrainRunConfig) -> EpisodeConfig:
     """The agent harness's settings for RL's rollouts, the demonstrations and the evaluations."""
-    return EpisodeConfig(budgets=Budgets(max_turns=config.rl.max_turns, max_tool_calls=4 * config.rl.max_turns,
-                                         wall_clock_s=config.controller.rollout_timeout_s / 2),
-                         tools=ToolConfig(max_output_chars=4000), reward=config.rl.reward, prompt=config.model.prompt)
+    return EpisodeConfig(
+        budgets=Budgets(
+            max_turns=config.rl.max_turns,
+            max_tool_calls=4 * config.rl.max_turns,
+            wall_clock_s=config.controller.rollout_timeout_s / 2,
+        ),
+        tools=ToolConfig(max_output_chars=4000),
+        reward=config.rl.reward,
+        prompt=config.model.prompt,
+    )

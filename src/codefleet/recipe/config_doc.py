@@ -144,8 +144,12 @@ def render(config: typing.Any | None = None) -> str:
     lines = [HEADER, "## Top level", ""] + _table(rows)
     for name, section, comment in sections:
         lines += _section(name, section, comment, "##")
-    lines += ["## Recipes", "", "The recipe files shipped in `codefleet/recipe/configs/`, which `recipe: NAME` layers "
-              "over the defaults above:", ""]
+    lines += [
+        "## Recipes",
+        "",
+        "The recipe files shipped in `codefleet/recipe/configs/`, which `recipe: NAME` layers over the defaults above:",
+        "",
+    ]
     for path in sorted(glob.glob(os.path.join(RECIPES_DIR, "*.yaml"))):
         with open(path) as f:
             text = f.read().rstrip("\n")

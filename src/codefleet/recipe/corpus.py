@@ -145,10 +145,11 @@ class MemoryRepo:
         for name, text in self.files.items():
             if not name.startswith(prefix):
                 continue
-            head, sep, _ = name[len(prefix):].partition("/")
+            head, sep, _ = name[len(prefix) :].partition("/")
             entry_path = prefix + head
-            entries[entry_path] = FileEntry(entry_path, "dir", 0) if sep else FileEntry(entry_path, "file",
-                                                                                        len(text.encode()))
+            entries[entry_path] = (
+                FileEntry(entry_path, "dir", 0) if sep else FileEntry(entry_path, "file", len(text.encode()))
+            )
         return [entries[k] for k in sorted(entries)]
 
     def search(self, pattern: str, path: str = ".", max_matches: int = 200) -> list[SearchMatch]:
@@ -165,7 +166,7 @@ class MemoryRepo:
 
     def exec(self, command: str, timeout_s: float | None = None) -> ExecResult:
         if command.startswith("rm -f "):
-            self.files.pop(command[len("rm -f "):].strip("'"), None)
+            self.files.pop(command[len("rm -f ") :].strip("'"), None)
             return ExecResult("", 0)
         if command == self.test_command:
             tests = sum(text.count("\ndef test_") for name, text in self.files.items() if "test" in name)
@@ -196,25 +197,33 @@ def transcript(task, files: dict[str, str]) -> str:
 # -- the default tokenizer, trained on this corpus ------------------------------------------
 
 
-def build_default(vocab_size: int = DEFAULT_VOCAB_SIZE, min_frequency: int = DEFAULT_MIN_FREQUENCY,
-                  ) -> tuple[Tokenizer, dict]:
+def build_default(
+    vocab_size: int = DEFAULT_VOCAB_SIZE, min_frequency: int = DEFAULT_MIN_FREQUENCY
+) -> tuple[Tokenizer, dict]:
     """Train on the default corpus; returns the tokenizer and the recipe (what meta.json records)."""
 
     config = CorpusConfig()
     texts = build_corpus(config)
     started = time.perf_counter()
     tok = Tokenizer.train(texts, vocab_size, min_frequency)
-    meta = {"vocab_size": tok.vocab_size, "min_frequency": min_frequency, "corpus": config.to_dict(),
-            "corpus_fingerprint": fingerprint(texts), "corpus_documents": len(texts),
-            "corpus_bytes": sum(len(t.encode()) for t in texts), "tokenizers_version": tokenizers.__version__,
-            "train_s": round(time.perf_counter() - started, 2),
-            "rebuild": "python -m codefleet.recipe.corpus build"}
+    meta = {
+        "vocab_size": tok.vocab_size,
+        "min_frequency": min_frequency,
+        "corpus": config.to_dict(),
+        "corpus_fingerprint": fingerprint(texts),
+        "corpus_documents": len(texts),
+        "corpus_bytes": sum(len(t.encode()) for t in texts),
+        "tokenizers_version": tokenizers.__version__,
+        "train_s": round(time.perf_counter() - started, 2),
+        "rebuild": "python -m codefleet.recipe.corpus build",
+    }
     return tok, meta
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m codefleet.recipe.corpus",
-                                     description="Build the default tokenizer from codefleet's own corpus.")
+    parser = argparse.ArgumentParser(
+        prog="python -m codefleet.recipe.corpus", description="Build the default tokenizer from codefleet's own corpus."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("build", help="train on the default corpus and write tokenizer.json + meta")
     build.add_argument("--out", default=ASSETS_DIR, help="output directory (default: the package assets)")
@@ -223,8 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     tok, meta = build_default(args.vocab_size)
     write(args.out, tok, meta)
     size = os.path.getsize(os.path.join(args.out, TOKENIZER_FILE))
-    print(f"wrote {args.out}/{TOKENIZER_FILE} ({size / 1024:.0f} KiB): vocab {tok.vocab_size}, corpus "
-          f"{meta['corpus_documents']} documents / {meta['corpus_bytes'] / 1e6:.2f} MB, trained in {meta['train_s']} s")
+    print(
+        f"wrote {args.out}/{TOKENIZER_FILE} ({size / 1024:.0f} KiB): vocab {tok.vocab_size}, corpus "
+        f"{meta['corpus_documents']} documents / {meta['corpus_bytes'] / 1e6:.2f} MB, trained in {meta['train_s']} s"
+    )
     return 0
 
 

@@ -53,8 +53,17 @@ def mixed_group_probability(p: float, group_size: int) -> float:
 class TaskSampler(Iterator):
     """Training tasks forever: `next(sampler)` is the next task to attempt; `observe` reports how a group did."""
 
-    def __init__(self, tasks: list, seed: int = 0, mode: str = "uniform", group_size: int = 4, floor: float = 0.1,
-                 prior: tuple[float, float] = (0.5, 0.5), key=family_of, skip: int = 0):
+    def __init__(
+        self,
+        tasks: list,
+        seed: int = 0,
+        mode: str = "uniform",
+        group_size: int = 4,
+        floor: float = 0.1,
+        prior: tuple[float, float] = (0.5, 0.5),
+        key=family_of,
+        skip: int = 0,
+    ):
         if mode not in MODES:
             raise ValueError(f"task sampling mode must be one of {', '.join(MODES)}, got {mode!r}")
         if not tasks:
@@ -116,8 +125,10 @@ class TaskSampler(Iterator):
 
     def stats(self) -> dict[str, dict[str, float]]:
         """Per family: attempts seen, success estimate and sampling weight (for logs and metrics)."""
-        return {k: {"attempts": self.solved[k] + self.failed[k], "p": self.success_estimate(k),
-                    "weight": self.weight(k)} for k in self.keys}
+        return {
+            k: {"attempts": self.solved[k] + self.failed[k], "p": self.success_estimate(k), "weight": self.weight(k)}
+            for k in self.keys
+        }
 
     def _uniform_stream(self):
         for epoch in range(10**9):

@@ -49,14 +49,20 @@ from codefleet.chat import formats
 from codefleet.tasks.checks import TaskSetupError
 from codefleet.types import Task
 
-_DURATION = re.compile(r"\b((?:passed|failed|errors?|skipped|warnings?|deselected|xfailed|xpassed|no tests ran)"
-                       r" in )\d+(?:\.\d+)?s\b")
+_DURATION = re.compile(
+    r"\b((?:passed|failed|errors?|skipped|warnings?|deselected|xfailed|xpassed|no tests ran)"
+    r" in )\d+(?:\.\d+)?s\b"
+)
 
 
 def steady_timings(messages: list[dict]) -> list[dict]:
     """The conversation with every duration pytest printed in a tool result written as 0.01s."""
-    return [dict(m, content=_DURATION.sub(r"\g<1>0.01s", m["content"]))
-            if m.get("role") == "tool" and isinstance(m.get("content"), str) else m for m in messages]
+    return [
+        dict(m, content=_DURATION.sub(r"\g<1>0.01s", m["content"]))
+        if m.get("role") == "tool" and isinstance(m.get("content"), str)
+        else m
+        for m in messages
+    ]
 
 
 @dataclass
@@ -83,8 +89,9 @@ class Demos:
         fmt = formats.of(tokenizer)
         return fmt.encode_chat_with_mask(tokenizer, messages, tool_schemas() if self.prompt == "full" else None)
 
-    def conversation(self, j: int, rng: random.Random | None = None, explore_fraction: float = 0.5,
-                     chain_fraction: float = 0.5) -> list[dict]:
+    def conversation(
+        self, j: int, rng: random.Random | None = None, explore_fraction: float = 0.5, chain_fraction: float = 0.5
+    ) -> list[dict]:
         """Example j's messages: with `rng` and recorded variants, those of a habit drawn now (explore with
         `explore_fraction`, chain the tests with `chain_fraction`); otherwise the habit drawn when recorded."""
         if rng is None or j >= len(self.variants) or not self.variants[j]:
@@ -92,9 +99,18 @@ class Demos:
         return self.variants[j][(rng.random() < explore_fraction, rng.random() < chain_fraction)]
 
 
-def expert_demos(tasks: list[Task], tokenizer, max_seq_len: int, sandbox_config=None, episode_config=None,
-                 jobs: int = 2, explore_fraction: float = 1.0, chain_fraction: float = 0.0, seed: int = 0,
-                 all_habits: bool = False) -> Demos:
+def expert_demos(
+    tasks: list[Task],
+    tokenizer,
+    max_seq_len: int,
+    sandbox_config=None,
+    episode_config=None,
+    jobs: int = 2,
+    explore_fraction: float = 1.0,
+    chain_fraction: float = 0.0,
+    seed: int = 0,
+    all_habits: bool = False,
+) -> Demos:
     """One solved demonstration per task, its habit drawn from `seed` and the task's id; with `all_habits`,
     also the task's other habits' episodes (`Demos.variants`). A task is kept only if every one is solved
     and fits the context; a task whose set-up fails is recorded in `Demos.broken`, not raised."""
@@ -110,8 +126,10 @@ def expert_demos(tasks: list[Task], tokenizer, max_seq_len: int, sandbox_config=
             return e
 
     def demonstrate(task: Task):
-        drawn = (random.Random(f"{seed}:{task.id}").random() < explore_fraction,
-                 random.Random(f"{seed}:chain:{task.id}").random() < chain_fraction)
+        drawn = (
+            random.Random(f"{seed}:{task.id}").random() < explore_fraction,
+            random.Random(f"{seed}:chain:{task.id}").random() < chain_fraction,
+        )
         experts = {h: ScriptedExpert(task, explore=h[0], chain_tests=h[1]) for h in (habits if all_habits else [drawn])}
         episodes: dict[tuple, object] = {}  # the expert's steps -> its episode: habits that change nothing share one
         for expert in experts.values():

@@ -82,28 +82,39 @@ class EvalReport:
     def table(self, label: str = "") -> str:
         n = self.tasks * self.attempts
         lo, hi = wilson_interval(round(self.success_rate * n), n)
-        rows = [("success rate", f"{self.success_rate:.1%} (95% interval {lo:.1%} to {hi:.1%}, {n} attempts)"),
-                (f"pass@{self.attempts}", f"{self.pass_at_n:.1%}"),
-                ("turns / attempt", f"{self.turns:.2f}"), ("tool calls / turn", f"{self.tool_calls_per_turn:.2f}"),
-                ("tool errors", f"{self.tool_errors:.2f}"), ("wall s / attempt", f"{self.wall_s:.2f}"),
-                ("turns / solved", "-" if self.turns_per_solved is None else f"{self.turns_per_solved:.2f}"),
-                ("wall s / solved", "-" if self.wall_s_per_solved is None else f"{self.wall_s_per_solved:.2f}")]
+        rows = [
+            ("success rate", f"{self.success_rate:.1%} (95% interval {lo:.1%} to {hi:.1%}, {n} attempts)"),
+            (f"pass@{self.attempts}", f"{self.pass_at_n:.1%}"),
+            ("turns / attempt", f"{self.turns:.2f}"),
+            ("tool calls / turn", f"{self.tool_calls_per_turn:.2f}"),
+            ("tool errors", f"{self.tool_errors:.2f}"),
+            ("wall s / attempt", f"{self.wall_s:.2f}"),
+            ("turns / solved", "-" if self.turns_per_solved is None else f"{self.turns_per_solved:.2f}"),
+            ("wall s / solved", "-" if self.wall_s_per_solved is None else f"{self.wall_s_per_solved:.2f}"),
+        ]
         head = f"{label or self.checkpoint}: {self.tasks} tasks x {self.attempts} attempts"
         warning = self.clock_warning()
-        broken = ([f"{len(self.broken)} task(s) left out, their set-up fails: {', '.join(sorted(self.broken))}"]
-                  if self.broken else [])
-        by = [f"  by {key:<15} " + ", ".join(f"{value} {g['success_rate']:.0%} ({g['tasks']})"
-                                             for value, g in sorted(values.items()))
-              for key, values in self.groups.items()]
+        broken = (
+            [f"{len(self.broken)} task(s) left out, their set-up fails: {', '.join(sorted(self.broken))}"]
+            if self.broken
+            else []
+        )
+        by = [
+            f"  by {key:<15} "
+            + ", ".join(f"{value} {g['success_rate']:.0%} ({g['tasks']})" for value, g in sorted(values.items()))
+            for key, values in self.groups.items()
+        ]
         return "\n".join([head] + [f"  {k:<18} {v}" for k, v in rows] + by + ([warning] if warning else []) + broken)
 
     def clock_warning(self) -> str:
         """A sentence when so many attempts ran out of wall clock that the figures measure the machine."""
         if self.wall_clock_stops <= CLOCK_WARNING:
             return ""
-        return (f"warning: {self.wall_clock_stops:.0%} of the attempts ran out of their wall-clock budget, so turns "
-                f"and success are cut short by the machine, not the policy; run fewer at once (--jobs x --attempts "
-                f"episodes share the engine and the cores) or give each more (--wall-clock)")
+        return (
+            f"warning: {self.wall_clock_stops:.0%} of the attempts ran out of their wall-clock budget, so turns "
+            f"and success are cut short by the machine, not the policy; run fewer at once (--jobs x --attempts "
+            f"episodes share the engine and the cores) or give each more (--wall-clock)"
+        )
 
 
 def _solved(t: Trajectory) -> bool:
@@ -130,37 +141,67 @@ def breakdown(tasks: list[Task], results: dict[str, list[Trajectory]]) -> dict[s
             if t.id in results and key in t.metadata:
                 groups.setdefault(str(t.metadata[key]), []).extend(results[t.id])
         if groups:
-            out[key] = {value: {"tasks": sum(1 for t in tasks if t.id in results and str(t.metadata.get(key)) ==
-                                             value),
-                                "success_rate": round(sum(map(_solved, ts)) / len(ts), 4) if ts else 0.0}
-                        for value, ts in groups.items()}
+            out[key] = {
+                value: {
+                    "tasks": sum(1 for t in tasks if t.id in results and str(t.metadata.get(key)) == value),
+                    "success_rate": round(sum(map(_solved, ts)) / len(ts), 4) if ts else 0.0,
+                }
+                for value, ts in groups.items()
+            }
     return out
 
 
-def summarize(checkpoint: str, results: dict[str, list[Trajectory]], attempts: int, eval_s: float,
-              broken: dict[str, str] | None = None) -> EvalReport:
+def summarize(
+    checkpoint: str,
+    results: dict[str, list[Trajectory]],
+    attempts: int,
+    eval_s: float,
+    broken: dict[str, str] | None = None,
+) -> EvalReport:
     flat = [t for ts in results.values() for t in ts]
     solved = [t for t in flat if _solved(t)]
     return EvalReport(
-        checkpoint=checkpoint, tasks=len(results), attempts=attempts,
+        checkpoint=checkpoint,
+        tasks=len(results),
+        attempts=attempts,
         success_rate=round(len(solved) / len(flat), 4) if flat else 0.0,
         pass_at_n=round(sum(any(map(_solved, ts)) for ts in results.values()) / max(len(results), 1), 4),
-        turns=_mean([t.n_turns for t in flat]) or 0.0, tool_calls=_mean([t.n_tool_calls for t in flat]) or 0.0,
+        turns=_mean([t.n_turns for t in flat]) or 0.0,
+        tool_calls=_mean([t.n_tool_calls for t in flat]) or 0.0,
         tool_calls_per_turn=_mean([t.tool_calls_per_turn for t in flat]) or 0.0,
         tool_errors=_mean([tool_errors(t) for t in flat]) or 0.0,
         wall_s=_mean([t.wall_s for t in flat]) or 0.0,
-        turns_per_solved=_mean([t.n_turns for t in solved]), wall_s_per_solved=_mean([t.wall_s for t in solved]),
+        turns_per_solved=_mean([t.n_turns for t in solved]),
+        wall_s_per_solved=_mean([t.wall_s for t in solved]),
         eval_s=round(eval_s, 2),
         wall_clock_stops=round(sum(t.stop_reason == "wall_clock" for t in flat) / len(flat), 4) if flat else 0.0,
-        per_task={tid: [{"solved": _solved(t), "reward": t.reward, "turns": t.n_turns, "tool_calls": t.n_tool_calls,
-                         "wall_s": round(t.wall_s, 3), "stop_reason": t.stop_reason} for t in ts]
-                  for tid, ts in results.items()},
-        broken=dict(broken or {}))
+        per_task={
+            tid: [
+                {
+                    "solved": _solved(t),
+                    "reward": t.reward,
+                    "turns": t.n_turns,
+                    "tool_calls": t.n_tool_calls,
+                    "wall_s": round(t.wall_s, 3),
+                    "stop_reason": t.stop_reason,
+                }
+                for t in ts
+            ]
+            for tid, ts in results.items()
+        },
+        broken=dict(broken or {}),
+    )
 
 
-def evaluate(checkpoint: str, tasks: list[Task], config: EvalConfig | None = None, sandbox_config=None,
-             episode_config=None, on_task=None,
-             tool_grammar: str = "off") -> tuple[EvalReport, dict[str, list[Trajectory]]]:
+def evaluate(
+    checkpoint: str,
+    tasks: list[Task],
+    config: EvalConfig | None = None,
+    sandbox_config=None,
+    episode_config=None,
+    on_task=None,
+    tool_grammar: str = "off",
+) -> tuple[EvalReport, dict[str, list[Trajectory]]]:
     """Run every task `attempts` times with the checkpoint (a directory or a URL, which labels the report); the
     report and the trajectories by task id. `tool_grammar` is how the checkpoint is meant to decode tool calls
     ("auto"/"required": constrained to parse and fit their schemas, model.grammar; its metadata's `usage`)."""
@@ -171,42 +212,65 @@ def evaluate(checkpoint: str, tasks: list[Task], config: EvalConfig | None = Non
     started = time.perf_counter()
     engine = Engine.load(storage.local_copy(checkpoint), max_batch=max(1, config.jobs * config.attempts))
     try:
-        policy = LocalEnginePolicy(engine=engine, max_tokens=config.max_tokens, temperature=config.temperature,
-                                   seed=0, name=f"local:{checkpoint}", **grammar_options(tool_grammar))
+        policy = LocalEnginePolicy(
+            engine=engine,
+            max_tokens=config.max_tokens,
+            temperature=config.temperature,
+            seed=0,
+            name=f"local:{checkpoint}",
+            **grammar_options(tool_grammar),
+        )
         return evaluate_policy(policy, checkpoint, tasks, config, sandbox_config, episode_config, on_task, started)
     finally:
         engine.close()
 
 
-def evaluate_endpoint(base_url: str, tasks: list[Task], config: EvalConfig | None = None, model: str = "",
-                      sandbox_config=None, episode_config=None,
-                      on_task=None) -> tuple[EvalReport, dict[str, list[Trajectory]]]:
+def evaluate_endpoint(
+    base_url: str,
+    tasks: list[Task],
+    config: EvalConfig | None = None,
+    model: str = "",
+    sandbox_config=None,
+    episode_config=None,
+    on_task=None,
+) -> tuple[EvalReport, dict[str, list[Trajectory]]]:
     """The same evaluation of a model behind an OpenAI-compatible endpoint (vLLM, SGLang, `codefleet serve`,
     ...): each turn is one chat request, so `exact_tokens` does not apply."""
 
     config = config or EvalConfig()
     if config.exact_tokens:
-        raise ValueError("exact tokens need codefleet's own engine in process; evaluate a checkpoint for that, "
-                         "an endpoint sees the conversation rendered again each turn")
+        raise ValueError(
+            "exact tokens need codefleet's own engine in process; evaluate a checkpoint for that, "
+            "an endpoint sees the conversation rendered again each turn"
+        )
     if not tasks:
         raise ValueError("no tasks to evaluate: give a directory made by `codefleet tasks generate`")
-    policy = OpenAIPolicy(OpenAIConfig(base_url=base_url, model=model, temperature=config.temperature,
-                                       max_tokens=config.max_tokens))
+    policy = OpenAIPolicy(
+        OpenAIConfig(base_url=base_url, model=model, temperature=config.temperature, max_tokens=config.max_tokens)
+    )
     label = policy.model_name()  # fails here, in one sentence (PolicyError), if the endpoint cannot be reached
     return evaluate_policy(policy, label, tasks, config, sandbox_config, episode_config, on_task)
 
 
-def evaluate_policy(policy, label: str, tasks: list[Task], config: EvalConfig, sandbox_config=None,
-                    episode_config=None, on_task=None,
-                    started: float | None = None) -> tuple[EvalReport, dict[str, list[Trajectory]]]:
+def evaluate_policy(
+    policy,
+    label: str,
+    tasks: list[Task],
+    config: EvalConfig,
+    sandbox_config=None,
+    episode_config=None,
+    on_task=None,
+    started: float | None = None,
+) -> tuple[EvalReport, dict[str, list[Trajectory]]]:
     """`jobs` tasks at once, `attempts` forked attempts each, with `policy`; the report is labelled `label`."""
 
     started = time.perf_counter() if started is None else started
 
     def one(task: Task) -> list[Trajectory] | TaskSetupError:
         try:
-            trajectories = run_task_attempts(task, policy, config.attempts, sandbox_config, config=episode_config,
-                                             exact_tokens=config.exact_tokens)
+            trajectories = run_task_attempts(
+                task, policy, config.attempts, sandbox_config, config=episode_config, exact_tokens=config.exact_tokens
+            )
         except TaskSetupError as e:  # the task's fault, not the policy's: named in the report, not scored
             return e
         if on_task:
@@ -237,16 +301,21 @@ def difference_interval(k_new: int, n_new: int, k_base: int, n_base: int) -> tup
     p_new, p_base = k_new / n_new, k_base / n_base
     (l_new, u_new), (l_base, u_base) = wilson_interval(k_new, n_new), wilson_interval(k_base, n_base)
     d = p_new - p_base
-    return (d - math.sqrt((p_new - l_new) ** 2 + (u_base - p_base) ** 2),
-            d + math.sqrt((u_new - p_new) ** 2 + (p_base - l_base) ** 2))
+    return (
+        d - math.sqrt((p_new - l_new) ** 2 + (u_base - p_base) ** 2),
+        d + math.sqrt((u_new - p_new) ** 2 + (p_base - l_base) ** 2),
+    )
 
 
-def mean_ratio_interval(new: list[float], base: list[float], resamples: int = 2000,
-                        seed: int = 0) -> tuple[float, float]:
+def mean_ratio_interval(
+    new: list[float], base: list[float], resamples: int = 2000, seed: int = 0
+) -> tuple[float, float]:
     """95% bootstrap interval (percentiles, seeded) of mean(new) / mean(base) - 1."""
     rng = random.Random(seed)
-    changes = sorted(statistics.fmean(rng.choices(new, k=len(new))) / statistics.fmean(rng.choices(base, k=len(base)))
-                     - 1 for _ in range(resamples))
+    changes = sorted(
+        statistics.fmean(rng.choices(new, k=len(new))) / statistics.fmean(rng.choices(base, k=len(base))) - 1
+        for _ in range(resamples)
+    )
     return changes[int(0.025 * resamples)], changes[int(0.975 * resamples) - 1]
 
 
@@ -258,8 +327,14 @@ def compare(base: dict, new: dict) -> dict:
     k_base, k_new = round(base["success_rate"] * n_base), round(new["success_rate"] * n_new)
     points = k_new / n_new - k_base / n_base
     points_ci = difference_interval(k_new, n_new, k_base, n_base)
-    out = {"success_points": round(points, 4), "success_points_ci": [round(x, 4) for x in points_ci],
-           "solved": [k_base, k_new], "episodes": [n_base, n_new], "turns_change": None, "turns_change_ci": None}
+    out = {
+        "success_points": round(points, 4),
+        "success_points_ci": [round(x, 4) for x in points_ci],
+        "solved": [k_base, k_new],
+        "episodes": [n_base, n_new],
+        "turns_change": None,
+        "turns_change_ci": None,
+    }
     turns_base, turns_new = base.get("solved_turns") or [], new.get("solved_turns") or []
     if turns_base and turns_new:
         out["turns_change"] = round(statistics.fmean(turns_new) / statistics.fmean(turns_base) - 1, 4)
@@ -276,9 +351,11 @@ def _direction(interval: list[float], up: str, down: str) -> str | None:
 def comparison_line(c: dict, base: str = "sft", new: str = "rl") -> str:
     """What `new` changed against `base` (`compare()`), with intervals, and which changes are clear of noise."""
     lo, hi = c["success_points_ci"]
-    text = (f"{new} against {base}: success {100 * c['success_points']:+.1f} points (95% interval {100 * lo:+.1f} to "
-            f"{100 * hi:+.1f}; {c['solved'][1]} vs {c['solved'][0]} solved of {c['episodes'][1]} and "
-            f"{c['episodes'][0]} episodes)")
+    text = (
+        f"{new} against {base}: success {100 * c['success_points']:+.1f} points (95% interval {100 * lo:+.1f} to "
+        f"{100 * hi:+.1f}; {c['solved'][1]} vs {c['solved'][0]} solved of {c['episodes'][1]} and "
+        f"{c['episodes'][0]} episodes)"
+    )
     clear = [_direction(c["success_points_ci"], "success rose", "success fell")]
     if c["turns_change"] is not None:
         tlo, thi = c["turns_change_ci"]

@@ -179,8 +179,10 @@ class RunDir:
             found = None
         if found != FORMAT:
             written = f"format {found}" if found is not None else f"no readable {FORMAT_FILE}"
-            raise RunError(f"{self.location} was written by another codefleet version ({written}, this one reads "
-                           f"format {FORMAT}); it cannot be resumed: start a new run with --out")
+            raise RunError(
+                f"{self.location} was written by another codefleet version ({written}, this one reads "
+                f"format {FORMAT}); it cannot be resumed: start a new run with --out"
+            )
 
     # -- one process per run -------------------------------------------------------------
 
@@ -194,8 +196,10 @@ class RunDir:
         except BlockingIOError:
             holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise RunError(f"another `codefleet train` (pid {holder}) is working in {self.location}; wait for it to "
-                           "finish or stop it before resuming this run") from None
+            raise RunError(
+                f"another `codefleet train` (pid {holder}) is working in {self.location}; wait for it to "
+                "finish or stop it before resuming this run"
+            ) from None
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         self._lock_fd = fd
@@ -233,8 +237,12 @@ class RunDir:
         return (self._read_lease() or {}).get("token")
 
     def _write_lease(self, token: str) -> None:
-        self.write(LEASE_FILE, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "token": token,
-                                           "heartbeat": time.time()}).encode())
+        self.write(
+            LEASE_FILE,
+            json.dumps(
+                {"host": socket.gethostname(), "pid": os.getpid(), "token": token, "heartbeat": time.time()}
+            ).encode(),
+        )
 
     def _take_lease(self) -> None:
         held = self._read_lease()
@@ -255,8 +263,10 @@ class RunDir:
         while not stop.wait(HEARTBEAT_S):
             try:
                 if self._lease_holder() not in (token, None):
-                    log(f"another process took over the lease of {self.location} (this one did not renew it "
-                        f"for {LEASE_S:.0f} s); stop one of the two")
+                    log(
+                        f"another process took over the lease of {self.location} (this one did not renew it "
+                        f"for {LEASE_S:.0f} s); stop one of the two"
+                    )
                 self._write_lease(token)
             except Exception as e:  # noqa: BLE001 - storage unreachable for a moment: try again next time
                 log(f"could not renew the lease of {self.location} ({type(e).__name__}: {e})")
@@ -311,13 +321,21 @@ class RunDir:
         try:
             return self._complete(name)
         except (OSError, ValueError, KeyError, TypeError) as e:
-            intact = [n for n in storage.listdir(self.durable("checkpoints"))[::-1]
-                      if n.startswith("rl-step-") and n != name and self._intact(n)]
-            fix = (f"write `{intact[0]}` into it to resume from that checkpoint" if intact else
-                   "delete it to start RL again from the SFT weights (accepted groups are queued again)")
-            raise RunError(f"{self.durable('checkpoints', 'LATEST')} names {name[:80]!r}, which is not a complete "
-                           f"RL checkpoint ({type(e).__name__}: {e}); restore that checkpoint from a backup, or "
-                           f"{fix}") from None
+            intact = [
+                n
+                for n in storage.listdir(self.durable("checkpoints"))[::-1]
+                if n.startswith("rl-step-") and n != name and self._intact(n)
+            ]
+            fix = (
+                f"write `{intact[0]}` into it to resume from that checkpoint"
+                if intact
+                else "delete it to start RL again from the SFT weights (accepted groups are queued again)"
+            )
+            raise RunError(
+                f"{self.durable('checkpoints', 'LATEST')} names {name[:80]!r}, which is not a complete "
+                f"RL checkpoint ({type(e).__name__}: {e}); restore that checkpoint from a backup, or "
+                f"{fix}"
+            ) from None
 
     def _complete(self, name: str) -> tuple[str, int, dict]:
         if not name.startswith("rl-step-") or "/" in name:
@@ -326,8 +344,12 @@ class RunDir:
         if not storage.exists(storage.join(base, CONFIG_FILE)):
             raise FileNotFoundError(f"{base}/{CONFIG_FILE} is missing")
         state = json.loads(storage.read_bytes(base + ".controller.json"))
-        if not (isinstance(state, dict) and isinstance(state["consumed_ids"], list) and isinstance(state["lags"], list)
-                and state["next_batch"] == step):
+        if not (
+            isinstance(state, dict)
+            and isinstance(state["consumed_ids"], list)
+            and isinstance(state["lags"], list)
+            and state["next_batch"] == step
+        ):
             raise ValueError(f"{base}.controller.json does not hold this step's controller state")
         return base, step, state
 
@@ -374,10 +396,12 @@ def _lease_refusal(location: str, held: dict) -> RunError:
         age = f"{time.time() - float(held.get('heartbeat', 0)):.0f} s ago"
     except (TypeError, ValueError):
         age = "at an unreadable time"
-    return RunError(f"another `codefleet train` (host {held.get('host')}, pid {held.get('pid')}) holds {location}: "
-                    f"its lease was renewed {age}; wait for it to finish or stop it, and a lease not renewed for "
-                    f"{LEASE_S:.0f} s is taken over (delete {storage.join(location, LEASE_FILE)} if you know that "
-                    "process is gone)")
+    return RunError(
+        f"another `codefleet train` (host {held.get('host')}, pid {held.get('pid')}) holds {location}: "
+        f"its lease was renewed {age}; wait for it to finish or stop it, and a lease not renewed for "
+        f"{LEASE_S:.0f} s is taken over (delete {storage.join(location, LEASE_FILE)} if you know that "
+        "process is gone)"
+    )
 
 
 class Metrics:
@@ -416,9 +440,12 @@ class Metrics:
         rl, sft = self.rows("rl"), self.rows("sft")
         fig = Figure(figsize=(16, 3.2))
         axes = fig.subplots(1, 4)
-        for ax, key, rows, title in ((axes[0], "loss", sft, "SFT loss"), (axes[1], "reward_mean", rl, "RL reward"),
-                                     (axes[2], "success_rate", rl, "RL success rate"),
-                                     (axes[3], "turns_mean", rl, "RL turns / rollout")):
+        for ax, key, rows, title in (
+            (axes[0], "loss", sft, "SFT loss"),
+            (axes[1], "reward_mean", rl, "RL reward"),
+            (axes[2], "success_rate", rl, "RL success rate"),
+            (axes[3], "turns_mean", rl, "RL turns / rollout"),
+        ):
             pts = [(r["step"], r[key]) for r in rows if key in r]
             if pts:
                 ax.plot(*zip(*pts, strict=True), marker=".")

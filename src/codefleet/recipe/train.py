@@ -72,30 +72,44 @@ def check_config(config: TrainRunConfig) -> None:
         (t.n_train >= 1 and t.n_eval >= 1, "tasks.n_train and tasks.n_eval must be >= 1"),
         (t.rl_tasks in ("train", "fresh"), f"tasks.rl_tasks must be train or fresh, got {t.rl_tasks!r}"),
         (not set(t.families) - set(FAMILIES), f"tasks.families must be among {', '.join(sorted(FAMILIES))}"),
-        (config.model.size in ("tiny", "small", "medium") and hasattr(ModelConfig, config.model.size),
-         "model.size must be tiny, small or medium"),
+        (
+            config.model.size in ("tiny", "small", "medium") and hasattr(ModelConfig, config.model.size),
+            "model.size must be tiny, small or medium",
+        ),
         (r.estimator in ESTIMATORS, f"rl.estimator must be one of {', '.join(ESTIMATORS)}"),
         (ctl.group_size >= 2, "controller.group_size must be >= 2: group-relative advantages need two attempts"),
         (0 <= r.negative_weight <= 1, "rl.negative_weight must be in [0, 1]"),
         (r.speed_bonus >= 0, "rl.speed_bonus must be >= 0 (0 turns it off)"),
-        (ctl.rollout_slots >= ctl.group_size,
-         "controller.rollout_slots must hold at least one group (>= controller.group_size)"),
-        (r.steps >= 0 and ctl.eta >= 0 and ctl.batch_groups >= 1,
-         "rl.steps, controller.eta >= 0 and controller.batch_groups >= 1"),
+        (
+            ctl.rollout_slots >= ctl.group_size,
+            "controller.rollout_slots must hold at least one group (>= controller.group_size)",
+        ),
+        (
+            r.steps >= 0 and ctl.eta >= 0 and ctl.batch_groups >= 1,
+            "rl.steps, controller.eta >= 0 and controller.batch_groups >= 1",
+        ),
         (cl.engine_backend in ENGINES, f"cluster.engine_backend must be one of {', '.join(ENGINES.names())}"),
         (cl.trainer_backend in TRAINERS, f"cluster.trainer_backend must be one of {', '.join(TRAINERS.names())}"),
-        (cl.weight_sync in ("whole", "buckets", "collective") and cl.weight_sync_bucket_mb >= 1,
-         "cluster.weight_sync must be whole, buckets or collective, and cluster.weight_sync_bucket_mb >= 1"),
-        (cl.trainer_workers >= 1 and cl.engines >= 1 and cl.rollout_workers >= 1,
-         "cluster.trainer_workers, cluster.engines and cluster.rollout_workers must be >= 1"),
+        (
+            cl.weight_sync in ("whole", "buckets", "collective") and cl.weight_sync_bucket_mb >= 1,
+            "cluster.weight_sync must be whole, buckets or collective, and cluster.weight_sync_bucket_mb >= 1",
+        ),
+        (
+            cl.trainer_workers >= 1 and cl.engines >= 1 and cl.rollout_workers >= 1,
+            "cluster.trainer_workers, cluster.engines and cluster.rollout_workers must be >= 1",
+        ),
         (cl.placement in PLACEMENTS, f"cluster.placement must be one of {', '.join(PLACEMENTS)}"),
-        (cl.placement != "colocated" or cl.engines == cl.trainer_workers,
-         "cluster.placement=colocated pairs each engine with a trainer worker: set cluster.engines equal to "
-         "cluster.trainer_workers"),
+        (
+            cl.placement != "colocated" or cl.engines == cl.trainer_workers,
+            "cluster.placement=colocated pairs each engine with a trainer worker: set cluster.engines equal to "
+            "cluster.trainer_workers",
+        ),
         (config.sft.epochs >= 1 and config.sft.batch_size >= 1, "sft.epochs and sft.batch_size must be >= 1"),
         (config.sft.workers >= 1 and config.sft.threads >= 1, "sft.workers and sft.threads must be >= 1"),
-        (0 <= config.sft.explore_fraction <= 1 and 0 <= config.sft.chain_fraction <= 1,
-         "sft.explore_fraction and sft.chain_fraction must be in [0, 1]"),
+        (
+            0 <= config.sft.explore_fraction <= 1 and 0 <= config.sft.chain_fraction <= 1,
+            "sft.explore_fraction and sft.chain_fraction must be in [0, 1]",
+        ),
         (config.model.prompt in PROMPTS, f"model.prompt must be one of {', '.join(PROMPTS)}"),
         (config.model.tool_grammar in TOOL_GRAMMARS, "model.tool_grammar must be off, auto or required"),
         (r.task_sampling in SAMPLING_MODES, f"rl.task_sampling must be one of {', '.join(SAMPLING_MODES)}"),
@@ -103,17 +117,25 @@ def check_config(config: TrainRunConfig) -> None:
         (t.difficulty in (None, 1, 2, 3), "tasks.difficulty must be 1, 2, 3 or null (drawn per task)"),
         (r.lr > 0 and config.sft.lr > 0, "rl.lr and sft.lr must be > 0"),
         (r.temperature >= 0 and config.eval.temperature >= 0, "rl.temperature and eval.temperature must be >= 0"),
-        (min(r.max_tokens, r.max_turns, config.eval.max_tokens, config.eval.attempts, config.eval.jobs) >= 1,
-         "rl.max_tokens, rl.max_turns, eval.max_tokens, eval.attempts and eval.jobs must be >= 1"),
+        (
+            min(r.max_tokens, r.max_turns, config.eval.max_tokens, config.eval.attempts, config.eval.jobs) >= 1,
+            "rl.max_tokens, rl.max_turns, eval.max_tokens, eval.attempts and eval.jobs must be >= 1",
+        ),
         (config.cluster.engine_wait_s > 0, "cluster.engine_wait_s must be > 0"),
-        (0 <= cl.engine_gpus <= 1 and 0 <= cl.trainer_gpus <= 1,
-         "cluster.engine_gpus and cluster.trainer_gpus must be in [0, 1]: one actor uses one GPU at most"),
-        (cl.engine_gpus == 0 or cl.engine_backend not in ENGINES or ENGINES.get(cl.engine_backend).gpu,
-         f"cluster.engine_gpus > 0 needs cluster.engine_backend=vllm (an engine that runs on a GPU): the "
-         f"{cl.engine_backend} engine runs on CPU only"),
-        (cl.trainer_gpus in (0, 1) or max(cl.trainer_workers, config.sft.workers) == 1,
-         "cluster.trainer_gpus below 1 lets trainer workers share a GPU, which NCCL refuses: use 1 with several "
-         "workers (cluster.trainer_workers, sft.workers)"),
+        (
+            0 <= cl.engine_gpus <= 1 and 0 <= cl.trainer_gpus <= 1,
+            "cluster.engine_gpus and cluster.trainer_gpus must be in [0, 1]: one actor uses one GPU at most",
+        ),
+        (
+            cl.engine_gpus == 0 or cl.engine_backend not in ENGINES or ENGINES.get(cl.engine_backend).gpu,
+            f"cluster.engine_gpus > 0 needs cluster.engine_backend=vllm (an engine that runs on a GPU): the "
+            f"{cl.engine_backend} engine runs on CPU only",
+        ),
+        (
+            cl.trainer_gpus in (0, 1) or max(cl.trainer_workers, config.sft.workers) == 1,
+            "cluster.trainer_gpus below 1 lets trainer workers share a GPU, which NCCL refuses: use 1 with several "
+            "workers (cluster.trainer_workers, sft.workers)",
+        ),
         (config.model.max_seq_len >= 256, "model.max_seq_len must be >= 256 (a task and one turn)"),
         (not t.train_dir or os.path.isdir(t.train_dir), f"tasks.train_dir {t.train_dir!r} is not a directory"),
         (not t.eval_dir or os.path.isdir(t.eval_dir), f"tasks.eval_dir {t.eval_dir!r} is not a directory"),
@@ -137,8 +159,11 @@ def make_tasks(run: RunDir, config: TrainRunConfig):
     t = config.tasks
     fresh = t.n_train if t.rl_tasks == "fresh" and not t.train_dir else 0  # no more of your own tasks to draw
     sets = {}
-    for name, n, split, seed in (("train", t.n_train, "train", t.seed), ("rl-fresh", fresh, "train", t.seed + 1),
-                                 ("eval", t.n_eval, "test", t.seed)):
+    for name, n, split, seed in (
+        ("train", t.n_train, "train", t.seed),
+        ("rl-fresh", fresh, "train", t.seed + 1),
+        ("eval", t.n_eval, "test", t.seed),
+    ):
         folder = run.path("tasks", name)
         if given := {"train": t.train_dir, "eval": t.eval_dir}.get(name):
             try:
@@ -146,20 +171,29 @@ def make_tasks(run: RunDir, config: TrainRunConfig):
             except (OSError, ValueError) as e:
                 raise RunError(f"tasks.{name}_dir: {e}") from None
             if not sets[name]:
-                raise RunError(f"tasks.{name}_dir {given!r} holds no tasks; make some with `codefleet tasks "
-                               "generate` or `codefleet tasks import`")
+                raise RunError(
+                    f"tasks.{name}_dir {given!r} holds no tasks; make some with `codefleet tasks "
+                    "generate` or `codefleet tasks import`"
+                )
         elif not n:
             sets[name] = []
         elif run.fetch(f"tasks/{name}") and safe_files.listdir_beneath(run.root, folder):  # a link: refused
             sets[name] = load_tasks(folder)
         else:  # new instances for RL are never a demonstrated task drawn again
             demonstrated = frozenset(task.instruction for task in sets["train"]) if name == "rl-fresh" else frozenset()
-            sets[name] = generate_tasks(folder, n=n, seed=seed, families=t.families, difficulty=t.difficulty,
-                                        split=split, more_domains=False, exclude=demonstrated, root=run.root)
+            sets[name] = generate_tasks(
+                folder,
+                n=n,
+                seed=seed,
+                families=t.families,
+                difficulty=t.difficulty,
+                split=split,
+                more_domains=False,
+                exclude=demonstrated,
+                root=run.root,
+            )
             run.publish(f"tasks/{name}")
     return sets["train"], sets["rl-fresh"] if fresh else sets["train"], sets["eval"]
-
-
 
 
 def init_model(run: RunDir, config: TrainRunConfig, tokenizer) -> str:
@@ -173,8 +207,9 @@ def init_model(run: RunDir, config: TrainRunConfig, tokenizer) -> str:
     if preset is None:
         raise RunError(f"model.size={config.model.size!r} is not a preset; use tiny, small or medium")
     torch.manual_seed(config.model.seed)
-    model = Transformer(preset(vocab_size=tokenizer.vocab_size, max_seq_len=config.model.max_seq_len,
-                               copy=config.model.copy))
+    model = Transformer(
+        preset(vocab_size=tokenizer.vocab_size, max_seq_len=config.model.max_seq_len, copy=config.model.copy)
+    )
     with storage.staged_dir(path, last=(checkpoint.CONFIG_FILE,)) as local:
         checkpoint.describe(local, tokenizer, **policy_usage(config))
         checkpoint.save(model, local)  # config.json last: the stage is done when it exists
@@ -186,16 +221,29 @@ def demonstrations(run: RunDir, config: TrainRunConfig, tasks, tokenizer):
         return records.loads(saved, Demos)
     started = time.perf_counter()
     expert = dataclasses.replace(episode_config(config), budgets=None)  # the task's own budgets, not RL's
-    demos = expert_demos(tasks, tokenizer, config.model.max_seq_len, config.sandbox, expert,
-                         explore_fraction=config.sft.explore_fraction, chain_fraction=config.sft.chain_fraction,
-                         seed=config.tasks.seed, all_habits=True)
+    demos = expert_demos(
+        tasks,
+        tokenizer,
+        config.model.max_seq_len,
+        config.sandbox,
+        expert,
+        explore_fraction=config.sft.explore_fraction,
+        chain_fraction=config.sft.chain_fraction,
+        seed=config.tasks.seed,
+        all_habits=True,
+    )
     run.write("demos.json", records.dumps(demos))
     took_s = time.perf_counter() - started
-    habits = (f", {sum(len({id(c) for c in v.values()}) for v in demos.variants)} episodes of their habits"
-              if demos.variants else "")
-    log(f"{len(demos.examples)} expert demonstrations ({demos.tokens} tokens{habits}) in {took_s:.0f} s;"
-         f" {len(demos.unsolved)} unsolved, {len(demos.too_long)} longer than the context, dropped"
-         + (f"; {len(demos.no_patch)} tasks without a reference patch (RL only)" if demos.no_patch else ""))
+    habits = (
+        f", {sum(len({id(c) for c in v.values()}) for v in demos.variants)} episodes of their habits"
+        if demos.variants
+        else ""
+    )
+    log(
+        f"{len(demos.examples)} expert demonstrations ({demos.tokens} tokens{habits}) in {took_s:.0f} s;"
+        f" {len(demos.unsolved)} unsolved, {len(demos.too_long)} longer than the context, dropped"
+        + (f"; {len(demos.no_patch)} tasks without a reference patch (RL only)" if demos.no_patch else "")
+    )
     for task_id, why in demos.broken.items():
         log(f"task {task_id} is left out of the run, its set-up fails: {why}")
     return demos
@@ -206,16 +254,32 @@ def sft(run: RunDir, config: TrainRunConfig, demos, init: str, metrics: Metrics,
     if run.exists("sft.done"):
         return path
     if not demos.examples:
-        raise RunError("no expert demonstration solved its task; check `codefleet tasks check` on the task set"
-                       + (f" ({len(demos.no_patch)} of its tasks have no reference patch for the expert to replay)"
-                          if demos.no_patch else ""))
+        raise RunError(
+            "no expert demonstration solved its task; check `codefleet tasks check` on the task set"
+            + (
+                f" ({len(demos.no_patch)} of its tasks have no reference patch for the expert to replay)"
+                if demos.no_patch
+                else ""
+            )
+        )
     c, cl = config.sft, config.cluster
     total_steps = c.epochs * -(-len(demos.examples) // c.batch_size)
-    schedule = TrainConfig(lr=c.lr, seed=config.model.seed, warmup_steps=c.warmup_steps, decay_steps=total_steps,
-                           backend=cl.trainer_backend)
-    group = TrainerGroup(c.workers, checkpoint=init, config=schedule, num_cpus_per_worker=cl.trainer_cpus,
-                         resources_per_worker=cl.trainer_resources, threads_per_worker=c.threads,
-                         num_gpus_per_worker=cl.trainer_gpus)
+    schedule = TrainConfig(
+        lr=c.lr,
+        seed=config.model.seed,
+        warmup_steps=c.warmup_steps,
+        decay_steps=total_steps,
+        backend=cl.trainer_backend,
+    )
+    group = TrainerGroup(
+        c.workers,
+        checkpoint=init,
+        config=schedule,
+        num_cpus_per_worker=cl.trainer_cpus,
+        resources_per_worker=cl.trainer_resources,
+        threads_per_worker=c.threads,
+        num_gpus_per_worker=cl.trainer_gpus,
+    )
     try:
         rng = random.Random(config.model.seed)
         order = list(range(len(demos.examples)))
@@ -223,12 +287,15 @@ def sft(run: RunDir, config: TrainRunConfig, demos, init: str, metrics: Metrics,
         for epoch in range(c.epochs):
             rng.shuffle(order)
             for i in range(0, len(order), c.batch_size):
-                m = group.sft_step(sft_batch(demos, order[i:i + c.batch_size], c, rng, tokenizer,
-                                             config.model.max_seq_len))
+                m = group.sft_step(
+                    sft_batch(demos, order[i : i + c.batch_size], c, rng, tokenizer, config.model.max_seq_len)
+                )
                 step += 1
                 metrics.log("sft", step, m)
-                log(f"sft epoch {epoch + 1}/{c.epochs} step {step}: loss {m.get('loss', m.get('ce', 0)):.3f} "
-                     f"({time.perf_counter() - started:.0f} s)")
+                log(
+                    f"sft epoch {epoch + 1}/{c.epochs} step {step}: loss {m.get('loss', m.get('ce', 0)):.3f} "
+                    f"({time.perf_counter() - started:.0f} s)"
+                )
         group.save(path)
         describe(path, tokenizer, text_from=config.model.init, **policy_usage(config))
     finally:
@@ -256,12 +323,13 @@ def sft_batch(demos, picked: list[int], c, rng: random.Random, tokenizer, max_se
         messages = fresh_names(conversation(j), rng)
         if turns is not None:
             first = next(i for i, m in enumerate(messages) if m.get("role") == "assistant")
-            messages = messages[:first + turns]
+            messages = messages[: first + turns]
         ids, mask = demos.encode(tokenizer, messages)
         return (ids, mask) if len(ids) <= max_seq_len else demos.examples[j]  # new names past the context
 
-    return ([renamed(j) for j in picked]
-            + [renamed(rng.randrange(len(demos.conversations)), turns=1) for _ in range(c.first_turns)])
+    return [renamed(j) for j in picked] + [
+        renamed(rng.randrange(len(demos.conversations)), turns=1) for _ in range(c.first_turns)
+    ]
 
 
 # -- the run ----------------------------------------------------------------------------
@@ -290,11 +358,18 @@ def evaluate_checkpoints(run: RunDir, config: TrainRunConfig, eval_tasks, checkp
         index = {t.id: i for i, t in enumerate(eval_tasks)}
 
         def on_task(task, trajectories, label=label, writer=writer, index=index):
-            writer.append([rollout_record(t, run=f"{config.name}-{label}", step=0, group=index[task.id],
-                                          attempt=i, split="eval") for i, t in enumerate(trajectories)])
+            writer.append(
+                [
+                    rollout_record(
+                        t, run=f"{config.name}-{label}", step=0, group=index[task.id], attempt=i, split="eval"
+                    )
+                    for i, t in enumerate(trajectories)
+                ]
+            )
 
-        report, _ = evaluate(path, eval_tasks, e, config.sandbox, episode_config(config), on_task=on_task,
-                             tool_grammar=grammar)
+        report, _ = evaluate(
+            path, eval_tasks, e, config.sandbox, episode_config(config), on_task=on_task, tool_grammar=grammar
+        )
         solved_turns = sorted(a["turns"] for ts in report.per_task.values() for a in ts if a["solved"])
         results[label] = {**report.summary(), "settings": settings, "solved_turns": solved_turns}
         if warning := report.clock_warning():
@@ -307,12 +382,16 @@ def results_table(results: dict) -> str:
     def fmt(x, spec):
         return "-" if x is None else format(x, spec)
 
-    lines = [f"{'checkpoint':<10} {'success':>8} {'turns/solved':>13} {'wall s/solved':>14} {'turns':>6} "
-             f"{'calls/turn':>10} {'tool errors':>11} {'wall s':>7}"]
+    lines = [
+        f"{'checkpoint':<10} {'success':>8} {'turns/solved':>13} {'wall s/solved':>14} {'turns':>6} "
+        f"{'calls/turn':>10} {'tool errors':>11} {'wall s':>7}"
+    ]
     for label, r in results.items():
-        lines.append(f"{label:<10} {r['success_rate']:>8.1%} {fmt(r['turns_per_solved'], '.2f'):>13} "
-                     f"{fmt(r['wall_s_per_solved'], '.2f'):>14} {r['turns']:>6.2f} {r['tool_calls_per_turn']:>10.2f} "
-                     f"{r.get('tool_errors', 0.0):>11.2f} {r['wall_s']:>7.2f}")
+        lines.append(
+            f"{label:<10} {r['success_rate']:>8.1%} {fmt(r['turns_per_solved'], '.2f'):>13} "
+            f"{fmt(r['wall_s_per_solved'], '.2f'):>14} {r['turns']:>6.2f} {r['tool_calls_per_turn']:>10.2f} "
+            f"{r.get('tool_errors', 0.0):>11.2f} {r['wall_s']:>7.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -338,13 +417,17 @@ def resumed_config(out: str, overrides: list[str] | None = None, address: str | 
     for item in overrides or []:
         key = item.partition("=")[0].strip()
         if not any(key == p or key.startswith(p) for p in RESUMABLE):
-            raise RunError(f"{key} cannot change when a run resumes (it shaped what the run already holds); a "
-                           f"resumed run takes changes to {RESUMABLE_TEXT} only; start a new run with --out")
+            raise RunError(
+                f"{key} cannot change when a run resumes (it shaped what the run already holds); a "
+                f"resumed run takes changes to {RESUMABLE_TEXT} only; start a new run with --out"
+            )
     try:
         config = load_config(TrainRunConfig, saved, overrides)
     except ConfigError as e:
-        raise RunError(f"{saved} cannot be read as this run's configuration with the changes given ({e}); fix "
-                       f"that file or the change, or start a new run with --out") from None
+        raise RunError(
+            f"{saved} cannot be read as this run's configuration with the changes given ({e}); fix "
+            f"that file or the change, or start a new run with --out"
+        ) from None
     if address:
         config.cluster.address = address
     return config
@@ -383,8 +466,10 @@ def _log_kernels() -> None:
     native = {"training": kernels.moe_train(), "decode": kernels.decode_layer(), "experts": kernels.moe_experts()}
     missing = [name for name, op in native.items() if op is None]
     if missing:
-        log(f"native CPU kernels missing ({', '.join(missing)}): their PyTorch paths run instead, slower; "
-            "`python -m codefleet.model.kernels` says why")
+        log(
+            f"native CPU kernels missing ({', '.join(missing)}): their PyTorch paths run instead, slower; "
+            "`python -m codefleet.model.kernels` says why"
+        )
     else:
         log(f"native CPU kernels: {', '.join(native)}; torch threads per process: {torch.get_num_threads()}")
 
@@ -411,8 +496,11 @@ def _train(run: RunDir, config: TrainRunConfig, progress: bool) -> dict:
     phases = _Phases()
     _log_kernels()
     # the start checkpoint's tokenizer and chat template (chat.formats), else codefleet's
-    tokenizer = (formats.for_checkpoint(storage.local_copy(config.model.init, skip=checkpoint.TENSOR_SUFFIXES))[0]
-                 if config.model.init else default_tokenizer())
+    tokenizer = (
+        formats.for_checkpoint(storage.local_copy(config.model.init, skip=checkpoint.TENSOR_SUFFIXES))[0]
+        if config.model.init
+        else default_tokenizer()
+    )
     train_tasks, rl_tasks, eval_tasks = make_tasks(run, config)
     init = init_model(run, config, tokenizer)
     phases.done("set-up")
@@ -430,8 +518,10 @@ def _train(run: RunDir, config: TrainRunConfig, progress: bool) -> dict:
             log(f"sft checkpoint {sft_ckpt}: tensor hash {sft_hash}")
             rl_tasks = [t for t in rl_tasks if t.id not in demos.broken]
             if not rl_tasks:
-                raise RunError(f"the set-up of every training task fails (e.g. {next(iter(demos.broken.values()))}); "
-                               "fix the tasks' setup commands and start a new run")
+                raise RunError(
+                    f"the set-up of every training task fails (e.g. {next(iter(demos.broken.values()))}); "
+                    "fix the tasks' setup commands and start a new run"
+                )
             rl_ckpt = reinforce(run, config, rl_tasks, sft_ckpt, metrics, progress)
             phases.done("rl")
         finally:
@@ -441,8 +531,13 @@ def _train(run: RunDir, config: TrainRunConfig, progress: bool) -> dict:
     for label, path in (("sft", sft_ckpt), ("rl", rl_ckpt)):
         results.update(evaluate_checkpoints(run, config, eval_tasks, {label: path}))
         phases.done(f"evaluation of {label}")
-    summary = {"results": results, "wall_s": round(time.perf_counter() - started, 1), "run_dir": run.location,
-               "rl_vs_sft": compare(results["sft"], results["rl"]), "phases_s": phases.seconds,
-               "sft_tensor_hash": sft_hash}
+    summary = {
+        "results": results,
+        "wall_s": round(time.perf_counter() - started, 1),
+        "run_dir": run.location,
+        "rl_vs_sft": compare(results["sft"], results["rl"]),
+        "phases_s": phases.seconds,
+        "sft_tensor_hash": sft_hash,
+    }
     run.write("results.json", json.dumps(summary, indent=2, sort_keys=True).encode())
     return summary

@@ -41,6 +41,7 @@ from codefleet.store.parquet import RolloutWriter, rollout_record
 
 ENGINE_CPUS = 1.0  # logical CPUs per engine actor (its threads are cluster.engine_threads)
 
+
 def _rl_start(src: str, dst: str) -> str:
     """Where RL starts: `src`'s weights as policy version 0, with `src`'s AdamW state.
 
@@ -58,8 +59,9 @@ def _rl_start(src: str, dst: str) -> str:
                 state = {**torch.load(state_file, weights_only=True), "version": 0}
                 checkpoint.write_file(out, TRAINER_FILE, lambda f: torch.save(state, f))
             has_own = os.path.isfile(os.path.join(src, TOKENIZER_FILE))
-            checkpoint.describe(out, Tokenizer.load(src) if has_own else default_tokenizer(), text_from=src,
-                                **checkpoint.usage(src))
+            checkpoint.describe(
+                out, Tokenizer.load(src) if has_own else default_tokenizer(), text_from=src, **checkpoint.usage(src)
+            )
             checkpoint.save(checkpoint.load(src), out)
     return dst
 
@@ -77,10 +79,14 @@ def rollout_stats(groups: list[Group]) -> dict[str, float]:
     n = max(len(trajectories), 1)
     solved = [t for t in trajectories if t.checks and t.checks.all_passed]
     turns = sum(t.n_turns for t in trajectories)
-    return {"reward_mean": sum(t.reward for t in trajectories) / n, "success_rate": len(solved) / n,
-            "turns_mean": turns / n, "tool_calls_per_turn": sum(t.n_tool_calls for t in trajectories) / max(turns, 1),
-            "completion_tokens": sum(turn.completion_tokens for t in trajectories for turn in t.turns),
-            "rollouts": len(trajectories)}
+    return {
+        "reward_mean": sum(t.reward for t in trajectories) / n,
+        "success_rate": len(solved) / n,
+        "turns_mean": turns / n,
+        "tool_calls_per_turn": sum(t.n_tool_calls for t in trajectories) / max(turns, 1),
+        "completion_tokens": sum(turn.completion_tokens for t in trajectories for turn in t.turns),
+        "rollouts": len(trajectories),
+    }
 
 
 def training_samples(groups: list[Group], advantages: list[list[float]]) -> tuple[list, int]:
@@ -114,12 +120,23 @@ class RLTrainer:
     replace a trainer worker that dies mid-step, so the step is redone on the same batch. This class says what a
     step is and what the run directory keeps of it."""
 
-    def __init__(self, actors: PolicyActors, run: RunDir, metrics: Metrics, config: TrainRunConfig, progress=None,
-                 sampler=None, start: str | None = None):
+    def __init__(
+        self,
+        actors: PolicyActors,
+        run: RunDir,
+        metrics: Metrics,
+        config: TrainRunConfig,
+        progress=None,
+        sampler=None,
+        start: str | None = None,
+    ):
         self.actors, self.run, self.metrics, self.start = actors, run, metrics, start
         # written into every checkpoint beside the weights: the start checkpoint's own (chat.formats)
-        self.tokenizer = (formats.for_checkpoint(storage.local_copy(start, skip=checkpoint.TENSOR_SUFFIXES))[0]
-                          if start else default_tokenizer())
+        self.tokenizer = (
+            formats.for_checkpoint(storage.local_copy(start, skip=checkpoint.TENSOR_SUFFIXES))[0]
+            if start
+            else default_tokenizer()
+        )
         self.config, self.progress = config, progress
         self.sampler = sampler  # the task sampler (recipe.curriculum): its per-family success estimates, in metrics
         self.started = time.perf_counter()
@@ -130,8 +147,9 @@ class RLTrainer:
         rewards_NG = torch.tensor([[r.reward for r in g.rollouts] for g in batch.groups])
         if self.config.rl.speed_bonus:
             rewards_NG = rewards_NG + group_speed_bonus(batch.groups, self.config.rl)
-        adv_NG = weigh_negatives(compute_advantages(rewards_NG, self.config.rl.estimator),
-                                 self.config.rl.negative_weight)
+        adv_NG = weigh_negatives(
+            compute_advantages(rewards_NG, self.config.rl.estimator), self.config.rl.negative_weight
+        )
         samples, empty = training_samples(batch.groups, adv_NG.tolist())
         step_started = time.perf_counter()
         if actors.colocated:  # the engines sleep while the trainer steps on their devices (fleet.placement)
@@ -153,15 +171,23 @@ class RLTrainer:
         self.run.prune(version)
         stats = rollout_stats(batch.groups)
         self.tokens += stats["completion_tokens"]
-        m.update(stats, train_s=time.perf_counter() - step_started, lag_max=max(batch.lags, default=0),
-                 lag_mean=sum(batch.lags) / max(len(batch.lags), 1),
-                 tokens_per_s=self.tokens / (time.perf_counter() - self.started))
+        m.update(
+            stats,
+            train_s=time.perf_counter() - step_started,
+            lag_max=max(batch.lags, default=0),
+            lag_mean=sum(batch.lags) / max(len(batch.lags), 1),
+            tokens_per_s=self.tokens / (time.perf_counter() - self.started),
+        )
         if self.sampler is not None and self.sampler.mode != "uniform":
             m.update({f"task_p/{k}": v["p"] for k, v in self.sampler.stats().items()})
         self.metrics.log("rl", version, m)
         if self.progress is not None:
-            self.progress.set_postfix(reward=f"{stats['reward_mean']:.2f}", success=f"{stats['success_rate']:.0%}",
-                                      tok_s=f"{m['tokens_per_s']:.0f}", lag=f"{m['lag_mean']:.1f}")
+            self.progress.set_postfix(
+                reward=f"{stats['reward_mean']:.2f}",
+                success=f"{stats['success_rate']:.0%}",
+                tok_s=f"{m['tokens_per_s']:.0f}",
+                lag=f"{m['lag_mean']:.1f}",
+            )
             self.progress.update(1)
         return m
 
@@ -186,16 +212,23 @@ def resume_state(run: RunDir, latest: tuple[str, int, dict] | None, batch_groups
         return 0, None
     step, state = (latest[1], latest[2]) if latest else (0, {"consumed_ids": [], "lags": []})
     consumed = set(state["consumed_ids"])
-    pending = sorted((g for g in groups if not any(r.rollout_id in consumed for r in g.rollouts)),
-                     key=lambda g: (g.ticket.deadline, g.group_id))
+    pending = sorted(
+        (g for g in groups if not any(r.rollout_id in consumed for r in g.rollouts)),
+        key=lambda g: (g.ticket.deadline, g.group_id),
+    )
     ready = []
     for i, g in enumerate(pending):  # trained as soon as possible; deadlines spread so batches stay feasible
         ticket = dataclasses.replace(g.ticket, deadline=max(g.ticket.deadline, step + i // batch_groups))
         ready.append((ticket, list(g.rollouts)))
     next_group_id = max([state.get("next_group_id", 0)] + [g.group_id + 1 for g in groups])
     log(f"resuming at step {step}: {len(ready)} accepted groups not yet trained are queued again")
-    return step, {"next_batch": step, "next_group_id": next_group_id, "ready": ready,
-                  "consumed_ids": sorted(consumed), "lags": list(state["lags"])}
+    return step, {
+        "next_batch": step,
+        "next_group_id": next_group_id,
+        "ready": ready,
+        "consumed_ids": sorted(consumed),
+        "lags": list(state["lags"]),
+    }
 
 
 def _observe(sampler, group: Group) -> None:
@@ -209,8 +242,14 @@ def task_sampler(run: RunDir, config: TrainRunConfig, tasks, skip: int):
     the accepted groups did."""
 
     c = config.rl
-    sampler = TaskSampler(tasks, seed=config.tasks.seed, mode=c.task_sampling,
-                          group_size=config.controller.group_size, floor=c.task_sampling_floor, skip=skip)
+    sampler = TaskSampler(
+        tasks,
+        seed=config.tasks.seed,
+        mode=c.task_sampling,
+        group_size=config.controller.group_size,
+        floor=c.task_sampling_floor,
+        skip=skip,
+    )
     if skip and c.task_sampling != "uniform":
         for g in run.load_groups()[0]:
             _observe(sampler, g)
@@ -221,37 +260,64 @@ def check_run_gpus(cl: ClusterSection) -> None:
     """Refuse (RunError) a run whose engines and trainer workers, which RL runs together, ask for more GPUs than
     the Ray cluster has: their actors would wait forever. Called before any actor starts."""
     try:
-        check_gpus({f"{cl.engines} engines x {cl.engine_gpus:g} GPU": cl.engines * cl.engine_gpus,
-                    f"{cl.trainer_workers} trainer workers x {cl.trainer_gpus:g} GPU":
-                        cl.trainer_workers * cl.trainer_gpus})
+        check_gpus(
+            {
+                f"{cl.engines} engines x {cl.engine_gpus:g} GPU": cl.engines * cl.engine_gpus,
+                f"{cl.trainer_workers} trainer workers x {cl.trainer_gpus:g} GPU": cl.trainer_workers * cl.trainer_gpus,
+            }
+        )
     except ValueError as e:
         raise RunError(str(e)) from None
 
 
-def start_policy(run: RunDir, config: TrainRunConfig, serving: str, version: int, train_config: TrainConfig,
-                 placement: Placement) -> PolicyActors:
+def start_policy(
+    run: RunDir, config: TrainRunConfig, serving: str, version: int, train_config: TrainConfig, placement: Placement
+) -> PolicyActors:
     """The policy's actors of the RL stage: a trainer group and the engines on the checkpoint `serving` at
     `version`, in `placement`; a trainer group that loses a worker is replaced from a checkpoint."""
     cl = config.cluster
 
     def new_group(checkpoint: str) -> TrainerGroup:
-        return TrainerGroup(cl.trainer_workers, checkpoint=checkpoint, config=train_config,
-                            num_cpus_per_worker=cl.trainer_cpus, resources_per_worker=cl.trainer_resources,
-                            num_gpus_per_worker=cl.trainer_gpus, placement=placement.trainer)
+        return TrainerGroup(
+            cl.trainer_workers,
+            checkpoint=checkpoint,
+            config=train_config,
+            num_cpus_per_worker=cl.trainer_cpus,
+            resources_per_worker=cl.trainer_resources,
+            num_gpus_per_worker=cl.trainer_gpus,
+            placement=placement.trainer,
+        )
 
     group = new_group(serving)
-    engines = start_engines(serving, cl.engines, num_cpus=ENGINE_CPUS, resources=cl.engine_resources,
-                            threads=cl.engine_threads, max_batch=max(config.controller.rollout_slots, 1), version=version,
-                            restart_from=run.durable("checkpoints", "LATEST"), backend=cl.engine_backend,
-                            record_routing=config.rl.routing_replay, num_gpus=cl.engine_gpus,
-                            placement=placement.engines)
-    return PolicyActors(group, engines, new_group=new_group, weight_sync=cl.weight_sync,
-                        bucket_mb=cl.weight_sync_bucket_mb, engine_wait_s=cl.engine_wait_s,
-                        colocated=cl.placement == "colocated", log=log)
+    engines = start_engines(
+        serving,
+        cl.engines,
+        num_cpus=ENGINE_CPUS,
+        resources=cl.engine_resources,
+        threads=cl.engine_threads,
+        max_batch=max(config.controller.rollout_slots, 1),
+        version=version,
+        restart_from=run.durable("checkpoints", "LATEST"),
+        backend=cl.engine_backend,
+        record_routing=config.rl.routing_replay,
+        num_gpus=cl.engine_gpus,
+        placement=placement.engines,
+    )
+    return PolicyActors(
+        group,
+        engines,
+        new_group=new_group,
+        weight_sync=cl.weight_sync,
+        bucket_mb=cl.weight_sync_bucket_mb,
+        engine_wait_s=cl.engine_wait_s,
+        colocated=cl.placement == "colocated",
+        log=log,
+    )
 
 
-def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, metrics: Metrics,
-              progress: bool = True) -> str:
+def reinforce(
+    run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, metrics: Metrics, progress: bool = True
+) -> str:
     c, ctl, cl = config.rl, config.controller, config.cluster
     start = _rl_start(sft_ckpt, run.checkpoint("rl-start"))
     latest = run.latest()
@@ -259,23 +325,39 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
     version, buffer_state = resume_state(run, latest, ctl.batch_groups)
     if version >= c.steps:
         return serving
-    train_config = TrainConfig(lr=c.lr, loss=c.loss, routing_replay=c.routing_replay, seed=config.model.seed,
-                               backend=cl.trainer_backend)
+    train_config = TrainConfig(
+        lr=c.lr, loss=c.loss, routing_replay=c.routing_replay, seed=config.model.seed, backend=cl.trainer_backend
+    )
     try:
-        placement = Placement.reserve(cl.engines, cl.trainer_workers,
-                                      Role(ENGINE_CPUS, cl.engine_gpus, cl.engine_resources),
-                                      Role(cl.trainer_cpus, cl.trainer_gpus, cl.trainer_resources),
-                                      colocated=cl.placement == "colocated", timeout_s=cl.placement_wait_s)
+        placement = Placement.reserve(
+            cl.engines,
+            cl.trainer_workers,
+            Role(ENGINE_CPUS, cl.engine_gpus, cl.engine_resources),
+            Role(cl.trainer_cpus, cl.trainer_gpus, cl.trainer_resources),
+            colocated=cl.placement == "colocated",
+            timeout_s=cl.placement_wait_s,
+        )
     except ValueError as e:
         raise RunError(str(e)) from None
     actors = start_policy(run, config, serving, version, train_config, placement)
     fleet = SandboxFleet.start()  # held for the run: a host whose last handle goes away is collected
-    spec = RolloutSpec(checkpoint=serving, sandbox=config.sandbox, episode=episode_config(config),
-                       max_tokens=c.max_tokens, temperature=c.temperature, max_seq_len=config.model.max_seq_len,
-                       tool_grammar=config.model.tool_grammar)
-    workers = start_workers(spec, actors.engines, cl.rollout_workers,
-                            slots_per_worker=-(-ctl.rollout_slots // cl.rollout_workers), num_cpus=cl.rollout_cpus,
-                            resources=cl.rollout_resources)
+    spec = RolloutSpec(
+        checkpoint=serving,
+        sandbox=config.sandbox,
+        episode=episode_config(config),
+        max_tokens=c.max_tokens,
+        temperature=c.temperature,
+        max_seq_len=config.model.max_seq_len,
+        tool_grammar=config.model.tool_grammar,
+    )
+    workers = start_workers(
+        spec,
+        actors.engines,
+        cl.rollout_workers,
+        slots_per_worker=-(-ctl.rollout_slots // cl.rollout_workers),
+        num_cpus=cl.rollout_cpus,
+        resources=cl.rollout_resources,
+    )
     writer = RolloutWriter(run.durable("rollouts"))
 
     skip = buffer_state["next_group_id"] if buffer_state else 0
@@ -285,9 +367,19 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
         _observe(tasks, g)
         if not dropped:
             run.save_group(g)  # durable before the trainer can see it
-        writer.append([rollout_record(r.trajectory, run=config.name, step=g.ticket.policy_version,
-                                      group=g.group_id, attempt=int(r.rollout_id.split("/")[1]),
-                                      extra={"dropped": dropped}) for r in g.rollouts])
+        writer.append(
+            [
+                rollout_record(
+                    r.trajectory,
+                    run=config.name,
+                    step=g.ticket.policy_version,
+                    group=g.group_id,
+                    attempt=int(r.rollout_id.split("/")[1]),
+                    extra={"dropped": dropped},
+                )
+                for r in g.rollouts
+            ]
+        )
 
     def on_broken(task, why: str) -> None:
         log(f"leaving task {task.id} out of RL: {why}")
@@ -296,17 +388,28 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
     bar = tqdm(total=c.steps, initial=version, desc="rl", unit="step", disable=not progress, file=sys.stderr)
     trainer = RLTrainer(actors, run, metrics, config, bar, sampler=tasks, start=start)
     controller = Controller(
-        ctl, AgentGroupRunner(workers), trainer, tasks,
-        start_version=version, buffer_state=buffer_state, on_group=on_group, on_broken=on_broken)
+        ctl,
+        AgentGroupRunner(workers),
+        trainer,
+        tasks,
+        start_version=version,
+        buffer_state=buffer_state,
+        on_group=on_group,
+        on_broken=on_broken,
+    )
     try:
         report = controller.run(c.steps)
         if report.ended_by == "no_more_items":
-            raise RunError(f"RL stopped at step {report.version} of {c.steps}: every training task was left "
-                           f"out because its set-up fails (last: {report.last_task_error})")
+            raise RunError(
+                f"RL stopped at step {report.version} of {c.steps}: every training task was left "
+                f"out because its set-up fails (last: {report.last_task_error})"
+            )
         actors.prefix_cache_report()
         if c.task_sampling != "uniform":
-            log("task families (attempts, success estimate): " + ", ".join(
-                f"{k} {v['attempts']}, {v['p']:.2f}" for k, v in tasks.stats().items()))
+            log(
+                "task families (attempts, success estimate): "
+                + ", ".join(f"{k} {v['attempts']}, {v['p']:.2f}" for k, v in tasks.stats().items())
+            )
     finally:
         bar.close()
         actors.shutdown()  # the trainer group in use: a worker that died was replaced
@@ -315,4 +418,3 @@ def reinforce(run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, m
         placement.remove()  # and with it the engines and trainer workers placed in it
     log(f"RL done: {report}")
     return run.latest()[0]
-

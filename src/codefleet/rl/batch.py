@@ -49,8 +49,10 @@ def collate(samples: list[Sample], n_moe_layers: int | None = None, top_k: int |
         raise ValueError("collate needs at least one sample")
     for i, s in enumerate(samples):
         if not (len(s.tokens) == len(s.loss_mask) == len(s.behave_logprobs)):
-            raise ValueError(f"sample {i}: tokens, loss_mask and behave_logprobs must have the same length, got "
-                             f"{len(s.tokens)}, {len(s.loss_mask)}, {len(s.behave_logprobs)}")
+            raise ValueError(
+                f"sample {i}: tokens, loss_mask and behave_logprobs must have the same length, got "
+                f"{len(s.tokens)}, {len(s.loss_mask)}, {len(s.behave_logprobs)}"
+            )
         if s.loss_mask and s.loss_mask[0]:
             raise ValueError(f"sample {i}: the first token has no prediction to train; its loss_mask must be 0")
     B, T = len(samples), max(len(s.tokens) for s in samples)
@@ -70,15 +72,29 @@ def collate(samples: list[Sample], n_moe_layers: int | None = None, top_k: int |
     return RLBatch(tokens_BT, mask_BT, behave_BT, advantages_B, routing)
 
 
-def rl_loss(model, batch: RLBatch, config: LossConfig | None = None, routing_replay: bool = False,
-            prox_logprobs_BT: torch.Tensor | None = None,
-            ref_logprobs_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+def rl_loss(
+    model,
+    batch: RLBatch,
+    config: LossConfig | None = None,
+    routing_replay: bool = False,
+    prox_logprobs_BT: torch.Tensor | None = None,
+    ref_logprobs_BT: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Policy loss + router losses of a batch under the model, and metrics (policy metrics, aux_loss, z_loss)."""
     if routing_replay and batch.routing_replay is None:
-        raise ValueError("routing_replay=True but the batch has no routing: collate with n_moe_layers and top_k, "
-                         "from samples that carry the engine's routed_experts")
+        raise ValueError(
+            "routing_replay=True but the batch has no routing: collate with n_moe_layers and top_k, "
+            "from samples that carry the engine's routed_experts"
+        )
     out = forward_logprobs(model, batch.tokens_BT, batch.mask_BT, batch.routing_replay if routing_replay else None)
-    loss, metrics = policy_loss(out.logprobs_BT, batch.behave_logprobs_BT, batch.advantages_B, batch.mask_BT, config,
-                                prox_logprobs_BT=prox_logprobs_BT, ref_logprobs_BT=ref_logprobs_BT)
+    loss, metrics = policy_loss(
+        out.logprobs_BT,
+        batch.behave_logprobs_BT,
+        batch.advantages_B,
+        batch.mask_BT,
+        config,
+        prox_logprobs_BT=prox_logprobs_BT,
+        ref_logprobs_BT=ref_logprobs_BT,
+    )
     metrics.update(aux_loss=float(out.aux_loss.detach()), z_loss=float(out.z_loss.detach()))
     return add_moe_losses(loss, out), metrics

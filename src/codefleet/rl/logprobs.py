@@ -37,8 +37,9 @@ class LogprobOutput:
     z_loss: torch.Tensor
 
 
-def routing_replay_tensors(per_token: list[list[list[int]] | list[list[list[int]]]], n_moe_layers: int, top_k: int,
-                           T: int | None = None) -> list[torch.Tensor]:
+def routing_replay_tensors(
+    per_token: list[list[list[int]] | list[list[list[int]]]], n_moe_layers: int, top_k: int, T: int | None = None
+) -> list[torch.Tensor]:
     """Engine routing per row, per token (flat layer-major [L*K] or nested [L][K]) -> L tensors [B, T, K]."""
     B = len(per_token)
     T = T if T is not None else max((len(row) for row in per_token), default=0)
@@ -49,14 +50,21 @@ def routing_replay_tensors(per_token: list[list[list[int]] | list[list[list[int]
         if row:
             r = torch.tensor(row, dtype=torch.long)
             if r.numel() != len(row) * n_moe_layers * top_k:
-                raise ValueError(f"row {b}: each token needs {n_moe_layers} MoE layers x top_k {top_k} experts, "
-                                 f"got {r.numel() // len(row)} per token")
+                raise ValueError(
+                    f"row {b}: each token needs {n_moe_layers} MoE layers x top_k {top_k} experts, "
+                    f"got {r.numel() // len(row)} per token"
+                )
             routing_BTLK[b, : len(row)] = r.view(len(row), n_moe_layers, top_k)
     return [routing_BTLK[:, :, layer] for layer in range(n_moe_layers)]
 
 
-def forward_logprobs(model, tokens_BT: torch.Tensor, mask_BT: torch.Tensor | None = None,
-                     routing_replay: list[torch.Tensor] | None = None, fast=None) -> LogprobOutput:
+def forward_logprobs(
+    model,
+    tokens_BT: torch.Tensor,
+    mask_BT: torch.Tensor | None = None,
+    routing_replay: list[torch.Tensor] | None = None,
+    fast=None,
+) -> LogprobOutput:
     """Logprob of each token given those before it (aligned with tokens_BT), and the model's router losses.
     `fast`: the inference fast path to score through with gradients off (`Transformer.forward`)."""
     B, T = tokens_BT.shape
@@ -64,8 +72,14 @@ def forward_logprobs(model, tokens_BT: torch.Tensor, mask_BT: torch.Tensor | Non
     next_BT = torch.cat([tokens_BT[:, 1:], tokens_BT[:, :1]], dim=1)  # the last column is never used
     # position t predicts token t + 1: the model wrote that target where mask_BT[t + 1] is 1
     turn_mask_BT = None if mask_BT is None else F.pad(mask_BT[:, 1:] > 0, (0, 1))
-    out = model(tokens_BT, positions_BT=positions_BT, routing_replay=routing_replay, targets_BT=next_BT,
-                turn_mask_BT=turn_mask_BT, fast=fast)
+    out = model(
+        tokens_BT,
+        positions_BT=positions_BT,
+        routing_replay=routing_replay,
+        targets_BT=next_BT,
+        turn_mask_BT=turn_mask_BT,
+        fast=fast,
+    )
     first_B1 = torch.zeros(B, 1, device=tokens_BT.device)
     logprobs_BT = torch.cat([first_B1, out.target_logprobs_BT[:, :-1]], dim=1)
     if mask_BT is not None:

@@ -24,14 +24,18 @@ class LossConfig:
     kl_estimator: str = "k3"  # "k3" | "k2" (bounded gradient: linear in logp - ref)
 
     def __post_init__(self) -> None:
-        for value, allowed, name in ((self.reduction, REDUCTIONS, "reduction"),
-                                     (self.ratio_level, RATIO_LEVELS, "ratio_level"),
-                                     (self.off_policy, OFF_POLICY, "off_policy"),
-                                     (self.kl_estimator, KL_ESTIMATORS, "kl_estimator")):
+        for value, allowed, name in (
+            (self.reduction, REDUCTIONS, "reduction"),
+            (self.ratio_level, RATIO_LEVELS, "ratio_level"),
+            (self.off_policy, OFF_POLICY, "off_policy"),
+            (self.kl_estimator, KL_ESTIMATORS, "kl_estimator"),
+        ):
             if value not in allowed:
                 raise ValueError(f"LossConfig.{name}={value!r} is not one of {', '.join(allowed)}")
         if self.ratio_level == "sequence" and self.off_policy != "none":
-            raise ValueError("LossConfig: GSPO (ratio_level='sequence') supports off_policy='none' only; "
-                             "pass the proximal logprobs as behave_logprobs_BT to ratio against a proximal policy")
+            raise ValueError(
+                "LossConfig: GSPO (ratio_level='sequence') supports off_policy='none' only; "
+                "pass the proximal logprobs as behave_logprobs_BT to ratio against a proximal policy"
+            )
         if not (0 <= self.eps_low < 1 and self.eps_high >= 0 and self.is_cap > 0):
             raise ValueError("LossConfig: need 0 <= eps_low < 1, eps_high >= 0 and is_cap > 0")

@@ -91,9 +91,15 @@ def _clipped_objective(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, e
     return loss, high, low
 
 
-def policy_loss(logprobs_BT: torch.Tensor, behave_logprobs_BT: torch.Tensor, advantages: torch.Tensor,
-                mask_BT: torch.Tensor, config: LossConfig | None = None, prox_logprobs_BT: torch.Tensor | None = None,
-                ref_logprobs_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+def policy_loss(
+    logprobs_BT: torch.Tensor,
+    behave_logprobs_BT: torch.Tensor,
+    advantages: torch.Tensor,
+    mask_BT: torch.Tensor,
+    config: LossConfig | None = None,
+    prox_logprobs_BT: torch.Tensor | None = None,
+    ref_logprobs_BT: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """The policy loss of a batch and its metrics (floats): clip_frac, clip_high_frac, clip_low_frac,
     ratio_mean, pg_loss, entropy (the sampled tokens' mean -behave logprob), and when they apply is_weight_mean,
     is_dropped_frac, kl."""
@@ -119,16 +125,20 @@ def policy_loss(logprobs_BT: torch.Tensor, behave_logprobs_BT: torch.Tensor, adv
         has_B = mask_BT.sum(-1) > 0
         pg = (loss_B * has_B).sum() / has_B.sum().clamp(min=1)
         n_seq = has_B.sum().clamp(min=1)
-        metrics.update(clip_high_frac=float((high_B & has_B).sum() / n_seq),
-                       clip_low_frac=float((low_B & has_B).sum() / n_seq),
-                       ratio_mean=float((ratio_B.detach() * has_B).sum() / n_seq))
+        metrics.update(
+            clip_high_frac=float((high_B & has_B).sum() / n_seq),
+            clip_low_frac=float((low_B & has_B).sum() / n_seq),
+            ratio_mean=float((ratio_B.detach() * has_B).sum() / n_seq),
+        )
     else:
         if cfg.off_policy == "none":
             old_BT, weight_BT = behave_logprobs_BT, None
         else:
             if prox_logprobs_BT is None:
-                raise ValueError(f"off_policy={cfg.off_policy!r} needs prox_logprobs_BT (the trainer's logprobs "
-                                 "before this update); use off_policy='none' to ratio against the engine's logprobs")
+                raise ValueError(
+                    f"off_policy={cfg.off_policy!r} needs prox_logprobs_BT (the trainer's logprobs "
+                    "before this update); use off_policy='none' to ratio against the engine's logprobs"
+                )
             old_BT = prox_logprobs_BT
             weight_BT = (prox_logprobs_BT - behave_logprobs_BT).detach().exp()
             if cfg.off_policy == "decoupled":
@@ -143,8 +153,11 @@ def policy_loss(logprobs_BT: torch.Tensor, behave_logprobs_BT: torch.Tensor, adv
         if weight_BT is not None:
             loss_BT = loss_BT * weight_BT
         pg = masked_reduce(loss_BT, mask_BT, cfg.reduction)
-        metrics.update(clip_high_frac=frac(high_BT), clip_low_frac=frac(low_BT),
-                       ratio_mean=float((ratio_BT.detach() * mask_BT).sum() / n_tokens))
+        metrics.update(
+            clip_high_frac=frac(high_BT),
+            clip_low_frac=frac(low_BT),
+            ratio_mean=float((ratio_BT.detach() * mask_BT).sum() / n_tokens),
+        )
     metrics["clip_frac"] = metrics["clip_high_frac"] + metrics["clip_low_frac"]
     metrics["pg_loss"] = float(pg.detach())
     loss = pg

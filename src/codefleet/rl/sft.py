@@ -56,15 +56,25 @@ def pad_batch(examples: list[tuple[list[int], list[int]]], pad_id: int = 0) -> S
 
 def sft_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, loss_mask_BT: torch.Tensor) -> torch.Tensor:
     """Token-mean cross-entropy (fp32) over the targets where loss_mask is 1."""
-    ce_BT = F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten(), reduction="none").view_as(targets_BT)
+    ce_BT = F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten(), reduction="none").view_as(
+        targets_BT
+    )
     return masked_reduce(ce_BT, loss_mask_BT, "token_mean")
 
 
 def sft_step_loss(model, batch: SFTBatch) -> tuple[torch.Tensor, dict[str, float]]:
     """Forward the batch; the loss to backpropagate (cross-entropy + router losses) and metrics."""
-    out = model(batch.tokens_BT, positions_BT=batch.positions_BT, targets_BT=batch.targets_BT,
-                turn_mask_BT=batch.loss_mask_BT > 0)
+    out = model(
+        batch.tokens_BT,
+        positions_BT=batch.positions_BT,
+        targets_BT=batch.targets_BT,
+        turn_mask_BT=batch.loss_mask_BT > 0,
+    )
     ce = masked_reduce(-out.target_logprobs_BT, batch.loss_mask_BT, "token_mean")
     loss = add_moe_losses(ce, out)
-    return loss, {"ce": float(ce.detach()), "aux_loss": float(out.aux_loss.detach()), "z_loss": float(out.z_loss.detach()),
-                  "tokens": int(batch.loss_mask_BT.sum())}
+    return loss, {
+        "ce": float(ce.detach()),
+        "aux_loss": float(out.aux_loss.detach()),
+        "z_loss": float(out.z_loss.detach()),
+        "tokens": int(batch.loss_mask_BT.sum()),
+    }

@@ -116,8 +116,12 @@ def is_sharded_checkpoint(path: str) -> bool:
 
 def expert_weights(model: nn.Module) -> dict[str, nn.Parameter]:
     """The expert-parallel MoE layers' expert weights by name (each rank holds its own experts' rows)."""
-    return {f"{name}.{p}": getattr(m, p) for name, m in model.named_modules() if isinstance(m, ExpertParallelMoE)
-            for p in ("w_gate_up_EDG", "w_down_EFD")}
+    return {
+        f"{name}.{p}": getattr(m, p)
+        for name, m in model.named_modules()
+        if isinstance(m, ExpertParallelMoE)
+        for p in ("w_gate_up_EDG", "w_down_EFD")
+    }
 
 
 def shard_model(model: Transformer, mesh: DeviceMesh, expert_parallel: bool = False) -> Transformer:
@@ -143,11 +147,18 @@ class ShardedTrainer(Trainer):
     sharded = True  # capability (codefleet.contracts.TRAINERS): all ranks build, save and load it together
     expert_parallel = False  # `ExpertParallelTrainer`: the MoE experts split across the ranks
 
-    def __init__(self, model: Transformer, config: TrainConfig | None = None, version: int = 0,
-                 device: str | torch.device | None = None):
+    def __init__(
+        self,
+        model: Transformer,
+        config: TrainConfig | None = None,
+        version: int = 0,
+        device: str | torch.device | None = None,
+    ):
         if not dist.is_initialized():
-            raise RuntimeError("ShardedTrainer runs one process per rank: call torch.distributed.init_process_group "
-                               "(gloo on CPU, nccl on GPU) in every rank first")
+            raise RuntimeError(
+                "ShardedTrainer runs one process per rank: call torch.distributed.init_process_group "
+                "(gloo on CPU, nccl on GPU) in every rank first"
+            )
         device = torch.device(device or ("cuda" if dist.get_backend() == "nccl" else "cpu"))
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -158,17 +169,21 @@ class ShardedTrainer(Trainer):
         self.config = config or TrainConfig()
         reference = None
         if self.config.loss.kl_coef > 0:  # copied before sharding, then sharded like the policy
-            reference = shard_model(copy.deepcopy(model).eval().requires_grad_(False), self.mesh,
-                                    self.expert_parallel)
+            reference = shard_model(copy.deepcopy(model).eval().requires_grad_(False), self.mesh, self.expert_parallel)
         self.model = shard_model(model, self.mesh, self.expert_parallel).train()
         self.experts = expert_weights(self.model)
         self.reference = reference
         self.version = int(version)
         torch.manual_seed(self.config.seed)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=self.config.lr, betas=self.config.betas,
-                                           eps=self.config.eps, weight_decay=self.config.weight_decay,
-                                           foreach=False if self.experts else None)  # DTensors and plain tensors
+        self.optimizer = torch.optim.AdamW(
+            self.params,
+            lr=self.config.lr,
+            betas=self.config.betas,
+            eps=self.config.eps,
+            weight_decay=self.config.weight_decay,
+            foreach=False if self.experts else None,
+        )  # DTensors and plain tensors
 
     # ---- forward + backward, in lockstep --------------------------------------------------
 
@@ -257,8 +272,10 @@ class ShardedTrainer(Trainer):
         return self._step(norm)
 
     def all_reduce(self, reduce_sum) -> None:
-        raise RuntimeError("ShardedTrainer sums gradients in its backward (FSDP2 reduce-scatter); the data-parallel "
-                           "all_reduce is for the 'dp' trainer")
+        raise RuntimeError(
+            "ShardedTrainer sums gradients in its backward (FSDP2 reduce-scatter); the data-parallel "
+            "all_reduce is for the 'dp' trainer"
+        )
 
     # ---- weights and checkpoints ------------------------------------------------------------
 
@@ -280,8 +297,10 @@ class ShardedTrainer(Trainer):
         model, optim = self._model_state(self.model), get_optimizer_state_dict(self.model, self.optimizer)
         for name in self.experts:
             if name in optim["state"]:  # a new dict: this one may be the optimizer's own
-                optim["state"][name] = {k: self._as_rows(v) if isinstance(v, torch.Tensor) and v.dim() else v
-                                        for k, v in optim["state"][name].items()}
+                optim["state"][name] = {
+                    k: self._as_rows(v) if isinstance(v, torch.Tensor) and v.dim() else v
+                    for k, v in optim["state"][name].items()
+                }
         return {"model": model, "optim": optim, "rng": torch.get_rng_state()}
 
     def _model_state(self, model: Transformer) -> dict:
@@ -299,8 +318,9 @@ class ShardedTrainer(Trainer):
         for name in self.experts:
             state["model"][name] = state["model"][name].to_local()
             if name in state["optim"]["state"]:
-                state["optim"]["state"][name] = {k: v.to_local() if isinstance(v, DTensor) else v
-                                                 for k, v in state["optim"]["state"][name].items()}
+                state["optim"]["state"][name] = {
+                    k: v.to_local() if isinstance(v, DTensor) else v for k, v in state["optim"]["state"][name].items()
+                }
         set_model_state_dict(self.model, state["model"])
         set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
         torch.set_rng_state(state["rng"])
@@ -326,8 +346,11 @@ class ShardedTrainer(Trainer):
         if self.reference is not None:
             dcp.save({"model": self._model_state(self.reference)}, checkpoint_id=os.path.join(tmp, REFERENCE_DIR))
         if dist.get_rank() == 0:
-            metadata = {"policy_version": self.version, "sharded": True,
-                        "train_config": json.loads(json.dumps(asdict(self.config)))}
+            metadata = {
+                "policy_version": self.version,
+                "sharded": True,
+                "train_config": json.loads(json.dumps(asdict(self.config))),
+            }
             for name, value in ((MODEL_CONFIG_FILE, self.model.config.to_dict()), (METADATA_FILE, metadata)):
                 safe_files.write_file_beneath(parent, os.path.join(tmp, name), json.dumps(value, indent=1), mode=0o644)
             checkpoint.swap_in(tmp, path, f"{path}.old")
@@ -337,8 +360,9 @@ class ShardedTrainer(Trainer):
             safe_files.replace_beneath(parent, tmp, path)
 
     @classmethod
-    def load(cls, path: str, config: TrainConfig | None = None,
-             device: str | torch.device | None = None) -> ShardedTrainer:
+    def load(
+        cls, path: str, config: TrainConfig | None = None, device: str | torch.device | None = None
+    ) -> ShardedTrainer:
         """Resume from `save(path)` (any number of ranks), or start from a plain / HF checkpoint with a fresh
         optimizer. The given config's hyperparameters replace the saved ones. A collective."""
         if not is_sharded_checkpoint(path):
@@ -360,8 +384,12 @@ class ShardedTrainer(Trainer):
                 ref["model"][name] = ref["model"][name].to_local()
             set_model_state_dict(trainer.reference, ref["model"])
         for group in trainer.optimizer.param_groups:
-            group.update(lr=trainer.config.lr, betas=trainer.config.betas, eps=trainer.config.eps,
-                         weight_decay=trainer.config.weight_decay)
+            group.update(
+                lr=trainer.config.lr,
+                betas=trainer.config.betas,
+                eps=trainer.config.eps,
+                weight_decay=trainer.config.weight_decay,
+            )
         return trainer
 
 
@@ -369,8 +397,10 @@ def consolidate(sharded_dir: str, out_dir: str) -> str:
     """The model of a `ShardedTrainer.save` directory as one normal checkpoint (`checkpoint.save`: an HF
     directory when the model came from one). One process, no process group needed. Returns `out_dir`."""
     if not is_sharded_checkpoint(sharded_dir):
-        raise ValueError(f"{sharded_dir} is not a sharded trainer checkpoint (no .metadata / {MODEL_CONFIG_FILE}): "
-                         "pass the directory ShardedTrainer.save wrote")
+        raise ValueError(
+            f"{sharded_dir} is not a sharded trainer checkpoint (no .metadata / {MODEL_CONFIG_FILE}): "
+            "pass the directory ShardedTrainer.save wrote"
+        )
     with open(os.path.join(sharded_dir, MODEL_CONFIG_FILE)) as f:
         model_config = ModelConfig.from_dict(json.load(f))
     with open(os.path.join(sharded_dir, METADATA_FILE)) as f:
@@ -378,8 +408,11 @@ def consolidate(sharded_dir: str, out_dir: str) -> str:
     model = Transformer(model_config, init_weights=False)
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=sharded_dir)  # into the model's own tensors
-    checkpoint.save(model, out_dir, metadata={"policy_version": metadata["policy_version"],
-                                              "train_config": metadata["train_config"]})
+    checkpoint.save(
+        model,
+        out_dir,
+        metadata={"policy_version": metadata["policy_version"], "train_config": metadata["train_config"]},
+    )
     return out_dir
 
 
@@ -387,4 +420,3 @@ class ExpertParallelTrainer(ShardedTrainer):
     """`ShardedTrainer` with the MoE experts split across the ranks (`model.expert_parallel`), the rest FSDP2."""
 
     expert_parallel = True
-

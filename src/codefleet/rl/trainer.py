@@ -121,6 +121,7 @@ class TrainConfig:
 
 # ---- units of the loss and packing (pure functions) ----------------------------------
 
+
 def sft_units(examples: Sequence[Example]) -> int:
     """Trained targets of SFT examples: the mask shifted by one (the first token predicts nothing)."""
     return int(sum(sum(mask[1:]) for _, mask in examples))
@@ -154,8 +155,10 @@ def check_samples(samples: Sequence[Sample]) -> None:
     """Raise ValueError, naming the sample, unless its per-token lists line up and its first token is unmasked."""
     for i, s in enumerate(samples):
         if not (len(s.tokens) == len(s.loss_mask) == len(s.behave_logprobs)) or not s.tokens:
-            raise ValueError(f"sample {i}: tokens, loss_mask and behave_logprobs need the same non-zero length, got "
-                             f"{len(s.tokens)}, {len(s.loss_mask)}, {len(s.behave_logprobs)}")
+            raise ValueError(
+                f"sample {i}: tokens, loss_mask and behave_logprobs need the same non-zero length, got "
+                f"{len(s.tokens)}, {len(s.loss_mask)}, {len(s.behave_logprobs)}"
+            )
         if s.loss_mask[0]:
             raise ValueError(f"sample {i}: the first token has no prediction to train; its loss_mask must be 0")
         if s.routed_experts is not None and len(s.routed_experts) > len(s.tokens):
@@ -182,17 +185,19 @@ def pack(lengths: Sequence[int], max_tokens: int, overhead: int = 256) -> list[l
                 cost[j], start[j] = c, i
     batches, j = [], len(order)
     while j:
-        batches.append(order[start[j]:j])
+        batches.append(order[start[j] : j])
         j = start[j]
     return batches[::-1]
 
 
 def to_device(batch, device: torch.device):
     """A batch dataclass with its tensors (and lists of tensors) on `device`."""
+
     def move(x):
         if isinstance(x, list):
             return [t.to(device) for t in x]
         return x.to(device) if isinstance(x, torch.Tensor) else x
+
     return dataclasses.replace(batch, **{f.name: move(getattr(batch, f.name)) for f in dataclasses.fields(batch)})
 
 
@@ -223,8 +228,13 @@ class Trainer:
         self.version = int(version)
         torch.manual_seed(self.config.seed)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=self.config.lr, betas=self.config.betas,
-                                           eps=self.config.eps, weight_decay=self.config.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.params,
+            lr=self.config.lr,
+            betas=self.config.betas,
+            eps=self.config.eps,
+            weight_decay=self.config.weight_decay,
+        )
         self.reference: Transformer | None = None
         if self.config.loss.kl_coef > 0:
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
@@ -260,8 +270,14 @@ class Trainer:
             loss_sum += weight * float(loss.detach())
             metrics.pop("tokens")
             mean.add(metrics, weight)
-        return {"loss": loss_sum, **mean.means(), "tokens": float(sum(units)), "loss_units": float(sum(units)),
-                "sequences": float(len(examples)), "micro_batches": float(len(micro))}
+        return {
+            "loss": loss_sum,
+            **mean.means(),
+            "tokens": float(sum(units)),
+            "loss_units": float(sum(units)),
+            "sequences": float(len(examples)),
+            "micro_batches": float(len(micro)),
+        }
 
     def forward_backward_rl(self, samples: list[Sample], total_tokens: int | None = None) -> dict[str, float]:
         """The policy loss (`config.loss`) + router losses; gradients accumulate. `total_tokens`: the loss units of
@@ -280,23 +296,32 @@ class Trainer:
             prox = self._score(self.model, batch, routing) if cfg.loss.off_policy != "none" else None
             ref = self._score(self.reference, batch, routing) if self.reference is not None else None
             weight = sum(units[i] for i in idx) / total
-            loss, metrics = rl_loss(self.model, batch, cfg.loss, routing_replay=replay, prox_logprobs_BT=prox,
-                                    ref_logprobs_BT=ref)
+            loss, metrics = rl_loss(
+                self.model, batch, cfg.loss, routing_replay=replay, prox_logprobs_BT=prox, ref_logprobs_BT=ref
+            )
             (loss * weight).backward()
             loss_sum += weight * float(loss.detach())
             mean.add(metrics, weight)
             replayed += len(idx) if replay else 0
         tokens = float(sum(sum(s.loss_mask) for s in samples))
-        return {"loss": loss_sum, **mean.means(), "tokens": tokens, "loss_units": float(sum(units)),
-                "sequences": float(len(samples)), "micro_batches": float(len(micro)),
-                "routing_replay_frac": replayed / max(len(samples), 1)}
+        return {
+            "loss": loss_sum,
+            **mean.means(),
+            "tokens": tokens,
+            "loss_units": float(sum(units)),
+            "sequences": float(len(samples)),
+            "micro_batches": float(len(micro)),
+            "routing_replay_frac": replayed / max(len(samples), 1),
+        }
 
     def _total(self, units: int, total_tokens: int | None) -> int:
         total = units if total_tokens is None else int(total_tokens)
         if total < units or total <= 0:
-            raise ValueError(f"total_tokens={total_tokens} but these examples alone have {units} loss units (masked "
-                             "tokens, or sequences for sequence-mean losses): pass the whole step's count, which is "
-                             "at least this call's and positive; a batch with nothing masked cannot be trained on")
+            raise ValueError(
+                f"total_tokens={total_tokens} but these examples alone have {units} loss units (masked "
+                "tokens, or sequences for sequence-mean losses): pass the whole step's count, which is "
+                "at least this call's and positive; a batch with nothing masked cannot be trained on"
+            )
         return total
 
     def logprobs(self, samples: list[Sample]) -> list[list[float]]:
@@ -312,7 +337,7 @@ class Trainer:
             routing = batch.routing_replay if self.config.routing_replay else None
             logprobs_BT = self._score(self.model, batch, routing).cpu()
             for row, i in enumerate(idx):
-                out[i] = logprobs_BT[row, :len(samples[i].tokens)].tolist()
+                out[i] = logprobs_BT[row, : len(samples[i].tokens)].tolist()
         return out
 
     @torch.no_grad()
@@ -345,7 +370,7 @@ class Trainer:
             reduce_sum(flat)
             offset = 0
             for t in tensors:
-                t.copy_(flat[offset: offset + t.numel()].view_as(t))
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
     def optim_step(self) -> dict[str, float]:
@@ -393,8 +418,11 @@ class Trainer:
         # a run directory may be prepared by someone else: a link planted at tmp (its name is predictable) is
         # removed, never followed, and every file goes in through safe_files (checkpoint.write_file)
         safe_files.remove_beneath(os.path.dirname(path), tmp, ignore_errors=True)
-        checkpoint.save(self.model, tmp, metadata={"policy_version": self.version,
-                                                   "train_config": json.loads(json.dumps(asdict(self.config)))})
+        checkpoint.save(
+            self.model,
+            tmp,
+            metadata={"policy_version": self.version, "train_config": json.loads(json.dumps(asdict(self.config)))},
+        )
         state = {"optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state(), "version": self.version}
         checkpoint.write_file(tmp, TRAINER_FILE, lambda f: torch.save(state, f))
         if self.reference is not None:
@@ -416,8 +444,11 @@ class Trainer:
         if state:
             trainer.optimizer.load_state_dict(state["optimizer"])
             for group in trainer.optimizer.param_groups:
-                group.update(lr=trainer.config.lr, betas=trainer.config.betas, eps=trainer.config.eps,
-                             weight_decay=trainer.config.weight_decay)
+                group.update(
+                    lr=trainer.config.lr,
+                    betas=trainer.config.betas,
+                    eps=trainer.config.eps,
+                    weight_decay=trainer.config.weight_decay,
+                )
             torch.set_rng_state(state["rng"])
         return trainer
-

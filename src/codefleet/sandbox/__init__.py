@@ -29,6 +29,15 @@ from codefleet.sandbox.base import (
 from codefleet.sandbox.pool import SandboxPool
 
 __all__ = [
-    "PathEscapeError", "Sandbox", "SandboxClosedError", "SandboxConfig", "SandboxDeadError",
-    "SandboxError", "SandboxPool", "SandboxUnavailableError", "backend_class", "create_sandbox", "resolve_backend",
+    "PathEscapeError",
+    "Sandbox",
+    "SandboxClosedError",
+    "SandboxConfig",
+    "SandboxDeadError",
+    "SandboxError",
+    "SandboxPool",
+    "SandboxUnavailableError",
+    "backend_class",
+    "create_sandbox",
+    "resolve_backend",
 ]

@@ -23,8 +23,10 @@ def backend_class(config: SandboxConfig) -> type:
     name = resolve_backend(config.backend)
     cls = SANDBOXES.get(name)
     if config.environment is not None and not cls.environments:
-        raise ValueError(f"SandboxConfig.environment needs a backend that runs an image's userland, and sandbox "
-                         f"backend {name!r} runs the host's own: use backend 'namespace' (or 'vm')")
+        raise ValueError(
+            f"SandboxConfig.environment needs a backend that runs an image's userland, and sandbox "
+            f"backend {name!r} runs the host's own: use backend 'namespace' (or 'vm')"
+        )
     return cls
 
 

@@ -68,22 +68,37 @@ class SandboxConfig:
             _check_positive(f"SandboxConfig.{name}", getattr(self, name), kind)
         check_env_names(self.env)
         if self.environment is not None and (not isinstance(self.environment, str) or not self.environment):
-            raise ValueError(f"SandboxConfig.environment is {self.environment!r}; it must be a root filesystem, an "
-                             "image archive or an imported image's id, or None for the host's userland")
+            raise ValueError(
+                f"SandboxConfig.environment is {self.environment!r}; it must be a root filesystem, an "
+                "image archive or an imported image's id, or None for the host's userland"
+            )
 
 
 # The numeric fields of SandboxConfig: each must be above 0 (a limit of 0 or less would break the sandbox's
 # start with an error that names something else, or, for timeout_s, time out every command at once).
-_POSITIVE_FIELDS = {"timeout_s": float, "output_limit_bytes": int, "memory_mb": int, "max_processes": int,
-                    "cpu_cores": float, "cpu_time_s": int, "workspace_mb": int, "tmp_mb": int, "max_file_mb": int}
+_POSITIVE_FIELDS = {
+    "timeout_s": float,
+    "output_limit_bytes": int,
+    "memory_mb": int,
+    "max_processes": int,
+    "cpu_cores": float,
+    "cpu_time_s": int,
+    "workspace_mb": int,
+    "tmp_mb": int,
+    "max_file_mb": int,
+}
 
 
 def _check_positive(where: str, value: object, kind: type) -> None:
     """Raise ValueError unless `value` is a `kind` (int, or float where an int is fine too) above 0;
     bool, NaN and infinity are refused."""
     allowed = int if kind is int else (int, float)
-    if (isinstance(value, bool) or not isinstance(value, allowed)
-            or (isinstance(value, float) and not math.isfinite(value)) or value <= 0):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, allowed)
+        or (isinstance(value, float) and not math.isfinite(value))
+        or value <= 0
+    ):
         what = "a whole number" if kind is int else "a finite number"
         raise ValueError(f"{where} is {value!r}; it must be {what} greater than 0")
 
@@ -95,6 +110,7 @@ def check_env_names(env: dict[str, str]) -> None:
     """Raise ValueError for a key of `env` that is not a shell variable name (it is exported as written)."""
     for name in env:
         if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
-            raise ValueError(f"SandboxConfig.env: {name!r} is not a variable name; use letters, digits and '_', "
-                             "not starting with a digit")
-
+            raise ValueError(
+                f"SandboxConfig.env: {name!r} is not a variable name; use letters, digits and '_', "
+                "not starting with a digit"
+            )

@@ -67,13 +67,17 @@ def store_ids(store: str, subuid: str = "/etc/subuid", subgid: str = "/etc/subgi
             f.write(f"{ids.uid} {ids.gid}\n")
         os.replace(tmp, path)
     except (ValueError, TypeError):
-        raise ImageError(f"the store's {path} is not two numbers (the host uid and gid its build layers were "
-                         "stored with); restore it, or build into a new store") from None
+        raise ImageError(
+            f"the store's {path} is not two numbers (the host uid and gid its build layers were "
+            "stored with); restore it, or build into a new store"
+        ) from None
     clash = _users_of(ids, _claims(subuid, subgid))
     if clash:
-        raise ImageError(f"the store {store} keeps the owners of its build layers as host ids {ids.uid}.. and "
-                         f"{ids.gid}.., which {clash[0]} now has; give that user other ids, or build into a new "
-                         "store")
+        raise ImageError(
+            f"the store {store} keeps the owners of its build layers as host ids {ids.uid}.. and "
+            f"{ids.gid}.., which {clash[0]} now has; give that user other ids, or build into a new "
+            "store"
+        )
     return ids
 
 
@@ -82,14 +86,18 @@ def _choose(subuid: str, subgid: str) -> HostIds:
     if uid is not None and gid is not None:
         return HostIds(uid, gid)
     if uid is not None or gid is not None:
-        raise ImageError(f"root has a subordinate range of {IDS} ids in only one of {subuid} and {subgid}; give it "
-                         f"one in both (`usermod --add-subuids N-M --add-subgids N-M root`) or in neither")
+        raise ImageError(
+            f"root has a subordinate range of {IDS} ids in only one of {subuid} and {subgid}; give it "
+            f"one in both (`usermod --add-subuids N-M --add-subgids N-M root`) or in neither"
+        )
     claims = _claims(subuid, subgid)
     for base in range(DEFAULT_BASE, 1 << 31, IDS):
         if not _users_of(HostIds(base, base), claims):
             return HostIds(base, base)
-    raise ImageError(f"no block of {IDS} host ids is free for a build step's user namespace; give root a "
-                     "subordinate range: `usermod --add-subuids N-M --add-subgids N-M root`")
+    raise ImageError(
+        f"no block of {IDS} host ids is free for a build step's user namespace; give root a "
+        "subordinate range: `usermod --add-subuids N-M --add-subgids N-M root`"
+    )
 
 
 def _claims(subuid: str, subgid: str) -> list[tuple[bool, str, int, int]]:
@@ -97,15 +105,21 @@ def _claims(subuid: str, subgid: str) -> list[tuple[bool, str, int, int]]:
     found = [(True, f"user {p.pw_name}", p.pw_uid, 1) for p in pwd.getpwall()]
     found += [(False, f"group {g.gr_name}", g.gr_gid, 1) for g in grp.getgrall()]
     for path, is_uid in ((subuid, True), (subgid, False)):
-        found += [(is_uid, f"the subordinate range of {name} in {path}", start, count)
-                  for name, start, count in _ranges(path) if name not in ("root", "0")]
+        found += [
+            (is_uid, f"the subordinate range of {name} in {path}", start, count)
+            for name, start, count in _ranges(path)
+            if name not in ("root", "0")
+        ]
     return found
 
 
 def _users_of(ids: HostIds, claims: list[tuple[bool, str, int, int]]) -> list[str]:
     """Who of `claims` has an id of the blocks at `ids`."""
-    return [who for is_uid, who, start, count in claims
-            if start < (ids.uid if is_uid else ids.gid) + IDS and (ids.uid if is_uid else ids.gid) < start + count]
+    return [
+        who
+        for is_uid, who, start, count in claims
+        if start < (ids.uid if is_uid else ids.gid) + IDS and (ids.uid if is_uid else ids.gid) < start + count
+    ]
 
 
 def _ranges(path: str) -> list[tuple[str, int, int]]:
@@ -141,10 +155,12 @@ def unavailable_reason() -> str | None:
 
 
 def _refusal(detail: str) -> ImageError:
-    return ImageError(f"codefleet env build runs each step as root of a user namespace, an unprivileged user on "
-                      f"the host, and this host cannot make one ({detail}): enable user namespaces (sysctl "
-                      "user.max_user_namespaces=15000, and allow unshare(CLONE_NEWUSER) in a container's seccomp "
-                      "profile); a step never runs as the host's root")
+    return ImageError(
+        f"codefleet env build runs each step as root of a user namespace, an unprivileged user on "
+        f"the host, and this host cannot make one ({detail}): enable user namespaces (sysctl "
+        "user.max_user_namespaces=15000, and allow unshare(CLONE_NEWUSER) in a container's seccomp "
+        "profile); a step never runs as the host's root"
+    )
 
 
 class StepNamespace:
@@ -159,8 +175,10 @@ class StepNamespace:
         self.fd = self.view_fd = -1
         try:
             self.fd = make_userns(f"0 {ids.uid} {IDS}\n", f"0 {ids.gid} {IDS}\n")
-            self.view_fd = make_userns(f"0 {ids.uid} 1\n{ids.uid + 1} {ids.uid + 1} {IDS - 1}\n",
-                                       f"0 {ids.gid} 1\n{ids.gid + 1} {ids.gid + 1} {IDS - 1}\n")
+            self.view_fd = make_userns(
+                f"0 {ids.uid} 1\n{ids.uid + 1} {ids.uid + 1} {IDS - 1}\n",
+                f"0 {ids.gid} 1\n{ids.gid + 1} {ids.gid + 1} {IDS - 1}\n",
+            )
         except OSError as e:
             self.close()
             raise _refusal(str(e)) from None
@@ -185,8 +203,10 @@ class StepNamespace:
     def stored_ids(self, host_uid: int, host_gid: int) -> tuple[int, int]:
         """The owner to store for a file a step left on the host's disk: its own ids, the step's root as the
         host's root, and the host's root for what the step did not make (the overlay's own whiteouts)."""
+
         def one(host: int, base: int) -> int:
             return host if base < host < base + IDS else 0
+
         return one(host_uid, self.ids.uid), one(host_gid, self.ids.gid)
 
     def idmapped_view(self, source: str, target: str) -> None:
@@ -194,15 +214,18 @@ class StepNamespace:
         try:
             bind_idmapped(source, target, self.view_fd)
         except IdmapUnsupported as e:
-            raise ImageError(f"codefleet env build shows a step the layers below it through an idmapped mount, "
-                             f"which {source!r} cannot have ({e.strerror}): it needs Linux 5.19 or later and the "
-                             "store on ext4, xfs, btrfs or tmpfs; choose such a store (--store or "
-                             "CODEFLEET_ENV_DIR)") from None
+            raise ImageError(
+                f"codefleet env build shows a step the layers below it through an idmapped mount, "
+                f"which {source!r} cannot have ({e.strerror}): it needs Linux 5.19 or later and the "
+                "store on ext4, xfs, btrfs or tmpfs; choose such a store (--store or "
+                "CODEFLEET_ENV_DIR)"
+            ) from None
 
 
 def shift_tree(path: str, ids: HostIds) -> None:
     """Give every file of `path` owned by inside id k > 0 host id base+k, as a build step's layer stores it (a root
     filesystem made as the host's root: mmdebstrap's)."""
+
     def one(inside: int, base: int) -> int:
         return base + inside if 0 < inside < IDS else inside
 

@@ -56,14 +56,18 @@ def never_works_here() -> str | None:
     not installed, or the kernel has user namespaces switched off. Only these send backend 'auto' to
     'local'; nothing a sandbox does can cause them."""
     if not shutil.which("bwrap"):
-        return ("bubblewrap is not installed: run `apt-get install bubblewrap` (or `make test`, which does), "
-                "or choose backend='local' (no isolation)")
+        return (
+            "bubblewrap is not installed: run `apt-get install bubblewrap` (or `make test`, which does), "
+            "or choose backend='local' (no isolation)"
+        )
     for sysctl in ("/proc/sys/user/max_user_namespaces", "/proc/sys/kernel/unprivileged_userns_clone"):
         try:
             with open(sysctl) as f:
                 if f.read().strip() == "0":
-                    return (f"the kernel has user namespaces switched off ({sysctl} is 0): enable them (sysctl "
-                            "user.max_user_namespaces=15000) or choose backend='local' (no isolation)")
+                    return (
+                        f"the kernel has user namespaces switched off ({sysctl} is 0): enable them (sysctl "
+                        "user.max_user_namespaces=15000) or choose backend='local' (no isolation)"
+                    )
         except OSError:
             pass
     return None
@@ -79,12 +83,20 @@ def unavailable_reason() -> str | None:
         ident = host_identity()
     except SandboxUnavailableError as e:
         return str(e)
-    probe = subprocess.run(["bwrap", "--unshare-user", "--unshare-pid", "--unshare-net", "--ro-bind", "/", "/",
-                            "true"], capture_output=True, text=True, timeout=20, cwd="/", **ident.popen_kwargs())
+    probe = subprocess.run(
+        ["bwrap", "--unshare-user", "--unshare-pid", "--unshare-net", "--ro-bind", "/", "/", "true"],
+        capture_output=True,
+        text=True,
+        timeout=20,
+        cwd="/",
+        **ident.popen_kwargs(),
+    )
     if probe.returncode != 0:
-        return (f"bubblewrap cannot create namespaces as {ident.name} here ({probe.stderr.strip()[:200]}); allow "
-                "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1, or on Ubuntu an AppArmor "
-                "profile for bwrap)")
+        return (
+            f"bubblewrap cannot create namespaces as {ident.name} here ({probe.stderr.strip()[:200]}); allow "
+            "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1, or on Ubuntu an AppArmor "
+            "profile for bwrap)"
+        )
     return None
 
 
@@ -123,8 +135,10 @@ def _make_owner_files(owner_dir: str) -> OwnerFiles:
     os.mkdir(directory, 0o755)
     passwd, group = os.path.join(directory, "passwd"), os.path.join(directory, "group")
     with open(passwd, "w") as f:
-        f.write(f"root:x:0:0:root:/root:/bin/sh\nagent:x:{SANDBOX_UID}:{SANDBOX_UID}:agent:/tmp:/bin/bash\n"
-                "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
+        f.write(
+            f"root:x:0:0:root:/root:/bin/sh\nagent:x:{SANDBOX_UID}:{SANDBOX_UID}:agent:/tmp:/bin/bash\n"
+            "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+        )
     with open(group, "w") as f:
         f.write(f"root:x:0:\nagent:x:{SANDBOX_UID}:\nnogroup:x:65534:\n")
     devices = None
@@ -145,8 +159,13 @@ def mount_view(directory: str, empty: str, at: str) -> None:
     mount_overlay(at, [directory, empty], flags=MS_NOSUID)
 
 
-def host_args(config: SandboxConfig, files: OwnerFiles, ro_sources: dict[str, str] | None = None,
-              view: str | None = None, userland: str | None = None) -> list[str]:
+def host_args(
+    config: SandboxConfig,
+    files: OwnerFiles,
+    ro_sources: dict[str, str] | None = None,
+    view: str | None = None,
+    userland: str | None = None,
+) -> list[str]:
     """The bwrap options of a sandbox with this config, but for its workspace. `ro_sources`: where bwrap binds an
     `ro_binds` path from, when not from itself (a staged bind mount the sandbox user can reach); `view` and
     `userland`: where the owner's files and the environment's root filesystem are bound from, when not from
@@ -155,9 +174,24 @@ def host_args(config: SandboxConfig, files: OwnerFiles, ro_sources: dict[str, st
     def seen(path: str) -> str:
         return os.path.join(view, os.path.relpath(path, files.directory)) if view else path
 
-    args = ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
-            "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net", "--unshare-cgroup-try",
-            "--hostname", "sandbox", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+    args = [
+        "--unshare-user",
+        "--uid",
+        str(SANDBOX_UID),
+        "--gid",
+        str(SANDBOX_UID),
+        "--unshare-pid",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-net",
+        "--unshare-cgroup-try",
+        "--hostname",
+        "sandbox",
+        "--die-with-parent",
+        "--new-session",
+        "--cap-drop",
+        "ALL",
+    ]
     if _can_disable_userns():
         args.append("--disable-userns")
     if config.environment is None:
@@ -167,16 +201,39 @@ def host_args(config: SandboxConfig, files: OwnerFiles, ro_sources: dict[str, st
         rootfs = rootfs_of(config.environment)  # an archive is imported once per node
         shell = environment_shell(rootfs, files)
         args += userland_args(userland or rootfs, _IMAGE_USERLAND)
-    args += ["--ro-bind", seen(files.passwd), "/etc/passwd", "--ro-bind", seen(files.group), "/etc/group",
-             "--ro-bind", seen(shell), SHELL_PATH]
+    args += [
+        "--ro-bind",
+        seen(files.passwd),
+        "/etc/passwd",
+        "--ro-bind",
+        seen(files.group),
+        "/etc/group",
+        "--ro-bind",
+        seen(shell),
+        SHELL_PATH,
+    ]
     # /proc/sys read-only even to a sandbox user that some sysctl would let write (bwrap itself covers
     # it only when it finds it writable as a directory, which it never is).
-    args += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys",
-             "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger"]
+    args += [
+        "--proc",
+        "/proc",
+        "--ro-bind",
+        "/proc/sys",
+        "/proc/sys",
+        "--ro-bind-try",
+        "/proc/sysrq-trigger",
+        "/proc/sysrq-trigger",
+    ]
     # Host-wide kernel state that is world-readable but none of a sandbox's business (as container
     # runtimes mask it); what only root may read the sandbox user cannot read anyway.
-    for path in ("/proc/keys", "/proc/key-users", "/proc/kcore", "/proc/timer_list", "/proc/sched_debug",
-                 "/proc/latency_stats"):
+    for path in (
+        "/proc/keys",
+        "/proc/key-users",
+        "/proc/kcore",
+        "/proc/timer_list",
+        "/proc/sched_debug",
+        "/proc/latency_stats",
+    ):
         if os.path.exists(path):
             args += ["--ro-bind", "/dev/null", path]
     # /dev is bwrap's own tmpfs, made read-only last (by the caller); /dev/shm, the one place there a program
@@ -185,12 +242,45 @@ def host_args(config: SandboxConfig, files: OwnerFiles, ro_sources: dict[str, st
     if files.devices:
         for name in _DEVICES:
             args += ["--dev-bind", seen(os.path.join(files.devices, name)), f"/dev/{name}"]
-    args += ["--size", str(config.tmp_mb << 20), "--tmpfs", "/dev/shm",
-             "--size", str(config.tmp_mb << 20), "--tmpfs", "/tmp",
-             "--size", str(config.tmp_mb << 20), "--tmpfs", "/var/tmp",
-             "--clearenv", "--setenv", "PATH", PATH, "--setenv", "HOME", "/tmp", "--setenv", "USER", "agent",
-             "--setenv", "LOGNAME", "agent", "--setenv", "TERM", "dumb", "--setenv", "LANG", "C.UTF-8",
-             "--setenv", "PAGER", "cat", "--setenv", "GIT_PAGER", "cat"]
+    args += [
+        "--size",
+        str(config.tmp_mb << 20),
+        "--tmpfs",
+        "/dev/shm",
+        "--size",
+        str(config.tmp_mb << 20),
+        "--tmpfs",
+        "/tmp",
+        "--size",
+        str(config.tmp_mb << 20),
+        "--tmpfs",
+        "/var/tmp",
+        "--clearenv",
+        "--setenv",
+        "PATH",
+        PATH,
+        "--setenv",
+        "HOME",
+        "/tmp",
+        "--setenv",
+        "USER",
+        "agent",
+        "--setenv",
+        "LOGNAME",
+        "agent",
+        "--setenv",
+        "TERM",
+        "dumb",
+        "--setenv",
+        "LANG",
+        "C.UTF-8",
+        "--setenv",
+        "PAGER",
+        "cat",
+        "--setenv",
+        "GIT_PAGER",
+        "cat",
+    ]
     for path in map(os.path.abspath, config.ro_binds):  # after the private /tmp and /var/tmp: binds go on top
         args += ["--ro-bind", (ro_sources or {}).get(path, path), path]
     return args
@@ -221,20 +311,28 @@ def environment_shell(rootfs: str, files: OwnerFiles) -> str:
     codefleet's shell."""
     where = f"SandboxConfig.environment names {rootfs!r}"
     if not _is(rootfs, stat.S_ISDIR):
-        raise SandboxUnavailableError(f"{where}, which is not a directory; import an image first "
-                                      "(codefleet.sandbox.environments.import_image returns its rootfs)")
+        raise SandboxUnavailableError(
+            f"{where}, which is not a directory; import an image first "
+            "(codefleet.sandbox.environments.import_image returns its rootfs)"
+        )
     check_reachable(os.path.join(rootfs, "etc"), host_identity(), "the environment holds")
     # The sandbox's own passwd and group are bound over the image's (never through a symlink of the image).
-    if not (_is(os.path.join(rootfs, "etc"), stat.S_ISDIR) and _is(os.path.join(rootfs, "etc/passwd"), stat.S_ISREG)
-            and _is(os.path.join(rootfs, "etc/group"), stat.S_ISREG)):
-        raise SandboxUnavailableError(f"{where}, which lacks a directory /etc with regular files /etc/passwd and "
-                                      "/etc/group; the image must have them")
+    if not (
+        _is(os.path.join(rootfs, "etc"), stat.S_ISDIR)
+        and _is(os.path.join(rootfs, "etc/passwd"), stat.S_ISREG)
+        and _is(os.path.join(rootfs, "etc/group"), stat.S_ISREG)
+    ):
+        raise SandboxUnavailableError(
+            f"{where}, which lacks a directory /etc with regular files /etc/passwd and "
+            "/etc/group; the image must have them"
+        )
     with _made_lock:
         key = (files.shell, rootfs)
         if key not in _environment_shells:
             bash = resolve_inside(rootfs, "/bin/bash")  # never a symlink, never outside rootfs
-            missing = SandboxUnavailableError(f"{where}, which has no /bin/bash; codefleet's shell runs the "
-                                              "image's own bash: install it in the image")
+            missing = SandboxUnavailableError(
+                f"{where}, which has no /bin/bash; codefleet's shell runs the image's own bash: install it in the image"
+            )
             if bash is None:
                 raise missing
             with open(os.open(bash, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as src:
@@ -270,7 +368,8 @@ def check_reachable(path: str, ident: Identity, what: str) -> None:
         raise SandboxUnavailableError(
             f"{what} {path!r}, inside {ancestor!r}, which the sandbox user {ident.name} may not enter "
             f"(mode {stat.S_IMODE(os.stat(ancestor).st_mode):04o}); choose a path under a directory that others "
-            f"may enter, or `chmod o+x {ancestor}`")
+            f"may enter, or `chmod o+x {ancestor}`"
+        )
 
 
 def closed_ancestor(path: str, ident: Identity) -> str | None:
@@ -282,8 +381,11 @@ def closed_ancestor(path: str, ident: Identity) -> str | None:
     for i in range(len(parts) + 1):
         ancestor = "/" + "/".join(parts[:i])
         st = os.stat(ancestor)
-        can = (st.st_mode & 0o001 or (st.st_gid == ident.gid and st.st_mode & 0o010)
-               or (st.st_uid == ident.uid and st.st_mode & 0o100))
+        can = (
+            st.st_mode & 0o001
+            or (st.st_gid == ident.gid and st.st_mode & 0o010)
+            or (st.st_uid == ident.uid and st.st_mode & 0o100)
+        )
         if not can:
             return ancestor
     return None
@@ -307,6 +409,6 @@ def options_fd(options: list[str]) -> int:
     fd = os.memfd_create("bwrap-options", os.MFD_CLOEXEC)
     data = b"".join(os.fsencode(option) + b"\0" for option in options)
     while data:
-        data = data[os.write(fd, data):]
+        data = data[os.write(fd, data) :]
     os.lseek(fd, 0, os.SEEK_SET)
     return fd

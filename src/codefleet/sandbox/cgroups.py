@@ -69,7 +69,7 @@ class CgroupTree:
             return False
         return True
 
-    def create(self, name: str, memory_mb: int, max_processes: int, cpu_cores: float) -> "Cgroup | None":
+    def create(self, name: str, memory_mb: int, max_processes: int, cpu_cores: float) -> Cgroup | None:
         if not self.ok:
             return None
         paths = {c: os.path.join(base, name) for c, base in self.bases.items()}
@@ -81,8 +81,9 @@ class CgroupTree:
             return cg
         except OSError as e:
             # said, not raised: the sandbox still runs, its limits enforced by rlimits instead
-            log.warning("codefleet: could not create cgroup %s (%s); this sandbox's limits fall back to rlimits",
-                        name, e)
+            log.warning(
+                "codefleet: could not create cgroup %s (%s); this sandbox's limits fall back to rlimits", name, e
+            )
             Cgroup(self.mode, paths).remove()
             return None
 
@@ -105,7 +106,7 @@ class CgroupTree:
                     found[name] = max(found.get(name, 0.0), st.st_mtime)
         return found
 
-    def stale_groups(self, other_owner: str) -> list["Cgroup"]:
+    def stale_groups(self, other_owner: str) -> list[Cgroup]:
         """Cgroups left by a dead owner (for the reaper)."""
         groups = []
         names: set[str] = set()

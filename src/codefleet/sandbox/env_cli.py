@@ -66,22 +66,28 @@ def _run(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add `env import|ls|rm|gc` to a parser's subcommands."""
-    env = subparsers.add_parser("env", help="environments (OCI images) sandboxes run in: import, ls, rm, gc",
-                                description="Images sandboxes can run in instead of this machine's userland "
-                                            "(docs/environments.md).")
+    env = subparsers.add_parser(
+        "env",
+        help="environments (OCI images) sandboxes run in: import, ls, rm, gc",
+        description="Images sandboxes can run in instead of this machine's userland (docs/environments.md).",
+    )
     sub = env.add_subparsers(dest="env_action", required=True)
-    for name, func, help_line in (("import", _import, "import an OCI image archive into the store"),
-                                  ("build", _build, "build an image from a spec (base, apt, python, run), a "
-                                                    "cached layer per step"),
-                                  ("ls", _ls, "list the stored images"),
-                                  ("rm", _rm, "remove a stored image (its layers stay until gc)"),
-                                  ("gc", _gc, "remove the layers no image uses")):
+    for name, func, help_line in (
+        ("import", _import, "import an OCI image archive into the store"),
+        ("build", _build, "build an image from a spec (base, apt, python, run), a cached layer per step"),
+        ("ls", _ls, "list the stored images"),
+        ("rm", _rm, "remove a stored image (its layers stay until gc)"),
+        ("gc", _gc, "remove the layers no image uses"),
+    ):
         p = sub.add_parser(name, help=help_line, description=help_line)
-        p.add_argument("--store", default=None, metavar="DIR", help="the store (default: CODEFLEET_ENV_DIR, else "
-                                                                    "/var/cache/codefleet/environments for root)")
+        p.add_argument(
+            "--store",
+            default=None,
+            metavar="DIR",
+            help="the store (default: CODEFLEET_ENV_DIR, else /var/cache/codefleet/environments for root)",
+        )
         p.set_defaults(func=_run, env_func=func)
-    sub.choices["import"].add_argument("archive", help="an oci-layout directory or tarball, or a docker save "
-                                                       "tarball")
+    sub.choices["import"].add_argument("archive", help="an oci-layout directory or tarball, or a docker save tarball")
     sub.choices["build"].add_argument("spec", help="the build spec, YAML (docs/environments.md)")
     sub.choices["rm"].add_argument("id", help="the image's id, or 4 or more of its first hex digits")
     return env

@@ -78,9 +78,15 @@ class BuildSpec:
         out = []
         if self.apt:
             packages = " ".join(self.apt)
-            out.append(Step(f"apt {packages}", "export DEBIAN_FRONTEND=noninteractive; apt-get update -q && "
-                            f"apt-get install -y -q --no-install-recommends {packages} && apt-get clean && "
-                            "rm -rf /var/lib/apt/lists/*", network=True))
+            out.append(
+                Step(
+                    f"apt {packages}",
+                    "export DEBIAN_FRONTEND=noninteractive; apt-get update -q && "
+                    f"apt-get install -y -q --no-install-recommends {packages} && apt-get clean && "
+                    "rm -rf /var/lib/apt/lists/*",
+                    network=True,
+                )
+            )
         if self.python:
             venv = self.python.get("venv", "/opt/venv")
             reqs = " ".join(f"'{r}'" for r in self.python.get("requirements", []))
@@ -91,8 +97,9 @@ class BuildSpec:
                 command += f" && {venv}/bin/python -m pip install -q --no-cache-dir {source} {reqs}"
             out.append(Step(f"python venv {venv} {reqs}".strip(), command, network=bool(reqs) and not offline))
         for entry in self.run:
-            command, network = (entry, False) if isinstance(entry, str) else (entry["command"],
-                                                                              bool(entry.get("network")))
+            command, network = (
+                (entry, False) if isinstance(entry, str) else (entry["command"], bool(entry.get("network")))
+            )
             out.append(Step(f"run {command}" + (" (network)" if network else ""), command, network))
         return out
 
@@ -103,7 +110,9 @@ def load_spec(path: str) -> BuildSpec:
         with open(path) as f:
             text = f.read(_MAX_SPEC_CHARS + 1)
         if len(text) > _MAX_SPEC_CHARS:
-            raise ImageError(f"the build spec {path} is longer than {_MAX_SPEC_CHARS} characters; a spec is a few lines")
+            raise ImageError(
+                f"the build spec {path} is longer than {_MAX_SPEC_CHARS} characters; a spec is a few lines"
+            )
         data = yaml.safe_load(text)
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise ImageError(f"cannot read the build spec {path}: {e}") from None
@@ -118,8 +127,10 @@ def load_spec(path: str) -> BuildSpec:
     if not isinstance(data.get("apt", []), list) or not all(isinstance(v, str) and v for v in data.get("apt", [])):
         problems.append("apt: a list of non-empty strings")
     if not isinstance(data.get("run", []), list) or not all(_is_run_step(v) for v in data.get("run", [])):
-        problems.append("run: a list of commands, each a non-empty string or a mapping {command: a non-empty "
-                        "string, network: true or false}")
+        problems.append(
+            "run: a list of commands, each a non-empty string or a mapping {command: a non-empty "
+            "string, network: true or false}"
+        )
     python = data.get("python", {})
     if not isinstance(python, dict) or set(python) - set(_PYTHON_KEYS):
         problems.append(f"python: a mapping of {', '.join(_PYTHON_KEYS)}")
@@ -134,8 +145,12 @@ def load_spec(path: str) -> BuildSpec:
 
 def _is_run_step(entry: object) -> bool:
     if isinstance(entry, dict):
-        return (not set(entry) - set(_RUN_KEYS) and isinstance(entry.get("command"), str) and bool(entry["command"])
-                and isinstance(entry.get("network", False), bool))
+        return (
+            not set(entry) - set(_RUN_KEYS)
+            and isinstance(entry.get("command"), str)
+            and bool(entry["command"])
+            and isinstance(entry.get("network", False), bool)
+        )
     return isinstance(entry, str) and bool(entry)
 
 
@@ -186,8 +201,9 @@ def _base(spec: BuildSpec, store: str, log) -> tuple[str, list[str]]:
         return _debian(spec.base.removeprefix("debian:"), store, log)
     name = spec.base if spec.base.startswith("sha256:") else environments.import_image(spec.base, store).name
     image = environments.find_image(name, store)
-    return image.id.removeprefix("sha256:"), [os.path.join(store, "layers", layer.replace(":", "-", 1))
-                                              for layer in image.layers]
+    return image.id.removeprefix("sha256:"), [
+        os.path.join(store, "layers", layer.replace(":", "-", 1)) for layer in image.layers
+    ]
 
 
 def _debian(suite: str, store: str, log) -> tuple[str, list[str]]:
@@ -212,15 +228,17 @@ def _debian(suite: str, store: str, log) -> tuple[str, list[str]]:
     return key, [layer]
 
 
-def _run_step(store: str, below: list[str], layer: str, key: str, step: Step, namespace: StepNamespace,
-              find_links: str | None) -> None:
+def _run_step(
+    store: str, below: list[str], layer: str, key: str, step: Step, namespace: StepNamespace, find_links: str | None
+) -> None:
     """Run one step over the layers below it and store what it wrote as `layer`. The step's bwrap, nobody on
     the host, reaches what it binds through `work`, which only the host's root and the step's group may walk."""
     work = tempfile.mkdtemp(prefix=".tmp-build-", dir=store)
     os.chown(work, 0, namespace.ids.gid)
     os.chmod(work, 0o710)
-    lower, view, upper, overlay_work, merged, wheels = (os.path.join(work, n) for n in
-                                                        ("lower", "view", "upper", "work", "merged", "wheels"))
+    lower, view, upper, overlay_work, merged, wheels = (
+        os.path.join(work, n) for n in ("lower", "view", "upper", "work", "merged", "wheels")
+    )
     for d in (view, upper, overlay_work, merged, wheels):
         os.mkdir(d, 0o755)
     log_path = os.path.join(store, "logs", f"{key}.log")
@@ -229,20 +247,52 @@ def _run_step(store: str, below: list[str], layer: str, key: str, step: Step, na
         environments.merge_layers(below, lower)
         shell = next((sh for sh in ("/bin/sh", "/bin/bash") if environments.resolve_inside(lower, sh)), None)
         if shell is None:
-            raise ImageError(f"the build step `{step.what}` has no shell to run in: the layers below it have "
-                             "neither /bin/sh nor /bin/bash")
+            raise ImageError(
+                f"the build step `{step.what}` has no shell to run in: the layers below it have "
+                "neither /bin/sh nor /bin/bash"
+            )
         namespace.idmapped_view(lower, view)
         mounted.append(view)
         root = os.stat(lower)
         os.chown(upper, *namespace.running_ids(root.st_uid, root.st_gid))  # the merged root, as the view's
-        mount("overlay", merged, "overlay", f"lowerdir={view},upperdir={upper},workdir={overlay_work}",
-              MS_NOSUID | MS_NODEV)
+        mount(
+            "overlay",
+            merged,
+            "overlay",
+            f"lowerdir={view},upperdir={upper},workdir={overlay_work}",
+            MS_NOSUID | MS_NODEV,
+        )
         mounted.append(merged)
         args = namespace.enter() + [
-            "bwrap", "--bind", merged, "/", "--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--tmpfs", "/tmp",
-            "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent",
-            "--new-session", "--clearenv", "--setenv", "PATH", STEP_PATH, "--setenv", "HOME", "/root",
-            "--setenv", "LANG", "C.UTF-8"]
+            "bwrap",
+            "--bind",
+            merged,
+            "/",
+            "--dev",
+            "/dev",
+            "--proc",
+            "/proc",
+            "--perms",
+            "1777",
+            "--tmpfs",
+            "/tmp",
+            "--unshare-pid",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--unshare-cgroup-try",
+            "--die-with-parent",
+            "--new-session",
+            "--clearenv",
+            "--setenv",
+            "PATH",
+            STEP_PATH,
+            "--setenv",
+            "HOME",
+            "/root",
+            "--setenv",
+            "LANG",
+            "C.UTF-8",
+        ]
         if not step.network:
             args.append("--unshare-net")
         elif os.path.exists("/etc/resolv.conf"):
@@ -254,13 +304,20 @@ def _run_step(store: str, below: list[str], layer: str, key: str, step: Step, na
             mount("", wheels, "", "", MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
             args += ["--ro-bind", wheels, "/codefleet-wheels"]
         with open(log_path, "w") as out:
-            done = subprocess.run(args + [shell, "-c", step.command], stdout=out, stderr=subprocess.STDOUT,
-                                  stdin=subprocess.DEVNULL, pass_fds=(namespace.fd,))
+            done = subprocess.run(
+                args + [shell, "-c", step.command],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                pass_fds=(namespace.fd,),
+            )
         if done.returncode != 0:
             with open(log_path, errors="replace") as f:
                 tail = " | ".join(f.read().strip().splitlines()[-3:])[-400:]
-            raise ImageError(f"the build step `{step.what}` failed (exit {done.returncode}): {tail} (log: "
-                             f"{log_path}); nothing of it was kept")
+            raise ImageError(
+                f"the build step `{step.what}` failed (exit {done.returncode}): {tail} (log: "
+                f"{log_path}); nothing of it was kept"
+            )
         while mounted:
             umount(mounted.pop())
         tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.join(store, "layers"))

@@ -95,8 +95,9 @@ def import_image(archive: str, store_dir: str | None = None) -> Environment:
         raise
     except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile, ValueError, KeyError, TypeError) as e:
         detail = " ".join(str(e).split())[:200]
-        raise ImageError(f"cannot import {archive}: it is corrupt, truncated or not an OCI image "
-                         f"({type(e).__name__}: {detail})") from None
+        raise ImageError(
+            f"cannot import {archive}: it is corrupt, truncated or not an OCI image ({type(e).__name__}: {detail})"
+        ) from None
     except OSError as e:
         raise ImageError(f"cannot import {archive}: {e}") from None
     return Environment(f"sha256:{config_hex}", os.path.join(image_dir, "rootfs"))
@@ -151,8 +152,9 @@ def _store_layer(store: str, source: Archive, name: str, blob_hex: str | None, d
         if blob_hex is not None and got_blob != blob_hex:
             raise source.refuse(f"{name} does not match its digest sha256:{blob_hex} (it is sha256:{got_blob})")
         if got_diff != diff_hex:
-            raise source.refuse(f"the layer in {name} does not match its diff id sha256:{diff_hex} "
-                                f"(it is sha256:{got_diff})")
+            raise source.refuse(
+                f"the layer in {name} does not match its diff id sha256:{diff_hex} (it is sha256:{got_diff})"
+            )
         os.chmod(tmp, 0o555)
         _rename_into_place(tmp, final)
     except BaseException:
@@ -169,8 +171,15 @@ def _store_image(image_dir: str, config_hex: str, layer_dirs: list[str], archive
         merge_layers(layer_dirs, rootfs)
         os.chmod(rootfs, 0o555)
         with open(os.path.join(tmp, "image.json"), "w") as f:
-            json.dump({"config": f"sha256:{config_hex}", "source": archive,
-                       "layers": [os.path.basename(d).replace("-", ":", 1) for d in layer_dirs]}, f, indent=1)
+            json.dump(
+                {
+                    "config": f"sha256:{config_hex}",
+                    "source": archive,
+                    "layers": [os.path.basename(d).replace("-", ":", 1) for d in layer_dirs],
+                },
+                f,
+                indent=1,
+            )
         os.chmod(tmp, 0o711)
         _rename_into_place(tmp, image_dir)
     except BaseException:
@@ -217,7 +226,7 @@ def _merge(layer: str, rootfs: str, modes: dict[str, os.stat_result]) -> None:
             for name in os.listdir(here):
                 _remove_entry(os.path.join(here, name))
         for entry in entries:
-            hidden = entry.name[len(_WHITEOUT):] if entry.name.startswith(_WHITEOUT) else ""
+            hidden = entry.name[len(_WHITEOUT) :] if entry.name.startswith(_WHITEOUT) else ""
             if entry.name != _OPAQUE and hidden not in ("", ".", ".."):
                 _remove_entry(os.path.join(here, hidden))
         for entry in entries:
@@ -299,8 +308,10 @@ def rootfs_of(spec: str) -> str:
     try:
         st = os.stat(path)
     except OSError:
-        raise ImageError(f"SandboxConfig.environment names {spec!r}, which does not exist here; give a root "
-                         "filesystem, an image archive or the id of an imported image (codefleet env ls)") from None
+        raise ImageError(
+            f"SandboxConfig.environment names {spec!r}, which does not exist here; give a root "
+            "filesystem, an image archive or the id of an imported image (codefleet env ls)"
+        ) from None
     if stat.S_ISDIR(st.st_mode) and not os.path.exists(os.path.join(path, "oci-layout")):
         return path
     key = (path, st.st_mtime_ns, st.st_size)
@@ -310,6 +321,7 @@ def rootfs_of(spec: str) -> str:
 
 
 # ---- the store: what is in it, and taking things out -------------------------------------------------
+
 
 @dataclass(frozen=True)
 class StoredImage:
@@ -329,8 +341,17 @@ def list_images(store_dir: str | None = None) -> list[StoredImage]:
             continue  # a temporary directory of an import under way, or debris of one that was killed
         with open(meta) as f:
             info = json.load(f)
-        found.append((os.path.getmtime(meta), StoredImage(info["config"], os.path.join(images_dir, name, "rootfs"),
-                                                          tuple(info["layers"]), info.get("source", ""))))
+        found.append(
+            (
+                os.path.getmtime(meta),
+                StoredImage(
+                    info["config"],
+                    os.path.join(images_dir, name, "rootfs"),
+                    tuple(info["layers"]),
+                    info.get("source", ""),
+                ),
+            )
+        )
     return [image for _, image in sorted(found, key=lambda pair: pair[0])]
 
 

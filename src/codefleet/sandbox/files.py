@@ -33,7 +33,7 @@ def _relative_parts(path: str) -> list[str]:
     if path.startswith("/"):
         if path != WORKSPACE and not path.startswith(WORKSPACE + "/"):
             raise PathEscapeError(f"path {path!r} is outside the workspace {WORKSPACE}; use a relative path")
-        path = path[len(WORKSPACE):]
+        path = path[len(WORKSPACE) :]
     return [p for p in path.split("/") if p not in ("", ".")]
 
 
@@ -84,8 +84,9 @@ class WorkspaceFiles:
                     else:
                         todo = [p for p in target.split("/") if p not in ("", ".")] + todo
                     continue
-                stack.append(os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                                     dir_fd=stack[-1]))
+                stack.append(
+                    os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=stack[-1])
+                )
             return os.dup(stack[-1]), "."  # the path ended in '..'
         finally:
             for fd in stack:
@@ -194,8 +195,10 @@ class WorkspaceFiles:
                 size += len(piece)
                 if size > MAX_READ_BYTES:
                     last = "the end" if end_line is None else end_line
-                    raise ValueError(f"lines {start} to {last} of {path!r} are larger than {MAX_READ_BYTES} bytes; "
-                                     "read fewer lines, or use run")
+                    raise ValueError(
+                        f"lines {start} to {last} of {path!r} are larger than {MAX_READ_BYTES} bytes; "
+                        "read fewer lines, or use run"
+                    )
                 if piece.endswith(b"\n"):
                     number += 1
         return b"".join(chunks).decode("utf-8", "replace")
@@ -219,7 +222,7 @@ class WorkspaceFiles:
             os.ftruncate(fd, 0)
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
         finally:
             os.close(fd)
 
@@ -246,8 +249,15 @@ class WorkspaceFiles:
                     continue
                 name = names.pop()
                 st = os.lstat(name, dir_fd=fd)
-                kind = ("dir" if stat.S_ISDIR(st.st_mode) else "file" if stat.S_ISREG(st.st_mode)
-                        else "symlink" if stat.S_ISLNK(st.st_mode) else "other")
+                kind = (
+                    "dir"
+                    if stat.S_ISDIR(st.st_mode)
+                    else "file"
+                    if stat.S_ISREG(st.st_mode)
+                    else "symlink"
+                    if stat.S_ISLNK(st.st_mode)
+                    else "other"
+                )
                 rel = name if prefix in ("", ".") else f"{prefix}/{name}"
                 out.append(FileEntry(rel, kind, st.st_size))
                 if recursive and kind == "dir" and name != ".git":
@@ -265,7 +275,8 @@ class WorkspaceFiles:
         st = os.fstat(new)
         if (st.st_dev, st.st_ino) != expected:
             os.close(new)
-            raise ValueError(f"{listed!r} changed while it was being listed (a directory in it was moved); "
-                             "list it again")
+            raise ValueError(
+                f"{listed!r} changed while it was being listed (a directory in it was moved); list it again"
+            )
         os.close(fd)
         return new

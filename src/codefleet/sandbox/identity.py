@@ -39,8 +39,9 @@ from dataclasses import dataclass
 from codefleet.sandbox.base import SandboxUnavailableError
 
 SANDBOX_USER = "codefleet-sandbox"
-CREATE_USER = (f"useradd --system --user-group --no-create-home --home-dir /nonexistent "
-               f"--shell /usr/sbin/nologin {SANDBOX_USER}")
+CREATE_USER = (
+    f"useradd --system --user-group --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin {SANDBOX_USER}"
+)
 
 
 @dataclass(frozen=True)
@@ -77,10 +78,13 @@ def host_identity() -> Identity:
         raise SandboxUnavailableError(
             f"codefleet runs sandboxes as the unprivileged system user {SANDBOX_USER!r}, which this host lacks; "
             f"create it with `{CREATE_USER}` (scripts/setup.sh does), or start codefleet as a user other than "
-            "root") from None
+            "root"
+        ) from None
     if entry.pw_uid == 0 or entry.pw_gid == 0:
-        raise SandboxUnavailableError(f"the system user {SANDBOX_USER!r} has uid {entry.pw_uid} and gid "
-                                      f"{entry.pw_gid}; it must not be root: recreate it with `{CREATE_USER}`")
+        raise SandboxUnavailableError(
+            f"the system user {SANDBOX_USER!r} has uid {entry.pw_uid} and gid "
+            f"{entry.pw_gid}; it must not be root: recreate it with `{CREATE_USER}`"
+        )
     return Identity(entry.pw_uid, entry.pw_gid, SANDBOX_USER)
 
 
@@ -97,8 +101,12 @@ _MOVE_MOUNT_F_EMPTY_PATH = 0x4
 
 
 class _MountAttr(ctypes.Structure):
-    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
-                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+    _fields_ = [
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    ]
 
 
 def _check(result: int, what: str, path: str) -> int:
@@ -126,8 +134,9 @@ class _MappingNamespaces:
                 try:
                     self._fds[key] = make_userns(f"{disk_uid} {ident.uid} 1\n", f"{disk_gid} {ident.gid} 1\n")
                 except OSError as e:
-                    raise SandboxUnavailableError("could not create a user namespace for the workspace's idmapped "
-                                                  f"view ({e})") from None
+                    raise SandboxUnavailableError(
+                        f"could not create a user namespace for the workspace's idmapped view ({e})"
+                    ) from None
             return self._fds[key]
 
 
@@ -135,8 +144,9 @@ def make_userns(uid_map: str, gid_map: str) -> int:
     """A descriptor of a new user namespace with these maps: a child unshares it and waits on its stdin while we
     write its maps from outside (as root: any range), then we keep the namespace by its descriptor. OSError with
     what `unshare` said when the host cannot make one."""
-    child = subprocess.Popen(["unshare", "--user", "cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE)
+    child = subprocess.Popen(
+        ["unshare", "--user", "cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     try:
         ours = os.readlink("/proc/self/ns/user")
         deadline = time.monotonic() + 10
@@ -166,16 +176,23 @@ class IdmapUnsupported(OSError):
 def bind_idmapped(source: str, target: str, userns_fd: int) -> None:
     """Bind `source` read-only, nosuid and nodev on `target`, its ids seen through the mapping of the user namespace
     `userns_fd`. IdmapUnsupported where the filesystem cannot be idmapped; OSError naming the step otherwise."""
-    tree = _check(_libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, os.fsencode(source), _OPEN_TREE_CLONE | _OPEN_TREE_CLOEXEC),
-                  "open_tree", source)
+    tree = _check(
+        _libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, os.fsencode(source), _OPEN_TREE_CLONE | _OPEN_TREE_CLOEXEC),
+        "open_tree",
+        source,
+    )
     try:
-        attr = _MountAttr(_MOUNT_ATTR_IDMAP | _MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV, 0, 0,
-                          userns_fd)
+        attr = _MountAttr(
+            _MOUNT_ATTR_IDMAP | _MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV, 0, 0, userns_fd
+        )
         if _libc.syscall(_SYS_MOUNT_SETATTR, tree, b"", _AT_EMPTY_PATH, ctypes.byref(attr), ctypes.sizeof(attr)) < 0:
             err = ctypes.get_errno()
             raise IdmapUnsupported(err, f"mount_setattr {source}: {os.strerror(err)}")
-        _check(_libc.syscall(_SYS_MOVE_MOUNT, tree, b"", _AT_FDCWD, os.fsencode(target), _MOVE_MOUNT_F_EMPTY_PATH),
-               "move_mount", target)
+        _check(
+            _libc.syscall(_SYS_MOVE_MOUNT, tree, b"", _AT_FDCWD, os.fsencode(target), _MOVE_MOUNT_F_EMPTY_PATH),
+            "move_mount",
+            target,
+        )
     finally:
         os.close(tree)
 
@@ -192,7 +209,8 @@ def mount_idmapped(source: str, target: str, ident: Identity) -> None:
         raise SandboxUnavailableError(
             f"cannot make an idmapped view of the repository {source!r} ({e.strerror}): sandboxes started "
             "as root need Linux 5.19 or later and the repository on a filesystem with idmapped mounts (ext4, "
-            "xfs, btrfs, tmpfs; not NFS or overlayfs); copy it to such a filesystem") from None
+            "xfs, btrfs, tmpfs; not NFS or overlayfs); copy it to such a filesystem"
+        ) from None
 
 
 def write_exec_only_shell(path: str) -> str:

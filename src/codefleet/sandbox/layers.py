@@ -92,8 +92,9 @@ def _escape(path: str) -> str:
     return path.replace("\\", "\\\\").replace(":", "\\:").replace(",", "\\,")
 
 
-def mount_overlay(target: str, lowers: list[str], upper: str | None = None, work: str | None = None,
-                  flags: int = MS_NOSUID | MS_NODEV) -> None:
+def mount_overlay(
+    target: str, lowers: list[str], upper: str | None = None, work: str | None = None, flags: int = MS_NOSUID | MS_NODEV
+) -> None:
     """Mount at `target` an overlay of `lowers` (top first), writable through `upper` and `work` if given,
     naming each directory as /proc/self/fd/N of a descriptor held only for the mount: the kernel records and
     shows the options as given, so no mount table, not even a sandbox's, names their host paths."""
@@ -103,7 +104,7 @@ def mount_overlay(target: str, lowers: list[str], upper: str | None = None, work
         for path in lowers + writable:
             fds.append(os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
         named = [f"/proc/self/fd/{fd}" for fd in fds]
-        lowerdir = ":".join(named[:len(lowers)])
+        lowerdir = ":".join(named[: len(lowers)])
         _check_lowerdir(lowerdir, len(lowers))
         options = f"lowerdir={lowerdir}" + (f",upperdir={named[-2]},workdir={named[-1]}" if writable else "")
         mount("overlay", target, "overlay", options, flags)
@@ -114,8 +115,10 @@ def mount_overlay(target: str, lowers: list[str], upper: str | None = None, work
 
 def _check_lowerdir(lowerdir: str, layers: int) -> None:
     if len(lowerdir) > _MAX_LOWERDIR_CHARS:
-        raise SandboxError(f"too many stacked fork layers ({layers}) for one overlay mount; "
-                           "fork from a fresh sandbox instead of a fork of a fork of ...")
+        raise SandboxError(
+            f"too many stacked fork layers ({layers}) for one overlay mount; "
+            "fork from a fresh sandbox instead of a fork of a fork of ..."
+        )
 
 
 def choose_strategy() -> str:
@@ -238,8 +241,10 @@ class _Cursor:
         new = os.open("..", _DIR_FLAGS, dir_fd=self.fd)
         if _identity(os.fstat(new)) != self._trail[-1]:
             os.close(new)
-            raise TreeChangedError("a directory was moved while codefleet copied or removed the tree it is in; "
-                                   "try again once the sandbox's processes are done")
+            raise TreeChangedError(
+                "a directory was moved while codefleet copied or removed the tree it is in; "
+                "try again once the sandbox's processes are done"
+            )
         os.close(self.fd)
         self.fd = new
 
@@ -277,8 +282,7 @@ def copy_layer(src: str, dst: str) -> None:
                 if todo:
                     source.up()
                     target.up()
-                    _copy_meta(f"/proc/self/fd/{source.fd}/{dir_name}", f"/proc/self/fd/{target.fd}/{dir_name}",
-                               dir_st)
+                    _copy_meta(f"/proc/self/fd/{source.fd}/{dir_name}", f"/proc/self/fd/{target.fd}/{dir_name}", dir_st)
                 continue
             name = names.pop()
             st = _copy_entry(source.fd, target.fd, name)
@@ -320,8 +324,9 @@ def _copy_entry(src_fd: int, dst_fd: int, name: str) -> os.stat_result | None:
             with open(fd, "rb") as fi:
                 if not stat.S_ISREG(os.fstat(fd).st_mode):
                     return None  # swapped for a FIFO since it was listed: left out
-                out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                              dir_fd=dst_fd)
+                out = os.open(
+                    name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dst_fd
+                )
                 with open(out, "wb") as fo:
                     shutil.copyfileobj(fi, fo, 1 << 20)
         elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) or stat.S_ISFIFO(st.st_mode):

@@ -30,8 +30,11 @@ def _say_not_isolated() -> None:
     """One line on stderr, the first time this process makes a local sandbox."""
     if not _said.is_set():
         _said.set()
-        print("codefleet: backend 'local': sandboxed commands run WITHOUT isolation, as this user on this host",
-              file=sys.stderr, flush=True)
+        print(
+            "codefleet: backend 'local': sandboxed commands run WITHOUT isolation, as this user on this host",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 class LocalSandbox(ShellSandbox):
@@ -40,12 +43,15 @@ class LocalSandbox(ShellSandbox):
     environments = False  # the host's own userland only
     host_binds = True
 
-    def __init__(self, repo: str | None, config: SandboxConfig | None = None, *, _copy_from: str | None = None,
-                 _replay: str = ""):
+    def __init__(
+        self, repo: str | None, config: SandboxConfig | None = None, *, _copy_from: str | None = None, _replay: str = ""
+    ):
         config = config or SandboxConfig()
         if config.environment is not None:  # backend 'auto' on a host without namespaces: never the host instead
-            raise SandboxUnavailableError("SandboxConfig.environment needs namespace sandboxes, which this host "
-                                          "cannot make; install bubblewrap and enable user namespaces")
+            raise SandboxUnavailableError(
+                "SandboxConfig.environment needs namespace sandboxes, which this host "
+                "cannot make; install bubblewrap and enable user namespaces"
+            )
         _say_not_isolated()
         check_env_names(config.env)
         source = _copy_from or repo
@@ -77,9 +83,15 @@ class LocalSandbox(ShellSandbox):
         return env
 
     def _spawn_shell(self, replay: str) -> tuple[subprocess.Popen, ShellSession]:
-        proc = procs.spawner.popen(["bash", "--noprofile", "--norc", "--noediting", "-i"], stdin=subprocess.PIPE,
-                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=self.workspace,
-                                   env=self._env(), start_new_session=True)
+        proc = procs.spawner.popen(
+            ["bash", "--noprofile", "--norc", "--noediting", "-i"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            cwd=self.workspace,
+            env=self._env(),
+            start_new_session=True,
+        )
 
         def list_procs() -> set[int]:
             return procs.descendants(proc.pid)
@@ -90,18 +102,26 @@ class LocalSandbox(ShellSandbox):
             except subprocess.TimeoutExpired:
                 return 255
 
-        session = ShellSession(proc.stdin.fileno(), proc.stdout.fileno(), proc.pid, list_procs, exit_status,
-                               self.config.output_limit_bytes)
+        session = ShellSession(
+            proc.stdin.fileno(), proc.stdout.fileno(), proc.pid, list_procs, exit_status, self.config.output_limit_bytes
+        )
         c = self.config
-        ulimits = (f"ulimit -S -c 0 -f {c.max_file_mb * 1024} -t {c.cpu_time_s} -u {c.max_processes} "
-                   f"-v {c.memory_mb * 1024}")
+        ulimits = (
+            f"ulimit -S -c 0 -f {c.max_file_mb * 1024} -t {c.cpu_time_s} -u {c.max_processes} -v {c.memory_mb * 1024}"
+        )
         session.wait_ready(setup_script(c, self.workspace, ulimits, replay))
         return proc, session
 
     def _spawn_oneoff(self, argv: list[str]) -> subprocess.Popen:
-        return procs.spawner.popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, cwd=self.workspace, env=self._env(),
-                                   start_new_session=True)
+        return procs.spawner.popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            cwd=self.workspace,
+            env=self._env(),
+            start_new_session=True,
+        )
 
     def _kill_processes(self) -> None:
         if self._proc is None:
@@ -130,6 +150,10 @@ class LocalSandbox(ShellSandbox):
     @property
     def info(self) -> SandboxInfo:
         c = self.config
-        limits = {"memory_mb": str(c.memory_mb), "max_processes": str(c.max_processes),
-                  "cpu_time_s": str(c.cpu_time_s), "enforced_by": "rlimits"}
+        limits = {
+            "memory_mb": str(c.memory_mb),
+            "max_processes": str(c.max_processes),
+            "cpu_time_s": str(c.cpu_time_s),
+            "enforced_by": "rlimits",
+        }
         return SandboxInfo(self.id, self.backend, self.workspace, "copy", limits, isolated=False)

@@ -54,13 +54,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from codefleet.sandbox import procs, seccomp
-from codefleet.sandbox.base import (
-    WORKSPACE,
-    SandboxConfig,
-    SandboxDeadError,
-    SandboxUnavailableError,
-    check_env_names,
-)
+from codefleet.sandbox.base import WORKSPACE, SandboxConfig, SandboxDeadError, SandboxUnavailableError, check_env_names
 from codefleet.sandbox.bwrap import (
     SHELL_PATH,
     bwrap_binary,
@@ -102,24 +96,35 @@ class NamespaceSandbox(ShellSandbox):
     environments = True
     host_binds = True
 
-    def __init__(self, repo: str | None, config: SandboxConfig | None = None, *,
-                 _lowers: list[str] | None = None, _layers: list[str] | None = None, _replay: str = ""):
+    def __init__(
+        self,
+        repo: str | None,
+        config: SandboxConfig | None = None,
+        *,
+        _lowers: list[str] | None = None,
+        _layers: list[str] | None = None,
+        _replay: str = "",
+    ):
         config = config or SandboxConfig()
         reason = unavailable_reason()
         if reason:
             raise SandboxUnavailableError(reason)
         if _lowers is None and repo is not None:  # checked before the owner tracks a half-made sandbox
             if not isinstance(repo, (str, os.PathLike)):
-                raise TypeError(f"the repository must be a directory path, not {type(repo).__name__}; "
-                                "call create_sandbox(repo, config)")
+                raise TypeError(
+                    f"the repository must be a directory path, not {type(repo).__name__}; "
+                    "call create_sandbox(repo, config)"
+                )
             if not os.path.isdir(repo):
                 raise FileNotFoundError(f"repository directory {repo!r} does not exist")
         self.ident: Identity = host_identity()
         check_env_names(config.env)
         missing = [path for path in config.ro_binds if not os.path.exists(path)]
         if missing:
-            raise FileNotFoundError(f"SandboxConfig.ro_binds names {missing[0]!r}, which does not exist on this host; "
-                                    "create it or remove it from ro_binds")
+            raise FileNotFoundError(
+                f"SandboxConfig.ro_binds names {missing[0]!r}, which does not exist on this host; "
+                "create it or remove it from ro_binds"
+            )
         self.owner = owner_for(config.state_dir, self.ident.gid if self.ident.switches else None)
         files = owner_files(self.owner, self.ident)
         self.owner.track(self)
@@ -132,8 +137,12 @@ class NamespaceSandbox(ShellSandbox):
         for layer in self._layers:
             _layer_refs.acquire(layer)
         self.workspace = Workspace(self.dir, _lowers, choose_strategy(), config.workspace_mb, self.ident)
-        super().__init__(sandbox_id, config, self.workspace.merged,
-                         (self.ident.uid, self.ident.gid) if self.workspace.ident else None)
+        super().__init__(
+            sandbox_id,
+            config,
+            self.workspace.merged,
+            (self.ident.uid, self.ident.gid) if self.workspace.ident else None,
+        )
         self.cgroup: Cgroup | None = None
         self._pids: list[tuple[int, int | None]] = []  # (outer bwrap, sandbox init) host pids
         self._init_pid = 0
@@ -147,13 +156,22 @@ class NamespaceSandbox(ShellSandbox):
                 rootfs = None if config.environment is None else rootfs_of(config.environment)
                 if rootfs is not None and os.path.isdir(rootfs):  # else host_args says what is wrong with it
                     userland = self._mount_view(rootfs, "userland")
-            self.cgroup = self.owner.cgroups.create(sandbox_id, config.memory_mb, config.max_processes,
-                                                    config.cpu_cores)
+            self.cgroup = self.owner.cgroups.create(
+                sandbox_id, config.memory_mb, config.max_processes, config.cpu_cores
+            )
             # bwrap's options (through a memfd: see bwrap.py); last, once every mount point exists, the sandbox's
             # own root and /dev become read-only
             self._options = host_args(config, files, ro_sources, view, userland) + [
-                "--bind", self.workspace.merged, WORKSPACE, "--remount-ro", "/dev", "--remount-ro", "/",
-                "--chdir", WORKSPACE]
+                "--bind",
+                self.workspace.merged,
+                WORKSPACE,
+                "--remount-ro",
+                "/dev",
+                "--remount-ro",
+                "/",
+                "--chdir",
+                WORKSPACE,
+            ]
             self._start(_replay)
         except BaseException:
             self._closed = True
@@ -170,8 +188,9 @@ class NamespaceSandbox(ShellSandbox):
             parts += [f"-u {c.max_processes}", f"-v {c.memory_mb * 1024}"]
         return "ulimit -S -H " + " ".join(parts)
 
-    def _spawn(self, argv: list[str], stdout: int, stderr: int, keep_fds: tuple[int, ...] = ()
-               ) -> tuple[subprocess.Popen, int]:
+    def _spawn(
+        self, argv: list[str], stdout: int, stderr: int, keep_fds: tuple[int, ...] = ()
+    ) -> tuple[subprocess.Popen, int]:
         """Start bwrap + argv at its gate, move it into the cgroup, open the gate; (proc, init pid).
         `keep_fds` reach argv (not bwrap's PID 1) with their numbers; the caller closes them."""
         gate_r, gate_w = os.pipe2(os.O_CLOEXEC)
@@ -186,9 +205,18 @@ class NamespaceSandbox(ShellSandbox):
         try:
             # bwrap's own environment stays the environment of the sandbox's PID 1, which any command
             # reads in /proc/1/environ (--clearenv clears only the command's): the host's is not passed.
-            proc = procs.spawner.popen(args + argv, executable=bwrap_binary(), stdin=subprocess.DEVNULL,
-                                       stdout=stdout, stderr=stderr, pass_fds=pass_fds + list(keep_fds),
-                                       start_new_session=True, env=bwrap_env(), cwd="/", **self.ident.popen_kwargs())
+            proc = procs.spawner.popen(
+                args + argv,
+                executable=bwrap_binary(),
+                stdin=subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=stderr,
+                pass_fds=pass_fds + list(keep_fds),
+                start_new_session=True,
+                env=bwrap_env(),
+                cwd="/",
+                **self.ident.popen_kwargs(),
+            )
         except BaseException:
             os.close(gate_w)
             os.close(info_r)
@@ -226,17 +254,30 @@ class NamespaceSandbox(ShellSandbox):
         if not said:
             options = options_fd(self._options)
             try:
-                said = subprocess.run([self.owner.process_name, "--args", str(options), "true"],
-                                      executable=bwrap_binary(), stdin=subprocess.DEVNULL, capture_output=True,
-                                      timeout=20, pass_fds=[options], env=bwrap_env(), cwd="/",
-                                      **self.ident.popen_kwargs()).stderr.decode(errors="replace").strip()
+                said = (
+                    subprocess.run(
+                        [self.owner.process_name, "--args", str(options), "true"],
+                        executable=bwrap_binary(),
+                        stdin=subprocess.DEVNULL,
+                        capture_output=True,
+                        timeout=20,
+                        pass_fds=[options],
+                        env=bwrap_env(),
+                        cwd="/",
+                        **self.ident.popen_kwargs(),
+                    )
+                    .stderr.decode(errors="replace")
+                    .strip()
+                )
             except subprocess.TimeoutExpired:
                 said = ""
             finally:
                 os.close(options)
         said = said[:300] or f"exit status {proc.returncode}"
-        return SandboxUnavailableError(f"bwrap failed to start the sandbox ({said}); check the host paths the "
-                                       "sandbox config names (ro_binds, state_dir)")
+        return SandboxUnavailableError(
+            f"bwrap failed to start the sandbox ({said}); check the host paths the "
+            "sandbox config names (ro_binds, state_dir)"
+        )
 
     def _spawn_shell(self, replay: str) -> tuple[subprocess.Popen, ShellSession]:
         commands_r, commands_w = os.pipe2(os.O_CLOEXEC)
@@ -244,11 +285,17 @@ class NamespaceSandbox(ShellSandbox):
         if self.ident.switches:  # the shell reopens its output (>/dev/stdout): the pipe must be its user's
             os.fchown(output_w, self.ident.uid, self.ident.gid)
         # A readable bash puts the pipes on its own stdin and stdout and becomes the execute-only one.
-        shell = (f"exec -a bash {SHELL_PATH} --noprofile --norc --noediting -i <&{commands_r} >&{output_w} "
-                 f"{commands_r}<&- {output_w}>&-")
+        shell = (
+            f"exec -a bash {SHELL_PATH} --noprofile --norc --noediting -i <&{commands_r} >&{output_w} "
+            f"{commands_r}<&- {output_w}>&-"
+        )
         try:
-            proc, init_pid = self._spawn(["bash", "--noprofile", "--norc", "-c", shell], subprocess.DEVNULL,
-                                         subprocess.DEVNULL, (commands_r, output_w))
+            proc, init_pid = self._spawn(
+                ["bash", "--noprofile", "--norc", "-c", shell],
+                subprocess.DEVNULL,
+                subprocess.DEVNULL,
+                (commands_r, output_w),
+            )
         except BaseException:
             os.close(commands_w)
             os.close(output_r)
@@ -279,8 +326,9 @@ class NamespaceSandbox(ShellSandbox):
         # wait_ready's timeout is interrupted with SIGINT to the shell, and os.kill(0, SIGINT) interrupted
         # codefleet's own process group. The init ignores SIGINT (a PID namespace's init without a handler
         # does), and SIGKILL, the last resort, ends the sandbox.
-        session = ShellSession(proc.stdin.fileno(), proc.stdout.fileno(), init_pid, list_procs, exit_status,
-                               self.config.output_limit_bytes)
+        session = ShellSession(
+            proc.stdin.fileno(), proc.stdout.fileno(), init_pid, list_procs, exit_status, self.config.output_limit_bytes
+        )
         try:
             session.wait_ready(setup_script(self.config, WORKSPACE, self._ulimits(), replay))
         except SandboxDeadError:
@@ -338,8 +386,10 @@ class NamespaceSandbox(ShellSandbox):
         try:
             # Children start in parallel: most of a start is waiting on the kernel (namespaces, mounts).
             with ThreadPoolExecutor(min(n, _FORK_THREADS)) as pool:
-                futures = [pool.submit(NamespaceSandbox, None, self.config, _lowers=lowers, _layers=layers,
-                                       _replay=replay) for _ in range(n)]
+                futures = [
+                    pool.submit(NamespaceSandbox, None, self.config, _lowers=lowers, _layers=layers, _replay=replay)
+                    for _ in range(n)
+                ]
                 for future in futures:
                     try:
                         children.append(future.result())
@@ -396,12 +446,16 @@ class NamespaceSandbox(ShellSandbox):
 
     @property
     def info(self) -> SandboxInfo:
-        limits = {"memory_mb": str(self.config.memory_mb), "max_processes": str(self.config.max_processes),
-                  "cpu_cores": str(self.config.cpu_cores), "cpu_time_s": str(self.config.cpu_time_s),
-                  "workspace_mb": str(self.config.workspace_mb),
-                  "enforced_by": f"cgroup {self.cgroup.mode}" if self.cgroup else "rlimits",
-                  "seccomp": "on" if seccomp.filter_bytes() is not None else "off",
-                  "host_user": f"{self.ident.name} (uid {self.ident.uid})"}
+        limits = {
+            "memory_mb": str(self.config.memory_mb),
+            "max_processes": str(self.config.max_processes),
+            "cpu_cores": str(self.config.cpu_cores),
+            "cpu_time_s": str(self.config.cpu_time_s),
+            "workspace_mb": str(self.config.workspace_mb),
+            "enforced_by": f"cgroup {self.cgroup.mode}" if self.cgroup else "rlimits",
+            "seccomp": "on" if seccomp.filter_bytes() is not None else "off",
+            "host_user": f"{self.ident.name} (uid {self.ident.uid})",
+        }
         return SandboxInfo(self.id, self.backend, WORKSPACE, self.workspace.strategy, limits, isolated=True)
 
 

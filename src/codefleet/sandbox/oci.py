@@ -31,8 +31,7 @@ _MAX_JSON_DEPTH = 32  # an OCI manifest or config nests 5 deep
 _MAX_MEMBERS = 100_000  # of an archive tarball (an image has a few per layer)
 _MAX_HEADER_BYTES = 1 << 20  # a pax or GNU long-name header of a tar, read whole into memory
 _MAX_LINK_HOPS = 8
-_INDEX_TYPES = ("application/vnd.oci.image.index.v1+json",
-                "application/vnd.docker.distribution.manifest.list.v2+json")
+_INDEX_TYPES = ("application/vnd.oci.image.index.v1+json", "application/vnd.docker.distribution.manifest.list.v2+json")
 
 
 class ImageError(SandboxError):
@@ -117,13 +116,14 @@ class Archive:
             if not isinstance(config_desc, dict):
                 raise self.refuse(f"{manifest_name}'s config is not an object")
             config_name, config_hex = self.blob(config_desc)
-            blobs = [(*self.blob(d), d.get("mediaType", ""))
-                     for d in self.objects(manifest.get("layers"), f"{manifest_name}'s layers")]
+            blobs = [
+                (*self.blob(d), d.get("mediaType", ""))
+                for d in self.objects(manifest.get("layers"), f"{manifest_name}'s layers")
+            ]
         elif self.has("manifest.json"):
             entries = self.read_json("manifest.json", kind=list)
             if len(entries) != 1 or not isinstance(entries[0], dict):
-                raise self.refuse(f"its manifest.json lists {len(entries)} images; save exactly one image per "
-                                  "archive")
+                raise self.refuse(f"its manifest.json lists {len(entries)} images; save exactly one image per archive")
             layer_names = entries[0].get("Layers")
             if not isinstance(layer_names, list):
                 raise self.refuse("its manifest.json's Layers is not a list")
@@ -149,8 +149,11 @@ class Archive:
         wanted = {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine, os.uname().machine)
         manifests = self.objects(index.get("manifests"), f"{name}'s manifests")
         platforms = [d.get("platform") if isinstance(d.get("platform"), dict) else {} for d in manifests]
-        found = [d for d, platform in zip(manifests, platforms)
-                 if platform.get("architecture", wanted) == wanted and platform.get("os", "linux") == "linux"]
+        found = [
+            d
+            for d, platform in zip(manifests, platforms)
+            if platform.get("architecture", wanted) == wanted and platform.get("os", "linux") == "linux"
+        ]
         if len(found) != 1:
             raise self.refuse(f"its index lists {len(found)} images for linux/{wanted}; it must list exactly one")
         if found[0].get("mediaType") in _INDEX_TYPES:
@@ -193,8 +196,10 @@ class _DirArchive(Archive):
                     st = os.lstat(part, dir_fd=fd) if e.errno in (errno.ELOOP, errno.ENOTDIR) else None
                     if st is None:
                         raise
-                    raise self.refuse(f"{'/'.join(parts[:i + 1])} is {_kind(st.st_mode)}, not "
-                                      f"{'a regular file' if last else 'a directory'}") from None
+                    raise self.refuse(
+                        f"{'/'.join(parts[: i + 1])} is {_kind(st.st_mode)}, not "
+                        f"{'a regular file' if last else 'a directory'}"
+                    ) from None
                 os.close(fd)
                 fd = child
             st = os.fstat(fd)
@@ -209,9 +214,15 @@ class _DirArchive(Archive):
 
 
 def _kind(mode: int) -> str:
-    return {stat.S_IFLNK: "a symlink", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a device",
-            stat.S_IFBLK: "a device", stat.S_IFDIR: "a directory", stat.S_IFREG: "a regular file"}.get(
-        stat.S_IFMT(mode), "not a file")
+    return {
+        stat.S_IFLNK: "a symlink",
+        stat.S_IFIFO: "a FIFO",
+        stat.S_IFSOCK: "a socket",
+        stat.S_IFCHR: "a device",
+        stat.S_IFBLK: "a device",
+        stat.S_IFDIR: "a directory",
+        stat.S_IFREG: "a regular file",
+    }.get(stat.S_IFMT(mode), "not a file")
 
 
 class CappedTarInfo(tarfile.TarInfo):
@@ -219,8 +230,11 @@ class CappedTarInfo(tarfile.TarInfo):
     refused past _MAX_HEADER_BYTES: a few kB of gzip could otherwise ask for gigabytes."""
 
     def _proc_member(self, tarfile_):
-        if self.type in tarfile.GNU_TYPES + (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE) \
-                and self.type != tarfile.GNUTYPE_SPARSE and self.size > _MAX_HEADER_BYTES:
+        if (
+            self.type in tarfile.GNU_TYPES + (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE)
+            and self.type != tarfile.GNUTYPE_SPARSE
+            and self.size > _MAX_HEADER_BYTES
+        ):
             raise HeaderTooLarge(f"has a tar header of {self.size} bytes (more than {_MAX_HEADER_BYTES >> 20} MB)")
         return super()._proc_member(tarfile_)
 
@@ -242,8 +256,7 @@ class _TarArchive(Archive):
             self.members: dict[str, tarfile.TarInfo] = {}
             for member in self.tar:
                 if len(self.members) >= _MAX_MEMBERS:
-                    raise self.refuse(f"it has more than {_MAX_MEMBERS} members; an image archive has a few per "
-                                      "layer")
+                    raise self.refuse(f"it has more than {_MAX_MEMBERS} members; an image archive has a few per layer")
                 self.members[os.path.normpath(member.name.lstrip("/"))] = member
         except HeaderTooLarge as e:
             self.tar.close()
@@ -270,8 +283,11 @@ class _TarArchive(Archive):
             member = self.members.get(os.path.normpath(target.lstrip("/")))
         if member is None or not member.isfile():
             linked = first is not None and (first.issym() or first.islnk())
-            raise self.refuse(f"{name} is a link that does not end at a file of the archive" if linked else
-                              f"{name} is not a regular file")
+            raise self.refuse(
+                f"{name} is a link that does not end at a file of the archive"
+                if linked
+                else f"{name} is not a regular file"
+            )
         f = self.tar.extractfile(member)
         if f is None:
             raise self.refuse(f"{name} is not a file")

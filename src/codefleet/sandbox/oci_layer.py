@@ -41,7 +41,7 @@ class _Hashing(io.RawIOBase):
 
     def readinto(self, buffer) -> int:
         data = self.f.read(len(buffer))
-        buffer[:len(data)] = data
+        buffer[: len(data)] = data
         self.sha.update(data)
         return len(data)
 
@@ -63,8 +63,10 @@ class _Layer:
         blob_buf = io.BufferedReader(blob, 1 << 20)
         magic = blob_buf.peek(4)[:4]
         if magic == b"\x28\xb5\x2f\xfd":
-            raise self.refuse("is compressed with zstd, which this codefleet cannot read; save the image with "
-                              "gzip or uncompressed layers (docker save, or skopeo copy without --dest-compress)")
+            raise self.refuse(
+                "is compressed with zstd, which this codefleet cannot read; save the image with "
+                "gzip or uncompressed layers (docker save, or skopeo copy without --dest-compress)"
+            )
         stream = gzip.GzipFile(fileobj=blob_buf, mode="rb") if magic[:2] == b"\x1f\x8b" else blob_buf
         tar_hash = _Hashing(stream)
         tar_buf = io.BufferedReader(tar_hash, 1 << 20)
@@ -107,8 +109,10 @@ class _Layer:
             os.mkdir(path, 0o700)
             self.dirs[parent] = (0o755, 0)
             return
-        raise self.refuse(f"has the member {name!r} under {parent!r}, which is not a directory "
-                          f"({'a symlink' if stat.S_ISLNK(st.st_mode) else 'a file'})")
+        raise self.refuse(
+            f"has the member {name!r} under {parent!r}, which is not a directory "
+            f"({'a symlink' if stat.S_ISLNK(st.st_mode) else 'a file'})"
+        )
 
     def extract(self, tar: tarfile.TarFile, member: tarfile.TarInfo) -> None:
         rel = self.path(member.name)
@@ -119,8 +123,10 @@ class _Layer:
         self.bytes_left -= member.size if member.isreg() else 0
         self.inodes_left -= 1
         if self.bytes_left < 0 or self.inodes_left < 0:
-            raise self.refuse(f"does not fit on the disk of {self.dest!r} with {DISK_RESERVE_BYTES >> 30} GB and "
-                              f"{DISK_RESERVE_INODES} inodes to spare (at {member.name!r}); free some space")
+            raise self.refuse(
+                f"does not fit on the disk of {self.dest!r} with {DISK_RESERVE_BYTES >> 30} GB and "
+                f"{DISK_RESERVE_INODES} inodes to spare (at {member.name!r}); free some space"
+            )
         self.parent_dir(rel, member.name)
         path = os.path.join(self.dest, rel)
         try:
@@ -150,8 +156,9 @@ class _Layer:
             target = member.linkname
             climbs = os.path.normpath(os.path.join(os.path.dirname(rel), target)).split("/")[0] == ".."
             if not target or (not target.startswith("/") and climbs):
-                raise self.refuse(f"has the symlink {member.name!r} -> {target!r}, which points outside the "
-                                  "image's root")
+                raise self.refuse(
+                    f"has the symlink {member.name!r} -> {target!r}, which points outside the image's root"
+                )
             os.symlink(target, path)
         elif member.islnk():
             target = self.path(member.linkname, "hard link target")
@@ -162,8 +169,10 @@ class _Layer:
                 except FileNotFoundError:
                     pass
             if st is None or not stat.S_ISREG(st.st_mode):
-                raise self.refuse(f"has the hard link {member.name!r} -> {member.linkname!r}, which is not a "
-                                  "regular file of the same layer")
+                raise self.refuse(
+                    f"has the hard link {member.name!r} -> {member.linkname!r}, which is not a "
+                    "regular file of the same layer"
+                )
             os.link(os.path.join(self.dest, target), path, follow_symlinks=False)
         else:
             raise self.refuse(f"has the member {member.name!r} of an unsupported type {member.type!r}")

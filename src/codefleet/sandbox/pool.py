@@ -22,8 +22,13 @@ log = logging.getLogger(__name__)
 
 
 class SandboxPool:
-    def __init__(self, repo: str | None = None, config: SandboxConfig | None = None, size: int = 4,
-                 factory: Callable[[str | None, SandboxConfig], Sandbox] | None = None):
+    def __init__(
+        self,
+        repo: str | None = None,
+        config: SandboxConfig | None = None,
+        size: int = 4,
+        factory: Callable[[str | None, SandboxConfig], Sandbox] | None = None,
+    ):
         if factory is None:
             factory = create_sandbox
         self.repo = repo
@@ -71,7 +76,7 @@ class SandboxPool:
                 self._failures += 1
                 log.warning("codefleet pool: could not start a sandbox (%s); retrying", e)
                 with self._cond:
-                    self._cond.wait(min(0.1 * 2 ** self._failures, 10.0))
+                    self._cond.wait(min(0.1 * 2**self._failures, 10.0))
                 continue
             with self._cond:
                 if self._closed:
@@ -90,7 +95,7 @@ class SandboxPool:
             sb.close()
         self._thread.join(timeout=30)
 
-    def __enter__(self) -> "SandboxPool":
+    def __enter__(self) -> SandboxPool:
         return self
 
     def __exit__(self, *exc: object) -> None:

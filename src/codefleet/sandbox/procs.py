@@ -58,7 +58,7 @@ def start_time(pid: int) -> int | None:
             stat = f.read()
     except OSError:
         return None
-    return int(stat[stat.rindex(b")") + 2:].split()[19])
+    return int(stat[stat.rindex(b")") + 2 :].split()[19])
 
 
 def kill_if_same(pid: int, started: int | None, sig: int = 9) -> None:

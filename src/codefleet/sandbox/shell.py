@@ -100,12 +100,12 @@ class OutputCollector:
         """Add bytes; return True once the end marker has been seen."""
         window = self._held + chunk
         found = self._marker.search(window) if self._marker_start in window else None
-        body = self._drop_junk(window[:found.start()] if found else window)
+        body = self._drop_junk(window[: found.start()] if found else window)
         if found:
             self.exit_code = int(found.group(1))
             self._store(body)
             self._held = b""
-            self.leftover = window[found.end():]
+            self.leftover = window[found.end() :]
             return True
         split = max(len(body) - self._hold, 0)
         self._store(body[:split])
@@ -132,7 +132,7 @@ class OutputCollector:
             self.head += data[:room]
             data = data[room:]
         if len(data) >= self.tail_limit:
-            self.tail = bytearray(data[len(data) - self.tail_limit:])
+            self.tail = bytearray(data[len(data) - self.tail_limit :])
         elif data:
             self.tail += data
             if len(self.tail) > 2 * self.tail_limit:
@@ -143,7 +143,7 @@ class OutputCollector:
         back are output: the stream ended, or was given up on, without the marker."""
         self._store(self._held)
         self._held = b""
-        tail = bytes(self.tail[-self.tail_limit:]) if self.tail_limit else b""
+        tail = bytes(self.tail[-self.tail_limit :]) if self.tail_limit else b""
         cut = self.total - len(self.head) - len(tail)
         if cut <= 0:
             return (bytes(self.head) + tail).decode("utf-8", "replace"), False, 0
@@ -160,9 +160,15 @@ class ShellSession:
     command left behind.
     """
 
-    def __init__(self, stdin_fd: int, stdout_fd: int, shell_pid: int,
-                 list_procs: Callable[[], set[int]], exit_status: Callable[[], int],
-                 output_limit_bytes: int):
+    def __init__(
+        self,
+        stdin_fd: int,
+        stdout_fd: int,
+        shell_pid: int,
+        list_procs: Callable[[], set[int]],
+        exit_status: Callable[[], int],
+        output_limit_bytes: int,
+    ):
         self._exit_status = exit_status
         self._w = stdin_fd
         self._r = stdout_fd
@@ -195,8 +201,10 @@ class ShellSession:
         started = time.perf_counter()
         self._seq += 1
         prefix = b"\x1e" + self._nonce + b":%d:" % self._seq
-        line = ("\\builtin : ; \\builtin eval -- " + shell_quote(command) + " </dev/null >/dev/stdout 2>&1; "
-                "\\builtin printf '\\036" + self._nonce.decode() + ":" + str(self._seq) + ":%d\\036' $?\n").encode()
+        line = (
+            "\\builtin : ; \\builtin eval -- " + shell_quote(command) + " </dev/null >/dev/stdout 2>&1; "
+            "\\builtin printf '\\036" + self._nonce.decode() + ":" + str(self._seq) + ":%d\\036' $?\n"
+        ).encode()
         before = self._list_procs()
         out = OutputCollector(self._limit, prefix)
         if self._pending:
@@ -212,13 +220,13 @@ class ShellSession:
             self._pending = out.leftover
         duration = time.perf_counter() - started
         if timed_out:
-            text += (f"\n[codefleet: command timed out after {timeout_s:g} s; the processes it started "
-                     "were killed" + ("; the shell is still alive]" if done else "]"))
+            text += f"\n[codefleet: command timed out after {timeout_s:g} s; the processes it started were killed" + (
+                "; the shell is still alive]" if done else "]"
+            )
             return ExecResult(text, 124, True, truncated, duration, cut)
         if not done:  # the shell exited (e.g. `exit 3`) or was killed
             return ExecResult(text, self._exit_status(), False, truncated, duration, cut)
-        return ExecResult(text, out.exit_code if out.exit_code is not None else -1,
-                          False, truncated, duration, cut)
+        return ExecResult(text, out.exit_code if out.exit_code is not None else -1, False, truncated, duration, cut)
 
     def kill_started_since(self, before: set[int], sig: int) -> int:
         victims = self._list_procs() - before
@@ -270,7 +278,7 @@ class ShellSession:
             return view
         except (BrokenPipeError, OSError) as e:
             if isinstance(e, BrokenPipeError) or e.errno == errno.EPIPE:
-                return view[len(view):]
+                return view[len(view) :]
             raise
         return view[n:]
 

@@ -16,12 +16,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import replace
 
-from codefleet.sandbox.base import (
-    SandboxClosedError,
-    SandboxConfig,
-    SandboxDeadError,
-    check_env_names,
-)
+from codefleet.sandbox.base import SandboxClosedError, SandboxConfig, SandboxDeadError, check_env_names
 from codefleet.sandbox.files import WorkspaceFiles
 from codefleet.sandbox.shell import OutputCollector, ShellSession, shell_quote
 from codefleet.types import ExecResult, FileEntry, SandboxInfo, SearchMatch
@@ -30,10 +25,12 @@ from codefleet.types import ExecResult, FileEntry, SandboxInfo, SearchMatch
 def setup_script(config: SandboxConfig, workdir: str, ulimits: str, replay: str = "") -> str:
     """The first lines every fresh shell runs. `exit` is wrapped because an
     interactive bash announces "exit" on stderr, which commands see merged."""
-    lines = ["set +H +o history; unset HISTFILE PROMPT_COMMAND; PS1=''; PS2=''; PS0=''",
-             'exit() { builtin exit "$@" 2>/dev/null; }; logout() { builtin exit "$@" 2>/dev/null; }',
-             ulimits,
-             f"cd {bash_literal(workdir)}"]
+    lines = [
+        "set +H +o history; unset HISTFILE PROMPT_COMMAND; PS1=''; PS2=''; PS0=''",
+        'exit() { builtin exit "$@" 2>/dev/null; }; logout() { builtin exit "$@" 2>/dev/null; }',
+        ulimits,
+        f"cd {bash_literal(workdir)}",
+    ]
     check_env_names(config.env)  # again: the dict may have changed since the config was made
     lines += [f"export {k}={bash_literal(v)}" for k, v in config.env.items()]
     if replay:
@@ -118,8 +115,13 @@ class ShellSandbox(ABC):
     environments = False  # it runs an image's userland (SandboxConfig.environment)
     host_binds = True  # it can bind host paths read-only (SandboxConfig.ro_binds, e.g. a virtual environment)
 
-    def __init__(self, sandbox_id: str, config: SandboxConfig, workspace_host_path: str,
-                 file_owner: tuple[int, int] | None = None):
+    def __init__(
+        self,
+        sandbox_id: str,
+        config: SandboxConfig,
+        workspace_host_path: str,
+        file_owner: tuple[int, int] | None = None,
+    ):
         self.id = sandbox_id
         self.config = config
         self.files = WorkspaceFiles(workspace_host_path, file_owner)
@@ -178,17 +180,24 @@ class ShellSandbox(ABC):
                 return replace(result, output=result.output + self._death_note(result))
             note = self._limit_note(result)
             if restarted:
-                note += ("\n[codefleet: the previous shell had died; this command ran in a fresh shell in the same "
-                         "workspace]")
+                note += (
+                    "\n[codefleet: the previous shell had died; this command ran in a fresh shell in the same "
+                    "workspace]"
+                )
             if restarted or note:
                 return replace(result, output=result.output + note, shell_restarted=restarted)
             return result
 
     def _death_note(self, result: ExecResult) -> str:
-        why = ("the command ignored the interrupt, so codefleet ended the shell" if result.timed_out
-               else f"the shell exited (status {result.exit_code})")
-        return self._limit_note(result) + (f"\n[codefleet: {why}; the next command gets a fresh shell in the same "
-                                           "workspace — cwd, environment and background jobs are reset]")
+        why = (
+            "the command ignored the interrupt, so codefleet ended the shell"
+            if result.timed_out
+            else f"the shell exited (status {result.exit_code})"
+        )
+        return self._limit_note(result) + (
+            f"\n[codefleet: {why}; the next command gets a fresh shell in the same "
+            "workspace — cwd, environment and background jobs are reset]"
+        )
 
     def _oom_kills(self) -> int | None:
         """How many of this sandbox's processes the OOM killer has killed so far; None where nobody counts."""
@@ -212,12 +221,18 @@ class ShellSandbox(ABC):
         try:
             self._start()
         except Exception as e:
-            raise SandboxDeadError(f"sandbox {self.id}: its shell died and could not be restarted ({e}); "
-                                   "close it and create a new sandbox") from e
+            raise SandboxDeadError(
+                f"sandbox {self.id}: its shell died and could not be restarted ({e}); close it and create a new sandbox"
+            ) from e
 
     def alive(self) -> bool:
-        return (not self._closed and self._proc is not None and self._proc.poll() is None
-                and self._session is not None and not self._session.dead)
+        return (
+            not self._closed
+            and self._proc is not None
+            and self._proc.poll() is None
+            and self._session is not None
+            and not self._session.dead
+        )
 
     def run_oneoff(self, argv: list[str], timeout_s: float | None = None) -> ExecResult:
         """Run argv in a new process over the same workspace, outside the shell
@@ -237,8 +252,9 @@ class ShellSandbox(ABC):
         if not finished:
             text += f"\n[codefleet: command timed out after {timeout_s:g} s and was killed]"
             code = 124
-        return ExecResult(text, code if code >= 0 else 128 - code, not finished, truncated,
-                          time.perf_counter() - started, cut)
+        return ExecResult(
+            text, code if code >= 0 else 128 - code, not finished, truncated, time.perf_counter() - started, cut
+        )
 
     def _kill_oneoff(self, proc: subprocess.Popen) -> None:
         try:
@@ -272,9 +288,9 @@ class ShellSandbox(ABC):
         rel = self.files.real_relpath(path)  # refuses paths outside the workspace; resolves symlinks
         # -H: name the file even when `path` is one file; -s: unreadable files are skipped
         # silently, so only a bad pattern prints an error; -D skip: a FIFO is never read.
-        result = self.run_oneoff(["grep", "-rHnIEs", "-D", "skip", "--null", "--exclude-dir=.git", "-e", pattern,
-                                  "--", rel],
-                                 timeout_s=30)
+        result = self.run_oneoff(
+            ["grep", "-rHnIEs", "-D", "skip", "--null", "--exclude-dir=.git", "-e", pattern, "--", rel], timeout_s=30
+        )
         if result.timed_out:
             raise ValueError(f"search for {pattern!r} in {path!r} timed out after 30 s; search a smaller directory")
         matches = []
@@ -288,8 +304,10 @@ class ShellSandbox(ABC):
             elif line.strip():
                 errors.append(line.strip())
         if result.exit_code == 2 and errors:
-            raise ValueError(f"search for {pattern!r} failed: {' '.join(errors)[:300]} (patterns use grep -E "
-                             "syntax; escape special characters such as ( [ { with a backslash)")
+            raise ValueError(
+                f"search for {pattern!r} failed: {' '.join(errors)[:300]} (patterns use grep -E "
+                "syntax; escape special characters such as ( [ { with a backslash)"
+            )
         return matches
 
     # -- fork and close -------------------------------------------------------------
@@ -302,8 +320,11 @@ class ShellSandbox(ABC):
         The cwd is printed with %q and the variables with `export -p` (bash's own
         re-readable form), so names with spaces or newlines survive; a marker line
         separates them from late output of background jobs."""
-        result = self.exec(f"builtin printf '%s\\n%q\\n' {shell_quote(self._STATE_MARK)} \"$PWD\"; "
-                           "( builtin export -n PWD OLDPWD SHLVL 2>/dev/null; builtin export -p )", timeout_s=10)
+        result = self.exec(
+            f"builtin printf '%s\\n%q\\n' {shell_quote(self._STATE_MARK)} \"$PWD\"; "
+            "( builtin export -n PWD OLDPWD SHLVL 2>/dev/null; builtin export -p )",
+            timeout_s=10,
+        )
         _, found, state = result.output.partition(self._STATE_MARK + "\n")
         if not found or result.exit_code != 0:
             return ""

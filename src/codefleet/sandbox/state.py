@@ -170,8 +170,10 @@ def reap_orphans(tree: cgroups.CgroupTree) -> list[str]:
 # Owner.name: "<pid>-<start ticks>-<6 hex>"; "<pid>-<6 hex>" from older versions (no start time)
 _OWNER_NAME = re.compile(r"(?P<pid>\d+)-(?:(?P<ticks>\d+)-)?[0-9a-f]{6}")
 # what an owner mounts: a sandbox's upper layer, workspace and repository view; a frozen layer
-_WORKSPACE_MOUNT = re.compile(rf"(?P<dir>.*/(?P<name>{_OWNER_NAME.pattern}))/"
-                              r"(sb/sb-[0-9a-f]{10}/(rw|merged|repo)|layers/l[0-9a-f]{8})")
+_WORKSPACE_MOUNT = re.compile(
+    rf"(?P<dir>.*/(?P<name>{_OWNER_NAME.pattern}))/"
+    r"(sb/sb-[0-9a-f]{10}/(rw|merged|repo)|layers/l[0-9a-f]{8})"
+)
 
 
 def _reap_if_dead(owner_dir: str, tree: cgroups.CgroupTree) -> bool:

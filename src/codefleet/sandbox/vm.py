@@ -57,6 +57,7 @@ from codefleet.types import ExecResult, FileEntry, SandboxInfo, SearchMatch
 FORK_PARALLEL = 8  # children of one fork restored at once
 RPC_GRACE_S = 60.0  # beyond a command's own timeout, how long the host waits for the agent's answer
 
+
 def vm_unavailable_reason() -> str | None:
     """Why this host cannot run vm sandboxes (one sentence), or None if it can."""
     try:
@@ -72,6 +73,7 @@ def vm_unavailable_reason() -> str | None:
 
 # -- templates ----------------------------------------------------------------------------------------
 
+
 def template_dir() -> str:
     """Snapshots live on tmpfs: their RAM files are mapped by every VM restored from them."""
     return os.environ.get("CODEFLEET_VM_TEMPLATES") or f"/dev/shm/codefleet-vm-{os.getuid()}"
@@ -82,8 +84,9 @@ class Template:
 
     def __init__(self, env_disk: str, memory_mb: int, vcpus: int, workspace_mb: int):
         self.env_disk, self.memory_mb, self.vcpus, self.workspace_mb = env_disk, memory_mb, vcpus, workspace_mb
-        key = json.dumps([vm_image.guest_kernel(), vm_image.initramfs(), env_disk, memory_mb, vcpus, workspace_mb,
-                          accel()])
+        key = json.dumps(
+            [vm_image.guest_kernel(), vm_image.initramfs(), env_disk, memory_mb, vcpus, workspace_mb, accel()]
+        )
         self.dir = os.path.join(template_dir(), hashlib.sha256(key.encode()).hexdigest()[:20])
         self.memory = os.path.join(self.dir, "memory")
         self.state = os.path.join(self.dir, "state")
@@ -105,8 +108,6 @@ class Template:
         with contextlib.suppress(OSError):
             os.utime(self.dir)
 
-
-
     def _build(self, boot_timeout_s: float) -> None:
         building = self.dir + ".part"
         shutil.rmtree(building, ignore_errors=True)
@@ -115,18 +116,26 @@ class Template:
         with open(blank, "wb") as f:
             f.truncate(self.workspace_mb << 20)
         started = time.perf_counter()
-        vm = Qemu(building, memory_mb=self.memory_mb, vcpus=self.vcpus, env_disk=self.env_disk, workspace=blank,
-                  memory=f"memory-backend-file,id=mem,size={self.memory_mb}M,"
-                         f"mem-path={os.path.join(building, 'memory')},share=on",
-                  console=os.path.join(building, "console.log"))
+        vm = Qemu(
+            building,
+            memory_mb=self.memory_mb,
+            vcpus=self.vcpus,
+            env_disk=self.env_disk,
+            workspace=blank,
+            memory=f"memory-backend-file,id=mem,size={self.memory_mb}M,"
+            f"mem-path={os.path.join(building, 'memory')},share=on",
+            console=os.path.join(building, "console.log"),
+        )
         try:
             link = AgentLink(vm.connect_port(time.monotonic() + 30))
             try:
                 link.call("hello", boot_timeout_s, entropy=base64.b64encode(os.urandom(64)).decode())
             except SandboxDeadError as e:
                 time.sleep(0.2)  # QEMU's own last words, if it is exiting
-                raise SandboxUnavailableError(f"the VM did not boot to its agent: {e}; QEMU: {vm.stderr()}; its "
-                                              f"console: {_tail(os.path.join(building, 'console.log'))}") from None
+                raise SandboxUnavailableError(
+                    f"the VM did not boot to its agent: {e}; QEMU: {vm.stderr()}; its "
+                    f"console: {_tail(os.path.join(building, 'console.log'))}"
+                ) from None
             self.boot_s = time.perf_counter() - started
             vm.save(os.path.join(building, "state"), timeout_s=120, ignore_shared=True)
             link.close()
@@ -167,6 +176,7 @@ def _tail(path: str) -> str:
 
 # -- the sandbox -------------------------------------------------------------------------------------
 
+
 class VMSandbox:
     """A sandbox that is a microVM (see the module docstring). Thread-safe like the shell backends."""
 
@@ -179,17 +189,22 @@ class VMSandbox:
         config = config or SandboxConfig()
         check_env_names(config.env)
         if repo is not None and not isinstance(repo, (str, os.PathLike)):
-            raise TypeError(f"the repository must be a directory path, not {type(repo).__name__}; "
-                            "call create_sandbox(repo, config)")
+            raise TypeError(
+                f"the repository must be a directory path, not {type(repo).__name__}; call create_sandbox(repo, config)"
+            )
         if repo is not None and not os.path.isdir(repo):
             raise FileNotFoundError(f"repository directory {repo!r} does not exist")
         if config.ro_binds:
-            raise ValueError(f"SandboxConfig.ro_binds {config.ro_binds} cannot reach a vm sandbox, which sees only its "
-                             "environment's disk and the workspace; give those files as an environment "
-                             "(docs/environments.md) or use backend 'namespace'")
+            raise ValueError(
+                f"SandboxConfig.ro_binds {config.ro_binds} cannot reach a vm sandbox, which sees only its "
+                "environment's disk and the workspace; give those files as an environment "
+                "(docs/environments.md) or use backend 'namespace'"
+            )
         if os.geteuid() == 0 and not user_exists(SANDBOX_USER):
-            raise SandboxUnavailableError(f"as root, vm sandboxes run QEMU as the user {SANDBOX_USER}, which does not "
-                                          "exist; create it with scripts/setup.sh (docs/sandboxes/namespace.md)")
+            raise SandboxUnavailableError(
+                f"as root, vm sandboxes run QEMU as the user {SANDBOX_USER}, which does not "
+                "exist; create it with scripts/setup.sh (docs/sandboxes/namespace.md)"
+            )
         self.config = config
         self.owner = owner_for(config.state_dir)
         self.id = "vm-" + os.urandom(5).hex()
@@ -236,8 +251,12 @@ class VMSandbox:
         template.used()
         fd = os.open(template.state, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            self._launch(env_disk, f"memory-backend-file,id=mem,size={c.memory_mb}M,mem-path={template.memory},"
-                                   "share=off", fd, ignore_shared=True)
+            self._launch(
+                env_disk,
+                f"memory-backend-file,id=mem,size={c.memory_mb}M,mem-path={template.memory},share=off",
+                fd,
+                ignore_shared=True,
+            )
         finally:
             os.close(fd)
         self._call("start", 120, config=_config_dict(c))
@@ -253,8 +272,15 @@ class VMSandbox:
         self.env_disk = env_disk
 
     def _launch(self, env_disk: str, memory: str, incoming_fd: int, ignore_shared: bool) -> None:
-        self.vm = Qemu(self.dir, memory_mb=self.config.memory_mb, vcpus=self.vcpus, env_disk=env_disk,
-                       workspace=self.disk, memory=memory, incoming_fd=incoming_fd)
+        self.vm = Qemu(
+            self.dir,
+            memory_mb=self.config.memory_mb,
+            vcpus=self.vcpus,
+            env_disk=env_disk,
+            workspace=self.disk,
+            memory=memory,
+            incoming_fd=incoming_fd,
+        )
         self.vm.incoming(incoming_fd, ignore_shared)
         with open(os.path.join(self.dir, "pids.json"), "w") as f:  # for the reaper (state.py)
             json.dump([[self.vm.proc.pid, self.vm.started]], f)
@@ -320,8 +346,10 @@ class VMSandbox:
                 self.vm.save(stream, timeout_s=120)  # pauses; QEMU flushed the workspace disk first
                 # restored side by side: each child is its own QEMU reading the same stream
                 with ThreadPoolExecutor(max_workers=min(n, FORK_PARALLEL)) as pool:
-                    made = [pool.submit(VMSandbox, None, self.config, _fork=(self.env_disk, stream, self.disk))
-                            for _ in range(n)]
+                    made = [
+                        pool.submit(VMSandbox, None, self.config, _fork=(self.env_disk, stream, self.disk))
+                        for _ in range(n)
+                    ]
                 children = [f.result() for f in made if f.exception() is None]
                 failed = next((f.exception() for f in made if f.exception() is not None), None)
                 if failed is not None:
@@ -359,9 +387,15 @@ class VMSandbox:
     @property
     def info(self) -> SandboxInfo:
         c = self.config
-        limits = {"memory_mb": str(c.memory_mb), "vcpus": str(self.vcpus), "workspace_mb": str(c.workspace_mb),
-                  "max_processes": str(c.max_processes), "cpu_time_s": str(c.cpu_time_s),
-                  "enforced_by": "vm", "accel": self.vm.accel if self.vm else accel()}
+        limits = {
+            "memory_mb": str(c.memory_mb),
+            "vcpus": str(self.vcpus),
+            "workspace_mb": str(c.workspace_mb),
+            "max_processes": str(c.max_processes),
+            "cpu_time_s": str(c.cpu_time_s),
+            "enforced_by": "vm",
+            "accel": self.vm.accel if self.vm else accel(),
+        }
         return SandboxInfo(self.id, self.backend, "/workspace", "ext4", limits, isolated=True)
 
     def __enter__(self) -> VMSandbox:
@@ -375,9 +409,21 @@ class VMSandbox:
 
 
 def _config_dict(config: SandboxConfig) -> dict:
-    return {k: getattr(config, k) for k in ("timeout_s", "output_limit_bytes", "memory_mb", "max_processes",
-                                             "cpu_cores", "cpu_time_s", "workspace_mb", "tmp_mb", "max_file_mb",
-                                             "env")}
+    return {
+        k: getattr(config, k)
+        for k in (
+            "timeout_s",
+            "output_limit_bytes",
+            "memory_mb",
+            "max_processes",
+            "cpu_cores",
+            "cpu_time_s",
+            "workspace_mb",
+            "tmp_mb",
+            "max_file_mb",
+            "env",
+        )
+    }
 
 
 def _copy_sparse(src: str, dst: str) -> None:

@@ -51,9 +51,11 @@ SHELL_PATH = "/run/codefleet/shell"
 # image's passwd may map any name to 0. The guest's passwd and group say so (vm_image's host disk has the same).
 GUEST_UID = GUEST_GID = 1000
 GUEST_USER = "agent"
-PASSWD = ("root:x:0:0:root:/root:/bin/sh\n"
-          f"{GUEST_USER}:x:{GUEST_UID}:{GUEST_GID}:{GUEST_USER}:/workspace:/bin/bash\n"
-          "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
+PASSWD = (
+    "root:x:0:0:root:/root:/bin/sh\n"
+    f"{GUEST_USER}:x:{GUEST_UID}:{GUEST_GID}:{GUEST_USER}:/workspace:/bin/bash\n"
+    "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+)
 GROUP = f"root:x:0:\n{GUEST_USER}:x:{GUEST_GID}:\nnogroup:x:65534:\n"
 
 
@@ -69,9 +71,16 @@ class GuestSandbox(ShellSandbox):
         self._start(replay)
 
     def _env(self) -> dict[str, str]:
-        return {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/workspace",
-                "LANG": "C.UTF-8", "TERM": "dumb", "PAGER": "cat", "GIT_PAGER": "cat", "USER": GUEST_USER,
-                "TMPDIR": "/tmp"}
+        return {
+            "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "HOME": "/workspace",
+            "LANG": "C.UTF-8",
+            "TERM": "dumb",
+            "PAGER": "cat",
+            "GIT_PAGER": "cat",
+            "USER": GUEST_USER,
+            "TMPDIR": "/tmp",
+        }
 
     def _drop(self) -> None:
         with open("/proc/self/oom_score_adj", "w") as f:  # the OOM killer's choice again, unlike the agent's
@@ -84,9 +93,16 @@ class GuestSandbox(ShellSandbox):
         signal.signal(signal.SIGQUIT, signal.SIG_DFL)
 
     def _spawn_shell(self, replay: str) -> tuple[subprocess.Popen, ShellSession]:
-        proc = subprocess.Popen(["bash", "--noprofile", "--norc", "--noediting", "-i"], executable=SHELL_PATH,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                cwd="/workspace", env=self._env(), preexec_fn=self._drop)
+        proc = subprocess.Popen(
+            ["bash", "--noprofile", "--norc", "--noediting", "-i"],
+            executable=SHELL_PATH,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            cwd="/workspace",
+            env=self._env(),
+            preexec_fn=self._drop,
+        )
         for pipe in (proc.stdin, proc.stdout):  # each command reopens /dev/stdout, which only its owner may
             os.fchown(pipe.fileno(), self.uid, self.gid)
 
@@ -99,16 +115,24 @@ class GuestSandbox(ShellSandbox):
             except subprocess.TimeoutExpired:
                 return 255
 
-        session = ShellSession(proc.stdin.fileno(), proc.stdout.fileno(), proc.pid, list_procs, exit_status,
-                               self.config.output_limit_bytes)
+        session = ShellSession(
+            proc.stdin.fileno(), proc.stdout.fileno(), proc.pid, list_procs, exit_status, self.config.output_limit_bytes
+        )
         c = self.config
         ulimits = f"ulimit -S -c 0 -f {c.max_file_mb * 1024} -t {c.cpu_time_s} -u {c.max_processes}"
         session.wait_ready(setup_script(c, "/workspace", ulimits, replay))
         return proc, session
 
     def _spawn_oneoff(self, argv: list[str]) -> subprocess.Popen:
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                cwd="/workspace", env=self._env(), preexec_fn=self._drop)
+        return subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            cwd="/workspace",
+            env=self._env(),
+            preexec_fn=self._drop,
+        )
 
     def _kill_processes(self) -> None:
         _kill_all_of(self.uid)
@@ -186,7 +210,7 @@ class Agent:
                     break
                 if len(buf) < 4 + size:
                     break
-                frame, buf = buf[4:4 + size], buf[4 + size:]
+                frame, buf = buf[4 : 4 + size], buf[4 + size :]
                 try:
                     request = json.loads(frame)
                 except ValueError:
@@ -199,7 +223,7 @@ class Agent:
             view = memoryview(struct.pack(">I", len(data)) + data)
             try:
                 while view:
-                    view = view[os.write(self.port, view):]
+                    view = view[os.write(self.port, view) :]
             except OSError:  # the host went away (a snapshot is being taken, or it closed): the answer is lost
                 pass
 
@@ -225,8 +249,11 @@ class Agent:
             fcntl.ioctl(fd, 0x1261)
         finally:
             os.close(fd)
-        subprocess.run(["mount", "-t", "ext4", "-o", "nosuid,nodev", WORKSPACE_DEVICE, "/workspace"], check=True,
-                       capture_output=True)
+        subprocess.run(
+            ["mount", "-t", "ext4", "-o", "nosuid,nodev", WORKSPACE_DEVICE, "/workspace"],
+            check=True,
+            capture_output=True,
+        )
         try:
             os.rmdir("/workspace/lost+found")
         except OSError:
@@ -237,10 +264,11 @@ class Agent:
         # What commands can write into memory (/tmp, /dev/shm and, through the root's overlay, /var/tmp: 12%,
         # vm_image.INIT) stays within half the VM's: filled, it is "No space left on device", not a VM whose
         # agent and kernel starve, which no OOM kill can help (a file in memory belongs to no process).
-        for point, size_mb in (("/tmp", min(config.tmp_mb, config.memory_mb // 4)),
-                               ("/dev/shm", min(config.tmp_mb, config.memory_mb // 8))):
-            subprocess.run(["mount", "-o", f"remount,size={max(size_mb, 1)}m", point], check=True,
-                           capture_output=True)
+        for point, size_mb in (
+            ("/tmp", min(config.tmp_mb, config.memory_mb // 4)),
+            ("/dev/shm", min(config.tmp_mb, config.memory_mb // 8)),
+        ):
+            subprocess.run(["mount", "-o", f"remount,size={max(size_mb, 1)}m", point], check=True, capture_output=True)
         self.box = GuestSandbox(config, self.uid, self.gid)
         return {}
 
@@ -286,17 +314,24 @@ def _power_off() -> None:
 
 
 def _mounts() -> None:
-    for args in (["-t", "proc", "-o", "nosuid,nodev,noexec", "proc", "/proc"],
-                 ["-t", "sysfs", "-o", "nosuid,nodev,noexec", "sys", "/sys"],
-                 ["-t", "tmpfs", "-o", "nosuid,nodev,mode=1777,size=512m", "tmp", "/tmp"]):
+    for args in (
+        ["-t", "proc", "-o", "nosuid,nodev,noexec", "proc", "/proc"],
+        ["-t", "sysfs", "-o", "nosuid,nodev,noexec", "sys", "/sys"],
+        ["-t", "tmpfs", "-o", "nosuid,nodev,mode=1777,size=512m", "tmp", "/tmp"],
+    ):
         subprocess.run(["mount", *args], check=True)
     os.makedirs("/dev/shm", exist_ok=True)
     os.makedirs("/dev/pts", exist_ok=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "nosuid,nodev,mode=1777,size=64m", "shm", "/dev/shm"], check=True)
-    subprocess.run(["mount", "-t", "devpts", "-o", "nosuid,noexec,newinstance,ptmxmode=0666", "pts", "/dev/pts"],
-                   check=False)
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
-                         ("stderr", "/proc/self/fd/2")):  # what udev would make; the shell's protocol needs them
+    subprocess.run(
+        ["mount", "-t", "devpts", "-o", "nosuid,noexec,newinstance,ptmxmode=0666", "pts", "/dev/pts"], check=False
+    )
+    for name, target in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ):  # what udev would make; the shell's protocol needs them
         if not os.path.lexists(f"/dev/{name}"):
             os.symlink(target, f"/dev/{name}")
     with open("/proc/sys/kernel/dmesg_restrict", "w") as f:

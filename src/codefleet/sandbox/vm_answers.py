@@ -85,10 +85,15 @@ def _exec_answer(raw: object, args: dict, output_limit_bytes: int) -> ExecResult
     r = _record(raw, tuple(f.name for f in dataclasses.fields(ExecResult)), "the result")
     duration = r["duration_s"]
     _expect(type(duration) in (int, float) and 0 <= duration <= 1e7, "duration_s is not a duration")  # NaN fails
-    return ExecResult(_text(r["output"], output_limit_bytes + _NOTES_CHARS, "the output"),
-                      _int(r["exit_code"], _MIN_STATUS, 255, "exit_code"), _bool(r["timed_out"], "timed_out"),
-                      _bool(r["truncated"], "truncated"), float(duration), _int(r["cut_bytes"], 0, _MAX_INT, "cut_bytes"),
-                      _bool(r["shell_restarted"], "shell_restarted"))
+    return ExecResult(
+        _text(r["output"], output_limit_bytes + _NOTES_CHARS, "the output"),
+        _int(r["exit_code"], _MIN_STATUS, 255, "exit_code"),
+        _bool(r["timed_out"], "timed_out"),
+        _bool(r["truncated"], "truncated"),
+        float(duration),
+        _int(r["cut_bytes"], 0, _MAX_INT, "cut_bytes"),
+        _bool(r["shell_restarted"], "shell_restarted"),
+    )
 
 
 def _list_answer(raw: object, args: dict, output_limit_bytes: int) -> list[FileEntry]:
@@ -97,8 +102,13 @@ def _list_answer(raw: object, args: dict, output_limit_bytes: int) -> list[FileE
     for row in raw:
         r = _record(row, ("path", "kind", "size_bytes"), "an entry")
         _expect(r["kind"] in _KINDS, f"an entry's kind is not one of {_KINDS}")
-        entries.append(FileEntry(_path(r["path"], "an entry's path"), r["kind"],
-                                 _int(r["size_bytes"], 0, _MAX_INT, "an entry's size_bytes")))
+        entries.append(
+            FileEntry(
+                _path(r["path"], "an entry's path"),
+                r["kind"],
+                _int(r["size_bytes"], 0, _MAX_INT, "an entry's size_bytes"),
+            )
+        )
     return entries
 
 
@@ -108,9 +118,13 @@ def _search_answer(raw: object, args: dict, output_limit_bytes: int) -> list[Sea
     matches = []
     for row in raw:
         r = _record(row, ("path", "line_number", "line"), "a match")
-        matches.append(SearchMatch(_text(r["path"], 1 << 20, "a match's path"),
-                                   _int(r["line_number"], 1, _MAX_INT, "a match's line_number"),
-                                   _text(r["line"], output_limit_bytes, "a match's line")))
+        matches.append(
+            SearchMatch(
+                _text(r["path"], 1 << 20, "a match's path"),
+                _int(r["line_number"], 1, _MAX_INT, "a match's line_number"),
+                _text(r["line"], output_limit_bytes, "a match's line"),
+            )
+        )
     return matches
 
 

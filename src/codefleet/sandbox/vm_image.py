@@ -43,11 +43,30 @@ from codefleet.sandbox.vm_agent import GROUP, PASSWD
 
 # Modules, in load order (each after what it depends on). crc32c: ext4's metadata checksums, which the
 # kernel would otherwise ask modprobe for, which the initramfs does not have.
-MODULES = ("virtio_ring", "virtio", "virtio_mmio", "virtio_blk", "virtio_console", "crc16", "crc32c_generic",
-           "libcrc32c", "mbcache", "jbd2", "ext4", "erofs", "overlay")
+MODULES = (
+    "virtio_ring",
+    "virtio",
+    "virtio_mmio",
+    "virtio_blk",
+    "virtio_console",
+    "crc16",
+    "crc32c_generic",
+    "libcrc32c",
+    "mbcache",
+    "jbd2",
+    "ext4",
+    "erofs",
+    "overlay",
+)
 # The agent's code: these modules import only the standard library and each other.
-AGENT_MODULES = ("types.py", "sandbox/base.py", "sandbox/files.py", "sandbox/shell.py", "sandbox/shellbox.py",
-                 "sandbox/vm_agent.py")
+AGENT_MODULES = (
+    "types.py",
+    "sandbox/base.py",
+    "sandbox/files.py",
+    "sandbox/shell.py",
+    "sandbox/shellbox.py",
+    "sandbox/vm_agent.py",
+)
 SETUP_HINT = "run `codefleet sandbox vm-setup` (scripts/setup.sh does on a host with /dev/kvm)"
 
 INIT = r"""#!/bin/busybox sh
@@ -110,12 +129,16 @@ def setup_kernel(deb: str | None = None) -> str:
             deb = _download_kernel_package(tmp)
         subprocess.run(["dpkg-deb", "-x", deb, os.path.join(tmp, "x")], check=True)
         [vmlinuz] = glob.glob(os.path.join(tmp, "x", "boot", "vmlinuz-*"))
-        index = {re.sub(r"\.ko(\.\w+)?$", "", os.path.basename(p)).replace("-", "_"): p
-                 for p in glob.glob(os.path.join(tmp, "x", "lib", "modules", "*", "**", "*.ko*"), recursive=True)}
+        index = {
+            re.sub(r"\.ko(\.\w+)?$", "", os.path.basename(p)).replace("-", "_"): p
+            for p in glob.glob(os.path.join(tmp, "x", "lib", "modules", "*", "**", "*.ko*"), recursive=True)
+        }
         missing = [m for m in MODULES if m not in index]
         if missing:
-            raise SandboxUnavailableError(f"the kernel package {os.path.basename(deb)} lacks the modules "
-                                          f"{', '.join(missing)}; use Debian's linux-image-amd64")
+            raise SandboxUnavailableError(
+                f"the kernel package {os.path.basename(deb)} lacks the modules "
+                f"{', '.join(missing)}; use Debian's linux-image-amd64"
+            )
         staging = out + ".part"
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(os.path.join(staging, "modules"))
@@ -123,8 +146,10 @@ def setup_kernel(deb: str | None = None) -> str:
             out_f.write(_vmlinux_of(f.read()))
         for name in MODULES:
             if not index[name].endswith(".ko"):
-                raise SandboxUnavailableError(f"module {index[name]} is compressed; this kernel package is not "
-                                              "one codefleet can use (Debian 12's linux-image-amd64 is)")
+                raise SandboxUnavailableError(
+                    f"module {index[name]} is compressed; this kernel package is not "
+                    "one codefleet can use (Debian 12's linux-image-amd64 is)"
+                )
             shutil.copy(index[name], os.path.join(staging, "modules", name + ".ko"))
         with open(os.path.join(staging, "modules.order"), "w") as f:
             f.write("\n".join(MODULES) + "\n")
@@ -141,9 +166,11 @@ def _vmlinux_of(bzimage: bytes) -> bytes:
     import gzip
     import lzma
 
-    for magic, decompress in ((b"\xfd7zXZ\x00", lambda d: lzma.LZMADecompressor(lzma.FORMAT_XZ).decompress(d)),
-                              (b"\x1f\x8b\x08\x00", lambda d: gzip.GzipFile(fileobj=io.BytesIO(d)).read1(1 << 30)),
-                              (b"\x28\xb5\x2f\xfd", _unzstd)):
+    for magic, decompress in (
+        (b"\xfd7zXZ\x00", lambda d: lzma.LZMADecompressor(lzma.FORMAT_XZ).decompress(d)),
+        (b"\x1f\x8b\x08\x00", lambda d: gzip.GzipFile(fileobj=io.BytesIO(d)).read1(1 << 30)),
+        (b"\x28\xb5\x2f\xfd", _unzstd),
+    ):
         at = bzimage.find(magic)
         if at >= 0:
             elf = decompress(bzimage[at:])
@@ -159,8 +186,9 @@ def _unzstd(data: bytes) -> bytes:
 
 
 def _download_kernel_package(into: str) -> str:
-    depends = subprocess.run(["apt-cache", "depends", "linux-image-amd64"], capture_output=True, text=True,
-                             check=True).stdout
+    depends = subprocess.run(
+        ["apt-cache", "depends", "linux-image-amd64"], capture_output=True, text=True, check=True
+    ).stdout
     names = re.findall(r"Depends: (linux-image-\S+)", depends)
     if not names:
         raise SandboxUnavailableError("apt knows no linux-image-amd64 package; run `apt-get update` first")
@@ -170,6 +198,7 @@ def _download_kernel_package(into: str) -> str:
 
 
 # -- initramfs --------------------------------------------------------------------------------------
+
 
 def agent_zip() -> bytes:
     """The guest agent's code as a zip that `python3 agent.zip` runs (its __main__ starts vm_agent)."""
@@ -181,8 +210,10 @@ def agent_zip() -> bytes:
         for rel in AGENT_MODULES:
             with open(os.path.join(root, rel), "rb") as f:
                 z.writestr(zipfile.ZipInfo("codefleet/" + rel, (2020, 1, 1, 0, 0, 0)), f.read())
-        z.writestr(zipfile.ZipInfo("__main__.py", (2020, 1, 1, 0, 0, 0)),
-                   "from codefleet.sandbox.vm_agent import main\nmain()\n")
+        z.writestr(
+            zipfile.ZipInfo("__main__.py", (2020, 1, 1, 0, 0, 0)),
+            "from codefleet.sandbox.vm_agent import main\nmain()\n",
+        )
     return buf.getvalue()
 
 
@@ -195,8 +226,12 @@ def initramfs() -> str:
         raise SandboxUnavailableError("the vm backend needs a static busybox; install Debian's busybox-static")
     with open(busybox, "rb") as f:
         busybox_bytes = f.read()
-    entries: list[tuple[str, int, bytes]] = [("bin", 0o40755, b""), ("proc", 0o40755, b""), ("dev", 0o40755, b""),
-                                             ("modules", 0o40755, b"")]
+    entries: list[tuple[str, int, bytes]] = [
+        ("bin", 0o40755, b""),
+        ("proc", 0o40755, b""),
+        ("dev", 0o40755, b""),
+        ("modules", 0o40755, b""),
+    ]
     entries.append(("bin/busybox", 0o100755, busybox_bytes))
     entries.append(("init", 0o100755, INIT.encode()))
     with open(os.path.join(kdir, "modules.order"), "rb") as f:
@@ -249,11 +284,30 @@ def _cpio(entries: list[tuple[str, int, bytes]]) -> bytes:
 # installation, git, grep, compilers). Never the host's configuration or state: /etc (the guest gets its own,
 # `guest_etc`), /usr/etc and /usr/local/etc, /usr/src, /var, /home, /root. On a merged-/usr host /bin, /sbin
 # and /lib* are symlinks into /usr, and stay symlinks.
-HOST_USERLAND = ("bin", "sbin", "lib", "lib32", "lib64", "libx32",
-                 "usr/bin", "usr/sbin", "usr/lib", "usr/lib32", "usr/lib64", "usr/libx32", "usr/libexec",
-                 "usr/include", "usr/share",
-                 "usr/local/bin", "usr/local/sbin", "usr/local/lib", "usr/local/lib64", "usr/local/libexec",
-                 "usr/local/include", "usr/local/share")
+HOST_USERLAND = (
+    "bin",
+    "sbin",
+    "lib",
+    "lib32",
+    "lib64",
+    "libx32",
+    "usr/bin",
+    "usr/sbin",
+    "usr/lib",
+    "usr/lib32",
+    "usr/lib64",
+    "usr/libx32",
+    "usr/libexec",
+    "usr/include",
+    "usr/share",
+    "usr/local/bin",
+    "usr/local/sbin",
+    "usr/local/lib",
+    "usr/local/lib64",
+    "usr/local/libexec",
+    "usr/local/include",
+    "usr/local/share",
+)
 # An environment's root filesystem (an image: its own /etc) is taken by these top directories.
 IMAGE_TOPS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "opt")
 # Of the host's /etc, only what is the same on every host with these packages: the loader's cache and its
@@ -269,11 +323,19 @@ def guest_etc(root: str = "/") -> list[tuple[str, str, str | bytes]]:
     """The /etc of the host userland's disk, as (path under etc, "dir" | "file" | "symlink", content or target):
     the guest's own passwd, group, hosts and nsswitch.conf, and ETC_COPIED and ETC_DIRS_COPIED from `root`."""
     entries: list[tuple[str, str, str | bytes]] = [
-        ("passwd", "file", PASSWD.encode()), ("group", "file", GROUP.encode()),
+        ("passwd", "file", PASSWD.encode()),
+        ("group", "file", GROUP.encode()),
         ("hosts", "file", b"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"),
-        ("nsswitch.conf", "file", b"".join(b"%s: files\n" % db for db in (b"passwd", b"group", b"shadow", b"hosts",
-                                                                            b"networks", b"protocols", b"services"))),
-        ("mtab", "symlink", "../proc/self/mounts")]
+        (
+            "nsswitch.conf",
+            "file",
+            b"".join(
+                b"%s: files\n" % db
+                for db in (b"passwd", b"group", b"shadow", b"hosts", b"networks", b"protocols", b"services")
+            ),
+        ),
+        ("mtab", "symlink", "../proc/self/mounts"),
+    ]
     if os.path.isfile(os.path.join(root, "usr/lib/os-release")):
         entries.append(("os-release", "symlink", "../usr/lib/os-release"))
     for name in ETC_COPIED:
@@ -314,8 +376,10 @@ def environment_disk(rootfs: str | None = None, userland: tuple[str, ...] = HOST
         raise SandboxUnavailableError("the vm backend needs mkfs.erofs; install Debian's erofs-utils")
     source = rootfs or "/"
     if not any(os.path.lexists(os.path.join(source, p)) for p in ("usr/bin/python3", "usr/local/bin/python3")):
-        raise SandboxUnavailableError(f"the environment {source} has no python3 in /usr/bin or /usr/local/bin; the "
-                                      "vm backend's guest agent runs on it (use an image with Python 3.7 or later)")
+        raise SandboxUnavailableError(
+            f"the environment {source} has no python3 in /usr/bin or /usr/local/bin; the "
+            "vm backend's guest agent runs on it (use an image with Python 3.7 or later)"
+        )
     stamp = hashlib.sha256(f"{DISK_FORMAT}\0{os.path.abspath(source)}\0".encode())
     if rootfs is None:
         etc = guest_etc()
@@ -354,7 +418,7 @@ def _drop_older_disks(path: str, source: str) -> None:
     with open(path + ".source", "w") as f:
         f.write(os.path.abspath(source))
     for other in glob.glob(os.path.join(os.path.dirname(path), "*.erofs.source")):
-        disk = other[:-len(".source")]
+        disk = other[: -len(".source")]
         if disk == path:
             continue
         with open(other) as f:
@@ -397,8 +461,13 @@ def _build_host_erofs(path: str, present: list[str], etc: list[tuple[str, str, s
         if os.geteuid() == 0:
             _mkfs(path, stage, [], unshare=("unshare", "--mount", "--propagation", "private"), setup="".join(binds))
         else:
-            _mkfs(path, stage, ["--all-root"], setup="".join(binds),
-                  unshare=("unshare", "--user", "--map-root-user", "--mount", "--propagation", "private"))
+            _mkfs(
+                path,
+                stage,
+                ["--all-root"],
+                setup="".join(binds),
+                unshare=("unshare", "--user", "--map-root-user", "--mount", "--propagation", "private"),
+            )
 
 
 def _build_erofs(path: str, source: str, present: list[str]) -> None:
@@ -412,15 +481,19 @@ def _mkfs(path: str, source: str, options: list[str], unshare: tuple[str, ...] =
     from its first byte to its last (umask 077, then chmod)."""
     tmp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}.part"
     script = f'set -e\numask 077\n{setup}exec "$@"\n'
-    proc = subprocess.run([*unshare, "sh", "-c", script, "sh", "mkfs.erofs", "--quiet", "-x-1", *options, tmp, source],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [*unshare, "sh", "-c", script, "sh", "mkfs.erofs", "--quiet", "-x-1", *options, tmp, source],
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
-        raise SandboxUnavailableError(f"could not build the environment disk from {source}: "
-                                      f"{(proc.stderr or proc.stdout).strip()[-400:]}")
+        raise SandboxUnavailableError(
+            f"could not build the environment disk from {source}: {(proc.stderr or proc.stdout).strip()[-400:]}"
+        )
     os.chmod(tmp, DISK_MODE)
     os.replace(tmp, path)
 
@@ -431,8 +504,19 @@ def workspace_disk(path: str, repo: str | None, size_mb: int) -> None:
         raise SandboxUnavailableError("the vm backend needs mkfs.ext4; install Debian's e2fsprogs")
     with open(path, "wb") as f:
         f.truncate(size_mb << 20)
-    args = ["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-E", "lazy_itable_init=1,nodiscard",
-            "-m", "0", "-L", "workspace"]
+    args = [
+        "mkfs.ext4",
+        "-q",
+        "-F",
+        "-O",
+        "^has_journal",
+        "-E",
+        "lazy_itable_init=1,nodiscard",
+        "-m",
+        "0",
+        "-L",
+        "workspace",
+    ]
     if repo is not None:
         args += ["-d", repo]
     proc = subprocess.run(args + [path], capture_output=True, text=True)

@@ -19,22 +19,24 @@ import time
 from concurrent.futures import Future
 
 from codefleet.sandbox import procs, vm_image
-from codefleet.sandbox.base import (
-    PathEscapeError,
-    SandboxDeadError,
-    SandboxError,
-    SandboxUnavailableError,
-)
+from codefleet.sandbox.base import PathEscapeError, SandboxDeadError, SandboxError, SandboxUnavailableError
 from codefleet.sandbox.files import FileTooLargeError
 from codefleet.sandbox.identity import SANDBOX_USER
 
 MAX_RESPONSE = 64 << 20  # an agent's answer larger than this is a broken (or hostile) guest
 MAX_ERROR_MESSAGE = 2000  # vm_agent.Agent.handle cuts an error's message to this
-_ERRORS = {"PathEscapeError": PathEscapeError, "FileNotFoundError": FileNotFoundError,
-           "IsADirectoryError": IsADirectoryError, "NotADirectoryError": NotADirectoryError,
-           "FileExistsError": FileExistsError, "PermissionError": PermissionError,
-           "FileTooLargeError": FileTooLargeError, "ValueError": ValueError, "UnicodeDecodeError": ValueError,
-           "SandboxDeadError": SandboxDeadError}
+_ERRORS = {
+    "PathEscapeError": PathEscapeError,
+    "FileNotFoundError": FileNotFoundError,
+    "IsADirectoryError": IsADirectoryError,
+    "NotADirectoryError": NotADirectoryError,
+    "FileExistsError": FileExistsError,
+    "PermissionError": PermissionError,
+    "FileTooLargeError": FileTooLargeError,
+    "ValueError": ValueError,
+    "UnicodeDecodeError": ValueError,
+    "SandboxDeadError": SandboxDeadError,
+}
 _said_tcg = threading.Event()
 
 
@@ -57,12 +59,17 @@ def accel() -> str:
         return "kvm"
     if not _said_tcg.is_set():
         _said_tcg.set()
-        why = ("/dev/kvm is PVM, which runs only PVM-built kernels" if os.path.isdir("/sys/module/kvm_pvm")
-               else "/dev/kvm is missing or not usable by this user")
-        print(f"codefleet: backend 'vm': {why}; VMs run under QEMU's TCG emulation (same isolation, far slower)",
-              file=sys.stderr, flush=True)
+        why = (
+            "/dev/kvm is PVM, which runs only PVM-built kernels"
+            if os.path.isdir("/sys/module/kvm_pvm")
+            else "/dev/kvm is missing or not usable by this user"
+        )
+        print(
+            f"codefleet: backend 'vm': {why}; VMs run under QEMU's TCG emulation (same isolation, far slower)",
+            file=sys.stderr,
+            flush=True,
+        )
     return "tcg"
-
 
 
 # -- QEMU -------------------------------------------------------------------------------------------
@@ -105,9 +112,13 @@ class _Watchdog:
             if self._proc is None or self._proc.poll() is not None:
                 # Not tied to the owner by PR_SET_PDEATHSIG: its SIGKILL would come right after the EOF that
                 # tells the watchdog to act, and kill it first. EOF alone ends it.
-                self._proc = procs.spawner.popen([sys.executable, "-I", "-S", "-c", _WATCHDOG],
-                                                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                                 stderr=subprocess.DEVNULL, start_new_session=True)
+                self._proc = procs.spawner.popen(
+                    [sys.executable, "-I", "-S", "-c", _WATCHDOG],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
             self._proc.stdin.write(line.encode())
             self._proc.stdin.flush()
 
@@ -120,6 +131,7 @@ class _Watchdog:
 
 watchdog = _Watchdog()
 
+
 def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     for s in (signal.SIGINT, signal.SIGQUIT):
@@ -129,8 +141,18 @@ def _die_with_parent() -> None:
 class Qemu:
     """One QEMU process: its QMP monitor and the agent's port."""
 
-    def __init__(self, workdir: str, *, memory_mb: int, vcpus: int, env_disk: str, workspace: str,
-                 memory: str, incoming_fd: int | None = None, console: str | None = None):
+    def __init__(
+        self,
+        workdir: str,
+        *,
+        memory_mb: int,
+        vcpus: int,
+        env_disk: str,
+        workspace: str,
+        memory: str,
+        incoming_fd: int | None = None,
+        console: str | None = None,
+    ):
         self.workdir = workdir
         self.qmp_path = os.path.join(workdir, "qmp.sock")
         self.port_path = os.path.join(workdir, "agent.sock")
@@ -140,20 +162,50 @@ class Qemu:
         else:
             machine, cpu = "microvm,acpi=on,pit=off,pic=off,rtc=off", ["-accel", "kvm", "-cpu", "host"]
         kernel = vm_image.guest_kernel()
-        args = [qemu_binary(), "-M", machine, *cpu, "-smp", str(vcpus), "-m", f"{memory_mb}M",
-                "-object", memory, "-machine", "memory-backend=mem",
-                "-nodefaults", "-no-user-config", "-nographic", "-no-reboot", "-nic", "none",
-                "-kernel", kernel, "-initrd", vm_image.initramfs(),
-                "-append", "console=ttyS0 quiet panic=-1 reboot=t random.trust_cpu=on" + _timer_args(self.accel),
-                "-serial", f"file:{console}" if console else "null",
-                "-drive", "id=env,file=/dev/fdset/1,format=raw,if=none,readonly=on,file.locking=off",
-                "-device", "virtio-blk-device,drive=env",
-                "-drive", "id=ws,file=/dev/fdset/2,format=raw,if=none,discard=unmap,file.locking=off",
-                "-device", "virtio-blk-device,drive=ws",
-                "-device", "virtio-serial-device",
-                "-chardev", f"socket,id=agent,path={self.port_path},server=on,wait=off",
-                "-device", "virtserialport,chardev=agent,name=codefleet.0",
-                "-qmp", f"unix:{self.qmp_path},server=on,wait=off"]
+        args = [
+            qemu_binary(),
+            "-M",
+            machine,
+            *cpu,
+            "-smp",
+            str(vcpus),
+            "-m",
+            f"{memory_mb}M",
+            "-object",
+            memory,
+            "-machine",
+            "memory-backend=mem",
+            "-nodefaults",
+            "-no-user-config",
+            "-nographic",
+            "-no-reboot",
+            "-nic",
+            "none",
+            "-kernel",
+            kernel,
+            "-initrd",
+            vm_image.initramfs(),
+            "-append",
+            "console=ttyS0 quiet panic=-1 reboot=t random.trust_cpu=on" + _timer_args(self.accel),
+            "-serial",
+            f"file:{console}" if console else "null",
+            "-drive",
+            "id=env,file=/dev/fdset/1,format=raw,if=none,readonly=on,file.locking=off",
+            "-device",
+            "virtio-blk-device,drive=env",
+            "-drive",
+            "id=ws,file=/dev/fdset/2,format=raw,if=none,discard=unmap,file.locking=off",
+            "-device",
+            "virtio-blk-device,drive=ws",
+            "-device",
+            "virtio-serial-device",
+            "-chardev",
+            f"socket,id=agent,path={self.port_path},server=on,wait=off",
+            "-device",
+            "virtserialport,chardev=agent,name=codefleet.0",
+            "-qmp",
+            f"unix:{self.qmp_path},server=on,wait=off",
+        ]
         # QEMU's own seccomp filter; as root it then becomes the sandbox user (-runas), a change of uid that
         # elevateprivileges=deny would forbid, and after which it holds no privilege to elevate to.
         confine = "on,obsolete=deny,spawn=deny,resourcecontrol=deny"
@@ -163,8 +215,11 @@ class Qemu:
             args += ["-sandbox", confine + ",elevateprivileges=deny"]
         # Disks go in as descriptors (fd sets), never by path: QEMU, no longer root, could not reopen a path in
         # the owner's directory, which it must when a snapshot hands the disks over (read-only, then back).
-        disks = [(1, os.open(env_disk, os.O_RDONLY | os.O_CLOEXEC)), (2, os.open(workspace, os.O_RDWR | os.O_CLOEXEC)),
-                 (2, os.open(workspace, os.O_RDONLY | os.O_CLOEXEC))]
+        disks = [
+            (1, os.open(env_disk, os.O_RDONLY | os.O_CLOEXEC)),
+            (2, os.open(workspace, os.O_RDWR | os.O_CLOEXEC)),
+            (2, os.open(workspace, os.O_RDONLY | os.O_CLOEXEC)),
+        ]
         for fdset, fd in disks:
             args += ["-add-fd", f"fd={fd},set={fdset}"]
         pass_fds = tuple(fd for _, fd in disks)
@@ -172,8 +227,14 @@ class Qemu:
             args += ["-incoming", "defer"]
             pass_fds += (incoming_fd,)
         try:
-            self.proc = procs.spawner.popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                            stderr=subprocess.PIPE, pass_fds=pass_fds, preexec_fn=_die_with_parent)
+            self.proc = procs.spawner.popen(
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                pass_fds=pass_fds,
+                preexec_fn=_die_with_parent,
+            )
         finally:
             for _, fd in disks:
                 os.close(fd)
@@ -194,8 +255,9 @@ class Qemu:
                 if self.proc.poll() is not None:
                     raise SandboxUnavailableError(f"QEMU exited ({self.proc.returncode}): {self.stderr()}") from None
                 if time.monotonic() > deadline:
-                    raise SandboxUnavailableError(f"QEMU did not open {os.path.basename(path)} within its "
-                                                  "start-up time") from None
+                    raise SandboxUnavailableError(
+                        f"QEMU did not open {os.path.basename(path)} within its start-up time"
+                    ) from None
                 time.sleep(0.002)
 
     def connect_port(self, deadline: float) -> socket.socket:
@@ -239,15 +301,13 @@ class Qemu:
 
     def incoming(self, fd: int, ignore_shared: bool) -> None:
         """Load the state streamed into inherited descriptor `fd`; the VM runs once it is loaded."""
-        self.qmp("migrate-set-capabilities", capabilities=[{"capability": "x-ignore-shared",
-                                                            "state": ignore_shared}])
+        self.qmp("migrate-set-capabilities", capabilities=[{"capability": "x-ignore-shared", "state": ignore_shared}])
         self.qmp("migrate-incoming", uri=f"fd:{fd}")
 
     def save(self, path: str, timeout_s: float, ignore_shared: bool = False) -> None:
         """Stream this VM's state to `path` (and its RAM, unless `ignore_shared`: a shared RAM file is the
         snapshot's RAM as it stands); the VM is left paused."""
-        self.qmp("migrate-set-capabilities", capabilities=[{"capability": "x-ignore-shared",
-                                                            "state": ignore_shared}])
+        self.qmp("migrate-set-capabilities", capabilities=[{"capability": "x-ignore-shared", "state": ignore_shared}])
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             self.qmp("getfd", fds=[fd], fdname="snapshot")
@@ -308,6 +368,7 @@ def user_exists(name: str) -> bool:
 
 # -- the agent's port -------------------------------------------------------------------------------
 
+
 class AgentLink:
     """Requests to the guest agent over its port; answers matched by id (several may be in flight)."""
 
@@ -358,7 +419,7 @@ class AgentLink:
                         return self.fail(f"the VM's agent sent a {size}-byte answer; it is broken or hostile")
                     if len(buf) < 4 + size:
                         break
-                    frame, buf = buf[4:4 + size], buf[4 + size:]
+                    frame, buf = buf[4 : 4 + size], buf[4 + size :]
                     try:
                         reply = json.loads(frame)
                     except (ValueError, RecursionError):  # not UTF-8, not JSON, digits beyond int's, too deep

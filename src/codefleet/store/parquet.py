@@ -47,7 +47,7 @@ import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -69,8 +69,18 @@ from codefleet.store.schema import (
 )
 from codefleet.types import Trajectory
 
-__all__ = ["SCHEMA", "SCHEMA_VERSION", "RolloutWriter", "StoreScan", "find_store", "read_rollouts",
-           "records_to_table", "rollout_record", "scan_store", "upgrade_store"]
+__all__ = [
+    "SCHEMA",
+    "SCHEMA_VERSION",
+    "RolloutWriter",
+    "StoreScan",
+    "find_store",
+    "read_rollouts",
+    "records_to_table",
+    "rollout_record",
+    "scan_store",
+    "upgrade_store",
+]
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -79,11 +89,21 @@ def run_directory_name(run: str) -> str:
     """The run's directory is `run=<this>`: its name with anything but letters, digits, '.', '_', '-'
     replaced by '_' (the `run=` prefix keeps even ".." a plain name). The rows keep the exact name."""
     return _UNSAFE.sub("_", run)
+
+
 _MAX_ERROR_CHARS = 500
 
 
-def rollout_record(trajectory: Trajectory, *, run: str, step: int, group: int, attempt: int,
-                   split: str = "train", extra: dict | None = None) -> dict:
+def rollout_record(
+    trajectory: Trajectory,
+    *,
+    run: str,
+    step: int,
+    group: int,
+    attempt: int,
+    split: str = "train",
+    extra: dict | None = None,
+) -> dict:
     """One flat store row for a finished (scored) trajectory. `extra` keys are merged in: a key that
     is a column (e.g. "infra_retries") sets it, any other key lands in the `metadata` JSON."""
     results = {r.call_id: r for turn in trajectory.turns for r in turn.tool_results}
@@ -96,29 +116,51 @@ def rollout_record(trajectory: Trajectory, *, run: str, step: int, group: int, a
                 error = result.output[:_MAX_ERROR_CHARS]
             if error is None and result is None:
                 error = "no result recorded"
-            tool_calls.append({"turn": turn.index, "name": call.name, "arguments": call.raw_arguments,
-                               "duration_s": result.duration_s if result else 0.0,
-                               "ok": error is None and bool(result and result.ok), "error": error})
+            tool_calls.append(
+                {
+                    "turn": turn.index,
+                    "name": call.name,
+                    "arguments": call.raw_arguments,
+                    "duration_s": result.duration_s if result else 0.0,
+                    "ok": error is None and bool(result and result.ok),
+                    "error": error,
+                }
+            )
     versions = [v for turn in trajectory.turns for v in (turn.policy_versions or [])]
     checks = trajectory.checks
     meta = trajectory.metadata
     record = {
-        "schema_version": SCHEMA_VERSION, "run": run, "step": int(step), "task_id": trajectory.task_id,
-        "family": str(meta.get("task.family", "")), "group": int(group), "attempt": int(attempt), "split": split,
+        "schema_version": SCHEMA_VERSION,
+        "run": run,
+        "step": int(step),
+        "task_id": trajectory.task_id,
+        "family": str(meta.get("task.family", "")),
+        "group": int(group),
+        "attempt": int(attempt),
+        "split": split,
         "policy_version_min": min(versions) if versions else None,
         "policy_version_max": max(versions) if versions else None,
         "reward": float(trajectory.reward),
-        "checks_passed": checks.passed if checks else None, "checks_total": checks.total if checks else None,
+        "checks_passed": checks.passed if checks else None,
+        "checks_total": checks.total if checks else None,
         "all_passed": checks.all_passed if checks else None,
         "per_test": [{"test": k, "passed": bool(v)} for k, v in (checks.per_test if checks else {}).items()],
-        "stop_reason": trajectory.stop_reason, "turns": trajectory.n_turns, "tool_calls": tool_calls,
-        "n_tool_calls": trajectory.n_tool_calls, "tool_calls_per_turn": float(trajectory.tool_calls_per_turn),
+        "stop_reason": trajectory.stop_reason,
+        "turns": trajectory.n_turns,
+        "tool_calls": tool_calls,
+        "n_tool_calls": trajectory.n_tool_calls,
+        "tool_calls_per_turn": float(trajectory.tool_calls_per_turn),
         "prompt_tokens": sum(t.prompt_tokens for t in trajectory.turns),
         "completion_tokens": sum(t.completion_tokens for t in trajectory.turns),
-        "model_s": float(trajectory.model_s), "tool_s": float(trajectory.tool_s), "wall_s": float(trajectory.wall_s),
-        "infra_retries": 0, "error": meta.get("error") or meta.get("checks_error") or None,
-        "diff": trajectory.diff, "transcript": json.dumps(trajectory.messages, default=str),
-        "metadata": meta, "created_at": datetime.now(timezone.utc),
+        "model_s": float(trajectory.model_s),
+        "tool_s": float(trajectory.tool_s),
+        "wall_s": float(trajectory.wall_s),
+        "infra_retries": 0,
+        "error": meta.get("error") or meta.get("checks_error") or None,
+        "diff": trajectory.diff,
+        "transcript": json.dumps(trajectory.messages, default=str),
+        "metadata": meta,
+        "created_at": datetime.now(UTC),
     }
     record.update(extra or {})
     return record
@@ -134,7 +176,7 @@ def records_to_table(records: list[dict]) -> pa.Table:
         row = {name: record.get(name) for name in COLUMNS}
         row["metadata"] = json.dumps(meta, default=str, sort_keys=True)
         row["schema_version"] = row["schema_version"] or SCHEMA_VERSION
-        row["created_at"] = row["created_at"] or datetime.now(timezone.utc)
+        row["created_at"] = row["created_at"] or datetime.now(UTC)
         missing = [c for c in ("run", "step", *REQUIRED_COLUMNS) if row.get(c) is None]
         if missing:
             raise ValueError(f"rollout record lacks {', '.join(missing)}; build records with rollout_record()")
@@ -172,8 +214,12 @@ class RolloutWriter:
             directory = os.path.join(self.root, f"run={run_directory_name(run)}", f"step={step}")
             path = os.path.join(directory, f"part-{uuid.uuid4().hex}.parquet")
             table = to_file_table(records_to_table(rows))
-            safe_files.write_file_beneath(self.beneath, path, lambda f, table=table: pq.write_table(
-                table, f, compression=self.compression), mode=0o644)
+            safe_files.write_file_beneath(
+                self.beneath,
+                path,
+                lambda f, table=table: pq.write_table(table, f, compression=self.compression),
+                mode=0o644,
+            )
             paths.append(path)
         return ", ".join(paths)
 
@@ -181,8 +227,9 @@ class RolloutWriter:
         """One new file of `rows` under a URL root, written whole with one PUT."""
         buffer = pa.BufferOutputStream()
         pq.write_table(to_file_table(records_to_table(rows)), buffer, compression=self.compression)
-        url = storage.join(self.root, f"run={run_directory_name(run)}", f"step={step}",
-                           f"part-{uuid.uuid4().hex}.parquet")
+        url = storage.join(
+            self.root, f"run={run_directory_name(run)}", f"step={step}", f"part-{uuid.uuid4().hex}.parquet"
+        )
         storage.put_file_atomic(url, buffer.getvalue().to_pybytes(), root=self.beneath)
         return url
 
@@ -236,8 +283,9 @@ def scan_store(root: str) -> StoreScan:
     paths = []
     for directory, dirs, files in os.walk(root):
         # hidden dirs, and an analysis written into the store (analysis/, judgments.parquet/), are not rollouts
-        dirs[:] = sorted(d for d in dirs
-                         if not d.startswith((".", "_")) and d != "analysis" and not d.endswith(".parquet"))
+        dirs[:] = sorted(
+            d for d in dirs if not d.startswith((".", "_")) and d != "analysis" and not d.endswith(".parquet")
+        )
         paths += [os.path.join(directory, f) for f in files if f.endswith(".parquet") and not f.startswith((".", "_"))]
     for path in sorted(paths):
         try:
@@ -263,18 +311,22 @@ def scan_store(root: str) -> StoreScan:
                 scan.problems.append(f"{path}: cannot be read as rollouts ({why}); skipped")
                 continue
         if newer > SCHEMA_VERSION:  # read what this version knows rather than lose the rows; say so
-            scan.problems.append(f"{path}: written by a newer codefleet (schema version {newer}; this one reads up to "
-                                 f"{SCHEMA_VERSION}); read as version {SCHEMA_VERSION}"
-                                 f"{' (' + '; '.join(notes) + ')' if notes else ''}: upgrade codefleet to read all of it")
+            scan.problems.append(
+                f"{path}: written by a newer codefleet (schema version {newer}; this one reads up to "
+                f"{SCHEMA_VERSION}); read as version {SCHEMA_VERSION}"
+                f"{' (' + '; '.join(notes) + ')' if notes else ''}: upgrade codefleet to read all of it"
+            )
         elif not current:
             names = set(schema.names) | ({RUN_NAME} if "run" in schema.names else set())
             lacking = [c for c in FILE_COLUMNS if c not in names]
             unknown = [n for n in notes if n.startswith("ignored")]
             keys = [c for c in ("run", "step") if c in schema.names]
-            scan.problems.append(f"{path}: older or different schema (lacks {', '.join(lacking) or 'nothing'}"
-                                 f"{'; ' + unknown[0] if unknown else ''}"
-                                 f"{'; repeats the partition key(s) ' + ', '.join(keys) if keys else ''}); "
-                                 "upgraded on read (codefleet.store.parquet.upgrade_store rewrites it for other readers)")
+            scan.problems.append(
+                f"{path}: older or different schema (lacks {', '.join(lacking) or 'nothing'}"
+                f"{'; ' + unknown[0] if unknown else ''}"
+                f"{'; repeats the partition key(s) ' + ', '.join(keys) if keys else ''}); "
+                "upgraded on read (codefleet.store.parquet.upgrade_store rewrites it for other readers)"
+            )
         scan.files.append(StoreFile(path, meta.num_rows, current, schema, run, step))
     return scan
 
@@ -301,8 +353,9 @@ def read_file(store_file: StoreFile, columns: list[str] | None = None) -> pa.Tab
     return table.select(columns) if columns else table
 
 
-def read_rollouts(root: str, columns: list[str] | None = None,
-                  on_problem: Callable[[str], None] | None = None) -> pa.Table:
+def read_rollouts(
+    root: str, columns: list[str] | None = None, on_problem: Callable[[str], None] | None = None
+) -> pa.Table:
     """The whole store as one table (small scale: tests, eval summaries; use codefleet.analysis.pipeline
     for big stores). Skipped and upgraded files are reported through `on_problem` (default: stderr)."""
     report = on_problem or (lambda msg: print(f"rollout store: {msg}", file=sys.stderr))
@@ -342,8 +395,9 @@ def upgrade_store(root: str, on_problem: Callable[[str], None] | None = None) ->
             continue
         final = os.path.join(os.path.dirname(store_file.path), f"part-{uuid.uuid4().hex}.parquet")
         # nothing below the store is followed: a link planted in it is refused, never written or removed through
-        safe_files.write_file_beneath(store, final, lambda f, table=table: pq.write_table(table, f, compression="zstd"),
-                                      mode=0o644)
+        safe_files.write_file_beneath(
+            store, final, lambda f, table=table: pq.write_table(table, f, compression="zstd"), mode=0o644
+        )
         safe_files.remove_beneath(store, store_file.path)
         rewritten += 1
     return rewritten

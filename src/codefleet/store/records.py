@@ -138,8 +138,11 @@ def _decode_dataclass(raw: Any, tp: type, where: str, depth: int) -> Any:
     unknown = set(raw) - set(fields)
     if unknown:
         raise RecordError(f"{where}: {tp.__name__} has no field {sorted(unknown)[0]!r}")
-    kwargs = {name: _decode(value, hints[name], f"{where}.{name}", depth + 1) for name, value in raw.items()
-              if fields[name].init}
+    kwargs = {
+        name: _decode(value, hints[name], f"{where}.{name}", depth + 1)
+        for name, value in raw.items()
+        if fields[name].init
+    }
     try:
         return tp(**kwargs)
     except TypeError as e:
@@ -153,8 +156,12 @@ def _decode_list(raw: Any, args: tuple, where: str, depth: int) -> list:
     if item in _PLAIN and (kinds := set(map(type, raw))) <= ({float, int} if item is float else {item}):
         return list(map(float, raw)) if int in kinds else raw  # the common case, checked in C
     inner = _shape(item)
-    if inner[0] is list and inner[1] and inner[1][0] in (int, str, bool) and all(
-            type(row) is list and set(map(type, row)) <= {inner[1][0]} for row in raw):
+    if (
+        inner[0] is list
+        and inner[1]
+        and inner[1][0] in (int, str, bool)
+        and all(type(row) is list and set(map(type, row)) <= {inner[1][0]} for row in raw)
+    ):
         return raw  # routed experts: a list of ids per token
     return [_decode(v, item, f"{where}[{i}]", depth + 1) for i, v in enumerate(raw)]
 
@@ -182,8 +189,9 @@ def _decode_dict(raw: Any, args: tuple, where: str, depth: int) -> dict:
     for i, pair in enumerate(pairs):
         if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
             raise RecordError(f"{where}: entry {i} is not a [key, value] pair")
-        out[_decode(pair[0], key_t, f"{where}<key {i}>", depth + 1)] = _decode(pair[1], value_t,
-                                                                                f"{where}[{pair[0]!r}]", depth + 1)
+        out[_decode(pair[0], key_t, f"{where}<key {i}>", depth + 1)] = _decode(
+            pair[1], value_t, f"{where}[{pair[0]!r}]", depth + 1
+        )
     return out
 
 

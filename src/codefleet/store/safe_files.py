@@ -38,8 +38,11 @@ class LinkRefused(OSError):
 
 
 def refusal(shown: str) -> LinkRefused:
-    return LinkRefused(errno.ELOOP, f"refusing to write {shown}: it is a symlink; a run directory's contents are "
-                       "never reached through links (docs/security.md)")
+    return LinkRefused(
+        errno.ELOOP,
+        f"refusing to write {shown}: it is a symlink; a run directory's contents are "
+        "never reached through links (docs/security.md)",
+    )
 
 
 def _parts(root: str, path: str) -> list[str]:
@@ -86,7 +89,7 @@ def open_dir(root: str, path: str = "", create: bool = False) -> int:
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the user's own choice: may be a link
     try:
         for i, name in enumerate(parts):
-            shown = _shown(root, parts[:i + 1])
+            shown = _shown(root, parts[: i + 1])
             try:
                 below = _open_at(fd, name, _DIR_FLAGS, shown)
             except FileNotFoundError:
@@ -133,8 +136,9 @@ def append_beneath(root: str, path: str) -> BinaryIO:
     return os.fdopen(open_beneath(root, path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab")
 
 
-def write_file_beneath(root: str, path: str, data: bytes | str | Callable[[BinaryIO], None], mode: int = 0o600,
-                       fsync: bool = False) -> None:
+def write_file_beneath(
+    root: str, path: str, data: bytes | str | Callable[[BinaryIO], None], mode: int = 0o600, fsync: bool = False
+) -> None:
     """`data` (bytes, text as UTF-8, or a function writing into the binary file it is given) as the file `path`
     beneath `root`, atomically: written under a temporary name in the same directory, then renamed onto
     `path`, so a reader sees the old file or the whole new one. A link at `path` is refused, not replaced."""
@@ -195,8 +199,10 @@ def remove_beneath(root: str, path: str, ignore_errors: bool = False) -> None:
 def replace_beneath(root: str, src: str, dst: str) -> None:
     """os.replace of `src` by `dst`, both beneath `root`, their directories reached without following links
     (renaming moves a link itself, never what it points to)."""
-    with _parent(root, src, create=False) as (src_fd, src_name, _), \
-            _parent(root, dst, create=True) as (dst_fd, dst_name, _):
+    with (
+        _parent(root, src, create=False) as (src_fd, src_name, _),
+        _parent(root, dst, create=True) as (dst_fd, dst_name, _),
+    ):
         os.replace(src_name, dst_name, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
 
 
@@ -210,5 +216,15 @@ def lexists_beneath(root: str, path: str) -> bool:
         return False
 
 
-__all__ = ["LinkRefused", "append_beneath", "lexists_beneath", "listdir_beneath", "makedirs_beneath",
-           "open_beneath", "open_dir", "remove_beneath", "replace_beneath", "write_file_beneath"]
+__all__ = [
+    "LinkRefused",
+    "append_beneath",
+    "lexists_beneath",
+    "listdir_beneath",
+    "makedirs_beneath",
+    "open_beneath",
+    "open_dir",
+    "remove_beneath",
+    "replace_beneath",
+    "write_file_beneath",
+]

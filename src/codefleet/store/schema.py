@@ -35,50 +35,54 @@ import pyarrow as pa
 
 SCHEMA_VERSION = 2
 
-TOOL_CALL_TYPE = pa.struct([
-    pa.field("turn", pa.int32()),
-    pa.field("name", pa.string()),
-    pa.field("arguments", pa.string()),  # the raw JSON the model wrote, verbatim
-    pa.field("duration_s", pa.float64()),
-    pa.field("ok", pa.bool_()),
-    pa.field("error", pa.string()),
-])
+TOOL_CALL_TYPE = pa.struct(
+    [
+        pa.field("turn", pa.int32()),
+        pa.field("name", pa.string()),
+        pa.field("arguments", pa.string()),  # the raw JSON the model wrote, verbatim
+        pa.field("duration_s", pa.float64()),
+        pa.field("ok", pa.bool_()),
+        pa.field("error", pa.string()),
+    ]
+)
 
 TEST_RESULT_TYPE = pa.struct([pa.field("test", pa.string()), pa.field("passed", pa.bool_())])
 
-SCHEMA = pa.schema([
-    pa.field("schema_version", pa.int32()),
-    pa.field("run", pa.string()),
-    pa.field("step", pa.int64()),
-    pa.field("task_id", pa.string()),
-    pa.field("family", pa.string()),
-    pa.field("group", pa.int64()),
-    pa.field("attempt", pa.int64()),
-    pa.field("split", pa.string()),
-    pa.field("policy_version_min", pa.int64()),
-    pa.field("policy_version_max", pa.int64()),
-    pa.field("reward", pa.float64()),
-    pa.field("checks_passed", pa.int32()),
-    pa.field("checks_total", pa.int32()),
-    pa.field("all_passed", pa.bool_()),
-    pa.field("per_test", pa.list_(TEST_RESULT_TYPE)),
-    pa.field("stop_reason", pa.string()),
-    pa.field("turns", pa.int32()),
-    pa.field("tool_calls", pa.list_(TOOL_CALL_TYPE)),
-    pa.field("n_tool_calls", pa.int32()),
-    pa.field("tool_calls_per_turn", pa.float64()),
-    pa.field("prompt_tokens", pa.int64()),
-    pa.field("completion_tokens", pa.int64()),
-    pa.field("model_s", pa.float64()),
-    pa.field("tool_s", pa.float64()),
-    pa.field("wall_s", pa.float64()),
-    pa.field("infra_retries", pa.int32()),
-    pa.field("error", pa.string()),
-    pa.field("diff", pa.string()),
-    pa.field("transcript", pa.string()),  # the messages, as one JSON array
-    pa.field("metadata", pa.string()),  # trajectory.metadata + unknown `extra` keys, as one JSON object
-    pa.field("created_at", pa.timestamp("us", tz="UTC")),
-])
+SCHEMA = pa.schema(
+    [
+        pa.field("schema_version", pa.int32()),
+        pa.field("run", pa.string()),
+        pa.field("step", pa.int64()),
+        pa.field("task_id", pa.string()),
+        pa.field("family", pa.string()),
+        pa.field("group", pa.int64()),
+        pa.field("attempt", pa.int64()),
+        pa.field("split", pa.string()),
+        pa.field("policy_version_min", pa.int64()),
+        pa.field("policy_version_max", pa.int64()),
+        pa.field("reward", pa.float64()),
+        pa.field("checks_passed", pa.int32()),
+        pa.field("checks_total", pa.int32()),
+        pa.field("all_passed", pa.bool_()),
+        pa.field("per_test", pa.list_(TEST_RESULT_TYPE)),
+        pa.field("stop_reason", pa.string()),
+        pa.field("turns", pa.int32()),
+        pa.field("tool_calls", pa.list_(TOOL_CALL_TYPE)),
+        pa.field("n_tool_calls", pa.int32()),
+        pa.field("tool_calls_per_turn", pa.float64()),
+        pa.field("prompt_tokens", pa.int64()),
+        pa.field("completion_tokens", pa.int64()),
+        pa.field("model_s", pa.float64()),
+        pa.field("tool_s", pa.float64()),
+        pa.field("wall_s", pa.float64()),
+        pa.field("infra_retries", pa.int32()),
+        pa.field("error", pa.string()),
+        pa.field("diff", pa.string()),
+        pa.field("transcript", pa.string()),  # the messages, as one JSON array
+        pa.field("metadata", pa.string()),  # trajectory.metadata + unknown `extra` keys, as one JSON object
+        pa.field("created_at", pa.timestamp("us", tz="UTC")),
+    ]
+)
 
 # Every field is nullable in Parquet (so files from all versions share one Arrow schema); the writer
 # always sets schema_version, run, step, task_id, reward and stop_reason.
@@ -87,16 +91,25 @@ REQUIRED_COLUMNS = ("task_id", "reward", "stop_reason")
 # run and step live in the hive path (run=<safe name>/step=<step>), never as columns of a file (from version 2)
 PATH_COLUMNS = ("run", "step")
 RUN_NAME = "run_name"  # the file column holding the exact run name (the directory holds a filesystem-safe one)
-FILE_SCHEMA = pa.schema([pa.field(RUN_NAME, pa.string()) if f.name == "run" else f
-                         for f in SCHEMA if f.name != "step"])
+FILE_SCHEMA = pa.schema([pa.field(RUN_NAME, pa.string()) if f.name == "run" else f for f in SCHEMA if f.name != "step"])
 FILE_COLUMNS = tuple(FILE_SCHEMA.names)
 COLUMN_DEFAULTS: dict[str, object] = {
-    "split": "train", "group": 0, "attempt": 0, "infra_retries": 0, "family": "", "metadata": "{}",
-    "transcript": "[]", "diff": "", "per_test": [], "tool_calls": [],
+    "split": "train",
+    "group": 0,
+    "attempt": 0,
+    "infra_retries": 0,
+    "family": "",
+    "metadata": "{}",
+    "transcript": "[]",
+    "diff": "",
+    "per_test": [],
+    "tool_calls": [],
 }
 # Columns added by each version, for docs/rollouts.md and the upgrade report.
-ADDED_IN = {1: ("split", "policy_version_min", "policy_version_max", "infra_retries", "error", "metadata"),
-            2: ("run_name",)}  # and run, step no longer in the file (the path holds them)
+ADDED_IN = {
+    1: ("split", "policy_version_min", "policy_version_max", "infra_retries", "error", "metadata"),
+    2: ("run_name",),
+}  # and run, step no longer in the file (the path holds them)
 
 
 def file_columns(columns: list[str] | tuple[str, ...]) -> list[str]:

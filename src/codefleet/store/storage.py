@@ -81,11 +81,11 @@ def _fs(url: str):
     try:
         return fsspec.core.url_to_fs(url)
     except ImportError as e:  # fsspec's own sentence names the package ("Install s3fs to access S3")
-        raise StorageError(f"{url}: {e}; install it beside codefleet on every node (e.g. `pip install s3fs`)") \
-            from None
+        raise StorageError(f"{url}: {e}; install it beside codefleet on every node (e.g. `pip install s3fs`)") from None
     except ValueError as e:  # an unknown protocol
-        raise StorageError(f"{url} is not a URL fsspec can open ({e}); give a path or an s3://, gs://, file:// URL") \
-            from None
+        raise StorageError(
+            f"{url} is not a URL fsspec can open ({e}); give a path or an s3://, gs://, file:// URL"
+        ) from None
 
 
 def _is_local(fs) -> bool:
@@ -250,8 +250,11 @@ def _remote_files(path: str) -> dict[str, dict]:
         found = fs.find(root, detail=True)
     except FileNotFoundError:
         return {}
-    return {name[len(root):].lstrip("/"): info for name, info in found.items()
-            if info.get("type", "file") == "file" and name.startswith(root + "/")}
+    return {
+        name[len(root) :].lstrip("/"): info
+        for name, info in found.items()
+        if info.get("type", "file") == "file" and name.startswith(root + "/")
+    }
 
 
 def download_file(path: str, local: str) -> None:
@@ -295,8 +298,10 @@ def safe_name(text: str) -> str:
 
 
 def _signature(url: str, files: dict[str, dict], skip: tuple[str, ...]) -> str:
-    listing = [(rel, info.get("size"), str(next((info[k] for k in _VERSION_KEYS if info.get(k) is not None), "")))
-               for rel, info in sorted(files.items())]
+    listing = [
+        (rel, info.get("size"), str(next((info[k] for k in _VERSION_KEYS if info.get(k) is not None), "")))
+        for rel, info in sorted(files.items())
+    ]
     return hashlib.sha256(json.dumps([url, sorted(skip), listing]).encode()).hexdigest()[:16]
 
 
@@ -321,8 +326,10 @@ def local_copy(path: str, skip: tuple[str, ...] = ()) -> str:
     url = absolute(path)
     files = {rel: info for rel, info in _remote_files(url).items() if not rel.endswith(skip)}
     if not files:
-        raise FileNotFoundError(f"{url} holds no files: it is not a committed directory (a checkpoint LATEST "
-                                "names); check the URL, or that this node's credentials can list it")
+        raise FileNotFoundError(
+            f"{url} holds no files: it is not a committed directory (a checkpoint LATEST "
+            "names); check the URL, or that this node's credentials can list it"
+        )
     folder = os.path.join(cache_root(), "storage")
     target = os.path.join(folder, f"{safe_name(basename(url))}-{_signature(url, files, skip)}")
     if os.path.isfile(os.path.join(target, COMPLETE)):

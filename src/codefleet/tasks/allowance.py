@@ -75,5 +75,8 @@ def task_allowance(task: Task) -> dict[str, list[str]]:
     task_file = os.path.join(os.path.dirname(os.path.abspath(task.repo)), TASK_FILE)
     if os.path.isfile(task_file):
         hidden.append(task_file)
-    return {EXPECTS_CHANGED_KEY: expected_paths(task.reference_patch),
-            EXPECTS_DELETED_KEY: deleted_paths(task.reference_patch), HIDDEN_PATHS_KEY: hidden}
+    return {
+        EXPECTS_CHANGED_KEY: expected_paths(task.reference_patch),
+        EXPECTS_DELETED_KEY: deleted_paths(task.reference_patch),
+        HIDDEN_PATHS_KEY: hidden,
+    }

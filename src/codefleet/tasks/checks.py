@@ -59,9 +59,14 @@ from codefleet.tasks.unpack import UnpackError, unpack_source
 from codefleet.types import CheckResult, Task
 
 BASELINE_REF = "refs/codefleet/baseline"
-GIT_IDENTITY = {"GIT_AUTHOR_NAME": "codefleet", "GIT_AUTHOR_EMAIL": "codefleet@localhost",
-                "GIT_COMMITTER_NAME": "codefleet", "GIT_COMMITTER_EMAIL": "codefleet@localhost",
-                "GIT_AUTHOR_DATE": "2000-01-01T00:00:00+0000", "GIT_COMMITTER_DATE": "2000-01-01T00:00:00+0000"}
+GIT_IDENTITY = {
+    "GIT_AUTHOR_NAME": "codefleet",
+    "GIT_AUTHOR_EMAIL": "codefleet@localhost",
+    "GIT_COMMITTER_NAME": "codefleet",
+    "GIT_COMMITTER_EMAIL": "codefleet@localhost",
+    "GIT_AUTHOR_DATE": "2000-01-01T00:00:00+0000",
+    "GIT_COMMITTER_DATE": "2000-01-01T00:00:00+0000",
+}
 OUTPUT_KEEP_BYTES = 6000  # of pytest's own output, head and tail each, shown in CheckResult.output
 PASSING = ("P", "X")
 ABORTING = ("N", "E")  # outcomes that make pytest run nothing at all
@@ -86,7 +91,8 @@ class PatchApplyError(RuntimeError):
 
 def default_cache_dir() -> str:
     root = os.environ.get("CODEFLEET_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "codefleet")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "codefleet"
+    )
     return os.path.join(root, "task-repos")
 
 
@@ -150,8 +156,13 @@ git update-ref {BASELINE_REF} "$commit"
 """
 
 
-def prepare_sandbox(task: Task, config: SandboxConfig | None = None, cache_dir: str | None = None,
-                    setup_timeout_s: float = 600.0, create=None) -> Sandbox:
+def prepare_sandbox(
+    task: Task,
+    config: SandboxConfig | None = None,
+    cache_dir: str | None = None,
+    setup_timeout_s: float = 600.0,
+    create=None,
+) -> Sandbox:
     """A sandbox over the task's repository with its setup commands run and a
     git baseline recorded. The reference patch and check files stay outside.
     `create(repo_dir, config)` makes the sandbox (default: `create_sandbox`
@@ -163,9 +174,11 @@ def prepare_sandbox(task: Task, config: SandboxConfig | None = None, cache_dir: 
         for command in task.setup_commands:
             result = sandbox.exec(command, timeout_s=setup_timeout_s)
             if not result.ok:
-                raise TaskSetupError(f"task {task.id}: setup command {command!r} failed (exit {result.exit_code}"
-                                     f"{', timed out' if result.timed_out else ''}): {result.output[-2000:]}",
-                                     timed_out=result.timed_out)
+                raise TaskSetupError(
+                    f"task {task.id}: setup command {command!r} failed (exit {result.exit_code}"
+                    f"{', timed out' if result.timed_out else ''}): {result.output[-2000:]}",
+                    timed_out=result.timed_out,
+                )
         result = sandbox.run_oneoff(["bash", "-c", _BASELINE_SCRIPT], timeout_s=setup_timeout_s)
         if not result.ok:
             raise TaskSetupError(f"task {task.id}: could not record the git baseline: {result.output[-2000:]}")
@@ -210,10 +223,12 @@ def apply_patch(sandbox: Sandbox, patch_text: str, timeout_s: float = 120.0) -> 
     nonce = secrets.token_hex(8)
     text = patch_text if patch_text.endswith("\n") else patch_text + "\n"
     path = f"/tmp/cf-patch-{nonce}.diff"
-    command = (f"( cd {shlex.quote(sandbox.info.workspace)} && unset GIT_DIR GIT_WORK_TREE GIT_INDEX_FILE && "
-               f"command cat > {path} <<'CF_EOF_{nonce}'\n"
-               f"{text}CF_EOF_{nonce}\n"
-               f"command git apply --whitespace=nowarn {path}; rc=$?; command rm -f {path}; exit $rc )")
+    command = (
+        f"( cd {shlex.quote(sandbox.info.workspace)} && unset GIT_DIR GIT_WORK_TREE GIT_INDEX_FILE && "
+        f"command cat > {path} <<'CF_EOF_{nonce}'\n"
+        f"{text}CF_EOF_{nonce}\n"
+        f"command git apply --whitespace=nowarn {path}; rc=$?; command rm -f {path}; exit $rc )"
+    )
     result = sandbox.exec(command, timeout_s=timeout_s)
     if not result.ok:
         raise PatchApplyError(f"git apply failed (exit {result.exit_code}): {result.output.strip()[-2000:]}")
@@ -260,16 +275,21 @@ def _run_once(sandbox: Sandbox, command: str, ids: list[str], timeout_s: float) 
     """One pytest run over `ids`: ({id: letter}, output shown to humans)."""
     nonce = secrets.token_hex(16)
     workdir = f"/tmp/cf-check-{secrets.token_hex(16)}"
-    result = sandbox.run_oneoff(["bash", "-c", _check_script(command, workdir, nonce), "codefleet-check", *ids],
-                                timeout_s=timeout_s)
+    result = sandbox.run_oneoff(
+        ["bash", "-c", _check_script(command, workdir, nonce), "codefleet-check", *ids], timeout_s=timeout_s
+    )
     pattern = re.compile(rf"^{nonce} (-?\d+) (\d+) ([PXFSENM]*)$", re.M)
     matches = list(pattern.finditer(result.output))
-    if result.timed_out or not matches or int(matches[-1].group(2)) != len(ids) \
-            or len(matches[-1].group(3)) != len(ids):
+    if (
+        result.timed_out
+        or not matches
+        or int(matches[-1].group(2)) != len(ids)
+        or len(matches[-1].group(3)) != len(ids)
+    ):
         why = "timed out" if result.timed_out else "ended without a result"
         return {i: "M" for i in ids}, result.output + f"\n[codefleet: the checks {why}; every test counts as failed]"
     last = matches[-1]
-    return dict(zip(ids, last.group(3))), result.output[:last.start()].rstrip("\n") + "\n"
+    return dict(zip(ids, last.group(3))), result.output[: last.start()].rstrip("\n") + "\n"
 
 
 def run_checks(sandbox: Sandbox, task: Task, timeout_s: float = 300.0) -> CheckResult:
@@ -291,12 +311,13 @@ def run_checks(sandbox: Sandbox, task: Task, timeout_s: float = 300.0) -> CheckR
         pending = [i for i in pending if got[i] == "M"]
         if not choked or not pending or attempt == _MAX_RERUNS:
             break
-        output += (f"\n[codefleet: pytest ran nothing because {len(choked)} test id(s) do not exist or their file "
-                   f"fails to import ({', '.join(choked[:5])}); they count as failed and the others run again]\n")
+        output += (
+            f"\n[codefleet: pytest ran nothing because {len(choked)} test id(s) do not exist or their file "
+            f"fails to import ({', '.join(choked[:5])}); they count as failed and the others run again]\n"
+        )
     per_test = {i: letters[i] in PASSING for i in ids}
     passed = sum(per_test.values())
-    return CheckResult(passed=passed, total=len(ids), all_passed=passed == len(ids), per_test=per_test,
-                       output=output)
+    return CheckResult(passed=passed, total=len(ids), all_passed=passed == len(ids), per_test=per_test, output=output)
 
 
 # -- soundness ------------------------------------------------------------------------
@@ -319,8 +340,10 @@ class TaskCheckReport:
         """One line for a terminal: `ok` or `UNSOUND` with the reasons."""
         if self.sound:
             ref, base = self.reference[0], self.untouched[0]
-            return (f"ok       {self.task_id}  reference {ref.passed}/{ref.total} pass, untouched "
-                    f"{base.total - base.passed}/{base.total} fail  ({self.duration_s:.1f} s)")
+            return (
+                f"ok       {self.task_id}  reference {ref.passed}/{ref.total} pass, untouched "
+                f"{base.total - base.passed}/{base.total} fail  ({self.duration_s:.1f} s)"
+            )
         return f"UNSOUND  {self.task_id}  " + "; ".join(self.problems)
 
 
@@ -351,8 +374,9 @@ def _judge(task: Task, reference: list[CheckResult], untouched: list[CheckResult
 
 def _check_runs(runs: int) -> None:
     if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
-        raise ValueError(f"runs must be a whole number of at least 1 (each state's checks run that often), "
-                         f"got {runs!r}")
+        raise ValueError(
+            f"runs must be a whole number of at least 1 (each state's checks run that often), got {runs!r}"
+        )
 
 
 class InFlight:
@@ -380,8 +404,13 @@ class InFlight:
             sandbox.close()
 
 
-def check_task(task: Task, config: SandboxConfig | None = None, cache_dir: str | None = None,
-               runs: int = 2, in_flight: InFlight | None = None) -> TaskCheckReport:
+def check_task(
+    task: Task,
+    config: SandboxConfig | None = None,
+    cache_dir: str | None = None,
+    runs: int = 2,
+    in_flight: InFlight | None = None,
+) -> TaskCheckReport:
     """Prove `task` sound (see TaskCheckReport). One prepared sandbox is forked
     into the untouched and the patched state; both run their checks `runs`
     times, side by side."""
@@ -422,8 +451,14 @@ def check_task(task: Task, config: SandboxConfig | None = None, cache_dir: str |
     return TaskCheckReport(task.id, not problems, problems, reference, untouched, time.perf_counter() - started)
 
 
-def check_tasks(tasks: list[Task], config: SandboxConfig | None = None, jobs: int = 2,
-                cache_dir: str | None = None, on_report=None, runs: int = 2) -> list[TaskCheckReport]:
+def check_tasks(
+    tasks: list[Task],
+    config: SandboxConfig | None = None,
+    jobs: int = 2,
+    cache_dir: str | None = None,
+    on_report=None,
+    runs: int = 2,
+) -> list[TaskCheckReport]:
     """check_task for many tasks, `jobs` at a time; reports in task order.
     `on_report(report)` is called as each one finishes (for progress lines)."""
     _check_runs(runs)

@@ -48,8 +48,7 @@ _MAX_PAGE_BYTES = 64 << 20
 _TIMEOUT_S = 60
 _MAX_DOWNLOAD_S = 900
 _RAISE = "raise the cap (tasks mine --max-unpacked-mb, tasks fetch --max-mb)"
-_ACCEPT = ("application/vnd.pypi.simple.v1+json, application/vnd.pypi.simple.v1+html;q=0.2, "
-           "text/html;q=0.01")
+_ACCEPT = "application/vnd.pypi.simple.v1+json, application/vnd.pypi.simple.v1+html;q=0.2, text/html;q=0.01"
 
 
 class FetchError(RuntimeError):
@@ -99,8 +98,10 @@ def read_requirements(path: str) -> list[Requirement]:
         requirements.append(requirement)
     unpinned = [str(r) for r in requirements if not r.sha256]
     if unpinned and len(unpinned) < len(requirements):
-        raise FetchError(f"{path}: some lines pin a sha256 and {', '.join(unpinned)} do not; pin every line "
-                         "(as pip's --require-hashes asks)")
+        raise FetchError(
+            f"{path}: some lines pin a sha256 and {', '.join(unpinned)} do not; pin every line "
+            "(as pip's --require-hashes asks)"
+        )
     return requirements
 
 
@@ -110,8 +111,13 @@ def read_requirements(path: str) -> list[Requirement]:
 def _pip_config() -> dict[str, str]:
     """pip's effective settings ({name: value}) from its config files and PIP_* variables; {} without pip."""
     try:
-        out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
-                             timeout=60, stdin=subprocess.DEVNULL).stdout
+        out = subprocess.run(
+            [sys.executable, "-m", "pip", "config", "list"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return {}
     rank = {":env:": 3, "download": 2, "global": 1}  # what pip itself lets win
@@ -205,8 +211,14 @@ def _files(page: bytes, page_url: str, content_type: str) -> list[tuple[str, str
     if "json" in content_type:
         try:
             listed = json.loads(page)["files"]
-            return [(str(f["filename"]), urllib.parse.urljoin(page_url, str(f["url"])),
-                     (f.get("hashes") or {}).get("sha256")) for f in listed]
+            return [
+                (
+                    str(f["filename"]),
+                    urllib.parse.urljoin(page_url, str(f["url"])),
+                    (f.get("hashes") or {}).get("sha256"),
+                )
+                for f in listed
+            ]
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise FetchError(f"{_shown(page_url)} is not a PEP 691 project page ({e})") from None
     parser = _Links()
@@ -227,10 +239,13 @@ def sdist_suffix(filename: str, requirement: Requirement) -> str | None:
     if not re.fullmatch(r"[A-Za-z0-9._!+-]+", filename):
         return None
     for suffix in _SDIST_SUFFIXES:
-        stem = filename[:-len(suffix)] if filename.lower().endswith(suffix) else None
+        stem = filename[: -len(suffix)] if filename.lower().endswith(suffix) else None
         tail = "-" + requirement.version.lower()
-        if stem and stem.lower().endswith(tail) and \
-                re.sub(r"[-_.]+", "-", stem[:-len(tail)]).lower() == requirement.key:
+        if (
+            stem
+            and stem.lower().endswith(tail)
+            and re.sub(r"[-_.]+", "-", stem[: -len(tail)]).lower() == requirement.key
+        ):
             return suffix
     return None
 
@@ -243,12 +258,16 @@ def _find(requirement: Requirement, index: str, cafile: str | None) -> tuple[str
     except _NotFound:
         return None
     except (urllib.error.URLError, OSError) as e:
-        raise FetchError(f"could not read {_shown(page_url)} ({getattr(e, 'reason', e)}); check the network and "
-                         "the index URL (pip config list)") from None
+        raise FetchError(
+            f"could not read {_shown(page_url)} ({getattr(e, 'reason', e)}); check the network and "
+            "the index URL (pip config list)"
+        ) from None
     with response:
         page = _read_capped(response, _MAX_PAGE_BYTES, _shown(page_url))
-    candidates = [(sdist_suffix(name, requirement), name, url, digest)
-                  for name, url, digest in _files(page, final_url, content_type)]
+    candidates = [
+        (sdist_suffix(name, requirement), name, url, digest)
+        for name, url, digest in _files(page, final_url, content_type)
+    ]
     candidates = [c for c in candidates if c[0]]
     if not candidates:
         return None
@@ -257,8 +276,10 @@ def _find(requirement: Requirement, index: str, cafile: str | None) -> tuple[str
     if urllib.parse.urlsplit(url).scheme not in allowed:
         raise FetchError(f"{_shown(index)} links {name} to {_shown(url)!r}, which is not http(s); refusing it")
     if digest is None:
-        raise FetchError(f"{_shown(index)} gives no sha256 for {name}, so its download cannot be checked; use an "
-                         "index that does (PyPI does)")
+        raise FetchError(
+            f"{_shown(index)} gives no sha256 for {name}, so its download cannot be checked; use an "
+            "index that does (PyPI does)"
+        )
     return name, urllib.parse.urlsplit(url)._replace(fragment="").geturl(), digest
 
 
@@ -286,21 +307,26 @@ def _download(url: str, dest_dir: str, name: str, expected: str, max_bytes: int,
             headers = getattr(response, "headers", None)  # a file:// download has none
             length = headers.get("Content-Length") if headers else None
             if length and length.isdigit() and int(length) > max_bytes:
-                raise FetchError(f"{name} is {int(length) >> 20} MiB, more than the cap of {max_bytes >> 20} MiB; "
-                                 f"if it is genuine, {_RAISE}")
+                raise FetchError(
+                    f"{name} is {int(length) >> 20} MiB, more than the cap of {max_bytes >> 20} MiB; "
+                    f"if it is genuine, {_RAISE}"
+                )
             sha, size, deadline = hashlib.sha256(), 0, time.monotonic() + _MAX_DOWNLOAD_S
             while chunk := response.read(1 << 20):
                 size += len(chunk)
                 if size > max_bytes:
-                    raise FetchError(f"{name} is larger than the cap of {max_bytes >> 20} MiB; if it is genuine, "
-                                     f"{_RAISE}")
+                    raise FetchError(
+                        f"{name} is larger than the cap of {max_bytes >> 20} MiB; if it is genuine, {_RAISE}"
+                    )
                 if time.monotonic() > deadline:
                     raise FetchError(f"downloading {name} took more than {_MAX_DOWNLOAD_S} s; try again later")
                 sha.update(chunk)
                 out.write(chunk)
         if sha.hexdigest() != expected:
-            raise FetchError(f"{name} from {_shown(url)} has sha256 {sha.hexdigest()}, not {expected} as expected; "
-                             "not using it (a corrupted or tampered download)")
+            raise FetchError(
+                f"{name} from {_shown(url)} has sha256 {sha.hexdigest()}, not {expected} as expected; "
+                "not using it (a corrupted or tampered download)"
+            )
         path = os.path.join(dest_dir, name)
         os.chmod(part, 0o644)
         os.replace(part, path)
@@ -312,17 +338,24 @@ def _download(url: str, dest_dir: str, name: str, expected: str, max_bytes: int,
             os.unlink(part)
 
 
-def download_sdist(requirement: Requirement, dest_dir: str, index_urls: list[str] | None = None,
-                   max_bytes: int = 256 << 20) -> str:
+def download_sdist(
+    requirement: Requirement, dest_dir: str, index_urls: list[str] | None = None, max_bytes: int = 256 << 20
+) -> str:
     """The sdist of `requirement` in `dest_dir` (downloaded unless a file of its name is there); its path."""
     os.makedirs(dest_dir, exist_ok=True)
-    cached = sorted(n for n in os.listdir(dest_dir) if sdist_suffix(n, requirement)
-                    and os.path.isfile(os.path.join(dest_dir, n)) and not os.path.islink(os.path.join(dest_dir, n)))
+    cached = sorted(
+        n
+        for n in os.listdir(dest_dir)
+        if sdist_suffix(n, requirement)
+        and os.path.isfile(os.path.join(dest_dir, n))
+        and not os.path.islink(os.path.join(dest_dir, n))
+    )
     if cached:
         path = os.path.join(dest_dir, cached[0])
         if requirement.sha256 and _sha256(path) not in requirement.sha256:
-            raise FetchError(f"the cached {path} does not have the sha256 {requirement} is pinned to; delete it "
-                             "to download it again")
+            raise FetchError(
+                f"the cached {path} does not have the sha256 {requirement} is pinned to; delete it to download it again"
+            )
         return path
     cafile = None
     if index_urls is None:
@@ -333,21 +366,27 @@ def download_sdist(requirement: Requirement, dest_dir: str, index_urls: list[str
             continue
         name, url, digest = found
         if requirement.sha256 and digest not in requirement.sha256:
-            raise FetchError(f"{_shown(index)} gives {name} the sha256 {digest}, which is not the one {requirement} "
-                             "is pinned to; not downloading it")
+            raise FetchError(
+                f"{_shown(index)} gives {name} the sha256 {digest}, which is not the one {requirement} "
+                "is pinned to; not downloading it"
+            )
         return _download(url, dest_dir, name, digest, max_bytes, cafile)
-    raise FetchError(f"no source distribution (.tar.gz or .zip) of {requirement} on "
-                     f"{', '.join(_shown(i) for i in index_urls)}; check the name and the version (codefleet "
-                     "mines sdists, never wheels)")
+    raise FetchError(
+        f"no source distribution (.tar.gz or .zip) of {requirement} on "
+        f"{', '.join(_shown(i) for i in index_urls)}; check the name and the version (codefleet "
+        "mines sdists, never wheels)"
+    )
 
 
-def fetch_sdist(requirement: str | Requirement, cache_dir: str, index_urls: list[str] | None = None,
-                max_bytes: int = 256 << 20) -> str:
+def fetch_sdist(
+    requirement: str | Requirement, cache_dir: str, index_urls: list[str] | None = None, max_bytes: int = 256 << 20
+) -> str:
     """`NAME==VERSION [--hash=sha256:HEX]` as its sdist, downloaded once into `cache_dir/<name>-<version>/`."""
     if isinstance(requirement, str):
         parsed = parse_requirement(requirement)
         if parsed is None:
             raise FetchError(f"{requirement!r} is not NAME==VERSION [--hash=sha256:HEX]")
         requirement = parsed
-    return download_sdist(requirement, os.path.join(cache_dir, f"{requirement.key}-{requirement.version}"),
-                          index_urls, max_bytes)
+    return download_sdist(
+        requirement, os.path.join(cache_dir, f"{requirement.key}-{requirement.version}"), index_urls, max_bytes
+    )

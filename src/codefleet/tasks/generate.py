@@ -39,9 +39,17 @@ def _write_repo(root: str, repo: str, files: dict[str, str]) -> None:
         safe_files.write_file_beneath(root, os.path.join(repo, path), text, mode=0o644)
 
 
-def generate_task(out_dir: str, family: str, index: int, seed: int, difficulty: int | None = None,
-                  split: str = "train", more_domains: bool = True, exclude: frozenset[str] = frozenset(),
-                  root: str | None = None) -> Task:
+def generate_task(
+    out_dir: str,
+    family: str,
+    index: int,
+    seed: int,
+    difficulty: int | None = None,
+    split: str = "train",
+    more_domains: bool = True,
+    exclude: frozenset[str] = frozenset(),
+    root: str | None = None,
+) -> Task:
     """Task number `index` of the set (out_dir, seed): its repo under out_dir/<id>/repo. `root`: the directory
     the user named (default `out_dir`), below which no link is followed (the module docstring)."""
     rng = random.Random(f"codefleet-tasks/{seed}/{index}")
@@ -68,21 +76,44 @@ def generate_task(out_dir: str, family: str, index: int, seed: int, difficulty: 
     repo = os.path.join(task_dir, "repo")
     _write_repo(root, os.path.abspath(repo), done.files_before)
     task = Task(
-        id=task_id, repo=repo, instruction=draft.instruction,
-        checks=HiddenChecks(command=CHECK_COMMAND, fail_to_pass=done.fail_to_pass, pass_to_pass=done.pass_to_pass,
-                            files=done.check_files),
-        setup_commands=[], test_command=TEST_COMMAND, budgets=Budgets(),
-        metadata={"family": family, "template": template, "difficulty": level, "split": module.TEMPLATES[template],
-                  "seed": seed, "index": index, "generator": GENERATOR},
+        id=task_id,
+        repo=repo,
+        instruction=draft.instruction,
+        checks=HiddenChecks(
+            command=CHECK_COMMAND,
+            fail_to_pass=done.fail_to_pass,
+            pass_to_pass=done.pass_to_pass,
+            files=done.check_files,
+        ),
+        setup_commands=[],
+        test_command=TEST_COMMAND,
+        budgets=Budgets(),
+        metadata={
+            "family": family,
+            "template": template,
+            "difficulty": level,
+            "split": module.TEMPLATES[template],
+            "seed": seed,
+            "index": index,
+            "generator": GENERATOR,
+        },
         reference_patch=make_unified_diff(done.files_before, done.files_after),
     )
     save_task(task, out_dir, root)
     return task
 
 
-def generate_tasks(out_dir: str, n: int, seed: int = 0, families: list[str] | None = None,
-                   difficulty: int | None = None, split: str = "train", more_domains: bool = True,
-                   exclude: frozenset[str] = frozenset(), root: str | None = None) -> list[Task]:
+def generate_tasks(
+    out_dir: str,
+    n: int,
+    seed: int = 0,
+    families: list[str] | None = None,
+    difficulty: int | None = None,
+    split: str = "train",
+    more_domains: bool = True,
+    exclude: frozenset[str] = frozenset(),
+    root: str | None = None,
+) -> list[Task]:
     """`n` tasks into `out_dir` (one sub-directory each, plus tasks.jsonl).
     `difficulty` 1-3 fixes it; None draws it per task. `split` is "train",
     "test" or "all" (templates of both). `more_domains=False` leaves out the
@@ -101,7 +132,9 @@ def generate_tasks(out_dir: str, n: int, seed: int = 0, families: list[str] | No
             raise ValueError(f"family {family!r} has no templates in split {split!r}")
     root = os.path.abspath(root or out_dir)
     safe_files.makedirs_beneath(root, os.path.abspath(out_dir))
-    tasks = [generate_task(out_dir, families[i % len(families)], i, seed, difficulty, split, more_domains, exclude,
-                           root) for i in range(n)]
+    tasks = [
+        generate_task(out_dir, families[i % len(families)], i, seed, difficulty, split, more_domains, exclude, root)
+        for i in range(n)
+    ]
     write_index(tasks, out_dir, root)
     return tasks

@@ -78,16 +78,21 @@ class MineError(RuntimeError):
 
 def _unpack(source: str, work_dir: str, limits: UnpackLimits | None) -> str:
     if not os.path.isdir(source) and (not os.path.isfile(source) or not source.endswith(ARCHIVE_SUFFIXES)):
-        raise MineError(f"{source!r} is not a source distribution: pass a .tar.gz (or .zip) sdist, an unpacked "
-                        "source directory or NAME==VERSION")
+        raise MineError(
+            f"{source!r} is not a source distribution: pass a .tar.gz (or .zip) sdist, an unpacked "
+            "source directory or NAME==VERSION"
+        )
     root = os.path.join(work_dir, "src")
     try:
         unpack_source(source, root, limits)
     except UnpackError as e:
         raise MineError(str(e)) from None
     entries = [e for e in os.listdir(root) if not e.startswith(".")]
-    if len(entries) == 1 and os.path.isdir(os.path.join(root, entries[0])) \
-            and not os.path.islink(os.path.join(root, entries[0])):  # sdists hold NAME-VERSION/
+    if (
+        len(entries) == 1
+        and os.path.isdir(os.path.join(root, entries[0]))
+        and not os.path.islink(os.path.join(root, entries[0]))
+    ):  # sdists hold NAME-VERSION/
         root = os.path.join(root, entries[0])
     return root
 
@@ -114,7 +119,7 @@ def _name_version(root: str, source: str) -> tuple[str, str]:
         except (tomllib.TOMLDecodeError, UnicodeDecodeError, AttributeError, RecursionError):
             pass
     base = os.path.basename(os.path.normpath(source))
-    base = next((base[:-len(s)] for s in ARCHIVE_SUFFIXES if base.endswith(s)), base)
+    base = next((base[: -len(s)] for s in ARCHIVE_SUFFIXES if base.endswith(s)), base)
     guess = re.match(r"^(.+?)-(\d[\w.]*)$", base)
     name = fields.get("name") or (guess.group(1) if guess else base)
     version = fields.get("version") or (guess.group(2) if guess else "0")
@@ -129,8 +134,12 @@ def _is_file(root: str, rel: str) -> bool:
 def _is_test_file(rel: str) -> bool:
     parts = rel.split("/")
     name = parts[-1]
-    return (any(p in ("tests", "test", "testing") for p in parts[:-1]) or name == "conftest.py"
-            or name.startswith("test_") or name.endswith("_test.py"))
+    return (
+        any(p in ("tests", "test", "testing") for p in parts[:-1])
+        or name == "conftest.py"
+        or name.startswith("test_")
+        or name.endswith("_test.py")
+    )
 
 
 def _source_files(root: str) -> tuple[list[str], list[str]]:
@@ -150,7 +159,7 @@ def _source_files(root: str) -> tuple[list[str], list[str]]:
 
 
 def _module_name(rel: str, src_layout: bool) -> str:
-    rel = rel[len("src/"):] if src_layout and rel.startswith("src/") else rel
+    rel = rel[len("src/") :] if src_layout and rel.startswith("src/") else rel
     parts = rel[:-3].split("/")
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
@@ -168,13 +177,17 @@ def _passing_tests(sandbox: Sandbox, command: str, source: str) -> list[str]:
     result = sandbox.run_oneoff(["bash", "-c", f"export PYTHONDONTWRITEBYTECODE=1; {collect}"], timeout_s=600)
     ids = [line.strip() for line in result.output.splitlines() if "::" in line and not line.startswith(" ")]
     if result.exit_code != 0 or not ids:
-        raise MineError(f"the test suite of {source} does not collect in the sandbox (exit {result.exit_code}): "
-                        f"{result.output.strip()[-600:]}")
+        raise MineError(
+            f"the test suite of {source} does not collect in the sandbox (exit {result.exit_code}): "
+            f"{result.output.strip()[-600:]}"
+        )
     outcome = run_checks(sandbox, _probe(command, ids), timeout_s=600)
     passing = [i for i in ids if outcome.per_test[i]]
     if not passing:
-        raise MineError(f"the test suite of {source} fails on the original source ({len(ids)} tests, none passes), "
-                        f"so no mutant can be told apart: {outcome.output.strip()[-600:]}")
+        raise MineError(
+            f"the test suite of {source} fails on the original source ({len(ids)} tests, none passes), "
+            f"so no mutant can be told apart: {outcome.output.strip()[-600:]}"
+        )
     return passing
 
 
@@ -186,11 +199,13 @@ def _issue_text(name: str, failing: list[str], output: str, test_command: str) -
     errors = [line.rstrip() for line in lines if line.startswith("E ")][:12]
     summary = [line for line in lines if line.startswith(("FAILED ", "ERROR "))][:5]
     shown = "\n".join(failing[:5]) + (f"\n(and {len(failing) - 5} more)" if len(failing) > 5 else "")
-    return (f"Some of {name}'s own tests fail and I don't think they should: the tests look right, so something "
-            f"in the library code is broken.\n\nFailing tests:\n{shown}\n\nWhat pytest says (`{test_command}`):\n"
-            "```\n" + "\n".join(errors + ([""] if errors and summary else []) + summary) + "\n```\n\n"
-            "Please fix the library so that these tests pass again, without breaking the others and without "
-            "changing the tests.")
+    return (
+        f"Some of {name}'s own tests fail and I don't think they should: the tests look right, so something "
+        f"in the library code is broken.\n\nFailing tests:\n{shown}\n\nWhat pytest says (`{test_command}`):\n"
+        "```\n" + "\n".join(errors + ([""] if errors and summary else []) + summary) + "\n```\n\n"
+        "Please fix the library so that these tests pass again, without breaking the others and without "
+        "changing the tests."
+    )
 
 
 # -- mining ---------------------------------------------------------------------------
@@ -203,16 +218,18 @@ class MineReport:
     library: str
     version: str
     functions: int = 0
-    tried: Counter = field(default_factory=Counter)    # by kind
-    kept: Counter = field(default_factory=Counter)     # by kind, after check_tasks
-    unsound: list[str] = field(default_factory=list)   # "id: reasons"
+    tried: Counter = field(default_factory=Counter)  # by kind
+    kept: Counter = field(default_factory=Counter)  # by kind, after check_tasks
+    unsound: list[str] = field(default_factory=list)  # "id: reasons"
     tasks: list[Task] = field(default_factory=list)
 
     def table(self) -> str:
-        rows = [f"{self.library} {self.version}: {self.functions} functions, {sum(self.tried.values())} mutants "
-                f"tried, {sum(self.kept.values())} kept" + (f", {len(self.unsound)} dropped as unsound"
-                                                             if self.unsound else ""),
-                f"  {'kind':<20}{'tried':>7}{'kept':>7}"]
+        rows = [
+            f"{self.library} {self.version}: {self.functions} functions, {sum(self.tried.values())} mutants "
+            f"tried, {sum(self.kept.values())} kept"
+            + (f", {len(self.unsound)} dropped as unsound" if self.unsound else ""),
+            f"  {'kind':<20}{'tried':>7}{'kept':>7}",
+        ]
         rows += [f"  {kind:<20}{self.tried[kind]:>7}{self.kept[kind]:>7}" for kind in KINDS if self.tried[kind]]
         rows += [f"  unsound {line}" for line in self.unsound]
         return "\n".join(rows)
@@ -230,18 +247,32 @@ def _schedule(per_function: dict[str, list[Mutation]], seed: int) -> list[list[M
         rng.shuffle(kinds)
         for kind in kinds:
             rng.shuffle(by_kind[kind])
-        queue = [by_kind[k][i] for i in range(max(map(len, by_kind.values()), default=0)) for k in kinds
-                 if i < len(by_kind[k])]
+        queue = [
+            by_kind[k][i]
+            for i in range(max(map(len, by_kind.values()), default=0))
+            for k in kinds
+            if i < len(by_kind[k])
+        ]
         if queue:
             order.append(queue)
     random.Random(f"codefleet-mine/{seed}").shuffle(order)
     return order
 
 
-def mine_library(source: str, out_dir: str, seed: int = 0, max_per_function: int = 2, max_tasks: int | None = None,
-                 kinds: list[str] | None = None, config: SandboxConfig | None = None, jobs: int = 2,
-                 check: bool = True, cache_dir: str | None = None, limits: UnpackLimits | None = None,
-                 index_urls: list[str] | None = None) -> MineReport:
+def mine_library(
+    source: str,
+    out_dir: str,
+    seed: int = 0,
+    max_per_function: int = 2,
+    max_tasks: int | None = None,
+    kinds: list[str] | None = None,
+    config: SandboxConfig | None = None,
+    jobs: int = 2,
+    check: bool = True,
+    cache_dir: str | None = None,
+    limits: UnpackLimits | None = None,
+    index_urls: list[str] | None = None,
+) -> MineReport:
     """Mine one source (a directory, a .tar.gz/.zip sdist, or NAME==VERSION [--hash=sha256:HEX] fetched from
     `index_urls` (default: pip's) into `cache_dir`) into tasks under `out_dir` (saved with their index), its
     tree within `limits` (also the most a download may weigh); see the module docstring."""
@@ -254,8 +285,10 @@ def mine_library(source: str, out_dir: str, seed: int = 0, max_per_function: int
         report = MineReport(name, version)
         modules, test_files = _source_files(root)
         if not modules or not test_files:
-            raise MineError(f"{source!r} is not a Python source tree with tests: found {len(modules)} library "
-                            f"module(s) and {len(test_files)} test file(s) (tests/, test_*.py)")
+            raise MineError(
+                f"{source!r} is not a Python source tree with tests: found {len(modules)} library "
+                f"module(s) and {len(test_files)} test file(s) (tests/, test_*.py)"
+            )
         src_layout = os.path.isdir(os.path.join(root, "src"))
         command = ("PYTHONPATH=src " if src_layout else "") + PYTEST + " {tests}"
         sources, per_function = _candidate_mutations(root, modules, src_layout, kinds)
@@ -265,8 +298,9 @@ def mine_library(source: str, out_dir: str, seed: int = 0, max_per_function: int
             passing = _passing_tests(base, command, source)
             workers = base.fork(max(1, jobs))
             try:
-                candidates = _mutants_that_fail(workers, per_function, seed, max_per_function, max_tasks, sources,
-                                                command, passing, report)
+                candidates = _mutants_that_fail(
+                    workers, per_function, seed, max_per_function, max_tasks, sources, command, passing, report
+                )
             finally:
                 for sandbox in workers:
                     sandbox.close()
@@ -276,8 +310,10 @@ def mine_library(source: str, out_dir: str, seed: int = 0, max_per_function: int
         for rel in test_files:
             with _open(root, rel, encoding="utf-8", errors="replace") as f:
                 tests[rel] = f.read()
-        tasks = [_write_task(root, out_dir, index, candidate, sources, tests, name, version, seed, command, passing)
-                 for index, candidate in enumerate(candidates)]
+        tasks = [
+            _write_task(root, out_dir, index, candidate, sources, tests, name, version, seed, command, passing)
+            for index, candidate in enumerate(candidates)
+        ]
     if check and tasks:
         tasks = _sound_tasks(tasks, out_dir, config, jobs, report)
     save_tasks(tasks, out_dir)
@@ -286,39 +322,47 @@ def mine_library(source: str, out_dir: str, seed: int = 0, max_per_function: int
     return report
 
 
-def _checked_arguments(kinds: list[str] | None, max_per_function: int, max_tasks: int | None,
-                       config: SandboxConfig | None) -> list[str]:
+def _checked_arguments(
+    kinds: list[str] | None, max_per_function: int, max_tasks: int | None, config: SandboxConfig | None
+) -> list[str]:
     """The mutation kinds to try, once the caps and the sandbox backend have been checked."""
     kinds = list(kinds or KINDS)
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
         raise MineError(f"unknown mutation kind(s) {', '.join(unknown)}; choose from {', '.join(KINDS)}")
     if max_per_function < 1 or (max_tasks is not None and max_tasks < 1):
-        raise MineError(f"--max-per-function and --max-tasks must be at least 1, got {max_per_function} and "
-                        f"{max_tasks}")
+        raise MineError(
+            f"--max-per-function and --max-tasks must be at least 1, got {max_per_function} and {max_tasks}"
+        )
     backend = (config or SandboxConfig()).backend
     if not SANDBOXES.get(resolved := resolve_backend(backend)).isolated:
-        raise MineError(f"mining runs the library's own tests, code nobody has checked, so it needs a sandbox that "
-                        f"isolates; backend {backend!r} is {resolved!r} here, which does not: install "
-                        "bubblewrap and enable user namespaces (docs/sandboxes/namespace.md), or --set backend=vm")
+        raise MineError(
+            f"mining runs the library's own tests, code nobody has checked, so it needs a sandbox that "
+            f"isolates; backend {backend!r} is {resolved!r} here, which does not: install "
+            "bubblewrap and enable user namespaces (docs/sandboxes/namespace.md), or --set backend=vm"
+        )
     return kinds
 
 
-def _local_source(source: str, cache_dir: str | None, index_urls: list[str] | None,
-                  limits: UnpackLimits | None) -> str:
+def _local_source(source: str, cache_dir: str | None, index_urls: list[str] | None, limits: UnpackLimits | None) -> str:
     """`source` itself if it is a path; for NAME==VERSION, its sdist fetched into the cache."""
     try:
         requirement = None if os.path.exists(source) else parse_requirement(source)
         if requirement is not None:
-            source = fetch_sdist(requirement, cache_dir or os.path.expanduser("~/.cache/codefleet/sdists"),
-                                 index_urls, (limits or UnpackLimits()).max_bytes)
+            source = fetch_sdist(
+                requirement,
+                cache_dir or os.path.expanduser("~/.cache/codefleet/sdists"),
+                index_urls,
+                (limits or UnpackLimits()).max_bytes,
+            )
     except FetchError as e:
         raise MineError(str(e)) from None
     return source
 
 
-def _candidate_mutations(root: str, modules: list[str], src_layout: bool,
-                         kinds: list[str]) -> tuple[dict[str, bytes], dict[str, list[Mutation]]]:
+def _candidate_mutations(
+    root: str, modules: list[str], src_layout: bool, kinds: list[str]
+) -> tuple[dict[str, bytes], dict[str, list[Mutation]]]:
     """Each library module's bytes, and each function's mutations of `kinds` (files Python cannot parse skipped)."""
     sources = {}
     per_function: dict[str, list[Mutation]] = {}
@@ -333,9 +377,19 @@ def _candidate_mutations(root: str, modules: list[str], src_layout: bool,
     return sources, per_function
 
 
-def _write_task(root: str, out_dir: str, index: int, candidate: tuple[Mutation, list[str], str],
-                sources: dict[str, bytes], tests: dict[str, str], name: str, version: str, seed: int,
-                command: str, passing: list[str]) -> Task:
+def _write_task(
+    root: str,
+    out_dir: str,
+    index: int,
+    candidate: tuple[Mutation, list[str], str],
+    sources: dict[str, bytes],
+    tests: dict[str, str],
+    name: str,
+    version: str,
+    seed: int,
+    command: str,
+    passing: list[str],
+) -> Task:
     """Task `index`: the library with the mutant in place under out_dir, the tests that noticed it as checks."""
     mutation, failing, output = candidate
     slug = re.sub(r"[^A-Za-z0-9._-]", "-", f"{name}-{version}")
@@ -348,18 +402,30 @@ def _write_task(root: str, out_dir: str, index: int, candidate: tuple[Mutation, 
         f.write(mutation.apply(sources[mutation.path]))
     original = sources[mutation.path].decode("utf-8")
     return Task(
-        id=task_id, repo=os.path.abspath(repo),
+        id=task_id,
+        repo=os.path.abspath(repo),
         instruction=_issue_text(name, failing, output, command.replace(" {tests}", "")),
         checks=HiddenChecks(command, failing, [t for t in passing if t not in failing], dict(tests)),
         test_command=command.replace(" {tests}", ""),
-        metadata={"family": "mined", "template": name, "library": name, "version": version,
-                  "mutation": mutation.kind, "function": mutation.function, "seed": seed, "index": index},
-        reference_patch=make_unified_diff({mutation.path: mutation.apply(sources[mutation.path])},
-                                          {mutation.path: original}))
+        metadata={
+            "family": "mined",
+            "template": name,
+            "library": name,
+            "version": version,
+            "mutation": mutation.kind,
+            "function": mutation.function,
+            "seed": seed,
+            "index": index,
+        },
+        reference_patch=make_unified_diff(
+            {mutation.path: mutation.apply(sources[mutation.path])}, {mutation.path: original}
+        ),
+    )
 
 
-def _sound_tasks(tasks: list[Task], out_dir: str, config: SandboxConfig | None, jobs: int,
-                 report: MineReport) -> list[Task]:
+def _sound_tasks(
+    tasks: list[Task], out_dir: str, config: SandboxConfig | None, jobs: int, report: MineReport
+) -> list[Task]:
     """The tasks check_tasks finds sound; the others are recorded in the report and their directories removed."""
     sound = []
     for task, result in zip(tasks, check_tasks(tasks, config, jobs=jobs), strict=True):
@@ -371,9 +437,17 @@ def _sound_tasks(tasks: list[Task], out_dir: str, config: SandboxConfig | None, 
     return sound
 
 
-def _mutants_that_fail(workers: list[Sandbox], per_function: dict[str, list[Mutation]], seed: int,
-                       max_per_function: int, max_tasks: int | None, sources: dict[str, bytes], command: str,
-                       passing: list[str], report: MineReport) -> list[tuple[Mutation, list[str], str]]:
+def _mutants_that_fail(
+    workers: list[Sandbox],
+    per_function: dict[str, list[Mutation]],
+    seed: int,
+    max_per_function: int,
+    max_tasks: int | None,
+    sources: dict[str, bytes],
+    command: str,
+    passing: list[str],
+    report: MineReport,
+) -> list[tuple[Mutation, list[str], str]]:
     """Run the PASS set on mutants (one per worker at a time) in schedule order, round by round, until the caps;
     the ones some test notices, with those tests and pytest's output."""
 
@@ -397,17 +471,21 @@ def _mutants_that_fail(workers: list[Sandbox], per_function: dict[str, list[Muta
                 if queue and kept_per_function[queue[0].function] < max_per_function and tries_left[id(queue)] > 0:
                     round_.append(queue.pop(0))
                     tries_left[id(queue)] -= 1
-            queues = [q for q in queues if q and tries_left[id(q)] > 0
-                      and kept_per_function[q[0].function] < max_per_function]
+            queues = [
+                q for q in queues if q and tries_left[id(q)] > 0 and kept_per_function[q[0].function] < max_per_function
+            ]
             for start in range(0, len(round_), len(workers)):
                 if max_tasks is not None and len(found) >= max_tasks:
                     break
-                batch = round_[start:start + len(workers)]
+                batch = round_[start : start + len(workers)]
                 results = list(pool.map(run, workers, batch))
                 for mutation, (failing, output) in zip(batch, results, strict=True):
                     report.tried[mutation.kind] += 1
-                    if failing and (max_tasks is None or len(found) < max_tasks) \
-                            and kept_per_function[mutation.function] < max_per_function:
+                    if (
+                        failing
+                        and (max_tasks is None or len(found) < max_tasks)
+                        and kept_per_function[mutation.function] < max_per_function
+                    ):
                         kept_per_function[mutation.function] += 1
                         found.append((mutation, failing, output))
     finally:

@@ -13,8 +13,15 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
-KINDS = ("comparison", "arithmetic", "off_by_one", "negated_condition", "dropped_statement", "default_argument",
-         "swapped_arguments")
+KINDS = (
+    "comparison",
+    "arithmetic",
+    "off_by_one",
+    "negated_condition",
+    "dropped_statement",
+    "default_argument",
+    "swapped_arguments",
+)
 _COMPARE_SWAPS = {ast.Lt: "<=", ast.LtE: "<", ast.Gt: ">=", ast.GtE: ">", ast.Eq: "!=", ast.NotEq: "=="}
 _COMPARE_TEXT = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==", ast.NotEq: "!="}
 _ARITH_SWAPS = {ast.Add: "-", ast.Sub: "+", ast.Mult: "//", ast.FloorDiv: "*", ast.Div: "*"}
@@ -27,14 +34,14 @@ class Mutation:
     """One edit of a file's UTF-8 bytes: replace [start, end) with `text`."""
 
     kind: str
-    path: str       # relative to the source root
-    function: str   # module.qualname
+    path: str  # relative to the source root
+    function: str  # module.qualname
     start: int
     end: int
     text: str
 
     def apply(self, source: bytes) -> str:
-        return (source[:self.start] + self.text.encode() + source[self.end:]).decode("utf-8")
+        return (source[: self.start] + self.text.encode() + source[self.end :]).decode("utf-8")
 
 
 class _Spans:
@@ -53,11 +60,11 @@ class _Spans:
         return self.line_starts[node.end_lineno - 1] + node.end_col_offset
 
     def text(self, node: ast.AST) -> str:
-        return self.source[self.start(node):self.end(node)].decode("utf-8")
+        return self.source[self.start(node) : self.end(node)].decode("utf-8")
 
     def operator(self, left: ast.AST, right: ast.AST, symbol: str) -> tuple[int, int] | None:
         """The span of `symbol` between two operands, if the gap holds nothing else (no comments, no parens)."""
-        gap = self.source[self.end(left):self.start(right)].decode("utf-8")
+        gap = self.source[self.end(left) : self.start(right)].decode("utf-8")
         if gap.strip() != symbol:
             return None
         at = self.end(left) + gap.index(symbol)
@@ -86,8 +93,8 @@ def _body_nodes(function: ast.AST):
 def _whole_lines(spans: _Spans, stmt: ast.stmt) -> tuple[int, int] | None:
     """The byte span of the full lines a statement occupies, if it shares them with nothing else."""
     first, last = spans.line_starts[stmt.lineno - 1], spans.line_starts[stmt.end_lineno]
-    before = spans.source[first:spans.start(stmt)]
-    after = spans.source[spans.end(stmt):last].strip()
+    before = spans.source[first : spans.start(stmt)]
+    after = spans.source[spans.end(stmt) : last].strip()
     if before.strip() or (after and not after.startswith(b"#")):
         return None
     return first, last
@@ -101,8 +108,9 @@ def _droppable(spans: _Spans, body: object) -> list[tuple[int, int]]:
     spans_found = []
     for stmt in body:
         docstring = isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant)
-        if docstring or isinstance(stmt, (ast.Return, ast.Pass, ast.Global, ast.Nonlocal, ast.FunctionDef,
-                                          ast.AsyncFunctionDef, ast.ClassDef)):
+        if docstring or isinstance(
+            stmt, (ast.Return, ast.Pass, ast.Global, ast.Nonlocal, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+        ):
             continue
         span = _whole_lines(spans, stmt)
         if span:
@@ -131,16 +139,23 @@ def _function_mutations(spans: _Spans, function: ast.FunctionDef, path: str, nam
                         add("comparison", *span, _COMPARE_SWAPS[type(op)])
         elif isinstance(node, (ast.BinOp, ast.AugAssign)) and type(node.op) in _ARITH_SWAPS:
             left, right = (node.left, node.right) if isinstance(node, ast.BinOp) else (node.target, node.value)
-            if any(isinstance(s, (ast.JoinedStr, ast.List, ast.Tuple)) or
-                   (isinstance(s, ast.Constant) and isinstance(s.value, (str, bytes))) for s in (left, right)):
+            if any(
+                isinstance(s, (ast.JoinedStr, ast.List, ast.Tuple))
+                or (isinstance(s, ast.Constant) and isinstance(s.value, (str, bytes)))
+                for s in (left, right)
+            ):
                 continue  # "a" + "b" -> "a" - "b" is a crash, not a bug anyone writes
             symbol = _ARITH_TEXT[type(node.op)] + ("=" if isinstance(node, ast.AugAssign) else "")
             span = spans.operator(left, right, symbol)
             if span:
                 add("arithmetic", *span, symbol.replace(_ARITH_TEXT[type(node.op)], _ARITH_SWAPS[type(node.op)]))
         elif _int_const(node) and node.value >= 0:
-            add("off_by_one", spans.start(node), spans.end(node), str(node.value + 1 if node.value < 2 else
-                                                                     node.value - 1))
+            add(
+                "off_by_one",
+                spans.start(node),
+                spans.end(node),
+                str(node.value + 1 if node.value < 2 else node.value - 1),
+            )
         elif isinstance(node, (ast.If, ast.While, ast.IfExp)):
             test = node.test
             if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
@@ -157,7 +172,7 @@ def _function_mutations(spans: _Spans, function: ast.FunctionDef, path: str, nam
             for a, b in zip(args, args[1:]):
                 if isinstance(a, ast.Starred) or isinstance(b, ast.Starred) or spans.text(a) == spans.text(b):
                     continue
-                gap = spans.source[spans.end(a):spans.start(b)].decode("utf-8")
+                gap = spans.source[spans.end(a) : spans.start(b)].decode("utf-8")
                 add("swapped_arguments", spans.start(a), spans.end(b), spans.text(b) + gap + spans.text(a))
         for body_name in ("body", "orelse", "finalbody"):
             for start, end in _droppable(spans, getattr(node, body_name, None)):

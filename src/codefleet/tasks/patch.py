@@ -106,13 +106,14 @@ class FileDiff:
         shift = 0  # how far earlier edits moved line numbers
         for hunk in self.hunks:
             lines = split_lines(text)
-            start = _locate(lines, hunk.old_lines, hunk.old_start - 1 + shift if hunk.old_lines else
-                            hunk.old_start + shift)
+            start = _locate(
+                lines, hunk.old_lines, hunk.old_start - 1 + shift if hunk.old_lines else hunk.old_start + shift
+            )
             if start is None:
                 raise PatchError(f"{self.path}: hunk at line {hunk.old_start} does not match the file")
             lead, trail = _shared_context(hunk.old_lines, hunk.new_lines)
-            core_old = hunk.old_lines[lead: len(hunk.old_lines) - trail]
-            core_new = "".join(hunk.new_lines[lead: len(hunk.new_lines) - trail])
+            core_old = hunk.old_lines[lead : len(hunk.old_lines) - trail]
+            core_new = "".join(hunk.new_lines[lead : len(hunk.new_lines) - trail])
             lo, hi = start + lead, start + lead + len(core_old)
             before, after = "", ""
             while True:
@@ -130,7 +131,7 @@ class FileDiff:
             new = before + core_new + after
             out.append((old, new))
             index = text.find(old) if old else 0
-            text = text[:index] + new + text[index + len(old):]
+            text = text[:index] + new + text[index + len(old) :]
             shift += len(hunk.new_lines) - len(hunk.old_lines)
         return out
 
@@ -159,7 +160,7 @@ def _locate(lines: list[str], block: list[str], expected: int) -> int | None:
     n = len(block)
     for delta in range(len(lines) + 1):
         for at in (expected - delta, expected + delta) if delta else (expected,):
-            if 0 <= at <= len(lines) - n and lines[at:at + n] == block:
+            if 0 <= at <= len(lines) - n and lines[at : at + n] == block:
                 return at
     return None
 
@@ -209,9 +210,9 @@ def parse_unified_diff(text: str) -> list[FileDiff]:
                 current.is_deleted = True
                 current.new_path = None
             elif line.startswith("rename from "):
-                current.old_path = line[len("rename from "):].rstrip("\r\n")
+                current.old_path = line[len("rename from ") :].rstrip("\r\n")
             elif line.startswith("rename to "):
-                current.new_path = line[len("rename to "):].rstrip("\r\n")
+                current.new_path = line[len("rename to ") :].rstrip("\r\n")
             elif line.startswith(("GIT binary patch", "Binary files ")):
                 current.is_binary = True
         m = _HUNK_RE.match(line)
@@ -263,8 +264,10 @@ def _parse_hunk(lines: list[str], i: int, m: re.Match, current: FileDiff) -> int
         last = tag
         i += 1
     if old_seen != old_len or new_seen != new_len:
-        raise PatchError(f"line {header_line}: hunk {m.group(0)!r} promises {old_len} old and {new_len} new "
-                         f"lines but has {old_seen} and {new_seen}")
+        raise PatchError(
+            f"line {header_line}: hunk {m.group(0)!r} promises {old_len} old and {new_len} new "
+            f"lines but has {old_seen} and {new_seen}"
+        )
     return i
 
 
@@ -281,8 +284,10 @@ def apply_file_diff(old_text: str, diff: FileDiff) -> str:
         expected = hunk.old_start - 1 if hunk.old_lines else hunk.old_start
         at = _locate(lines[pos:], hunk.old_lines, expected - pos)
         if at is None:
-            raise PatchError(f"{diff.path}: hunk @@ -{hunk.old_start} does not match the file "
-                             f"(first expected line: {hunk.old_lines[0].rstrip()!r})")
+            raise PatchError(
+                f"{diff.path}: hunk @@ -{hunk.old_start} does not match the file "
+                f"(first expected line: {hunk.old_lines[0].rstrip()!r})"
+            )
         at += pos
         out.extend(lines[pos:at])
         out.extend(hunk.new_lines)

@@ -35,8 +35,19 @@ from codefleet.types import TASK_SPEC_VERSION, Budgets, HiddenChecks, Task
 TASK_FILE = "task.json"
 INDEX_FILE = "tasks.jsonl"
 ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")  # use with fullmatch
-_TOP_KEYS = ("spec_version", "id", "repo", "instruction", "setup_commands", "test_command", "checks", "budgets",
-             "metadata", "reference_patch", "environment")
+_TOP_KEYS = (
+    "spec_version",
+    "id",
+    "repo",
+    "instruction",
+    "setup_commands",
+    "test_command",
+    "checks",
+    "budgets",
+    "metadata",
+    "reference_patch",
+    "environment",
+)
 _CHECK_KEYS = ("command", "fail_to_pass", "pass_to_pass", "files")
 _INDEX_META = ("family", "template", "split", "difficulty")
 
@@ -47,8 +58,9 @@ class TaskSpecError(ValueError):
     def __init__(self, errors: list[str], source: str = "task"):
         self.errors = list(errors)
         self.source = source
-        super().__init__(f"{source}: {len(errors)} problem(s) in the task spec (docs/tasks.md):\n  "
-                         + "\n  ".join(errors))
+        super().__init__(
+            f"{source}: {len(errors)} problem(s) in the task spec (docs/tasks.md):\n  " + "\n  ".join(errors)
+        )
 
 
 # -- validation -----------------------------------------------------------------------
@@ -72,8 +84,9 @@ def _validate_checks(data: object, errors: list[str]) -> None:
         errors.append(f"checks.{key}: unknown key (allowed: {', '.join(_CHECK_KEYS)})")
     command = data.get("command")
     if not isinstance(command, str) or not command.strip():
-        errors.append("checks.command: required, a shell command such as "
-                      "'python3 -m pytest -q -p no:cacheprovider {tests}'")
+        errors.append(
+            "checks.command: required, a shell command such as 'python3 -m pytest -q -p no:cacheprovider {tests}'"
+        )
     elif "{tests}" not in command:
         errors.append("checks.command: must contain {tests} (replaced by the test ids)")
     for key in ("fail_to_pass", "pass_to_pass"):
@@ -107,8 +120,13 @@ def _validate_budgets(data: object, errors: list[str]) -> None:
     for key, value in data.items():
         if key not in names:
             errors.append(f"budgets.{key}: unknown key (allowed: {', '.join(names)})")
-        elif (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
-              or isinstance(value, float) and not math.isfinite(value)):  # NaN <= 0 is False
+        elif (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or value <= 0
+            or isinstance(value, float)
+            and not math.isfinite(value)
+        ):  # NaN <= 0 is False
             errors.append(f"budgets.{key}: must be a positive, finite number, got {value!r}")
         elif key != "wall_clock_s" and not isinstance(value, int):
             errors.append(f"budgets.{key}: must be a whole number, got {value!r}")
@@ -145,13 +163,13 @@ def validate_task_dict(data: object) -> list[str]:
     _validate_budgets(data.get("budgets", {}), errors)
     metadata = data.get("metadata", {})
     if not isinstance(metadata, dict) or not all(
-            isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in metadata.values()):
+        isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in metadata.values()
+    ):
         errors.append("metadata: must be an object of strings and numbers")
     patch = data.get("reference_patch", "")
     if not isinstance(patch, str):
         errors.append("reference_patch: must be a string (a unified diff)")
     elif patch.strip():
-
         try:
             if not parse_unified_diff(patch):
                 errors.append("reference_patch: not a unified diff (no --- / +++ file headers)")
@@ -177,8 +195,12 @@ def task_to_dict(task: Task) -> dict:
         "instruction": task.instruction,
         "setup_commands": list(task.setup_commands),
         "test_command": task.test_command,
-        "checks": {"command": task.checks.command, "fail_to_pass": list(task.checks.fail_to_pass),
-                   "pass_to_pass": list(task.checks.pass_to_pass), "files": dict(task.checks.files)},
+        "checks": {
+            "command": task.checks.command,
+            "fail_to_pass": list(task.checks.fail_to_pass),
+            "pass_to_pass": list(task.checks.pass_to_pass),
+            "files": dict(task.checks.files),
+        },
         "budgets": dataclasses.asdict(task.budgets),
         "metadata": dict(task.metadata),
         "reference_patch": task.reference_patch,
@@ -194,12 +216,21 @@ def task_from_dict(data: dict, source: str = "task") -> Task:
     checks = data["checks"]
     budgets = {k: (float(v) if k == "wall_clock_s" else v) for k, v in data.get("budgets", {}).items()}
     return Task(
-        id=data["id"], repo=data["repo"], instruction=data["instruction"],
-        checks=HiddenChecks(command=checks["command"], fail_to_pass=list(checks.get("fail_to_pass", [])),
-                            pass_to_pass=list(checks.get("pass_to_pass", [])), files=dict(checks.get("files", {}))),
-        setup_commands=list(data.get("setup_commands", [])), test_command=data.get("test_command", ""),
-        budgets=Budgets(**budgets), metadata=dict(data.get("metadata", {})),
-        reference_patch=data.get("reference_patch", ""), spec_version=data["spec_version"],
+        id=data["id"],
+        repo=data["repo"],
+        instruction=data["instruction"],
+        checks=HiddenChecks(
+            command=checks["command"],
+            fail_to_pass=list(checks.get("fail_to_pass", [])),
+            pass_to_pass=list(checks.get("pass_to_pass", [])),
+            files=dict(checks.get("files", {})),
+        ),
+        setup_commands=list(data.get("setup_commands", [])),
+        test_command=data.get("test_command", ""),
+        budgets=Budgets(**budgets),
+        metadata=dict(data.get("metadata", {})),
+        reference_patch=data.get("reference_patch", ""),
+        spec_version=data["spec_version"],
         environment=data.get("environment", ""),
     )
 
@@ -220,8 +251,9 @@ def load_task(path: str) -> Task:
     except json.JSONDecodeError as e:
         raise TaskSpecError([f"(file): not valid JSON: {e}"], path) from None
     except UnicodeDecodeError as e:
-        raise TaskSpecError([f"(file): not UTF-8 text (bad byte at offset {e.start}); save it as UTF-8"],
-                            path) from None
+        raise TaskSpecError(
+            [f"(file): not UTF-8 text (bad byte at offset {e.start}); save it as UTF-8"], path
+        ) from None
     task = task_from_dict(data, path)
     if not os.path.isabs(task.repo):
         task.repo = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), task.repo))
@@ -270,15 +302,20 @@ def save_tasks(tasks: list[Task], out_dir: str, root: str | None = None) -> list
 
 def write_index(tasks: list[Task], out_dir: str, root: str | None = None) -> None:
     """`out_dir/tasks.jsonl`, one line per task, written atomically with no link below `root` followed."""
-    safe_files.write_file_beneath(os.path.abspath(root or out_dir), os.path.join(os.path.abspath(out_dir), INDEX_FILE),
-                                  "".join(index_line(task) + "\n" for task in tasks), mode=0o644)
+    safe_files.write_file_beneath(
+        os.path.abspath(root or out_dir),
+        os.path.join(os.path.abspath(out_dir), INDEX_FILE),
+        "".join(index_line(task) + "\n" for task in tasks),
+        mode=0o644,
+    )
 
 
 def task_paths(task_dir: str) -> list[str]:
     """Task files of a directory: from tasks.jsonl when present, else every */task.json."""
     if not os.path.exists(task_dir):
-        raise FileNotFoundError(f"task directory {task_dir!r} does not exist; create one with "
-                                "`codefleet tasks generate --out DIR`")
+        raise FileNotFoundError(
+            f"task directory {task_dir!r} does not exist; create one with `codefleet tasks generate --out DIR`"
+        )
     index = os.path.join(task_dir, INDEX_FILE)
     if os.path.exists(index):
         paths = []
@@ -293,8 +330,11 @@ def task_paths(task_dir: str) -> list[str]:
         return paths
     if os.path.isfile(task_dir):
         return [task_dir]
-    return sorted(os.path.join(task_dir, name, TASK_FILE) for name in os.listdir(task_dir)
-                  if os.path.isfile(os.path.join(task_dir, name, TASK_FILE)))
+    return sorted(
+        os.path.join(task_dir, name, TASK_FILE)
+        for name in os.listdir(task_dir)
+        if os.path.isfile(os.path.join(task_dir, name, TASK_FILE))
+    )
 
 
 def load_tasks(task_dir: str) -> list[Task]:

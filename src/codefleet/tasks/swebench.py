@@ -72,8 +72,9 @@ class _RowError(Exception):
 def _git(checkout: str, *args: str, binary: bool = False) -> str | bytes:
     result = subprocess.run(["git", "-C", checkout, *args], capture_output=True, timeout=600)
     if result.returncode != 0:
-        raise _RowError(f"`git {' '.join(args[:3])}` failed in {checkout}: "
-                        f"{result.stderr.decode(errors='replace').strip()[:300]}")
+        raise _RowError(
+            f"`git {' '.join(args[:3])}` failed in {checkout}: {result.stderr.decode(errors='replace').strip()[:300]}"
+        )
     return result.stdout if binary else result.stdout.decode("utf-8", "replace")
 
 
@@ -92,13 +93,18 @@ def _test_ids(row: dict, key: str) -> list[str]:
 def find_checkout(repos_dir: str, repo: str) -> str:
     """The local checkout of "owner/name" under repos_dir (see the module docstring)."""
     owner, _, name = repo.partition("/")
-    candidates = [os.path.join(repos_dir, f"{owner}__{name}"), os.path.join(repos_dir, owner, name),
-                  os.path.join(repos_dir, name)]
+    candidates = [
+        os.path.join(repos_dir, f"{owner}__{name}"),
+        os.path.join(repos_dir, owner, name),
+        os.path.join(repos_dir, name),
+    ]
     for path in candidates:
         if os.path.isdir(path):
             return path
-    raise _RowError(f"no checkout of {repo} in {repos_dir}: expected one of "
-                    f"{', '.join(os.path.relpath(c, repos_dir) for c in candidates)} (git clone it there)")
+    raise _RowError(
+        f"no checkout of {repo} in {repos_dir}: expected one of "
+        f"{', '.join(os.path.relpath(c, repos_dir) for c in candidates)} (git clone it there)"
+    )
 
 
 def _check_files(checkout: str, base: str, test_patch: str) -> dict[str, str]:
@@ -112,8 +118,10 @@ def _check_files(checkout: str, base: str, test_patch: str) -> dict[str, str]:
     files: dict[str, str] = {}
     for diff in diffs:
         if diff.is_binary or diff.is_deleted:
-            raise _RowError(f"test_patch {'changes a binary file' if diff.is_binary else 'deletes'} {diff.path}; "
-                            "hidden checks can only write text files")
+            raise _RowError(
+                f"test_patch {'changes a binary file' if diff.is_binary else 'deletes'} {diff.path}; "
+                "hidden checks can only write text files"
+            )
         old = ""
         if not diff.is_new:
             blob = _git(checkout, "cat-file", "-p", f"{base}:{diff.old_path}", binary=True)
@@ -135,15 +143,23 @@ def _export(checkout: str, base: str, target: str, root: str) -> None:
 
 
 def _git_archive(checkout: str, base: str, out) -> None:
-    result = subprocess.run(["git", "-C", checkout, "archive", "--format=tar", base], check=False, stdout=out,
-                            stderr=subprocess.PIPE, timeout=600)
+    result = subprocess.run(
+        ["git", "-C", checkout, "archive", "--format=tar", base],
+        check=False,
+        stdout=out,
+        stderr=subprocess.PIPE,
+        timeout=600,
+    )
     if result.returncode != 0:
-        raise _RowError(f"`git archive --format=tar {base}` failed in {checkout}: "
-                        f"{result.stderr.decode(errors='replace').strip()[:300]}")
+        raise _RowError(
+            f"`git archive --format=tar {base}` failed in {checkout}: "
+            f"{result.stderr.decode(errors='replace').strip()[:300]}"
+        )
 
 
-def _row_task(row: object, repos_dir: str, export_dir: str, setup_commands: list[str], check_command: str,
-              test_command: str) -> Task:
+def _row_task(
+    row: object, repos_dir: str, export_dir: str, setup_commands: list[str], check_command: str, test_command: str
+) -> Task:
     if not isinstance(row, dict):
         raise _RowError("a row must be a JSON object")
     missing = [k for k in _REQUIRED if not isinstance(row.get(k), str) or not row[k].strip()]
@@ -166,19 +182,34 @@ def _row_task(row: object, repos_dir: str, export_dir: str, setup_commands: list
     try:
         base = _git(checkout, "rev-parse", "--verify", "--quiet", f"{base}^{{commit}}").strip()
     except _RowError:
-        raise _RowError(f"base_commit {base} is not in {checkout} (fetch it: git -C {checkout} fetch origin "
-                        f"{base})") from None
+        raise _RowError(
+            f"base_commit {base} is not in {checkout} (fetch it: git -C {checkout} fetch origin {base})"
+        ) from None
     files = _check_files(checkout, base, row["test_patch"])
     target = os.path.join(os.path.abspath(export_dir), instance_id, "repo.tar")
     _export(checkout, base, target, os.path.abspath(export_dir))
-    metadata: dict[str, str | int | float] = {"family": "swebench", "template": repo, "source_repo": repo,
-                                              "base_commit": base}
+    metadata: dict[str, str | int | float] = {
+        "family": "swebench",
+        "template": repo,
+        "source_repo": repo,
+        "base_commit": base,
+    }
     metadata.update({k: str(row[k]) for k in _OPTIONAL_META if row.get(k) not in (None, "")})
-    task = Task(id=instance_id, repo=os.path.abspath(target), instruction=row["problem_statement"],
-                checks=HiddenChecks(command=check_command, fail_to_pass=fail_to_pass,
-                                    pass_to_pass=[t for t in pass_to_pass if t not in fail_to_pass], files=files),
-                setup_commands=list(setup_commands), test_command=test_command, metadata=metadata,
-                reference_patch=row["patch"])
+    task = Task(
+        id=instance_id,
+        repo=os.path.abspath(target),
+        instruction=row["problem_statement"],
+        checks=HiddenChecks(
+            command=check_command,
+            fail_to_pass=fail_to_pass,
+            pass_to_pass=[t for t in pass_to_pass if t not in fail_to_pass],
+            files=files,
+        ),
+        setup_commands=list(setup_commands),
+        test_command=test_command,
+        metadata=metadata,
+        reference_patch=row["patch"],
+    )
     problems = validate_task(task)
     if problems:
         raise _RowError("; ".join(problems))
@@ -191,14 +222,23 @@ def _row_environment(row: dict, environment: str, images_dir: str | None) -> str
         return environment
     archive = os.path.join(images_dir, re.sub(r"[/:]", "_", name) + ".tar")
     if not os.path.isfile(archive):
-        raise _RowError(f"its image {name!r} is not saved in {images_dir} as {os.path.basename(archive)} "
-                        f"(`docker save {name} -o {archive}`)")
+        raise _RowError(
+            f"its image {name!r} is not saved in {images_dir} as {os.path.basename(archive)} "
+            f"(`docker save {name} -o {archive}`)"
+        )
     return os.path.abspath(archive)
 
 
-def load_swebench(jsonl_path: str, repos_dir: str, export_dir: str, setup_commands: list[str] | None = None,
-                  check_command: str = DEFAULT_CHECK_COMMAND, test_command: str = "", environment: str = "",
-                  images_dir: str | None = None) -> tuple[list[Task], list[LoadError]]:
+def load_swebench(
+    jsonl_path: str,
+    repos_dir: str,
+    export_dir: str,
+    setup_commands: list[str] | None = None,
+    check_command: str = DEFAULT_CHECK_COMMAND,
+    test_command: str = "",
+    environment: str = "",
+    images_dir: str | None = None,
+) -> tuple[list[Task], list[LoadError]]:
     """Tasks from the good rows and a LoadError per bad row (blank lines are skipped). `environment`: every
     task's (docs/environments.md); `images_dir`: where a row that names its image (`image_name`,
     `docker_image`) finds it saved as an archive, `<name with / and : as _>.tar` (a row error if missing)."""

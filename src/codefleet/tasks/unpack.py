@@ -49,8 +49,8 @@ ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar", ".zip")
 class UnpackLimits:
     """Caps on what one source may unpack to (`tasks mine --max-unpacked-mb / --max-files`)."""
 
-    max_bytes: int = 256 << 20   # file content in all; also the most an archive may weigh, or a download
-    max_files: int = 20_000      # files, directories and links
+    max_bytes: int = 256 << 20  # file content in all; also the most an archive may weigh, or a download
+    max_files: int = 20_000  # files, directories and links
 
 
 class UnpackError(RuntimeError):
@@ -74,14 +74,18 @@ class _Tree:
 
     def too_big(self, name: str) -> UnpackError:
         mib = self.limits.max_bytes / (1 << 20)
-        return self.refuse(f"unpacks to more than {mib:g} MiB (at {name[:200]!r}); if it is genuine, raise the "
-                           "cap with --max-unpacked-mb (UnpackLimits.max_bytes)")
+        return self.refuse(
+            f"unpacks to more than {mib:g} MiB (at {name[:200]!r}); if it is genuine, raise the "
+            "cap with --max-unpacked-mb (UnpackLimits.max_bytes)"
+        )
 
     def rel(self, name: str) -> str:
         """A member name as a path relative to the tree ('' for the tree itself), or refused."""
         if "\0" in name or len(name) > _MAX_NAME_CHARS:
-            raise self.refuse(f"has a member whose name is longer than {_MAX_NAME_CHARS} characters or holds a "
-                              f"NUL ({name[:100]!r}...); it is not a source distribution to mine")
+            raise self.refuse(
+                f"has a member whose name is longer than {_MAX_NAME_CHARS} characters or holds a "
+                f"NUL ({name[:100]!r}...); it is not a source distribution to mine"
+            )
         if name.startswith("/") or ".." in name.split("/"):
             raise self.refuse(f"has the member {name[:200]!r}, which points outside the tree; refusing to unpack it")
         rel = os.path.normpath(name)
@@ -96,9 +100,11 @@ class _Tree:
             raise self.refuse(f"lists {name[:200]!r} twice; refusing to unpack it")
         self.entries_left -= 1
         if self.entries_left < 0:
-            raise self.refuse(f"has more than {self.limits.max_files} files, directories and links (at "
-                              f"{name[:200]!r}); if it is genuine, raise the cap with --max-files "
-                              "(UnpackLimits.max_files)")
+            raise self.refuse(
+                f"has more than {self.limits.max_files} files, directories and links (at "
+                f"{name[:200]!r}); if it is genuine, raise the cap with --max-files "
+                "(UnpackLimits.max_files)"
+            )
         self.parent(os.path.dirname(rel), name)
         return os.path.join(self.dest, rel)
 
@@ -106,8 +112,10 @@ class _Tree:
         if rel in self.dirs:
             return
         if rel in self.files or rel in self.links:
-            raise self.refuse(f"has the member {name[:200]!r} under {rel!r}, which is not a directory "
-                              f"({'a symlink' if rel in self.links else 'a file'}); refusing to unpack it")
+            raise self.refuse(
+                f"has the member {name[:200]!r} under {rel!r}, which is not a directory "
+                f"({'a symlink' if rel in self.links else 'a file'}); refusing to unpack it"
+            )
         self.parent(os.path.dirname(rel), name)
         self.mkdir(rel, name)
 
@@ -136,8 +144,10 @@ class _Tree:
     def symlink(self, rel: str, name: str, target: str) -> None:
         climbs = os.path.normpath(os.path.join(os.path.dirname(rel), target)).split("/")[0] == ".."
         if not target or "\0" in target or len(target) > _MAX_LINK_CHARS or target.startswith("/") or climbs:
-            raise self.refuse(f"has the symlink {name[:200]!r} -> {target[:200]!r}, which points outside the tree; "
-                              "refusing to unpack it (remove the link, or make it relative and inside the tree)")
+            raise self.refuse(
+                f"has the symlink {name[:200]!r} -> {target[:200]!r}, which points outside the tree; "
+                "refusing to unpack it (remove the link, or make it relative and inside the tree)"
+            )
         os.symlink(target, self.entry(rel, name))
         self.links.add(rel)
 
@@ -145,8 +155,10 @@ class _Tree:
         """A hard link, as a copy of a regular file this tree already holds."""
         target = self.rel(target_name)
         if target not in self.files:
-            raise self.refuse(f"has the hard link {name[:200]!r} -> {target_name[:200]!r}, which is not a file "
-                              "unpacked before it; refusing to unpack it")
+            raise self.refuse(
+                f"has the hard link {name[:200]!r} -> {target_name[:200]!r}, which is not a file "
+                "unpacked before it; refusing to unpack it"
+            )
         src = os.path.join(self.dest, target)
         fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         with os.fdopen(fd, "rb") as f:
@@ -159,8 +171,10 @@ class _Tree:
             real = os.path.realpath(os.path.join(self.dest, rel))
             if real != top and not real.startswith(top + "/"):
                 target = os.readlink(os.path.join(self.dest, rel))
-                raise self.refuse(f"has the symlink {rel!r} -> {target!r}, which leads outside the tree through "
-                                  "other symlinks; refusing to unpack it")
+                raise self.refuse(
+                    f"has the symlink {rel!r} -> {target!r}, which leads outside the tree through "
+                    "other symlinks; refusing to unpack it"
+                )
 
 
 class _Capped(io.RawIOBase):
@@ -177,7 +191,7 @@ class _Capped(io.RawIOBase):
         self.left -= len(data)
         if self.left < 0:
             raise self.tree.too_big("the archive's stream")
-        buffer[:len(data)] = data
+        buffer[: len(data)] = data
         return len(data)
 
 
@@ -215,8 +229,10 @@ def _unpack_tar(tree: _Tree, f: io.BufferedReader) -> None:
             elif member.islnk():
                 tree.copy(rel, member.name, member.linkname)
             else:
-                raise tree.refuse(f"has the member {member.name[:200]!r}, a device file, FIFO or other special "
-                                  "file; refusing to unpack it")
+                raise tree.refuse(
+                    f"has the member {member.name[:200]!r}, a device file, FIFO or other special "
+                    "file; refusing to unpack it"
+                )
 
 
 def _unpack_zip(tree: _Tree, f: io.BufferedReader) -> None:
@@ -237,8 +253,10 @@ def _unpack_zip(tree: _Tree, f: io.BufferedReader) -> None:
                 with archive.open(info) as data:
                     tree.write(rel, info.filename, data, info.external_attr >> 16, info.file_size)
             else:
-                raise tree.refuse(f"has the member {info.filename[:200]!r}, a device file, FIFO or other special "
-                                  "file; refusing to unpack it")
+                raise tree.refuse(
+                    f"has the member {info.filename[:200]!r}, a device file, FIFO or other special "
+                    "file; refusing to unpack it"
+                )
 
 
 def _copy_folder(tree: _Tree, dir_fd: int, rel: str) -> None:
@@ -266,8 +284,9 @@ def _copy_folder(tree: _Tree, dir_fd: int, rel: str) -> None:
         elif stat.S_ISLNK(st.st_mode):
             tree.symlink(tree.rel(child), child, os.readlink(name, dir_fd=dir_fd))
         else:
-            raise tree.refuse(f"holds {child!r}, a device file, FIFO or socket; remove it, or mine a copy of the "
-                              "folder without it")
+            raise tree.refuse(
+                f"holds {child!r}, a device file, FIFO or socket; remove it, or mine a copy of the folder without it"
+            )
 
 
 def unpack_source(source: str, dest: str, limits: UnpackLimits | None = None) -> None:
@@ -282,8 +301,10 @@ def unpack_source(source: str, dest: str, limits: UnpackLimits | None = None) ->
         try:
             _copy_folder(tree, top, "")
         except OSError as e:
-            raise tree.refuse(f"could not be copied into {dest!r} ({e}); check that you may read all of it and "
-                              "that the temporary directory (TMPDIR) has room") from None
+            raise tree.refuse(
+                f"could not be copied into {dest!r} ({e}); check that you may read all of it and "
+                "that the temporary directory (TMPDIR) has room"
+            ) from None
         finally:
             os.close(top)
         tree.finish()
@@ -303,12 +324,20 @@ def unpack_source(source: str, dest: str, limits: UnpackLimits | None = None) ->
                 _unpack_zip(tree, f)
             else:
                 _unpack_tar(tree, f)
-    except (tarfile.TarError, zipfile.BadZipFile, gzip.BadGzipFile, EOFError, zlib.error, lzma.LZMAError,
-            NotImplementedError) as e:
+    except (
+        tarfile.TarError,
+        zipfile.BadZipFile,
+        gzip.BadGzipFile,
+        EOFError,
+        zlib.error,
+        lzma.LZMAError,
+        NotImplementedError,
+    ) as e:
         raise tree.refuse(f"is not a readable {kind} ({e}); download the sdist again") from None
     except OSError as e:
-        raise tree.refuse(f"could not be unpacked into {dest!r} ({e}); check that the temporary directory (TMPDIR) "
-                          "has room") from None
+        raise tree.refuse(
+            f"could not be unpacked into {dest!r} ({e}); check that the temporary directory (TMPDIR) has room"
+        ) from None
     except RuntimeError as e:
         if isinstance(e, UnpackError):
             raise

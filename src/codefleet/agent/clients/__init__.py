@@ -18,8 +18,10 @@ def build_policy(spec: str, model_name: str = "", **options: object) -> Policy:
         return OpenAIPolicy(OpenAIConfig(base_url=spec, model=model_name, **options))  # type: ignore[arg-type]
     if spec == "local" or spec.startswith("local:"):
         return LocalEnginePolicy(spec.partition(":")[2], **options)
-    raise ValueError(f"unknown model {spec!r}: give an OpenAI-compatible base URL such as "
-                     "http://localhost:8000/v1, or `local` for codefleet's own engine")
+    raise ValueError(
+        f"unknown model {spec!r}: give an OpenAI-compatible base URL such as "
+        "http://localhost:8000/v1, or `local` for codefleet's own engine"
+    )
 
 
 __all__ = ["LocalEnginePolicy", "LocalEngineUnavailableError", "OpenAIConfig", "OpenAIPolicy", "build_policy"]

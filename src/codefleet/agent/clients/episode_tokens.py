@@ -55,8 +55,10 @@ class EpisodeTokens:
         if not self.ids:
             return fmt.encode_chat(tokenizer, messages, tools)
         if len(messages) <= self.n_messages or messages[self.n_messages - 1].get("role") != "assistant":
-            raise SequenceBroken(f"the conversation has {len(messages)} messages, expected more than "
-                                 f"{self.n_messages} ending the last turn with the assistant's message")
+            raise SequenceBroken(
+                f"the conversation has {len(messages)} messages, expected more than "
+                f"{self.n_messages} ending the last turn with the assistant's message"
+            )
         return self.ids + fmt.continuation(tokenizer, messages, self.n_messages, tools)
 
     def add_turn(self, prompt: list[int], result, n_messages: int, end_id: int) -> None:
@@ -76,8 +78,13 @@ class EpisodeTokens:
         self._extend(fresh, [0] * len(fresh), [0.0] * len(fresh), [-1] * len(fresh), prompt_routing[n_old:])
         routing = [flat(r) for r in (result.routed_experts or [])]
         n = len(result.token_ids)
-        self._extend(list(result.token_ids), [1] * n, list(result.logprobs), list(result.versions),
-                     routing if len(routing) == n else [])
+        self._extend(
+            list(result.token_ids),
+            [1] * n,
+            list(result.logprobs),
+            list(result.versions),
+            routing if len(routing) == n else [],
+        )
         if not result.token_ids or result.token_ids[-1] != end_id:
             self._extend([end_id], [0], [0.0], [-1], [])
         self.n_messages = n_messages
@@ -100,8 +107,9 @@ class EpisodeTokens:
 
     def sequence(self) -> TokenSequence:
         """The episode's tokens as the value a Trajectory carries (`Trajectory.sequence`)."""
-        return TokenSequence(list(self.ids), list(self.mask), list(self.logprobs), list(self.versions),
-                             self.routed_experts())
+        return TokenSequence(
+            list(self.ids), list(self.mask), list(self.logprobs), list(self.versions), self.routed_experts()
+        )
 
 
 def flat(per_layer: list[list[int]]) -> list[int]:

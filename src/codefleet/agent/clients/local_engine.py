@@ -49,15 +49,28 @@ class LocalEngineUnavailableError(NotImplementedError):
 class LocalEnginePolicy:
     """A Policy over an in-process `codefleet.inference.engine.Engine`."""
 
-    def __init__(self, checkpoint: str = "", engine=None, tokenizer=None, max_tokens: int = 1024,
-                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                 max_batch: int = 16, max_seq_len: int | None = None, name: str = "", tool_grammar: bool = False,
-                 tool_choice: str = "auto"):
+    def __init__(
+        self,
+        checkpoint: str = "",
+        engine=None,
+        tokenizer=None,
+        max_tokens: int = 1024,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        max_batch: int = 16,
+        max_seq_len: int | None = None,
+        name: str = "",
+        tool_grammar: bool = False,
+        tool_choice: str = "auto",
+    ):
         if engine is None:
             if not checkpoint:
                 raise LocalEngineUnavailableError(
                     "the local engine needs a checkpoint: use `local:DIR` (a directory written by "
-                    "codefleet.model.checkpoint.save), or pass engine= to share a running engine")
+                    "codefleet.model.checkpoint.save), or pass engine= to share a running engine"
+                )
 
             engine = Engine.load(checkpoint, max_batch=max_batch, max_seq_len=max_seq_len)
         self.engine = engine
@@ -66,8 +79,14 @@ class LocalEnginePolicy:
             raise ValueError("the engine has no tokenizer; pass tokenizer= (codefleet.chat.tokenizer)")
         self.name = name or (f"local:{checkpoint}" if checkpoint else "local")
         self._chat = formats.of(self.tokenizer)
-        self.params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                     stop_token_ids=self._chat.stop_ids(self.tokenizer), tool_choice=tool_choice)
+        self.params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            stop_token_ids=self._chat.stop_ids(self.tokenizer),
+            tool_choice=tool_choice,
+        )
         self.tool_grammar = tool_grammar
         self.params.validate()
         self._seeds = itertools.count(seed) if seed is not None else None
@@ -89,11 +108,16 @@ class LocalEnginePolicy:
         tool grammar): the engine's Result and the PolicyOutput."""
         room = self.engine.max_seq_len - len(prompt)
         if room < 1:
-            raise PolicyError(f"the conversation has {len(prompt)} tokens, over the local model's context of "
-                              f"{self.engine.max_seq_len}; shorten tool outputs or raise max_seq_len")
-        params = replace(self.params, max_tokens=min(self.params.max_tokens, room),
-                         seed=next(self._seeds) if self._seeds is not None else None,
-                         tools=(tools or _harness_tools()) if self.tool_grammar else None)
+            raise PolicyError(
+                f"the conversation has {len(prompt)} tokens, over the local model's context of "
+                f"{self.engine.max_seq_len}; shorten tool outputs or raise max_seq_len"
+            )
+        params = replace(
+            self.params,
+            max_tokens=min(self.params.max_tokens, room),
+            seed=next(self._seeds) if self._seeds is not None else None,
+            tools=(tools or _harness_tools()) if self.tool_grammar else None,
+        )
         try:
             result = self.engine.submit(prompt, params).result()
         except Exception as e:
@@ -105,11 +129,18 @@ class LocalEnginePolicy:
         finish = result.finish_reason
         if calls and finish == "stop":
             finish = "tool_calls"
-        return result, PolicyOutput(text=parsed.content, tool_calls=calls, prompt_tokens=len(prompt),
-                                    completion_tokens=len(result.token_ids), model=self.name, finish_reason=finish,
-                                    token_ids=list(result.token_ids), logprobs=list(result.logprobs),
-                                    policy_versions=list(result.versions),
-                                    routed_experts=[flat(token) for token in result.routed_experts])
+        return result, PolicyOutput(
+            text=parsed.content,
+            tool_calls=calls,
+            prompt_tokens=len(prompt),
+            completion_tokens=len(result.token_ids),
+            model=self.name,
+            finish_reason=finish,
+            token_ids=list(result.token_ids),
+            logprobs=list(result.logprobs),
+            policy_versions=list(result.versions),
+            routed_experts=[flat(token) for token in result.routed_experts],
+        )
 
 
 class EpisodePolicy:

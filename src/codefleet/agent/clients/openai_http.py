@@ -39,8 +39,10 @@ class OpenAIConfig:
     deadline: float | None = None  # time.monotonic() by which requests must end: caps each one's timeout
 
 
-_TOOLS_HINT = ("if it is about tools, enable tool calling on the server (vLLM: --enable-auto-tool-choice "
-               "--tool-call-parser NAME; SGLang: --tool-call-parser NAME; Ollama: use a model with tool support)")
+_TOOLS_HINT = (
+    "if it is about tools, enable tool calling on the server (vLLM: --enable-auto-tool-choice "
+    "--tool-call-parser NAME; SGLang: --tool-call-parser NAME; Ollama: use a model with tool support)"
+)
 
 
 class OpenAIPolicy:
@@ -50,8 +52,9 @@ class OpenAIPolicy:
         self.config = OpenAIConfig(config) if isinstance(config, str) else config
         self.url = self.config.base_url.rstrip("/")
         api_key = self.config.api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"
-        self.client = openai.OpenAI(base_url=self.url, api_key=api_key, timeout=self.config.timeout_s,
-                                    max_retries=self.config.max_retries)
+        self.client = openai.OpenAI(
+            base_url=self.url, api_key=api_key, timeout=self.config.timeout_s, max_retries=self.config.max_retries
+        )
         self._model = self.config.model
         self._lock = threading.Lock()
 
@@ -68,8 +71,10 @@ class OpenAIPolicy:
                 except openai.OpenAIError as e:
                     raise self._explain(e, "GET /models") from e
                 if not models:
-                    raise PolicyError(f"the model endpoint {self.url} lists no models; start the server with a "
-                                      "model or pass the model name (--model-name)")
+                    raise PolicyError(
+                        f"the model endpoint {self.url} lists no models; start the server with a "
+                        "model or pass the model name (--model-name)"
+                    )
                 self._model = models[0].id
             return self._model
 
@@ -88,66 +93,92 @@ class OpenAIPolicy:
         if self.config.deadline is not None:
             left_s = self.config.deadline - time.monotonic()
             if left_s <= 0:
-                raise OutOfTime(f"the wall-clock budget ran out before the request to {self.url}; raise the "
-                                "budget (--max-wall-s) to give the model more time")
+                raise OutOfTime(
+                    f"the wall-clock budget ran out before the request to {self.url}; raise the "
+                    "budget (--max-wall-s) to give the model more time"
+                )
             kwargs["timeout"] = min(self.config.timeout_s, left_s)
         try:
             response = self.client.chat.completions.create(**kwargs)
         except openai.APITimeoutError as e:
             if "timeout" in kwargs and kwargs["timeout"] < self.config.timeout_s:
-                raise OutOfTime(f"the wall-clock budget ran out while {self.url} was answering; raise the budget "
-                                "(--max-wall-s) to give the model more time") from e
+                raise OutOfTime(
+                    f"the wall-clock budget ran out while {self.url} was answering; raise the budget "
+                    "(--max-wall-s) to give the model more time"
+                ) from e
             raise self._explain(e, "POST /chat/completions") from e
         except openai.OpenAIError as e:
             raise self._explain(e, "POST /chat/completions") from e
         choices = getattr(response, "choices", None)
         if not choices or not isinstance(choices, list):
-            raise PolicyError(f"the model endpoint {self.url} answered without a list of choices "
-                              f"({str(response)[:200]}); check that it speaks the OpenAI chat-completions protocol")
+            raise PolicyError(
+                f"the model endpoint {self.url} answered without a list of choices "
+                f"({str(response)[:200]}); check that it speaks the OpenAI chat-completions protocol"
+            )
         choice = choices[0]
         message = getattr(choice, "message", None)
         if message is None:
-            raise PolicyError(f"the model endpoint {self.url} answered a choice without a message "
-                              f"({str(choice)[:200]}); check that it speaks the OpenAI chat-completions protocol")
+            raise PolicyError(
+                f"the model endpoint {self.url} answered a choice without a message "
+                f"({str(choice)[:200]}); check that it speaks the OpenAI chat-completions protocol"
+            )
         calls = []
         for tc in message.tool_calls or []:
             function = getattr(tc, "function", None)
-            calls.append(parse_tool_call(getattr(tc, "id", "") or "", getattr(function, "name", "") or "",
-                                         getattr(function, "arguments", "")))
+            calls.append(
+                parse_tool_call(
+                    getattr(tc, "id", "") or "", getattr(function, "name", "") or "", getattr(function, "arguments", "")
+                )
+            )
         usage = response.usage
         logprobs = None
         if self.config.logprobs and choice.logprobs is not None and choice.logprobs.content:
             logprobs = [t.logprob for t in choice.logprobs.content]
-        return PolicyOutput(text=_text(message.content), tool_calls=calls,
-                            prompt_tokens=_count(getattr(usage, "prompt_tokens", 0)),
-                            completion_tokens=_count(getattr(usage, "completion_tokens", 0)),
-                            model=response.model or self._model, finish_reason=choice.finish_reason or "",
-                            logprobs=logprobs)
+        return PolicyOutput(
+            text=_text(message.content),
+            tool_calls=calls,
+            prompt_tokens=_count(getattr(usage, "prompt_tokens", 0)),
+            completion_tokens=_count(getattr(usage, "completion_tokens", 0)),
+            model=response.model or self._model,
+            finish_reason=choice.finish_reason or "",
+            logprobs=logprobs,
+        )
 
     def _explain(self, e: openai.OpenAIError, what: str) -> PolicyError:
         """One sentence naming the URL, the problem and what to check."""
         url, retries = self.url, self.config.max_retries
         if isinstance(e, openai.APITimeoutError):
-            return PolicyError(f"the model endpoint {url} did not answer {what} within {self.config.timeout_s:g} s "
-                               f"(tried {retries + 1} times); check that the server is up and not overloaded, or "
-                               "raise the timeout")
+            return PolicyError(
+                f"the model endpoint {url} did not answer {what} within {self.config.timeout_s:g} s "
+                f"(tried {retries + 1} times); check that the server is up and not overloaded, or "
+                "raise the timeout"
+            )
         if isinstance(e, openai.APIConnectionError):
-            return PolicyError(f"could not connect to the model endpoint {url} ({what}, tried {retries + 1} times: "
-                               f"{e.__cause__ or e}); check that the server is running and that the URL is its "
-                               "OpenAI-compatible base, e.g. http://localhost:8000/v1")
+            return PolicyError(
+                f"could not connect to the model endpoint {url} ({what}, tried {retries + 1} times: "
+                f"{e.__cause__ or e}); check that the server is running and that the URL is its "
+                "OpenAI-compatible base, e.g. http://localhost:8000/v1"
+            )
         if isinstance(e, openai.NotFoundError):
-            return PolicyError(f"the model endpoint {url} answered 404 to {what}: {_detail(e)}; check that the URL "
-                               f"ends with /v1 and that the model {self._model!r} is served (GET {url}/models "
-                               "lists them)")
+            return PolicyError(
+                f"the model endpoint {url} answered 404 to {what}: {_detail(e)}; check that the URL "
+                f"ends with /v1 and that the model {self._model!r} is served (GET {url}/models "
+                "lists them)"
+            )
         if isinstance(e, openai.AuthenticationError | openai.PermissionDeniedError):
-            return PolicyError(f"the model endpoint {url} refused the API key ({e.status_code}); set "
-                               "OPENAI_API_KEY to a key it accepts")
+            return PolicyError(
+                f"the model endpoint {url} refused the API key ({e.status_code}); set "
+                "OPENAI_API_KEY to a key it accepts"
+            )
         if isinstance(e, openai.BadRequestError):
-            return PolicyError(f"the model endpoint {url} rejected the request (400 to {what}): {_detail(e)}; "
-                               + _TOOLS_HINT)
+            return PolicyError(
+                f"the model endpoint {url} rejected the request (400 to {what}): {_detail(e)}; " + _TOOLS_HINT
+            )
         if isinstance(e, openai.APIStatusError):
-            return PolicyError(f"the model endpoint {url} answered HTTP {e.status_code} to {what} after "
-                               f"{retries} retries: {_detail(e)}; check the server's log")
+            return PolicyError(
+                f"the model endpoint {url} answered HTTP {e.status_code} to {what} after "
+                f"{retries} retries: {_detail(e)}; check the server's log"
+            )
         return PolicyError(f"the model endpoint {url} failed on {what}: {type(e).__name__}: {e}")
 
 

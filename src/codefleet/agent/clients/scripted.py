@@ -66,8 +66,9 @@ class ScriptedExpert:
         self.name = f"scripted-expert:{task.id}"
         self.diffs = parse_unified_diff(task.reference_patch)
         self.rename = pure_rename(self.diffs, task.repo)
-        self.to_read = [] if self.rename else [d for d in self.diffs
-                                               if not d.is_new and not d.is_deleted and not d.is_binary]
+        self.to_read = (
+            [] if self.rename else [d for d in self.diffs if not d.is_new and not d.is_deleted and not d.is_binary]
+        )
         named = bool(self.rename) or (bool(self.to_read) and all(d.old_path in task.instruction for d in self.to_read))
         self.chain_tests = chain_tests and bool(self.rename) and bool(task.test_command)
         self.steps = (["explore"] if explore or not named else []) + (["read"] if self.to_read else []) + ["edit"]
@@ -77,12 +78,17 @@ class ScriptedExpert:
         index = sum(1 for m in messages if m.get("role") == "assistant")
         step = self.steps[index] if index < len(self.steps) else "done"
         text, calls = getattr(self, "_" + step)(messages, index)
-        tool_calls = [parse_tool_call(f"call_{index}_{i}", name, json.dumps(args))
-                      for i, (name, args) in enumerate(calls)]
-        return PolicyOutput(text=text, tool_calls=tool_calls, model=self.name,
-                            prompt_tokens=len(json.dumps(messages)) // 4,
-                            completion_tokens=(len(text) + sum(len(c.raw_arguments) for c in tool_calls)) // 4,
-                            finish_reason="tool_calls" if tool_calls else "stop")
+        tool_calls = [
+            parse_tool_call(f"call_{index}_{i}", name, json.dumps(args)) for i, (name, args) in enumerate(calls)
+        ]
+        return PolicyOutput(
+            text=text,
+            tool_calls=tool_calls,
+            model=self.name,
+            prompt_tokens=len(json.dumps(messages)) // 4,
+            completion_tokens=(len(text) + sum(len(c.raw_arguments) for c in tool_calls)) // 4,
+            finish_reason="tool_calls" if tool_calls else "stop",
+        )
 
     # -- steps ---------------------------------------------------------------------------
 
@@ -177,8 +183,10 @@ def rename_command(old: str, new: str) -> str:
 def rename_step(old: str, new: str, test_command: str = "") -> tuple[str, list[tuple[str, dict]]]:
     """The expert's turn for a pure rename: its text and its one `run` call (then the tests, if given)."""
     if test_command:
-        return (f"Renaming `{old}` to `{new}` everywhere and running the tests.",
-                [("run", {"command": f"{rename_command(old, new)} && {test_command}", "timeout": 300})])
+        return (
+            f"Renaming `{old}` to `{new}` everywhere and running the tests.",
+            [("run", {"command": f"{rename_command(old, new)} && {test_command}", "timeout": 300})],
+        )
     return f"Renaming `{old}` to `{new}` everywhere.", [("run", {"command": rename_command(old, new)})]
 
 

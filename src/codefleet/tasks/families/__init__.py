@@ -34,8 +34,11 @@ def templates(family: str, split: str = "all", more_domains: bool = True) -> lis
         raise ValueError(f"unknown task family {family!r}; choose from {', '.join(FAMILIES)}")
     if split not in (*SPLITS, "all"):
         raise ValueError(f"unknown split {split!r}; choose train, test or all")
-    return sorted(t for t, s in FAMILIES[family].TEMPLATES.items()
-                  if (split == "all" or s == split) and (more_domains or t not in MORE_TEMPLATES))
+    return sorted(
+        t
+        for t, s in FAMILIES[family].TEMPLATES.items()
+        if (split == "all" or s == split) and (more_domains or t not in MORE_TEMPLATES)
+    )
 
 
 __all__ = ["FAMILIES", "MORE_TEMPLATES", "SPLITS", "templates"]

@@ -36,9 +36,11 @@ class Size:
     vague: bool  # the instruction names the symptom only, not the file
 
 
-SIZES = {1: Size(funcs=3, distractors=0, parts=2, vague=False),
-         2: Size(funcs=4, distractors=1, parts=3, vague=False),
-         3: Size(funcs=6, distractors=3, parts=5, vague=True)}
+SIZES = {
+    1: Size(funcs=3, distractors=0, parts=2, vague=False),
+    2: Size(funcs=4, distractors=1, parts=3, vague=False),
+    3: Size(funcs=6, distractors=3, parts=5, vague=True),
+}
 
 
 @dataclass(frozen=True)
@@ -183,10 +185,11 @@ def render_test_file(tf: TestFile, expected: dict[tuple[str, str], object]) -> s
 
 def project_files(package: str, description: str) -> dict[str, str]:
     """pyproject.toml (pytest finds the package from the repo root) and README.md."""
-    pyproject = (f'[project]\nname = "{package.replace("_", "-")}"\nversion = "0.1.0"\nrequires-python = ">=3.8"\n\n'
-                 '[tool.pytest.ini_options]\ntestpaths = ["tests"]\npythonpath = ["."]\n')
-    readme = (f"# {package}\n\n{description[:1].upper() + description[1:]}.\n\n"
-              f"Run the tests with `{TEST_COMMAND}`.\n")
+    pyproject = (
+        f'[project]\nname = "{package.replace("_", "-")}"\nversion = "0.1.0"\nrequires-python = ">=3.8"\n\n'
+        '[tool.pytest.ini_options]\ntestpaths = ["tests"]\npythonpath = ["."]\n'
+    )
+    readme = f"# {package}\n\n{description[:1].upper() + description[1:]}.\n\nRun the tests with `{TEST_COMMAND}`.\n"
     return {"pyproject.toml": pyproject, "README.md": readme}
 
 
@@ -221,8 +224,10 @@ def finish(draft: Draft) -> Finished:
     files_before = dict(draft.before)
     missing = [(tf.path, c.name) for tf in visible_before for c in tf.cases if (tf.path, c.name) not in expected]
     if missing:
-        raise DraftError(f"{draft.family}/{draft.template}: visible tests before the fix need expected values "
-                         f"of tests checked after it, by the same name: {missing[:3]}")
+        raise DraftError(
+            f"{draft.family}/{draft.template}: visible tests before the fix need expected values "
+            f"of tests checked after it, by the same name: {missing[:3]}"
+        )
     files_before.update({tf.path: render_test_file(tf, expected) for tf in visible_before})
     files_after = dict(draft.after)
     files_after.update({tf.path: render_test_file(tf, expected) for tf in draft.visible})

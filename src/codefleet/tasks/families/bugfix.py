@@ -26,9 +26,16 @@ from codefleet.tasks.families.layout import (
 from codefleet.tasks.families.mutate import Mutation, shuffled_mutations
 
 NAME = "bugfix"
-TEMPLATES = {"inventory": "train", "geometry": "train", "text": "train", "bank": "train", "grades": "train",
-             "schedule": "test", "shipping": "test",
-             **{d.name: "train" for d in MORE_DOMAINS}}
+TEMPLATES = {
+    "inventory": "train",
+    "geometry": "train",
+    "text": "train",
+    "bank": "train",
+    "grades": "train",
+    "schedule": "test",
+    "shipping": "test",
+    **{d.name: "train" for d in MORE_DOMAINS},
+}
 
 _REPORTS = (
     "`{func}` in `{path}` gives a wrong result: `{call}` {got}, but it should return `{want}`. "
@@ -87,15 +94,33 @@ def draft(template: str, rng: random.Random, difficulty: int) -> Draft:
     visible = [TestFile(test_path, f"Tests of {module}.", visible_cases)]
     extra_files, extra_tests = distractors(domain.name, package, size, rng)
     visible += extra_tests
-    hidden = [TestFile(f"tests/test_{domain.module}_behaviour.py", f"More tests of {module}.",
-                       module_cases(module, funcs, None, prefix="test_case"))]
+    hidden = [
+        TestFile(
+            f"tests/test_{domain.module}_behaviour.py",
+            f"More tests of {module}.",
+            module_cases(module, funcs, None, prefix="test_case"),
+        )
+    ]
 
     call = f"{target.name}({', '.join(repr(a) for a in target.cases[symptom])})"
-    fields = dict(func=target.name, path=path, call=call, want=repr(right[1]), got=describe(wrong),
-                  got_plain=describe(wrong).replace("`", ""), test=f"{test_path}::{case_name(target.name, symptom)}",
-                  topic=domain.topic, command="python3 -m pytest -q tests")
+    fields = dict(
+        func=target.name,
+        path=path,
+        call=call,
+        want=repr(right[1]),
+        got=describe(wrong),
+        got_plain=describe(wrong).replace("`", ""),
+        test=f"{test_path}::{case_name(target.name, symptom)}",
+        topic=domain.topic,
+        command="python3 -m pytest -q tests",
+    )
     text = rng.choice(_VAGUE_REPORTS if size.vague else _REPORTS).format(**fields)
-    return Draft(NAME, template, text,
-                 before=package_files(package, domain, broken, extra_files),
-                 after=package_files(package, domain, correct, extra_files),
-                 visible=visible, hidden=hidden)
+    return Draft(
+        NAME,
+        template,
+        text,
+        before=package_files(package, domain, broken, extra_files),
+        after=package_files(package, domain, correct, extra_files),
+        visible=visible,
+        hidden=hidden,
+    )

@@ -52,17 +52,32 @@ def draft(template: str, rng: random.Random, difficulty: int) -> Draft:
 
     extra_files, extra_tests = distractors(None, package, size, rng)
     before, after = files(old) | extra_files, files(new) | extra_files
-    visible = [TestFile("tests/test_defaults_consistent.py", f"Consistency of {package}'s defaults.",
-                        custom=shape.visible_tests, custom_imports=test_imports.format(package=package),
-                        custom_status={name: True for name in _test_names(shape.visible_tests)}), *extra_tests]
-    hidden = [TestFile("tests/test_defaults.py", f"The defaults of {package}.",
-                       [Case(f"{package}.{s.probe[0]}", s.probe[1], s.probe[2], f"test_{s.key.lower()}",
-                             s.probe[3]) for s in shape.settings])]
+    visible = [
+        TestFile(
+            "tests/test_defaults_consistent.py",
+            f"Consistency of {package}'s defaults.",
+            custom=shape.visible_tests,
+            custom_imports=test_imports.format(package=package),
+            custom_status={name: True for name in _test_names(shape.visible_tests)},
+        ),
+        *extra_tests,
+    ]
+    hidden = [
+        TestFile(
+            "tests/test_defaults.py",
+            f"The defaults of {package}.",
+            [
+                Case(f"{package}.{s.probe[0]}", s.probe[1], s.probe[2], f"test_{s.key.lower()}", s.probe[3])
+                for s in shape.settings
+            ],
+        )
+    ]
     phrases = [s.phrase.format(value=prose_value(new[s.key])) for s in shape.settings if s.key in changed_keys]
     text = rng.choice(_VAGUE_OPENERS if size.vague else _OPENERS).format(
-        topic=shape.topic, where=f"{package}/{shape.where}", changes=_join(phrases))
+        topic=shape.topic, where=f"{package}/{shape.where}", changes=_join(phrases)
+    )
     return Draft(NAME, template, text, before=before, after=after, visible=visible, hidden=hidden)
 
 
 def _test_names(source: str) -> list[str]:
-    return [line[4:line.index("(")] for line in source.splitlines() if line.startswith("def test_")]
+    return [line[4 : line.index("(")] for line in source.splitlines() if line.startswith("def test_")]

@@ -12,8 +12,8 @@ tests only check consistency (they pass with any values).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -81,21 +81,57 @@ def _render_http(package: str, values: dict) -> dict[str, str]:
     return {"settings.py": "".join(lines), "client.py": _CLIENT.format(package=package)}
 
 
-HTTP_CLIENT = Shape("http_client", ("fetchkit", "http_helpers"), "the HTTP client", "settings.py", (
-    Setting("DEFAULT_RETRIES", 3, (5, 4, 6), "the client should retry {value} times by default",
-            ("client", "retry_policy", (), ("retries",))),
-    Setting("TIMEOUT_S", 10.0, (30.0, 5.0, 15.0), "the request timeout should be {value} s",
-            ("client", "request_options", ("https://example.com",), ("timeout_s",))),
-    Setting("BACKOFF_BASE_S", 0.5, (1.0, 0.25, 2.0), "the first retry should wait {value} s (later waits keep "
-            "doubling)", ("client", "retry_policy", (), ("delays_s", 0))),
-    Setting("MAX_REDIRECTS", 5, (3, 10, 2), "at most {value} redirects should be followed",
-            ("client", "request_options", ("https://example.com",), ("max_redirects",))),
-    Setting("USER_AGENT", "fetchkit/1.0", ("fetchkit/2.0", "acme-fetcher/1.0"),
+HTTP_CLIENT = Shape(
+    "http_client",
+    ("fetchkit", "http_helpers"),
+    "the HTTP client",
+    "settings.py",
+    (
+        Setting(
+            "DEFAULT_RETRIES",
+            3,
+            (5, 4, 6),
+            "the client should retry {value} times by default",
+            ("client", "retry_policy", (), ("retries",)),
+        ),
+        Setting(
+            "TIMEOUT_S",
+            10.0,
+            (30.0, 5.0, 15.0),
+            "the request timeout should be {value} s",
+            ("client", "request_options", ("https://example.com",), ("timeout_s",)),
+        ),
+        Setting(
+            "BACKOFF_BASE_S",
+            0.5,
+            (1.0, 0.25, 2.0),
+            "the first retry should wait {value} s (later waits keep doubling)",
+            ("client", "retry_policy", (), ("delays_s", 0)),
+        ),
+        Setting(
+            "MAX_REDIRECTS",
+            5,
+            (3, 10, 2),
+            "at most {value} redirects should be followed",
+            ("client", "request_options", ("https://example.com",), ("max_redirects",)),
+        ),
+        Setting(
+            "USER_AGENT",
+            "fetchkit/1.0",
+            ("fetchkit/2.0", "acme-fetcher/1.0"),
             "requests should send the user agent `{value}`",
-            ("client", "request_options", ("https://example.com",), ("headers", "User-Agent"))),
-    Setting("POOL_SIZE", 10, (20, 4, 50), "the connection pool should allow {value} connections",
-            ("client", "pool_options", (), ("max_connections",))),
-), _render_http, '''
+            ("client", "request_options", ("https://example.com",), ("headers", "User-Agent")),
+        ),
+        Setting(
+            "POOL_SIZE",
+            10,
+            (20, 4, 50),
+            "the connection pool should allow {value} connections",
+            ("client", "pool_options", (), ("max_connections",)),
+        ),
+    ),
+    _render_http,
+    """
 def test_one_delay_per_retry():
     assert len(retry_delays()) == settings.DEFAULT_RETRIES
 
@@ -109,7 +145,8 @@ def test_request_options_follow_settings():
     options = request_options("https://example.com/a")
     assert options["url"] == "https://example.com/a"
     assert options["timeout_s"] == settings.TIMEOUT_S
-''')
+""",
+)
 HTTP_CLIENT_IMPORTS = "from {package} import settings\nfrom {package}.client import request_options, retry_delays"
 
 # -- worker_pool: JSON -------------------------------------------------------------------
@@ -151,22 +188,57 @@ def shutdown_grace_s():
 
 
 def _render_pool(package: str, values: dict) -> dict[str, str]:
-    return {"defaults.json": json.dumps(values, indent=2) + "\n", "config.py": _POOL_CONFIG,
-            "pool.py": _POOL.format(package=package)}
+    return {
+        "defaults.json": json.dumps(values, indent=2) + "\n",
+        "config.py": _POOL_CONFIG,
+        "pool.py": _POOL.format(package=package),
+    }
 
 
-WORKER_POOL = Shape("worker_pool", ("jobrunner", "worker_pool"), "the worker pool", "defaults.json", (
-    Setting("workers", 4, (8, 2, 16), "the pool should start {value} workers", ("pool", "pool_plan", (100,),
-                                                                                ("workers",))),
-    Setting("queue_size", 100, (250, 50, 1000), "the job queue should hold up to {value} jobs",
-            ("pool", "pool_plan", (100,), ("queue_size",))),
-    Setting("batch_size", 16, (8, 32, 20), "jobs should be processed in batches of {value}",
-            ("pool", "pool_plan", (100,), ("batches",))),
-    Setting("log_level", "INFO", ("DEBUG", "WARNING"), "the default log level should be {value}",
-            ("pool", "logging_setup", (), ("level",))),
-    Setting("shutdown_grace_s", 5, (30, 10, 2), "on shutdown the workers should get {value} seconds to finish",
-            ("pool", "shutdown_grace_s", (), ())),
-), _render_pool, '''
+WORKER_POOL = Shape(
+    "worker_pool",
+    ("jobrunner", "worker_pool"),
+    "the worker pool",
+    "defaults.json",
+    (
+        Setting(
+            "workers",
+            4,
+            (8, 2, 16),
+            "the pool should start {value} workers",
+            ("pool", "pool_plan", (100,), ("workers",)),
+        ),
+        Setting(
+            "queue_size",
+            100,
+            (250, 50, 1000),
+            "the job queue should hold up to {value} jobs",
+            ("pool", "pool_plan", (100,), ("queue_size",)),
+        ),
+        Setting(
+            "batch_size",
+            16,
+            (8, 32, 20),
+            "jobs should be processed in batches of {value}",
+            ("pool", "pool_plan", (100,), ("batches",)),
+        ),
+        Setting(
+            "log_level",
+            "INFO",
+            ("DEBUG", "WARNING"),
+            "the default log level should be {value}",
+            ("pool", "logging_setup", (), ("level",)),
+        ),
+        Setting(
+            "shutdown_grace_s",
+            5,
+            (30, 10, 2),
+            "on shutdown the workers should get {value} seconds to finish",
+            ("pool", "shutdown_grace_s", (), ()),
+        ),
+    ),
+    _render_pool,
+    """
 def test_defaults_have_every_key():
     assert set(load_defaults()) == {"workers", "queue_size", "batch_size", "log_level", "shutdown_grace_s"}
 
@@ -179,7 +251,8 @@ def test_plan_follows_defaults():
 
 def test_log_level_is_a_level_name():
     assert logging_setup()["level"] in ("DEBUG", "INFO", "WARNING", "ERROR")
-''')
+""",
+)
 WORKER_POOL_IMPORTS = "from {package}.config import load_defaults\nfrom {package}.pool import logging_setup, pool_plan"
 
 # -- cache: dataclass defaults -------------------------------------------------------------
@@ -206,23 +279,57 @@ _TYPES = {"max_entries": "int", "ttl_s": "int", "eviction": "str", "shards": "in
 
 def _render_cache(package: str, values: dict) -> dict[str, str]:
     fields = "".join(f"    {key}: {_TYPES[key]} = {value!r}\n" for key, value in values.items())
-    options = ('"""Tunables of the cache. The defaults below are what `CacheOptions()` gives."""\n\n'
-               "from dataclasses import dataclass\n\n\n@dataclass\nclass CacheOptions:\n" + fields)
+    options = (
+        '"""Tunables of the cache. The defaults below are what `CacheOptions()` gives."""\n\n'
+        "from dataclasses import dataclass\n\n\n@dataclass\nclass CacheOptions:\n" + fields
+    )
     return {"options.py": options, "cache.py": _CACHE.format(package=package)}
 
 
-CACHE = Shape("cache", ("cachekit", "memo_store"), "the cache", "options.py", (
-    Setting("max_entries", 1000, (5000, 250, 2000), "the cache should hold {value} entries by default",
-            ("cache", "describe", (), ("capacity",))),
-    Setting("ttl_s", 300, (60, 900, 3600), "entries should expire after {value} seconds",
-            ("cache", "describe", (), ("ttl_s",))),
-    Setting("eviction", "lru", ("lfu", "fifo"), "the eviction policy should be `{value}`",
-            ("cache", "describe", (), ("policy",))),
-    Setting("shards", 4, (8, 2, 16), "the cache should be split into {value} shards",
-            ("cache", "describe", (), ("shards",))),
-    Setting("compress", False, (True,), "values should be compressed by default",
-            ("cache", "describe", (), ("compressed",))),
-), _render_cache, '''
+CACHE = Shape(
+    "cache",
+    ("cachekit", "memo_store"),
+    "the cache",
+    "options.py",
+    (
+        Setting(
+            "max_entries",
+            1000,
+            (5000, 250, 2000),
+            "the cache should hold {value} entries by default",
+            ("cache", "describe", (), ("capacity",)),
+        ),
+        Setting(
+            "ttl_s",
+            300,
+            (60, 900, 3600),
+            "entries should expire after {value} seconds",
+            ("cache", "describe", (), ("ttl_s",)),
+        ),
+        Setting(
+            "eviction",
+            "lru",
+            ("lfu", "fifo"),
+            "the eviction policy should be `{value}`",
+            ("cache", "describe", (), ("policy",)),
+        ),
+        Setting(
+            "shards",
+            4,
+            (8, 2, 16),
+            "the cache should be split into {value} shards",
+            ("cache", "describe", (), ("shards",)),
+        ),
+        Setting(
+            "compress",
+            False,
+            (True,),
+            "values should be compressed by default",
+            ("cache", "describe", (), ("compressed",)),
+        ),
+    ),
+    _render_cache,
+    """
 def test_describe_follows_options():
     options = CacheOptions()
     assert describe()["capacity"] == options.max_entries
@@ -236,7 +343,8 @@ def test_entries_per_shard():
 
 def test_options_can_be_overridden():
     assert CacheOptions(ttl_s=1).ttl_s == 1
-''')
+""",
+)
 CACHE_IMPORTS = "from {package}.cache import describe, entries_per_shard\nfrom {package}.options import CacheOptions"
 
 # -- mailer: INI ---------------------------------------------------------------------------
@@ -274,24 +382,53 @@ def _ini(value: object) -> str:
 
 
 def _render_mailer(package: str, values: dict) -> dict[str, str]:
-    ini = ("# Defaults of the mailer.\n\n[smtp]\n"
-           f"host = {_ini(values['host'])}\nport = {_ini(values['port'])}\nuse_tls = {_ini(values['use_tls'])}\n\n"
-           f"[limits]\nmax_recipients = {_ini(values['max_recipients'])}\n"
-           f"rate_per_minute = {_ini(values['rate_per_minute'])}\n")
+    ini = (
+        "# Defaults of the mailer.\n\n[smtp]\n"
+        f"host = {_ini(values['host'])}\nport = {_ini(values['port'])}\nuse_tls = {_ini(values['use_tls'])}\n\n"
+        f"[limits]\nmax_recipients = {_ini(values['max_recipients'])}\n"
+        f"rate_per_minute = {_ini(values['rate_per_minute'])}\n"
+    )
     return {"mailer.ini": ini, "settings.py": _MAILER_SETTINGS}
 
 
-MAILER = Shape("mailer", ("mailroom", "notify_mail"), "the mailer", "mailer.ini", (
-    Setting("host", "localhost", ("smtp.example.com", "mail.internal"),
-            "mail should go through the SMTP host `{value}`", ("settings", "smtp_settings", (), ("host",))),
-    Setting("port", 25, (587, 465, 2525), "the SMTP port should be {value}",
-            ("settings", "smtp_settings", (), ("port",))),
-    Setting("use_tls", False, (True,), "connections should use TLS", ("settings", "smtp_settings", (), ("tls",))),
-    Setting("max_recipients", 50, (100, 20, 10), "a message may have at most {value} recipients",
-            ("settings", "limits", (), ("max_recipients",))),
-    Setting("rate_per_minute", 30, (60, 10, 120), "at most {value} messages should go out per minute",
-            ("settings", "limits", (), ("rate_per_minute",))),
-), _render_mailer, '''
+MAILER = Shape(
+    "mailer",
+    ("mailroom", "notify_mail"),
+    "the mailer",
+    "mailer.ini",
+    (
+        Setting(
+            "host",
+            "localhost",
+            ("smtp.example.com", "mail.internal"),
+            "mail should go through the SMTP host `{value}`",
+            ("settings", "smtp_settings", (), ("host",)),
+        ),
+        Setting(
+            "port",
+            25,
+            (587, 465, 2525),
+            "the SMTP port should be {value}",
+            ("settings", "smtp_settings", (), ("port",)),
+        ),
+        Setting("use_tls", False, (True,), "connections should use TLS", ("settings", "smtp_settings", (), ("tls",))),
+        Setting(
+            "max_recipients",
+            50,
+            (100, 20, 10),
+            "a message may have at most {value} recipients",
+            ("settings", "limits", (), ("max_recipients",)),
+        ),
+        Setting(
+            "rate_per_minute",
+            30,
+            (60, 10, 120),
+            "at most {value} messages should go out per minute",
+            ("settings", "limits", (), ("rate_per_minute",)),
+        ),
+    ),
+    _render_mailer,
+    """
 def test_port_is_a_port_number():
     assert 0 < smtp_settings()["port"] < 65536
 
@@ -302,7 +439,8 @@ def test_limits_are_positive():
 
 def test_tls_is_a_boolean():
     assert isinstance(smtp_settings()["tls"], bool)
-''')
+""",
+)
 MAILER_IMPORTS = "from {package}.settings import limits, smtp_settings"
 
 SHAPES: dict[str, tuple[Shape, str]] = {  # name -> (shape, imports of its visible tests)

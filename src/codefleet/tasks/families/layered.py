@@ -164,34 +164,61 @@ class Layered:
     def top_cases(self, rng: random.Random) -> list[tuple]:
         if self.name == "checkout":
             items = ["apple", "pear", "melon", "bread", "cheese"]
-            fixed = [([("apple", 40)], "north", "HALFOFF"), ([("apple", 100)], "east", ""),
-                     ([("melon", 1)], "west", "SAVE10"), ([("cheese", 2), ("pear", 3)], "south", "BOGUS")]
-            drawn = [([(item, rng.randint(1, 6)) for item in sorted(rng.sample(items, rng.randint(1, 3)))],
-                      rng.choice(["north", "south", "east", "west"]), rng.choice(["", "SAVE10", "HALFOFF"]))
-                     for _ in range(6)]
+            fixed = [
+                ([("apple", 40)], "north", "HALFOFF"),
+                ([("apple", 100)], "east", ""),
+                ([("melon", 1)], "west", "SAVE10"),
+                ([("cheese", 2), ("pear", 3)], "south", "BOGUS"),
+            ]
+            drawn = [
+                (
+                    [(item, rng.randint(1, 6)) for item in sorted(rng.sample(items, rng.randint(1, 3)))],
+                    rng.choice(["north", "south", "east", "west"]),
+                    rng.choice(["", "SAVE10", "HALFOFF"]),
+                )
+                for _ in range(6)
+            ]
             return fixed + drawn
         grades = ["junior", "senior", "lead"]
         fixed = [("junior", 40), ("senior", 41), ("lead", 0), ("lead", 60)]
         return fixed + [(rng.choice(grades), rng.choice([12, 25, 38, 39, 44, 47, 52, 55])) for _ in range(6)]
 
 
-CHECKOUT = Layered("checkout", ("shopfront", "till"), "checkout", _CHECKOUT, ("checkout", "total_cents"),
-                   (("cart", "subtotal_cents"), ("discounts", "discount_cents"), ("tax", "tax_cents"),
-                    ("shipping", "shipping_cents")), {
-    ("discounts", "discount_cents"): ((1999, "HALFOFF"), (2000, "HALFOFF"), (1000, "SAVE10"), (999, "SAVE10"),
-                                      (500, "OTHER")),
-    ("tax", "tax_cents"): ((1000, "north"), (999, "south"), (1000, "east"), (1000, "nowhere")),
-    ("shipping", "shipping_cents"): ((4999,), (5000,), (0,)),
-    ("cart", "subtotal_cents"): (([("apple", 2), ("bread", 1)],), ([],)),
-    ("catalog", "price_of"): (("melon",), ("pear",)),
-})
-PAYROLL = Layered("payroll", ("payday", "wage_calc"), "payroll", _PAYROLL, ("payslip", "net_pay"),
-                  (("hours", "split_hours"), ("overtime", "overtime_pay"), ("deductions", "income_tax")), {
-    ("hours", "split_hours"): ((40,), (41,), (0,), (55,)),
-    ("overtime", "overtime_pay"): ((2, 1000), (0, 2600), (5, 1801)),
-    ("deductions", "income_tax"): ((50000,), (50001,), (150000,), (200000,), (10000,)),
-    ("rates", "hourly_rate"): (("junior",), ("lead",)),
-})
+CHECKOUT = Layered(
+    "checkout",
+    ("shopfront", "till"),
+    "checkout",
+    _CHECKOUT,
+    ("checkout", "total_cents"),
+    (("cart", "subtotal_cents"), ("discounts", "discount_cents"), ("tax", "tax_cents"), ("shipping", "shipping_cents")),
+    {
+        ("discounts", "discount_cents"): (
+            (1999, "HALFOFF"),
+            (2000, "HALFOFF"),
+            (1000, "SAVE10"),
+            (999, "SAVE10"),
+            (500, "OTHER"),
+        ),
+        ("tax", "tax_cents"): ((1000, "north"), (999, "south"), (1000, "east"), (1000, "nowhere")),
+        ("shipping", "shipping_cents"): ((4999,), (5000,), (0,)),
+        ("cart", "subtotal_cents"): (([("apple", 2), ("bread", 1)],), ([],)),
+        ("catalog", "price_of"): (("melon",), ("pear",)),
+    },
+)
+PAYROLL = Layered(
+    "payroll",
+    ("payday", "wage_calc"),
+    "payroll",
+    _PAYROLL,
+    ("payslip", "net_pay"),
+    (("hours", "split_hours"), ("overtime", "overtime_pay"), ("deductions", "income_tax")),
+    {
+        ("hours", "split_hours"): ((40,), (41,), (0,), (55,)),
+        ("overtime", "overtime_pay"): ((2, 1000), (0, 2600), (5, 1801)),
+        ("deductions", "income_tax"): ((50000,), (50001,), (150000,), (200000,), (10000,)),
+        ("rates", "hourly_rate"): (("junior",), ("lead",)),
+    },
+)
 SHAPES = {"checkout": CHECKOUT, "payroll": PAYROLL}
 
 
@@ -205,14 +232,21 @@ def top_outcomes(files: dict[str, str], module: str, func: str, cases: list[tupl
         return [outcome(fn, args) for args in cases]
 
 
-def test_files(shape: Layered, package: str, top_cases: list[tuple], symptom: int,
-               passing: int) -> tuple[TestFile, TestFile, TestFile]:
+def test_files(
+    shape: Layered, package: str, top_cases: list[tuple], symptom: int, passing: int
+) -> tuple[TestFile, TestFile, TestFile]:
     """(visible top-level tests, hidden top-level tests, hidden component tests)."""
     module, func = f"{package}.{shape.top[0]}", shape.top[1]
-    visible = TestFile(f"tests/test_{shape.top[0]}.py", f"Tests of {module}.",
-                       [Case(module, func, top_cases[i], f"test_{func}_{i}") for i in sorted({symptom, passing})])
-    hidden_top = TestFile(f"tests/test_{shape.top[0]}_more.py", f"More tests of {module}.",
-                          [Case(module, func, args, f"test_{func}_case_{i}") for i, args in enumerate(top_cases)])
+    visible = TestFile(
+        f"tests/test_{shape.top[0]}.py",
+        f"Tests of {module}.",
+        [Case(module, func, top_cases[i], f"test_{func}_{i}") for i in sorted({symptom, passing})],
+    )
+    hidden_top = TestFile(
+        f"tests/test_{shape.top[0]}_more.py",
+        f"More tests of {module}.",
+        [Case(module, func, args, f"test_{func}_case_{i}") for i, args in enumerate(top_cases)],
+    )
     components = []
     for (mod, fn), cases in shape.component_cases.items():
         components += [Case(f"{package}.{mod}", fn, args, f"test_{fn}_{i}") for i, args in enumerate(cases)]

@@ -51,8 +51,9 @@ def module_cases(module: str, funcs: list[Func], per_func: int | None, prefix: s
     return cases
 
 
-def distractors(exclude: str | None, package: str, size: Size,
-                rng: random.Random) -> tuple[dict[str, str], list[TestFile]]:
+def distractors(
+    exclude: str | None, package: str, size: Size, rng: random.Random
+) -> tuple[dict[str, str], list[TestFile]]:
     """`size.distractors` modules from domains other than `exclude`, 3 functions each, with visible tests."""
     others = sorted(name for name in DOMAINS if name != exclude)
     files: dict[str, str] = {}
@@ -61,13 +62,19 @@ def distractors(exclude: str | None, package: str, size: Size,
         other = DOMAINS[name]
         funcs = [f for f in other.funcs if f.name in {g.name for g in rng.sample(list(other.funcs), 3)}]
         files[f"{package}/{other.module}.py"] = module_source(other, funcs)
-        tests.append(TestFile(f"tests/test_{other.module}.py", f"Tests of {package}.{other.module}.",
-                              module_cases(f"{package}.{other.module}", funcs, 2)))
+        tests.append(
+            TestFile(
+                f"tests/test_{other.module}.py",
+                f"Tests of {package}.{other.module}.",
+                module_cases(f"{package}.{other.module}", funcs, 2),
+            )
+        )
     return files, tests
 
 
-def package_files(package: str, domain: Domain, module_text: str,
-                  extra: dict[str, str] | None = None) -> dict[str, str]:
+def package_files(
+    package: str, domain: Domain, module_text: str, extra: dict[str, str] | None = None
+) -> dict[str, str]:
     """pyproject, README, the package's __init__ and the main module."""
     files = project_files(package, domain.topic)
     files[f"{package}/__init__.py"] = f'"""{domain.topic.capitalize()}."""\n'

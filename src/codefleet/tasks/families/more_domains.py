@@ -5,8 +5,15 @@ from __future__ import annotations
 
 from codefleet.tasks.families.domain_types import Domain, make_func
 
-RECIPES = Domain("recipes", ("recipe_box", "cookery"), "kitchen", "kitchen helpers", ("math",), (
-    make_func('''
+RECIPES = Domain(
+    "recipes",
+    ("recipe_box", "cookery"),
+    "kitchen",
+    "kitchen helpers",
+    ("math",),
+    (
+        make_func(
+            '''
         def scale_servings(quantity, servings_from, servings_to):
             """`quantity` of an ingredient (meant for `servings_from` servings) scaled to `servings_to` servings.
 
@@ -15,9 +22,12 @@ RECIPES = Domain("recipes", ("recipe_box", "cookery"), "kitchen", "kitchen helpe
             if servings_from <= 0:
                 return 0.0
             return round(quantity * servings_to / servings_from, 2)
-    ''', [(200, 4, 6), (3, 2, 5), (100, 0, 4), (7, 1, 3), (1, 3, 1), (250, 4, 4)],
-              ("rescale_recipe", "adjust_portions")),
-    make_func('''
+    ''',
+            [(200, 4, 6), (3, 2, 5), (100, 0, 4), (7, 1, 3), (1, 3, 1), (250, 4, 4)],
+            ("rescale_recipe", "adjust_portions"),
+        ),
+        make_func(
+            '''
         def volume_in_ml(amount, unit):
             """Millilitres in `amount` of `unit`: 'tsp' is 5 ml, 'tbsp' 15 ml, 'cup' 240 ml and 'ml' 1 ml.
 
@@ -27,9 +37,12 @@ RECIPES = Domain("recipes", ("recipe_box", "cookery"), "kitchen", "kitchen helpe
             if unit not in sizes:
                 return -1.0
             return round(amount * sizes[unit], 1)
-    ''', [(2, "tsp"), (1.5, "tbsp"), (0.333, "cup"), (3, "ml"), (1, "pinch")],
-              ("to_millilitres", "millilitres_of")),
-    make_func('''
+    ''',
+            [(2, "tsp"), (1.5, "tbsp"), (0.333, "cup"), (3, "ml"), (1, "pinch")],
+            ("to_millilitres", "millilitres_of"),
+        ),
+        make_func(
+            '''
         def roast_minutes(weight_kg, doneness):
             """Roasting time in minutes: 20 minutes plus a time per kilogram of `weight_kg`.
 
@@ -42,9 +55,12 @@ RECIPES = Domain("recipes", ("recipe_box", "cookery"), "kitchen", "kitchen helpe
             elif doneness == "well":
                 per_kg = 50
             return 20 + math.ceil(weight_kg * per_kg)
-    ''', [(1.5, "medium"), (1.5, "rare"), (2, "well"), (0.75, "rare"), (1.25, "bleu")],
-              ("roasting_time", "joint_cooking_minutes")),
-    make_func('''
+    ''',
+            [(1.5, "medium"), (1.5, "rare"), (2, "well"), (0.75, "rare"), (1.25, "bleu")],
+            ("roasting_time", "joint_cooking_minutes"),
+        ),
+        make_func(
+            '''
         def oven_setting(celsius):
             """Gas mark for an oven at `celsius` degrees.
 
@@ -57,8 +73,12 @@ RECIPES = Domain("recipes", ("recipe_box", "cookery"), "kitchen", "kitchen helpe
             if mark > 9:
                 mark = 9
             return mark
-    ''', [(120,), (139,), (140,), (155,), (220,), (250,)], ("gas_mark", "gas_mark_for_oven")),
-    make_func('''
+    ''',
+            [(120,), (139,), (140,), (155,), (220,), (250,)],
+            ("gas_mark", "gas_mark_for_oven"),
+        ),
+        make_func(
+            '''
         def merge_ingredients(first, second):
             """One shopping list from two dicts ingredient -> quantity; shared ingredients' quantities are added.
 
@@ -68,10 +88,18 @@ RECIPES = Domain("recipes", ("recipe_box", "cookery"), "kitchen", "kitchen helpe
             for name, quantity in list(first.items()) + list(second.items()):
                 totals[name] = totals.get(name, 0) + quantity
             return {name: quantity for name, quantity in totals.items() if quantity > 0}
-    ''', [({"flour": 200, "eggs": 2}, {"eggs": 1, "milk": 300}), ({}, {"salt": 5}), ({"sugar": 50}, {"sugar": -50}),
-          ({"oil": 10}, {}), ({"butter": 30, "flour": 100}, {"flour": 150, "yeast": 0})],
-              ("combine_ingredients", "joint_shopping_list")),
-    make_func('''
+    ''',
+            [
+                ({"flour": 200, "eggs": 2}, {"eggs": 1, "milk": 300}),
+                ({}, {"salt": 5}),
+                ({"sugar": 50}, {"sugar": -50}),
+                ({"oil": 10}, {}),
+                ({"butter": 30, "flour": 100}, {"flour": 150, "yeast": 0}),
+            ],
+            ("combine_ingredients", "joint_shopping_list"),
+        ),
+        make_func(
+            '''
         def step_start_times(durations, start):
             """Start minute of each recipe step, the steps done one after another from minute `start`.
 
@@ -86,17 +114,31 @@ RECIPES = Domain("recipes", ("recipe_box", "cookery"), "kitchen", "kitchen helpe
                 times.append(clock)
                 clock += minutes
             return times
-    ''', [([10, 5, 20], 0), ([15, 0, 5], 30), ([], 12), ([1, 2, 3], 100), ([-4, 6, 1], 5)],
-              ("step_schedule", "recipe_timeline")),
-))
+    ''',
+            [([10, 5, 20], 0), ([15, 0, 5], 30), ([], 12), ([1, 2, 3], 100), ([-4, 6, 1], 5)],
+            ("step_schedule", "recipe_timeline"),
+        ),
+    ),
+)
 
-WEATHER = Domain("weather", ("weather_stats", "meteo_tools"), "forecast", "weather statistics helpers", (), (
-    make_func('''
+WEATHER = Domain(
+    "weather",
+    ("weather_stats", "meteo_tools"),
+    "forecast",
+    "weather statistics helpers",
+    (),
+    (
+        make_func(
+            '''
         def fahrenheit_to_celsius(fahrenheit):
             """Degrees Celsius for `fahrenheit`: (fahrenheit - 32) * 5 / 9, rounded to 1 decimal."""
             return round((fahrenheit - 32) * 5 / 9, 1)
-    ''', [(32,), (212,), (98.6,), (-40,), (0,), (50,)], ("convert_to_celsius", "celsius_from_fahrenheit")),
-    make_func('''
+    ''',
+            [(32,), (212,), (98.6,), (-40,), (0,), (50,)],
+            ("convert_to_celsius", "celsius_from_fahrenheit"),
+        ),
+        make_func(
+            '''
         def temperature_band(celsius):
             """'freezing' below 0, 'cold' from 0 to below 10, 'mild' from 10 to below 20,
             'warm' from 20 to below 30 and 'hot' from 30 up.
@@ -110,8 +152,12 @@ WEATHER = Domain("weather", ("weather_stats", "meteo_tools"), "forecast", "weath
             if celsius < 30:
                 return "warm"
             return "hot"
-    ''', [(-0.5,), (0,), (10,), (19.9,), (20,), (30,)], ("classify_temperature", "temperature_category")),
-    make_func('''
+    ''',
+            [(-0.5,), (0,), (10,), (19.9,), (20,), (30,)],
+            ("classify_temperature", "temperature_category"),
+        ),
+        make_func(
+            '''
         def daily_means(readings):
             """Mean of each day's readings, rounded to 1 decimal, in order.
 
@@ -125,9 +171,12 @@ WEATHER = Domain("weather", ("weather_stats", "meteo_tools"), "forecast", "weath
                 else:
                     means.append(round(sum(day) / len(day), 1))
             return means
-    ''', [([[10, 12, 14], [3, 4]],), ([[]],), ([],), ([[1, 2, 2], [-3]],), ([[7], [], [2, 9]],)],
-              ("mean_per_day", "average_by_day")),
-    make_func('''
+    ''',
+            [([[10, 12, 14], [3, 4]],), ([[]],), ([],), ([[1, 2, 2], [-3]],), ([[7], [], [2, 9]],)],
+            ("mean_per_day", "average_by_day"),
+        ),
+        make_func(
+            '''
         def longest_dry_spell(rainfall_mm, threshold=0.2):
             """Length of the longest run of consecutive days in `rainfall_mm` with less than `threshold` mm of rain.
 
@@ -143,9 +192,12 @@ WEATHER = Domain("weather", ("weather_stats", "meteo_tools"), "forecast", "weath
                 else:
                     run = 0
             return best
-    ''', [([0, 0, 5, 0, 0, 0, 1.2],), ([0.2, 0.1, 0, 3],), ([],), ([4, 6, 1],), ([0.5, 0.4, 2, 0.4], 1.0)],
-              ("max_dry_days", "dry_streak_length")),
-    make_func('''
+    ''',
+            [([0, 0, 5, 0, 0, 0, 1.2],), ([0.2, 0.1, 0, 3],), ([],), ([4, 6, 1],), ([0.5, 0.4, 2, 0.4], 1.0)],
+            ("max_dry_days", "dry_streak_length"),
+        ),
+        make_func(
+            '''
         def weekly_rainfall(daily_mm):
             """Rain totals of each week of 7 days in `daily_mm` (day 0 starts the first week), rounded to 1 decimal.
 
@@ -155,10 +207,18 @@ WEATHER = Domain("weather", ("weather_stats", "meteo_tools"), "forecast", "weath
             for start in range(0, len(daily_mm), 7):
                 totals.append(round(sum(daily_mm[start:start + 7]), 1))
             return totals
-    ''', [([1.2, 0, 0, 2.31, 0, 0, 1, 3, 0.5, 0.04],), ([0.5] * 7,), ([],),
-          ([2, 0, 0, 0, 0, 0, 0, 4.44, 1, 0, 0, 0, 0, 0, 7],), ([0.06, 0.06, 0.06],)],
-              ("rain_per_week", "weekly_rain_totals")),
-    make_func('''
+    ''',
+            [
+                ([1.2, 0, 0, 2.31, 0, 0, 1, 3, 0.5, 0.04],),
+                ([0.5] * 7,),
+                ([],),
+                ([2, 0, 0, 0, 0, 0, 0, 4.44, 1, 0, 0, 0, 0, 0, 7],),
+                ([0.06, 0.06, 0.06],),
+            ],
+            ("rain_per_week", "weekly_rain_totals"),
+        ),
+        make_func(
+            '''
         def heating_degree_days(mean_temps, base=18):
             """Sum of how far each day's mean temperature in `mean_temps` is below `base`, rounded to 1 decimal.
 
@@ -169,12 +229,22 @@ WEATHER = Domain("weather", ("weather_stats", "meteo_tools"), "forecast", "weath
                 if temp < base:
                     total += base - temp
             return round(total, 1)
-    ''', [([10, 15.5, 20, 18],), ([],), ([12.3, 19], 20), ([25, 30],), ([17.25, -2.04],)],
-              ("degree_days_below", "heating_demand")),
-))
+    ''',
+            [([10, 15.5, 20, 18],), ([],), ([12.3, 19], 20), ([25, 30],), ([17.25, -2.04],)],
+            ("degree_days_below", "heating_demand"),
+        ),
+    ),
+)
 
-LIBRARY = Domain("library", ("lending_desk", "libloans"), "loans", "library loan helpers", (), (
-    make_func('''
+LIBRARY = Domain(
+    "library",
+    ("lending_desk", "libloans"),
+    "loans",
+    "library loan helpers",
+    (),
+    (
+        make_func(
+            '''
         def loan_due_day(borrow_day, loan_days=21, renewals=0):
             """Day number on which a loan is due: `loan_days` after `borrow_day`, plus 14 days per renewal.
 
@@ -183,9 +253,12 @@ LIBRARY = Domain("library", ("lending_desk", "libloans"), "loans", "library loan
             if renewals > 2:
                 renewals = 2
             return borrow_day + loan_days + 14 * renewals
-    ''', [(10,), (10, 21, 1), (100, 14, 2), (5, 21, 3), (0, 7, 0), (30, 28, 5)],
-              ("due_day_for_loan", "return_by_day")),
-    make_func('''
+    ''',
+            [(10,), (10, 21, 1), (100, 14, 2), (5, 21, 3), (0, 7, 0), (30, 28, 5)],
+            ("due_day_for_loan", "return_by_day"),
+        ),
+        make_func(
+            '''
         def overdue_fine(days_late, daily_cents=25, cap_cents=1000):
             """Fine in cents for a book returned `days_late` days late.
 
@@ -198,8 +271,12 @@ LIBRARY = Domain("library", ("lending_desk", "libloans"), "loans", "library loan
             if fine > cap_cents:
                 return cap_cents
             return fine
-    ''', [(0,), (2,), (3,), (10,), (41,), (7, 50, 300)], ("book_late_fee", "late_return_fine")),
-    make_func('''
+    ''',
+            [(0,), (2,), (3,), (10,), (41,), (7, 50, 300)],
+            ("book_late_fee", "late_return_fine"),
+        ),
+        make_func(
+            '''
         def copies_available(total_copies, on_loan, reserved=0):
             """Copies that can be lent now: `total_copies` minus those `on_loan` and those `reserved`.
 
@@ -209,8 +286,12 @@ LIBRARY = Domain("library", ("lending_desk", "libloans"), "loans", "library loan
             if free < 0:
                 return 0
             return free
-    ''', [(5, 2), (5, 2, 1), (3, 3), (2, 3), (4, 1, 5), (10, 0, 3)], ("lendable_copies", "copies_on_shelf")),
-    make_func('''
+    ''',
+            [(5, 2), (5, 2, 1), (3, 3), (2, 3), (4, 1, 5), (10, 0, 3)],
+            ("lendable_copies", "copies_on_shelf"),
+        ),
+        make_func(
+            '''
         def hold_position(queue, patron):
             """1-based place of `patron` in the hold `queue` (a list of patron names, first in line first).
 
@@ -220,9 +301,19 @@ LIBRARY = Domain("library", ("lending_desk", "libloans"), "loans", "library loan
                 if queue[index] == patron:
                     return index + 1
             return 0
-    ''', [(["ann", "bo", "cy"], "bo"), (["ann"], "ann"), ([], "ann"), (["x", "y", "x"], "x"),
-          (["a", "b", "c", "d"], "d"), (["a", "b"], "z")], ("place_in_hold_queue", "reservation_rank")),
-    make_func('''
+    ''',
+            [
+                (["ann", "bo", "cy"], "bo"),
+                (["ann"], "ann"),
+                ([], "ann"),
+                (["x", "y", "x"], "x"),
+                (["a", "b", "c", "d"], "d"),
+                (["a", "b"], "z"),
+            ],
+            ("place_in_hold_queue", "reservation_rank"),
+        ),
+        make_func(
+            '''
         def can_borrow(books_out, limit, fines_cents, suspended=False):
             """True if a patron may borrow one more book.
 
@@ -230,9 +321,12 @@ LIBRARY = Domain("library", ("lending_desk", "libloans"), "loans", "library loan
             (`books_out`), and owes less than 500 cents in fines (`fines_cents`).
             """
             return not suspended and books_out < limit and fines_cents < 500
-    ''', [(2, 5, 0), (5, 5, 0), (4, 5, 499), (1, 5, 500), (0, 3, 0, True), (3, 2, 0)],
-              ("may_borrow_more", "borrowing_allowed")),
-    make_func('''
+    ''',
+            [(2, 5, 0), (5, 5, 0), (4, 5, 499), (1, 5, 500), (0, 3, 0, True), (3, 2, 0)],
+            ("may_borrow_more", "borrowing_allowed"),
+        ),
+        make_func(
+            '''
         def overdue_report(loans, today):
             """(title, days_overdue) for each (title, due_day) of `loans` whose `due_day` is before `today`.
 
@@ -243,12 +337,28 @@ LIBRARY = Domain("library", ("lending_desk", "libloans"), "loans", "library loan
                 if due_day < today:
                     late.append((due_day, title))
             return [(title, today - due_day) for due_day, title in sorted(late)]
-    ''', [([("Emma", 10), ("Dune", 4), ("Ulysses", 12)], 11), ([], 5), ([("B", 3), ("A", 3)], 8), ([("Kim", 9)], 9),
-          ([("X", 1), ("Y", 20), ("W", 14)], 15)], ("late_loans", "overdue_titles")),
-))
+    ''',
+            [
+                ([("Emma", 10), ("Dune", 4), ("Ulysses", 12)], 11),
+                ([], 5),
+                ([("B", 3), ("A", 3)], 8),
+                ([("Kim", 9)], 9),
+                ([("X", 1), ("Y", 20), ("W", 14)], 15),
+            ],
+            ("late_loans", "overdue_titles"),
+        ),
+    ),
+)
 
-PARKING = Domain("parking", ("parkwise", "garage_meter"), "garage", "parking garage helpers", (), (
-    make_func('''
+PARKING = Domain(
+    "parking",
+    ("parkwise", "garage_meter"),
+    "garage",
+    "parking garage helpers",
+    (),
+    (
+        make_func(
+            '''
         def parking_fee(minutes, hourly_cents=300, daily_max_cents=2000):
             """Fee in cents for a stay of `minutes`.
 
@@ -259,8 +369,12 @@ PARKING = Domain("parking", ("parkwise", "garage_meter"), "garage", "parking gar
                 return 0
             hours = (minutes + 59) // 60
             return min(hours * hourly_cents, daily_max_cents)
-    ''', [(15,), (16,), (60,), (61,), (600,), (130, 250, 1000)], ("parking_charge", "fee_for_stay")),
-    make_func('''
+    ''',
+            [(15,), (16,), (60,), (61,), (600,), (130, 250, 1000)],
+            ("parking_charge", "fee_for_stay"),
+        ),
+        make_func(
+            '''
         def stay_minutes(arrival, departure):
             """Minutes parked between `arrival` and `departure`, both 'HH:MM' strings.
 
@@ -273,9 +387,12 @@ PARKING = Domain("parking", ("parkwise", "garage_meter"), "garage", "parking gar
             if end < start:
                 end += 24 * 60
             return end - start
-    ''', [("08:00", "09:30"), ("22:15", "01:05"), ("10:00", "10:00"), ("23:59", "00:00"), ("00:00", "23:59")],
-              ("parked_minutes", "stay_length")),
-    make_func('''
+    ''',
+            [("08:00", "09:30"), ("22:15", "01:05"), ("10:00", "10:00"), ("23:59", "00:00"), ("00:00", "23:59")],
+            ("parked_minutes", "stay_length"),
+        ),
+        make_func(
+            '''
         def occupancy_percent(occupied, capacity):
             """Percent of the `capacity` spaces that are `occupied`, rounded to 1 decimal.
 
@@ -285,8 +402,12 @@ PARKING = Domain("parking", ("parkwise", "garage_meter"), "garage", "parking gar
             if capacity <= 0:
                 return 0.0
             return round(min(occupied, capacity) * 100 / capacity, 1)
-    ''', [(45, 120), (1, 3), (50, 50), (60, 50), (10, 0), (1, 1)], ("percent_full", "occupancy_rate")),
-    make_func('''
+    ''',
+            [(45, 120), (1, 3), (50, 50), (60, 50), (10, 0), (1, 1)],
+            ("percent_full", "occupancy_rate"),
+        ),
+        make_func(
+            '''
         def first_free_level(levels, needed=1):
             """Index of the first level with at least `needed` free spaces, or -1 if no level has.
 
@@ -298,9 +419,18 @@ PARKING = Domain("parking", ("parkwise", "garage_meter"), "garage", "parking gar
                 if capacity - occupied >= needed:
                     return index
             return -1
-    ''', [([(50, 50), (40, 38), (60, 10)],), ([(50, 50), (40, 38), (60, 10)], 3), ([(10, 10)],),
-          ([(5, 3), (5, 0)], 2), ([],)], ("level_with_space", "free_level")),
-    make_func('''
+    ''',
+            [
+                ([(50, 50), (40, 38), (60, 10)],),
+                ([(50, 50), (40, 38), (60, 10)], 3),
+                ([(10, 10)],),
+                ([(5, 3), (5, 0)], 2),
+                ([],),
+            ],
+            ("level_with_space", "free_level"),
+        ),
+        make_func(
+            '''
         def validated_fee(fee_cents, stamps):
             """`fee_cents` less 150 cents for each shop validation stamp, never below 0.
 
@@ -308,8 +438,12 @@ PARKING = Domain("parking", ("parkwise", "garage_meter"), "garage", "parking gar
             """
             used = min(stamps, 3)
             return max(0, fee_cents - used * 150)
-    ''', [(900, 1), (900, 3), (900, 5), (200, 2), (300, 2), (0, 0)], ("stamped_fee", "fee_after_stamps")),
-    make_func('''
+    ''',
+            [(900, 1), (900, 3), (900, 5), (200, 2), (300, 2), (0, 0)],
+            ("stamped_fee", "fee_after_stamps"),
+        ),
+        make_func(
+            '''
         def peak_occupancy(events, start=0):
             """Most cars inside at any moment, starting from `start` cars and applying `events` in order.
 
@@ -326,12 +460,28 @@ PARKING = Domain("parking", ("parkwise", "garage_meter"), "garage", "parking gar
                 if cars > peak:
                     peak = cars
             return peak
-    ''', [(["in", "in", "out", "in", "in"],), (["out", "in"],), ([], 4), (["out", "out", "in", "in"], 1),
-          (["in", "x", "in", "out"],)], ("max_cars_inside", "busiest_count")),
-))
+    ''',
+            [
+                (["in", "in", "out", "in", "in"],),
+                (["out", "in"],),
+                ([], 4),
+                (["out", "out", "in", "in"], 1),
+                (["in", "x", "in", "out"],),
+            ],
+            ("max_cars_inside", "busiest_count"),
+        ),
+    ),
+)
 
-FITNESS = Domain("fitness", ("fitlog", "workout_stats"), "workouts", "workout helpers", (), (
-    make_func('''
+FITNESS = Domain(
+    "fitness",
+    ("fitlog", "workout_stats"),
+    "workouts",
+    "workout helpers",
+    (),
+    (
+        make_func(
+            '''
         def pace_per_km(seconds, km):
             """Pace for covering `km` kilometres in `seconds`, as 'M:SS' per kilometre.
 
@@ -342,8 +492,12 @@ FITNESS = Domain("fitness", ("fitlog", "workout_stats"), "workouts", "workout he
                 return "-"
             per_km = round(seconds / km)
             return f"{per_km // 60}:{per_km % 60:02d}"
-    ''', [(1500, 5), (1530, 5.0), (3600, 0), (1000, 3), (59, 1)], ("km_pace", "running_pace")),
-    make_func('''
+    ''',
+            [(1500, 5), (1530, 5.0), (3600, 0), (1000, 3), (59, 1)],
+            ("km_pace", "running_pace"),
+        ),
+        make_func(
+            '''
         def heart_rate_zone(bpm, age):
             """Training zone 0 to 5 for a heart rate of `bpm` at `age`.
 
@@ -353,8 +507,12 @@ FITNESS = Domain("fitness", ("fitlog", "workout_stats"), "workouts", "workout he
             """
             percent = bpm * 100 // (220 - age)
             return min(5, max(0, percent // 10 - 4))
-    ''', [(100, 20), (99, 20), (180, 20), (150, 20), (126, 40), (210, 20)], ("hr_zone", "training_zone")),
-    make_func('''
+    ''',
+            [(100, 20), (99, 20), (180, 20), (150, 20), (126, 40), (210, 20)],
+            ("hr_zone", "training_zone"),
+        ),
+        make_func(
+            '''
         def calories_burned(minutes, weight_kg, met):
             """Kilocalories burned in `minutes` of an activity of `met` by someone of `weight_kg`.
 
@@ -362,8 +520,12 @@ FITNESS = Domain("fitness", ("fitlog", "workout_stats"), "workouts", "workout he
             number (Python's round).
             """
             return round(met * 3.5 * weight_kg / 200 * minutes)
-    ''', [(30, 70, 8.0), (60, 80, 3.5), (0, 70, 8), (45, 55.5, 6.0), (10, 100, 10)], ("energy_used", "kcal_burned")),
-    make_func('''
+    ''',
+            [(30, 70, 8.0), (60, 80, 3.5), (0, 70, 8), (45, 55.5, 6.0), (10, 100, 10)],
+            ("energy_used", "kcal_burned"),
+        ),
+        make_func(
+            '''
         def workout_streak(minutes_per_day, min_minutes=20):
             """Longest run of consecutive days in `minutes_per_day` with at least `min_minutes` of exercise.
 
@@ -379,9 +541,12 @@ FITNESS = Domain("fitness", ("fitlog", "workout_stats"), "workouts", "workout he
                 else:
                     current = 0
             return best
-    ''', [([30, 25, 0, 40, 20, 45],), ([],), ([10, 19],), ([20],), ([60, 60, 5, 60], 30)],
-              ("longest_streak", "active_streak")),
-    make_func('''
+    ''',
+            [([30, 25, 0, 40, 20, 45],), ([],), ([10, 19],), ([20],), ([60, 60, 5, 60], 30)],
+            ("longest_streak", "active_streak"),
+        ),
+        make_func(
+            '''
         def safe_mileage_increase(last_week_km, planned_km):
             """True if `planned_km` is at most 10 percent more than `last_week_km` (the 10 percent rule).
 
@@ -391,8 +556,12 @@ FITNESS = Domain("fitness", ("fitlog", "workout_stats"), "workouts", "workout he
             if last_week_km <= 0:
                 return planned_km <= 5
             return planned_km * 10 <= last_week_km * 11
-    ''', [(20, 22), (20, 23), (20, 10), (0, 5), (0, 6), (1, 3)], ("within_ten_percent", "mileage_ok")),
-    make_func('''
+    ''',
+            [(20, 22), (20, 23), (20, 10), (0, 5), (0, 6), (1, 3)],
+            ("within_ten_percent", "mileage_ok"),
+        ),
+        make_func(
+            '''
         def one_rep_max(weight_kg, reps):
             """Estimated one-rep max (Epley formula): weight_kg * (1 + reps / 30), rounded to 1 decimal.
 
@@ -404,11 +573,22 @@ FITNESS = Domain("fitness", ("fitlog", "workout_stats"), "workouts", "workout he
             if reps == 1:
                 return round(float(weight_kg), 1)
             return round(weight_kg * (1 + reps / 30), 1)
-    ''', [(100, 5), (100, 1), (80, 0), (60, 10), (100, 2), (72.5, 3)], ("max_lift", "estimated_max")),
-))
+    ''',
+            [(100, 5), (100, 1), (80, 0), (60, 10), (100, 2), (72.5, 3)],
+            ("max_lift", "estimated_max"),
+        ),
+    ),
+)
 
-TICKETS = Domain("tickets", ("ticketdesk", "event_tickets"), "box_office", "event ticketing helpers", ("re",), (
-    make_func('''
+TICKETS = Domain(
+    "tickets",
+    ("ticketdesk", "event_tickets"),
+    "box_office",
+    "event ticketing helpers",
+    ("re",),
+    (
+        make_func(
+            '''
         def seat_price(row, base_cents):
             """Price in cents of a seat in `row` (row 1 is nearest the stage).
 
@@ -420,8 +600,12 @@ TICKETS = Domain("tickets", ("ticketdesk", "event_tickets"), "box_office", "even
             if row <= 15:
                 return base_cents
             return base_cents * 80 // 100
-    ''', [(1, 1999), (5, 2000), (6, 2000), (15, 2000), (16, 2000), (20, 999)], ("price_for_row", "row_price")),
-    make_func('''
+    ''',
+            [(1, 1999), (5, 2000), (6, 2000), (15, 2000), (16, 2000), (20, 999)],
+            ("price_for_row", "row_price"),
+        ),
+        make_func(
+            '''
         def group_total(count, price_cents, fee_cents=150):
             """Total in cents for `count` tickets at `price_cents` each plus `fee_cents` per ticket.
 
@@ -434,9 +618,12 @@ TICKETS = Domain("tickets", ("ticketdesk", "event_tickets"), "box_office", "even
             if count >= 10:
                 tickets = tickets * 90 // 100
             return tickets + count * fee_cents
-    ''', [(2, 2500), (10, 2500), (9, 2500), (-1, 2500), (12, 1999, 0), (1, 1000, 100)],
-              ("order_total", "booking_total")),
-    make_func('''
+    ''',
+            [(2, 2500), (10, 2500), (9, 2500), (-1, 2500), (12, 1999, 0), (1, 1000, 100)],
+            ("order_total", "booking_total"),
+        ),
+        make_func(
+            '''
         def is_sold_out(sold, capacity, held=0, hold_open=True):
             """True if no ticket is left for sale.
 
@@ -444,9 +631,12 @@ TICKETS = Domain("tickets", ("ticketdesk", "event_tickets"), "box_office", "even
             `held` (reserved but unpaid tickets) reaches `capacity`.
             """
             return sold >= capacity or (hold_open and sold + held >= capacity)
-    ''', [(100, 100, 0, False), (99, 100), (95, 100, 5), (95, 100, 4), (95, 100, 5, False), (100, 100)],
-              ("sold_out", "no_seats_left")),
-    make_func('''
+    ''',
+            [(100, 100, 0, False), (99, 100), (95, 100, 5), (95, 100, 4), (95, 100, 5, False), (100, 100)],
+            ("sold_out", "no_seats_left"),
+        ),
+        make_func(
+            '''
         def ticket_refund(price_cents, days_before):
             """Refund in cents for a ticket of `price_cents` returned `days_before` the event.
 
@@ -458,9 +648,12 @@ TICKETS = Domain("tickets", ("ticketdesk", "event_tickets"), "box_office", "even
             if days_before >= 7:
                 return price_cents // 2
             return 0
-    ''', [(4001, 30), (4001, 29), (4001, 7), (4001, 6), (4001, 45), (4001, 0)],
-              ("refund_amount", "refund_for_return")),
-    make_func('''
+    ''',
+            [(4001, 30), (4001, 29), (4001, 7), (4001, 6), (4001, 45), (4001, 0)],
+            ("refund_amount", "refund_for_return"),
+        ),
+        make_func(
+            '''
         def first_row_with_seats(rows, party):
             """Number (from 1) of the first row with `party` adjacent free seats, or 0 if no row has.
 
@@ -470,9 +663,18 @@ TICKETS = Domain("tickets", ("ticketdesk", "event_tickets"), "box_office", "even
                 if "." * party in rows[number - 1]:
                     return number
             return 0
-    ''', [(["XX..X", "X...X", "....."], 3), (["XX..X", "X...X"], 4), ([".X"], 1), ([], 2),
-          (["XXXX", "X..X", "XX.."], 2)], ("row_for_party", "find_row")),
-    make_func('''
+    ''',
+            [
+                (["XX..X", "X...X", "....."], 3),
+                (["XX..X", "X...X"], 4),
+                ([".X"], 1),
+                ([], 2),
+                (["XXXX", "X..X", "XX.."], 2),
+            ],
+            ("row_for_party", "find_row"),
+        ),
+        make_func(
+            '''
         def parse_seat(code):
             """(row, seat) of a seat code such as 'C12': row 'A' is 1, 'B' is 2 and so on.
 
@@ -486,7 +688,11 @@ TICKETS = Domain("tickets", ("ticketdesk", "event_tickets"), "box_office", "even
             if seat < 1:
                 return None
             return (ord(match.group(1).upper()) - ord("A") + 1, seat)
-    ''', [("C12",), ("a1",), (" b7 ",), ("A0",), ("AB12",), ("Z1000",)], ("seat_from_code", "decode_seat")),
-))
+    ''',
+            [("C12",), ("a1",), (" b7 ",), ("A0",), ("AB12",), ("Z1000",)],
+            ("seat_from_code", "decode_seat"),
+        ),
+    ),
+)
 
 MORE_DOMAINS: tuple[Domain, ...] = (RECIPES, WEATHER, LIBRARY, PARKING, FITNESS, TICKETS)

@@ -21,10 +21,24 @@ import itertools
 import random
 from dataclasses import dataclass
 
-_BINOPS = {ast.Add: ("+", "-"), ast.Sub: ("-", "+"), ast.Mult: ("*", "+"), ast.FloorDiv: ("//", "/"),
-           ast.Div: ("/", "//"), ast.Mod: ("%", "//")}
-_CMPOPS = {ast.Lt: ("<", "<="), ast.LtE: ("<=", "<"), ast.Gt: (">", ">="), ast.GtE: (">=", ">"),
-           ast.Eq: ("==", "!="), ast.NotEq: ("!=", "=="), ast.In: ("in", "not in"), ast.NotIn: ("not in", "in")}
+_BINOPS = {
+    ast.Add: ("+", "-"),
+    ast.Sub: ("-", "+"),
+    ast.Mult: ("*", "+"),
+    ast.FloorDiv: ("//", "/"),
+    ast.Div: ("/", "//"),
+    ast.Mod: ("%", "//"),
+}
+_CMPOPS = {
+    ast.Lt: ("<", "<="),
+    ast.LtE: ("<=", "<"),
+    ast.Gt: (">", ">="),
+    ast.GtE: (">=", ">"),
+    ast.Eq: ("==", "!="),
+    ast.NotEq: ("!=", "=="),
+    ast.In: ("in", "not in"),
+    ast.NotIn: ("not in", "in"),
+}
 _BOOLOPS = {ast.And: ("and", "or"), ast.Or: ("or", "and")}
 
 
@@ -38,8 +52,8 @@ class Mutation:
     new: str
 
     def apply(self, source: str) -> str:
-        assert source[self.start:self.end] == self.old, "mutation does not match the source"
-        return source[:self.start] + self.new + source[self.end:]
+        assert source[self.start : self.end] == self.old, "mutation does not match the source"
+        return source[: self.start] + self.new + source[self.end :]
 
 
 def _offsets(source: str) -> list[int]:
@@ -69,8 +83,11 @@ def mutations(source: str, func_name: str) -> list[Mutation]:
     def pos(line: int, col: int) -> int:
         return line_start[line - 1] + col
 
-    body = func.body[1:] if (func.body and isinstance(func.body[0], ast.Expr)
-                             and isinstance(func.body[0].value, ast.Constant)) else func.body
+    body = (
+        func.body[1:]
+        if (func.body and isinstance(func.body[0], ast.Expr) and isinstance(func.body[0].value, ast.Constant))
+        else func.body
+    )
     inside_fstring: set[int] = set()
     for stmt in body:
         for node in ast.walk(stmt):
@@ -99,7 +116,7 @@ def mutations(source: str, func_name: str) -> list[Mutation]:
             elif isinstance(node, ast.BoolOp) and type(node.op) in _BOOLOPS:
                 for left, right in itertools.pairwise(node.values):
                     between(left, right, _BOOLOPS[type(node.op)], "boolean")
-            elif (isinstance(node, ast.Constant) and type(node.value) is int and id(node) not in inside_fstring):
+            elif isinstance(node, ast.Constant) and type(node.value) is int and id(node) not in inside_fstring:
                 a, b = pos(node.lineno, node.col_offset), pos(node.end_lineno, node.end_col_offset)
                 text = source[a:b]
                 if text.isdigit():

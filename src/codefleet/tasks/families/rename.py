@@ -21,36 +21,61 @@ from codefleet.tasks.families.domains import DOMAINS, MORE_DOMAINS, Func, module
 from codefleet.tasks.families.layout import distractors, module_cases, package_files, pick_funcs
 
 NAME = "rename"
-TEMPLATES = {"inventory": "train", "text": "train", "bank": "train", "grades": "train", "shipping": "train",
-             "geometry": "test", "schedule": "test",
-             **{d.name: "train" for d in MORE_DOMAINS}}
+TEMPLATES = {
+    "inventory": "train",
+    "text": "train",
+    "bank": "train",
+    "grades": "train",
+    "shipping": "train",
+    "geometry": "test",
+    "schedule": "test",
+    **{d.name: "train" for d in MORE_DOMAINS},
+}
 
 # kind -> (module docstring, source with {ref} for the function reference, function name, args from cases)
 _USERS = {
-    "batch": ("Run the helper over many inputs at once.",
-              'def run_batch(rows):\n    """One result per argument tuple in `rows`."""\n'
-              "    return [{ref}(*row) for row in rows]\n", "run_batch", lambda cs: (list(cs[:2]),)),
-    "api": ("A tiny request handler around the helper.",
-            "def handle(request):\n    \"\"\"Answer {'args': [...]} with {'ok': True, 'result': ...}.\"\"\"\n"
-            "    return {\"ok\": True, \"result\": {ref}(*request[\"args\"])}\n", "handle",
-            lambda cs: ({"args": list(cs[0])},)),
-    "pipeline": ("First step of the processing pipeline.",
-                 'def first_result(rows):\n'
-                 '    """The result for the first argument tuple of `rows`; None if empty."""\n'
-                 "    if not rows:\n        return None\n    return {ref}(*rows[0])\n", "first_result",
-                 lambda cs: (list(cs[1:3]),)),
-    "compare": ("Compare the helper's results for two inputs.",
-                'def same_result(first_args, second_args):\n'
-                '    """True if both argument tuples give the same result."""\n'
-                "    return {ref}(*first_args) == {ref}(*second_args)\n", "same_result", lambda cs: (cs[0], cs[1])),
-    "memo": ("Memoised access to the helper.",
-             '_CACHE = {}\n\n\ndef cached(*args):\n    """The helper\'s result for `args`, computed once per distinct '
-             'arguments."""\n    key = repr(args)\n    if key not in _CACHE:\n        _CACHE[key] = {ref}(*args)\n'
-             "    return _CACHE[key]\n", "cached", lambda cs: cs[0]),
+    "batch": (
+        "Run the helper over many inputs at once.",
+        'def run_batch(rows):\n    """One result per argument tuple in `rows`."""\n'
+        "    return [{ref}(*row) for row in rows]\n",
+        "run_batch",
+        lambda cs: (list(cs[:2]),),
+    ),
+    "api": (
+        "A tiny request handler around the helper.",
+        "def handle(request):\n    \"\"\"Answer {'args': [...]} with {'ok': True, 'result': ...}.\"\"\"\n"
+        '    return {"ok": True, "result": {ref}(*request["args"])}\n',
+        "handle",
+        lambda cs: ({"args": list(cs[0])},),
+    ),
+    "pipeline": (
+        "First step of the processing pipeline.",
+        "def first_result(rows):\n"
+        '    """The result for the first argument tuple of `rows`; None if empty."""\n'
+        "    if not rows:\n        return None\n    return {ref}(*rows[0])\n",
+        "first_result",
+        lambda cs: (list(cs[1:3]),),
+    ),
+    "compare": (
+        "Compare the helper's results for two inputs.",
+        "def same_result(first_args, second_args):\n"
+        '    """True if both argument tuples give the same result."""\n'
+        "    return {ref}(*first_args) == {ref}(*second_args)\n",
+        "same_result",
+        lambda cs: (cs[0], cs[1]),
+    ),
+    "memo": (
+        "Memoised access to the helper.",
+        '_CACHE = {}\n\n\ndef cached(*args):\n    """The helper\'s result for `args`, computed once per distinct '
+        'arguments."""\n    key = repr(args)\n    if key not in _CACHE:\n        _CACHE[key] = {ref}(*args)\n'
+        "    return _CACHE[key]\n",
+        "cached",
+        lambda cs: cs[0],
+    ),
 }
 
 _HIDDEN_IMPORTS = "import pathlib\nimport re\n\nimport {module} as target_module"
-_HIDDEN_TESTS = '''
+_HIDDEN_TESTS = """
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OLD = "{old}"
 NEW = "{new}"
@@ -71,7 +96,7 @@ def test_no_reference_to_old_name_left():
             for path in sorted((ROOT / folder).rglob("*.py"))
             if path.resolve() != here and pattern.search(path.read_text(encoding="utf-8"))]
     assert not left, OLD + " is still mentioned in " + ", ".join(left)
-'''
+"""
 
 _ASKS = (
     "Rename `{old}` in `{path}` to `{new}`. Update every use: imports, calls, `__all__`, docstrings and the "
@@ -107,7 +132,7 @@ def draft(template: str, rng: random.Random, difficulty: int) -> Draft:
     funcs = pick_funcs(domain, target, size.funcs, rng)
     old = target.name
 
-    init = (f'"""{domain.topic.capitalize()}."""\n\nfrom {module} import {old}\n\n__all__ = ["{old}"]\n')
+    init = f'"""{domain.topic.capitalize()}."""\n\nfrom {module} import {old}\n\n__all__ = ["{old}"]\n'
     extra_files, extra_tests = distractors(domain.name, package, size, rng)
     users = sorted(rng.sample(sorted(_USERS), min(size.parts, len(_USERS))))
     user_tests = []
@@ -118,22 +143,43 @@ def draft(template: str, rng: random.Random, difficulty: int) -> Draft:
         else:
             head, ref = f"from {package} import {domain.module}", f"{domain.module}.{old}"
         extra_files[f"{package}/{kind}.py"] = f'"""{doc}"""\n\n{head}\n\n\n' + body.replace("{ref}", ref)
-        user_tests.append(TestFile(f"tests/test_{kind}.py", f"Tests of {package}.{kind}.",
-                                   [Case(f"{package}.{kind}", fn, make_args(target.cases), f"test_{fn}")]))
+        user_tests.append(
+            TestFile(
+                f"tests/test_{kind}.py",
+                f"Tests of {package}.{kind}.",
+                [Case(f"{package}.{kind}", fn, make_args(target.cases), f"test_{fn}")],
+            )
+        )
     before = package_files(package, domain, module_source(domain, funcs), extra_files)
     before[f"{package}/__init__.py"] = init
     after = {p: _word(old).sub(new, text) if p.startswith(package + "/") else text for p, text in before.items()}
 
     core_before = TestFile(f"tests/test_{domain.module}.py", f"Tests of {module}.", module_cases(module, funcs, 2))
-    core_after = TestFile(core_before.path, core_before.doc,
-                          [Case(c.module, new if c.func == old else c.func, c.args, c.name) for c in core_before.cases])
-    hidden = TestFile("tests/test_renamed.py", f"The rename of {old} to {new}.",
-                      [Case(module, new, args, f"test_renamed_{i}") for i, args in enumerate(target.cases)],
-                      custom=_HIDDEN_TESTS.format(old=old, new=new, module=module, package=package),
-                      custom_imports=_HIDDEN_IMPORTS.format(module=module),
-                      custom_status={"test_new_name_is_defined": False, "test_old_name_is_gone": False,
-                                     "test_no_reference_to_old_name_left": False})
+    core_after = TestFile(
+        core_before.path,
+        core_before.doc,
+        [Case(c.module, new if c.func == old else c.func, c.args, c.name) for c in core_before.cases],
+    )
+    hidden = TestFile(
+        "tests/test_renamed.py",
+        f"The rename of {old} to {new}.",
+        [Case(module, new, args, f"test_renamed_{i}") for i, args in enumerate(target.cases)],
+        custom=_HIDDEN_TESTS.format(old=old, new=new, module=module, package=package),
+        custom_imports=_HIDDEN_IMPORTS.format(module=module),
+        custom_status={
+            "test_new_name_is_defined": False,
+            "test_old_name_is_gone": False,
+            "test_no_reference_to_old_name_left": False,
+        },
+    )
     text = rng.choice(_VAGUE_ASKS if size.vague else _ASKS).format(old=old, new=new, path=path)
-    return Draft(NAME, template, text, before=before, after=after,
-                 visible=[core_after, *user_tests, *extra_tests], hidden=[hidden],
-                 visible_before=[core_before, *user_tests, *extra_tests])
+    return Draft(
+        NAME,
+        template,
+        text,
+        before=before,
+        after=after,
+        visible=[core_after, *user_tests, *extra_tests],
+        hidden=[hidden],
+        visible_before=[core_before, *user_tests, *extra_tests],
+    )

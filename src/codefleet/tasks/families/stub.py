@@ -13,19 +13,19 @@ import random
 
 from codefleet.tasks.families.base import SIZES, Case, Draft, TestFile
 from codefleet.tasks.families.domains import DOMAINS, MORE_DOMAINS, module_source
-from codefleet.tasks.families.layout import (
-    case_name,
-    distractors,
-    module_cases,
-    package_files,
-    pick_funcs,
-    run_module,
-)
+from codefleet.tasks.families.layout import case_name, distractors, module_cases, package_files, pick_funcs, run_module
 
 NAME = "stub"
-TEMPLATES = {"inventory": "train", "geometry": "train", "grades": "train", "schedule": "train",
-             "shipping": "train", "text": "test", "bank": "test",
-             **{d.name: "train" for d in MORE_DOMAINS}}
+TEMPLATES = {
+    "inventory": "train",
+    "geometry": "train",
+    "grades": "train",
+    "schedule": "train",
+    "shipping": "train",
+    "text": "test",
+    "bank": "test",
+    **{d.name: "train" for d in MORE_DOMAINS},
+}
 
 _ASKS = (
     "`{func}` in `{path}` is only a stub: it raises NotImplementedError. Implement it as its docstring describes. "
@@ -49,7 +49,7 @@ def stub_out(source: str, func: str) -> str:
     lines = source.split("\n")
     doc_end = node.body[0].end_lineno  # body[0] is the docstring
     indent = " " * node.body[0].col_offset
-    return "\n".join(lines[:doc_end] + [f"{indent}raise NotImplementedError"] + lines[node.end_lineno:])
+    return "\n".join(lines[:doc_end] + [f"{indent}raise NotImplementedError"] + lines[node.end_lineno :])
 
 
 def draft(template: str, rng: random.Random, difficulty: int) -> Draft:
@@ -70,15 +70,32 @@ def draft(template: str, rng: random.Random, difficulty: int) -> Draft:
     visible = [TestFile(test_path, f"Tests of {module}.", visible_cases)]
     extra_files, extra_tests = distractors(domain.name, package, size, rng)
     visible += extra_tests
-    hidden = [TestFile(f"tests/test_{domain.module}_spec.py", f"Specification tests of {module}.",
-                       module_cases(module, funcs, None, prefix="test_spec"))]
+    hidden = [
+        TestFile(
+            f"tests/test_{domain.module}_spec.py",
+            f"Specification tests of {module}.",
+            module_cases(module, funcs, None, prefix="test_spec"),
+        )
+    ]
 
-    (_, want), = run_module(correct, target.name, [target.cases[example]])
+    ((_, want),) = run_module(correct, target.name, [target.cases[example]])
     call = f"{target.name}({', '.join(repr(a) for a in target.cases[example])})"
-    fields = dict(func=target.name, path=path, call=call, want=repr(want), topic=domain.topic,
-                  test=f"{test_path}::{case_name(target.name, example)}", command="python3 -m pytest -q tests")
+    fields = dict(
+        func=target.name,
+        path=path,
+        call=call,
+        want=repr(want),
+        topic=domain.topic,
+        test=f"{test_path}::{case_name(target.name, example)}",
+        command="python3 -m pytest -q tests",
+    )
     text = rng.choice(_VAGUE_ASKS if size.vague else _ASKS).format(**fields)
-    return Draft(NAME, template, text,
-                 before=package_files(package, domain, stubbed, extra_files),
-                 after=package_files(package, domain, correct, extra_files),
-                 visible=visible, hidden=hidden)
+    return Draft(
+        NAME,
+        template,
+        text,
+        before=package_files(package, domain, stubbed, extra_files),
+        after=package_files(package, domain, correct, extra_files),
+        visible=visible,
+        hidden=hidden,
+    )
