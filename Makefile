@@ -15,6 +15,8 @@ demo: setup
 	$(VENV)/bin/codefleet train --out $(DEMO_DIR)
 
 test: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -m "not slow and not vllm and not vm" -q
 
