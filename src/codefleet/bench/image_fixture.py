@@ -143,6 +143,20 @@ def oci_tarball(layers: list[bytes], *, compress: bool = True, blob_digest_of=No
     )
 
 
+def docker_save_tarball(layers: list[bytes]) -> bytes:
+    """What `docker save` writes for an image with these (uncompressed) layers."""
+    config = json.dumps(
+        {
+            "architecture": "amd64",
+            "os": "linux",
+            "rootfs": {"type": "layers", "diff_ids": [f"sha256:{sha256_hex(t)}" for t in layers]},
+        }
+    ).encode()
+    files = {f"{sha256_hex(t)}/layer.tar": t for t in layers}
+    manifest = [{"Config": f"{sha256_hex(config)}.json", "RepoTags": ["codefleet-test:1"], "Layers": list(files)}]
+    return tar_of({f"{sha256_hex(config)}.json": config, **files, "manifest.json": json.dumps(manifest).encode()})
+
+
 def python_startup_files(python: str = HOST_PYTHON) -> list[str]:
     """The files `python` loads to start, and its lib-dynload directory."""
     code = (
@@ -151,6 +165,14 @@ def python_startup_files(python: str = HOST_PYTHON) -> list[str]:
     )
     out = subprocess.run([python, "-c", code], capture_output=True, text=True, env={}, check=True).stdout
     return json.loads(out)
+
+
+def python_stdlib_dir(python: str = HOST_PYTHON) -> str:
+    """Where `python`'s standard library lies (a module put there imports in the image)."""
+    out = subprocess.run(
+        [python, "-c", "import os; print(os.__file__)"], capture_output=True, text=True, env={}, check=True
+    ).stdout
+    return os.path.dirname(out.strip())
 
 
 def libraries(binary: str) -> list[str]:
