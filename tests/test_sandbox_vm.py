@@ -436,8 +436,8 @@ def _extract(disk: str, into: str) -> str:
 def test_the_host_disk_holds_the_allow_list_and_an_etc_of_its_own_and_no_host_secret(tmp_path, monkeypatch):
     """Nothing planted here is on the real allow-list: the host's own disk, which other processes may be
     fingerprinting meanwhile, stays the same."""
-    from codefleet.sandbox import vm_image
-    from codefleet.sandbox.vm_image import DISK_MODE, environment_disk
+    from codefleet.sandbox import vm_disks
+    from codefleet.sandbox.vm_disks import DISK_MODE, environment_disk
 
     monkeypatch.setenv("CODEFLEET_VM_DIR", str(tmp_path / "vm"))
     userland = ("usr/sbin", "sbin")  # small, to build in a second; the real disk's /etc is the same code's
@@ -477,7 +477,7 @@ def test_the_host_disk_holds_the_allow_list_and_an_etc_of_its_own_and_no_host_se
         # A change in what the disk holds is a new disk: any byte of the generated /etc, or the allow-list.
         with open(new_etc, "w") as f:
             f.write("one\n")
-        monkeypatch.setattr(vm_image, "ETC_COPIED", (*vm_image.ETC_COPIED, os.path.basename(new_etc)))
+        monkeypatch.setattr(vm_disks, "ETC_COPIED", (*vm_disks.ETC_COPIED, os.path.basename(new_etc)))
         with_file = environment_disk(userland=userland)
         with open(os.path.join(_extract(with_file, str(tmp_path / "y")), new_etc.lstrip("/"))) as f:
             assert with_file != disk and f.read() == "one\n"

@@ -105,14 +105,14 @@ def _sandbox_run(args: argparse.Namespace) -> int:
 
 
 def _sandbox_vm_setup(args: argparse.Namespace) -> int:
-    from codefleet.sandbox import vm, vm_image
+    from codefleet.sandbox import vm, vm_disks, vm_image
 
     try:
         print(f"kernel: {vm_image.setup_kernel(args.deb)}", flush=True)
         print(f"initramfs: {vm_image.initramfs()}", flush=True)
         started = time.perf_counter()
         print(
-            f"environment disk (host userland): {vm_image.environment_disk()} ({time.perf_counter() - started:.0f} s)",
+            f"environment disk (host userland): {vm_disks.environment_disk()} ({time.perf_counter() - started:.0f} s)",
             flush=True,
         )
         if not args.no_snapshot:

@@ -68,7 +68,7 @@ from codefleet.sandbox import (
     procs,
     resolve_backend,
     vm,
-    vm_image,
+    vm_disks,
 )
 from codefleet.sandbox.bwrap import unavailable_reason
 
@@ -201,7 +201,7 @@ def _cold_boots(repo: str, config: SandboxConfig, n: int, root: str, log) -> tup
         os.environ["CODEFLEET_VM_TEMPLATES"] = tdir
         t = time.perf_counter()
         template = vm.Template(
-            vm_image.environment_disk(), config.memory_mb, max(1, math.ceil(config.cpu_cores)), config.workspace_mb
+            vm_disks.environment_disk(), config.memory_mb, max(1, math.ceil(config.cpu_cores)), config.workspace_mb
         ).ensure(180)
         with create_sandbox(repo, config) as sb:
             sb.exec("true")

@@ -174,6 +174,41 @@ def host_args(
     def seen(path: str) -> str:
         return os.path.join(view, os.path.relpath(path, files.directory)) if view else path
 
+    args = _namespace_args()
+    if config.environment is None:
+        args += userland_args("/", HOST_USERLAND)
+        shell = files.shell
+    else:
+        rootfs = rootfs_of(config.environment)  # an archive is imported once per node
+        shell = environment_shell(rootfs, files)
+        args += userland_args(userland or rootfs, _IMAGE_USERLAND)
+    args += [
+        "--ro-bind",
+        seen(files.passwd),
+        "/etc/passwd",
+        "--ro-bind",
+        seen(files.group),
+        "/etc/group",
+        "--ro-bind",
+        seen(shell),
+        SHELL_PATH,
+    ]
+    args += _proc_args()
+    # /dev is bwrap's own tmpfs, made read-only last (by the caller); /dev/shm, the one place there a program
+    # may write, is a tmpfs of its own, sized like /tmp.
+    args += ["--dev", "/dev"]
+    if files.devices:
+        for name in _DEVICES:
+            args += ["--dev-bind", seen(os.path.join(files.devices, name)), f"/dev/{name}"]
+    args += _tmpfs_args(config.tmp_mb) + _env_args()
+    for path in map(os.path.abspath, config.ro_binds):  # after the private /tmp and /var/tmp: binds go on top
+        args += ["--ro-bind", (ro_sources or {}).get(path, path), path]
+    return args
+
+
+def _namespace_args() -> list[str]:
+    """The namespaces a sandbox gets (all of them, the network's loopback only), its ids inside, and no
+    capability; no user namespace of its own where this bwrap can forbid one."""
     args = [
         "--unshare-user",
         "--uid",
@@ -194,27 +229,26 @@ def host_args(
     ]
     if _can_disable_userns():
         args.append("--disable-userns")
-    if config.environment is None:
-        args += userland_args("/", HOST_USERLAND)
-        shell = files.shell
-    else:
-        rootfs = rootfs_of(config.environment)  # an archive is imported once per node
-        shell = environment_shell(rootfs, files)
-        args += userland_args(userland or rootfs, _IMAGE_USERLAND)
-    args += [
-        "--ro-bind",
-        seen(files.passwd),
-        "/etc/passwd",
-        "--ro-bind",
-        seen(files.group),
-        "/etc/group",
-        "--ro-bind",
-        seen(shell),
-        SHELL_PATH,
-    ]
+    return args
+
+
+# Host-wide kernel state that is world-readable but none of a sandbox's business (as container runtimes mask
+# it); what only root may read the sandbox user cannot read anyway.
+_MASKED_PROC = (
+    "/proc/keys",
+    "/proc/key-users",
+    "/proc/kcore",
+    "/proc/timer_list",
+    "/proc/sched_debug",
+    "/proc/latency_stats",
+)
+
+
+def _proc_args() -> list[str]:
+    """The sandbox's own /proc, with /proc/sys read-only and `_MASKED_PROC` hidden."""
     # /proc/sys read-only even to a sandbox user that some sysctl would let write (bwrap itself covers
     # it only when it finds it writable as a directory, which it never is).
-    args += [
+    args = [
         "--proc",
         "/proc",
         "--ro-bind",
@@ -224,37 +258,33 @@ def host_args(
         "/proc/sysrq-trigger",
         "/proc/sysrq-trigger",
     ]
-    # Host-wide kernel state that is world-readable but none of a sandbox's business (as container
-    # runtimes mask it); what only root may read the sandbox user cannot read anyway.
-    for path in (
-        "/proc/keys",
-        "/proc/key-users",
-        "/proc/kcore",
-        "/proc/timer_list",
-        "/proc/sched_debug",
-        "/proc/latency_stats",
-    ):
+    for path in _MASKED_PROC:
         if os.path.exists(path):
             args += ["--ro-bind", "/dev/null", path]
-    # /dev is bwrap's own tmpfs, made read-only last (by the caller); /dev/shm, the one place there a program
-    # may write, is a tmpfs of its own, sized like /tmp.
-    args += ["--dev", "/dev"]
-    if files.devices:
-        for name in _DEVICES:
-            args += ["--dev-bind", seen(os.path.join(files.devices, name)), f"/dev/{name}"]
-    args += [
+    return args
+
+
+def _tmpfs_args(tmp_mb: int) -> list[str]:
+    """/dev/shm, /tmp and /var/tmp: private tmpfs of `tmp_mb` each."""
+    return [
         "--size",
-        str(config.tmp_mb << 20),
+        str(tmp_mb << 20),
         "--tmpfs",
         "/dev/shm",
         "--size",
-        str(config.tmp_mb << 20),
+        str(tmp_mb << 20),
         "--tmpfs",
         "/tmp",
         "--size",
-        str(config.tmp_mb << 20),
+        str(tmp_mb << 20),
         "--tmpfs",
         "/var/tmp",
+    ]
+
+
+def _env_args() -> list[str]:
+    """The environment of every command: none of the host's, the sandbox's fixed PATH and a user `agent`."""
+    return [
         "--clearenv",
         "--setenv",
         "PATH",
@@ -281,9 +311,6 @@ def host_args(
         "GIT_PAGER",
         "cat",
     ]
-    for path in map(os.path.abspath, config.ro_binds):  # after the private /tmp and /var/tmp: binds go on top
-        args += ["--ro-bind", (ro_sources or {}).get(path, path), path]
-    return args
 
 
 HOST_USERLAND = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")

@@ -245,12 +245,7 @@ def _run_step(
     mounted: list[str] = []
     try:
         environments.merge_layers(below, lower)
-        shell = next((sh for sh in ("/bin/sh", "/bin/bash") if environments.resolve_inside(lower, sh)), None)
-        if shell is None:
-            raise ImageError(
-                f"the build step `{step.what}` has no shell to run in: the layers below it have "
-                "neither /bin/sh nor /bin/bash"
-            )
+        shell = _step_shell(lower, step)
         namespace.idmapped_view(lower, view)
         mounted.append(view)
         root = os.stat(lower)
@@ -263,36 +258,7 @@ def _run_step(
             MS_NOSUID | MS_NODEV,
         )
         mounted.append(merged)
-        args = namespace.enter() + [
-            "bwrap",
-            "--bind",
-            merged,
-            "/",
-            "--dev",
-            "/dev",
-            "--proc",
-            "/proc",
-            "--perms",
-            "1777",
-            "--tmpfs",
-            "/tmp",
-            "--unshare-pid",
-            "--unshare-ipc",
-            "--unshare-uts",
-            "--unshare-cgroup-try",
-            "--die-with-parent",
-            "--new-session",
-            "--clearenv",
-            "--setenv",
-            "PATH",
-            STEP_PATH,
-            "--setenv",
-            "HOME",
-            "/root",
-            "--setenv",
-            "LANG",
-            "C.UTF-8",
-        ]
+        args = namespace.enter() + _step_bwrap_args(merged)
         if not step.network:
             args.append("--unshare-net")
         elif os.path.exists("/etc/resolv.conf"):
@@ -303,35 +269,89 @@ def _run_step(
             mounted.append(wheels)
             mount("", wheels, "", "", MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
             args += ["--ro-bind", wheels, "/codefleet-wheels"]
-        with open(log_path, "w") as out:
-            done = subprocess.run(
-                args + [shell, "-c", step.command],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                pass_fds=(namespace.fd,),
-            )
-        if done.returncode != 0:
-            with open(log_path, errors="replace") as f:
-                tail = " | ".join(f.read().strip().splitlines()[-3:])[-400:]
-            raise ImageError(
-                f"the build step `{step.what}` failed (exit {done.returncode}): {tail} (log: "
-                f"{log_path}); nothing of it was kept"
-            )
+        _run_logged(args + [shell, "-c", step.command], step, log_path, namespace.fd)
         while mounted:
             umount(mounted.pop())
-        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.join(store, "layers"))
-        try:
-            _as_oci_layer(upper, tmp, namespace.stored_ids)
-            _seal(tmp)
-            os.rename(tmp, layer)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        _store_layer(upper, store, layer, namespace.stored_ids)
     finally:
         while mounted:
             umount(mounted.pop())
         environments.remove_store_tree(work)
+
+
+def _step_shell(lower: str, step: Step) -> str:
+    """The shell that runs `step`: the layers' own /bin/sh, else their /bin/bash; ImageError if neither."""
+    shell = next((sh for sh in ("/bin/sh", "/bin/bash") if environments.resolve_inside(lower, sh)), None)
+    if shell is None:
+        raise ImageError(
+            f"the build step `{step.what}` has no shell to run in: the layers below it have "
+            "neither /bin/sh nor /bin/bash"
+        )
+    return shell
+
+
+def _step_bwrap_args(merged: str) -> list[str]:
+    """bwrap and its options for a step whose root is `merged`, but for the network: its own /dev, /proc and
+    /tmp, PID, IPC, UTS and cgroup namespaces (its user namespace is the steps', which nsenter enters), and an
+    environment of its own."""
+    return [
+        "bwrap",
+        "--bind",
+        merged,
+        "/",
+        "--dev",
+        "/dev",
+        "--proc",
+        "/proc",
+        "--perms",
+        "1777",
+        "--tmpfs",
+        "/tmp",
+        "--unshare-pid",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--die-with-parent",
+        "--new-session",
+        "--clearenv",
+        "--setenv",
+        "PATH",
+        STEP_PATH,
+        "--setenv",
+        "HOME",
+        "/root",
+        "--setenv",
+        "LANG",
+        "C.UTF-8",
+    ]
+
+
+def _run_logged(argv: list[str], step: Step, log_path: str, namespace_fd: int) -> None:
+    """Run `step` (`argv`, which enters the namespace `namespace_fd`), its output to `log_path`; ImageError with
+    the log's last lines if it fails."""
+    with open(log_path, "w") as out:
+        done = subprocess.run(
+            argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, pass_fds=(namespace_fd,)
+        )
+    if done.returncode != 0:
+        with open(log_path, errors="replace") as f:
+            tail = " | ".join(f.read().strip().splitlines()[-3:])[-400:]
+        raise ImageError(
+            f"the build step `{step.what}` failed (exit {done.returncode}): {tail} (log: "
+            f"{log_path}); nothing of it was kept"
+        )
+
+
+def _store_layer(upper: str, store: str, layer: str, stored_ids) -> None:
+    """What a step wrote (the overlay's `upper`) as the sealed layer directory `layer`: whole, or nothing."""
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.join(store, "layers"))
+    try:
+        _as_oci_layer(upper, tmp, stored_ids)
+        _seal(tmp)
+        os.rename(tmp, layer)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _as_oci_layer(upper: str, out: str, stored_ids) -> None:

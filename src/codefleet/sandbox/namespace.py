@@ -46,11 +46,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import select
 import signal
 import subprocess
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 from codefleet.sandbox import procs, seccomp
@@ -66,6 +64,7 @@ from codefleet.sandbox.bwrap import (
     owner_files,
     unavailable_reason,
 )
+from codefleet.sandbox.bwrap_proc import bwrap_output, read_info, wait_or_kill
 from codefleet.sandbox.cgroups import Cgroup
 from codefleet.sandbox.environments import rootfs_of
 from codefleet.sandbox.identity import Identity, host_identity
@@ -110,21 +109,10 @@ class NamespaceSandbox(ShellSandbox):
         if reason:
             raise SandboxUnavailableError(reason)
         if _lowers is None and repo is not None:  # checked before the owner tracks a half-made sandbox
-            if not isinstance(repo, (str, os.PathLike)):
-                raise TypeError(
-                    f"the repository must be a directory path, not {type(repo).__name__}; "
-                    "call create_sandbox(repo, config)"
-                )
-            if not os.path.isdir(repo):
-                raise FileNotFoundError(f"repository directory {repo!r} does not exist")
+            _check_repo(repo)
         self.ident: Identity = host_identity()
         check_env_names(config.env)
-        missing = [path for path in config.ro_binds if not os.path.exists(path)]
-        if missing:
-            raise FileNotFoundError(
-                f"SandboxConfig.ro_binds names {missing[0]!r}, which does not exist on this host; "
-                "create it or remove it from ro_binds"
-            )
+        _check_ro_binds(config.ro_binds)
         self.owner = owner_for(config.state_dir, self.ident.gid if self.ident.switches else None)
         files = owner_files(self.owner, self.ident)
         self.owner.track(self)
@@ -232,7 +220,7 @@ class NamespaceSandbox(ShellSandbox):
                 raise self._start_failure(proc) from None
             finally:
                 os.close(gate_w)  # the gate opens: bwrap reads its options and makes the sandbox in its cgroup
-            info = _read_info(info_r)
+            info = read_info(info_r)
             if info is None:
                 raise self._start_failure(proc)
         except BaseException:
@@ -249,8 +237,8 @@ class NamespaceSandbox(ShellSandbox):
         """The error for a bwrap that exited while setting the sandbox up, in bwrap's words.
         A one-off's output holds them; a shell's stderr is discarded, so the set-up is
         tried once more with `true` to hear them."""
-        _wait_or_kill(proc)
-        said = _bwrap_output(proc)
+        wait_or_kill(proc)
+        said = bwrap_output(proc)
         if not said:
             options = options_fd(self._options)
             try:
@@ -360,12 +348,12 @@ class NamespaceSandbox(ShellSandbox):
         for pid in procs.children(proc.pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        _wait_or_kill(proc)
+        wait_or_kill(proc)
 
     def _kill_processes(self) -> None:
         if len(self._pids) == 2 and self._proc is not None:
             procs.kill_if_same(*self._pids[1])
-            _wait_or_kill(self._proc)
+            wait_or_kill(self._proc)
         for pid, started in self._pids:
             procs.kill_if_same(pid, started)
         if self.cgroup is not None:
@@ -459,42 +447,24 @@ class NamespaceSandbox(ShellSandbox):
         return SandboxInfo(self.id, self.backend, WORKSPACE, self.workspace.strategy, limits, isolated=True)
 
 
-def _wait_or_kill(proc: subprocess.Popen, timeout_s: float = 2.0) -> None:
-    """Reap the outer bwrap once its init is dead; kill it if it does not exit."""
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+def _check_repo(repo: object) -> None:
+    """Refuse a repository that is not a directory path, in one sentence."""
+    if not isinstance(repo, (str, os.PathLike)):
+        raise TypeError(
+            f"the repository must be a directory path, not {type(repo).__name__}; call create_sandbox(repo, config)"
+        )
+    if not os.path.isdir(repo):
+        raise FileNotFoundError(f"repository directory {repo!r} does not exist")
 
 
-def _read_info(fd: int, timeout_s: float = 10.0) -> dict | None:
-    """bwrap's --info-fd report; None if bwrap exited without one."""
-    data = b""
-    deadline = time.monotonic() + timeout_s
-    ready = select.poll()  # not select(): with ~500 sandboxes open, their descriptors pass select's limit of 1024
-    ready.register(fd, select.POLLIN)
-    while not data.rstrip().endswith(b"}"):
-        left = deadline - time.monotonic()
-        if left <= 0 or not ready.poll(left * 1000):
-            raise SandboxUnavailableError(f"bwrap did not start within {timeout_s:g} s")
-        chunk = os.read(fd, 4096)
-        if not chunk:
-            return None
-        data += chunk
-    return json.loads(data)
-
-
-def _bwrap_output(proc: subprocess.Popen) -> str:
-    """What an exited bwrap left on its stdout (a one-off's stderr is merged into it)."""
-    if proc.stdout is None:
-        return ""
-    os.set_blocking(proc.stdout.fileno(), False)
-    try:
-        data = proc.stdout.read() or b""
-    except BlockingIOError:
-        data = b""
-    return data.decode(errors="replace").strip()
+def _check_ro_binds(ro_binds: list[str]) -> None:
+    """Refuse an `ro_binds` path that does not exist on this host, naming the first."""
+    missing = [path for path in ro_binds if not os.path.exists(path)]
+    if missing:
+        raise FileNotFoundError(
+            f"SandboxConfig.ro_binds names {missing[0]!r}, which does not exist on this host; "
+            "create it or remove it from ro_binds"
+        )
 
 
 def _empty_dir(owner: Owner) -> str:

@@ -1,7 +1,7 @@
 """The `vm` backend: each sandbox is a QEMU microVM with its own kernel, restored from a snapshot.
 
-Layout of one VM (vm_image.py builds the pieces): QEMU's `microvm` machine, no network device, the
-guest kernel booted directly (PVH), the environment as a read-only erofs disk (`/dev/vda`) under a
+Layout of one VM (vm_image.py and vm_disks.py build the pieces): QEMU's `microvm` machine, no network
+device, the guest kernel booted directly (PVH), the environment as a read-only erofs disk (`/dev/vda`) under a
 tmpfs overlay, the repository as an ext4 disk of `workspace_mb` (`/dev/vdb`, mounted at /workspace)
 and one virtio-serial port to the guest agent (vm_agent.py), which runs the shell and the file API.
 Memory is `memory_mb`, vCPUs `ceil(cpu_cores)`; the guest kernel enforces the rest (ulimits).
@@ -39,7 +39,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from codefleet.sandbox import vm_image
+from codefleet.sandbox import vm_disks, vm_image
 from codefleet.sandbox.base import (
     SandboxClosedError,
     SandboxConfig,
@@ -245,8 +245,8 @@ class VMSandbox:
             from codefleet.sandbox.environments import rootfs_of
 
             rootfs = rootfs_of(c.environment)
-        env_disk = vm_image.environment_disk(rootfs)
-        vm_image.workspace_disk(self.disk, repo, c.workspace_mb)
+        env_disk = vm_disks.environment_disk(rootfs)
+        vm_disks.workspace_disk(self.disk, repo, c.workspace_mb)
         template = Template(env_disk, c.memory_mb, self.vcpus, c.workspace_mb).ensure(self._boot_timeout())
         template.used()
         fd = os.open(template.state, os.O_RDONLY | os.O_CLOEXEC)

@@ -48,7 +48,7 @@ SHELL_PATH = "/run/codefleet/shell"
 
 
 # Who commands run as: the uid and name of a namespace sandbox's commands (bwrap.SANDBOX_UID). Fixed: an
-# image's passwd may map any name to 0. The guest's passwd and group say so (vm_image's host disk has the same).
+# image's passwd may map any name to 0. The guest's passwd and group say so (vm_disks' host disk has the same).
 GUEST_UID = GUEST_GID = 1000
 GUEST_USER = "agent"
 PASSWD = (

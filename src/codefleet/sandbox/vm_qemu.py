@@ -157,62 +157,15 @@ class Qemu:
         self.qmp_path = os.path.join(workdir, "qmp.sock")
         self.port_path = os.path.join(workdir, "agent.sock")
         self.accel = accel()
-        if self.accel == "tcg":  # emulated timers: the kernel needs the PIT to boot without kvmclock
-            machine, cpu = "microvm,acpi=on,pit=on,pic=on,rtc=on", ["-accel", "tcg,thread=multi", "-cpu", "max"]
-        else:
-            machine, cpu = "microvm,acpi=on,pit=off,pic=off,rtc=off", ["-accel", "kvm", "-cpu", "host"]
-        kernel = vm_image.guest_kernel()
-        args = [
-            qemu_binary(),
-            "-M",
-            machine,
-            *cpu,
-            "-smp",
-            str(vcpus),
-            "-m",
-            f"{memory_mb}M",
-            "-object",
-            memory,
-            "-machine",
-            "memory-backend=mem",
-            "-nodefaults",
-            "-no-user-config",
-            "-nographic",
-            "-no-reboot",
-            "-nic",
-            "none",
-            "-kernel",
-            kernel,
-            "-initrd",
-            vm_image.initramfs(),
-            "-append",
-            "console=ttyS0 quiet panic=-1 reboot=t random.trust_cpu=on" + _timer_args(self.accel),
-            "-serial",
-            f"file:{console}" if console else "null",
-            "-drive",
-            "id=env,file=/dev/fdset/1,format=raw,if=none,readonly=on,file.locking=off",
-            "-device",
-            "virtio-blk-device,drive=env",
-            "-drive",
-            "id=ws,file=/dev/fdset/2,format=raw,if=none,discard=unmap,file.locking=off",
-            "-device",
-            "virtio-blk-device,drive=ws",
-            "-device",
-            "virtio-serial-device",
-            "-chardev",
-            f"socket,id=agent,path={self.port_path},server=on,wait=off",
-            "-device",
-            "virtserialport,chardev=agent,name=codefleet.0",
-            "-qmp",
-            f"unix:{self.qmp_path},server=on,wait=off",
-        ]
-        # QEMU's own seccomp filter; as root it then becomes the sandbox user (-runas), a change of uid that
-        # elevateprivileges=deny would forbid, and after which it holds no privilege to elevate to.
-        confine = "on,obsolete=deny,spawn=deny,resourcecontrol=deny"
-        if os.geteuid() == 0:  # VMSandbox refuses to start as root without this user
-            args += ["-sandbox", confine, "-runas", SANDBOX_USER]
-        else:
-            args += ["-sandbox", confine + ",elevateprivileges=deny"]
+        args = _qemu_command(
+            self.accel,
+            memory_mb=memory_mb,
+            vcpus=vcpus,
+            memory=memory,
+            console=console,
+            port_path=self.port_path,
+            qmp_path=self.qmp_path,
+        )
         # Disks go in as descriptors (fd sets), never by path: QEMU, no longer root, could not reopen a path in
         # the owner's directory, which it must when a snapshot hands the disks over (read-only, then back).
         disks = [
@@ -337,6 +290,71 @@ class Qemu:
         self.proc.stderr.close()
         if self._qmp is not None:
             self._qmp.close()
+
+
+def _qemu_command(
+    accel_name: str, *, memory_mb: int, vcpus: int, memory: str, console: str | None, port_path: str, qmp_path: str
+) -> list[str]:
+    """QEMU's command line but for its disks' descriptors and an incoming snapshot: a `microvm` on `accel_name`
+    with the guest kernel and initramfs, no network device, the agent's port at `port_path`, QMP at `qmp_path`,
+    and QEMU's own seccomp filter (and, as root, the sandbox user)."""
+    if accel_name == "tcg":  # emulated timers: the kernel needs the PIT to boot without kvmclock
+        machine, cpu = "microvm,acpi=on,pit=on,pic=on,rtc=on", ["-accel", "tcg,thread=multi", "-cpu", "max"]
+    else:
+        machine, cpu = "microvm,acpi=on,pit=off,pic=off,rtc=off", ["-accel", "kvm", "-cpu", "host"]
+    kernel = vm_image.guest_kernel()
+    args = [
+        qemu_binary(),
+        "-M",
+        machine,
+        *cpu,
+        "-smp",
+        str(vcpus),
+        "-m",
+        f"{memory_mb}M",
+        "-object",
+        memory,
+        "-machine",
+        "memory-backend=mem",
+        "-nodefaults",
+        "-no-user-config",
+        "-nographic",
+        "-no-reboot",
+        "-nic",
+        "none",
+        "-kernel",
+        kernel,
+        "-initrd",
+        vm_image.initramfs(),
+        "-append",
+        "console=ttyS0 quiet panic=-1 reboot=t random.trust_cpu=on" + _timer_args(accel_name),
+        "-serial",
+        f"file:{console}" if console else "null",
+        "-drive",
+        "id=env,file=/dev/fdset/1,format=raw,if=none,readonly=on,file.locking=off",
+        "-device",
+        "virtio-blk-device,drive=env",
+        "-drive",
+        "id=ws,file=/dev/fdset/2,format=raw,if=none,discard=unmap,file.locking=off",
+        "-device",
+        "virtio-blk-device,drive=ws",
+        "-device",
+        "virtio-serial-device",
+        "-chardev",
+        f"socket,id=agent,path={port_path},server=on,wait=off",
+        "-device",
+        "virtserialport,chardev=agent,name=codefleet.0",
+        "-qmp",
+        f"unix:{qmp_path},server=on,wait=off",
+    ]
+    # QEMU's own seccomp filter; as root it then becomes the sandbox user (-runas), a change of uid that
+    # elevateprivileges=deny would forbid, and after which it holds no privilege to elevate to.
+    confine = "on,obsolete=deny,spawn=deny,resourcecontrol=deny"
+    if os.geteuid() == 0:  # VMSandbox refuses to start as root without this user
+        args += ["-sandbox", confine, "-runas", SANDBOX_USER]
+    else:
+        args += ["-sandbox", confine + ",elevateprivileges=deny"]
+    return args
 
 
 def _timer_args(accel_name: str) -> str:
