@@ -11,7 +11,7 @@ from codefleet.recipe.config import TrainRunConfig
 from codefleet.recipe.config_doc import field_comments, field_rows, render, undocumented
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
-REGENERATE = "python -m codefleet.recipe.config_doc > docs/configuration.md"
+REGENERATE = ".venv/bin/python -m codefleet.recipe.config_doc > docs/configuration.md"
 
 
 def test_every_field_has_a_comment():

@@ -68,7 +68,7 @@ class ModelSection:
     # copying names from the context: previous-token embeddings and the pointer-generator head
     # (docs/models/codefleet-moe.md)
     copy: CopyConfig = field(default_factory=CopyConfig)
-    # "auto": the engine samples only tool calls that parse and fit the tools' schemas (model.grammar), in RL's
+    # "auto": the engine samples only tool calls that parse and fit the tools' schemas (inference.grammar), in RL's
     # rollouts and the evaluations; "required": and every turn calls a tool; "off": the tokens as drawn
     tool_grammar: str = "off"
 

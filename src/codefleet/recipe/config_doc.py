@@ -6,7 +6,7 @@ are those of `TrainRunConfig()`, which are each component's own (a recipe's valu
 printed at the end). Each top-level section gets a table; a dataclass nested in it (`rl.loss`) gets a table
 of its own below, headed by its field's comment.
 
-    python -m codefleet.recipe.config_doc > docs/configuration.md
+    .venv/bin/python -m codefleet.recipe.config_doc > docs/configuration.md
 
 tests/test_config_docs.py fails when a field has no comment (`undocumented()`) or the file is stale.
 """
@@ -40,7 +40,7 @@ component it configures); a recipe file (the field `recipe`, default `demo`, sho
 and the overrides are layered over them, each over the one before.
 
 This file is generated from the dataclasses and the comments on their fields; do not edit it by hand. After
-changing a field or its comment, run `python -m codefleet.recipe.config_doc > docs/configuration.md`.
+changing a field or its comment, run `.venv/bin/python -m codefleet.recipe.config_doc > docs/configuration.md`.
 """
 
 Row = tuple[str, str, str, str]  # dotted name, type, default, meaning
