@@ -30,6 +30,12 @@ from codefleet.types import Budgets
 
 
 def register(subparsers) -> None:
+    """Add `codefleet train` and `codefleet eval` to the command's subparsers (codefleet.cli.COMMANDS)."""
+    _add_train_parser(subparsers)
+    _add_eval_parser(subparsers)
+
+
+def _add_train_parser(subparsers) -> None:
     train = subparsers.add_parser(
         "train",
         help="tasks -> expert demos -> SFT -> asynchronous RL on Ray -> held-out evaluation",
@@ -54,6 +60,8 @@ def register(subparsers) -> None:
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     train.set_defaults(func=_train)
 
+
+def _add_eval_parser(subparsers) -> None:
     ev = subparsers.add_parser(
         "eval",
         help="evaluate a checkpoint or an OpenAI-compatible model on a task directory",
