@@ -18,10 +18,11 @@ from codefleet.config import ConfigError
 from codefleet.fleet.controller_api import ControllerError
 from codefleet.model import checkpoint
 from codefleet.recipe.config import load_train_config
+from codefleet.recipe.config_check import resumed_config
 from codefleet.recipe.eval_config import EvalConfig
 from codefleet.recipe.evaluate import comparison_line, evaluate, evaluate_endpoint, report_json
 from codefleet.recipe.run_dir import RunDir
-from codefleet.recipe.train import RunError, results_table, resumed_config, train
+from codefleet.recipe.train import RunError, results_table, train
 from codefleet.store import storage
 from codefleet.store.parquet import RolloutWriter, rollout_record
 from codefleet.store.safe_files import LinkRefused
