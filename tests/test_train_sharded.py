@@ -19,7 +19,7 @@ import torch
 from test_rl_trainer import _cfg, _examples, _model, _samples
 
 from codefleet.fleet import TrainerGroup
-from codefleet.fleet.trainer_group import SHARDED_STATE
+from codefleet.fleet.trainer_worker import SHARDED_STATE
 from codefleet.fleet.weight_sync import BucketReceiver
 from codefleet.model import checkpoint
 from codefleet.rl.trainer import TrainConfig, Trainer

@@ -39,7 +39,7 @@ _EXPORTS = {
     "AgentGroupRunner": "codefleet.fleet.rollouts",
     "RolloutWorker": "codefleet.fleet.rollouts",
     "TrainerGroup": "codefleet.fleet.trainer_group",
-    "TrainerWorker": "codefleet.fleet.trainer_group",
+    "TrainerWorker": "codefleet.fleet.trainer_worker",
     "TrainerWorkerError": "codefleet.fleet.trainer_group",
 }
 
