@@ -20,8 +20,8 @@ from codefleet.inference.sampling import SamplingParams
 from codefleet.model import checkpoint
 from codefleet.model.transformer import Transformer
 from codefleet.recipe.config import TrainRunConfig
+from codefleet.recipe.config_check import check_config
 from codefleet.recipe.run_dir import RunError
-from codefleet.recipe.train import check_config
 from codefleet.rl.trainer import TrainConfig
 
 VOCAB = default_tokenizer().vocab_size

@@ -12,8 +12,8 @@ from codefleet.fleet.gpus import actor_options
 from codefleet.fleet.inference import start_engines
 from codefleet.fleet.trainer_group import TrainerGroup
 from codefleet.recipe.config import ClusterSection, load_train_config
+from codefleet.recipe.config_check import check_config
 from codefleet.recipe.run_dir import RunError
-from codefleet.recipe.train import check_config
 from codefleet.recipe.train_rl import check_run_gpus
 from codefleet.rl.logprobs import forward_logprobs
 from codefleet.rl.trainer import TrainConfig, Trainer

@@ -22,7 +22,7 @@ from codefleet.bench.tiny_hf import write_tokenizer
 from codefleet.chat import tokenizer as tokenizer_module
 from codefleet.chat.tokenizer import HFTokenizer, default_tokenizer, is_hf_dir
 from codefleet.cli import main
-from codefleet.fleet import trainer_group
+from codefleet.fleet import trainer_worker
 from codefleet.model import checkpoint, hf, safetensors_io
 from codefleet.model.config import ModelConfig
 from codefleet.model.copying import CopyConfig
@@ -309,12 +309,12 @@ def test_a_sharded_saves_temporary_directory_is_made_afresh_never_through_a_plan
     tmp = checkpoints / f"rl-step-000001.tmp-{os.getpid()}"
     os.symlink(canary, tmp)  # the name is predictable: the worker's save would have written its shards into it
     before = read_tree(str(canary))
-    trainer_group.fresh_dir(str(tmp))
+    trainer_worker.fresh_dir(str(tmp))
     assert os.path.isdir(tmp) and not os.path.islink(tmp) and os.listdir(tmp) == []
     os.symlink(canary / "sub", tmp / "sharded.tmp")  # and a stale tree inside is removed, not descended
     (tmp / "old").mkdir()
     os.symlink(canary / "passwd", tmp / "old" / "file")
-    trainer_group.fresh_dir(str(tmp))
+    trainer_worker.fresh_dir(str(tmp))
     assert os.listdir(tmp) == [] and read_tree(str(canary)) == before
 
 

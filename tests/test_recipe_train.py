@@ -256,7 +256,8 @@ def test_train_refuses_an_existing_run_and_a_missing_one(tmp_path):
 def test_a_resumed_run_takes_changes_to_where_it_runs_how_long_rl_goes_and_its_evaluation_only(tmp_path):
     from codefleet.config import to_dict
     from codefleet.recipe.config import TrainRunConfig
-    from codefleet.recipe.train import RunError, resumed_config
+    from codefleet.recipe.config_check import resumed_config
+    from codefleet.recipe.train import RunError
 
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(to_dict(TrainRunConfig(name="saved"))))
     with pytest.raises(RunError, match="written by another codefleet version .no readable run.json.*start a new run"):
@@ -280,8 +281,9 @@ def test_a_resumed_run_takes_changes_to_where_it_runs_how_long_rl_goes_and_its_e
 def test_fresh_rl_tasks_are_new_instances_of_the_demonstrated_templates(tmp_path):
     from codefleet.config import from_dict
     from codefleet.recipe.config import TrainRunConfig
+    from codefleet.recipe.config_check import check_config
     from codefleet.recipe.run_dir import RunDir
-    from codefleet.recipe.train import RunError, check_config, make_tasks
+    from codefleet.recipe.train import RunError, make_tasks
     from codefleet.tasks.families import MORE_TEMPLATES, templates
 
     config = from_dict(TrainRunConfig, {"tasks": {"n_train": 10, "n_eval": 2, "rl_tasks": "fresh"}})
@@ -322,8 +324,9 @@ def test_a_checkpoint_says_how_it_is_prompted_wherever_it_is_copied(tmp_path):
 def test_a_run_trains_and_evaluates_on_task_directories_of_your_own(tmp_path):
     from codefleet.config import from_dict
     from codefleet.recipe.config import TrainRunConfig
+    from codefleet.recipe.config_check import check_config
     from codefleet.recipe.run_dir import RunDir
-    from codefleet.recipe.train import RunError, check_config, make_tasks
+    from codefleet.recipe.train import RunError, make_tasks
     from codefleet.tasks.generate import generate_tasks
 
     mine = generate_tasks(str(tmp_path / "mine"), n=3, seed=7, families=["bugfix", "rename"], split="train")
@@ -354,7 +357,7 @@ def test_a_run_trains_and_evaluates_on_task_directories_of_your_own(tmp_path):
     ),
 )
 def test_the_shipped_configs_and_recipes_load_and_pass_the_checks(path):
-    from codefleet.recipe.train import check_config
+    from codefleet.recipe.config_check import check_config
 
     check_config(load_train_config(path))
 

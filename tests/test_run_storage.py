@@ -274,7 +274,7 @@ def test_a_url_run_is_resumed_from_its_url_alone(url_run, tmp_path):
 
     from codefleet.config import to_dict
     from codefleet.recipe.config import TrainRunConfig
-    from codefleet.recipe.train import resumed_config
+    from codefleet.recipe.config_check import resumed_config
 
     with pytest.raises(RunError, match="nothing to resume"):
         resumed_config(url_run.url)
@@ -389,8 +389,9 @@ SMALL = [
 @pytest.mark.timeout(1500)
 def test_train_into_a_file_url_and_resume_it_with_nothing_local(ray_session, tmp_path, monkeypatch):
     from codefleet.recipe.config import load_train_config
+    from codefleet.recipe.config_check import resumed_config
     from codefleet.recipe.run_dir import staging_dir
-    from codefleet.recipe.train import resumed_config, train
+    from codefleet.recipe.train import train
 
     workdir = tmp_path / "cwd"
     workdir.mkdir()

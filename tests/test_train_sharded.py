@@ -19,7 +19,7 @@ import torch
 from test_rl_trainer import _cfg, _examples, _model, _samples
 
 from codefleet.fleet import TrainerGroup
-from codefleet.fleet.trainer_group import SHARDED_STATE
+from codefleet.fleet.trainer_worker import SHARDED_STATE
 from codefleet.fleet.weight_sync import BucketReceiver
 from codefleet.model import checkpoint
 from codefleet.rl.trainer import TrainConfig, Trainer
@@ -86,7 +86,8 @@ def test_a_sharded_group_steps_publishes_saves_and_resumes_like_the_dp_trainer(r
 def test_the_run_config_names_a_trainer_backend_and_a_weight_sync_that_exist():
     from codefleet.config import from_dict
     from codefleet.recipe.config import TrainRunConfig
-    from codefleet.recipe.train import RunError, check_config
+    from codefleet.recipe.config_check import check_config
+    from codefleet.recipe.train import RunError
 
     def config(**cluster):
         return from_dict(TrainRunConfig, {"cluster": cluster, "rl": {"loss": {"kl_coef": 0.0}}})

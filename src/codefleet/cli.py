@@ -160,7 +160,19 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="codefleet", description="Train fast coding agents with RL.")
     sub = parser.add_subparsers(dest="group", required=True)
+    _add_sandbox_parser(sub)
+    _add_bench_parser(sub)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    if chosen in COMMANDS:
+        importlib.import_module(COMMANDS[chosen][0]).register(sub)
+    for name, (_, help_line) in COMMANDS.items():
+        if name not in sub.choices:
+            sub.add_parser(name, help=help_line)
+    return parser
 
+
+def _add_sandbox_parser(sub) -> None:
+    """`codefleet sandbox run` and `codefleet sandbox vm-setup`, which need no heavy import to parse."""
     sandbox = sub.add_parser(
         "sandbox",
         help="isolated copy-on-write sandboxes",
@@ -199,6 +211,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     vm_setup.add_argument("--no-snapshot", action="store_true", help="build the files only; boot nothing")
     vm_setup.set_defaults(func=_sandbox_vm_setup)
 
+
+def _add_bench_parser(sub) -> None:
+    """`codefleet bench WHAT`: one parser for every benchmark in _BENCHES, with the flags some of them take."""
     bench = sub.add_parser(
         "bench",
         help="benchmarks (a table, then one JSON object)",
@@ -235,14 +250,6 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         help="bench gpucheck only: the GPU (scripts/gpu_check.sh), or its code path on CPU",
     )
     bench.set_defaults(func=_bench)
-
-    chosen = next((a for a in argv if not a.startswith("-")), None)
-    if chosen in COMMANDS:
-        importlib.import_module(COMMANDS[chosen][0]).register(sub)
-    for name, (_, help_line) in COMMANDS.items():
-        if name not in sub.choices:
-            sub.add_parser(name, help=help_line)
-    return parser
 
 
 class Terminated(SystemExit):

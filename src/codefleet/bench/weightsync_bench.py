@@ -47,7 +47,7 @@ from codefleet.bench.report import Log, report
 from codefleet.chat.tokenizer import default_tokenizer
 from codefleet.fleet.inference import broadcast_weights, start_engines
 from codefleet.fleet.ray_init import init_ray
-from codefleet.fleet.trainer_group import _SharedWeights
+from codefleet.fleet.trainer_worker import _SharedWeights
 from codefleet.fleet.weight_sync import (
     BucketSender,
     GroupSender,
@@ -288,7 +288,7 @@ def run(cfg: BenchConfig, log: Log = print) -> dict:
 
 def table(r: dict) -> str:
     lines = [f"{'MB':>6} {'backend':<9} {'sync s':>8} {'GB/s':>7} {'pause p50 ms':>13} {'pause max ms':>13}"]
-    for mb, s in r["per_size"].items():
+    for s in r["per_size"].values():
         for b, m in s["backends"].items():
             lines.append(
                 f"{s['model_mb']:>6.0f} {b:<9} {m['sync_s']:>8.3f} {m['gb_per_s']:>7.2f} "

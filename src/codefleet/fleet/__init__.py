@@ -3,11 +3,13 @@
     sandbox_fleet, sandbox_host  one `SandboxHost` actor per node, `SandboxFleet` to reach them
     controller, controller_api   the asynchronous RL controller (groups of attempts streamed under a staleness
                                  bound while the trainer steps), its config and the reports it gives back
+    controller_attempts          what the controller keeps of attempts in flight, and how it cancels one
     staleness                    the controller's pure core: admission by staleness bound, group assembly, the
                                  rollout buffer
     inference                    engine actors (codefleet or vLLM) and the client the agent loop uses
     rollouts                     rollout workers running the agent harness
     trainer_group                the trainer workers (data-parallel, FSDP2, expert-parallel) as one group
+    trainer_worker               one worker: its trainer, its checkpoints and the weights it hands out
     weight_sync                  weights from trainer to engines, in buckets
     placement, gpus, ray_init    placement groups, GPUs, starting or joining Ray
 
@@ -39,7 +41,7 @@ _EXPORTS = {
     "AgentGroupRunner": "codefleet.fleet.rollouts",
     "RolloutWorker": "codefleet.fleet.rollouts",
     "TrainerGroup": "codefleet.fleet.trainer_group",
-    "TrainerWorker": "codefleet.fleet.trainer_group",
+    "TrainerWorker": "codefleet.fleet.trainer_worker",
     "TrainerWorkerError": "codefleet.fleet.trainer_group",
 }
 

@@ -62,12 +62,8 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
-
-import ray
 
 from codefleet.fleet.controller_api import (  # noqa: F401 - the contract, re-exported
     AttemptResult,
@@ -78,41 +74,13 @@ from codefleet.fleet.controller_api import (  # noqa: F401 - the contract, re-ex
     StepReport,
     TrainerClient,
 )
-from codefleet.fleet.staleness import AdmissionController, Group, GroupAssembler, RolloutBuffer, Ticket, _percentile
+from codefleet.fleet.controller_attempts import Attempt, GroupState, cancel, describe_failure
+from codefleet.fleet.staleness import AdmissionController, Group, GroupAssembler, RolloutBuffer, _percentile
 
 log = logging.getLogger(__name__)
 
 _WAKE = ("wake",)
 _POLL_S = 0.05  # how often the waiting trainer thread re-checks stop / no-more-work
-
-
-@dataclass
-class _Attempt:
-    token: int  # unique per start, across runs
-    group_id: int
-    attempt: int
-    ref: ray.ObjectRef
-    deadline_s: float  # time.monotonic() past which it is cancelled
-
-
-@dataclass
-class _GroupState:
-    ticket: Ticket
-    item: Any
-    held_slots: int  # slots this group holds (attempts started or about to start)
-    running: dict[int, int] = field(default_factory=dict)  # attempt -> token
-    failures: Counter[int] = field(default_factory=Counter)  # attempt -> infrastructure failures
-    rollout_ids: set[str] = field(default_factory=set)
-
-
-def _describe(e: BaseException) -> str:
-    """One line for an attempt's failure: the remote cause's message, not Ray's wrapper header."""
-    cause = getattr(e, "cause", None) if isinstance(e, ray.exceptions.RayTaskError) else None
-    if isinstance(cause, BaseException):
-        text = str(cause).strip()
-        return f"{type(cause).__name__}: {text.splitlines()[0] if text else ''}"
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[-1] if text else ''}"
 
 
 class _Fatal(RuntimeError):
@@ -150,8 +118,8 @@ class Controller:
         self._version = start_version
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._tokens = itertools.count()
-        self._pending: dict[int, _Attempt] = {}  # insertion order = start order = deadline order
-        self._groups: dict[int, _GroupState] = {}  # admitted, not yet complete or withdrawn
+        self._pending: dict[int, Attempt] = {}  # insertion order = start order = deadline order
+        self._groups: dict[int, GroupState] = {}  # admitted, not yet complete or withdrawn
         # (due time, order, group_id, attempt) waiting for their back-off and a slot, a heap: earliest due first
         self._retries: list[tuple[float, int, int, int]] = []
         self._requeued: list[Any] = []  # items of groups interrupted at the end of a run, started first next time
@@ -363,11 +331,11 @@ class Controller:
                 self._exhausted = True
                 adm.withdraw(ticket, running=ticket.group_size)
                 return
-            g = _GroupState(ticket, item, held_slots=ticket.group_size)
+            g = GroupState(ticket, item, held_slots=ticket.group_size)
             self._groups[ticket.group_id] = g
             self._start(g, list(range(ticket.group_size)))
 
-    def _start(self, g: _GroupState, attempts: list[int]) -> None:
+    def _start(self, g: GroupState, attempts: list[int]) -> None:
         try:
             refs = self.runner.start(g.ticket, g.item, attempts)
         except Exception as e:
@@ -383,7 +351,7 @@ class Controller:
         deadline_s = time.monotonic() + self.config.rollout_timeout_s
         for attempt, ref in zip(attempts, refs, strict=True):
             token = next(self._tokens)
-            self._pending[token] = _Attempt(token, g.ticket.group_id, attempt, ref, deadline_s)
+            self._pending[token] = Attempt(token, g.ticket.group_id, attempt, ref, deadline_s)
             g.running[attempt] = token
             ref.future().add_done_callback(functools.partial(self._post_done, token))
 
@@ -399,7 +367,7 @@ class Controller:
         try:
             result = future.result()
         except Exception as e:
-            self._failed(g, att, _describe(e))
+            self._failed(g, att, describe_failure(e))
             return
         if not isinstance(result, AttemptResult):
             raise _Fatal(
@@ -435,7 +403,7 @@ class Controller:
         if complete is not None:
             del self._groups[g.ticket.group_id]
 
-    def _failed(self, g: _GroupState, att: _Attempt, why: str) -> None:
+    def _failed(self, g: GroupState, att: Attempt, why: str) -> None:
         self.admission.release(g.ticket, accepted=False)
         g.held_slots -= 1
         g.failures[att.attempt] += 1
@@ -461,7 +429,7 @@ class Controller:
             backoff_s = min(c.retry_backoff_s * 2 ** (g.failures[att.attempt] - 1), c.retry_backoff_max_s)
             heapq.heappush(self._retries, (time.monotonic() + backoff_s, next(self._tokens), att.group_id, att.attempt))
 
-    def _broken(self, g: _GroupState, att: _Attempt, why: str) -> None:
+    def _broken(self, g: GroupState, att: Attempt, why: str) -> None:
         self._broken_groups += 1  # not an infrastructure failure: the withdrawal returns this attempt's slot too
         self._last_task_error = f"group {att.group_id}: {why}"
         log.warning("dropping group %d: its item cannot be attempted: %s", att.group_id, why)
@@ -478,10 +446,10 @@ class Controller:
                 f"attempted, with no attempt succeeding between (last: {why}); check the work items"
             )
 
-    def _withdraw(self, g: _GroupState, abandoned: bool) -> None:
+    def _withdraw(self, g: GroupState, abandoned: bool) -> None:
         for token in g.running.values():
             att = self._pending.pop(token)
-            _cancel(att.ref)
+            cancel(att.ref)
         g.running.clear()
         self.admission.withdraw(g.ticket, running=g.held_slots, abandoned=abandoned)
         self.assembler.discard(g.ticket.group_id)
@@ -494,7 +462,7 @@ class Controller:
             if att.deadline_s > now:
                 return
             del self._pending[att.token]
-            _cancel(att.ref)
+            cancel(att.ref)
             g = self._groups[att.group_id]
             del g.running[att.attempt]
             self._failed(g, att, f"timed out after {self.config.rollout_timeout_s} s (cancelled)")
@@ -507,10 +475,3 @@ class Controller:
             self._withdraw(g, abandoned=False)
         self._retries.clear()
         self._drained = False
-
-
-def _cancel(ref: ray.ObjectRef) -> None:
-    try:
-        ray.cancel(ref)
-    except Exception as e:  # already finished, or its worker is gone: nothing left to stop
-        log.debug("ray.cancel: %r", e)

@@ -18,10 +18,11 @@ from codefleet.config import ConfigError
 from codefleet.fleet.controller_api import ControllerError
 from codefleet.model import checkpoint
 from codefleet.recipe.config import load_train_config
+from codefleet.recipe.config_check import resumed_config
 from codefleet.recipe.eval_config import EvalConfig
 from codefleet.recipe.evaluate import comparison_line, evaluate, evaluate_endpoint, report_json
 from codefleet.recipe.run_dir import RunDir
-from codefleet.recipe.train import RunError, results_table, resumed_config, train
+from codefleet.recipe.train import RunError, results_table, train
 from codefleet.store import storage
 from codefleet.store.parquet import RolloutWriter, rollout_record
 from codefleet.store.safe_files import LinkRefused
@@ -30,6 +31,12 @@ from codefleet.types import Budgets
 
 
 def register(subparsers) -> None:
+    """Add `codefleet train` and `codefleet eval` to the command's subparsers (codefleet.cli.COMMANDS)."""
+    _add_train_parser(subparsers)
+    _add_eval_parser(subparsers)
+
+
+def _add_train_parser(subparsers) -> None:
     train = subparsers.add_parser(
         "train",
         help="tasks -> expert demos -> SFT -> asynchronous RL on Ray -> held-out evaluation",
@@ -54,6 +61,8 @@ def register(subparsers) -> None:
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     train.set_defaults(func=_train)
 
+
+def _add_eval_parser(subparsers) -> None:
     ev = subparsers.add_parser(
         "eval",
         help="evaluate a checkpoint or an OpenAI-compatible model on a task directory",

@@ -315,21 +315,11 @@ def start_policy(
     )
 
 
-def reinforce(
-    run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, metrics: Metrics, progress: bool = True
-) -> str:
-    c, ctl, cl = config.rl, config.controller, config.cluster
-    start = _rl_start(sft_ckpt, run.checkpoint("rl-start"))
-    latest = run.latest()
-    serving = latest[0] if latest else start
-    version, buffer_state = resume_state(run, latest, ctl.batch_groups)
-    if version >= c.steps:
-        return serving
-    train_config = TrainConfig(
-        lr=c.lr, loss=c.loss, routing_replay=c.routing_replay, seed=config.model.seed, backend=cl.trainer_backend
-    )
+def reserve_placement(cl: ClusterSection) -> Placement:
+    """The placement groups of the RL stage's engines and trainer workers (`cluster.placement`); RunError when
+    the cluster cannot hold them."""
     try:
-        placement = Placement.reserve(
+        return Placement.reserve(
             cl.engines,
             cl.trainer_workers,
             Role(ENGINE_CPUS, cl.engine_gpus, cl.engine_resources),
@@ -339,8 +329,12 @@ def reinforce(
         )
     except ValueError as e:
         raise RunError(str(e)) from None
-    actors = start_policy(run, config, serving, version, train_config, placement)
-    fleet = SandboxFleet.start()  # held for the run: a host whose last handle goes away is collected
+
+
+def start_rollout_workers(config: TrainRunConfig, serving: str, actors: PolicyActors) -> list:
+    """The rollout workers that run the agent harness against the policy's engines, `controller.rollout_slots`
+    attempts at once over `cluster.rollout_workers` workers."""
+    c, ctl, cl = config.rl, config.controller, config.cluster
     spec = RolloutSpec(
         checkpoint=serving,
         sandbox=config.sandbox,
@@ -350,7 +344,7 @@ def reinforce(
         max_seq_len=config.model.max_seq_len,
         tool_grammar=config.model.tool_grammar,
     )
-    workers = start_workers(
+    return start_workers(
         spec,
         actors.engines,
         cl.rollout_workers,
@@ -358,10 +352,11 @@ def reinforce(
         num_cpus=cl.rollout_cpus,
         resources=cl.rollout_resources,
     )
-    writer = RolloutWriter(run.durable("rollouts"))
 
-    skip = buffer_state["next_group_id"] if buffer_state else 0
-    tasks = task_sampler(run, config, train_tasks, skip)
+
+def group_callbacks(run: RunDir, config: TrainRunConfig, tasks: TaskSampler, writer: RolloutWriter):
+    """The controller's `on_group` (the task sampler learns how the group did; an accepted group is saved for
+    the trainer, every attempt goes to the rollout store) and `on_broken` (the task leaves the stream)."""
 
     def on_group(g: Group, dropped: bool) -> None:
         _observe(tasks, g)
@@ -385,6 +380,31 @@ def reinforce(
         log(f"leaving task {task.id} out of RL: {why}")
         tasks.exclude(task.id)
 
+    return on_group, on_broken
+
+
+def reinforce(
+    run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, metrics: Metrics, progress: bool = True
+) -> str:
+    c, ctl, cl = config.rl, config.controller, config.cluster
+    start = _rl_start(sft_ckpt, run.checkpoint("rl-start"))
+    latest = run.latest()
+    serving = latest[0] if latest else start
+    version, buffer_state = resume_state(run, latest, ctl.batch_groups)
+    if version >= c.steps:
+        return serving
+    train_config = TrainConfig(
+        lr=c.lr, loss=c.loss, routing_replay=c.routing_replay, seed=config.model.seed, backend=cl.trainer_backend
+    )
+    placement = reserve_placement(cl)
+    actors = start_policy(run, config, serving, version, train_config, placement)
+    fleet = SandboxFleet.start()  # held for the run: a host whose last handle goes away is collected
+    workers = start_rollout_workers(config, serving, actors)
+    writer = RolloutWriter(run.durable("rollouts"))
+
+    skip = buffer_state["next_group_id"] if buffer_state else 0
+    tasks = task_sampler(run, config, train_tasks, skip)
+    on_group, on_broken = group_callbacks(run, config, tasks, writer)
     bar = tqdm(total=c.steps, initial=version, desc="rl", unit="step", disable=not progress, file=sys.stderr)
     trainer = RLTrainer(actors, run, metrics, config, bar, sampler=tasks, start=start)
     controller = Controller(
