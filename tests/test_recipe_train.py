@@ -210,7 +210,7 @@ def test_train_refuses_an_existing_run_and_a_missing_one(tmp_path):
             "controller.group_size=1",
             "controller.rollout_slots=0",
             "sft.threads=0",
-            "cluster.engine_backend=vllm2",
+            "engine.backend=vllm2",
         ),
         capture_output=True,
         text=True,
@@ -218,7 +218,7 @@ def test_train_refuses_an_existing_run_and_a_missing_one(tmp_path):
     )
     assert out.returncode == 2 and "controller.group_size must be >= 2" in out.stderr
     assert "controller.rollout_slots" in out.stderr and "sft.workers and sft.threads must be >= 1" in out.stderr
-    assert "cluster.engine_backend must be one of codefleet" in out.stderr
+    assert "engine.backend must be one of codefleet" in out.stderr
     assert not (tmp_path / "r3").exists()
     (tmp_path / "r4").mkdir()
     RunDir(str(tmp_path / "r4")).write_format()

@@ -57,7 +57,7 @@ out-of-band buffers; `ray.get` on any process of the node rebuilds a
 `publish_buckets()` instead has every rank send its share of the tensors (split by bytes) as flat buckets of
 `bucket_mb`, one object each (`fleet.weight_sync`), for `broadcast_weights` to hand to the engines.
 
-Sharded backends (`TrainConfig.backend` "fsdp2" / "fsdp2_ep", `rl.sharded`): the trainer's construction,
+Sharded backends (`backend` "fsdp2" / "fsdp2_ep", `rl.sharded`): the trainer's construction,
 `weights()` and `save()` are collectives, so the workers join the process group first (even a group of one)
 and build the trainer after; `publish`, `publish_buckets` and `save` run on every rank. The batch is sharded
 as above and the gradient sums happen in FSDP2's backward. `save(path)` writes a normal checkpoint into
@@ -90,6 +90,7 @@ import torch.distributed as dist
 from ray.exceptions import RayActorError, RayError
 
 from codefleet.contracts import TRAINERS
+from codefleet.fleet.fleet_config import TrainerWorkersConfig
 from codefleet.fleet.gpus import actor_device, actor_options, check_gpus
 from codefleet.fleet.weight_sync import (
     Buckets,
@@ -219,13 +220,15 @@ class TrainerWorker:
         model_config: ModelConfig | None,
         config: TrainConfig,
         threads: int,
+        backend: str,
     ):
         torch.set_num_threads(threads)
         self.device = actor_device()  # the GPU Ray gave this worker, else cpu
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.rank, self.world_size, self.config = rank, world_size, config
-        self.sharded = is_sharded(config.backend)
+        self.backend = backend
+        self.sharded = is_sharded(backend)
         self.start = (checkpoint, model_config)
         if self.sharded:  # its construction is a collective: built in init_distributed
             self.snapshot: dict[str, torch.Tensor] = {}  # the whole weights gathered for the bucket sender
@@ -236,7 +239,7 @@ class TrainerWorker:
         self.group_sender = GroupSender(self.sender, self.device)
 
     def _build(self, checkpoint: str | None, model_config: ModelConfig | None):
-        cls = TRAINERS.get(self.config.backend)
+        cls = TRAINERS.get(self.backend)
         if checkpoint is None:
             torch.manual_seed(self.config.seed)
             return cls(Transformer(model_config).to(self.device), self.config)
@@ -384,6 +387,7 @@ class TrainerGroup:
         collective_timeout_s: float = 300.0,
         num_gpus_per_worker: float = 0.0,
         placement: list | None = None,
+        backend: str = TrainerWorkersConfig.backend,
     ):
         """`placement`: a scheduling strategy per rank (`fleet.placement.Placement.trainer`)."""
         if n_workers < 1:
@@ -394,7 +398,8 @@ class TrainerGroup:
                 "and model_config= (fresh weights from TrainConfig.seed)"
             )
         self.config = config or TrainConfig()
-        self.sharded = is_sharded(self.config.backend)
+        self.backend = backend
+        self.sharded = is_sharded(backend)
         self._broken: str | None = None
         options = actor_options(num_cpus_per_worker, resources_per_worker, num_gpus_per_worker)
         if n_workers > 1 and 0 < num_gpus_per_worker < 1 and placement is None:  # Placement.reserve checks its own
@@ -408,7 +413,7 @@ class TrainerGroup:
             raise ValueError(f"{len(strategies)} placements for {n_workers} trainer workers")
         self.workers = [
             TrainerWorker.options(**options, **({"scheduling_strategy": where} if where else {})).remote(
-                rank, n_workers, checkpoint, model_config, self.config, threads_per_worker
+                rank, n_workers, checkpoint, model_config, self.config, threads_per_worker, self.backend
             )
             for rank, where in enumerate(strategies)
         ]

@@ -42,7 +42,7 @@ from codefleet.chat.codefleet_template import PROMPTS
 from codefleet.chat.tokenizer import default_tokenizer
 from codefleet.config import ConfigError, load_config, to_dict
 from codefleet.contracts import ENGINES, TRAINERS
-from codefleet.fleet.placement import PLACEMENTS
+from codefleet.fleet.fleet_config import PLACEMENTS
 from codefleet.fleet.ray_init import ray_running
 from codefleet.fleet.trainer_group import TrainerGroup
 from codefleet.model import checkpoint, kernels
@@ -67,7 +67,7 @@ from codefleet.tasks.spec import load_tasks
 def check_config(config: TrainRunConfig) -> None:
     """Refuse a configuration that would fail later (after minutes of SFT), with the field to change."""
 
-    t, r, ctl, cl = config.tasks, config.rl, config.controller, config.cluster
+    t, r, ctl = config.tasks, config.rl, config.controller
     problems = [
         (t.n_train >= 1 and t.n_eval >= 1, "tasks.n_train and tasks.n_eval must be >= 1"),
         (t.rl_tasks in ("train", "fresh"), f"tasks.rl_tasks must be train or fresh, got {t.rl_tasks!r}"),
@@ -88,21 +88,21 @@ def check_config(config: TrainRunConfig) -> None:
             r.steps >= 0 and ctl.eta >= 0 and ctl.batch_groups >= 1,
             "rl.steps, controller.eta >= 0 and controller.batch_groups >= 1",
         ),
-        (cl.engine_backend in ENGINES, f"cluster.engine_backend must be one of {', '.join(ENGINES.names())}"),
-        (cl.trainer_backend in TRAINERS, f"cluster.trainer_backend must be one of {', '.join(TRAINERS.names())}"),
+        (config.engine.backend in ENGINES, f"engine.backend must be one of {', '.join(ENGINES.names())}"),
+        (config.trainer.backend in TRAINERS, f"trainer.backend must be one of {', '.join(TRAINERS.names())}"),
         (
-            cl.weight_sync in ("whole", "buckets", "collective") and cl.weight_sync_bucket_mb >= 1,
-            "cluster.weight_sync must be whole, buckets or collective, and cluster.weight_sync_bucket_mb >= 1",
+            config.weight_sync.method in ("whole", "buckets", "collective") and config.weight_sync.bucket_mb >= 1,
+            "weight_sync.method must be whole, buckets or collective, and weight_sync.bucket_mb >= 1",
         ),
         (
-            cl.trainer_workers >= 1 and cl.engines >= 1 and cl.rollout_workers >= 1,
-            "cluster.trainer_workers, cluster.engines and cluster.rollout_workers must be >= 1",
+            config.trainer.workers >= 1 and config.engine.count >= 1 and config.rollouts.workers >= 1,
+            "trainer.workers, engine.count and rollouts.workers must be >= 1",
         ),
-        (cl.placement in PLACEMENTS, f"cluster.placement must be one of {', '.join(PLACEMENTS)}"),
+        (config.placement.layout in PLACEMENTS, f"placement.layout must be one of {', '.join(PLACEMENTS)}"),
         (
-            cl.placement != "colocated" or cl.engines == cl.trainer_workers,
-            "cluster.placement=colocated pairs each engine with a trainer worker: set cluster.engines equal to "
-            "cluster.trainer_workers",
+            config.placement.layout != "colocated" or config.engine.count == config.trainer.workers,
+            "placement.layout=colocated pairs each engine with a trainer worker: set engine.count equal to "
+            "trainer.workers",
         ),
         (config.sft.epochs >= 1 and config.sft.batch_size >= 1, "sft.epochs and sft.batch_size must be >= 1"),
         (config.sft.workers >= 1 and config.sft.threads >= 1, "sft.workers and sft.threads must be >= 1"),
@@ -121,20 +121,20 @@ def check_config(config: TrainRunConfig) -> None:
             min(r.max_tokens, r.max_turns, config.eval.max_tokens, config.eval.attempts, config.eval.jobs) >= 1,
             "rl.max_tokens, rl.max_turns, eval.max_tokens, eval.attempts and eval.jobs must be >= 1",
         ),
-        (config.cluster.engine_wait_s > 0, "cluster.engine_wait_s must be > 0"),
+        (config.engine.wait_s > 0, "engine.wait_s must be > 0"),
         (
-            0 <= cl.engine_gpus <= 1 and 0 <= cl.trainer_gpus <= 1,
-            "cluster.engine_gpus and cluster.trainer_gpus must be in [0, 1]: one actor uses one GPU at most",
+            0 <= config.engine.gpus <= 1 and 0 <= config.trainer.gpus <= 1,
+            "engine.gpus and trainer.gpus must be in [0, 1]: one actor uses one GPU at most",
         ),
         (
-            cl.engine_gpus == 0 or cl.engine_backend not in ENGINES or ENGINES.get(cl.engine_backend).gpu,
-            f"cluster.engine_gpus > 0 needs cluster.engine_backend=vllm (an engine that runs on a GPU): the "
-            f"{cl.engine_backend} engine runs on CPU only",
+            config.engine.gpus == 0 or config.engine.backend not in ENGINES or ENGINES.get(config.engine.backend).gpu,
+            f"engine.gpus > 0 needs engine.backend=vllm (an engine that runs on a GPU): the "
+            f"{config.engine.backend} engine runs on CPU only",
         ),
         (
-            cl.trainer_gpus in (0, 1) or max(cl.trainer_workers, config.sft.workers) == 1,
-            "cluster.trainer_gpus below 1 lets trainer workers share a GPU, which NCCL refuses: use 1 with several "
-            "workers (cluster.trainer_workers, sft.workers)",
+            config.trainer.gpus in (0, 1) or max(config.trainer.workers, config.sft.workers) == 1,
+            "trainer.gpus below 1 lets trainer workers share a GPU, which NCCL refuses: use 1 with several "
+            "workers (trainer.workers, sft.workers)",
         ),
         (config.model.max_seq_len >= 256, "model.max_seq_len must be >= 256 (a task and one turn)"),
         (not t.train_dir or os.path.isdir(t.train_dir), f"tasks.train_dir {t.train_dir!r} is not a directory"),
@@ -262,23 +262,18 @@ def sft(run: RunDir, config: TrainRunConfig, demos, init: str, metrics: Metrics,
                 else ""
             )
         )
-    c, cl = config.sft, config.cluster
+    c = config.sft
     total_steps = c.epochs * -(-len(demos.examples) // c.batch_size)
-    schedule = TrainConfig(
-        lr=c.lr,
-        seed=config.model.seed,
-        warmup_steps=c.warmup_steps,
-        decay_steps=total_steps,
-        backend=cl.trainer_backend,
-    )
+    schedule = TrainConfig(lr=c.lr, seed=config.model.seed, warmup_steps=c.warmup_steps, decay_steps=total_steps)
     group = TrainerGroup(
         c.workers,
         checkpoint=init,
         config=schedule,
-        num_cpus_per_worker=cl.trainer_cpus,
-        resources_per_worker=cl.trainer_resources,
+        num_cpus_per_worker=config.trainer.cpus,
+        resources_per_worker=config.trainer.resources,
         threads_per_worker=c.threads,
-        num_gpus_per_worker=cl.trainer_gpus,
+        num_gpus_per_worker=config.trainer.gpus,
+        backend=config.trainer.backend,
     )
     try:
         rng = random.Random(config.model.seed)
@@ -397,8 +392,10 @@ def results_table(results: dict) -> str:
 
 # what a resumed run may change: where it runs, how long RL goes on, how it is evaluated. The rest shaped the
 # tasks, demonstrations and checkpoints the run already holds.
-RESUMABLE = ("cluster.", "eval.", "rl.steps")
-RESUMABLE_TEXT = "cluster.*, eval.* and rl.steps"
+RESUMABLE = ("cluster.", "engine.", "trainer.", "weight_sync.", "rollouts.", "placement.", "eval.", "rl.steps")
+RESUMABLE_TEXT = (
+    "the fleet's sections (cluster, engine, trainer, weight_sync, rollouts, placement), eval.* and rl.steps"
+)
 
 
 def _nothing_to_resume(out: str) -> RunError:
@@ -511,7 +508,7 @@ def _train(run: RunDir, config: TrainRunConfig, progress: bool) -> dict:
     with ray_running(cl.num_cpus, {"sandbox": cl.sandbox_slots}, cl.address):
         phases.done("set-up")
         try:
-            check_run_gpus(cl)
+            check_run_gpus(config)
             sft_ckpt = sft(run, config, demos, init, metrics, tokenizer)
             phases.done("sft")
             sft_hash = checkpoint.tensor_hash(storage.local_copy(sft_ckpt))
