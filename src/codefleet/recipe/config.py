@@ -135,8 +135,7 @@ class TrainRunConfig:
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     # the evaluations of the SFT and RL checkpoints on the held-out tasks (the tool grammar: model.tool_grammar)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    # the Ray cluster the run starts or joins, and the fleet's actors on it: how many, what each takes, where
-    cluster: RayClusterConfig = field(default_factory=RayClusterConfig)
+    cluster: RayClusterConfig = field(default_factory=RayClusterConfig)  # the Ray cluster the run starts or joins
     engine: EngineConfig = field(default_factory=EngineConfig)  # RL's inference engines
     trainer: TrainerWorkersConfig = field(default_factory=TrainerWorkersConfig)  # the trainer workers
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)  # RL's weights to the engines
