@@ -10,13 +10,14 @@ the cluster down). Several values files merge left to right, maps key by key, so
 
 Placement is by Ray logical resources, as everywhere in codefleet (docs/distributed-training.md): every worker
 group advertises one resource through `rayStartParams.resources`, and the RayJob's entrypoint asks
-for exactly those through `cluster.*_resources` overrides, so the two cannot disagree:
+for exactly those through the `engine.resources`, `trainer.resources` and `rollouts.resources` overrides, so
+the two cannot disagree:
 
 | group   | advertises                                   | asked for by                                   |
 |---------|----------------------------------------------|------------------------------------------------|
-| sandbox | `sandbox` (sandboxes at once), `rollout`     | the sandbox host actor; `cluster.rollout_resources` |
-| engine  | `engine_node` (engines per pod)              | `cluster.engine_resources`                     |
-| trainer | `trainer_node` (trainer workers per pod)     | `cluster.trainer_resources`                    |
+| sandbox | `sandbox` (sandboxes at once), `rollout`     | the sandbox host actor; `rollouts.resources`   |
+| engine  | `engine_node` (engines per pod)              | `engine.resources`                             |
+| trainer | `trainer_node` (trainer workers per pod)     | `trainer.resources`                            |
 
 A sandbox pod's `sandbox` capacity is `sandbox_capacity()`: as many as its cores allow
 (`sandboxesPerCpu` each) and its memory holds (`memoryPerSandboxMb` each, after `reservedMemoryGi`).
@@ -264,18 +265,18 @@ def train_overrides(v: dict) -> list[str]:
             f"({rollout_room}: maxReplicas x rolloutWorkersPerNode); raise one or lower the other"
         )
     return [
-        f"cluster.engines={t['engines']}",
-        f"cluster.engine_backend={t['engineBackend']}",
-        f"cluster.engine_gpus={t['engineGpus']}",
-        f"cluster.engine_resources={{{ENGINE}: 1}}",
-        f"cluster.trainer_workers={t['trainerWorkers']}",
-        f"cluster.trainer_backend={t['trainerBackend']}",
-        f"cluster.trainer_gpus={t['trainerGpus']}",
-        f"cluster.trainer_cpus={t['trainerCpus']}",
-        f"cluster.trainer_resources={{{TRAINER}: 1}}",
-        f"cluster.rollout_workers={t['rolloutWorkers']}",
-        f"cluster.rollout_resources={{{ROLLOUT}: 1}}",
-        f"cluster.placement_wait_s={t['placementWaitS']}",
+        f"engine.count={t['engines']}",
+        f"engine.backend={t['engineBackend']}",
+        f"engine.gpus={t['engineGpus']}",
+        f"engine.resources={{{ENGINE}: 1}}",
+        f"trainer.workers={t['trainerWorkers']}",
+        f"trainer.backend={t['trainerBackend']}",
+        f"trainer.gpus={t['trainerGpus']}",
+        f"trainer.cpus={t['trainerCpus']}",
+        f"trainer.resources={{{TRAINER}: 1}}",
+        f"rollouts.workers={t['rolloutWorkers']}",
+        f"rollouts.resources={{{ROLLOUT}: 1}}",
+        f"placement.wait_s={t['placementWaitS']}",
         *[str(o) for o in t["overrides"]],
     ]
 

@@ -143,9 +143,12 @@ def test_leaks_see_a_sandbox_process_tree_and_a_mount_under_the_state_dir(tmp_pa
 SOAK_CONFIG = textwrap.dedent("""
     tasks: {n_train: 4, n_eval: 1, families: [config]}
     sft: {epochs: 1, batch_size: 4}
-    rl: {steps: 150, group_size: 2, batch_groups: 1, rollout_slots: 4, max_tokens: 24, max_turns: 2}
+    rl: {steps: 150, max_tokens: 24, max_turns: 2}
+    controller: {group_size: 2, batch_groups: 1, rollout_slots: 4}
     eval: {max_tokens: 8, attempts: 1}
-    cluster: {trainer_workers: 1, rollout_workers: 2, rollout_cpus: 0.1, trainer_cpus: 0.5, engine_wait_s: 20}
+    trainer: {workers: 1, cpus: 0.5}
+    rollouts: {workers: 2, cpus: 0.1}
+    engine: {wait_s: 20}
     sandbox: {workspace_mb: 64}
 """)
 

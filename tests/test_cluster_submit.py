@@ -46,13 +46,13 @@ SMALL = {
     "rl.max_turns": 2,
     "eval.max_tokens": 8,
     "eval.attempts": 1,
-    "cluster.trainer_workers": 1,
-    "cluster.rollout_workers": 2,
-    "cluster.rollout_cpus": 0.1,
-    "cluster.trainer_cpus": 0.5,
-    "cluster.rollout_resources": "{rollout: 1}",
-    "cluster.engine_resources": "{head: 1}",
-    "cluster.trainer_resources": "{head: 1}",
+    "trainer.workers": 1,
+    "rollouts.workers": 2,
+    "rollouts.cpus": 0.1,
+    "trainer.cpus": 0.5,
+    "rollouts.resources": "{rollout: 1}",
+    "engine.resources": "{head: 1}",
+    "trainer.resources": "{head: 1}",
 }
 
 

@@ -7,7 +7,7 @@ import pytest
 from codefleet.agent.clients import OpenAIConfig, OpenAIPolicy
 from codefleet.agent.clients.scripted import ScriptedExpert
 from codefleet.contracts import SANDBOXES, TRAINERS, ExactBytes, Policy, Registry, Sandbox, Trainer
-from codefleet.rl.trainer import TrainConfig
+from codefleet.fleet.fleet_config import TrainerWorkersConfig
 from codefleet.sandbox import SandboxConfig, create_sandbox
 from codefleet.tasks import generate_tasks
 
@@ -40,6 +40,6 @@ def test_the_shipped_policies_keep_the_policy_contract(tmp_path):
 
 
 def test_the_trainer_is_found_by_the_name_its_config_gives():
-    cls = TRAINERS.get(TrainConfig().backend)
+    cls = TRAINERS.get(TrainerWorkersConfig().backend)
     assert all(callable(getattr(cls, m, None)) for m in ("forward_backward", "optim_step", "save", "load"))
     assert {m for m in dir(Trainer) if not m.startswith("_")} <= set(dir(cls))

@@ -171,11 +171,10 @@ def test_the_rayjob_asks_for_the_resources_the_groups_advertise(values):
     types = _autoscaler_view(cluster)
     assert types["sandbox"]["resources"][RESOURCE] >= 1  # the sandbox hosts' resource, by codefleet's own name
     args, config = _train_config(job)
-    c = config.cluster
     roles = [
-        ("rollout", c.rollout_workers, c.rollout_resources, 0.0),
-        ("engine", c.engines, c.engine_resources, c.engine_gpus),
-        ("trainer", c.trainer_workers, c.trainer_resources, c.trainer_gpus),
+        ("rollout", config.rollouts.workers, config.rollouts.resources, 0.0),
+        ("engine", config.engine.count, config.engine.resources, config.engine.gpus),
+        ("trainer", config.trainer.workers, config.trainer.resources, config.trainer.gpus),
     ]
     for role, actors, resources, gpus in roles:
         assert resources, f"{role}s are not pinned to a group"
@@ -186,7 +185,7 @@ def test_the_rayjob_asks_for_the_resources_the_groups_advertise(values):
         if gpus:
             per_pod = min(per_pod, t["resources"].get("GPU", 0) // gpus)
         assert actors <= per_pod * t["max_workers"], (role, actors, per_pod, t["max_workers"])
-    assert config.cluster.placement_wait_s >= 600  # time for the autoscaler to start pods
+    assert config.placement.wait_s >= 600  # time for the autoscaler to start pods
     run_dir = args[args.index("--out") + 1]
     mount = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["volumeMounts"][0]["mountPath"]
     assert run_dir.startswith(mount + "/")
@@ -216,7 +215,7 @@ def test_values_overrides_change_the_rendered_output(tmp_path):
         != yaml.safe_load(_read(VALUES))["image"]
     )
     _, config = _train_config(yaml.safe_load(gpu["rayjob.yaml"]))
-    assert (config.cluster.engine_backend, config.cluster.engine_gpus) == ("vllm", overlay["train"]["engineGpus"])
+    assert (config.engine.backend, config.engine.gpus) == ("vllm", overlay["train"]["engineGpus"])
     # a values file of one's own: sandbox pods twice as big hold twice the sandboxes, and the userns profile
     mine = tmp_path / "mine.yaml"
     mine.write_text(

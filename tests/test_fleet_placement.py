@@ -99,13 +99,13 @@ def test_a_cluster_without_room_is_refused_in_one_sentence_and_nothing_stays_res
 
 def test_colocated_needs_as_many_engines_as_trainer_workers():
     config = TrainRunConfig()
-    config.cluster.placement, config.cluster.engines, config.cluster.trainer_workers = "colocated", 1, 2
+    config.placement.layout, config.engine.count, config.trainer.workers = "colocated", 1, 2
     with pytest.raises(RunError, match="colocated pairs each engine with a trainer worker"):
         check_config(config)
     with pytest.raises(ValueError, match="1 engines and 2 trainer workers"):
         Placement.reserve(1, 2, SMALL, SMALL, colocated=True)
-    config.cluster.placement = "packed"
-    with pytest.raises(RunError, match="cluster.placement must be one of disaggregated, colocated"):
+    config.placement.layout = "packed"
+    with pytest.raises(RunError, match="placement.layout must be one of disaggregated, colocated"):
         check_config(config)
 
 

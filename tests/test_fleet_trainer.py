@@ -218,9 +218,9 @@ def test_a_trainer_worker_that_dies_mid_run_is_replaced_and_the_step_redone(ray_
         new_group(start),
         engines,
         new_group=new_group,
-        weight_sync=config.cluster.weight_sync,
-        bucket_mb=config.cluster.weight_sync_bucket_mb,
-        engine_wait_s=config.cluster.engine_wait_s,
+        weight_sync=config.weight_sync.method,
+        bucket_mb=config.weight_sync.bucket_mb,
+        engine_wait_s=config.engine.wait_s,
         colocated=False,
         log=lines.append,
     )

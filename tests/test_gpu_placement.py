@@ -11,7 +11,7 @@ from test_rl_trainer import _cfg, _model, _samples
 from codefleet.fleet.gpus import actor_options
 from codefleet.fleet.inference import start_engines
 from codefleet.fleet.trainer_group import TrainerGroup
-from codefleet.recipe.config import ClusterSection, load_train_config
+from codefleet.recipe.config import TrainRunConfig, load_train_config
 from codefleet.recipe.config_check import check_config
 from codefleet.recipe.run_dir import RunError
 from codefleet.recipe.train_rl import check_run_gpus
@@ -36,38 +36,31 @@ def test_actor_options_carry_num_gpus_only_when_asked():
 
 def test_config_fields_reach_the_gpu_check(ray_session):
     config = load_train_config(
-        None,
-        [
-            "cluster.engine_backend=vllm",
-            "cluster.engines=4",
-            "cluster.engine_gpus=0.5",
-            "cluster.trainer_workers=2",
-            "cluster.trainer_gpus=1",
-        ],
+        None, ["engine.backend=vllm", "engine.count=4", "engine.gpus=0.5", "trainer.workers=2", "trainer.gpus=1"]
     )
-    assert (config.cluster.engine_gpus, config.cluster.trainer_gpus) == (0.5, 1.0)
+    assert (config.engine.gpus, config.trainer.gpus) == (0.5, 1.0)
     check_config(config)  # a valid layout
     with pytest.raises(
         RunError,
         match=r"asks for 4 GPUs \(4 engines x 0.5 GPU \(2\) \+ 2 trainer workers x 1 GPU "
         r"\(2\)\) but the Ray cluster has 0",
     ):
-        check_run_gpus(config.cluster)
-    check_run_gpus(ClusterSection())  # no GPUs asked: nothing to check
+        check_run_gpus(config)
+    check_run_gpus(TrainRunConfig())  # no GPUs asked: nothing to check
 
 
 def test_config_refuses_gpus_the_backends_cannot_use():
     for overrides, message in (
-        (["cluster.engine_gpus=1"], "needs cluster.engine_backend=vllm"),
-        (["cluster.trainer_gpus=0.5", "cluster.trainer_workers=2"], "NCCL refuses"),
-        (["cluster.engine_backend=vllm", "cluster.engine_gpus=2"], r"must be in \[0, 1\]"),
+        (["engine.gpus=1"], "needs engine.backend=vllm"),
+        (["trainer.gpus=0.5", "trainer.workers=2"], "NCCL refuses"),
+        (["engine.backend=vllm", "engine.gpus=2"], r"must be in \[0, 1\]"),
     ):
         with pytest.raises(RunError, match=message):
             check_config(load_train_config(None, overrides))
 
 
 def test_the_codefleet_engine_refuses_a_gpu(tmp_path):
-    with pytest.raises(ValueError, match="codefleet engine runs on CPU only.*cluster.engine_backend=vllm"):
+    with pytest.raises(ValueError, match="codefleet engine runs on CPU only.*engine.backend=vllm"):
         start_engines(str(tmp_path), 1, backend="codefleet", num_gpus=0.5)
 
 

@@ -210,7 +210,7 @@ def test_train_refuses_an_existing_run_and_a_missing_one(tmp_path):
             "controller.group_size=1",
             "controller.rollout_slots=0",
             "sft.threads=0",
-            "cluster.engine_backend=vllm2",
+            "engine.backend=vllm2",
         ),
         capture_output=True,
         text=True,
@@ -218,7 +218,7 @@ def test_train_refuses_an_existing_run_and_a_missing_one(tmp_path):
     )
     assert out.returncode == 2 and "controller.group_size must be >= 2" in out.stderr
     assert "controller.rollout_slots" in out.stderr and "sft.workers and sft.threads must be >= 1" in out.stderr
-    assert "cluster.engine_backend must be one of codefleet" in out.stderr
+    assert "engine.backend must be one of codefleet" in out.stderr
     assert not (tmp_path / "r3").exists()
     (tmp_path / "r4").mkdir()
     RunDir(str(tmp_path / "r4")).write_format()
@@ -276,6 +276,20 @@ def test_a_resumed_run_takes_changes_to_where_it_runs_how_long_rl_goes_and_its_e
         _cli("train", "--resume", str(tmp_path), "--out", str(tmp_path)), capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 2 and "drop --out" in out.stderr
+
+
+def test_a_run_saved_before_a_setting_moved_says_where_it_went_on_resume(tmp_path):
+    from codefleet.config import to_dict
+    from codefleet.recipe.config import TrainRunConfig
+    from codefleet.recipe.config_check import resumed_config
+    from codefleet.recipe.train import RunError
+
+    saved = to_dict(TrainRunConfig(name="saved"))
+    saved["cluster"]["engines"] = 2  # where the engine count was kept before the fleet sections
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    RunDir(str(tmp_path)).write_format()
+    with pytest.raises(RunError, match=r"cluster\.engines is now engine\.count; rename it in .*config\.yaml"):
+        resumed_config(str(tmp_path))
 
 
 def test_fresh_rl_tasks_are_new_instances_of_the_demonstrated_templates(tmp_path):

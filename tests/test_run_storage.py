@@ -334,9 +334,11 @@ def test_a_trainer_group_saves_to_a_url_and_a_new_group_resumes_from_it(ray_sess
     from codefleet.fleet.inference import newest_checkpoint
     from codefleet.rl.trainer import TrainConfig
 
-    config = TrainConfig(lr=3e-3, micro_batch_tokens=40, backend="fsdp2_ep")  # every rank writes shards
+    config = TrainConfig(lr=3e-3, micro_batch_tokens=40)
     url = f"file://{tmp_path}/remote/ckpt"
-    group = TrainerGroup(2, model_config=_cfg(balance="aux"), config=config, num_cpus_per_worker=0.25)
+    group = TrainerGroup(  # fsdp2_ep: every rank writes shards
+        2, model_config=_cfg(balance="aux"), config=config, num_cpus_per_worker=0.25, backend="fsdp2_ep"
+    )
     try:
         group.sft_step(_examples(4, seed=1))
         group.save(url)
@@ -351,7 +353,7 @@ def test_a_trainer_group_saves_to_a_url_and_a_new_group_resumes_from_it(ray_sess
     assert not any(".tmp" in n for n in os.listdir(tmp_path / "remote"))
     storage.put_file_atomic(f"file://{tmp_path}/remote/LATEST", b"ckpt")
     assert newest_checkpoint(f"file://{tmp_path}/remote/LATEST") == (url, version)
-    resumed = TrainerGroup(2, checkpoint=url, config=config, num_cpus_per_worker=0.25)
+    resumed = TrainerGroup(2, checkpoint=url, config=config, num_cpus_per_worker=0.25, backend="fsdp2_ep")
     try:
         assert resumed.version == version == 1
         ref, _ = resumed.publish()
@@ -379,9 +381,9 @@ SMALL = [
     "eval.max_tokens=24",
     "eval.attempts=1",
     "eval.jobs=2",
-    "cluster.trainer_workers=1",
-    "cluster.rollout_workers=1",
-    "cluster.engines=1",
+    "trainer.workers=1",
+    "rollouts.workers=1",
+    "engine.count=1",
 ]
 
 

@@ -34,21 +34,16 @@ SCRIPT = textwrap.dedent("""
                  "rl.max_tokens=24", "rl.max_turns=2", "eval.max_tokens=16", "eval.attempts=1",
                  "model.prompt=full", "model.max_seq_len=2048", f"model.init={init}", "rl.loss.kl_coef=0",
                  "rl.routing_replay=false", "controller.eta=0", "rl.reward.costs_on=all", "rl.reward.cost_per_s=0.01",
-                 "cluster.trainer_workers=2", "sft.workers=2", "cluster.rollout_workers=1",
-                 "cluster.rollout_cpus=0.1", "cluster.trainer_cpus=0.5", "cluster.rollout_resources={rollout: 1}",
-                 "cluster.engine_resources={head: 1}", "cluster.trainer_resources={head: 1}", *backends]
+                 "trainer.workers=2", "sft.workers=2", "rollouts.workers=1",
+                 "rollouts.cpus=0.1", "trainer.cpus=0.5", "rollouts.resources={rollout: 1}",
+                 "engine.resources={head: 1}", "trainer.resources={head: 1}", *backends]
     code = subprocess.run([sys.executable, "-m", "codefleet.cli", "train", "--out", out, "--no-progress",
                            "--address", cluster.address, *overrides], stderr=open(out + ".log", "w")).returncode
     print(json.dumps({"code": code}))
     cluster.shutdown()
 """)
-SCALED = [
-    "cluster.engine_backend=vllm",
-    "cluster.trainer_backend=fsdp2_ep",
-    "cluster.weight_sync=collective",
-    "cluster.weight_sync_bucket_mb=1",
-]
-DEFAULT = ["cluster.engine_backend=codefleet", "cluster.trainer_backend=dp", "cluster.weight_sync=whole"]
+SCALED = ["engine.backend=vllm", "trainer.backend=fsdp2_ep", "weight_sync.method=collective", "weight_sync.bucket_mb=1"]
+DEFAULT = ["engine.backend=codefleet", "trainer.backend=dp", "weight_sync.method=whole"]
 
 
 def _run(out: str, init: str, backends: list[str]) -> list[dict]:

@@ -31,12 +31,12 @@ SCRIPT = textwrap.dedent("""
                  "sft.batch_size=4", "rl.steps=4", "controller.group_size=2", "controller.batch_groups=1",
                  "controller.rollout_slots=4",
                  "rl.max_tokens=24", "rl.max_turns=2", "eval.max_tokens=8", "eval.attempts=1",
-                 "cluster.trainer_workers=1",
-                 "cluster.rollout_workers=2", "cluster.rollout_cpus=0.1", "cluster.trainer_cpus=0.5",
-                 "cluster.rollout_resources={rollout: 1}", "cluster.engine_resources={head: 1}",
-                 "cluster.trainer_resources={head: 1}"]
+                 "trainer.workers=1",
+                 "rollouts.workers=2", "rollouts.cpus=0.1", "trainer.cpus=0.5",
+                 "rollouts.resources={rollout: 1}", "engine.resources={head: 1}",
+                 "trainer.resources={head: 1}"]
     if engines_on_workers:  # one engine per worker node: the removed node's engine has nowhere to go
-        overrides += ["cluster.engines=2", "cluster.engine_resources={engine_slot: 1}", "cluster.engine_wait_s=20",
+        overrides += ["engine.count=2", "engine.resources={engine_slot: 1}", "engine.wait_s=20",
                       "rl.steps=10"]
     proc = subprocess.Popen([python, "-m", "codefleet.cli", "train", "--out", run, "--no-progress",
                              "--address", cluster.address, *overrides], stderr=open(run + ".log", "w"))

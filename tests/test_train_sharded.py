@@ -2,7 +2,7 @@
 
 Fast: a 2-worker group steps like one in-process `Trainer` on the whole batch, publishes the same weights whole
 and in buckets, saves a normal checkpoint (its DCP shards beside) and resumes from it exactly.
-Slow: `codefleet train` from a tiny Qwen3-MoE Hugging Face directory with `cluster.trainer_backend=fsdp2_ep`,
+Slow: `codefleet train` from a tiny Qwen3-MoE Hugging Face directory with `trainer.backend=fsdp2_ep`,
 SFT then RL with bucketed weight sync, against the same run with the "dp" trainer."""
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from codefleet.fleet.weight_sync import BucketReceiver
 from codefleet.model import checkpoint
 from codefleet.rl.trainer import TrainConfig, Trainer
 
-CONFIG = TrainConfig(lr=3e-3, micro_batch_tokens=40, backend="fsdp2_ep")
+CONFIG = TrainConfig(lr=3e-3, micro_batch_tokens=40)
+BACKEND = "fsdp2_ep"
 TOL = 1e-5
 
 
@@ -46,7 +47,7 @@ def _bucketed(group: TrainerGroup) -> dict[str, torch.Tensor]:
 
 def test_a_sharded_group_steps_publishes_saves_and_resumes_like_the_dp_trainer(ray_session, tmp_path):
     single = Trainer(_model(CONFIG.seed, balance="aux"), TrainConfig(lr=3e-3, micro_batch_tokens=40))
-    group = TrainerGroup(2, model_config=_cfg(balance="aux"), config=CONFIG, num_cpus_per_worker=0.25)
+    group = TrainerGroup(2, model_config=_cfg(balance="aux"), config=CONFIG, num_cpus_per_worker=0.25, backend=BACKEND)
     try:
         examples, samples = _examples(6, seed=1), _samples(single.model, 6, seed=2)
         m = group.sft_step(examples)
@@ -70,7 +71,7 @@ def test_a_sharded_group_steps_publishes_saves_and_resumes_like_the_dp_trainer(r
 
         more = _samples(single.model, 4, seed=3)
         after = group.rl_step(more)
-        resumed = TrainerGroup(2, checkpoint=path, config=CONFIG, num_cpus_per_worker=0.25)
+        resumed = TrainerGroup(2, checkpoint=path, config=CONFIG, num_cpus_per_worker=0.25, backend=BACKEND)
         try:
             assert resumed.version == 2
             again = resumed.rl_step(more)
@@ -89,16 +90,17 @@ def test_the_run_config_names_a_trainer_backend_and_a_weight_sync_that_exist():
     from codefleet.recipe.config_check import check_config
     from codefleet.recipe.train import RunError
 
-    def config(**cluster):
-        return from_dict(TrainRunConfig, {"cluster": cluster, "rl": {"loss": {"kl_coef": 0.0}}})
+    def config(backend: str = "dp", weight_sync: str = "whole"):
+        sections = {"trainer": {"backend": backend}, "weight_sync": {"method": weight_sync}}
+        return from_dict(TrainRunConfig, {**sections, "rl": {"loss": {"kl_coef": 0.0}}})
 
     for backend in ("dp", "fsdp2", "fsdp2_ep"):
-        check_config(config(trainer_backend=backend, weight_sync="buckets"))
-    with pytest.raises(RunError, match="cluster.trainer_backend must be one of .*fsdp2_ep"):
-        check_config(config(trainer_backend="fsdp3"))
-    with pytest.raises(RunError, match="cluster.weight_sync must be whole, buckets or collective"):
+        check_config(config(backend, weight_sync="buckets"))
+    with pytest.raises(RunError, match="trainer.backend must be one of .*fsdp2_ep"):
+        check_config(config("fsdp3"))
+    with pytest.raises(RunError, match="weight_sync.method must be whole, buckets or collective"):
         check_config(config(weight_sync="pieces"))
-    with_kl = config(trainer_backend="fsdp2_ep")
+    with_kl = config("fsdp2_ep")
     with_kl.rl.loss.kl_coef = 0.05
     check_config(with_kl)  # the KL reference is sharded and saved like the policy
 
@@ -123,10 +125,10 @@ TINY = [
     "model.prompt=full",
     "model.max_seq_len=4096",
     "rl.loss.kl_coef=0.05",
-    "cluster.trainer_workers=2",
+    "trainer.workers=2",
     "sft.workers=2",
-    "cluster.weight_sync=buckets",
-    "cluster.weight_sync_bucket_mb=1",
+    "weight_sync.method=buckets",
+    "weight_sync.bucket_mb=1",
     "controller.eta=0",  # nothing lags: the engine/trainer logprob gap is numerics alone
     "rl.reward.costs_on=all",
     "rl.reward.cost_per_s=0.01",
@@ -147,7 +149,7 @@ def _train(out: str, init: str, backend: str, *more: str) -> float:
             "--no-progress",
             f"model.init={init}",
             *TINY,
-            f"cluster.trainer_backend={backend}",
+            f"trainer.backend={backend}",
             *more,
         ],
         env=ENV,
@@ -175,7 +177,7 @@ def test_codefleet_train_with_the_expert_parallel_trainer_matches_the_dp_trainer
     init = make_tiny_hf(str(tmp_path / "tiny"), arch="qwen3_moe")
     runs = {b: str(tmp_path / b) for b in ("fsdp2_ep", "dp")}
     # the expert-parallel run also colocates its 2 ranks with 2 engines (fleet.placement): they take turns
-    more = {"fsdp2_ep": ["cluster.placement=colocated", "cluster.engines=2"], "dp": []}
+    more = {"fsdp2_ep": ["placement.layout=colocated", "engine.count=2"], "dp": []}
     took = {b: _train(out, init, b, *more[b]) for b, out in runs.items()}
     print("wall s per run:", took)
     sft = {b: _metrics(out, "sft") for b, out in runs.items()}  # the same data from the same weights: one loss

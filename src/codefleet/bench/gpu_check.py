@@ -101,7 +101,7 @@ def count_params(path: str) -> int:
     n = 0
     for name in glob.glob(os.path.join(path, "*.safetensors")):
         with safe_open(name, framework="pt") as f:
-            n += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+            n += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118 (a safetensors handle)
     return n
 
 
@@ -186,7 +186,7 @@ def run(cfg: CheckConfig, log: Log = print) -> dict:
             num_gpus=cfg.engine_gpus,
         )[0]
         log("starting the FSDP2 trainer ...")
-        config = TrainConfig(lr=cfg.lr, backend="fsdp2", routing_replay=False, seed=cfg.seed)
+        config = TrainConfig(lr=cfg.lr, routing_replay=False, seed=cfg.seed)
         group = TrainerGroup(
             1,
             checkpoint=path,
@@ -194,6 +194,7 @@ def run(cfg: CheckConfig, log: Log = print) -> dict:
             num_cpus_per_worker=0.5,
             num_gpus_per_worker=cfg.trainer_gpus,
             threads_per_worker=1 if cfg.device == "cpu" else 4,
+            backend="fsdp2",
         )
         ray.get(engine.generate.remote([PROMPT_IDS[0]] * 8, SamplingParams(max_tokens=4)))  # warm-up
         g = torch.Generator().manual_seed(cfg.seed)

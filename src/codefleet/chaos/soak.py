@@ -6,7 +6,8 @@ run's invariants (invariants.py) and a report.
 The cluster (`ray.cluster_utils.Cluster`, every node a set of processes on this machine): a head with the logical
 resource `head`, where the training driver, the engines and the trainer workers go, and `worker_nodes` nodes with
 `sandbox` and `rollout` resources, where the sandbox hosts and rollout workers go. The soak sets those placements
-(`cluster.*_resources`) on top of RUN_CONFIG and the overrides; everything else is the run's own configuration.
+(`engine.resources`, `trainer.resources`, `rollouts.resources`) on top of RUN_CONFIG and the overrides; everything
+else is the run's own configuration.
 
 Timeline. The run starts; the fault window opens when RL's first group is accepted (the earlier stages are not
 what is soaked) and lasts `minutes`. Faults follow faults.schedule. A removed worker node is replaced by a fresh
@@ -81,9 +82,9 @@ class _Run:
                 cfg.run_config,
                 *cfg.overrides,
                 # roles to nodes by logical resources: the driver's parts on the head, the rollouts' on the workers
-                "cluster.engine_resources={head: 1}",
-                "cluster.trainer_resources={head: 1}",
-                "cluster.rollout_resources={rollout: 1}",
+                "engine.resources={head: 1}",
+                "trainer.resources={head: 1}",
+                "rollouts.resources={rollout: 1}",
             ]
         )
 

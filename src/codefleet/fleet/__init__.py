@@ -12,6 +12,8 @@
     trainer_worker               one worker: its trainer, its checkpoints and the weights it hands out
     weight_sync                  weights from trainer to engines, in buckets
     placement, gpus, ray_init    placement groups, GPUs, starting or joining Ray
+    fleet_config                 the configs of the Ray cluster and of these actors (how many, what each takes,
+                                 where), loaded without Ray or torch
 
 The training application that composes these (`codefleet train` and `codefleet eval`) is `codefleet.recipe`.
 Names are imported lazily, so the pure modules (e.g. `codefleet.fleet.staleness`) load without importing Ray.

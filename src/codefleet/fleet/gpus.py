@@ -46,7 +46,7 @@ def check_gpus(wanted: dict[str, float]) -> None:
         who = " + ".join(f"{name} ({n:g})" for name, n in wanted.items() if n > 0)
         raise ValueError(
             f"this run asks for {total:g} GPUs ({who}) but the Ray cluster has {have:g}: add GPU nodes, "
-            "or lower cluster.engine_gpus / cluster.trainer_gpus (0 runs on CPU)"
+            "or lower engine.gpus / trainer.gpus (0 runs on CPU)"
         )
 
 

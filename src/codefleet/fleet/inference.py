@@ -47,6 +47,7 @@ import torch
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayTaskError
 
 from codefleet.contracts import ENGINES
+from codefleet.fleet.fleet_config import EngineConfig
 from codefleet.fleet.gpus import actor_options, check_gpus
 from codefleet.fleet.weight_sync import BucketReceiver, Buckets, GroupReceiver, receive_buckets
 from codefleet.model.checkpoint import CONFIG_FILE, METADATA_FILE
@@ -249,9 +250,9 @@ def start_engines(
     max_seq_len: int | None = None,
     version: int = 0,
     restart_from: str | None = None,
-    backend: str = "codefleet",
+    backend: str = EngineConfig.backend,
     record_routing: bool = True,
-    num_gpus: float = 0.0,
+    num_gpus: float = EngineConfig.gpus,
     placement: list | None = None,
 ) -> list:
     """`n` engine actors over `checkpoint`, placed by logical resources and `num_gpus` GPUs each (a share of one,
@@ -263,7 +264,7 @@ def start_engines(
     if num_gpus > 0 and not engine.gpu:
         raise ValueError(
             f"the {backend} engine runs on CPU only but {num_gpus:g} GPU per engine was asked for: use "
-            "cluster.engine_backend=vllm on GPUs, or cluster.engine_gpus=0"
+            "engine.backend=vllm on GPUs, or engine.gpus=0"
         )
     check_gpus({f"{n} engines x {num_gpus:g} GPU": n * num_gpus})
     options = dict(**actor_options(num_cpus, resources, num_gpus), max_concurrency=1000)

@@ -11,13 +11,15 @@ its actor options carry, `fleet.gpus.actor_options`). Reserving them as placemen
 makes the placement all or nothing: a cluster without room for every trainer rank fails in one sentence
 instead of starting some ranks that then wait in a collective for the others.
 
-- Disaggregated (`cluster.placement=disaggregated`): the trainer workers in one group packed together (their
+- Disaggregated (`placement.layout=disaggregated`): the trainer workers in one group packed together (their
   collectives run every step) and the engines in another spread over the nodes, each actor in a bundle of its
   own: trainer and engines never share a bundle's devices.
-- Colocated (`cluster.placement=colocated`, as many engines as trainer workers): one group of bundles, each the
+- Colocated (`placement.layout=colocated`, as many engines as trainer workers): one group of bundles, each the
   sum of one engine's and one trainer worker's resources (e.g. 0.5 + 0.5 of a GPU: one GPU each pair); engine
   i and trainer rank i share bundle i. The engines sleep while the trainer steps (`EngineActor.sleep`,
   `fleet.policy_actors`), so the two take turns on the devices. Both keep their memory, so they must fit together.
+
+A run's `placement` section (`fleet.fleet_config.PlacementConfig`) chooses between them and sets the wait.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-PLACEMENTS = ("disaggregated", "colocated")
+from codefleet.fleet.fleet_config import PlacementConfig
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ class Placement:
         engine: Role,
         trainer: Role,
         colocated: bool = False,
-        timeout_s: float = 300.0,
+        timeout_s: float = PlacementConfig.wait_s,
     ) -> Placement:
         """Reserve the bundles (see the module docstring); raises ValueError, after `timeout_s`, if the cluster
         has no room for them, and reserves nothing then."""
@@ -70,7 +72,7 @@ class Placement:
             raise ValueError(
                 f"{trainer_workers} trainer workers in bundles of {per_rank:g} GPU could share a GPU, "
                 "and NCCL refuses two ranks on one: make each trainer worker's bundle a whole GPU "
-                "(colocated: cluster.engine_gpus + cluster.trainer_gpus = 1), or use one worker"
+                "(colocated: engine.gpus + trainer.gpus = 1), or use one worker"
             )
         if colocated:
             if engines != trainer_workers:
@@ -127,7 +129,7 @@ class Placement:
             }
             raise ValueError(
                 f"Ray could not place {what} within {timeout_s:g} s (free now: {free}): add nodes, "
-                "or ask for fewer or smaller actors (cluster.engines, cluster.trainer_workers and their "
+                "or ask for fewer or smaller actors (engine.count, trainer.workers and their "
                 "cpus, gpus and resources)"
             ) from None
         return group

@@ -11,8 +11,9 @@ do with them; this module does it over Ray.
 - Sleep and wake. Placed together (`fleet.placement`, `colocated`), an engine shares its devices with a trainer
   worker: `sleep()` before the step, `wake()` once the new weights are in. An engine that is dead or restarting
   is left to its fate (a restarted engine starts awake).
-- Weight sync (`weight_sync`). "whole": one state dict through the object store; "buckets": the weights in
-  buckets through the object store (`fleet.weight_sync`); "collective": a broadcast over process groups formed
+- Weight sync (`weight_sync`: the run's `weight_sync.method`, `fleet.fleet_config.WeightSyncConfig`). "whole": one
+  state dict through the object store; "buckets": the weights in buckets through the object store
+  (`fleet.weight_sync`); "collective": a broadcast over process groups formed
   with the engines once (`GroupSync`), while every engine is up. A failure of the groups sends that version
   through the object store instead (counted in `sync_fallbacks`), and the next version forms the groups anew with
   the engines serving then. An engine that does not take the weights in time is *away* (`broadcast_weights`).
@@ -31,12 +32,12 @@ from typing import TypeVar
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from codefleet.fleet.fleet_config import WEIGHT_SYNCS
 from codefleet.fleet.inference import broadcast_weights
 from codefleet.fleet.trainer_group import TrainerGroup, TrainerWorkerError
 from codefleet.fleet.weight_sync import GroupSync, GroupSyncError
 
 T = TypeVar("T")
-WEIGHT_SYNCS = ("whole", "buckets", "collective")
 
 
 class PolicyActors:

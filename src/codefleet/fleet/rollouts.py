@@ -51,6 +51,7 @@ from codefleet.agent.episode import EpisodeConfig, score, solve
 from codefleet.agent.policy import PolicyError
 from codefleet.chat import formats
 from codefleet.fleet.controller import AttemptResult
+from codefleet.fleet.fleet_config import RolloutWorkersConfig
 from codefleet.fleet.inference import RemoteEngine, actor_names, engine_state
 from codefleet.fleet.sandbox_fleet import SandboxFleet
 from codefleet.fleet.staleness import Rollout, Ticket
@@ -319,7 +320,7 @@ def start_workers(
     n: int,
     *,
     slots_per_worker: int,
-    num_cpus: float = 0.25,
+    num_cpus: float = RolloutWorkersConfig.cpus,
     resources: dict | None = None,
 ) -> list:
     """`n` rollout workers over the engine actors `engines` (named ones: `start_engines`); waits until they are up."""

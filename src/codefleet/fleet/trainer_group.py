@@ -35,7 +35,7 @@ each (NCCL refuses two ranks on one GPU), and a group asking for more GPUs than
 the cluster has is refused before any worker starts. With no GPU nothing
 changes: CPU and gloo.
 
-Sharded backends (`TrainConfig.backend` "fsdp2" / "fsdp2_ep", `rl.sharded`): the trainer's construction,
+Sharded backends (`backend` "fsdp2" / "fsdp2_ep", `rl.sharded`): the trainer's construction,
 `weights()` and `save()` are collectives, so the workers join the process group first (even a group of one)
 and build the trainer after; `publish`, `publish_buckets` and `save` run on every rank. The batch is sharded
 as above and the gradient sums happen in FSDP2's backward. `save(path)` writes a normal checkpoint into
@@ -59,6 +59,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayError
 
+from codefleet.fleet.fleet_config import TrainerWorkersConfig
 from codefleet.fleet.gpus import actor_options, check_gpus
 from codefleet.fleet.trainer_worker import TrainerWorker, is_sharded
 from codefleet.fleet.weight_sync import Buckets, SenderPlan, publish_buckets
@@ -117,6 +118,7 @@ class TrainerGroup:
         collective_timeout_s: float = 300.0,
         num_gpus_per_worker: float = 0.0,
         placement: list | None = None,
+        backend: str = TrainerWorkersConfig.backend,
     ):
         """`placement`: a scheduling strategy per rank (`fleet.placement.Placement.trainer`)."""
         if n_workers < 1:
@@ -127,7 +129,8 @@ class TrainerGroup:
                 "and model_config= (fresh weights from TrainConfig.seed)"
             )
         self.config = config or TrainConfig()
-        self.sharded = is_sharded(self.config.backend)
+        self.backend = backend
+        self.sharded = is_sharded(backend)
         self._broken: str | None = None
         options = actor_options(num_cpus_per_worker, resources_per_worker, num_gpus_per_worker)
         if n_workers > 1 and 0 < num_gpus_per_worker < 1 and placement is None:  # Placement.reserve checks its own
@@ -141,7 +144,7 @@ class TrainerGroup:
             raise ValueError(f"{len(strategies)} placements for {n_workers} trainer workers")
         self.workers = [
             TrainerWorker.options(**options, **({"scheduling_strategy": where} if where else {})).remote(
-                rank, n_workers, checkpoint, model_config, self.config, threads_per_worker
+                rank, n_workers, checkpoint, model_config, self.config, threads_per_worker, self.backend
             )
             for rank, where in enumerate(strategies)
         ]

@@ -134,13 +134,15 @@ class TrainerWorker:
         model_config: ModelConfig | None,
         config: TrainConfig,
         threads: int,
+        backend: str,
     ):
         torch.set_num_threads(threads)
         self.device = actor_device()  # the GPU Ray gave this worker, else cpu
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.rank, self.world_size, self.config = rank, world_size, config
-        self.sharded = is_sharded(config.backend)
+        self.backend = backend
+        self.sharded = is_sharded(backend)
         self.start = (checkpoint, model_config)
         if self.sharded:  # its construction is a collective: built in init_distributed
             self.snapshot: dict[str, torch.Tensor] = {}  # the whole weights gathered for the bucket sender
@@ -151,7 +153,7 @@ class TrainerWorker:
         self.group_sender = GroupSender(self.sender, self.device)
 
     def _build(self, checkpoint: str | None, model_config: ModelConfig | None):
-        cls = TRAINERS.get(self.config.backend)
+        cls = TRAINERS.get(self.backend)
         if checkpoint is None:
             torch.manual_seed(self.config.seed)
             return cls(Transformer(model_config).to(self.device), self.config)

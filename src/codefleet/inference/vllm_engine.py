@@ -1,4 +1,4 @@
-"""vLLM as the inference engine: `model.engine=vllm`, `cluster.engine_backend=vllm`, `--engine vllm`.
+"""vLLM as the inference engine: `model.engine=vllm`, `engine.backend=vllm`, `--engine vllm`.
 
 `VLLMEngine` gives vLLM the surface codefleet's own `engine.Engine` shows its
 callers (the agent's local policy, the OpenAI server, the Ray engine actors):
@@ -148,7 +148,7 @@ class VLLMEngine(BackgroundSleep):
                 f"{checkpoint_dir!r} is a mixture-of-experts model, and vLLM cannot return the experts it routed each "
                 "token to on CPU (enable_return_routed_experts needs its model runner v2 and Triton, i.e. a GPU), so "
                 "routing replay (R3) would train on routing it never saw: set rl.routing_replay=false, or use "
-                "cluster.engine_backend=codefleet; to serve or sample without routing, load with record_routing=False"
+                "engine.backend=codefleet; to serve or sample without routing, load with record_routing=False"
             )
         vllm = _import_vllm()
         self.checkpoint_dir = checkpoint_dir

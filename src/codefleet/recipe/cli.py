@@ -138,7 +138,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.resume and (args.out or args.config):
         print(
             "codefleet train: --resume RUN_DIR continues that run with its own configuration; drop --out and "
-            "--config (a resumed run takes KEY=VALUE changes to cluster.*, eval.* and rl.steps)",
+            "--config (a resumed run takes KEY=VALUE changes to the fleet's sections, eval.* and rl.steps)",
             file=sys.stderr,
         )
         return 2

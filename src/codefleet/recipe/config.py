@@ -3,8 +3,9 @@
 A component's settings are declared once, next to the component, with one default: the controller's
 (`controller`: `fleet.controller_api.ControllerConfig`), the evaluation's (`eval`: `recipe.eval_config.EvalConfig`),
 the sandboxes' (`sandbox`: `SandboxConfig`), the loss's, the reward's and the copy head's (`rl.loss`, `rl.reward`,
-`model.copy`). The sections declared here hold what only the recipe has: its tasks, its model, its SFT and RL
-stages, its cluster. `tests/test_config_composed.py` fails when two config classes of a run declare the same
+`model.copy`), and the fleet's actors' (`cluster`, `engine`, `trainer`, `weight_sync`, `rollouts`, `placement`:
+`fleet.fleet_config`). The sections declared here hold what only the recipe has: its tasks, its model, its SFT
+and RL stages. `tests/test_config_composed.py` fails when two config classes of a run declare the same
 setting. A run's settings are layered, each layer over the one before:
 
 1. the field defaults: each component's behaviour with no recipe tricks;
@@ -25,6 +26,14 @@ from codefleet.agent.reward import RewardConfig
 from codefleet.agent.tools import ToolConfig
 from codefleet.config import ConfigError, from_dict, read_config
 from codefleet.fleet.controller_api import ControllerConfig
+from codefleet.fleet.fleet_config import (
+    EngineConfig,
+    PlacementConfig,
+    RayClusterConfig,
+    RolloutWorkersConfig,
+    TrainerWorkersConfig,
+    WeightSyncConfig,
+)
 from codefleet.model.copy_config import CopyConfig
 from codefleet.recipe.eval_config import EvalConfig
 from codefleet.rl.loss_config import LossConfig
@@ -85,7 +94,7 @@ class SFTSection:
     chain_fraction: float = 0.0  # the share of renames whose expert runs the tests in the same command
     fresh_names: bool = False  # each time SFT shows a demonstration, its names are new (recipe.augment)
     first_turns: int = 0  # per step, also this many first turns of demonstrations with new names (fresh_names)
-    workers: int = 1  # SFT's data-parallel trainer workers (on a cluster: cluster.trainer_workers)
+    workers: int = 1  # SFT's data-parallel trainer workers (RL's: trainer.workers)
     threads: int = 2  # torch threads per SFT worker (on a cluster: the cores per worker)
 
 
@@ -113,40 +122,6 @@ class RLSection:
 
 
 @dataclass
-class ClusterSection:
-    address: str = ""  # the Ray cluster: "" = RAY_ADDRESS, or a local Ray started here
-    num_cpus: float = 4.0  # logical CPUs of a local Ray (never the physical count)
-    sandbox_slots: int = 64  # logical "sandbox" resources of a local Ray: sandboxes at once
-    engines: int = 1  # inference engine actors
-    engine_backend: str = "codefleet"  # the inference engine, by name (codefleet.contracts.ENGINES)
-    engine_threads: int = 2  # torch threads per engine
-    # GPUs per engine actor, a share of one (0.5: two actors on one GPU); needs engine_backend vllm. 0 = CPU
-    engine_gpus: float = 0.0
-    # how long a weight broadcast waits for an engine that does not answer (restarting, or its node gone with no
-    # room elsewhere) before the run goes on without it; it loads the newest checkpoint itself when it is back
-    engine_wait_s: float = 300.0
-    trainer_workers: int = 2  # data-parallel trainer workers of RL
-    trainer_cpus: float = 0.5  # logical CPUs per trainer worker
-    trainer_backend: str = "dp"  # the trainer of SFT and RL (rl.sharded): "dp" | "fsdp2" | "fsdp2_ep"
-    # GPUs per trainer worker (NCCL then): 1, or a share of one with a single worker (beside an engine). 0 = CPU
-    trainer_gpus: float = 0.0
-    # RL's weights to the engines (fleet.weight_sync): "whole" (one object) | "buckets" (in the object store) |
-    # "collective" (buckets broadcast over a process group per trainer rank: gloo on CPU, NCCL on GPU)
-    weight_sync: str = "whole"
-    weight_sync_bucket_mb: int = 64  # the bucket size of weight_sync "buckets" and "collective"
-    rollout_workers: int = 2  # actors running the agent harness for RL's attempts
-    rollout_cpus: float = 0.25  # logical CPUs per rollout worker
-    # extra logical resources per actor, to pin roles to nodes on a cluster, e.g. {"rollout": 1}
-    rollout_resources: dict[str, float] = field(default_factory=dict)
-    engine_resources: dict[str, float] = field(default_factory=dict)  # the same for engines
-    trainer_resources: dict[str, float] = field(default_factory=dict)  # the same for trainer workers
-    # engines and trainer workers in Ray placement groups (fleet.placement): "disaggregated" (bundles of their own)
-    # | "colocated" (engine i and trainer rank i share a bundle, the engines sleeping while the trainer steps)
-    placement: str = "disaggregated"
-    placement_wait_s: float = 300.0  # how long to wait for the cluster to have room for them before refusing
-
-
-@dataclass
 class TrainRunConfig:
     name: str = "demo"  # the run's name in the rollout store and the evaluations
     # the recipe file whose settings lie beneath --config and overrides: a name in codefleet/recipe/configs/ or a
@@ -160,7 +135,12 @@ class TrainRunConfig:
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     # the evaluations of the SFT and RL checkpoints on the held-out tasks (the tool grammar: model.tool_grammar)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    cluster: ClusterSection = field(default_factory=ClusterSection)
+    cluster: RayClusterConfig = field(default_factory=RayClusterConfig)  # the Ray cluster the run starts or joins
+    engine: EngineConfig = field(default_factory=EngineConfig)  # RL's inference engines
+    trainer: TrainerWorkersConfig = field(default_factory=TrainerWorkersConfig)  # the trainer workers
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)  # RL's weights to the engines
+    rollouts: RolloutWorkersConfig = field(default_factory=RolloutWorkersConfig)  # the agent harness's workers
+    placement: PlacementConfig = field(default_factory=PlacementConfig)  # engines and trainer workers on the nodes
     # the sandboxes of the demonstrations, RL's attempts and the evaluations
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
@@ -178,8 +158,29 @@ def recipe_path(recipe: str) -> str:
 
 # settings that moved to the component that owns them: {old dotted name: new}
 MOVED = {
-    f"rl.{name}": f"controller.{name}"
-    for name in ("eta", "group_size", "batch_groups", "rollout_slots", "rollout_timeout_s", "drop_zero_variance")
+    **{
+        f"rl.{name}": f"controller.{name}"
+        for name in ("eta", "group_size", "batch_groups", "rollout_slots", "rollout_timeout_s", "drop_zero_variance")
+    },
+    # the fleet's actors, once one `cluster` section, each in its component's own (fleet.fleet_config)
+    "cluster.engines": "engine.count",
+    "cluster.engine_backend": "engine.backend",
+    "cluster.engine_threads": "engine.threads",
+    "cluster.engine_gpus": "engine.gpus",
+    "cluster.engine_wait_s": "engine.wait_s",
+    "cluster.engine_resources": "engine.resources",
+    "cluster.trainer_workers": "trainer.workers",
+    "cluster.trainer_cpus": "trainer.cpus",
+    "cluster.trainer_backend": "trainer.backend",
+    "cluster.trainer_gpus": "trainer.gpus",
+    "cluster.trainer_resources": "trainer.resources",
+    "cluster.weight_sync": "weight_sync.method",
+    "cluster.weight_sync_bucket_mb": "weight_sync.bucket_mb",
+    "cluster.rollout_workers": "rollouts.workers",
+    "cluster.rollout_cpus": "rollouts.cpus",
+    "cluster.rollout_resources": "rollouts.resources",
+    "cluster.placement": "placement.layout",
+    "cluster.placement_wait_s": "placement.wait_s",
 }
 
 

@@ -8,12 +8,12 @@ import os
 
 from codefleet.agent.clients.local_engine import TOOL_GRAMMARS
 from codefleet.chat.codefleet_template import PROMPTS
-from codefleet.config import ConfigError, load_config
+from codefleet.config import ConfigError, load_config, read_config
 from codefleet.contracts import ENGINES, TRAINERS
-from codefleet.fleet.placement import PLACEMENTS
+from codefleet.fleet.fleet_config import PLACEMENTS
 from codefleet.model import checkpoint
 from codefleet.model.config import ModelConfig
-from codefleet.recipe.config import TrainRunConfig
+from codefleet.recipe.config import TrainRunConfig, refuse_moved
 from codefleet.recipe.curriculum import MODES as SAMPLING_MODES
 from codefleet.recipe.run_dir import RunDir, RunError
 from codefleet.rl.advantages import ESTIMATORS
@@ -71,23 +71,22 @@ def _learning_problems(config: TrainRunConfig) -> list[tuple[bool, str]]:
 
 def _cluster_problems(config: TrainRunConfig) -> list[tuple[bool, str]]:
     """How the RL stage is laid out on the cluster: backends, weight sync, actor counts, placement."""
-    cl = config.cluster
     return [
-        (cl.engine_backend in ENGINES, f"cluster.engine_backend must be one of {', '.join(ENGINES.names())}"),
-        (cl.trainer_backend in TRAINERS, f"cluster.trainer_backend must be one of {', '.join(TRAINERS.names())}"),
+        (config.engine.backend in ENGINES, f"engine.backend must be one of {', '.join(ENGINES.names())}"),
+        (config.trainer.backend in TRAINERS, f"trainer.backend must be one of {', '.join(TRAINERS.names())}"),
         (
-            cl.weight_sync in ("whole", "buckets", "collective") and cl.weight_sync_bucket_mb >= 1,
-            "cluster.weight_sync must be whole, buckets or collective, and cluster.weight_sync_bucket_mb >= 1",
+            config.weight_sync.method in ("whole", "buckets", "collective") and config.weight_sync.bucket_mb >= 1,
+            "weight_sync.method must be whole, buckets or collective, and weight_sync.bucket_mb >= 1",
         ),
         (
-            cl.trainer_workers >= 1 and cl.engines >= 1 and cl.rollout_workers >= 1,
-            "cluster.trainer_workers, cluster.engines and cluster.rollout_workers must be >= 1",
+            config.trainer.workers >= 1 and config.engine.count >= 1 and config.rollouts.workers >= 1,
+            "trainer.workers, engine.count and rollouts.workers must be >= 1",
         ),
-        (cl.placement in PLACEMENTS, f"cluster.placement must be one of {', '.join(PLACEMENTS)}"),
+        (config.placement.layout in PLACEMENTS, f"placement.layout must be one of {', '.join(PLACEMENTS)}"),
         (
-            cl.placement != "colocated" or cl.engines == cl.trainer_workers,
-            "cluster.placement=colocated pairs each engine with a trainer worker: set cluster.engines equal to "
-            "cluster.trainer_workers",
+            config.placement.layout != "colocated" or config.engine.count == config.trainer.workers,
+            "placement.layout=colocated pairs each engine with a trainer worker: set engine.count equal to "
+            "trainer.workers",
         ),
     ]
 
@@ -119,22 +118,22 @@ def _stage_problems(config: TrainRunConfig) -> list[tuple[bool, str]]:
 def _resource_problems(config: TrainRunConfig) -> list[tuple[bool, str]]:
     """What the machines and files must allow: the engines' start-up wait, GPUs per actor, the context, the
     task directories."""
-    t, cl = config.tasks, config.cluster
+    t = config.tasks
     return [
-        (config.cluster.engine_wait_s > 0, "cluster.engine_wait_s must be > 0"),
+        (config.engine.wait_s > 0, "engine.wait_s must be > 0"),
         (
-            0 <= cl.engine_gpus <= 1 and 0 <= cl.trainer_gpus <= 1,
-            "cluster.engine_gpus and cluster.trainer_gpus must be in [0, 1]: one actor uses one GPU at most",
+            0 <= config.engine.gpus <= 1 and 0 <= config.trainer.gpus <= 1,
+            "engine.gpus and trainer.gpus must be in [0, 1]: one actor uses one GPU at most",
         ),
         (
-            cl.engine_gpus == 0 or cl.engine_backend not in ENGINES or ENGINES.get(cl.engine_backend).gpu,
-            f"cluster.engine_gpus > 0 needs cluster.engine_backend=vllm (an engine that runs on a GPU): the "
-            f"{cl.engine_backend} engine runs on CPU only",
+            config.engine.gpus == 0 or config.engine.backend not in ENGINES or ENGINES.get(config.engine.backend).gpu,
+            f"engine.gpus > 0 needs engine.backend=vllm (an engine that runs on a GPU): the "
+            f"{config.engine.backend} engine runs on CPU only",
         ),
         (
-            cl.trainer_gpus in (0, 1) or max(cl.trainer_workers, config.sft.workers) == 1,
-            "cluster.trainer_gpus below 1 lets trainer workers share a GPU, which NCCL refuses: use 1 with several "
-            "workers (cluster.trainer_workers, sft.workers)",
+            config.trainer.gpus in (0, 1) or max(config.trainer.workers, config.sft.workers) == 1,
+            "trainer.gpus below 1 lets trainer workers share a GPU, which NCCL refuses: use 1 with several "
+            "workers (trainer.workers, sft.workers)",
         ),
         (config.model.max_seq_len >= 256, "model.max_seq_len must be >= 256 (a task and one turn)"),
         (not t.train_dir or os.path.isdir(t.train_dir), f"tasks.train_dir {t.train_dir!r} is not a directory"),
@@ -144,8 +143,10 @@ def _resource_problems(config: TrainRunConfig) -> list[tuple[bool, str]]:
 
 # what a resumed run may change: where it runs, how long RL goes on, how it is evaluated. The rest shaped the
 # tasks, demonstrations and checkpoints the run already holds.
-RESUMABLE = ("cluster.", "eval.", "rl.steps")
-RESUMABLE_TEXT = "cluster.*, eval.* and rl.steps"
+RESUMABLE = ("cluster.", "engine.", "trainer.", "weight_sync.", "rollouts.", "placement.", "eval.", "rl.steps")
+RESUMABLE_TEXT = (
+    "the fleet's sections (cluster, engine, trainer, weight_sync, rollouts, placement), eval.* and rl.steps"
+)
 
 
 def nothing_to_resume(out: str) -> RunError:
@@ -170,6 +171,7 @@ def resumed_config(out: str, overrides: list[str] | None = None, address: str | 
                 f"resumed run takes changes to {RESUMABLE_TEXT} only; start a new run with --out"
             )
     try:
+        refuse_moved(read_config(saved), saved)  # a run saved before a setting moved: say where it went
         config = load_config(TrainRunConfig, saved, overrides)
     except ConfigError as e:
         raise RunError(

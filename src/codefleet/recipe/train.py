@@ -169,23 +169,18 @@ def sft(run: RunDir, config: TrainRunConfig, demos, init: str, metrics: Metrics,
                 else ""
             )
         )
-    c, cl = config.sft, config.cluster
+    c = config.sft
     total_steps = c.epochs * -(-len(demos.examples) // c.batch_size)
-    schedule = TrainConfig(
-        lr=c.lr,
-        seed=config.model.seed,
-        warmup_steps=c.warmup_steps,
-        decay_steps=total_steps,
-        backend=cl.trainer_backend,
-    )
+    schedule = TrainConfig(lr=c.lr, seed=config.model.seed, warmup_steps=c.warmup_steps, decay_steps=total_steps)
     group = TrainerGroup(
         c.workers,
         checkpoint=init,
         config=schedule,
-        num_cpus_per_worker=cl.trainer_cpus,
-        resources_per_worker=cl.trainer_resources,
+        num_cpus_per_worker=config.trainer.cpus,
+        resources_per_worker=config.trainer.resources,
         threads_per_worker=c.threads,
-        num_gpus_per_worker=cl.trainer_gpus,
+        num_gpus_per_worker=config.trainer.gpus,
+        backend=config.trainer.backend,
     )
     try:
         rng = random.Random(config.model.seed)
@@ -380,7 +375,7 @@ def _train(run: RunDir, config: TrainRunConfig, progress: bool) -> dict:
     with ray_running(cl.num_cpus, {"sandbox": cl.sandbox_slots}, cl.address):
         phases.done("set-up")
         try:
-            check_run_gpus(cl)
+            check_run_gpus(config)
             sft_ckpt = sft(run, config, demos, init, metrics, tokenizer)
             phases.done("sft")
             sft_hash = checkpoint.tensor_hash(storage.local_copy(sft_ckpt))

@@ -29,7 +29,7 @@ from codefleet.fleet.sandbox_fleet import SandboxFleet
 from codefleet.fleet.staleness import Group
 from codefleet.fleet.trainer_group import TrainerGroup
 from codefleet.model import checkpoint
-from codefleet.recipe.config import ClusterSection, TrainRunConfig, episode_config, policy_usage
+from codefleet.recipe.config import TrainRunConfig, episode_config, policy_usage
 from codefleet.recipe.curriculum import TaskSampler
 from codefleet.recipe.run_dir import Metrics, RunDir, RunError, log
 from codefleet.rl.advantages import compute_advantages, weigh_negatives
@@ -39,7 +39,7 @@ from codefleet.rl.trainer import TRAINER_FILE, TrainConfig
 from codefleet.store import storage
 from codefleet.store.parquet import RolloutWriter, rollout_record
 
-ENGINE_CPUS = 1.0  # logical CPUs per engine actor (its threads are cluster.engine_threads)
+ENGINE_CPUS = 1.0  # logical CPUs per engine actor (its threads are engine.threads)
 
 
 def _rl_start(src: str, dst: str) -> str:
@@ -256,14 +256,15 @@ def task_sampler(run: RunDir, config: TrainRunConfig, tasks, skip: int):
     return sampler
 
 
-def check_run_gpus(cl: ClusterSection) -> None:
+def check_run_gpus(config: TrainRunConfig) -> None:
     """Refuse (RunError) a run whose engines and trainer workers, which RL runs together, ask for more GPUs than
     the Ray cluster has: their actors would wait forever. Called before any actor starts."""
     try:
         check_gpus(
             {
-                f"{cl.engines} engines x {cl.engine_gpus:g} GPU": cl.engines * cl.engine_gpus,
-                f"{cl.trainer_workers} trainer workers x {cl.trainer_gpus:g} GPU": cl.trainer_workers * cl.trainer_gpus,
+                f"{config.engine.count} engines x {config.engine.gpus:g} GPU": config.engine.count * config.engine.gpus,
+                f"{config.trainer.workers} trainer workers x {config.trainer.gpus:g} GPU": config.trainer.workers
+                * config.trainer.gpus,
             }
         )
     except ValueError as e:
@@ -275,57 +276,57 @@ def start_policy(
 ) -> PolicyActors:
     """The policy's actors of the RL stage: a trainer group and the engines on the checkpoint `serving` at
     `version`, in `placement`; a trainer group that loses a worker is replaced from a checkpoint."""
-    cl = config.cluster
 
     def new_group(checkpoint: str) -> TrainerGroup:
         return TrainerGroup(
-            cl.trainer_workers,
+            config.trainer.workers,
             checkpoint=checkpoint,
             config=train_config,
-            num_cpus_per_worker=cl.trainer_cpus,
-            resources_per_worker=cl.trainer_resources,
-            num_gpus_per_worker=cl.trainer_gpus,
+            num_cpus_per_worker=config.trainer.cpus,
+            resources_per_worker=config.trainer.resources,
+            num_gpus_per_worker=config.trainer.gpus,
+            backend=config.trainer.backend,
             placement=placement.trainer,
         )
 
     group = new_group(serving)
     engines = start_engines(
         serving,
-        cl.engines,
+        config.engine.count,
         num_cpus=ENGINE_CPUS,
-        resources=cl.engine_resources,
-        threads=cl.engine_threads,
+        resources=config.engine.resources,
+        threads=config.engine.threads,
         max_batch=max(config.controller.rollout_slots, 1),
         version=version,
         restart_from=run.durable("checkpoints", "LATEST"),
-        backend=cl.engine_backend,
+        backend=config.engine.backend,
         record_routing=config.rl.routing_replay,
-        num_gpus=cl.engine_gpus,
+        num_gpus=config.engine.gpus,
         placement=placement.engines,
     )
     return PolicyActors(
         group,
         engines,
         new_group=new_group,
-        weight_sync=cl.weight_sync,
-        bucket_mb=cl.weight_sync_bucket_mb,
-        engine_wait_s=cl.engine_wait_s,
-        colocated=cl.placement == "colocated",
+        weight_sync=config.weight_sync.method,
+        bucket_mb=config.weight_sync.bucket_mb,
+        engine_wait_s=config.engine.wait_s,
+        colocated=config.placement.layout == "colocated",
         log=log,
     )
 
 
-def reserve_placement(cl: ClusterSection) -> Placement:
-    """The placement groups of the RL stage's engines and trainer workers (`cluster.placement`); RunError when
+def reserve_placement(config: TrainRunConfig) -> Placement:
+    """The placement groups of the RL stage's engines and trainer workers (`placement.layout`); RunError when
     the cluster cannot hold them."""
     try:
         return Placement.reserve(
-            cl.engines,
-            cl.trainer_workers,
-            Role(ENGINE_CPUS, cl.engine_gpus, cl.engine_resources),
-            Role(cl.trainer_cpus, cl.trainer_gpus, cl.trainer_resources),
-            colocated=cl.placement == "colocated",
-            timeout_s=cl.placement_wait_s,
+            config.engine.count,
+            config.trainer.workers,
+            Role(ENGINE_CPUS, config.engine.gpus, config.engine.resources),
+            Role(config.trainer.cpus, config.trainer.gpus, config.trainer.resources),
+            colocated=config.placement.layout == "colocated",
+            timeout_s=config.placement.wait_s,
         )
     except ValueError as e:
         raise RunError(str(e)) from None
@@ -333,8 +334,8 @@ def reserve_placement(cl: ClusterSection) -> Placement:
 
 def start_rollout_workers(config: TrainRunConfig, serving: str, actors: PolicyActors) -> list:
     """The rollout workers that run the agent harness against the policy's engines, `controller.rollout_slots`
-    attempts at once over `cluster.rollout_workers` workers."""
-    c, ctl, cl = config.rl, config.controller, config.cluster
+    attempts at once over `rollouts.workers` workers."""
+    c, ctl = config.rl, config.controller
     spec = RolloutSpec(
         checkpoint=serving,
         sandbox=config.sandbox,
@@ -347,10 +348,10 @@ def start_rollout_workers(config: TrainRunConfig, serving: str, actors: PolicyAc
     return start_workers(
         spec,
         actors.engines,
-        cl.rollout_workers,
-        slots_per_worker=-(-ctl.rollout_slots // cl.rollout_workers),
-        num_cpus=cl.rollout_cpus,
-        resources=cl.rollout_resources,
+        config.rollouts.workers,
+        slots_per_worker=-(-ctl.rollout_slots // config.rollouts.workers),
+        num_cpus=config.rollouts.cpus,
+        resources=config.rollouts.resources,
     )
 
 
@@ -386,17 +387,15 @@ def group_callbacks(run: RunDir, config: TrainRunConfig, tasks: TaskSampler, wri
 def reinforce(
     run: RunDir, config: TrainRunConfig, train_tasks, sft_ckpt: str, metrics: Metrics, progress: bool = True
 ) -> str:
-    c, ctl, cl = config.rl, config.controller, config.cluster
+    c, ctl = config.rl, config.controller
     start = _rl_start(sft_ckpt, run.checkpoint("rl-start"))
     latest = run.latest()
     serving = latest[0] if latest else start
     version, buffer_state = resume_state(run, latest, ctl.batch_groups)
     if version >= c.steps:
         return serving
-    train_config = TrainConfig(
-        lr=c.lr, loss=c.loss, routing_replay=c.routing_replay, seed=config.model.seed, backend=cl.trainer_backend
-    )
-    placement = reserve_placement(cl)
+    train_config = TrainConfig(lr=c.lr, loss=c.loss, routing_replay=c.routing_replay, seed=config.model.seed)
+    placement = reserve_placement(config)
     actors = start_policy(run, config, serving, version, train_config, placement)
     fleet = SandboxFleet.start()  # held for the run: a host whose last handle goes away is collected
     workers = start_rollout_workers(config, serving, actors)

@@ -1,7 +1,7 @@
 """The sharded trainer: `rl.trainer.Trainer`'s API on every rank, the model sharded with FSDP2 (TRAINERS "fsdp2").
 
     dist.init_process_group("gloo")       # or "nccl" on GPUs; one process per rank
-    trainer = ShardedTrainer(Transformer(cfg), TrainConfig(backend="fsdp2"))   # or ShardedTrainer.load(path, cfg)
+    trainer = ShardedTrainer(Transformer(cfg), TrainConfig())   # or ShardedTrainer.load(path, cfg)
     trainer.forward_backward_sft(my_examples, total_tokens=units_of_the_whole_step)
     trainer.optim_step()
     trainer.save("ckpt/")                 # DCP: every rank writes its shards
@@ -69,7 +69,7 @@ tensors; a KL reference is saved the same way. Not yet: EP over a subgroup
 of the ranks (EP < world size, a 2-D mesh).
 
 `fleet.trainer_group.TrainerGroup` runs it for `codefleet train
-cluster.trainer_backend=fsdp2|fsdp2_ep`: its workers join the process group
+trainer.backend=fsdp2|fsdp2_ep`: its workers join the process group
 before they build the trainer, and call `weights` and `save` on every rank
 (these are collectives here).
 """

@@ -99,7 +99,6 @@ class TrainConfig:
     warmup_steps: int = 0  # linear warm-up of the learning rate over the first steps
     decay_steps: int = 0  # cosine decay to lr * min_lr_ratio at this step (0: constant after warm-up)
     min_lr_ratio: float = 0.1
-    backend: str = "dp"  # the Trainer implementation, by name (codefleet.contracts.TRAINERS): "dp" is this one
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step `step` (0-based). A pure function of the step, so a resumed
