@@ -288,7 +288,7 @@ def run(cfg: BenchConfig, log: Log = print) -> dict:
 
 def table(r: dict) -> str:
     lines = [f"{'MB':>6} {'backend':<9} {'sync s':>8} {'GB/s':>7} {'pause p50 ms':>13} {'pause max ms':>13}"]
-    for mb, s in r["per_size"].items():
+    for _mb, s in r["per_size"].items():
         for b, m in s["backends"].items():
             lines.append(
                 f"{s['model_mb']:>6.0f} {b:<9} {m['sync_s']:>8.3f} {m['gb_per_s']:>7.2f} "
