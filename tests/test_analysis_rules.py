@@ -147,7 +147,7 @@ def test_parse_verdict_rejects_garbage_with_a_reason(answer, message):
 
 def test_unknown_judge_backend_says_what_to_use():
     with pytest.raises(ValueError, match="use rules, local:CHECKPOINT_DIR or an OpenAI-compatible URL"):
-        JudgeConfig(backend="gpt").kind
+        _ = JudgeConfig(backend="gpt").kind
     assert "JSON object" in JudgeConfig().rubric()
 
 
@@ -195,14 +195,15 @@ def test_a_null_tool_call_list_is_no_calls():
     assert [len(r["tool_names"]) for r in (out[0], out[2])] == [len(rows[0]["tool_calls"]), len(rows[2]["tool_calls"])]
 
 
+# \x20: the context line of a blank line is one space, spelled out so that no editor strips it
 RENAME_TEST_EDIT = """diff --git a/tests/test_forecast.py b/tests/test_forecast.py
 --- a/tests/test_forecast.py
 +++ b/tests/test_forecast.py
 @@ -1,8 +1,8 @@
 -from meteo.forecast import to_celsius
 +from meteo.forecast import celsius_from
- 
- 
+\x20
+\x20
  def test_to_celsius_0():
 -    assert to_celsius(32) == 0.0
 +    assert celsius_from(32) == 0.0

@@ -64,7 +64,10 @@ def test_rope_keeps_norms_and_depends_only_on_relative_position():
         return apply_rope(x, cos, sin)
 
     torch.testing.assert_close(rot(q, 7).norm(), q.norm())
-    dot = lambda m, n: (rot(q, m) * rot(k, n)).sum()
+
+    def dot(m, n):
+        return (rot(q, m) * rot(k, n)).sum()
+
     torch.testing.assert_close(dot(3, 1), dot(13, 11))
     assert not torch.allclose(dot(3, 1), dot(3, 2))
 
@@ -221,7 +224,7 @@ def test_inference_head_equals_the_training_head_and_follows_weight_updates():
     model = Transformer(_small())
     tokens_BT = torch.randint(0, 97, (2, 7))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    for step in range(2):
+    for _step in range(2):
         trained = model(tokens_BT).logits_BTV
         with torch.no_grad():
             torch.testing.assert_close(model(tokens_BT, fast=fast).logits_BTV, trained, atol=1e-5, rtol=1e-5)

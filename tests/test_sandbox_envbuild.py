@@ -140,7 +140,10 @@ def _host_handle(path: str) -> tuple[int, bytes]:
 
 def _with_ctypes(layer):
     """The host Python's ctypes in the layer (the hostile /bin/sh below is a Python program)."""
-    code = "import ctypes, sys; print('\\n'.join(m.__file__ for m in list(sys.modules.values()) if getattr(m, '__file__', None)))"
+    code = (
+        "import ctypes, sys; "
+        "print('\\n'.join(m.__file__ for m in list(sys.modules.values()) if getattr(m, '__file__', None)))"
+    )
     for path in subprocess.run([HOST_PYTHON, "-c", code], capture_output=True, text=True, check=True).stdout.split():
         layer.host(path)
         if path.endswith(".so"):
@@ -186,9 +189,10 @@ os.execv("/bin/bash", ["/bin/bash"] + sys.argv[1:])
 def test_a_hostile_base_image_gets_no_root_on_the_host(work):
     """The base image's /bin/sh, which runs every step, tries what a real root could: make a node for the
     host's disk, and reopen a directory of the host by its file handle through a host file the step sees
-    (/etc/resolv.conf, in a step with the network; remounted read-write) to write this test's canary there. Then it runs the step as
-    if nothing happened. It is root inside, but on the host an unprivileged uid of a range no user has, with
-    no capability there, and without the network unless the step asks: the canary is never written."""
+    (/etc/resolv.conf, in a step with the network; remounted read-write) to write this test's canary there.
+    Then it runs the step as if nothing happened. It is root inside, but on the host an unprivileged uid of a
+    range no user has, with no capability there, and without the network unless the step asks: the canary is
+    never written."""
     canary = os.path.join(work, "canary")
     handle_type, handle = _host_handle(work)
     hostile = _with_ctypes(host_userland_layer(extra=TOOLS))

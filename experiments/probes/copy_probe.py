@@ -12,7 +12,8 @@ held-out instructions greedily and counts exact copies of the command.
     python experiments/probes/copy_probe.py --steps 1500 --batch 8 --short   # instruction only, ~8 min
     python experiments/probes/copy_probe.py --steps 4000 --batch 8 --short --every 500   # until it copies, ~18 min
     python experiments/probes/copy_probe.py --steps 300 --batch 8 --short --induction 600   # induction heads first
-    python experiments/probes/copy_probe.py --steps 300 --batch 8 --short --induction 600 --induction-mix 0.5   # ... kept
+    # ... and kept training during the probe:
+    python experiments/probes/copy_probe.py --steps 300 --batch 8 --short --induction 600 --induction-mix 0.5
 
 A copy counts when the first `run` call's command, JSON-decoded as the
 harness would run it, equals the expert's; the probe checks that on the

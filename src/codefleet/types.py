@@ -185,7 +185,7 @@ class TokenSequence:
         return len(self.ids)
 
 
-class Failure(str, Enum):
+class Failure(str, Enum):  # noqa: UP042 (a StrEnum's str() and f"{}" give "policy", not "Failure.POLICY")
     """Why an episode stopped with stop_reason "error": what failed, so that a caller decides on a kind, never
     on an error message. An exception says its kind with a class attribute `failure` (default POLICY)."""
 
@@ -235,7 +235,9 @@ class Trajectory:
     task_id: str
     messages: list[dict]
     turns: list[Turn]
-    stop_reason: str  # "submit" | "no_tool_calls" | "max_turns" | "max_tool_calls" | "max_tokens" | "wall_clock" | "error" | "cancelled"
+    # stop_reason: "submit" | "no_tool_calls" | "max_turns" | "max_tool_calls" | "max_tokens" | "wall_clock" |
+    # "error" | "cancelled"
+    stop_reason: str
     failure: Failure | None = None  # with stop_reason "error": what failed (the message is metadata["error"])
     sequence: TokenSequence | None = None  # the exact tokens the policy sampled, when it gave them (RL)
     diff: str = ""

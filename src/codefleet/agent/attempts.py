@@ -90,18 +90,50 @@ def run_attempts(
             prompt=prompt,
         )
         trajectory.metadata["attempt"] = index
-        try:
-            diff = workspace.diff(sandbox)
-        except Exception as e:
-            diff = ""
-            trajectory.metadata["diff_error"] = str(e)
-        result = Attempt(index, trajectory, diff)
+        result = Attempt(index, trajectory, _diff(sandbox, trajectory))
         if test_command and not interrupted.is_set():
-            left_s = deadline - time.monotonic()
-            run = sandbox.run_oneoff(["bash", "-c", test_command], timeout_s=min(max(left_s, 1.0), 600.0))
-            result.tests_passed, result.test_output = run.ok, run.output
+            result.tests_passed, result.test_output = _run_test_command(sandbox, test_command, deadline)
         return result
 
+    def cancel_all() -> None:
+        for loop in list(loops):
+            loop.cancel()
+
+    def keep_the_work() -> None:  # the first Ctrl-C
+        interrupted.set()
+        cancel_all()
+        if on_interrupt:
+            on_interrupt()
+
+    return _run_on_threads(attempt, sandboxes, on_first_interrupt=keep_the_work, on_abort=cancel_all)
+
+
+def _diff(sandbox: Sandbox, trajectory: Trajectory) -> str:
+    """The attempt's changes; "" with metadata["diff_error"] when the sandbox cannot say."""
+    try:
+        return workspace.diff(sandbox)
+    except Exception as e:
+        trajectory.metadata["diff_error"] = str(e)
+        return ""
+
+
+def _run_test_command(sandbox: Sandbox, test_command: str, deadline: float) -> tuple[bool, str]:
+    """(passed, output) of the visible test command, given what is left of the wall clock (1 s to 600 s)."""
+    left_s = deadline - time.monotonic()
+    run = sandbox.run_oneoff(["bash", "-c", test_command], timeout_s=min(max(left_s, 1.0), 600.0))
+    return run.ok, run.output
+
+
+def _run_on_threads(
+    attempt: Callable[[int, Sandbox], Attempt],
+    sandboxes: list[Sandbox],
+    *,
+    on_first_interrupt: Callable[[], None],
+    on_abort: Callable[[], None],
+) -> list[Attempt]:
+    """`attempt(i, sandbox)` for every sandbox, each on its own daemon thread, in sandbox order. A first
+    KeyboardInterrupt while waiting calls `on_first_interrupt()` and waits on; anything else that escapes
+    the wait (a second Ctrl-C) calls `on_abort()` and propagates. An attempt's exception is re-raised."""
     results: list[Attempt | BaseException | None] = [None] * len(sandboxes)
     finished = [threading.Event() for _ in sandboxes]
 
@@ -124,15 +156,10 @@ def run_attempts(
         try:
             wait_all()
         except KeyboardInterrupt:
-            interrupted.set()
-            for loop in list(loops):
-                loop.cancel()
-            if on_interrupt:
-                on_interrupt()
+            on_first_interrupt()
             wait_all()
     except BaseException:
-        for loop in list(loops):
-            loop.cancel()
+        on_abort()
         raise
     for r in results:
         if isinstance(r, BaseException):

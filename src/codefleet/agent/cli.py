@@ -50,6 +50,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Run the coding agent on a copy-on-write view of REPO; REPO is only changed with --apply. "
         "Lines typed on stdin while it runs are sent to the agent as corrections.",
     )
+    _add_task_arguments(run)
+    _add_budget_arguments(run)
+    _add_engine_and_sandbox_arguments(run)
+    run.set_defaults(func=run_command)
+
+
+def _add_task_arguments(run: argparse.ArgumentParser) -> None:
+    """What to do, with which model (and planner), how many attempts, and what to do with the result."""
     run.add_argument("--repo", default=".", help="the repository to work on (default: .)")
     run.add_argument("--task", required=True, help="what to do, in words")
     run.add_argument(
@@ -67,6 +75,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--test-command", default="", help="visible test command; picks the best attempt")
     run.add_argument("--apply", action="store_true", help="apply the final diff to REPO")
     run.add_argument("--json", action="store_true", help="print one JSON object on stdout at the end")
+
+
+def _add_budget_arguments(run: argparse.ArgumentParser) -> None:
+    """The episode's budgets and the model requests' patience."""
     run.add_argument("--max-turns", type=int, default=None, help=f"turn budget (default {Budgets().max_turns})")
     run.add_argument(
         "--max-wall-s",
@@ -76,6 +88,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     run.add_argument("--timeout-s", type=float, default=300.0, help="per model request (default 300)")
     run.add_argument("--max-retries", type=int, default=3, help="retries of a failed model request (default 3)")
+
+
+def _add_engine_and_sandbox_arguments(run: argparse.ArgumentParser) -> None:
+    """Where the commands run (sandbox backend, settings, virtual environment, image) and, for a local
+    model, how it is prompted and sampled."""
     run.add_argument(
         "--backend",
         choices=["auto", *SANDBOXES.names()],
@@ -121,7 +138,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "directory or tarball, docker save tarball; imported once) or a root filesystem "
         "directory (docs/environments.md)",
     )
-    run.set_defaults(func=run_command)
 
 
 def _progress(n_attempts: int, err: TextIO) -> Callable[[int, Event], None]:

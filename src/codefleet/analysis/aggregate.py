@@ -254,6 +254,51 @@ def _clean(value):
 def summarise(judgments, config, rows: int | None = None) -> tuple[dict, dict]:
     """(summary, tables) from the judgments dataset (see the module docstring); `rows`: how many it holds, when
     known (else counted)."""
+    candidates, sums = _reduce(judgments, config, rows)
+    tables = _chosen_rows(candidates, config)
+    clusters = {
+        "source": "rules",
+        "note": None,
+        **combine([json.loads(r["row"]) for r in candidates if r["dim"] == "cluster"], config.clusters.max_clusters),
+    }
+    total = sums.get("all", {}).get("", dict.fromkeys(["n", *SUMMED], 0.0))  # no rows: all zero
+    families, categories = _per_family(sums)
+    sketches = {column: {int(k): s["n"] for k, s in sums.get(f"sketch:{column}", {}).items()} for column in _EDGES}
+    summary = {
+        "rollouts": int(total["n"]),
+        "solved": int(total["success"]),
+        "success_rate": _clean(total["success"] / total["n"]) if total["n"] else None,
+        "suspicious_wins": int(total["suspicious"]),
+        "means": {k: v for k, v in _figures(total).items() if k not in ("rollouts", "success_rate")},
+        "quantiles": {
+            c: {f"p{int(q * 100)}": sketch_quantile(sketch, q) for q in (0.5, 0.9)} for c, sketch in sketches.items()
+        },
+        "categories": dict(sorted(categories.items(), key=lambda kv: -kv[1])),
+        "per_family": families,
+        "per_step": sorted(
+            ({"step": int(k) if k else None, **_figures(s)} for k, s in sums.get("step", {}).items()),
+            key=lambda r: (r["step"] is None, r["step"] or 0),
+        ),  # rows without a step last
+        "tool_mix": {k: int(s["n"]) for k, s in sorted(sums.get("tool", {}).items(), key=lambda kv: -kv[1]["n"])},
+        "parallel_calls_per_turn": {
+            k: int(s["n"]) for k, s in sorted(sums.get("parallel", {}).items(), key=lambda kv: int(kv[0]))
+        },
+        "histograms": _histograms(sums),
+        "browse": {"shown": len(tables["rollouts"]), "of": int(total["n"])},
+        "clusters": clusters,
+        "judge": {
+            "backend": config.judge.backend,
+            "scored": int(total["judge_scored"]),
+            "errors": int(total["judge_errors"]),
+            "error_examples": [f"{r['task_id']}: {r['judge_error']}" for r in tables.pop("judge_errors")],
+        },
+    }
+    return summary, tables
+
+
+def _reduce(judgments, config, rows: int | None) -> tuple[list[dict], dict[str, dict[str, dict]]]:
+    """The one Ray Data execution: (every batch's candidate rows, the partial sums summed by (dim, key)), summed
+    in the driver or by a shuffle (`config.shuffle_aggregate`; the module docstring says when)."""
     k_worst, k_wins, k_browse = config.worst_failures, config.suspicious_wins, config.browse_rows
     # the sample's candidates: rows whose key is under 4x the share to show (about 4 x k_browse rows, so that
     # fewer than k_browse is out of reach: 30 standard deviations away), every row when all fit
@@ -277,36 +322,47 @@ def summarise(judgments, config, rows: int | None = None) -> tuple[dict, dict]:
             batch_rows = batch.to_pylist()
             candidates += [r for r in batch_rows if r["row"] is not None]
             combine_partials([r for r in batch_rows if r["row"] is None], sums)
+    return candidates, sums
+
+
+def _chosen_rows(candidates: list[dict], config) -> dict[str, list[dict]]:
+    """Each table's rows, in `TABLES` order: the best of every batch's candidates (lowest sort key, then
+    longest), as many as the table shows; the browse sample ("rollouts") then in step, task, attempt order."""
     tables = {}
-    for name, limit in zip(TABLES, (k_worst, k_wins, k_browse, 3)):
+    for name, limit in zip(TABLES, (config.worst_failures, config.suspicious_wins, config.browse_rows, 3)):
         chosen = sorted(
             (r for r in candidates if r["dim"] == name),
             key=lambda r: (r["n"] if r["n"] is not None else 2.0, -(json.loads(r["row"])["wall_s"] or 0.0)),
         )
         tables[name] = [json.loads(r["row"]) for r in chosen[:limit]]
     tables["rollouts"].sort(key=lambda r: (r["step"] is None, r["step"] or 0, r["task_id"] or "", r["attempt"] or 0))
-    clusters = {
-        "source": "rules",
-        "note": None,
-        **combine([json.loads(r["row"]) for r in candidates if r["dim"] == "cluster"], config.clusters.max_clusters),
+    return tables
+
+
+def _figures(s: dict) -> dict:
+    """A group's rollouts, success rate and means from its sums."""
+    n = s["n"] or 1
+    return {
+        "rollouts": int(s["n"]),
+        "success_rate": _clean(s["success"] / n),
+        **{c: _clean(s[c] / s[f"{c}_count"]) if s[f"{c}_count"] else None for c in MEANS},
+        "judge_score": _clean(s["judge_score"] / s["judge_scored"]) if s["judge_scored"] else None,
     }
 
-    def figures(s: dict) -> dict:
-        n = s["n"] or 1
-        return {
-            "rollouts": int(s["n"]),
-            "success_rate": _clean(s["success"] / n),
-            **{c: _clean(s[c] / s[f"{c}_count"]) if s[f"{c}_count"] else None for c in MEANS},
-            "judge_score": _clean(s["judge_score"] / s["judge_scored"]) if s["judge_scored"] else None,
-        }
 
-    total = sums.get("all", {}).get("", dict.fromkeys(["n", *SUMMED], 0.0))  # no rows: all zero
-    families = {name: {**figures(s), "categories": {}} for name, s in sorted(sums.get("family", {}).items())}
+def _per_family(sums: dict) -> tuple[dict[str, dict], dict[str, int]]:
+    """({family: figures and rollouts per category}, {category: rollouts over all families})."""
+    families = {name: {**_figures(s), "categories": {}} for name, s in sorted(sums.get("family", {}).items())}
     categories: dict[str, int] = {}
     for key, s in sums.get("family|category", {}).items():
         family, category = key.rsplit("|", 1)
         families[family]["categories"][category] = int(s["n"])
         categories[category] = categories.get(category, 0) + int(s["n"])
+    return families, categories
+
+
+def _histograms(sums: dict) -> dict[str, dict]:
+    """{column: {"edges", "counts"}}, the 1-2-5 bins up to the highest one holding a value."""
     histograms = {}
     for column, edges in _EDGES.items():
         bins = {int(k): int(s["n"]) for k, s in sums.get(f"hist:{column}", {}).items()}
@@ -315,37 +371,7 @@ def summarise(judgments, config, rows: int | None = None) -> tuple[dict, dict]:
             "edges": [float(e) for e in edges[: top + 1]],
             "counts": [bins.get(i, 0) for i in range(top)],
         }
-    sketches = {column: {int(k): s["n"] for k, s in sums.get(f"sketch:{column}", {}).items()} for column in _EDGES}
-    summary = {
-        "rollouts": int(total["n"]),
-        "solved": int(total["success"]),
-        "success_rate": _clean(total["success"] / total["n"]) if total["n"] else None,
-        "suspicious_wins": int(total["suspicious"]),
-        "means": {k: v for k, v in figures(total).items() if k not in ("rollouts", "success_rate")},
-        "quantiles": {
-            c: {f"p{int(q * 100)}": sketch_quantile(sketch, q) for q in (0.5, 0.9)} for c, sketch in sketches.items()
-        },
-        "categories": dict(sorted(categories.items(), key=lambda kv: -kv[1])),
-        "per_family": families,
-        "per_step": sorted(
-            ({"step": int(k) if k else None, **figures(s)} for k, s in sums.get("step", {}).items()),
-            key=lambda r: (r["step"] is None, r["step"] or 0),
-        ),  # rows without a step last
-        "tool_mix": {k: int(s["n"]) for k, s in sorted(sums.get("tool", {}).items(), key=lambda kv: -kv[1]["n"])},
-        "parallel_calls_per_turn": {
-            k: int(s["n"]) for k, s in sorted(sums.get("parallel", {}).items(), key=lambda kv: int(kv[0]))
-        },
-        "histograms": histograms,
-        "browse": {"shown": len(tables["rollouts"]), "of": int(total["n"])},
-        "clusters": clusters,
-        "judge": {
-            "backend": config.judge.backend,
-            "scored": int(total["judge_scored"]),
-            "errors": int(total["judge_errors"]),
-            "error_examples": [f"{r['task_id']}: {r['judge_error']}" for r in tables.pop("judge_errors")],
-        },
-    }
-    return summary, tables
+    return histograms
 
 
 def write_summary(path: str, summary: dict, root: str | None = None) -> None:

@@ -173,7 +173,7 @@ def read_store(scan: StoreScan, columns: list[str], config: AnalyzeConfig):
         datasets.append(
             ds.map_batches(_from_file, batch_format="pyarrow", num_cpus=config.task_num_cpus).select_columns(columns)
         )
-    for names, paths in by_schema.items():
+    for _names, paths in by_schema.items():
         ds = ray.data.read_parquet(paths, partitioning=None, include_paths=True, num_cpus=config.task_num_cpus)
         datasets.append(
             ds.map_batches(_upgrade, batch_format="pyarrow", num_cpus=config.task_num_cpus).select_columns(columns)

@@ -9,8 +9,12 @@ reward hacker would change it, on top of the rollout's own honest edits:
 |---|---|
 | test_deleted | a visible test file removed (variant 0) or one `def test_…` cut out of it (variant 1) |
 | assert_weakened | an `assert …` line made `assert True` (0), `assert … or True` (1), or replaced by `pass` (2) |
-| hardcoded | in the source the rollout fixed (or another module): the last computed `return` made `return <literal>` (0), or two `if <arg> == <literal>: return <literal>` special cases put in front of it (1); the literal is an expected value from a visible test |
+| hardcoded | the last computed `return` made `return <literal>` (0), or special cases put before it (1), see below |
 | skip_added | `@pytest.mark.skip` on a test (0), or a module-level `pytest.skip(..., allow_module_level=True)` (1) |
+
+A hardcoded hack is made in the source the rollout fixed (or another module); variant 1 puts two special
+cases `if <arg> == <literal>: return <literal>` before that `return`. The literal is an expected value from a
+visible test.
 
 The new diff is made the way the store's diffs are (`git diff` layout:
 tasks.patch.make_unified_diff of the repository before and the files after

@@ -64,7 +64,7 @@ def _plots(summary: dict) -> list[str]:
         first = next((i for i, c in enumerate(h["counts"]) if c), 0)  # leading empty bins would stretch the axis
         edges, counts = h["edges"][first:], h["counts"][first:]
         lefts = [e if e > 0 else (edges[1] / 2 if len(edges) > 1 else 0.5) for e in edges[:-1]]
-        widths = [r - l for l, r in zip(lefts, edges[1:])]
+        widths = [right - left for left, right in zip(lefts, edges[1:])]
         ax.bar(lefts, counts, width=widths, align="edge", edgecolor="white")
         ax.set_xscale("log")
         ax.set(title=f"{label} per rollout", xlabel=label, ylabel="rollouts")

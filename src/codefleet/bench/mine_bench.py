@@ -1,8 +1,9 @@
 """`codefleet bench mine`: how fast `codefleet tasks mine` turns real libraries into checked tasks.
 
 For each cached source distribution of the default set (`make sdists`: scripts/mined-libraries.txt into
-.cache/sdists of the current directory, or CODEFLEET_SDISTS; `--quick`: six alone), one `mine_library` run with seed 0 and `max_tasks` tasks, every task
-proven sound by `check_tasks` (part of the time). Reported per library and over all:
+.cache/sdists of the current directory, or CODEFLEET_SDISTS; `--quick`: six alone), one `mine_library` run
+with seed 0 and `max_tasks` tasks, every task proven sound by `check_tasks` (part of the time). Reported per
+library and over all:
 
 - `tasks_per_min`: tasks kept per minute of wall clock, everything included (unpacking, the original suite's
   run, the mutants' runs, the checks);

@@ -1,12 +1,12 @@
 """`codefleet bench scale`: what the controller costs per rollout as concurrency grows from 1k to 16k
 rollouts in flight, measured with the real `Controller`, admission and buffer over a simulated cluster.
 
-Simulated work, real machinery (as in `bench controller`, whose trainer actor it reuses). The cluster
-is `nodes` `SimNode` async actors, each taking one unit of the logical `sandbox` resource (`num_cpus=0`;
-Ray is started with `sandbox` = `nodes`), standing in for the one `SandboxHost` per node of a real cluster; each holds its share
-of the attempts as coroutines that sleep a lognormal duration (σ = 0.5, capped at 4× the median). The
-`GroupRunner` places attempts round robin over the nodes by group id and attempt index, as
-`AgentGroupRunner` does over its workers. The trainer is a Ray actor whose step sleeps 20 ms, so it is
+Simulated work, real machinery (as in `bench controller`, whose trainer actor it reuses). The cluster is
+`nodes` `SimNode` async actors, each taking one unit of the logical `sandbox` resource (`num_cpus=0`; Ray
+is started with `sandbox` = `nodes`), standing in for the one `SandboxHost` per node of a real cluster;
+each holds its share of the attempts as coroutines that sleep a lognormal duration (σ = 0.5, capped at 4×
+the median). The `GroupRunner` places attempts round robin over the nodes by group id and attempt index,
+as `AgentGroupRunner` does over its workers. The trainer is a Ray actor whose step sleeps 20 ms, so it is
 never the bottleneck. Everything else — admission under the staleness bound, the completion handling of
 every attempt, group assembly, the buffer, the trainer thread — is the production code.
 

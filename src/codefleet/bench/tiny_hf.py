@@ -37,7 +37,9 @@ CHAT_TEMPLATE = """\
 {%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
 {%- endfor -%}
 {%- macro text(content) -%}
-{%- if content is string -%}{{ content }}{%- elif content -%}{%- for part in content -%}{{ part.text }}{%- endfor -%}{%- endif -%}
+{%- if content is string -%}{{ content }}{%- elif content -%}
+{%- for part in content -%}{{ part.text }}{%- endfor -%}
+{%- endif -%}
 {%- endmacro -%}
 {%- if tools or messages[0].role == 'system' -%}
 <|im_start|>system
@@ -72,7 +74,8 @@ Call one by writing a JSON object with its name and arguments between <tool_call
 {%- set f = call.function if call.function is defined else call -%}
 {%- if content or not loop.first %}{{ '\\n' }}{% endif -%}
 <tool_call>
-{"name": {{ f.name | tojson }}, "arguments": {% if f.arguments is string %}{{ f.arguments }}{% else %}{{ f.arguments | tojson }}{% endif %}}
+{"name": {{ f.name | tojson }}, "arguments": {% if f.arguments is string %}{{ f.arguments }}
+{%- else %}{{ f.arguments | tojson }}{% endif %}}
 </tool_call>
 {%- endfor -%}
 <|im_end|>

@@ -1,16 +1,21 @@
 """The faults `codefleet chaos` injects, when, and how.
 
-Kinds, each what a large cluster sees every day:
+Kinds, each what a large cluster sees every day (what is done; who must cope):
 
-| kind | what is done | who must cope |
-|---|---|---|
-| `rollout_worker` | SIGKILL a `RolloutWorker` actor's process | Ray restarts it; the controller retries its attempts |
-| `sandbox_host` | SIGKILL a `SandboxHost` actor's process (its sandboxes die with it) | the fleet starts a new host; attempts retried |
-| `engine` | SIGKILL an `EngineActor` process | Ray restarts it; it loads the newest checkpoint; episodes go elsewhere |
-| `trainer_worker` | SIGKILL one `TrainerWorker` | the RL stage starts a new trainer group from the last checkpoint |
-| `sandbox_processes` | SIGKILL every process inside one live sandbox (as the OOM killer would) | the attempt fails as infrastructure and is retried |
-| `sandbox_disk` | fill one live sandbox's workspace to the last byte, from inside it | the agent's commands fail with ENOSPC; the attempt still ends |
-| `worker_node` | remove a whole worker node (raylet and every process on it), and add a fresh one `node_back_s` later | placement, the fleet, the controller |
+- `rollout_worker`: SIGKILL a `RolloutWorker` actor's process; Ray restarts it, the controller retries its
+  attempts.
+- `sandbox_host`: SIGKILL a `SandboxHost` actor's process (its sandboxes die with it); the fleet starts a new
+  host, the attempts are retried.
+- `engine`: SIGKILL an `EngineActor` process; Ray restarts it, it loads the newest checkpoint, episodes go
+  elsewhere.
+- `trainer_worker`: SIGKILL one `TrainerWorker`; the RL stage starts a new trainer group from the last
+  checkpoint.
+- `sandbox_processes`: SIGKILL every process inside one live sandbox (as the OOM killer would); the attempt
+  fails as infrastructure and is retried.
+- `sandbox_disk`: fill one live sandbox's workspace to the last byte, from inside it; the agent's commands
+  fail with ENOSPC, the attempt still ends.
+- `worker_node`: remove a whole worker node (raylet and every process on it), and add a fresh one
+  `node_back_s` later; placement, the fleet and the controller must cope.
 
 The schedule is seeded: the kinds are shuffled and cycled, so that every kind comes once before any comes
 twice, at times drawn uniformly inside equal slots of the window (no two faults closer than half a slot).

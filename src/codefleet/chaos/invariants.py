@@ -10,8 +10,9 @@ machine (`codefleet chaos`, docs/reliability.md).
 - `lag_within_eta`: every trained rollout's version lag (the step that trained it minus the version it was
   sampled with) is at most `controller.eta`.
 - `store_complete`: every accepted rollout has its row in the rollout store.
-- `no_leaks`: once the run is over, no sandbox process (a bwrap running under the name of an owner in the soak's state directory, and anything
-  under it), no mount under the state directory, and no live codefleet actor in the cluster.
+- `no_leaks`: once the run is over, no sandbox process (a bwrap running under the name of an owner in the
+  soak's state directory, and anything under it), no mount under the state directory, and no live codefleet
+  actor in the cluster.
 """
 
 from __future__ import annotations

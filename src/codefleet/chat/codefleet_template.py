@@ -6,7 +6,8 @@ One conversation renders as
     <|tools|>{"name": "read_file", "description": ..., "parameters": {...}}
     {"name": "run", ...}<|end|>
     <|user|>Task: ...<|end|>
-    <|assistant|>Reading both files.<|tool_call|>{"name": "read_file", "arguments": {"path": "a.py"}}<|/tool_call|><|tool_call|>{...}<|/tool_call|><|end|>
+    <|assistant|>Reading both files.<|tool_call|>{"name": "read_file", "arguments": {"path": "a.py"}}<|/tool_call|>
+    <|tool_call|>{...}<|/tool_call|><|end|>
     <|tool|>     1	import os ...<|end|>
     <|tool|>...<|end|>
     <|assistant|>                                   <- the generation prompt

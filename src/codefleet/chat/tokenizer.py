@@ -36,8 +36,9 @@ Design:
   default tokenizer was trained once on codefleet's own corpus
   (`codefleet.recipe.corpus`) and is shipped in `assets/` with a
   `tokenizer.meta.json` recording the recipe and the corpus fingerprint;
-  `python -m codefleet.recipe.corpus build` rebuilds it. Its vocabulary is frozen on purpose: model checkpoints depend on it,
-  and it must not drift when someone edits the code the corpus is made of.
+  `python -m codefleet.recipe.corpus build` rebuilds it. Its vocabulary is
+  frozen on purpose: model checkpoints depend on it, and it must not drift
+  when someone edits the code the corpus is made of.
 """
 
 from __future__ import annotations

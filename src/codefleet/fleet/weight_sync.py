@@ -20,8 +20,9 @@ which bucket; `SenderPlan` carries the tensor specs (name, shape, dtype) too, so
 
 Atomicity. The receiver assembles a state dict (a tensor that lies whole in one bucket is a zero-copy view of
 it; one cut across buckets is copied into a staging tensor kept between versions) and only once every element
-of every tensor has arrived calls `engine.update_weights(state, version)` once: the engine swaps all of it between two steps, so no token is
-ever sampled from half-updated weights, and a failed or partial sync leaves the engine on its old version.
+of every tensor has arrived calls `engine.update_weights(state, version)` once: the engine swaps all of it
+between two steps, so no token is ever sampled from half-updated weights, and a failed or partial sync leaves
+the engine on its old version.
 The engine's pause is its own copy from staging into the model (`Engine.update_weights`), not the transfer.
 
 Transport, Ray object store (`publish_buckets`): each bucket is the return value of one call to its sender, so

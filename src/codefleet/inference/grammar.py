@@ -20,8 +20,9 @@ integer; number; boolean; object; array) and any JSON value where the schema say
 never spells a marker in bytes the parser would read as one (`ToolCallFormat.text_guard`: "<|" for
 codefleet, whose template writes "<\\u007c" inside calls; the call markers for Hermes), nor does a
 string inside a call (`string_guard`). Special tokens other than the markers and stops are refused,
-except the added tokens a checkpoint marks as text (`<think>`). `tool_choice="required"` allows END only after a call, `"none"` allows no call (and
-needs no tools). `calls_only` drops the text: the turn opens with a call at once and holds calls alone,
+except the added tokens a checkpoint marks as text (`<think>`). `tool_choice="required"` allows END
+only after a call, `"none"` allows no call (and needs no tools). `calls_only` drops the text: the
+turn opens with a call at once and holds calls alone,
 
     turn := (CALL_OPEN ws call ws CALL_CLOSE)+ STOP        (at most `max_calls` calls, 0: any)
 

@@ -1,8 +1,9 @@
 """The persistent shell: one bash per sandbox, driven over two pipes.
 
-Protocol. The host writes one line per command:
+Protocol. The host writes one line per command (shown here on two):
 
-    \\builtin : ; \\builtin eval -- '<command>' </dev/null >/dev/stdout 2>&1; \\builtin printf '\\036<nonce>:<seq>:%d\\036' $?
+    \\builtin : ; \\builtin eval -- '<command>' </dev/null >/dev/stdout 2>&1;
+    \\builtin printf '\\036<nonce>:<seq>:%d\\036' $?
 
 eval runs in the shell itself, so `cd`, `export` and background jobs
 persist; `2>&1` merges stderr into stdout in write order; stdin is

@@ -167,7 +167,8 @@ def rollout_record(
 
 
 def records_to_table(records: list[dict]) -> pa.Table:
-    """Rows as a table of exactly SCHEMA (what readers return; a file holds `to_file_table` of it); keys that are not columns go into each row's `metadata` JSON."""
+    """Rows as a table of exactly SCHEMA (what readers return; a file holds `to_file_table` of it); keys that are not
+    columns go into each row's `metadata` JSON."""
     rows = []
     for record in records:
         meta = record.get("metadata") or {}

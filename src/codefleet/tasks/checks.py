@@ -135,7 +135,8 @@ _BASELINE_SCRIPT = f"""set -e
 if [ -e .git ]; then
   git rev-parse --git-dir >/dev/null 2>&1 || {{ echo "the workspace has a .git that git cannot read" >&2; exit 3; }}
   idx=$(mktemp /tmp/cf-index.XXXXXX); rm -f "$idx"; trap 'rm -f "$idx"' EXIT
-  if [ -f .git/index ]; then cp -p .git/index "$idx"; fi  # -p: keep its mtime, which racy-git detection compares against
+  # -p: keep the index's mtime, which racy-git detection compares against
+  if [ -f .git/index ]; then cp -p .git/index "$idx"; fi
   export GIT_INDEX_FILE="$idx"
   git add -A
   tree=$(git write-tree)

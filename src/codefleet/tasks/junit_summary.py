@@ -98,7 +98,7 @@ def main(argv):
     except ET.ParseError:
         outcomes, broken = {}, set()
     letters = "".join(outcome(test_id, outcomes, missing, broken) for test_id in ids)
-    sys.stdout.write("\n%s %s %d %s\n" % (nonce, rc, len(ids), letters))
+    sys.stdout.write(f"\n{nonce} {rc} {len(ids)} {letters}\n")
 
 
 if __name__ == "__main__":

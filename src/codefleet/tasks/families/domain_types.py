@@ -1,4 +1,5 @@
-"""The types of the domain library (`domains.py`, `more_domains.py`): a function and a domain of them."""
+"""The types of the domain library (`domains.py`, `more_domains.py` and the modules they gather): a function and
+a domain of them."""
 
 from __future__ import annotations
 
