@@ -287,15 +287,16 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)
     assert size > 80e6 and peak <= 1.5 * size, (peak / 1e6, size / 1e6)
 
 
-def test_a_codefleet_checkpoint_written_before_the_new_fields_still_loads(tmp_path):
+def test_a_codefleet_checkpoint_missing_config_fields_is_one_error_naming_them(tmp_path):
     model = Transformer(ModelConfig.tiny(n_layers=1))
     checkpoint.save(model, str(tmp_path))
     config = json.load(open(tmp_path / "config.json"))
-    for name in ("qk_norm", "dense_layers", "rope_scaling", "architecture", "hf_extra"):
+    for name in ("qk_norm", "dense_layers"):
         del config[name]
     json.dump(config, open(tmp_path / "config.json", "w"))
     assert not is_hf_dir(str(tmp_path))
-    assert checkpoint.load(str(tmp_path)).config == model.config
+    with pytest.raises(ValueError, match=r"missing field\(s\) \['dense_layers', 'qk_norm'\]; the config was written"):
+        checkpoint.load(str(tmp_path))
 
 
 def test_copy_text_files_carries_the_tokenizer_side(tmp_path):
