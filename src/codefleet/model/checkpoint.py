@@ -139,7 +139,7 @@ def check(path: str) -> ModelConfig:
         expected = {k: list(v.shape) for k, v in Transformer(config).state_dict().items()}
     try:
         with safe_open(weights_file, "pt") as f:
-            shapes = {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
+            shapes = {name: list(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118 (safe_open: not iterable)
     except SafetensorError as e:
         raise ValueError(
             f"{weights_file} is not a readable safetensors file ({e}); it is truncated or corrupt, "
