@@ -59,7 +59,7 @@ ENGINE_FIGURES = (
 @pytest.fixture(scope="module")
 def small_qwen3_moe(tmp_path_factory):
     """A Qwen3-MoE directory saved by transformers, smaller than the bench's own tiny one (a fast run)."""
-    from codefleet.bench.engine_bench import build_tiny_qwen3_moe
+    from codefleet.bench.engine_checkpoints import build_tiny_qwen3_moe
 
     return build_tiny_qwen3_moe(
         str(tmp_path_factory.mktemp("qwen3_moe")),
@@ -165,7 +165,7 @@ def test_bench_engine_prefills_every_timed_prompt(monkeypatch, small_qwen3_moe):
 
 
 def test_sandbox_bench_alternates_a_figure_with_its_peer():
-    from codefleet.bench.sandbox_bench import alternated
+    from codefleet.bench.timing import alternated
 
     calls: list[str] = []
     times = alternated({"exec": (lambda: calls.append("e"), 6), "subprocess": (lambda: calls.append("s"), 3)}, rounds=3)

@@ -23,7 +23,7 @@ from codefleet.chat import tokenizer as tokenizer_module
 from codefleet.chat.tokenizer import HFTokenizer, default_tokenizer, is_hf_dir
 from codefleet.cli import main
 from codefleet.fleet import trainer_worker
-from codefleet.model import checkpoint, hf, safetensors_io
+from codefleet.model import checkpoint, hf, hf_architectures, safetensors_io
 from codefleet.model.config import ModelConfig
 from codefleet.model.copying import CopyConfig
 from codefleet.model.transformer import Transformer
@@ -61,7 +61,7 @@ def test_an_hf_save_removes_a_planted_shard_link_and_refuses_a_planted_config_li
     checkpoints = tmp_path / "run" / "checkpoints"
     (checkpoints / "sft").mkdir(parents=True)
     os.symlink(canary / "passwd", checkpoints / "sft" / safetensors_io.SINGLE_FILE)  # a stale shard: removed as a link
-    os.symlink(canary / "report.html", checkpoints / "sft" / hf.CONFIG_FILE)
+    os.symlink(canary / "report.html", checkpoints / "sft" / hf_architectures.CONFIG_FILE)
     before = read_tree(str(canary))
     model = _tiny_model()
     with pytest.raises(LinkRefused, match=refused(f"{checkpoints}/sft/config.json")):
@@ -73,7 +73,7 @@ def test_an_hf_save_removes_a_planted_shard_link_and_refuses_a_planted_config_li
     with pytest.raises(LinkRefused, match=refused(f"{checkpoints}/rl", "")):
         hf.save(model, str(checkpoints / "rl"))
     assert read_tree(str(canary)) == before
-    os.unlink(checkpoints / "sft" / hf.CONFIG_FILE)
+    os.unlink(checkpoints / "sft" / hf_architectures.CONFIG_FILE)
     hf.save(model, str(checkpoints / "sft"))
     assert checkpoint.tensor_hash(str(checkpoints / "sft")) and is_hf_dir(str(checkpoints / "sft"))
 

@@ -31,7 +31,8 @@ import time
 
 from codefleet.bench.image_fixture import BASELINE_TOOLS, Layer, host_userland_layer, oci_tarball
 from codefleet.bench.report import report
-from codefleet.bench.sandbox_bench import alternated, make_repo, percentile
+from codefleet.bench.sandbox_bench import make_repo
+from codefleet.bench.timing import alternated, percentile
 from codefleet.sandbox import SandboxConfig, create_sandbox
 from codefleet.sandbox.envbuild import BuildSpec, build
 from codefleet.sandbox.environments import import_image

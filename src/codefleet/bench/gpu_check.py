@@ -85,7 +85,7 @@ QUICK = dict(steps=2, prompts=4, prompt_tokens=32, new_tokens=16)
 
 def build_model(shape: str, dtype: str, path: str) -> str:
     """A random Qwen3-MoE of `shape` in `dtype`, saved by transformers into `path` (Hugging Face layout)."""
-    from codefleet.bench.engine_bench import SHAPES
+    from codefleet.bench.engine_checkpoints import SHAPES
     from codefleet.bench.tiny_hf import make_tiny_hf
 
     if shape == "tiny":  # vLLM's CPU attention needs head_dim >= 32

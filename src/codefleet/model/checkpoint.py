@@ -39,7 +39,7 @@ from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
 from codefleet.chat.tokenizer import Tokenizer, is_hf_dir
-from codefleet.model import hf, safetensors_io
+from codefleet.model import hf, hf_architectures, safetensors_io
 from codefleet.model.config import ModelConfig
 from codefleet.model.transformer import Transformer
 from codefleet.store import safe_files
@@ -89,7 +89,7 @@ def _write_metadata(path: str, metadata: dict | None) -> None:
 
 def load_config(path: str) -> ModelConfig:
     if is_hf_dir(path):
-        return hf.model_config(hf.read_config(path), path)
+        return hf_architectures.model_config(hf_architectures.read_config(path), path)
     config_file = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(config_file):
         raise FileNotFoundError(

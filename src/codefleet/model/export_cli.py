@@ -6,7 +6,7 @@
 
 OUT gets the weights as safetensors shards (`--max-shard-mb`) with their
 index, a config.json of the architecture the model maps to
-(`hf.export_architecture`: its own Hugging Face class for a model that came
+(`hf_architectures.export_architecture`: its own Hugging Face class for a model that came
 from one; Qwen3-MoE or Mixtral for codefleet's MoE, Qwen3 or Llama for a
 dense one), the tokenizer, the chat template and generation_config.json.
 
@@ -34,7 +34,7 @@ import sys
 
 from codefleet.chat.codefleet_template import BOS, END, EOS
 from codefleet.chat.tokenizer import Tokenizer, default_tokenizer, is_hf_dir
-from codefleet.model import checkpoint, hf
+from codefleet.model import checkpoint, hf, hf_architectures
 from codefleet.store import safe_files
 
 # codefleet's chat template (chat/codefleet_template.py) as transformers renders templates (trim_blocks,
@@ -89,7 +89,7 @@ def register(subparsers) -> None:
 def export(src: str, out: str, max_shard_bytes: int = hf.MAX_SHARD_BYTES) -> str:
     """Write checkpoint `src` into `out` as a Hugging Face directory; the architecture written."""
     config = checkpoint.check(src)
-    architecture = hf.export_architecture(config)  # refuses before anything is read or written
+    architecture = hf_architectures.export_architecture(config)  # refuses before anything is read or written
     model = checkpoint.load(src)
     hf.save(model, out, max_shard_bytes=max_shard_bytes, root=out)  # OUT may be the user's link; nothing in it
     if is_hf_dir(src):

@@ -107,72 +107,118 @@ def policy_loss(
     mask_BT = mask_BT.to(logprobs_BT.dtype)
     adv_BT = advantages[:, None].expand_as(logprobs_BT) if advantages.dim() == 1 else advantages
     adv_BT = adv_BT.to(logprobs_BT.dtype)
-    n_tokens = mask_BT.sum().clamp(min=1)
-
-    def frac(where_BT: torch.Tensor) -> float:  # share of the masked tokens where `where_BT` holds
-        return float((where_BT.to(mask_BT.dtype) * mask_BT).sum() / n_tokens)
-
     # the mean surprisal of the sampled tokens under the policy that sampled them: the policy's entropy on its own
     # samples (unbiased when sampled unconstrained)
     metrics: dict[str, float] = {"entropy": float(masked_reduce(-behave_logprobs_BT.detach(), mask_BT, "token_mean"))}
-
     if cfg.ratio_level == "sequence":  # GSPO
-        len_B = mask_BT.sum(-1).clamp(min=1)
-        log_ratio_B = ((logprobs_BT - behave_logprobs_BT.detach()) * mask_BT).sum(-1) / len_B
-        ratio_B = log_ratio_B.exp()
-        adv_B = (adv_BT * mask_BT).sum(-1) / len_B  # the sequence's advantage (constant over its tokens)
-        loss_B, high_B, low_B = _clipped_objective(ratio_B, adv_B, cfg.eps_low, cfg.eps_high)
-        has_B = mask_BT.sum(-1) > 0
-        pg = (loss_B * has_B).sum() / has_B.sum().clamp(min=1)
-        n_seq = has_B.sum().clamp(min=1)
-        metrics.update(
-            clip_high_frac=float((high_B & has_B).sum() / n_seq),
-            clip_low_frac=float((low_B & has_B).sum() / n_seq),
-            ratio_mean=float((ratio_B.detach() * has_B).sum() / n_seq),
-        )
+        pg, pg_metrics = _sequence_level_loss(logprobs_BT, behave_logprobs_BT, adv_BT, mask_BT, cfg)
     else:
-        if cfg.off_policy == "none":
-            old_BT, weight_BT = behave_logprobs_BT, None
-        else:
-            if prox_logprobs_BT is None:
-                raise ValueError(
-                    f"off_policy={cfg.off_policy!r} needs prox_logprobs_BT (the trainer's logprobs "
-                    "before this update); use off_policy='none' to ratio against the engine's logprobs"
-                )
-            old_BT = prox_logprobs_BT
-            weight_BT = (prox_logprobs_BT - behave_logprobs_BT).detach().exp()
-            if cfg.off_policy == "decoupled":
-                keep_BT = weight_BT <= cfg.is_cap
-                metrics["is_dropped_frac"] = frac(~keep_BT)
-                weight_BT = torch.where(keep_BT, weight_BT, torch.zeros_like(weight_BT))
-            else:
-                weight_BT = weight_BT.clamp(max=cfg.is_cap)
-            metrics["is_weight_mean"] = float((weight_BT * mask_BT).sum() / n_tokens)
-        ratio_BT = (logprobs_BT - old_BT.detach()).exp()
-        loss_BT, high_BT, low_BT = _clipped_objective(ratio_BT, adv_BT, cfg.eps_low, cfg.eps_high)
-        if weight_BT is not None:
-            loss_BT = loss_BT * weight_BT
-        pg = masked_reduce(loss_BT, mask_BT, cfg.reduction)
-        metrics.update(
-            clip_high_frac=frac(high_BT),
-            clip_low_frac=frac(low_BT),
-            ratio_mean=float((ratio_BT.detach() * mask_BT).sum() / n_tokens),
-        )
+        pg, pg_metrics = _token_level_loss(logprobs_BT, behave_logprobs_BT, prox_logprobs_BT, adv_BT, mask_BT, cfg)
+    metrics.update(pg_metrics)
     metrics["clip_frac"] = metrics["clip_high_frac"] + metrics["clip_low_frac"]
     metrics["pg_loss"] = float(pg.detach())
     loss = pg
     if ref_logprobs_BT is not None:
-        kl_BT = (kl_k3 if cfg.kl_estimator == "k3" else kl_k2)(logprobs_BT, ref_logprobs_BT.detach())
-        if cfg.ratio_level == "sequence":  # per sequence like the GSPO loss, so micro-batches add up to the batch
-            kl = ((kl_BT * mask_BT).sum(-1) / len_B * has_B).sum() / n_seq
-        else:
-            kl = masked_reduce(kl_BT, mask_BT, cfg.reduction)
+        kl = _kl_to_reference(logprobs_BT, ref_logprobs_BT, mask_BT, cfg)
         metrics["kl"] = float(kl.detach())
         if cfg.kl_coef > 0:
             loss = loss + cfg.kl_coef * kl
     elif cfg.kl_coef > 0:
         raise ValueError("LossConfig.kl_coef > 0 needs ref_logprobs_BT (the reference policy's logprobs)")
     return loss, metrics
+
+
+def _sequence_mean(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """Each sequence's mean of x over its masked tokens `[B]` (0 for a sequence without one)."""
+    return (x_BT * mask_BT).sum(-1) / mask_BT.sum(-1).clamp(min=1)
+
+
+def _over_sequences(x_B: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """The mean of a per-sequence `x_B` over the sequences that have a masked token."""
+    has_B = mask_BT.sum(-1) > 0
+    return (x_B * has_B).sum() / has_B.sum().clamp(min=1)
+
+
+def _sequence_level_loss(
+    logprobs_BT: torch.Tensor,
+    behave_logprobs_BT: torch.Tensor,
+    adv_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    cfg: LossConfig,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO: one ratio per sequence (the exp of its tokens' mean log-ratio against the behaviour logprobs),
+    clipped at the sequence level; the loss and its clip and ratio metrics, averaged over sequences."""
+    ratio_B = _sequence_mean(logprobs_BT - behave_logprobs_BT.detach(), mask_BT).exp()
+    adv_B = _sequence_mean(adv_BT, mask_BT)  # the sequence's advantage (constant over its tokens)
+    loss_B, high_B, low_B = _clipped_objective(ratio_B, adv_B, cfg.eps_low, cfg.eps_high)
+    metrics = dict(
+        clip_high_frac=float(_over_sequences(high_B, mask_BT)),
+        clip_low_frac=float(_over_sequences(low_B, mask_BT)),
+        ratio_mean=float(_over_sequences(ratio_B.detach(), mask_BT)),
+    )
+    return _over_sequences(loss_B, mask_BT), metrics
+
+
+def _token_level_loss(
+    logprobs_BT: torch.Tensor,
+    behave_logprobs_BT: torch.Tensor,
+    prox_logprobs_BT: torch.Tensor | None,
+    adv_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    cfg: LossConfig,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO-clip per token against the old logprobs `LossConfig.off_policy` chooses, times its importance
+    weight; the loss reduced by `cfg.reduction`, and its metrics."""
+    old_BT, weight_BT, metrics = _old_logprobs_and_weight(behave_logprobs_BT, prox_logprobs_BT, mask_BT, cfg)
+    ratio_BT = (logprobs_BT - old_BT.detach()).exp()
+    loss_BT, high_BT, low_BT = _clipped_objective(ratio_BT, adv_BT, cfg.eps_low, cfg.eps_high)
+    if weight_BT is not None:
+        loss_BT = loss_BT * weight_BT
+    metrics.update(
+        clip_high_frac=_masked_frac(high_BT, mask_BT),
+        clip_low_frac=_masked_frac(low_BT, mask_BT),
+        ratio_mean=float((ratio_BT.detach() * mask_BT).sum() / mask_BT.sum().clamp(min=1)),
+    )
+    return masked_reduce(loss_BT, mask_BT, cfg.reduction), metrics
+
+
+def _old_logprobs_and_weight(
+    behave_logprobs_BT: torch.Tensor, prox_logprobs_BT: torch.Tensor | None, mask_BT: torch.Tensor, cfg: LossConfig
+) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+    """The logprobs the ratio is taken against, the importance weight of each token (None: 1) and the weight's
+    metrics (is_dropped_frac for "decoupled", is_weight_mean), per `cfg.off_policy` (module docstring)."""
+    if cfg.off_policy == "none":
+        return behave_logprobs_BT, None, {}
+    if prox_logprobs_BT is None:
+        raise ValueError(
+            f"off_policy={cfg.off_policy!r} needs prox_logprobs_BT (the trainer's logprobs "
+            "before this update); use off_policy='none' to ratio against the engine's logprobs"
+        )
+    metrics: dict[str, float] = {}
+    weight_BT = (prox_logprobs_BT - behave_logprobs_BT).detach().exp()
+    if cfg.off_policy == "decoupled":
+        keep_BT = weight_BT <= cfg.is_cap
+        metrics["is_dropped_frac"] = _masked_frac(~keep_BT, mask_BT)
+        weight_BT = torch.where(keep_BT, weight_BT, torch.zeros_like(weight_BT))
+    else:
+        weight_BT = weight_BT.clamp(max=cfg.is_cap)
+    metrics["is_weight_mean"] = float((weight_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1))
+    return prox_logprobs_BT, weight_BT, metrics
+
+
+def _masked_frac(where_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
+    """The share of the masked tokens where `where_BT` holds."""
+    return float((where_BT.to(mask_BT.dtype) * mask_BT).sum() / mask_BT.sum().clamp(min=1))
+
+
+def _kl_to_reference(
+    logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor, cfg: LossConfig
+) -> torch.Tensor:
+    """The KL estimate `cfg.kl_estimator` to the reference policy, reduced like the policy loss."""
+    kl_BT = (kl_k3 if cfg.kl_estimator == "k3" else kl_k2)(logprobs_BT, ref_logprobs_BT.detach())
+    if cfg.ratio_level == "sequence":  # per sequence like the GSPO loss, so micro-batches add up to the batch
+        return _over_sequences(_sequence_mean(kl_BT, mask_BT), mask_BT)
+    return masked_reduce(kl_BT, mask_BT, cfg.reduction)
 
 
 def add_moe_losses(loss: torch.Tensor, output) -> torch.Tensor:
