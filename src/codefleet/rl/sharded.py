@@ -45,7 +45,7 @@ in `reference/`. It is written to a sibling temporary directory that rank 0
 renames into place after every rank is done, so a rank killed mid-save
 leaves the previous checkpoint whole. Where a rank's disk is not rank 0's
 (each rank saving into a directory of its own node, to upload it:
-fleet.trainer_group), that rank renames its own temporary directory, which
+fleet.trainer_worker), that rank renames its own temporary directory, which
 holds its part of the checkpoint. The temporary directory is made afresh
 through codefleet.store.safe_files (a link planted at its predictable name
 is removed, never written into; `save` says what DCP's own writes leave).
