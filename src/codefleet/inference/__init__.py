@@ -11,5 +11,6 @@ the grammar), validation.py (the size and prompt checks both engines make), cach
 prefix_cache.py, sampling.py, grammar.py and turn_matcher.py (constrained decoding of tool calls),
 weight_swap.py (new weights while serving), fast.py (the model's math computed faster with gradients off: the
 engine and the trainer's scoring pass it to `Transformer.forward`), vllm_engine.py and vllm_weights.py (vLLM as
-the engine backend), openai_request.py, server.py and serve_cli.py (`codefleet serve`). It knows nothing of sandboxes or agents.
+the engine backend), openai_request.py, server.py and serve_cli.py (`codefleet serve`). It knows nothing of
+sandboxes or agents.
 """
