@@ -14,8 +14,10 @@ import pytest
 import yaml
 
 from codefleet.chaos import faults, invariants
+from codefleet.config import to_dict
 from codefleet.fleet.staleness import Group, Rollout, Ticket
 from codefleet.model.checkpoint import CONFIG_FILE
+from codefleet.recipe.config import TrainRunConfig
 from codefleet.recipe.run_dir import RunDir
 from codefleet.sandbox.state import process_name
 from codefleet.store.parquet import RolloutWriter, rollout_record
@@ -38,8 +40,10 @@ def _run_dir(tmp_path, *, steps=3, eta=1, trained=None, deadlines=None, store_mi
     given), trained per `trained` {step: [group ids]}."""
     run = RunDir(str(tmp_path / "run"))
     os.makedirs(run.path("checkpoints"), exist_ok=True)
+    config = to_dict(TrainRunConfig())  # the config a run writes, so the fixture follows where settings live
+    config["rl"]["steps"], config["controller"]["eta"] = steps, eta
     with open(run.path("config.yaml"), "w") as f:
-        yaml.safe_dump({"rl": {"steps": steps, "eta": eta}}, f)
+        yaml.safe_dump(config, f)
     versions = [0, 0, 1, 2]
     writer = RolloutWriter(run.path("rollouts"))
     for gid, v in enumerate(versions):

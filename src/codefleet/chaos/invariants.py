@@ -45,7 +45,7 @@ class RunFacts:
     """What the run directory says, gathered once."""
 
     steps: int  # rl.steps
-    eta: int
+    eta: int  # controller.eta
     final_version: int  # what LATEST names (0: none)
     results: bool
     accepted: dict[str, tuple[int, int]] = field(default_factory=dict)  # rollout id -> (policy version, deadline)
@@ -56,11 +56,11 @@ class RunFacts:
 def read_run(run_dir: str) -> RunFacts:
     run = RunDir(run_dir)
     with open(run.path("config.yaml")) as f:
-        rl = (yaml.safe_load(f) or {}).get("rl", {})
+        config = yaml.safe_load(f) or {}
     latest = run.latest()
     facts = RunFacts(
-        steps=int(rl["steps"]),
-        eta=int(rl["eta"]),
+        steps=int(config["rl"]["steps"]),
+        eta=int(config["controller"]["eta"]),
         final_version=latest[1] if latest else 0,
         results=os.path.isfile(run.path("results.json")),
     )
