@@ -10,7 +10,7 @@ from codefleet.agent.clients.local_engine import TOOL_GRAMMARS
 from codefleet.chat.codefleet_template import PROMPTS
 from codefleet.config import ConfigError, load_config, read_config
 from codefleet.contracts import ENGINES, TRAINERS
-from codefleet.fleet.fleet_config import PLACEMENTS
+from codefleet.fleet.fleet_config import PLACEMENTS, WEIGHT_SYNCS
 from codefleet.model import checkpoint
 from codefleet.model.config import ModelConfig
 from codefleet.recipe.config import TrainRunConfig, refuse_moved
@@ -75,7 +75,7 @@ def _cluster_problems(config: TrainRunConfig) -> list[tuple[bool, str]]:
         (config.engine.backend in ENGINES, f"engine.backend must be one of {', '.join(ENGINES.names())}"),
         (config.trainer.backend in TRAINERS, f"trainer.backend must be one of {', '.join(TRAINERS.names())}"),
         (
-            config.weight_sync.method in ("whole", "buckets", "collective") and config.weight_sync.bucket_mb >= 1,
+            config.weight_sync.method in WEIGHT_SYNCS and config.weight_sync.bucket_mb >= 1,
             "weight_sync.method must be whole, buckets or collective, and weight_sync.bucket_mb >= 1",
         ),
         (
